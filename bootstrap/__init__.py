@@ -1,0 +1,1 @@
+"""bootstrap: joining a run and membership (sans-IO state machines)."""

@@ -1,0 +1,50 @@
+"""The `diloco-node` command line: a registry of subcommands, each in its own module.
+
+Subcommand modules are imported lazily so that `diloco-node bandwidth` does not pay for
+importing JAX. Each module exposes `add_arguments(parser)` and `run(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module implementing it, one-line help). Add a line per subcommand.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("diloco_node.train_cli", "the main job on its built-in default: a local multi-site run"),
+    "train": ("diloco_node.train_cli", "an in-process multi-learner run with every knob exposed"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="diloco-node",
+        description="Decoupled DiLoCo across sites: learners, a leased syncer, WAN-friendly sync.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser.set_defaults(_module=module_name, _command=name)
+        # Arguments are added on demand (see main) so unrelated commands stay cheap to parse.
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] not in SUBCOMMANDS:
+        parser.parse_args(argv)  # prints help / the error for an unknown command
+        parser.print_help()
+        return 2
+    name = argv[0]
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    sub_parser = argparse.ArgumentParser(prog=f"diloco-node {name}", description=SUBCOMMANDS[name][1])
+    module.add_arguments(sub_parser, name)
+    args = sub_parser.parse_args(argv[1:])
+    args.command = name
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
