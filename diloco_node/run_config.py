@@ -1,0 +1,261 @@
+"""The run's parameters: what every site of one run must agree on (the run manifest).
+
+One frozen dataclass per concern (model, data, inner optimizer, outer optimizer, sync), composed
+into `RunManifest`. Every value is validated on construction, so a manifest that exists is
+usable. `from_dict` refuses unknown keys (a typo in a config file must not be silently ignored)
+and `digest()` gives a stable fingerprint that joiners compare with the run they join.
+
+Node-local settings (listen address, data directory, secret file, role) are not part of the
+manifest: sites differ in those.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+MODEL_SIZES = ("tiny", "small", "medium")
+CODEC_NAMES = ("fp32", "bf16", "int8", "int4", "e3m0")
+MERGE_METHODS = ("mean", "rda")
+WEIGHTINGS = ("uniform", "tokens")
+APPLY_MODES = ("overwrite", "mix")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range; the message names it."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
+    _require(value in allowed, f"{section}.{name} = {value!r}: must be one of {', '.join(allowed)}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Which byte-level transformer to train."""
+
+    size: str = "tiny"
+    seq_len: int = 128
+
+    def __post_init__(self) -> None:
+        _choice("model", "size", self.size, MODEL_SIZES)
+        _require(8 <= self.seq_len <= 65536, f"model.seq_len = {self.seq_len}: must be in [8, 65536]")
+
+
+@dataclass(frozen=True, slots=True)
+class DataSpec:
+    """Where tokens come from.
+
+    `source` is "stdlib" (the running interpreter's own standard library `.py` files: present on
+    every machine), or a list of paths/globs of text files, or one pre-tokenized token file
+    (`token_file` with `token_dtype` uint8/uint16).
+    """
+
+    source: str = "stdlib"
+    paths: tuple[str, ...] = ()
+    token_file: str = ""
+    token_dtype: str = "uint8"
+    eval_fraction: float = 0.05
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _choice("data", "source", self.source, ("stdlib", "text", "tokens"))
+        _require(0.0 < self.eval_fraction < 0.5, f"data.eval_fraction = {self.eval_fraction}: must be in (0, 0.5)")
+        _choice("data", "token_dtype", self.token_dtype, ("uint8", "uint16"))
+        if self.source == "text":
+            _require(len(self.paths) > 0, "data.paths: source 'text' needs at least one path or glob")
+        if self.source == "tokens":
+            _require(bool(self.token_file), "data.token_file: source 'tokens' needs a token file path")
+
+
+@dataclass(frozen=True, slots=True)
+class InnerOptimizer:
+    """Each learner's own AdamW with linear warm-up then cosine decay."""
+
+    batch_size: int = 16
+    lr_peak: float = 3e-3
+    lr_final_fraction: float = 0.1
+    warmup_steps: int = 50
+    total_steps: int = 1000  # horizon of the cosine schedule, in this learner's steps
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        _require(self.batch_size >= 1, f"inner.batch_size = {self.batch_size}: must be >= 1")
+        _require(0.0 < self.lr_peak < 1.0, f"inner.lr_peak = {self.lr_peak}: must be in (0, 1)")
+        _require(0.0 <= self.lr_final_fraction <= 1.0, "inner.lr_final_fraction: must be in [0, 1]")
+        _require(0 <= self.warmup_steps < self.total_steps,
+                 f"inner.warmup_steps = {self.warmup_steps}: must be >= 0 and < total_steps = {self.total_steps}")
+        _require(self.weight_decay >= 0.0, "inner.weight_decay: must be >= 0")
+        _require(0.0 <= self.b1 < 1.0 and 0.0 <= self.b2 < 1.0, "inner.b1 and inner.b2: must be in [0, 1)")
+        _require(self.grad_clip_norm > 0.0, "inner.grad_clip_norm: must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class OuterOptimizer:
+    """The syncer's SGD with Nesterov momentum, applied per fragment."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        _require(0.0 < self.lr <= 2.0, f"outer.lr = {self.lr}: must be in (0, 2]")
+        _require(0.0 <= self.momentum < 1.0, f"outer.momentum = {self.momentum}: must be in [0, 1)")
+
+
+@dataclass(frozen=True, slots=True)
+class SyncSpec:
+    """How and when fragments cross sites, and how contributions are merged.
+
+    fragments (P), period (H) and overlap (tau) are in learner steps; min_quorum is K;
+    grace_gamma and grace_cap_s shape the adaptive grace window. The caps bound what a learner
+    may claim in its counters (they come from the network).
+    """
+
+    fragments: int = 4
+    period: int = 32
+    overlap: int = 2
+    min_quorum: int = 1
+    grace_gamma: float = 0.5
+    grace_cap_s: float = 5.0
+    codec_up: str = "int4"
+    codec_down: str = "int4"
+    merge: str = "rda"
+    weighting: str = "tokens"
+    apply: str = "overwrite"
+    mix_alpha: float = 0.5
+    max_tokens_per_step: int = 1 << 20
+    max_steps_per_contribution: int = 1 << 16
+
+    def __post_init__(self) -> None:
+        _require(self.fragments >= 1, f"sync.fragments = {self.fragments}: must be >= 1")
+        _require(self.period >= 1, f"sync.period = {self.period}: must be >= 1")
+        _require(self.fragments <= self.period,
+                 f"sync.fragments = {self.fragments} > sync.period = {self.period}: each fragment needs its own offset")
+        _require(0 <= self.overlap < self.period, f"sync.overlap = {self.overlap}: must be in [0, period)")
+        _require(self.min_quorum >= 1, f"sync.min_quorum = {self.min_quorum}: must be >= 1")
+        _require(0.0 <= self.grace_gamma < 1.0, f"sync.grace_gamma = {self.grace_gamma}: must be in [0, 1)")
+        _require(self.grace_cap_s >= 0.0, "sync.grace_cap_s: must be >= 0")
+        _choice("sync", "codec_up", self.codec_up, CODEC_NAMES)
+        _choice("sync", "codec_down", self.codec_down, CODEC_NAMES)
+        _choice("sync", "merge", self.merge, MERGE_METHODS)
+        _choice("sync", "weighting", self.weighting, WEIGHTINGS)
+        _choice("sync", "apply", self.apply, APPLY_MODES)
+        _require(0.0 <= self.mix_alpha <= 1.0, "sync.mix_alpha: must be in [0, 1]")
+        _require(self.max_tokens_per_step >= 1, "sync.max_tokens_per_step: must be >= 1")
+        _require(self.max_steps_per_contribution >= 1, "sync.max_steps_per_contribution: must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class RunManifest:
+    """Everything the sites of one run must agree on; joiners receive it and must not contradict it."""
+
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    inner: InnerOptimizer = field(default_factory=InnerOptimizer)
+    outer: OuterOptimizer = field(default_factory=OuterOptimizer)
+    sync: SyncSpec = field(default_factory=SyncSpec)
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON/TOML-compatible dict (tuples become lists)."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "RunManifest":
+        """Build from a nested mapping; unknown sections or keys are errors, missing ones default."""
+        _require(isinstance(raw, Mapping), "manifest: expected a table/mapping")
+        sections = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - set(sections))
+        _require(not unknown, f"manifest: unknown key(s) {', '.join(unknown)}; known: {', '.join(sections)}")
+        kwargs: dict[str, Any] = {}
+        for name, value in raw.items():
+            if name == "seed":
+                _require(isinstance(value, int) and not isinstance(value, bool), "seed: must be an integer")
+                kwargs[name] = value
+                continue
+            section_cls = _SECTION_TYPES[name]
+            kwargs[name] = _section_from_dict(name, section_cls, value)
+        return cls(**kwargs)
+
+    def digest(self) -> str:
+        """Stable sha256 over the canonical JSON form; equal manifests have equal digests."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def differences(self, other: "RunManifest") -> list[str]:
+        """Human-readable list of `section.key: ours != theirs` (empty when they agree)."""
+        ours, theirs = self.to_dict(), other.to_dict()
+        diffs: list[str] = []
+        for section in ours:
+            a, b = ours[section], theirs[section]
+            if isinstance(a, dict):
+                for key in a:
+                    if a[key] != b.get(key):
+                        diffs.append(f"{section}.{key}: {a[key]!r} != {b.get(key)!r}")
+            elif a != b:
+                diffs.append(f"{section}: {a!r} != {b!r}")
+        return diffs
+
+
+_SECTION_TYPES: dict[str, type] = {
+    "model": ModelSpec,
+    "data": DataSpec,
+    "inner": InnerOptimizer,
+    "outer": OuterOptimizer,
+    "sync": SyncSpec,
+}
+
+
+def _section_from_dict(section: str, section_cls: type, raw: Any) -> Any:
+    _require(isinstance(raw, Mapping), f"{section}: expected a table/mapping, got {type(raw).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(section_cls)}
+    unknown = sorted(set(raw) - set(fields))
+    _require(not unknown, f"{section}: unknown key(s) {', '.join(unknown)}; known: {', '.join(fields)}")
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        default = getattr(section_cls(), key) if _has_all_defaults(section_cls) else None
+        kwargs[key] = _coerce(f"{section}.{key}", value, default)
+    try:
+        return section_cls(**kwargs)
+    except TypeError as exc:  # e.g. a required field missing
+        raise ConfigError(f"{section}: {exc}") from None
+
+
+def _has_all_defaults(section_cls: type) -> bool:
+    return all(
+        f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        for f in dataclasses.fields(section_cls)
+    )
+
+
+def _coerce(name: str, value: Any, default: Any) -> Any:
+    """Check a value against the type of the field's default; ints are accepted for floats."""
+    if default is None:
+        return value
+    if isinstance(default, bool):
+        _require(isinstance(value, bool), f"{name} = {value!r}: must be true or false")
+        return value
+    if isinstance(default, int):
+        _require(isinstance(value, int) and not isinstance(value, bool), f"{name} = {value!r}: must be an integer")
+        return value
+    if isinstance(default, float):
+        _require(isinstance(value, (int, float)) and not isinstance(value, bool), f"{name} = {value!r}: must be a number")
+        return float(value)
+    if isinstance(default, str):
+        _require(isinstance(value, str), f"{name} = {value!r}: must be a string")
+        return value
+    if isinstance(default, tuple):
+        _require(isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value),
+                 f"{name} = {value!r}: must be a list of strings")
+        return tuple(value)
+    return value
