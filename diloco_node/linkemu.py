@@ -322,7 +322,6 @@ class LinkEmulator:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.stats.connections_accepted += 1
         conn = _Connection(self, reader, writer)
-        conn.task = asyncio.current_task()
         self._connections.add(conn)
         self.stats.connections_open += 1
         try:
@@ -330,10 +329,17 @@ class LinkEmulator:
                 self.stats.resets += 1
                 conn.abort(rst=True)
                 return
+            # The work runs in its own task so toxics can cancel it without cancelling the
+            # server's callback task (asyncio logs a cancelled callback task as an error).
+            conn.task = asyncio.create_task(self._serve(conn))
             try:
-                await self._serve(conn)
-            except* (ConnectionError, OSError, TimeoutError):
+                await conn.task
+            except (ConnectionError, OSError):
                 pass  # a peer went away or upstream is down: the client sees its socket close
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # we are being cancelled ourselves, not just the connection
         finally:
             self._connections.discard(conn)
             self.stats.connections_open -= 1

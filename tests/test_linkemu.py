@@ -191,3 +191,4 @@ async def test_standalone_process_forwards_and_stops_on_sigterm(echo_port: int) 
     finally:
         proc.terminate()
         assert await asyncio.to_thread(proc.wait, 10) == 0
+        proc.stdout.close()
