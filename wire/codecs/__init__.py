@@ -1,0 +1,40 @@
+"""Tensor codecs: quantize and compress float tensors for the wire, and decode them totally.
+
+Public API (other modules code against exactly this):
+`CODECS`, `CODECS_BY_ID`, `encode_tensor`, `decode_tensor`, `encode_named`, `decode_named`,
+the `Codec` base class and the decode limits. Schemes live in `schemes.py`, the message
+container and its checks in `container.py`; the byte layout is specified in docs/CODECS.md.
+"""
+
+from wire.codecs.container import (
+    CODECS,
+    CODECS_BY_ID,
+    FORMAT_VERSION,
+    MAX_NAME_BYTES,
+    MAX_NDIM,
+    MAX_PADDING_ELEMENTS,
+    MAX_TENSOR_ELEMENTS,
+    MAX_TENSORS,
+    decode_named,
+    decode_tensor,
+    encode_named,
+    encode_tensor,
+)
+from wire.codecs.schemes import MAX_BLOCK_SIZE, Codec
+
+__all__ = [
+    "CODECS",
+    "CODECS_BY_ID",
+    "FORMAT_VERSION",
+    "MAX_BLOCK_SIZE",
+    "MAX_NAME_BYTES",
+    "MAX_NDIM",
+    "MAX_PADDING_ELEMENTS",
+    "MAX_TENSOR_ELEMENTS",
+    "MAX_TENSORS",
+    "Codec",
+    "decode_named",
+    "decode_tensor",
+    "encode_named",
+    "encode_tensor",
+]

@@ -1,0 +1,328 @@
+"""The tensor message container: header, optional zstd frame, and every size check on decode.
+
+One message carries one or more named tensors encoded with one scheme (see `schemes.py`) as a
+single body, so a whole fragment gets one quantization pass and one zstd frame. Decoding is
+total: any bytes yield tensors or `RemoteProtocolError`, and every declared size is checked
+against a limit before anything is allocated or decompressed. Layout: docs/CODECS.md.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import threading
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import zstandard
+
+from wire.codecs.schemes import ALL_CODECS, Codec
+from wire.errors import LocalProtocolError, RemoteProtocolError
+
+FORMAT_VERSION = 1
+MAGIC = b"DLTC"  # "DiLoCo tensor codec"
+FLAG_ZSTD = 0x01  # body is one zstd frame (with its content size) rather than raw bytes
+_KNOWN_FLAGS = FLAG_ZSTD
+
+# Limits, each overridable by argument. Chosen so a hostile peer cannot make us allocate much
+# more than a legitimate fragment would need.
+# Decoded float32 elements per message: 2^28 values = 1 GiB of output, larger than any fragment
+# of the models this project trains on one machine (a 12B model in 24 fragments would need 2^29).
+MAX_TENSOR_ELEMENTS = 1 << 28
+# Tensors per message: a fragment of a large transformer has a few hundred; parsing is a
+# Python loop, so this bounds header work per message.
+MAX_TENSORS = 1 << 16
+# Bytes of one tensor name (UTF-8): parameter paths are well under this.
+MAX_NAME_BYTES = 1024
+# Dimensions per tensor: numpy's own historic limit.
+MAX_NDIM = 32
+# Extra elements block padding may add beyond max_elements (each tensor starts on a block
+# boundary). Legitimate messages pad by less than one block per tensor (8M elements even for
+# 65536 tensors at block 128); without a bound, 65536 one-element tensors at block 65536 would
+# make a tiny compressed message allocate 2^32 floats.
+MAX_PADDING_ELEMENTS = 1 << 24
+
+_FIXED_HEADER = struct.Struct("<4sBBBBII")  # magic, version, codec id, flags, reserved, block, count
+_NAME_LEN = struct.Struct("<H")
+_NDIM = struct.Struct("<B")
+_DIM = struct.Struct("<Q")
+
+CODECS: dict[str, Codec] = {codec.name: codec for codec in ALL_CODECS}
+CODECS_BY_ID: dict[int, Codec] = {codec.wire_id: codec for codec in ALL_CODECS}
+
+_thread_state = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """One compressor per thread and level: zstd contexts are reusable but not thread-safe."""
+    cache: dict[int, zstandard.ZstdCompressor] = _thread_state.__dict__.setdefault("compressors", {})
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return cache[level]
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_thread_state, "decompressor"):
+        _thread_state.decompressor = zstandard.ZstdDecompressor()
+    return _thread_state.decompressor
+
+
+def header_size(entries: Sequence[tuple[str, tuple[int, ...]]]) -> int:
+    """Bytes of the header for these (name, shape) entries."""
+    return _FIXED_HEADER.size + sum(
+        _NAME_LEN.size + len(name.encode()) + _NDIM.size + _DIM.size * len(shape) for name, shape in entries
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding (our own input: misuse raises LocalProtocolError)
+
+
+def _as_float_array(name: str, value: object) -> np.ndarray:
+    array = np.asarray(value)
+    # bfloat16 from JAX/ml_dtypes has kind 'V' but converts to float32 exactly.
+    if array.dtype.kind != "f" and array.dtype.name != "bfloat16":
+        raise LocalProtocolError(f"tensor {name!r} has dtype {array.dtype}; codecs encode float arrays only")
+    if array.ndim > MAX_NDIM:
+        raise LocalProtocolError(f"tensor {name!r} has {array.ndim} dimensions; at most {MAX_NDIM}")
+    return array
+
+
+def _resolve_codec(codec: str) -> Codec:
+    try:
+        return CODECS[codec]
+    except KeyError:
+        raise LocalProtocolError(f"unknown codec {codec!r}; known: {sorted(CODECS)}") from None
+
+
+def _check_zstd_level(zstd_level: int | None) -> None:
+    if zstd_level is None:
+        return
+    if not isinstance(zstd_level, int) or not -(1 << 17) <= zstd_level <= zstandard.MAX_COMPRESSION_LEVEL:
+        raise LocalProtocolError(f"zstd level {zstd_level!r} is not a valid zstd level")
+
+
+def encode_named(
+    tensors: Mapping[str, np.ndarray],
+    codec: str = "int4",
+    *,
+    zstd_level: int | None = 1,
+    block_size: int | None = None,
+) -> bytes:
+    """Encode several named float tensors as one message (one quantization pass, one zstd frame).
+
+    Names keep the mapping's order. `zstd_level=None` never compresses; otherwise the body is
+    compressed at that level and sent compressed only if that makes it smaller. `block_size`
+    overrides the scheme's default for blockwise schemes. Deterministic: same input, same bytes.
+    Raises LocalProtocolError for non-float or non-finite tensors, bad names, unknown codecs.
+    """
+    scheme = _resolve_codec(codec)
+    _check_zstd_level(zstd_level)
+    block = (scheme.default_block_size if block_size is None else block_size) if scheme.blockwise else 0
+    if block_size is not None and not scheme.blockwise:
+        raise LocalProtocolError(f"{scheme.name} is elementwise and takes no block size")
+    if (problem := scheme.check_block_size(block)) is not None:
+        raise LocalProtocolError(problem)
+    if len(tensors) > MAX_TENSORS:
+        raise LocalProtocolError(f"{len(tensors)} tensors in one message; at most {MAX_TENSORS}")
+
+    arrays: list[np.ndarray] = []
+    header = bytearray(_FIXED_HEADER.pack(MAGIC, FORMAT_VERSION, scheme.wire_id, 0, 0, block, len(tensors)))
+    for name, value in tensors.items():
+        if not isinstance(name, str):
+            raise LocalProtocolError(f"tensor names must be str, got {type(name).__name__}")
+        try:
+            name_bytes = name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise LocalProtocolError(f"tensor name {name!r} is not encodable as UTF-8") from None
+        if len(name_bytes) > MAX_NAME_BYTES:
+            raise LocalProtocolError(f"tensor name {name[:40]!r}... is {len(name_bytes)} bytes; at most {MAX_NAME_BYTES}")
+        array = _as_float_array(name, value)
+        arrays.append(array)
+        header += _NAME_LEN.pack(len(name_bytes)) + name_bytes + _NDIM.pack(array.ndim)
+        header += b"".join(_DIM.pack(dim) for dim in array.shape)
+
+    # Gather every tensor into one float32 work buffer (also the dtype conversion), each tensor
+    # starting on a block boundary so blocks never mix tensors of different scales.
+    padded = [scheme.padded_count(array.size, block) for array in arrays]
+    work = np.empty(sum(padded), dtype=np.float32)
+    offset = 0
+    for array, slot in zip(arrays, padded):
+        with np.errstate(over="ignore"):  # float64 beyond float32 range becomes inf: refused below
+            work[offset : offset + array.size] = array.reshape(-1)
+        work[offset + array.size : offset + slot] = 0.0
+        offset += slot
+    body = scheme.encode_body(work, block)
+
+    if zstd_level is not None and body.size:
+        compressed = _compressor(zstd_level).compress(body)
+        if len(compressed) < body.size:
+            header[6] = FLAG_ZSTD
+            return bytes(header) + compressed
+    return bytes(header) + body.tobytes()
+
+
+def encode_tensor(
+    x: np.ndarray, codec: str = "int4", *, zstd_level: int | None = 1, block_size: int | None = None
+) -> bytes:
+    """Encode one float tensor (any shape, incl. scalars and empty) as a message with one unnamed entry."""
+    return encode_named({"": x}, codec, zstd_level=zstd_level, block_size=block_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding (a peer's bytes: anything wrong raises RemoteProtocolError, nothing else escapes)
+
+
+def _malformed(reason: str) -> RemoteProtocolError:
+    return RemoteProtocolError(f"malformed tensor message: {reason}", status_hint=400)
+
+
+class _Reader:
+    """Bounds-checked cursor over the header bytes."""
+
+    def __init__(self, data: memoryview) -> None:
+        self.data = data
+        self.offset = 0
+
+    def take(self, size: int, what: str) -> memoryview:
+        if size > len(self.data) - self.offset:
+            raise _malformed(f"truncated in {what} at byte {self.offset}")
+        chunk = self.data[self.offset : self.offset + size]
+        self.offset += size
+        return chunk
+
+    def unpack(self, fmt: struct.Struct, what: str) -> tuple:
+        return fmt.unpack(self.take(fmt.size, what))
+
+
+def _parse(
+    data: bytes | bytearray | memoryview, max_elements: int, max_padding: int
+) -> tuple[Codec, int, list[tuple[str, tuple[int, ...]]], memoryview, bool]:
+    """Parse and check the header; return (codec, block, entries, body bytes, zstd flag)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise LocalProtocolError(f"decode takes bytes, got {type(data).__name__}")
+    try:
+        view = memoryview(data).cast("B")
+    except TypeError:
+        raise _malformed("buffer is not a contiguous byte buffer") from None
+    reader = _Reader(view)
+    magic, version, codec_id, flags, reserved, block, count = reader.unpack(_FIXED_HEADER, "fixed header")
+    if magic != MAGIC:
+        raise _malformed(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise RemoteProtocolError(f"tensor message format version {version}, we speak {FORMAT_VERSION}", status_hint=426)
+    scheme = CODECS_BY_ID.get(codec_id)
+    if scheme is None:
+        raise _malformed(f"unknown codec id {codec_id}")
+    if flags & ~_KNOWN_FLAGS or reserved:
+        raise _malformed(f"unknown flags 0x{flags:02x} / reserved byte {reserved}")
+    if (problem := scheme.check_block_size(block)) is not None:
+        raise _malformed(problem)
+    if count > MAX_TENSORS:
+        raise RemoteProtocolError(f"{count} tensors in one message; at most {MAX_TENSORS}", status_hint=413)
+    minimum_entry = _NAME_LEN.size + _NDIM.size
+    if count * minimum_entry > len(view) - reader.offset:
+        raise _malformed(f"declares {count} tensors but is only {len(view)} bytes")
+
+    entries: list[tuple[str, tuple[int, ...]]] = []
+    names: set[str] = set()
+    total_elements = 0
+    for _ in range(count):
+        (name_len,) = reader.unpack(_NAME_LEN, "name length")
+        if name_len > MAX_NAME_BYTES:
+            raise _malformed(f"tensor name of {name_len} bytes; at most {MAX_NAME_BYTES}")
+        try:
+            name = str(reader.take(name_len, "name"), "utf-8")
+        except UnicodeDecodeError:
+            raise _malformed("tensor name is not valid UTF-8") from None
+        if name in names:
+            raise _malformed(f"tensor name {name!r} appears twice")
+        names.add(name)
+        (ndim,) = reader.unpack(_NDIM, "ndim")
+        if ndim > MAX_NDIM:
+            raise _malformed(f"tensor {name!r} has {ndim} dimensions; at most {MAX_NDIM}")
+        dims = reader.take(_DIM.size * ndim, "shape")
+        shape = tuple(_DIM.unpack_from(dims, i * _DIM.size)[0] for i in range(ndim))
+        # Python ints: the products cannot overflow, however large the declared dims. Zero-size
+        # tensors still need every dim to be allocatable, so nonzero dims are bounded too.
+        if math.prod(max(dim, 1) for dim in shape) > max_elements:
+            raise RemoteProtocolError(
+                f"tensor {name!r} declares shape {shape}, over {max_elements} elements (limit max_elements)",
+                status_hint=413,
+            )
+        total_elements += math.prod(shape)
+        if total_elements > max_elements:
+            raise RemoteProtocolError(
+                f"message declares more than {max_elements} elements (limit max_elements)", status_hint=413
+            )
+        entries.append((name, shape))
+    padded_total = sum(scheme.padded_count(math.prod(shape), block) for _, shape in entries)
+    if padded_total - total_elements > max_padding:
+        raise RemoteProtocolError(
+            f"block padding of {padded_total - total_elements} elements exceeds {max_padding} (limit max_padding)",
+            status_hint=413,
+        )
+    return scheme, block, entries, view[reader.offset :], bool(flags & FLAG_ZSTD)
+
+
+def _decode_body(scheme: Codec, block: int, entries: list[tuple[str, tuple[int, ...]]], payload: memoryview, compressed: bool) -> list[np.ndarray]:
+    padded = [scheme.padded_count(math.prod(shape), block) for _, shape in entries]
+    total_padded = sum(padded)
+    expected = scheme.body_size(total_padded, block)
+    if compressed:
+        # The frame's declared size is checked before zstd allocates anything for it: a 2 KB
+        # frame may claim gigabytes.
+        try:
+            declared = zstandard.frame_content_size(payload)
+        except zstandard.ZstdError:
+            raise _malformed("body is not a zstd frame") from None
+        if declared != expected:
+            raise _malformed(f"zstd frame declares {declared} bytes, header implies {expected}")
+        try:
+            raw = _decompressor().decompress(payload, max_output_size=expected, allow_extra_data=False)
+        except zstandard.ZstdError as error:
+            raise _malformed(f"zstd frame does not decompress: {error}") from None
+        if len(raw) != expected:
+            raise _malformed(f"zstd frame held {len(raw)} bytes, header implies {expected}")
+        body = np.frombuffer(raw, dtype=np.uint8)
+    else:
+        if len(payload) != expected:
+            raise _malformed(f"body is {len(payload)} bytes, header implies {expected}")
+        body = np.frombuffer(payload, dtype=np.uint8)
+    flat = scheme.decode_body(body, total_padded, block)
+    tensors = []
+    offset = 0
+    for (_, shape), slot in zip(entries, padded):
+        tensors.append(flat[offset : offset + math.prod(shape)].reshape(shape))
+        offset += slot
+    return tensors
+
+
+def decode_named(
+    data: bytes | memoryview,
+    *,
+    max_elements: int = MAX_TENSOR_ELEMENTS,
+    max_padding: int = MAX_PADDING_ELEMENTS,
+) -> dict[str, np.ndarray]:
+    """Decode a message from `encode_named` into {name: float32 array of the original shape}.
+
+    Raises RemoteProtocolError (status 400 malformed, 413 over `max_elements`, 426 unknown
+    format version) for any bytes that are not a valid message; never anything else.
+    The arrays are writable views into one freshly allocated buffer.
+    """
+    scheme, block, entries, payload, compressed = _parse(data, max_elements, max_padding)
+    tensors = _decode_body(scheme, block, entries, payload, compressed)
+    return {name: tensor for (name, _), tensor in zip(entries, tensors)}
+
+
+def decode_tensor(
+    data: bytes | memoryview,
+    *,
+    max_elements: int = MAX_TENSOR_ELEMENTS,
+    max_padding: int = MAX_PADDING_ELEMENTS,
+) -> np.ndarray:
+    """Decode a message holding exactly one tensor (from `encode_tensor`) into a float32 array."""
+    scheme, block, entries, payload, compressed = _parse(data, max_elements, max_padding)
+    if len(entries) != 1:
+        raise _malformed(f"expected one tensor, message holds {len(entries)}")
+    return _decode_body(scheme, block, entries, payload, compressed)[0]
