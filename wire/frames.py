@@ -1,0 +1,422 @@
+"""Framing: messages to authenticated bytes and back, sans-IO (bytes in, events out; no sockets, no clock).
+
+A frame is a fixed 24-byte header, a msgpack header map, a 32-byte MAC, then the raw payload:
+
+    magic "DLCO" | major u8 | minor u8 | kind u16 | flags u32 | map_len u32 | payload_len u64   (big-endian)
+    header map (map_len bytes): {"run", "from", "ts", "nonce", "pd", "m": {message fields}}
+    mac: HMAC-SHA256(key, fixed header || header map)     (the map's "pd" is SHA-256 of the payload)
+    payload (payload_len bytes)
+
+The MAC covers the payload through its digest, so a receiver authenticates a frame from its first
+24 + map_len + 32 bytes, before reading any payload, and checks the payload against "pd" at the end.
+Sizes are refused from the fixed header alone (413) before anything is buffered. See docs/WIRE.md.
+
+`FrameDecoder` is incremental: feed it whatever arrived with `receive_data`, then call
+`next_event(now_unix=...)` until it returns `NEED_DATA`. Small kinds come out whole as `Received`;
+kinds listed in `stream_kinds` come out as `FrameHeader`, `PayloadChunk`..., `FrameEnd`, so a 256 MB
+payload never has to sit in memory. Anything wrong with the peer's bytes raises `RemoteProtocolError`
+(and the decoder stays failed); any other exception is a bug.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+import struct
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from wire.auth import MAC_BYTES, NONCE_BYTES, AuthContext, FrameVerifier, check_run_id, compute_mac
+from wire.errors import LocalProtocolError, RemoteProtocolError
+from wire.limits import DEFAULT_LIMITS, Limits
+from wire.messages import MESSAGE_TYPES, U63_MAX, Message, MessageKind
+
+MAGIC = b"DLCO"
+# Major: incompatible layout or semantics (receivers refuse other majors with 426).
+# Minor: additive only (new header-map keys, new kinds, new flag bits); receivers accept any minor.
+WIRE_MAJOR = 1
+WIRE_MINOR = 0
+FIXED_HEADER = struct.Struct(">4sBBHIIQ")
+FIXED_HEADER_BYTES = FIXED_HEADER.size  # 24
+DIGEST_BYTES = 32
+# No flag bits are defined in 1.0. Senders write 0; receivers ignore bits they do not know (the MAC
+# still covers them), so a later minor version can add optional meanings.
+NO_FLAGS = 0
+
+# Header-map keys. Auth fields live at the top level, message fields under "m", so the two name
+# spaces can never collide.
+KEY_RUN = "run"
+KEY_SENDER = "from"
+KEY_TIMESTAMP_MS = "ts"
+KEY_NONCE = "nonce"
+KEY_PAYLOAD_DIGEST = "pd"
+KEY_MESSAGE = "m"
+
+
+class Signal(enum.Enum):
+    """Non-message results of `FrameDecoder.next_event`."""
+
+    NEED_DATA = "need data"  # feed more bytes with receive_data
+    CLOSED = "closed"  # the peer ended the stream cleanly between frames
+
+
+NEED_DATA = Signal.NEED_DATA
+CLOSED = Signal.CLOSED
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """A whole, authenticated message (buffered kinds)."""
+
+    sender: str
+    sent_at_unix: float
+    message: Message
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    """Start of an authenticated streamed frame. `head` is the message with an empty payload; the
+    payload follows as PayloadChunk events and must be treated as untrusted until FrameEnd."""
+
+    sender: str
+    sent_at_unix: float
+    head: Message
+    payload_length: int
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadChunk:
+    """The next bytes of a streamed payload (at most Limits.max_payload_chunk_bytes)."""
+
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class FrameEnd:
+    """The streamed payload is complete and matches the authenticated digest."""
+
+    payload_sha256: bytes
+
+
+Event = Received | FrameHeader | PayloadChunk | FrameEnd | Signal
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding
+# ---------------------------------------------------------------------------------------------
+
+
+def encode_frame(message: Message, auth: AuthContext, *, now_unix: float, nonce: bytes) -> bytes:
+    """The complete frame for `message`, stamped with `now_unix` and `nonce` (16 fresh random bytes)."""
+    field_map, payload = message.to_wire()
+    head = _encode_head(message.KIND, field_map, auth, now_unix=now_unix, nonce=nonce,
+                        payload_length=len(payload), payload_sha256=hashlib.sha256(payload).digest())
+    return head + payload
+
+
+def encode_frame_head(message: Message, auth: AuthContext, *, now_unix: float, nonce: bytes,
+                      payload_length: int, payload_sha256: bytes) -> bytes:
+    """Everything of a frame but its payload, for sending a large payload without holding it in memory.
+
+    `message` is the head (a STREAMABLE message with an empty payload, see Message.without_payload);
+    the caller writes exactly `payload_length` payload bytes after the returned bytes.
+    """
+    if not message.STREAMABLE:
+        raise LocalProtocolError(f"{type(message).__name__} has no single payload to stream")
+    field_map, payload = message.to_wire()
+    if payload:
+        raise LocalProtocolError("encode_frame_head takes the message without its payload")
+    if type(payload_length) is not int or not 0 <= payload_length <= U63_MAX:
+        raise LocalProtocolError(f"payload_length must be an int in [0, 2^63), got {payload_length!r}")
+    message.check_payload_length(payload_length)
+    if type(payload_sha256) is not bytes or len(payload_sha256) != DIGEST_BYTES:
+        raise LocalProtocolError("payload_sha256 must be the 32-byte SHA-256 of the payload")
+    return _encode_head(message.KIND, field_map, auth, now_unix=now_unix, nonce=nonce,
+                        payload_length=payload_length, payload_sha256=payload_sha256)
+
+
+def _encode_head(kind: MessageKind, field_map: dict[str, Any], auth: AuthContext, *, now_unix: float,
+                 nonce: bytes, payload_length: int, payload_sha256: bytes) -> bytes:
+    if not isinstance(auth, AuthContext):
+        raise LocalProtocolError("auth must be an AuthContext")
+    if not isinstance(now_unix, (int, float)) or not math.isfinite(now_unix) or now_unix < 0:
+        raise LocalProtocolError(f"now_unix must be a finite, non-negative time, got {now_unix!r}")
+    if type(nonce) is not bytes or len(nonce) != NONCE_BYTES:
+        raise LocalProtocolError(f"nonce must be {NONCE_BYTES} fresh random bytes")
+    header_map = {
+        KEY_RUN: auth.run_id,
+        KEY_SENDER: auth.sender,
+        KEY_TIMESTAMP_MS: round(now_unix * 1000),
+        KEY_NONCE: nonce,
+        KEY_PAYLOAD_DIGEST: payload_sha256,
+        KEY_MESSAGE: field_map,
+    }
+    map_bytes = msgpack.packb(header_map, use_bin_type=True)
+    fixed = FIXED_HEADER.pack(MAGIC, WIRE_MAJOR, WIRE_MINOR, int(kind), NO_FLAGS, len(map_bytes), payload_length)
+    signed = fixed + map_bytes
+    return signed + compute_mac(auth.key, signed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+# ---------------------------------------------------------------------------------------------
+
+
+class _State(enum.Enum):
+    FIXED_HEADER = "fixed header"
+    HEADER_MAP = "header map"
+    BUFFERED_PAYLOAD = "buffered payload"
+    STREAMED_PAYLOAD = "streamed payload"
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """What the decoder knows about the frame in progress."""
+
+    kind: MessageKind
+    map_length: int
+    payload_length: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Authenticated:
+    sender: str
+    sent_at_unix: float
+    payload_sha256: bytes
+    message_fields: dict[str, Any]
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack ext type {code} is not allowed")
+
+
+class FrameDecoder:
+    """Incremental decoder of a stream of frames from one peer connection or request body."""
+
+    def __init__(self, verifier: FrameVerifier, limits: Limits = DEFAULT_LIMITS, *,
+                 stream_kinds: Collection[MessageKind] = ()) -> None:
+        if not isinstance(verifier, FrameVerifier):
+            raise LocalProtocolError("FrameDecoder needs a FrameVerifier (shared by all connections)")
+        for kind in stream_kinds:
+            if not MESSAGE_TYPES[MessageKind(kind)].STREAMABLE:
+                raise LocalProtocolError(f"{MessageKind(kind).name} has no single payload and cannot be streamed")
+        self._verifier = verifier
+        self._limits = limits
+        self._stream_kinds = frozenset(MessageKind(kind) for kind in stream_kinds)
+        self._buffer = bytearray()
+        self._end_of_stream = False
+        self._state = _State.FIXED_HEADER
+        self._pending: _Pending | None = None
+        self._authenticated: _Authenticated | None = None
+        self._remaining = 0
+        self._hasher: Any = None
+        self._failure: RemoteProtocolError | None = None
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes received but not yet turned into events."""
+        return len(self._buffer)
+
+    @property
+    def between_frames(self) -> bool:
+        """True when no frame is partially decoded (a clean place for the stream to end)."""
+        return self._state is _State.FIXED_HEADER and not self._buffer
+
+    def receive_data(self, data: bytes) -> None:
+        """Add received bytes; `b""` means the peer ended the stream."""
+        if self._end_of_stream:
+            raise LocalProtocolError("receive_data after end of stream")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise LocalProtocolError(f"receive_data takes bytes, got {type(data).__name__}")
+        if len(data) == 0:
+            self._end_of_stream = True
+        else:
+            self._buffer += data
+
+    def next_event(self, *, now_unix: float) -> Event:
+        """The next event, `NEED_DATA`, or `CLOSED`. `now_unix` is this node's wall clock (only used
+        for the timestamp window of frames whose header completes during this call)."""
+        if self._failure is not None:
+            raise RemoteProtocolError(f"stream already failed: {self._failure}", self._failure.status_hint)
+        try:
+            return self._advance(now_unix)
+        except RemoteProtocolError as error:
+            self._failure = error
+            raise
+
+    # -- state machine ------------------------------------------------------------------------
+
+    def _advance(self, now_unix: float) -> Event:
+        if self._state is _State.FIXED_HEADER:
+            if len(self._buffer) < FIXED_HEADER_BYTES:
+                return self._short(allow_close=not self._buffer)
+            self._pending = self._parse_fixed_header(bytes(self._buffer[:FIXED_HEADER_BYTES]))
+            self._state = _State.HEADER_MAP
+        if self._state is _State.HEADER_MAP:
+            return self._header_map(now_unix)
+        if self._state is _State.BUFFERED_PAYLOAD:
+            return self._buffered_payload()
+        return self._streamed_payload()
+
+    def _short(self, *, allow_close: bool = False) -> Signal:
+        if not self._end_of_stream:
+            return NEED_DATA
+        if allow_close:
+            return CLOSED
+        raise RemoteProtocolError(f"stream ended inside a frame ({self._state.value}, "
+                                  f"{len(self._buffer)} bytes buffered)", 400)
+
+    def _parse_fixed_header(self, fixed: bytes) -> _Pending:
+        magic, major, minor, kind_id, _flags, map_length, payload_length = FIXED_HEADER.unpack(fixed)
+        if magic != MAGIC:
+            raise RemoteProtocolError(f"not a diloco-node frame (magic {magic!r}, expected {MAGIC!r})", 400)
+        if major != WIRE_MAJOR:
+            raise RemoteProtocolError(f"wire version {major}.{minor} is not supported; this node speaks "
+                                      f"{WIRE_MAJOR}.x", 426)
+        try:
+            kind = MessageKind(kind_id)
+        except ValueError:
+            raise RemoteProtocolError(f"unknown message kind {kind_id}", 400) from None
+        if map_length == 0:
+            raise RemoteProtocolError("empty header map", 400)
+        if map_length > self._limits.max_header_map_bytes:
+            raise RemoteProtocolError(f"header map of {map_length} bytes exceeds the limit of "
+                                      f"{self._limits.max_header_map_bytes}", 413)
+        max_payload = self._limits.max_payload(kind)
+        if payload_length > max_payload:
+            raise RemoteProtocolError(f"{kind.name} payload of {payload_length} bytes exceeds the limit of "
+                                      f"{max_payload}", 413)
+        return _Pending(kind=kind, map_length=map_length, payload_length=payload_length)
+
+    def _header_map(self, now_unix: float) -> Event:
+        pending = self._pending
+        assert pending is not None
+        map_end = FIXED_HEADER_BYTES + pending.map_length
+        if len(self._buffer) < map_end + MAC_BYTES:
+            return self._short()
+        signed = bytes(self._buffer[:map_end])
+        mac = bytes(self._buffer[map_end:map_end + MAC_BYTES])
+        del self._buffer[:map_end + MAC_BYTES]
+        authenticated = self._authenticate(pending, signed, mac, now_unix)
+        self._remaining = pending.payload_length
+        self._hasher = hashlib.sha256()
+        if pending.kind in self._stream_kinds:
+            head = self._build(pending.kind, authenticated.message_fields, b"")
+            try:
+                head.check_payload_length(pending.payload_length)
+            except LocalProtocolError as error:
+                raise RemoteProtocolError(f"invalid {pending.kind.name}: {error}", 400) from None
+            self._authenticated = authenticated
+            self._state = _State.STREAMED_PAYLOAD
+            return FrameHeader(sender=authenticated.sender, sent_at_unix=authenticated.sent_at_unix,
+                               head=head, payload_length=pending.payload_length)
+        self._authenticated = authenticated
+        self._state = _State.BUFFERED_PAYLOAD
+        return self._buffered_payload()
+
+    def _authenticate(self, pending: _Pending, signed: bytes, mac: bytes, now_unix: float) -> _Authenticated:
+        map_bytes = signed[FIXED_HEADER_BYTES:]
+        try:
+            # The input length is already bounded by max_header_map_bytes (unpackb derives its
+            # container limits from it); raw=False decodes str as UTF-8, strict_map_key allows only
+            # str/bytes keys, ext types are refused.
+            header_map = msgpack.unpackb(map_bytes, raw=False, strict_map_key=True, use_list=False,
+                                         ext_hook=_refuse_ext)
+        except (ValueError, msgpack.UnpackException) as error:
+            raise RemoteProtocolError(f"header map is not valid msgpack: {type(error).__name__}: {error}", 400) from None
+        if type(header_map) is not dict:
+            raise RemoteProtocolError(f"header map must be a msgpack map, got {type(header_map).__name__}", 400)
+        run_id = _field(header_map, KEY_RUN, str)
+        sender = _field(header_map, KEY_SENDER, str)
+        sent_at_ms = _field(header_map, KEY_TIMESTAMP_MS, int)
+        nonce = _field(header_map, KEY_NONCE, bytes)
+        payload_sha256 = _field(header_map, KEY_PAYLOAD_DIGEST, bytes)
+        message_fields = _field(header_map, KEY_MESSAGE, dict)
+        try:
+            check_run_id(run_id, what="header map 'run'")
+            check_run_id(sender, what="header map 'from'")
+        except LocalProtocolError as error:
+            raise RemoteProtocolError(str(error), 400) from None
+        if not 0 <= sent_at_ms <= U63_MAX:
+            raise RemoteProtocolError(f"header map 'ts' {sent_at_ms} out of range", 400)
+        if len(nonce) != NONCE_BYTES:
+            raise RemoteProtocolError(f"header map 'nonce' must be {NONCE_BYTES} bytes, got {len(nonce)}", 400)
+        if len(payload_sha256) != DIGEST_BYTES:
+            raise RemoteProtocolError(f"header map 'pd' must be {DIGEST_BYTES} bytes, got {len(payload_sha256)}", 400)
+        self._verifier.verify(run_id=run_id, sender=sender, sent_at_ms=sent_at_ms, nonce=nonce,
+                              signed_bytes=signed, mac=mac, now_unix=now_unix)
+        return _Authenticated(sender=sender, sent_at_unix=sent_at_ms / 1000, payload_sha256=payload_sha256,
+                              message_fields=message_fields)
+
+    def _buffered_payload(self) -> Event:
+        pending, authenticated = self._pending, self._authenticated
+        assert pending is not None and authenticated is not None
+        if len(self._buffer) < pending.payload_length:
+            return self._short()
+        with memoryview(self._buffer) as view, view[:pending.payload_length] as part:
+            payload = bytes(part)
+        del self._buffer[:pending.payload_length]
+        if hashlib.sha256(payload).digest() != authenticated.payload_sha256:
+            raise RemoteProtocolError(f"{pending.kind.name} payload from {authenticated.sender!r} does not "
+                                      "match its authenticated digest", 401)
+        message = self._build(pending.kind, authenticated.message_fields, payload)
+        self._finish_frame()
+        return Received(sender=authenticated.sender, sent_at_unix=authenticated.sent_at_unix, message=message)
+
+    def _streamed_payload(self) -> Event:
+        authenticated = self._authenticated
+        assert authenticated is not None
+        if self._remaining == 0:
+            if self._hasher.digest() != authenticated.payload_sha256:
+                raise RemoteProtocolError(f"streamed payload from {authenticated.sender!r} does not match its "
+                                          "authenticated digest: discard what was received", 401)
+            self._finish_frame()
+            return FrameEnd(payload_sha256=authenticated.payload_sha256)
+        if not self._buffer:
+            return self._short()
+        size = min(len(self._buffer), self._remaining, self._limits.max_payload_chunk_bytes)
+        with memoryview(self._buffer) as view, view[:size] as part:
+            data = bytes(part)
+        del self._buffer[:size]
+        self._hasher.update(data)
+        self._remaining -= size
+        return PayloadChunk(data)
+
+    def _build(self, kind: MessageKind, message_fields: dict[str, Any], payload: bytes) -> Message:
+        try:
+            return MESSAGE_TYPES[kind].from_wire(message_fields, payload)
+        except LocalProtocolError as error:
+            raise RemoteProtocolError(f"invalid {kind.name}: {error}", 400) from None
+
+    def _finish_frame(self) -> None:
+        self._state = _State.FIXED_HEADER
+        self._pending = None
+        self._authenticated = None
+        self._hasher = None
+        self._remaining = 0
+
+
+def _field(header_map: dict[Any, Any], key: str, expected: type) -> Any:
+    if key not in header_map:
+        raise RemoteProtocolError(f"header map lacks {key!r}", 400)
+    value = header_map[key]
+    if type(value) is not expected:
+        raise RemoteProtocolError(f"header map {key!r} must be {expected.__name__}, got {type(value).__name__}", 400)
+    return value
+
+
+def decode_frame(data: bytes, verifier: FrameVerifier, *, now_unix: float, limits: Limits = DEFAULT_LIMITS) -> Received:
+    """Decode a body that holds exactly one whole frame (small request/response bodies)."""
+    decoder = FrameDecoder(verifier, limits)
+    decoder.receive_data(data)
+    decoder.receive_data(b"")
+    event = decoder.next_event(now_unix=now_unix)
+    if not isinstance(event, Received):
+        raise RemoteProtocolError("body holds no frame", 400)
+    if decoder.next_event(now_unix=now_unix) is not CLOSED:
+        raise RemoteProtocolError("body holds more than one frame", 400)
+    return event

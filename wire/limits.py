@@ -1,0 +1,117 @@
+"""Resource limits of the wire layer: every bound a peer's bytes can hit, named, with its reason.
+
+The module constants are the defaults; a `Limits` instance overrides any of them for one node or
+one test (`Limits(max_header_map_bytes=4096)`). The frame decoder enforces the size limits before
+it buffers anything; the transport enforces the stream and deadline limits it is handed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+
+from wire.messages import MessageKind
+
+KiB = 1024
+MiB = 1024 * KiB
+
+# The msgpack header map holds scalar fields, auth fields and log-entry metadata (contributors,
+# weights, digests). Log reads page by entry count, so 256 KiB is generous; msgpack.unpackb takes
+# no buffer limit of its own, so this bound is what keeps parsing cheap.
+MAX_HEADER_MAP_BYTES = 256 * KiB
+
+# Largest encoded fragment delta we accept: an int4 delta of a ~500M-parameter fragment is ~250 MB.
+# The receiver may stream it (wire.frames stream_kinds), so this bounds time, not memory.
+MAX_CONTRIBUTION_BYTES = 256 * MiB
+# A log append carries merged outer gradients (same size class as a contribution); the replica
+# needs each whole entry to apply it, so it is buffered and this bounds memory per stream.
+MAX_LOG_APPEND_BYTES = 256 * MiB
+# A log read reply is the catch-up version of log append: same size class.
+MAX_LOG_READ_REPLY_BYTES = 256 * MiB
+# Snapshots are fetched in resumable chunks; a chunk is kept small so a broken link loses little.
+MAX_SNAPSHOT_CHUNK_BYTES = 64 * MiB
+# The run manifest (model config, fragment layout, codec list) is a small document.
+MAX_MANIFEST_BYTES = 1 * MiB
+# Every other kind carries no payload at all: any payload byte is refused.
+NO_PAYLOAD = 0
+
+DEFAULT_MAX_PAYLOAD_BYTES: Mapping[int, int] = MappingProxyType({
+    MessageKind.FRAGMENT_CONTRIBUTION: MAX_CONTRIBUTION_BYTES,
+    MessageKind.LOG_APPEND: MAX_LOG_APPEND_BYTES,
+    MessageKind.LOG_READ_REPLY: MAX_LOG_READ_REPLY_BYTES,
+    MessageKind.SNAPSHOT_CHUNK: MAX_SNAPSHOT_CHUNK_BYTES,
+    MessageKind.MEMBERSHIP: MAX_MANIFEST_BYTES,
+})
+
+# Codecs (wire.codecs) decompress; a 2 KB zstd frame can declare 64 MiB, so the decompressed size of
+# one payload is bounded separately. fp32 of a 256 MB int4 delta is ~8x larger: 2 GiB would be an
+# unreasonable allocation, so fragments must be sized to stay under 1 GiB decoded.
+MAX_DECOMPRESSED_BYTES = 1024 * MiB
+
+# One peer may hold a few streams at once (a contribution, a log append, a snapshot fetch); more
+# than this is a flood, answered with 429 by the transport.
+MAX_CONCURRENT_STREAMS_PER_PEER = 4
+
+# A stream that delivers no byte for this long is stalled (or a slowloris): drop it. Long enough for
+# a congested WAN link to recover from a burst of loss.
+READ_TIMEOUT_S = 30.0
+# Whole-message deadline: 256 MiB at ~4 Mbit/s, the slowest inter-site link we plan for, takes ~540 s.
+MESSAGE_TIMEOUT_S = 600.0
+
+# Nonces remembered for replay protection across all senders. Each costs ~150 bytes, so 2^18 is
+# ~40 MB worst case; at 100 frames/s from each of 30 peers it covers a 60 s window. When full, the
+# oldest nonce is forgotten and its sender's "too old" floor rises past it, so replay safety holds
+# and only an honest sender's very old in-flight frames are refused (see wire.auth.ReplayCache).
+REPLAY_CACHE_MAX_NONCES = 2**18
+
+# How far a frame's timestamp may be from the receiver's wall clock. This is the one place where
+# wall clocks of different nodes are compared, and only loosely: NTP keeps sites within well under a
+# second, 30 s tolerates a badly synced site, and replayed frames older than this are refused by
+# time alone (which is what lets the replay cache forget them).
+CLOCK_SKEW_ALLOWANCE_S = 30.0
+
+# Largest PayloadChunk event the streaming decoder emits, so one event never pins a huge buffer.
+MAX_PAYLOAD_CHUNK_BYTES = 1 * MiB
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-instance limits; every field defaults to the module constant of the same meaning."""
+
+    max_header_map_bytes: int = MAX_HEADER_MAP_BYTES
+    max_payload_bytes: Mapping[int, int] = field(default_factory=lambda: DEFAULT_MAX_PAYLOAD_BYTES)
+    max_decompressed_bytes: int = MAX_DECOMPRESSED_BYTES
+    max_concurrent_streams_per_peer: int = MAX_CONCURRENT_STREAMS_PER_PEER
+    read_timeout_s: float = READ_TIMEOUT_S
+    message_timeout_s: float = MESSAGE_TIMEOUT_S
+    replay_cache_max_nonces: int = REPLAY_CACHE_MAX_NONCES
+    clock_skew_allowance_s: float = CLOCK_SKEW_ALLOWANCE_S
+    max_payload_chunk_bytes: int = MAX_PAYLOAD_CHUNK_BYTES
+
+    def __post_init__(self) -> None:
+        for name in ("max_header_map_bytes", "max_decompressed_bytes", "max_concurrent_streams_per_peer",
+                     "replay_cache_max_nonces", "max_payload_chunk_bytes"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"Limits.{name} must be a positive int, got {value!r}")
+        for name in ("read_timeout_s", "message_timeout_s", "clock_skew_allowance_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+                raise ValueError(f"Limits.{name} must be a positive finite number of seconds, got {value!r}")
+        payload_limits = {int(kind): limit for kind, limit in self.max_payload_bytes.items()}
+        for kind, limit in payload_limits.items():
+            if type(limit) is not int or limit < 0:
+                raise ValueError(f"Limits.max_payload_bytes[{kind}] must be a non-negative int, got {limit!r}")
+        object.__setattr__(self, "max_payload_bytes", MappingProxyType(payload_limits))
+
+    def max_payload(self, kind: int) -> int:
+        """Largest payload accepted for message kind `kind` (0 for kinds without a payload)."""
+        return self.max_payload_bytes.get(int(kind), NO_PAYLOAD)
+
+    def with_max_payload(self, kind: int, limit: int) -> Limits:
+        """A copy with one kind's payload limit replaced."""
+        return replace(self, max_payload_bytes={**self.max_payload_bytes, int(kind): limit})
+
+
+DEFAULT_LIMITS = Limits()
