@@ -450,7 +450,7 @@ def format_table(results: Sequence[FleetResult]) -> str:
     rows: dict[str, dict[int, FleetResult]] = {}
     for r in results:
         rows.setdefault(label(r), {})[r.fleet_size] = r
-    header = f"{'strategy':<22}" + "".join(f"{_short(c):>15}" for c in sizes)
+    header = f"{'strategy':<22}" + "".join(f"{short_size(c):>15}" for c in sizes)
     lines = ["goodput % (uptime %)", header]
     for name, by_size in rows.items():
         cells = []
@@ -461,5 +461,5 @@ def format_table(results: Sequence[FleetResult]) -> str:
     return "\n".join(lines)
 
 
-def _short(chips: int) -> str:
+def short_size(chips: int) -> str:
     return f"{chips / 1e6:.2f}M" if chips >= 1_000_000 else f"{chips / 1e3:.0f}k"
