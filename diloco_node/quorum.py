@@ -135,7 +135,7 @@ def decide_round(
     have = len(arrivals)
 
     if have < need:
-        reason = f"waiting: {have} of {need} needed contribution{'s' if need != 1 else ''}"
+        reason = f"waiting: {have} of {need} needed contributions"
         if live_learners < need:
             reason += (f"; only {live_learners} live learner{'s' if live_learners != 1 else ''}, "
                        f"quorum K = {need} cannot be reached until more learners are live")
