@@ -1,0 +1,126 @@
+"""Talking to systemd: sd_notify readiness, status line, watchdog and stopping, with the stdlib only.
+
+Under a `Type=notify` unit systemd passes `$NOTIFY_SOCKET` (a filesystem path, or an abstract
+socket written with a leading '@') and, with `WatchdogSec=`, `$WATCHDOG_USEC` (and
+`$WATCHDOG_PID`). Outside systemd every call is a no-op that returns False, so the daemon calls
+these unconditionally. Sending never raises: a lost status line must not take the node down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from typing import Awaitable, Callable, Mapping
+
+log = logging.getLogger(__name__)
+
+# systemd reads one datagram per message; keep the status line far below any socket buffer.
+MAX_STATUS_CHARS = 1024
+# Ping at half the watchdog interval, as sd_watchdog_enabled(3) recommends: one late ping is tolerated.
+WATCHDOG_PING_FRACTION = 0.5
+
+
+class SystemdNotifier:
+    """sd_notify(3) over the datagram socket systemd gave us (or nothing, outside systemd)."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None, pid: int | None = None) -> None:
+        env = os.environ if environ is None else environ
+        self._address = _socket_address(env.get("NOTIFY_SOCKET", ""))
+        self._watchdog_s = _watchdog_seconds(env, os.getpid() if pid is None else pid)
+        self._socket: socket.socket | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """True when running under a unit that listens for notifications."""
+        return self._address is not None
+
+    @property
+    def watchdog_interval_s(self) -> float | None:
+        """The unit's watchdog timeout in seconds, or None when no watchdog applies to this process."""
+        return self._watchdog_s
+
+    def notify(self, *assignments: str) -> bool:
+        """Send `KEY=VALUE` lines in one datagram; True when sent."""
+        if self._address is None:
+            return False
+        message = "\n".join(assignments).encode()
+        try:
+            if self._socket is None:
+                self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            self._socket.sendto(message, self._address)
+            return True
+        except OSError as exc:
+            log.warning("sd_notify %r failed: %s", assignments, exc)
+            return False
+
+    def ready(self, status: str | None = None) -> bool:
+        return self.notify("READY=1", *([_status_line(status)] if status else []))
+
+    def status(self, text: str) -> bool:
+        return self.notify(_status_line(text))
+
+    def watchdog(self) -> bool:
+        return self.notify("WATCHDOG=1")
+
+    def stopping(self, status: str | None = None) -> bool:
+        return self.notify("STOPPING=1", *([_status_line(status)] if status else []))
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+
+def _status_line(text: str) -> str:
+    # One line: a newline would start a new (bogus) assignment.
+    flat = " ".join(text.split())
+    return "STATUS=" + flat[:MAX_STATUS_CHARS]
+
+
+def _socket_address(value: str) -> str | bytes | None:
+    if not value:
+        return None
+    if value.startswith("@"):
+        return b"\0" + value[1:].encode()  # Linux abstract namespace
+    if value.startswith("/"):
+        return value
+    log.warning("ignoring NOTIFY_SOCKET=%r: neither a path nor an abstract '@' name", value)
+    return None
+
+
+def _watchdog_seconds(env: Mapping[str, str], pid: int) -> float | None:
+    usec = env.get("WATCHDOG_USEC", "")
+    if not usec:
+        return None
+    watchdog_pid = env.get("WATCHDOG_PID", "")
+    if watchdog_pid and watchdog_pid != str(pid):
+        return None  # the watchdog is for another process (e.g. our parent shell)
+    try:
+        value = int(usec)
+    except ValueError:
+        log.warning("ignoring WATCHDOG_USEC=%r: not an integer", usec)
+        return None
+    return value / 1e6 if value > 0 else None
+
+
+async def run_watchdog(
+    notifier: SystemdNotifier,
+    healthy: Callable[[], bool],
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> None:
+    """Ping the watchdog while `healthy()` holds; returns at once when no watchdog is configured.
+
+    Running on the event loop is the point: a blocked loop stops the pings and systemd restarts
+    the node. An unhealthy node (e.g. its training thread is stuck) stops pinging on purpose.
+    """
+    interval = notifier.watchdog_interval_s
+    if interval is None:
+        return
+    while True:
+        if healthy():
+            notifier.watchdog()
+        else:
+            log.error("not pinging the systemd watchdog: node reports unhealthy")
+        await sleep(interval * WATCHDOG_PING_FRACTION)
