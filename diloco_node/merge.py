@@ -413,6 +413,7 @@ def nesterov_step(
         raise ValueError(f"shapes differ: theta {theta32.shape}, buffer {buf32.shape}, gradient {grad32.shape}")
     mu = np.float32(momentum)
     eta = np.float32(lr)
-    new_buf = mu * buf32 + grad32
-    new_theta = theta32 - eta * (grad32 + mu * new_buf)
+    with np.errstate(over="ignore", invalid="ignore"):  # callers check finiteness (GlobalState refuses)
+        new_buf = mu * buf32 + grad32
+        new_theta = theta32 - eta * (grad32 + mu * new_buf)
     return new_theta.astype(np.float32, copy=False), new_buf.astype(np.float32, copy=False)

@@ -1,0 +1,202 @@
+"""GlobalState: Nesterov per fragment, rounds, bounded history, bit-identical replicas, digests,
+snapshots and restore (all-or-nothing, verified by digest)."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import numpy as np
+import pytest
+
+from diloco_node.fragments import plan_fragments
+from diloco_node.global_state import FragmentHistory, GlobalState, GlobalStateError
+from diloco_node.merge import nesterov_step
+from diloco_node.run_config import OuterOptimizer
+
+SHAPES = {
+    "embed/embedding": (16, 4),
+    "blocks/0/w": (4, 4),
+    "blocks/0/b": (4,),
+    "head/kernel": (4, 16),
+}
+OUTER = OuterOptimizer(lr=0.7, momentum=0.9)
+
+
+def _init(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+
+
+def _state(history_len: int = 4) -> GlobalState:
+    return GlobalState(plan_fragments(SHAPES, 3, 6, 1), _init(), OUTER, history_len=history_len)
+
+
+def _grad(state: GlobalState, p: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1000 + seed)
+    return {n: (0.1 * rng.standard_normal(a.shape)).astype(np.float32) for n, a in state.fragment_params(p).items()}
+
+
+def test_apply_outer_gradient_is_a_nesterov_step_on_one_fragment() -> None:
+    state = _state()
+    before = state.fragment_params(1)
+    others = {p: state.fragment_digest(p) for p in (0, 2)}
+    grad = _grad(state, 1, 0)
+    digest = state.apply_outer_gradient(1, grad)
+    assert digest == state.fragment_digest(1)
+    assert state.rounds() == (0, 1, 0)
+    for name, theta in state.fragment_params(1).items():
+        expected, _ = nesterov_step(before[name], np.zeros_like(before[name]), grad[name], OUTER.lr, OUTER.momentum)
+        assert theta.tobytes() == expected.tobytes()
+        assert np.array_equal(state.momentum(1)[name], grad[name])
+    assert {p: state.fragment_digest(p) for p in (0, 2)} == others
+
+
+def test_two_replicas_applying_the_same_gradients_are_bit_identical() -> None:
+    a, b = _state(), _state()
+    for i in range(10):
+        p = i % 3
+        grad = _grad(a, p, i)
+        assert a.apply_outer_gradient(p, grad) == b.apply_outer_gradient(p, {n: g.copy() for n, g in grad.items()})
+    assert a.digest() == b.digest()
+    assert all(a.all_params()[n].tobytes() == b.all_params()[n].tobytes() for n in SHAPES)
+
+
+def test_digest_changes_with_one_bit_round_or_momentum() -> None:
+    a, b = _state(), _state()
+    assert a.digest() == b.digest()
+    snap = b.fragment_snapshot(2)
+    name = sorted(snap["params"])[0]
+    flipped = snap["params"][name].copy()
+    flipped.view(np.uint32)[0] ^= 1  # one bit of one float
+    b.restore_fragment({**snap, "params": {**snap["params"], name: flipped}})
+    assert a.fragment_digest(2) != b.fragment_digest(2) and a.digest() != b.digest()
+    c = _state()
+    c.restore_fragment({**c.fragment_snapshot(2), "round": 7})
+    assert c.fragment_digest(2) != a.fragment_digest(2)
+    d = _state()
+    mom = d.momentum(2)
+    d.restore_fragment({**d.fragment_snapshot(2), "momentum": {n: m + 1 for n, m in mom.items()}})
+    assert d.fragment_digest(2) != a.fragment_digest(2)
+
+
+def test_fragment_digest_layout_is_the_documented_one() -> None:
+    """docs/MERGE.md describes the digest so another implementation can reproduce it."""
+    state = _state()
+    p = 0
+    h = hashlib.sha256(b"diloco-fragment\0")
+    h.update(struct.pack("<qq", p, 0))
+    items = [(f"params/{n}", a) for n, a in state.fragment_params(p).items()]
+    items += [(f"momentum/{n}", a) for n, a in state.momentum(p).items()]
+    for name, arr in sorted(items, key=lambda x: x[0]):
+        for field in (name.encode(), b"<f4"):
+            h.update(struct.pack("<q", len(field)) + field)
+        h.update(struct.pack("<q", arr.ndim) + struct.pack(f"<{arr.ndim}q", *arr.shape))
+        raw = arr.astype("<f4").tobytes()
+        h.update(struct.pack("<q", len(raw)) + raw)
+    assert state.fragment_digest(p) == h.hexdigest()
+
+
+def test_history_keeps_the_newest_versions_for_rebasing() -> None:
+    state = _state(history_len=3)
+    versions = [state.fragment_params(0)]
+    for i in range(4):
+        state.apply_outer_gradient(0, _grad(state, 0, i))
+        versions.append(state.fragment_params(0))
+    history = state.history(0)
+    assert history.rounds() == (2, 3, 4) and history.oldest_round == 2 and history.newest_round == 4
+    assert history.version(1) is None
+    for r in (2, 3, 4):
+        assert all(np.array_equal(history.version(r)[n], versions[r][n]) for n in versions[r])
+    with pytest.raises(ValueError, match="read-only"):
+        history.version(4)[sorted(versions[4])[0]][...] = 0
+
+
+def test_history_refuses_out_of_order_rounds() -> None:
+    history = FragmentHistory(fragment=5, capacity=2)
+    history.record(3, {"x": np.zeros(2)})
+    with pytest.raises(ValueError, match="fragment 5: round 3 is not newer than 3"):
+        history.record(3, {"x": np.zeros(2)})
+    with pytest.raises(LookupError, match="history is empty"):
+        FragmentHistory(0).newest_round
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda g: {k: v for k, v in list(g.items())[1:]}, "tensor names differ"),
+        (lambda g: {**g, "extra": np.zeros(1, np.float32)}, "unexpected \\['extra'\\]"),
+        (lambda g: {k: (np.full_like(v, np.nan) if i == 0 else v) for i, (k, v) in enumerate(g.items())}, "non-finite values in"),
+        (lambda g: {k: (v[..., :1] if i == 0 else v) for i, (k, v) in enumerate(g.items())}, "has shape"),
+        (lambda g: {k: v.astype(np.int32) for k, v in g.items()}, "has dtype int32"),
+        (lambda g: {k: np.full_like(v, 3e38) for k, v in g.items()}, "would make .* non-finite; not applied"),
+    ],
+)
+def test_bad_outer_gradients_are_refused_and_change_nothing(mutate, message) -> None:
+    state = _state()
+    before = state.digest()
+    with pytest.raises(GlobalStateError, match=message):
+        state.apply_outer_gradient(1, mutate(_grad(state, 1, 0)))
+    assert state.digest() == before and state.rounds() == (0, 0, 0) and state.is_finite()
+
+
+def test_constructor_refuses_missing_tensors_and_bad_fragment_index() -> None:
+    init = _init()
+    del init["head/kernel"]
+    with pytest.raises(GlobalStateError, match="initial parameters: tensor names differ \\(missing \\['head/kernel'\\]"):
+        GlobalState(plan_fragments(SHAPES, 3, 6, 1), init, OUTER)
+    with pytest.raises(GlobalStateError, match="fragment 3 out of range 0..2"):
+        _state().round(3)
+
+
+def test_snapshot_restore_round_trip_with_history() -> None:
+    source = _state()
+    for i in range(5):
+        source.apply_outer_gradient(i % 3, _grad(source, i % 3, i))
+    snap = source.snapshot(include_history=True)
+    assert snap["rounds"] == [2, 2, 1]
+    target = _state()
+    assert target.restore(snap, expected_digest=source.digest()) == source.digest()
+    assert target.rounds() == source.rounds()
+    assert target.history(0).rounds() == source.history(0).rounds() == (0, 1, 2)
+    # both continue identically, including the Nesterov buffer
+    grad = _grad(source, 0, 99)
+    assert source.apply_outer_gradient(0, grad) == target.apply_outer_gradient(0, grad)
+
+
+def test_snapshot_without_history_keeps_only_the_current_version() -> None:
+    source = _state()
+    source.apply_outer_gradient(0, _grad(source, 0, 1))
+    target = _state()
+    target.restore(source.snapshot())
+    assert target.history(0).rounds() == (1,)
+    assert target.digest() == source.digest()
+
+
+def test_restore_is_all_or_nothing_and_checks_the_digest() -> None:
+    source, target = _state(), _state()
+    source.apply_outer_gradient(2, _grad(source, 2, 0))
+    before = target.digest()
+    with pytest.raises(GlobalStateError, match="snapshot digest .* != expected"):
+        target.restore(source.snapshot(), expected_digest="0" * 64)
+    assert target.digest() == before
+    broken = source.snapshot()
+    broken["fragments"][2]["params"] = {n: np.full_like(a, np.inf) for n, a in broken["fragments"][2]["params"].items()}
+    with pytest.raises(GlobalStateError, match="fragment 2 snapshot params: non-finite values"):
+        target.restore(broken)
+    assert target.digest() == before
+    with pytest.raises(GlobalStateError, match="expected a mapping with format 1"):
+        target.restore({"format": 99})
+    frag = source.fragment_snapshot(2)
+    with pytest.raises(GlobalStateError, match="fragment 2 snapshot digest"):
+        target.restore_fragment(frag, expected_digest="ab" * 32)
+    assert target.restore_fragment(frag, expected_digest=source.fragment_digest(2)) == source.fragment_digest(2)
+    assert target.digest() == source.digest()
+
+
+def test_snapshot_arrays_are_copies() -> None:
+    state = _state()
+    snap = state.snapshot()
+    for arr in snap["fragments"][0]["params"].values():
+        arr[...] = 0
+    assert state.digest() == _state().digest()
