@@ -1,0 +1,155 @@
+"""Quorum and adaptive grace window: table-driven decisions AND reasons, grace formula, EMA."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diloco_node.quorum import Ema, QuorumPolicy, RoundDecision, TimingEstimates, decide_round, grace_window
+
+K1 = QuorumPolicy(min_quorum=1, grace_gamma=0.5, grace_cap_s=5.0, overlap_steps=2)
+K3 = QuorumPolicy(min_quorum=3, grace_gamma=0.5, grace_cap_s=5.0, overlap_steps=2)
+# slack = tau*step - (quorum + sync) = 2*1.0 - (0.1 + 0.22) = 1.68; grace = 0.5 * 1.68 = 0.84 s
+KNOWN = TimingEstimates(step_s=1.0, quorum_s=0.1, sync_s=0.22)
+UNKNOWN = TimingEstimates(step_s=None, quorum_s=None, sync_s=None)
+
+# (case, now, opened_at, arrivals, live, policy, estimates, merge_now, wake_at, reason)
+CASES = [
+    ("nobody yet", 10.0, 9.0, {}, 4, K1, KNOWN, False, None,
+     "waiting: 0 of 1 needed contributions"),
+    ("quorum reached, grace running", 10.0, 9.0, {"a": 9.5}, 4, K1, KNOWN, False, 10.34,
+     "quorum 1/1 reached at t=9.50 (1 of 4 arrived); waiting grace 0.84 s for 3 more live learners (until t=10.34)"),
+    ("grace expired", 10.34, 9.0, {"a": 9.5}, 4, K1, KNOWN, True, None,
+     "merging: grace window of 0.84 s expired with 1 of 4"),
+    ("grace expired with two", 11.0, 9.0, {"a": 9.5, "b": 10.1}, 4, K1, KNOWN, True, None,
+     "merging: grace window of 0.84 s expired with 2 of 4"),
+    ("one missing learner left", 10.0, 9.0, {"a": 9.5, "b": 9.6, "c": 9.7}, 4, K1, KNOWN, False, 10.34,
+     "quorum 1/1 reached at t=9.50 (3 of 4 arrived); waiting grace 0.84 s for 1 more live learner (until t=10.34)"),
+    ("everybody arrived", 9.9, 9.0, {"a": 9.5, "b": 9.6, "c": 9.7, "d": 9.9}, 4, K1, KNOWN, True, None,
+     "merging: all 4 live learners arrived"),
+    ("single learner run", 9.6, 9.0, {"a": 9.5}, 1, K1, KNOWN, True, None,
+     "merging: all 1 live learner arrived"),
+    ("a contributor died after sending", 9.6, 9.0, {"a": 9.5, "b": 9.55}, 1, K1, KNOWN, True, None,
+     "merging: all 1 live learners arrived (2 contributions)"),
+    ("all contributors died", 9.6, 9.0, {"a": 9.5}, 0, K1, KNOWN, True, None,
+     "merging: no live learners left to wait for (1 contribution)"),
+    ("estimates unknown: merge at quorum", 9.6, 9.0, {"a": 9.5}, 4, K1, UNKNOWN, True, None,
+     "merging: quorum 1/1 reached with 1 of 4; no grace window until step/quorum/sync time is measured"),
+    ("only sync unknown", 9.6, 9.0, {"a": 9.5}, 4, K1, TimingEstimates(1.0, 0.1, None), True, None,
+     "merging: quorum 1/1 reached with 1 of 4; no grace window until sync time is measured"),
+    ("no slack", 9.6, 9.0, {"a": 9.5}, 4, K1, TimingEstimates(0.1, 0.5, 0.5), True, None,
+     "merging: quorum 1/1 reached with 1 of 4; no grace window: no slack (tau*step 0.20 s <= quorum+sync 1.00 s)"),
+    ("K=3, two arrived", 10.0, 9.0, {"a": 9.5, "b": 9.8}, 4, K3, KNOWN, False, None,
+     "waiting: 2 of 3 needed contributions"),
+    ("K=3 reached by the third, grace from then", 10.0, 9.0, {"a": 9.5, "b": 9.8, "c": 9.9}, 4, K3, KNOWN, False, 10.74,
+     "quorum 3/3 reached at t=9.90 (3 of 4 arrived); waiting grace 0.84 s for 1 more live learner (until t=10.74)"),
+    ("K > live learners: cannot reach quorum", 10.0, 9.0, {"a": 9.5}, 2, K3, KNOWN, False, None,
+     "waiting: 1 of 3 needed contributions; only 2 live learners, quorum K = 3 cannot be reached until more learners are live"),
+    ("K > live learners even though all live arrived", 10.0, 9.0, {"a": 9.5, "b": 9.6}, 2, K3, KNOWN, False, None,
+     "waiting: 2 of 3 needed contributions; only 2 live learners, quorum K = 3 cannot be reached until more learners are live"),
+    ("no live learners at all", 10.0, 9.0, {}, 0, K1, KNOWN, False, None,
+     "waiting: 0 of 1 needed contributions; only 0 live learners, quorum K = 1 cannot be reached until more learners are live"),
+    ("early arrival: grace counts from the round's opening", 9.5, 9.0, {"a": 8.0}, 4, K1, KNOWN, False, 9.84,
+     "quorum 1/1 reached at t=9.00 (1 of 4 arrived); waiting grace 0.84 s for 3 more live learners (until t=9.84)"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "now", "opened_at", "arrivals", "live", "policy", "estimates", "merge_now", "wake_at", "reason"),
+    CASES,
+    ids=[c[0] for c in CASES],
+)
+def test_decide_round(case, now, opened_at, arrivals, live, policy, estimates, merge_now, wake_at, reason) -> None:
+    decision = decide_round(now, opened_at, arrivals, live, policy, estimates)
+    assert decision.reason == reason
+    assert decision.merge_now is merge_now
+    assert decision.have == len(arrivals) and decision.need == policy.min_quorum
+    if wake_at is None:
+        assert decision.wake_at is None
+    else:
+        assert decision.wake_at == pytest.approx(wake_at)
+
+
+def test_quorum_time_is_reported_for_the_quorum_estimate() -> None:
+    decision = decide_round(10.0, 9.0, {"a": 9.7, "b": 9.2, "c": 9.9}, 5, K3, KNOWN)
+    assert decision.quorum_at == 9.9
+    assert decide_round(10.0, 9.0, {"a": 9.7}, 5, K3, KNOWN).quorum_at is None
+
+
+@pytest.mark.parametrize(
+    ("policy", "estimates", "expected"),
+    [
+        (K1, KNOWN, 0.84),
+        (K1, UNKNOWN, 0.0),
+        (K1, TimingEstimates(None, 0.1, 0.2), 0.0),
+        (K1, TimingEstimates(100.0, 0.1, 0.2), 5.0),  # capped
+        (QuorumPolicy(1, 0.5, 5.0, 0), KNOWN, 0.0),  # tau = 0: no overlap, no slack
+        (QuorumPolicy(1, 0.0, 5.0, 2), KNOWN, 0.0),  # gamma = 0 disables the window
+        (QuorumPolicy(1, 0.9, 0.5, 2), KNOWN, 0.5),
+    ],
+)
+def test_grace_window_formula(policy, estimates, expected) -> None:
+    assert grace_window(policy, estimates) == pytest.approx(expected)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    step=st.floats(0, 100), quorum=st.floats(0, 100), sync=st.floats(0, 100),
+    gamma=st.floats(0, 0.99), cap=st.floats(0, 30), tau=st.integers(0, 8),
+)
+def test_grace_is_within_zero_and_cap_and_never_exceeds_the_slack(step, quorum, sync, gamma, cap, tau) -> None:
+    g = grace_window(QuorumPolicy(1, gamma, cap, tau), TimingEstimates(step, quorum, sync))
+    assert 0.0 <= g <= cap
+    assert g <= max(0.0, tau * step - (quorum + sync)) + 1e-9
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    arrivals=st.dictionaries(st.sampled_from("abcdefgh"), st.floats(0, 20), max_size=8),
+    live=st.integers(0, 8), k=st.integers(1, 8), now=st.floats(0, 40),
+)
+def test_decisions_are_consistent(arrivals, live, k, now) -> None:
+    policy = QuorumPolicy(k, 0.5, 5.0, 2)
+    d = decide_round(now, 0.0, arrivals, live, policy, KNOWN)
+    assert isinstance(d, RoundDecision) and d.reason
+    if len(arrivals) < k:
+        assert not d.merge_now and d.wake_at is None
+    if d.merge_now:
+        assert len(arrivals) >= k and d.wake_at is None
+    if d.wake_at is not None:
+        assert d.wake_at > now and not d.merge_now
+        # waking at the deadline with nothing new merges
+        assert decide_round(d.wake_at, 0.0, arrivals, live, policy, KNOWN).merge_now
+
+
+def test_ema() -> None:
+    ema = Ema(alpha=0.5)
+    assert ema.value is None
+    assert ema.update(2.0) == 2.0
+    assert ema.update(4.0) == 3.0
+    assert ema.value == 3.0
+    with pytest.raises(ValueError, match="not finite"):
+        ema.update(math.inf)
+    with pytest.raises(ValueError, match="alpha = 0"):
+        Ema(alpha=0)
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: QuorumPolicy(0, 0.5, 1.0, 2), "min_quorum K = 0 must be >= 1"),
+        (lambda: QuorumPolicy(1, 1.0, 1.0, 2), "grace_gamma = 1.0 must be in \\[0, 1\\)"),
+        (lambda: QuorumPolicy(1, 0.5, -1.0, 2), "grace_cap_s = -1.0"),
+        (lambda: QuorumPolicy(1, 0.5, 1.0, -1), "overlap_steps tau = -1"),
+        (lambda: TimingEstimates(-1.0, None, None), "step_s = -1.0"),
+        (lambda: TimingEstimates(None, math.nan, None), "quorum_s = nan"),
+        (lambda: decide_round(math.nan, 0.0, {}, 1, K1, KNOWN), "must be finite"),
+        (lambda: decide_round(1.0, 0.0, {}, -1, K1, KNOWN), "live_learners = -1"),
+    ],
+)
+def test_bad_parameters_are_refused(build, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        build()
