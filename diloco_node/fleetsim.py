@@ -81,6 +81,9 @@ class FleetParams:
     slowdown_mean_s: float = 60.0
     slowdown_factor: float = 0.5
     expected_failures: int = DEFAULT_EXPECTED_FAILURES
+    # A fixed measured wall time instead of one derived from expected_failures (e.g. for a
+    # fleet that never fails).
+    wall_time_s: float | None = None
 
     def __post_init__(self) -> None:
         positive = {
@@ -102,6 +105,11 @@ class FleetParams:
         for name, value in non_negative.items():
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a non-negative finite number, got {value!r}")
+        if self.wall_time_s is not None and not (
+            isinstance(self.wall_time_s, int | float) and math.isfinite(self.wall_time_s)
+            and self.wall_time_s > 0
+        ):
+            raise ValueError(f"wall_time_s must be a positive finite number, got {self.wall_time_s!r}")
         if not 0 <= self.speed_spread < 1:
             raise ValueError(f"speed_spread must be in [0, 1), got {self.speed_spread!r}")
         if not 0 < self.slowdown_factor <= 1:
@@ -109,6 +117,8 @@ class FleetParams:
 
     def horizon_s(self, chips: int) -> float:
         """Measured wall time: long enough for `expected_failures` fleet-wide failures."""
+        if self.wall_time_s is not None:
+            return float(self.wall_time_s)
         return self.expected_failures * self.mtbi_chip_s / chips
 
     def warmup_s(self) -> float:

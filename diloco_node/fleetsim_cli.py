@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser, name: str = "simulate") -> No
                         help="speed of a job while one of its slices is slow (default: %(default)s)")
     parser.add_argument("--expected-failures", type=int, default=d.expected_failures,
                         help="simulated horizon in expected fleet-wide failures (default: %(default)s)")
+    parser.add_argument("--wall-time-s", type=float, default=None,
+                        help="fixed simulated wall time instead of --expected-failures")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--json", default="fleetsim-goodput.json",
                         help="where to write the JSON results; '-' for stdout (default: %(default)s)")
@@ -76,6 +78,7 @@ def params_from_args(args: argparse.Namespace) -> FleetParams:
         slowdown_mean_s=args.slowdown_mean_s,
         slowdown_factor=args.slowdown_factor,
         expected_failures=args.expected_failures,
+        wall_time_s=args.wall_time_s,
     )
 
 

@@ -1,0 +1,255 @@
+"""The fleet goodput simulator: determinism, limits, analytic checks, and the `simulate` CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from diloco_node import cli, fleetsim
+from diloco_node.fleetsim import FleetParams, JobResult, quorum_uptime, simulate_fleet, simulate_job
+
+# Small horizons keep every test well under a second.
+QUICK = FleetParams(expected_failures=2_000)
+NO_FAILURES = replace(QUICK, mtbi_chip_s=1e30, wall_time_s=1e6)
+
+
+def _job(seed: int, *, elastic: bool = True, params: FleetParams = QUICK, record: bool = True):
+    return simulate_job(
+        200,
+        elastic=elastic,
+        params=params,
+        horizon_s=params.horizon_s(200 * params.slice_chips),
+        rng=fleetsim.learner_rng(seed, 0),
+        record_events=record,
+    )
+
+
+def test_same_seed_gives_identical_schedule_and_results():
+    a, b = _job(7), _job(7)
+    assert a.events == b.events
+    assert a.productive_chip_s == b.productive_chip_s
+    assert a.up_intervals == b.up_intervals
+
+
+def test_different_seeds_give_different_schedules():
+    assert _job(1).events != _job(2).events
+
+
+def test_events_are_time_ordered_and_intervals_disjoint():
+    job = _job(3)
+    times = [t for t, _, _ in job.events]
+    assert len(times) > 100
+    assert times == sorted(times)
+    assert all(0 <= healthy <= 200 for _, _, healthy in job.events)
+    previous_end = 0.0
+    for start, end in job.up_intervals:
+        assert previous_end <= start < end <= job.horizon_s
+        previous_end = end
+
+
+def test_changes_while_training_pause_the_job_and_changes_while_paused_are_absorbed():
+    job = _job(4)
+    kinds = [kind for _, kind, _ in job.events]
+    paused = False
+    absorbed = 0
+    for i, kind in enumerate(kinds):
+        if kind == "pause":
+            assert not paused, "a pause started while already paused"
+            assert kinds[i - 1] in ("failure", "repair")
+            paused = True
+        elif kind == "resume":
+            assert paused
+            paused = False
+        elif kind in ("failure", "repair"):
+            following = kinds[i + 1] if i + 1 < len(kinds) else None
+            if paused:
+                absorbed += 1
+                assert following != "pause"
+            else:
+                assert following == "pause"
+    assert kinds.count("pause") == job.pauses + sum(1 for t, k, _ in job.events if k == "pause" and t < 0)
+    assert absorbed > 0  # at 200 slices some changes land inside a pause
+
+
+@pytest.mark.parametrize("strategy,m", [("dp", 1), ("elastic_dp", 1), ("decoupled", 4)])
+@pytest.mark.parametrize("chips", [20_000, 1_200_000])
+def test_goodput_and_uptime_are_fractions(strategy, m, chips):
+    r = simulate_fleet(strategy, chips, QUICK, learners=m)
+    assert 0.0 <= r.goodput <= 1.0
+    assert 0.0 <= r.uptime <= 1.0
+    assert r.goodput <= r.uptime + 1e-12  # no productive work while the model stands still (K=1)
+
+
+@pytest.mark.parametrize("strategy,m", [("dp", 1), ("elastic_dp", 1), ("decoupled", 8)])
+def test_no_failures_means_full_goodput(strategy, m):
+    r = simulate_fleet(strategy, 1_200_000, NO_FAILURES, learners=m)
+    assert r.goodput == pytest.approx(1.0, abs=1e-12)
+    assert r.uptime == pytest.approx(1.0, abs=1e-12)
+    assert r.failures == 0
+
+
+def test_one_decoupled_learner_replays_elastic_dp_exactly():
+    params = replace(QUICK, speed_spread=0.2, slowdown_rate_per_slice=1e-4)
+    elastic = simulate_fleet("elastic_dp", 600_000, params, seed=11)
+    single = simulate_fleet("decoupled", 600_000, params, learners=1, quorum=1, seed=11)
+    assert single.goodput == elastic.goodput
+    assert single.uptime == elastic.uptime
+    assert single.pauses == elastic.pauses
+
+
+def test_full_quorum_uptime_never_exceeds_any_quorum():
+    uptimes = [
+        simulate_fleet("decoupled", 2_400_000, QUICK, learners=4, quorum=k).uptime for k in (1, 2, 3, 4)
+    ]
+    assert uptimes == sorted(uptimes, reverse=True)
+    assert uptimes[-1] < uptimes[0]
+
+
+def test_quorum_uptime_on_hand_made_intervals():
+    def job(intervals):
+        return JobResult(chips=1, horizon_s=10, productive_chip_s=0, up_intervals=intervals,
+                         failures=0, pauses=0)
+
+    jobs = [job([(0, 4), (6, 10)]), job([(2, 8)])]
+    assert quorum_uptime(jobs, 1, 10) == pytest.approx(1.0)
+    assert quorum_uptime(jobs, 2, 10) == pytest.approx(0.4)  # [2,4) and [6,8)
+    with pytest.raises(ValueError, match="quorum"):
+        quorum_uptime(jobs, 3, 10)
+
+
+def test_dp_matches_the_renewal_formula():
+    """Training spans average MTBI/N, each ends in one restart that absorbs further failures."""
+    params = replace(QUICK, expected_failures=8_000)
+    chips = 1_200_000
+    r = simulate_fleet("dp", chips, params)
+    rate = r.chips / params.mtbi_chip_s
+    assert r.goodput == pytest.approx(1 / (1 + rate * params.restart_s), abs=0.015)
+
+
+def test_elastic_without_pauses_loses_the_share_of_slices_under_repair():
+    params = replace(QUICK, downscale_s=0.0, upscale_s=0.0, repair_s=20 * 3600.0)
+    r = simulate_fleet("elastic_dp", 300_000, params)
+    slice_rate = params.slice_chips / params.mtbi_chip_s
+    healthy_share = 1 / (1 + slice_rate * params.repair_s)
+    assert r.goodput == pytest.approx(healthy_share, abs=0.01)
+    assert r.uptime == pytest.approx(1.0)
+
+
+def test_decoupled_gets_the_goodput_of_elastic_at_n_over_m():
+    decoupled = simulate_fleet("decoupled", 1_200_000, QUICK, learners=8)
+    elastic_small = simulate_fleet("elastic_dp", 150_000, QUICK)
+    assert decoupled.goodput == pytest.approx(elastic_small.goodput, abs=0.015)
+    assert "8 learners" in decoupled.reason
+
+
+def test_static_heterogeneity_gates_synchronous_jobs_at_the_slowest_speed():
+    params = replace(NO_FAILURES, speed_spread=0.4)
+    assert simulate_fleet("dp", 100_000, params).goodput == pytest.approx(0.6)
+    # learners at 1.0, 0.8, 0.6: each runs at its own speed
+    assert simulate_fleet("decoupled", 100_000, params, learners=3).goodput == pytest.approx(0.8, abs=0.01)
+
+
+def test_transient_slowdowns_cost_what_their_stationary_share_predicts():
+    params = replace(NO_FAILURES, slowdown_rate_per_slice=1e-4, slowdown_mean_s=100.0,
+                     slowdown_factor=0.5, wall_time_s=2e7)
+    n_slices = 20
+    chips = n_slices * params.slice_chips
+    r = simulate_fleet("dp", chips, params)
+    q = 1e-4 / (1e-4 + 1 / 100.0)
+    p_any_slow = 1 - (1 - q) ** n_slices
+    assert r.goodput == pytest.approx(1 - 0.5 * p_any_slow, abs=0.01)
+
+
+def test_default_sweep_is_near_the_paper_at_1_2m_chips():
+    """A reduced-horizon check of the calibrated defaults (the benchmark runs the full sweep)."""
+    params = FleetParams(expected_failures=4_000)
+    got = {
+        "dp": simulate_fleet("dp", 1_200_000, params).goodput,
+        "elastic_dp": simulate_fleet("elastic_dp", 1_200_000, params).goodput,
+        "M=8": simulate_fleet("decoupled", 1_200_000, params, learners=8).goodput,
+    }
+    assert got["dp"] == pytest.approx(0.27, abs=0.05)
+    assert got["elastic_dp"] == pytest.approx(0.58, abs=0.05)
+    assert got["M=8"] == pytest.approx(0.88, abs=0.05)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("mtbi_chip_s", -1.0), ("slice_chips", 0), ("repair_s", math.nan), ("downscale_s", -2.0),
+     ("speed_spread", 1.0), ("slowdown_factor", 0.0), ("expected_failures", 0)],
+)
+def test_bad_parameters_are_rejected_by_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        FleetParams(**{field: value})
+
+
+def test_bad_fleet_arguments_are_rejected():
+    with pytest.raises(ValueError, match="chips"):
+        simulate_fleet("dp", -5, QUICK)
+    with pytest.raises(ValueError, match="quorum"):
+        simulate_fleet("decoupled", 100_000, QUICK, learners=2, quorum=3)
+    with pytest.raises(ValueError, match="unknown strategy"):
+        simulate_fleet("pipeline", 100_000, QUICK)
+
+
+SMALL_RUN = ["simulate", "--chips", "50000", "200000", "--learners", "2", "4",
+             "--expected-failures", "500", "--plot", "none"]
+
+
+def test_cli_writes_json_with_one_result_per_configuration(capsys):
+    assert cli.main([*SMALL_RUN, "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert set(report) >= {"params", "seed", "wall_time_s", "results"}
+    assert report["params"]["slice_chips"] == fleetsim.DEFAULT_SLICE_CHIPS
+    results = report["results"]
+    assert len(results) == 2 * (1 + 1 + 2)  # sizes x (dp, elastic, M=2, M=4)
+    for r in results:
+        assert set(r) >= {"strategy", "fleet_size", "chips", "learners", "quorum", "goodput",
+                          "uptime", "reason"}
+        assert 0 <= r["goodput"] <= 1
+    assert "goodput % (uptime %)" in captured.err  # the table goes to stderr when JSON is on stdout
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [(["--chips", "-10"], "--chips must be positive"),
+     (["--repair-s", "-1"], "repair_s"),
+     (["--mtbi-years", "0"], "--mtbi-years"),
+     (["--learners", "0"], "--learners")],
+)
+def test_cli_bad_input_exits_2_with_a_clear_message(capsys, extra, message):
+    assert cli.main([*SMALL_RUN, "--json", "-", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_plot_is_written_or_skipped(tmp_path, monkeypatch, capsys):
+    png = tmp_path / "g.png"
+    args = ["simulate", "--chips", "50000", "--learners", "2", "--expected-failures", "300",
+            "--json", str(tmp_path / "g.json"), "--plot", str(png)]
+    assert cli.main(args) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
+    png.unlink()
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "plot skipped: matplotlib is not installed" in out
+    assert not png.exists()
+    assert json.loads((tmp_path / "g.json").read_text())["results"]
+
+
+def test_simulate_and_bandwidth_do_not_import_jax(tmp_path):
+    code = (
+        "import sys; from diloco_node import cli; "
+        f"cli.main(['simulate','--chips','20000','--learners','2','--expected-failures','200',"
+        f"'--plot','none','--json',{str(tmp_path / 'x.json')!r}]); "
+        "cli.main(['bandwidth','--paper']); "
+        "assert 'jax' not in sys.modules, 'jax imported'"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
