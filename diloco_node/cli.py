@@ -16,6 +16,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("diloco_node.train_cli", "an in-process multi-learner run with every knob exposed"),
     "simulate": ("diloco_node.fleetsim_cli", "fleet goodput under failures: dp, elastic dp, decoupled"),
     "bandwidth": ("diloco_node.bandwidth_cli", "cross-site bandwidth: data-parallel vs decoupled"),
+    "status": ("diloco_node.status_cli", "one-shot status of one or more nodes (table or --json)"),
+    "watch": ("diloco_node.status_cli", "live view of nodes' status; one JSON line per poll when piped"),
+    "config": ("diloco_node.config_cli", "config show: the effective configuration and each value's source"),
 }
 
 

@@ -1,0 +1,513 @@
+"""The operator surface's documents: the /status schema and builder, /metrics, / and the probes.
+
+- `StatusDocument`: a frozen tree with a schema string, `to_json()` and a validating `from_dict()`
+  (the `status`/`watch` commands parse what a node serves with it).
+- `StatusBuilder`: the daemon's thread-safe collector (learner progress, bytes, coordination
+  state, recent errors) that produces a `StatusDocument` for a given `now`.
+- `MetricsRegistry`: one per node (several nodes share a process in tests), with counters and
+  gauges rendered in the Prometheus text format (0.0.4) by `render_metrics`, which adds the
+  families derived from the status document. Written here rather than with prometheus_client:
+  the format is a few lines, and the project avoids a dependency for it.
+- `operator_routes`: aiohttp routes for `/`, `/status`, `/metrics`, `/livez`, `/readyz`, for the
+  daemon to mount.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+import math
+import re
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+STATUS_SCHEMA = "diloco-node/status/1"
+_SCHEMA_PREFIX = "diloco-node/status/"
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Tokens/s is averaged over this window: long enough to smooth step-to-step jitter, short enough
+# that a stalled learner shows 0 within a minute.
+TOKENS_RATE_WINDOW_S = 30.0
+# Recent errors shown on /status; older ones are in the log.
+MAX_RECENT_ERRORS = 10
+MAX_ERROR_CHARS = 500
+
+
+class StatusFormatError(ValueError):
+    """A status document does not match the schema; the message names the field."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The document
+
+
+@dataclass(frozen=True, slots=True)
+class MemberStatus:
+    node_id: str
+    url: str
+    role: str
+    alive: bool
+    voter: bool = True
+    last_seen_s: float | None = None  # seconds since we last heard from it (None: never, or self)
+
+
+@dataclass(frozen=True, slots=True)
+class LearnerStatus:
+    step: int = 0
+    loss: float | None = None
+    tokens: int = 0
+    tokens_per_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ByteCounters:
+    sent: int = 0
+    received: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class QuorumStatus:
+    have: int = 0
+    need: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class FragmentStatus:
+    fragment: int
+    round: int
+
+
+@dataclass(frozen=True, slots=True)
+class RecentError:
+    age_s: float
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class StatusDocument:
+    """What `/status` serves. Field names are the JSON keys."""
+
+    node_id: str
+    run_id: str
+    role: str
+    ready: bool
+    epoch: int
+    coordinator: str | None  # node_id of the lease holder, None while no one holds it
+    commit_index: int
+    state_digest: str
+    members: tuple[MemberStatus, ...] = ()
+    learner: LearnerStatus = field(default_factory=LearnerStatus)
+    bytes: ByteCounters = field(default_factory=ByteCounters)
+    quorum: QuorumStatus = field(default_factory=QuorumStatus)
+    fragments: tuple[FragmentStatus, ...] = ()
+    uptime_s: float = 0.0
+    version: str = ""
+    last_errors: tuple[RecentError, ...] = ()
+    ready_reason: str = ""  # why not ready yet ("catching up: applied 12 of 40"), or what ready means
+    schema: str = STATUS_SCHEMA
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.coordinator is not None and self.coordinator == self.node_id
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "StatusDocument":
+        """Validate a parsed document; unknown keys are ignored (newer nodes may add fields)."""
+        if not isinstance(raw, Mapping):
+            raise StatusFormatError(f"status: expected a JSON object, got {type(raw).__name__}")
+        schema = _get(raw, "schema", str)
+        if not schema.startswith(_SCHEMA_PREFIX) or schema.split("/")[-1] != STATUS_SCHEMA.split("/")[-1]:
+            raise StatusFormatError(f"schema = {schema!r}: this build reads {STATUS_SCHEMA!r}")
+        return cls(
+            schema=schema,
+            node_id=_get(raw, "node_id", str),
+            run_id=_get(raw, "run_id", str),
+            role=_get(raw, "role", str),
+            ready=_get(raw, "ready", bool),
+            epoch=_get(raw, "epoch", int),
+            coordinator=_get(raw, "coordinator", (str, type(None))),
+            commit_index=_get(raw, "commit_index", int),
+            state_digest=_get(raw, "state_digest", str),
+            members=tuple(_build(MemberStatus, m, f"members[{i}]")
+                          for i, m in enumerate(_get(raw, "members", list))),
+            learner=_build(LearnerStatus, _get(raw, "learner", dict), "learner"),
+            bytes=_build(ByteCounters, _get(raw, "bytes", dict), "bytes"),
+            quorum=_build(QuorumStatus, _get(raw, "quorum", dict), "quorum"),
+            fragments=tuple(_build(FragmentStatus, f, f"fragments[{i}]")
+                            for i, f in enumerate(raw.get("fragments", []) or [])),
+            uptime_s=float(raw.get("uptime_s", 0.0) or 0.0),
+            version=str(raw.get("version", "")),
+            last_errors=tuple(_build(RecentError, e, f"last_errors[{i}]")
+                              for i, e in enumerate(raw.get("last_errors", []) or [])),
+            ready_reason=str(raw.get("ready_reason", "")),
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "StatusDocument":
+        try:
+            raw = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise StatusFormatError(f"status: not JSON: {exc}") from None
+        return cls.from_dict(raw)
+
+
+def _type_ok(value: Any, types: type | tuple[type, ...]) -> bool:
+    types = types if isinstance(types, tuple) else (types,)
+    if isinstance(value, bool) and bool not in types:
+        return False  # JSON true is not a number here
+    if float in types and isinstance(value, int) and not isinstance(value, bool):
+        return True
+    return isinstance(value, types)
+
+
+def _get(raw: Mapping[str, Any], key: str, types: type | tuple[type, ...], where: str = "") -> Any:
+    if key not in raw:
+        raise StatusFormatError(f"{where}{key}: missing")
+    value = raw[key]
+    if not _type_ok(value, types):
+        names = "/".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        raise StatusFormatError(f"{where}{key} = {value!r}: expected {names}")
+    return value
+
+
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "str": (str,), "bool": (bool,), "int": (int,), "float": (float,),
+    "float | None": (float, type(None)), "str | None": (str, type(None)),
+}
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, Mapping):
+        raise StatusFormatError(f"{where}: expected an object, got {type(raw).__name__}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw and (f.default is not dataclasses.MISSING):
+            continue
+        value = _get(raw, f.name, _FIELD_TYPES[str(f.type)], where + ".")
+        kwargs[f.name] = float(value) if str(f.type).startswith("float") and value is not None else value
+    return cls(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The builder the daemon feeds
+
+
+class StatusBuilder:
+    """Collects a node's live figures from the event loop and the training thread (hence the lock)."""
+
+    def __init__(self, node_id: str, run_id: str, role: str, started_at: float, version: str = "",
+                 tokens_rate_window_s: float = TOKENS_RATE_WINDOW_S, max_recent_errors: int = MAX_RECENT_ERRORS) -> None:
+        self._lock = threading.Lock()
+        self._base = StatusDocument(node_id=node_id, run_id=run_id, role=role, ready=False, epoch=0,
+                                    coordinator=None, commit_index=0, state_digest="", version=version)
+        self._started_at = started_at
+        self._window_s = tokens_rate_window_s
+        self._samples: deque[tuple[float, int]] = deque()
+        self._learner = LearnerStatus()
+        self._sent = 0
+        self._received = 0
+        self._errors: deque[tuple[float, str]] = deque(maxlen=max_recent_errors)
+
+    def set_run_id(self, run_id: str) -> None:
+        """A joiner learns the run id only after joining."""
+        with self._lock:
+            self._base = dataclasses.replace(self._base, run_id=run_id)
+
+    def set_ready(self, ready: bool, reason: str) -> None:
+        with self._lock:
+            self._base = dataclasses.replace(self._base, ready=ready, ready_reason=reason)
+
+    def set_coordination(self, *, epoch: int, coordinator: str | None, commit_index: int, state_digest: str,
+                         members: Sequence[MemberStatus], quorum: QuorumStatus,
+                         fragments: Sequence[FragmentStatus] = ()) -> None:
+        with self._lock:
+            self._base = dataclasses.replace(
+                self._base, epoch=epoch, coordinator=coordinator, commit_index=commit_index,
+                state_digest=state_digest, members=tuple(members), quorum=quorum, fragments=tuple(fragments))
+
+    def record_learner(self, *, step: int, loss: float | None, tokens: int, now: float) -> None:
+        """`tokens` is the learner's cumulative count; the rate comes from the recent window."""
+        with self._lock:
+            self._samples.append((now, tokens))
+            while len(self._samples) > 2 and now - self._samples[1][0] >= self._window_s:
+                self._samples.popleft()
+            finite = loss is None or math.isfinite(loss)
+            if not finite and (self._learner.loss is not None or self._learner.step == 0):
+                # JSON has no NaN: show null, and say why once rather than on every step.
+                self._errors.append((now, f"learner loss is {loss} at step {step}"))
+            self._learner = LearnerStatus(step=step, loss=loss if finite else None, tokens=tokens)
+
+    def add_bytes(self, *, sent: int = 0, received: int = 0) -> None:
+        with self._lock:
+            self._sent += sent
+            self._received += received
+
+    def record_error(self, message: str, now: float) -> None:
+        with self._lock:
+            self._errors.append((now, message[:MAX_ERROR_CHARS]))
+
+    def document(self, now: float) -> StatusDocument:
+        with self._lock:
+            return dataclasses.replace(
+                self._base,
+                learner=dataclasses.replace(self._learner, tokens_per_s=self._rate(now)),
+                bytes=ByteCounters(self._sent, self._received),
+                uptime_s=max(0.0, now - self._started_at),
+                last_errors=tuple(RecentError(round(now - t, 3), m) for t, m in reversed(self._errors)),
+            )
+
+    def _rate(self, now: float) -> float:
+        if len(self._samples) < 2 or now - self._samples[-1][0] > self._window_s:
+            return 0.0  # no progress within the window: stalled, not "last known speed"
+        (t0, n0), (t1, n1) = self._samples[0], self._samples[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Prometheus text format
+
+_METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+_LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+
+@dataclass(frozen=True, slots=True)
+class MetricFamily:
+    name: str
+    kind: str  # "counter" | "gauge"
+    help: str
+    samples: tuple[tuple[Mapping[str, str], float], ...]
+
+
+class _Metric:
+    def __init__(self, registry: "MetricsRegistry", name: str, kind: str, help: str, labels: Sequence[str]) -> None:
+        self._registry = registry
+        self.name, self.kind, self.help, self.labels = name, kind, help, tuple(labels)
+        self._values: dict[tuple[str, ...], float] = {}
+
+    def _key(self, labels: Mapping[str, str]) -> tuple[str, ...]:
+        if set(labels) != set(self.labels):
+            raise ValueError(f"{self.name}: labels {sorted(labels)} given, declared {list(self.labels)}")
+        return tuple(str(labels[name]) for name in self.labels)
+
+    def _add(self, amount: float, labels: Mapping[str, str]) -> None:
+        key = self._key(labels)
+        with self._registry._lock:
+            self._values[key] = self._values.get(key, 0.0) + amount
+
+    def value(self, **labels: str) -> float:
+        with self._registry._lock:
+            return self._values.get(self._key(labels), 0.0)
+
+    def family(self) -> MetricFamily:
+        with self._registry._lock:
+            items = sorted(self._values.items())
+        return MetricFamily(self.name, self.kind, self.help,
+                            tuple((dict(zip(self.labels, key)), value) for key, value in items))
+
+
+class Counter(_Metric):
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        if amount < 0:
+            raise ValueError(f"{self.name}: a counter only goes up (inc by {amount})")
+        self._add(amount, labels)
+
+
+class Gauge(_Metric):
+    def set(self, value: float, **labels: str) -> None:
+        key = self._key(labels)
+        with self._registry._lock:
+            self._values[key] = float(value)
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        self._add(amount, labels)
+
+    def dec(self, amount: float = 1.0, **labels: str) -> None:
+        self._add(-amount, labels)
+
+
+class MetricsRegistry:
+    """A node's own metrics (frames rejected, rounds merged, ...); one object per node."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._metrics: dict[str, _Metric] = {}
+
+    def counter(self, name: str, help: str, labels: Sequence[str] = ()) -> Counter:
+        if not name.endswith("_total"):
+            raise ValueError(f"counter {name!r}: Prometheus counters are named *_total")
+        return self._register(Counter(self, name, "counter", help, labels))
+
+    def gauge(self, name: str, help: str, labels: Sequence[str] = ()) -> Gauge:
+        return self._register(Gauge(self, name, "gauge", help, labels))
+
+    def _register(self, metric: Any) -> Any:
+        if not _METRIC_NAME.match(metric.name):
+            raise ValueError(f"metric name {metric.name!r} is not a valid Prometheus name")
+        for label in metric.labels:
+            if not _LABEL_NAME.match(label) or label.startswith("__"):
+                raise ValueError(f"{metric.name}: label name {label!r} is not valid")
+        if metric.name in self._metrics or metric.name in STATUS_METRIC_NAMES:
+            raise ValueError(f"metric {metric.name!r} is already registered")
+        self._metrics[metric.name] = metric
+        return metric
+
+    def families(self) -> list[MetricFamily]:
+        return [metric.family() for metric in self._metrics.values()]
+
+
+def status_families(doc: StatusDocument) -> list[MetricFamily]:
+    """Metric families derived from a status document."""
+
+    def one(name: str, kind: str, help: str, value: float, labels: Mapping[str, str] | None = None) -> MetricFamily:
+        return MetricFamily(name, kind, help, ((labels or {}, value),))
+
+    learner = doc.learner
+    families = [
+        one("diloco_node_info", "gauge", "Constant 1, labelled with the node's identity.", 1.0,
+            {"node_id": doc.node_id, "run_id": doc.run_id, "role": doc.role, "version": doc.version}),
+        one("diloco_ready", "gauge", "1 when the node is ready (caught up, serving).", float(doc.ready)),
+        one("diloco_uptime_seconds", "gauge", "Seconds since the node started.", doc.uptime_s),
+        one("diloco_epoch", "gauge", "Current election epoch.", doc.epoch),
+        one("diloco_is_coordinator", "gauge", "1 when this node holds the coordinator lease.", float(doc.is_coordinator)),
+        one("diloco_commit_index", "gauge", "Highest committed log index known.", doc.commit_index),
+        MetricFamily("diloco_members", "gauge", "Members by liveness as seen from this node.", (
+            ({"state": "alive"}, float(sum(m.alive for m in doc.members))),
+            ({"state": "dead"}, float(sum(not m.alive for m in doc.members))),
+        )),
+        one("diloco_quorum_have", "gauge", "Contributions in hand for the round being merged.", doc.quorum.have),
+        one("diloco_quorum_need", "gauge", "Contributions required (K).", doc.quorum.need),
+        one("diloco_learner_step", "gauge", "Learner inner steps taken.", learner.step),
+        one("diloco_learner_loss", "gauge", "Latest training loss (NaN before the first step).",
+            math.nan if learner.loss is None else learner.loss),
+        one("diloco_learner_tokens_total", "counter", "Tokens trained on by this learner.", learner.tokens),
+        one("diloco_learner_tokens_per_second", "gauge", "Training throughput over the recent window.",
+            learner.tokens_per_s),
+        one("diloco_bytes_sent_total", "counter", "Bytes sent to peers.", doc.bytes.sent),
+        one("diloco_bytes_received_total", "counter", "Bytes received from peers.", doc.bytes.received),
+        MetricFamily("diloco_fragment_round", "gauge", "Committed round per fragment.",
+                     tuple(({"fragment": str(f.fragment)}, float(f.round)) for f in doc.fragments)),
+    ]
+    return families
+
+
+STATUS_METRIC_NAMES = frozenset(f.name for f in status_families(
+    StatusDocument(node_id="x", run_id="", role="learner", ready=False, epoch=0, coordinator=None,
+                   commit_index=0, state_digest="")))
+
+
+def render_metrics(doc: StatusDocument, registry: MetricsRegistry | None = None) -> str:
+    """The Prometheus text exposition for one node: status-derived families plus the registry's."""
+    families = status_families(doc) + (registry.families() if registry is not None else [])
+    return render_families(families)
+
+
+def render_families(families: Iterable[MetricFamily]) -> str:
+    lines: list[str] = []
+    for family in families:
+        lines.append(f"# HELP {family.name} {_escape_help(family.help)}")
+        lines.append(f"# TYPE {family.name} {family.kind}")
+        for labels, value in family.samples:
+            label_text = ",".join(f'{k}="{_escape_label(str(v))}"' for k, v in labels.items())
+            lines.append(f"{family.name}{{{label_text}}} {_format_value(value)}" if label_text
+                         else f"{family.name} {_format_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _escape_label(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _format_value(value: float) -> str:
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if float(value).is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return repr(float(value))
+
+
+# ---------------------------------------------------------------------------------------------
+# Human page and HTTP routes
+
+
+def render_html(doc: StatusDocument) -> str:
+    """A small self-refreshing page for `/`."""
+    e = html.escape
+    learner = doc.learner
+    rows = "".join(
+        f"<tr><td>{e(m.node_id)}</td><td>{e(m.role)}</td><td>{'yes' if m.alive else '<b>no</b>'}</td>"
+        f"<td>{e(m.url)}</td><td>{'' if m.last_seen_s is None else f'{m.last_seen_s:.1f}s'}</td></tr>"
+        for m in doc.members)
+    errors = "".join(f"<li>{m.age_s:.0f}s ago: {e(m.message)}</li>" for m in doc.last_errors)
+    loss = "-" if learner.loss is None else f"{learner.loss:.4f}"
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><meta http-equiv="refresh" content="5">
+<title>diloco-node {e(doc.node_id)}</title>
+<style>body{{font-family:sans-serif;margin:2em}}td,th{{padding:.2em .8em;text-align:left}}</style></head>
+<body><h1>{e(doc.node_id)} <small>({e(doc.role)}, {'ready' if doc.ready else 'not ready'})</small></h1>
+<p>{e(doc.ready_reason)}</p>
+<p>run {e(doc.run_id)} &middot; epoch {doc.epoch} &middot; coordinator {e(doc.coordinator or '-')}
+&middot; commit index {doc.commit_index} &middot; digest {e(doc.state_digest[:16])}</p>
+<p>quorum {doc.quorum.have}/{doc.quorum.need}: {e(doc.quorum.reason)}</p>
+<p>step {learner.step} &middot; loss {loss} &middot; tokens {learner.tokens} &middot;
+{learner.tokens_per_s:.1f} tokens/s &middot; bytes sent {doc.bytes.sent} received {doc.bytes.received}</p>
+<table><tr><th>node</th><th>role</th><th>alive</th><th>url</th><th>last seen</th></tr>{rows}</table>
+{f'<h2>Recent errors</h2><ul>{errors}</ul>' if errors else ''}
+<p><a href="/status">/status</a> &middot; <a href="/metrics">/metrics</a></p></body></html>
+"""
+
+
+def operator_routes(snapshot: Callable[[], StatusDocument], registry: MetricsRegistry | None = None,
+                    live: Callable[[], bool] = lambda: True) -> "web.RouteTableDef":
+    """aiohttp routes for the operator API; `snapshot()` builds the current document.
+
+    `/readyz` is 200 only when the document says ready (a load balancer or the local-cluster
+    script waits on it); `/livez` is 200 while `live()` holds (the event loop answering is most
+    of the proof; `live` adds e.g. "the training thread is not stuck").
+    """
+    from aiohttp import web
+
+    routes = web.RouteTableDef()
+
+    @routes.get("/status")
+    async def status(request: web.Request) -> web.Response:
+        return web.Response(text=snapshot().to_json(), content_type="application/json")
+
+    @routes.get("/metrics")
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=render_metrics(snapshot(), registry).encode(),
+                            headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    @routes.get("/livez")
+    async def livez(request: web.Request) -> web.Response:
+        return web.Response(text="ok\n") if live() else web.Response(status=503, text="unhealthy\n")
+
+    @routes.get("/readyz")
+    async def readyz(request: web.Request) -> web.Response:
+        doc = snapshot()
+        if doc.ready:
+            return web.Response(text="ready\n")
+        return web.Response(status=503, text=f"not ready: {doc.ready_reason or 'starting'}\n")
+
+    @routes.get("/")
+    async def index(request: web.Request) -> web.Response:
+        return web.Response(text=render_html(snapshot()), content_type="text/html")
+
+    return routes
