@@ -30,7 +30,8 @@ def ceil_to_bf16_bits(values: np.ndarray) -> np.ndarray:
 
     Rounding up (not to nearest) guarantees |x| / scale never exceeds the largest code.
     """
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    # Clearing the sign bit turns -0.0 (which max(x, -x) can return for all-zero blocks) into 0.
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32) & np.uint32(0x7FFFFFFF)
     # Adding 0xFFFF before truncating rounds any nonzero low half up; cannot overflow uint32
     # because finite non-negative float32 bits are <= 0x7F7FFFFF.
     rounded = ((bits + np.uint32(0xFFFF)) >> np.uint32(16)).astype(np.uint16)
@@ -197,26 +198,38 @@ class BlockCodec(Codec):
         # enough to refuse non-finite input without another pass over the data.
         require_finite(absmax)
         scale_bits = ceil_to_bf16_bits(absmax / np.float32(self.qmax))
+        # Cap so that qmax * scale stays finite; only blocks within 2^-7 of the float32 maximum
+        # reach the cap, and their codes are clipped to qmax (saturation) below.
+        largest_bits = self.largest_scale_bits()
+        np.minimum(scale_bits, largest_bits, out=scale_bits)
         scales = np.maximum(bf16_bits_to_f32(scale_bits), _MIN_SCALE)
         scale_bits = ceil_to_bf16_bits(scales)  # the floor at _MIN_SCALE is exactly representable
         body = np.empty(self.body_size(work.size, block_size), dtype=np.uint8)
         body[: 2 * num_blocks] = scale_bits.view(np.uint8)
         blocks *= (np.float32(1.0) / scales)[:, None]
+        if (scale_bits == largest_bits).any():
+            np.clip(blocks, -self.qmax, self.qmax, out=blocks)
         self._quantize(blocks, body[2 * num_blocks :].reshape(num_blocks, block_size * self.code_bits // 8))
         return body
+
+    def largest_scale_bits(self) -> np.uint16:
+        """bf16 bits of the largest scale an encoder writes: qmax * scale must not overflow."""
+        return np.uint16(np.array(_FLOAT32_MAX / self.qmax, dtype=np.float32).view(np.uint32) >> 16)
 
     def decode_body(self, body: np.ndarray, padded_elements: int, block_size: int) -> np.ndarray:
         num_blocks = padded_elements // block_size
         scales = bf16_bits_to_f32(body[: 2 * num_blocks].view(np.uint16))
-        # A well-formed encoder never writes these; refusing them keeps every output finite.
-        if not (scales <= np.float32(_FLOAT32_MAX / self.max_code_magnitude)).all():
-            raise RemoteProtocolError(
-                f"{self.name} body has a scale that is negative, NaN, or too large to decode finitely",
-                status_hint=400,
-            )
+        # No encoder writes a negative, NaN or larger scale (the comparison is False for NaN).
+        largest_scale = bf16_bits_to_f32(np.array([self.largest_scale_bits()]))[0]
+        if not ((scales >= 0) & (scales <= largest_scale)).all():
+            raise RemoteProtocolError(f"{self.name} body has a negative, NaN or oversized scale", status_hint=400)
         out = np.empty((num_blocks, block_size), dtype=np.float32)
         codes = body[2 * num_blocks :].reshape(num_blocks, block_size * self.code_bits // 8)
         self._dequantize(codes, scales[:, None], out)
+        # Near the float32 limit, a code no encoder writes (int8 -128, int4 -8) can overflow to
+        # -inf; only then is the output scanned, so ordinary messages pay nothing for it.
+        if num_blocks and scales.max() > _FLOAT32_MAX / self.max_code_magnitude and not np.isfinite(out).all():
+            raise RemoteProtocolError(f"{self.name} body holds codes that decode to Inf", status_hint=400)
         return out.reshape(-1)
 
     @abstractmethod
