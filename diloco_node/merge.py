@@ -325,7 +325,8 @@ def merge_contributions(
     norms = [n for _, _, _, n in candidates]
     round_median = float(np.median(norms)) if norms else None
     limits: list[tuple[float, str]] = []
-    if round_median is not None and len(norms) >= MIN_CONTRIBUTIONS_FOR_ROUND_MEDIAN:
+    # A zero reference (e.g. most learners sent all-zero deltas) cannot define "too large".
+    if round_median is not None and round_median > 0 and len(norms) >= MIN_CONTRIBUTIONS_FOR_ROUND_MEDIAN:
         limits.append((round_median, "the round median"))
     if reference_norm is not None and math.isfinite(reference_norm) and reference_norm > 0:
         limits.append((reference_norm, "the running reference"))

@@ -272,6 +272,14 @@ def test_norm_outlier_against_the_round_median() -> None:
     assert [n for n, _ in result.accepted] == ["a", "b", "c"]
 
 
+def test_a_zero_round_median_rejects_nobody() -> None:
+    zeros = {n: np.zeros(s, np.float32) for n, s in SHAPES.items()}
+    contributions = [_contribution(n, delta=zeros) for n in "abc"] + [_contribution("d", seed=1)]
+    result = _merge(contributions)
+    assert result.rejected == () and result.round_median_norm == 0.0
+    assert len(result.accepted) == 4
+
+
 def test_norm_outlier_with_one_contribution_uses_the_running_reference() -> None:
     huge = _contribution("solo", scale=1.0)
     # without a reference one contribution cannot be judged: accepted
