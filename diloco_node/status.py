@@ -117,7 +117,8 @@ class StatusDocument:
         return self.coordinator is not None and self.coordinator == self.node_id
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """JSON-shaped: nested dicts and lists (no tuples)."""
+        return _jsonable(dataclasses.asdict(self))
 
     def to_json(self, indent: int | None = None) -> str:
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
@@ -161,6 +162,14 @@ class StatusDocument:
         except (ValueError, UnicodeDecodeError) as exc:
             raise StatusFormatError(f"status: not JSON: {exc}") from None
         return cls.from_dict(raw)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
 
 
 def _type_ok(value: Any, types: type | tuple[type, ...]) -> bool:
