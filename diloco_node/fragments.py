@@ -90,6 +90,11 @@ class FragmentPlan:
         """Every tensor name of the plan, sorted."""
         return tuple(sorted(self._owner))
 
+    @property
+    def embedding_names(self) -> tuple[str, ...]:
+        """Every embedding tensor of the plan (what `merge_contributions` wants as embedding_names)."""
+        return tuple(n for n in self.names if is_embedding(n))
+
     def fragment_of(self, name: str) -> int:
         try:
             return self._owner[name]

@@ -21,6 +21,7 @@ import numpy as np
 
 if TYPE_CHECKING:  # only for annotations; global_state imports this module
     from diloco_node.global_state import FragmentHistory
+    from diloco_node.run_config import SyncSpec
 
 # A contribution whose learner-side delta norm exceeds this many times the reference (the round's
 # median, or the running reference of past rounds) is rejected. Honest learners of one run differ
@@ -67,6 +68,10 @@ class ContributionCaps:
 
     max_tokens_per_step: int
     max_steps: int
+
+    @classmethod
+    def from_sync_spec(cls, sync: "SyncSpec") -> "ContributionCaps":
+        return cls(max_tokens_per_step=sync.max_tokens_per_step, max_steps=sync.max_steps_per_contribution)
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_step < 1 or self.max_steps < 1:

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
+
+if TYPE_CHECKING:
+    from diloco_node.run_config import SyncSpec
 
 # Default smoothing of the timing estimates: recent rounds dominate within about 5 samples, so
 # the grace window follows a change of step time or link speed without jumping on one outlier.
@@ -61,6 +64,11 @@ class QuorumPolicy:
     grace_gamma: float
     grace_cap_s: float
     overlap_steps: int
+
+    @classmethod
+    def from_sync_spec(cls, sync: "SyncSpec") -> "QuorumPolicy":
+        return cls(min_quorum=sync.min_quorum, grace_gamma=sync.grace_gamma,
+                   grace_cap_s=sync.grace_cap_s, overlap_steps=sync.overlap)
 
     def __post_init__(self) -> None:
         if self.min_quorum < 1:

@@ -45,6 +45,7 @@ def test_embeddings_get_fragment_zero_and_the_rest_is_balanced() -> None:
     assert max(loads) - min(loads) <= 64 * 256
     assert plan.fragments[1].nbytes == 4 * plan.fragments[1].num_elements
     assert plan.fragment_of("final_norm/scale") in (1, 2)
+    assert plan.embedding_names == ("embed/embedding", "pos_embed/embedding")
 
 
 def test_single_fragment_holds_everything() -> None:

@@ -35,7 +35,7 @@ from diloco_node.merge import (
     token_weight,
     weighted_mean,
 )
-from diloco_node.run_config import OuterOptimizer
+from diloco_node.run_config import OuterOptimizer, SyncSpec
 
 CAPS = ContributionCaps(max_tokens_per_step=4096, max_steps=64)
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -141,6 +141,13 @@ def test_rda_invariances(data, scale, weight_scale, seed) -> None:
 
 
 # --- token weights and caps -----------------------------------------------------------------
+
+def test_caps_from_the_run_manifest() -> None:
+    caps = ContributionCaps.from_sync_spec(SyncSpec(max_tokens_per_step=512, max_steps_per_contribution=40))
+    assert caps == ContributionCaps(max_tokens_per_step=512, max_steps=40)
+    with pytest.raises(ValueError, match="caps must be >= 1"):
+        ContributionCaps(0, 3)
+
 
 def test_token_weight_is_tokens_times_tokens_per_step() -> None:
     assert token_weight(1000, 10, CAPS) == pytest.approx(1000 * 100)

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diloco_node.quorum import Ema, QuorumPolicy, RoundDecision, TimingEstimates, decide_round, grace_window
+from diloco_node.run_config import SyncSpec
 
 K1 = QuorumPolicy(min_quorum=1, grace_gamma=0.5, grace_cap_s=5.0, overlap_steps=2)
 K3 = QuorumPolicy(min_quorum=3, grace_gamma=0.5, grace_cap_s=5.0, overlap_steps=2)
@@ -123,6 +124,11 @@ def test_decisions_are_consistent(arrivals, live, k, now) -> None:
         assert d.wake_at > now and not d.merge_now
         # waking at the deadline with nothing new merges
         assert decide_round(d.wake_at, 0.0, arrivals, live, policy, KNOWN).merge_now
+
+
+def test_policy_from_the_run_manifest() -> None:
+    sync = SyncSpec(min_quorum=2, grace_gamma=0.3, grace_cap_s=1.5, overlap=3, fragments=2, period=8)
+    assert QuorumPolicy.from_sync_spec(sync) == QuorumPolicy(2, 0.3, 1.5, 3)
 
 
 def test_ema() -> None:
