@@ -125,8 +125,10 @@ def _check_weights(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> n
 
 
 def _norm64(x: np.ndarray) -> float:
+    # numpy's own pairwise sum, not a BLAS dot: BLAS picks a kernel (and summation order) per
+    # CPU, numpy's reduction order is fixed, so norms and the merge are the same bits everywhere.
     flat = np.asarray(x, dtype=np.float64).ravel()
-    return float(math.sqrt(float(np.dot(flat, flat))))
+    return math.sqrt(float(np.add.reduce(flat * flat)))
 
 
 def rda(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:

@@ -471,7 +471,8 @@ def test_golden_trajectory() -> None:
     expected = json.loads(json_path.read_text())
     assert sorted(golden.files) == sorted(arrays)
     for name in golden.files:
-        # norms use float64 BLAS dots whose summation order may differ between CPUs: allow 1e-7
+        # the merge is deterministic (numpy reductions, no BLAS), so this is exact in practice;
+        # the small tolerance only keeps the array diff readable when the math really changed
         np.testing.assert_allclose(arrays[name], golden[name], rtol=1e-6, atol=1e-7, err_msg=name)
     reasons = [(r["step"], r["fragment"], r["reason"], r["rejected"]) for r in record["rounds"]]
     assert reasons == [(r["step"], r["fragment"], r["reason"], r["rejected"]) for r in expected["rounds"]]
@@ -484,5 +485,5 @@ def test_golden_trajectory() -> None:
     assert any("rebased from older rounds" in r["reason"] for r in record["rounds"])
     assert any("capped d" in r["reason"] for r in record["rounds"])
     if record["final_digest"] != expected["final_digest"]:
-        pytest.fail("arrays match within tolerance but the state digest differs: last-bit drift of a "
-                    "float64 norm on this CPU? Regenerate only after checking (see module docstring)")
+        pytest.fail("arrays match within tolerance but the state digest differs: the trajectory is "
+                    "no longer bit-identical; regenerate only after checking why (see module docstring)")
