@@ -49,6 +49,9 @@ DEFAULT_RESTART_S = 70.0
 # Statistical budget: the horizon is this many expected fleet-wide failures. 20k keeps the
 # standard error of goodput well under a point and the default sweep within seconds.
 DEFAULT_EXPECTED_FAILURES = 20_000
+# Refuse runs beyond this many expected fleet-wide failures: about ten minutes of one core, so a
+# typo in --expected-failures or --wall-time-s fails fast instead of running for hours.
+MAX_EXPECTED_FAILURES = 5_000_000
 # Warm-up before accounting starts, in mean repair/reconfiguration times, so the job state is
 # close to stationary when measurement begins.
 WARMUP_TIME_CONSTANTS = 3.0
@@ -371,6 +374,12 @@ def simulate_fleet(
         raise ValueError(f"quorum (K) must be in [1, M={learners}], got {quorum!r}")
 
     horizon = params.horizon_s(chips)
+    expected = horizon * chips / params.mtbi_chip_s
+    if expected > MAX_EXPECTED_FAILURES:
+        raise ValueError(
+            f"{expected:.3g} expected failures exceed the limit of {MAX_EXPECTED_FAILURES:,}: "
+            "lower expected_failures or wall_time_s"
+        )
     n_slices = slices_for(chips, learners, params.slice_chips)
     speeds = learner_speeds(learners, params.speed_spread)
     jobs = [
@@ -431,8 +440,9 @@ def run_sweep(
     """Every strategy at every fleet size; decoupled at every M (quorum clipped to M)."""
     results: list[FleetResult] = []
     wanted = list(strategies)
-    for unknown in set(wanted) - set(STRATEGIES):
-        raise ValueError(f"unknown strategy {unknown!r}; choose from {', '.join(STRATEGIES)}")
+    unknown = sorted(set(wanted) - set(STRATEGIES))
+    if unknown:
+        raise ValueError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
     counts = list(learner_counts)
     for chips in fleet_sizes:
         for strategy in wanted:

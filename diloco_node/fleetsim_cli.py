@@ -11,6 +11,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 from diloco_node import fleetsim
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     report = {
-        "params": {f: getattr(params, f) for f in FleetParams.__slots__},
+        "params": asdict(params),
         "seed": args.seed,
         "wall_time_s": round(elapsed, 3),
         "results": [r.to_dict() for r in results],

@@ -195,6 +195,8 @@ def test_bad_fleet_arguments_are_rejected():
         simulate_fleet("decoupled", 100_000, QUICK, learners=2, quorum=3)
     with pytest.raises(ValueError, match="unknown strategy"):
         simulate_fleet("pipeline", 100_000, QUICK)
+    with pytest.raises(ValueError, match="exceed the limit"):
+        simulate_fleet("dp", 100_000, replace(QUICK, expected_failures=10**9))
 
 
 SMALL_RUN = ["simulate", "--chips", "50000", "200000", "--learners", "2", "4",
