@@ -303,13 +303,14 @@ assert len(_ENV_TO_KEY) == len(ALL_SPECS), "two keys map to one environment vari
 # Parsing raw values (typed TOML values, or strings from the environment and flags)
 
 
-def _parse(spec: KeySpec, raw: Any, where: str, base_dir: Path) -> Any:
-    """Typed value for `spec` from `raw`; strings from env/flags are converted, TOML types checked."""
+def _parse(spec: KeySpec, raw: Any, where: str, base_dir: Path, from_text: bool) -> Any:
+    """Typed value for `spec` from `raw`: text from env/flags is converted, TOML values must have the right type."""
     name = f"{spec.key} = {raw!r} ({where})"
-    is_text = isinstance(raw, str)
+    is_string = isinstance(raw, str)
+    is_text = from_text and is_string  # to be converted to the key's type
     kind = spec.kind
-    if kind in ("str",):
-        _require(is_text, f"{name}: must be a string")
+    if kind == "str":
+        _require(is_string, f"{name}: must be a string")
         return raw
     if kind == "int":
         if is_text:
@@ -338,17 +339,17 @@ def _parse(spec: KeySpec, raw: Any, where: str, base_dir: Path) -> Any:
         _require(isinstance(raw, bool), f"{name}: must be true or false")
         return raw
     if kind in ("path", "optpath"):
-        _require(is_text, f"{name}: must be a path string")
+        _require(is_string, f"{name}: must be a path string")
         if kind == "optpath" and raw == "":
             return None
         _require(raw != "", f"{name}: must not be empty")
         path = Path(raw).expanduser()
         return path if path.is_absolute() else (base_dir / path)
     if kind == "hostport":
-        _require(is_text, f"{name}: must be a string HOST:PORT")
+        _require(is_string, f"{name}: must be a string HOST:PORT")
         return HostPort.parse(raw, f"{spec.key} ({where})")
     if kind in ("hostports", "strlist"):
-        if is_text:
+        if is_text or (is_string and kind == "hostports"):  # a file may give one peer as a plain string
             items = [item.strip() for item in raw.split(",") if item.strip()]
         else:
             _require(isinstance(raw, (list, tuple)) and all(isinstance(i, str) for i in raw),
@@ -484,7 +485,8 @@ def load_config(
     key, the bad value and where it came from.
     """
     overrides = _normalise_overrides(cli_overrides)
-    raw: dict[str, tuple[Any, str, Path]] = {}  # key -> (raw value, source, base dir for relative paths)
+    # key -> (raw value, source, base dir for relative paths, value is text to convert)
+    raw: dict[str, tuple[Any, str, Path, bool]] = {}
     cwd = Path.cwd()
 
     config_file = None
@@ -495,7 +497,7 @@ def load_config(
     if config_file is not None:
         config_file = config_file.expanduser().absolute()
         for key, value in _read_toml(config_file).items():
-            raw[key] = (value, f"file:{config_file}", config_file.parent)
+            raw[key] = (value, f"file:{config_file}", config_file.parent, False)
 
     for name, value in sorted(environ.items()):
         if not name.startswith(ENV_PREFIX) or name.startswith(ENV_PRIVATE_PREFIX) or name == CONFIG_FILE_ENV:
@@ -506,7 +508,7 @@ def load_config(
             raise ConfigError(f"unknown environment variable {name}: not a diloco-node setting "
                               f"(see `diloco-node config show` for every variable; use {ENV_PRIVATE_PREFIX}* "
                               "for private tooling variables)")
-        raw[_ENV_TO_KEY[name]] = (value, f"env:{name}", cwd)
+        raw[_ENV_TO_KEY[name]] = (value, f"env:{name}", cwd, True)
 
     for override in overrides:
         if override.key not in ALL_SPECS:
@@ -514,14 +516,14 @@ def load_config(
                 raise _inline_secret_error(override.key, override.source)
             raise ConfigError(f"{override.key} ({override.source}): unknown setting; known node keys: "
                               f"{', '.join(s.key for s in NODE_SPECS)}; run keys look like run.sync.period")
-        raw[override.key] = (override.value, override.source, cwd)
+        raw[override.key] = (override.value, override.source, cwd, True)
 
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for key, spec in ALL_SPECS.items():
         if key in raw:
-            value, source, base = raw[key]
-            values[key] = _parse(spec, value, source, base)
+            value, source, base, from_text = raw[key]
+            values[key] = _parse(spec, value, source, base, from_text)
             sources[key] = source
         else:
             values[key] = spec.default
