@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> (module implementing it, one-line help). Add a line per subcommand.
@@ -48,7 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     module.add_arguments(sub_parser, name)
     args = sub_parser.parse_args(argv[1:])
     args.command = name
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except BrokenPipeError:
+        # `diloco-node simulate | head`: the reader left; that is not an error of ours.
+        # Point stdout at devnull so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":
