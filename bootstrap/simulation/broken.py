@@ -1,0 +1,53 @@
+"""Deliberately broken protocol variants, by name, to prove the invariant checker can fail.
+
+Each variant breaks exactly one safety rule of the real state machines. They exist for tests
+and for `benchmarks/coordination.py --broken NAME`; nothing in production imports them.
+"""
+
+from __future__ import annotations
+
+from bootstrap.coordinator_node import CoordinatorNode
+from bootstrap.election import Election, Role
+from bootstrap.entries import ClusterConfig
+from bootstrap.messages import VoteRequest, VoteResponse
+from bootstrap.replog import ReplicatedLog
+
+
+class _VoteWithoutLogCheck(Election):
+    def handle_vote_request(self, request: VoteRequest, now: float, our_last_log: tuple[int, int]) -> VoteResponse | None:
+        return super().handle_vote_request(request, now, (0, 0))  # every candidate looks up to date
+
+
+class _VoteIgnoringLease(Election):
+    def handle_vote_request(self, request: VoteRequest, now: float, our_last_log: tuple[int, int]) -> VoteResponse | None:
+        if self.role is Role.LEADER:
+            return super().handle_vote_request(request, now, our_last_log)
+        self.heard_leader_at = None  # forget the live lease holder we promised to wait for
+        return super().handle_vote_request(request, now, our_last_log)
+
+
+class _CommitWithoutMajority(ReplicatedLog):
+    def advance_commit(self, config: ClusterConfig, current_epoch: int) -> bool:
+        if self.last_index > self.commit_index:
+            self.commit_index = self.last_index  # the leader's own copy is "enough"
+            return True
+        return False
+
+
+class VoteWithoutLogCheck(CoordinatorNode):
+    election_type = _VoteWithoutLogCheck
+
+
+class VoteIgnoringLease(CoordinatorNode):
+    election_type = _VoteIgnoringLease
+
+
+class CommitWithoutMajority(CoordinatorNode):
+    log_type = _CommitWithoutMajority
+
+
+BROKEN_VARIANTS: dict[str, type[CoordinatorNode]] = {
+    "vote_without_log_check": VoteWithoutLogCheck,
+    "vote_ignoring_lease": VoteIgnoringLease,
+    "commit_without_majority": CommitWithoutMajority,
+}

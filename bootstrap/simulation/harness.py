@@ -1,0 +1,441 @@
+"""Deterministic simulation of a coordination cluster running the real state machines.
+
+A virtual clock and a heapq event queue drive 3 to 9 `CoordinatorNode`s through a network that
+delays, drops, duplicates and reorders messages and partitions and heals, while nodes crash and
+restart with only their persisted state, join, leave, and run clocks skewed within the drift
+bound. Every random choice comes from the seed, so a failing run replays exactly. The invariant
+checker runs after every event; liveness (a lease holder and fresh commits after healing, and
+failover after the holder dies) is checked at the end of each schedule.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from bootstrap.coordinator_node import CoordinatorNode, NodeOptions, PersistentState
+from bootstrap.election import LeaseTiming, Role
+from bootstrap.entries import EntryKind
+from bootstrap.membership import SwimTiming
+from bootstrap.messages import (
+    Action,
+    AppendEntries,
+    AppendResponse,
+    ApplyEntry,
+    InstallSnapshot,
+    MemberRole,
+    Message,
+    RestoreSnapshot,
+    Send,
+)
+from bootstrap.simulation.checker import InvariantChecker, chain_digest
+from wire.errors import ProtocolError
+
+NodeFactory = Callable[..., CoordinatorNode]
+
+# Fault kinds and their relative weights during the chaos phase (fault injection by name).
+FAULT_WEIGHTS: dict[str, float] = {
+    "crash": 2.0,
+    "crash_leader": 2.0,
+    "restart": 3.0,
+    "partition": 1.5,
+    "isolate_leader": 1.0,
+    "heal": 2.0,
+    "loss": 1.0,
+    "duplicate": 0.7,
+    "reorder": 0.7,
+    "skew": 1.0,
+    "join": 0.7,
+    "leave": 0.4,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """One schedule's shape. Defaults are the benchmark's; CI uses shorter chaos."""
+
+    min_nodes: int = 3
+    max_nodes: int = 9
+    warmup_s: float = 5.0
+    chaos_s: float = 30.0
+    mean_fault_gap_s: float = 1.5
+    liveness_bound_s: float = 30.0  # after healing: a lease holder and a fresh commit within this
+    tick_interval_s: float = 0.1
+    workload_interval_s: float = 1.0
+    compaction_every: int = 8  # small so that snapshot installs happen often
+    base_delay_s: float = 0.01
+    jitter_s: float = 0.02
+    lease: LeaseTiming = field(default_factory=LeaseTiming)
+    swim: SwimTiming = field(default_factory=SwimTiming)
+    remove_dead_after_s: float = 6.0  # short so membership changes happen within a schedule
+    measure_failover: bool = True
+    faults: tuple[str, ...] = tuple(FAULT_WEIGHTS)
+
+
+@dataclass(slots=True)
+class SimResult:
+    seed: int
+    nodes: int
+    violations: list[str]
+    failover_s: float | None
+    virtual_s: float
+    events: int
+    commits: int
+    trace_digest: int
+    faults: list[str]
+
+
+@dataclass(slots=True)
+class _Host:
+    """A simulated machine: durable state, application state, clock, and the running node if any."""
+
+    node_id: str
+    persistent: PersistentState
+    role: MemberRole
+    clock_rate: float = 1.0
+    anchor_real: float = 0.0
+    anchor_local: float = 0.0
+    applied_index: int = 0  # the application's durable state: applied through here ...
+    digest: bytes = b""  # ... with this state digest
+    node: CoordinatorNode | None = None
+    generation: int = 0
+    left: bool = False
+
+    def local(self, real: float) -> float:
+        return self.anchor_local + self.clock_rate * (real - self.anchor_real)
+
+    def set_rate(self, real: float, rate: float) -> None:
+        self.anchor_local = self.local(real)
+        self.anchor_real = real
+        self.clock_rate = rate
+
+
+_TICK, _DELIVER, _FAULT, _WORKLOAD = 0, 1, 2, 3
+
+
+class Simulation:
+    def __init__(self, seed: int, config: SimConfig | None = None, node_factory: NodeFactory = CoordinatorNode) -> None:
+        self.seed = seed
+        self.config = config or SimConfig()
+        self.node_factory = node_factory
+        self.rng = random.Random(seed)
+        self.now = 0.0
+        self._queue: list[tuple[float, int, int, object, object]] = []
+        self._seq = 0
+        self.hosts: dict[str, _Host] = {}
+        self.leaders: dict[str, CoordinatorNode] = {}
+        self.groups: dict[str, int] = {}
+        self.loss = 0.0
+        self.duplicate = 0.0
+        self.jitter = self.config.jitter_s
+        self.events = 0
+        self.commits = 0
+        self.trace = 0
+        self.faults_applied: list[str] = []
+        self.stopped = False
+        self.round = 0
+        self.last_commit: tuple[float, int] | None = None  # (time, epoch) of the newest outer commit
+        self.options = NodeOptions(lease=self.config.lease, swim=self.config.swim,
+                                   remove_dead_after_s=self.config.remove_dead_after_s)
+        count = self.rng.randint(self.config.min_nodes, self.config.max_nodes)
+        founders = [f"n{i}" for i in range(count)]
+        self.checker = InvariantChecker()
+        for node_id in founders:
+            role = MemberRole.WITNESS if self.rng.random() < 0.25 else MemberRole.LEARNER
+            self.hosts[node_id] = _Host(node_id, PersistentState.founding(founders), role)
+            self._skew(self.hosts[node_id])
+            self._start(self.hosts[node_id], join=False)
+
+    # ------------------------------------------------------------ public
+
+    def run(self) -> SimResult:
+        cfg = self.config
+        self._schedule(cfg.workload_interval_s, _WORKLOAD, None, None)
+        self.run_until(cfg.warmup_s)
+        t = cfg.warmup_s
+        while True:
+            t += self.rng.expovariate(1.0 / cfg.mean_fault_gap_s)
+            if t >= cfg.warmup_s + cfg.chaos_s:
+                break
+            self._schedule(t, _FAULT, self.rng.choices(cfg.faults, [FAULT_WEIGHTS[f] for f in cfg.faults])[0], None)
+        self.run_until(cfg.warmup_s + cfg.chaos_s)
+        failover = None
+        if not self.stopped:
+            self.heal_everything()
+            failover = self._check_liveness()
+        return SimResult(self.seed, len(self.hosts), list(self.checker.violations), failover, self.now,
+                         self.events, self.commits, self.trace, self.faults_applied)
+
+    def run_until(self, deadline: float, stop: Callable[[], bool] | None = None) -> bool:
+        """Process events up to `deadline`; True as soon as `stop()` holds after an event."""
+        while self._queue and self._queue[0][0] <= deadline and not self.stopped:
+            time, _, kind, a, b = heapq.heappop(self._queue)
+            self.now = time
+            self.events += 1
+            self.trace = zlib.crc32(f"{time:.6f}{kind}{a if kind != _DELIVER else ''}".encode(), self.trace)
+            if kind == _TICK:
+                self._on_tick(a, b)  # type: ignore[arg-type]
+            elif kind == _DELIVER:
+                self._on_deliver(a, b)  # type: ignore[arg-type]
+            elif kind == _FAULT:
+                self.inject(a)  # type: ignore[arg-type]
+            else:
+                self._on_workload()
+            if stop is not None and stop():
+                return True
+        if not self.stopped:
+            self.now = max(self.now, deadline)
+        return stop is not None and stop()
+
+    # ------------------------------------------------------------ faults by name
+
+    def inject(self, fault: str) -> None:
+        alive = [h for h in self._sorted_hosts() if h.node is not None]
+        crashed = [h for h in self._sorted_hosts() if h.node is None and not h.left]
+        leader = self.current_lease_holder()
+        note = fault
+        if fault == "crash" and alive:
+            victim = self.rng.choice(alive)
+            self.crash(victim.node_id)
+            note = f"crash {victim.node_id}"
+        elif fault == "crash_leader" and leader is not None:
+            self.crash(leader)
+            note = f"crash leader {leader}"
+        elif fault == "restart" and crashed:
+            host = self.rng.choice(crashed)
+            self._skew(host)
+            self._start(host, join=True)
+            note = f"restart {host.node_id}"
+        elif fault == "partition" and len(alive) > 1:
+            ids = [h.node_id for h in self._sorted_hosts()]
+            self.rng.shuffle(ids)
+            cut = self.rng.randint(1, len(ids) - 1)
+            self.groups = {node_id: (0 if i < cut else 1) for i, node_id in enumerate(ids)}
+            note = f"partition {sorted(ids[:cut])} | {sorted(ids[cut:])}"
+        elif fault == "isolate_leader" and leader is not None:
+            self.groups = {h.node_id: (1 if h.node_id == leader else 0) for h in self._sorted_hosts()}
+            note = f"isolate leader {leader}"
+        elif fault == "heal":
+            self.groups = {}
+        elif fault == "loss":
+            self.loss = self.rng.choice([0.0, 0.05, 0.2, 0.4])
+            note = f"loss {self.loss}"
+        elif fault == "duplicate":
+            self.duplicate = self.rng.choice([0.0, 0.05, 0.2])
+            note = f"duplicate {self.duplicate}"
+        elif fault == "reorder":
+            self.jitter = self.rng.choice([self.config.jitter_s, 0.2, 0.6])
+            note = f"reorder jitter {self.jitter}"
+        elif fault == "skew" and alive:
+            host = self.rng.choice(alive)
+            self._skew(host)
+            note = f"skew {host.node_id} rate {host.clock_rate:.4f}"
+        elif fault == "join" and len(self.hosts) < self.config.max_nodes:
+            node_id = f"n{len(self.hosts)}"
+            role = MemberRole.WITNESS if self.rng.random() < 0.25 else MemberRole.LEARNER
+            host = _Host(node_id, PersistentState.joining(), role)
+            self.hosts[node_id] = host
+            self._skew(host)
+            self._start(host, join=True)
+            note = f"join {node_id}"
+        elif fault == "leave" and len(alive) > 3:
+            host = self.rng.choice(alive)
+            self._dispatch(host, lambda node, local: node.leave(local))
+            note = f"leave {host.node_id}"
+        else:
+            return
+        self.faults_applied.append(f"{self.now:.2f} {note}")
+
+    def crash(self, node_id: str) -> None:
+        host = self.hosts[node_id]
+        host.node = None
+        host.generation += 1
+        self.leaders.pop(node_id, None)
+
+    def heal_everything(self) -> None:
+        """End of chaos: a clean network and every crashed (not departed) node restarted."""
+        self.groups = {}
+        self.loss = self.duplicate = 0.0
+        self.jitter = self.config.jitter_s
+        for host in self._sorted_hosts():
+            if host.node is None and not host.left:
+                self._start(host, join=True)
+        self.faults_applied.append(f"{self.now:.2f} heal everything")
+
+    def current_lease_holder(self) -> str | None:
+        for node_id in sorted(self.leaders):
+            host = self.hosts[node_id]
+            if host.node is not None and host.node.is_lease_holder(host.local(self.now)):
+                return node_id
+        return None
+
+    # ------------------------------------------------------------ liveness
+
+    def _check_liveness(self) -> float | None:
+        cfg = self.config
+        healed_at = self.now
+        fresh = lambda: self.last_commit is not None and self.last_commit[0] > healed_at  # noqa: E731
+        if not self.run_until(healed_at + cfg.liveness_bound_s, fresh):
+            self.checker.violations.append(
+                f"t={self.now:.3f}s liveness: no commit within {cfg.liveness_bound_s}s of healing the network")
+            return None
+        if not cfg.measure_failover:
+            return None
+        if not self.run_until(self.now + cfg.liveness_bound_s, self._stable_for_failover):
+            if self._enough_members_for_failover():
+                self.checker.violations.append(
+                    f"t={self.now:.3f}s liveness: configuration did not settle on the live members")
+            return None
+        victim = self.current_lease_holder()
+        assert victim is not None
+        killed_at, old_epoch = self.now, self.hosts[victim].node.epoch  # type: ignore[union-attr]
+        self.crash(victim)
+        self.faults_applied.append(f"{self.now:.2f} failover probe: crash leader {victim}")
+        resumed = lambda: self.last_commit is not None and self.last_commit[1] > old_epoch  # noqa: E731
+        if not self.run_until(killed_at + cfg.liveness_bound_s, resumed):
+            self.checker.violations.append(
+                f"t={self.now:.3f}s liveness: no commit within {cfg.liveness_bound_s}s after the lease holder died")
+            return None
+        assert self.last_commit is not None
+        return self.last_commit[0] - killed_at
+
+    def _enough_members_for_failover(self) -> bool:
+        return sum(1 for h in self.hosts.values() if not h.left) >= 3
+
+    def _stable_for_failover(self) -> bool:
+        """A holder whose committed configuration is exactly the live members, at least three."""
+        holder = self.current_lease_holder()
+        if holder is None:
+            return False
+        node = self.hosts[holder].node
+        assert node is not None
+        voters = node.log.committed_config.voters
+        live = {h.node_id for h in self.hosts.values() if h.node is not None and not h.left}
+        return len(voters) >= 3 and voters == live and node.log.config.voters == voters
+
+    # ------------------------------------------------------------ nodes
+
+    def _sorted_hosts(self) -> list[_Host]:
+        return [self.hosts[k] for k in sorted(self.hosts)]
+
+    def _skew(self, host: _Host) -> None:
+        bound = self.config.lease.max_drift_rate
+        host.set_rate(self.now, 1.0 + self.rng.uniform(-bound, bound))
+
+    def _start(self, host: _Host, *, join: bool) -> None:
+        host.generation += 1
+        index = int(host.node_id[1:])
+        rng = random.Random(self.seed * 1_000_003 + index * 10_007 + host.generation)
+        host.node = self.node_factory(
+            host.node_id,
+            host.persistent,
+            now=host.local(self.now),
+            rng=rng,
+            applied_index=host.applied_index,
+            role=host.role,
+            address=f"sim://{host.node_id}",
+            options=self.options,
+        )
+        self._schedule(self.now + self.rng.uniform(0.0, self.config.tick_interval_s), _TICK, host.node_id, host.generation)
+        if join:
+            peers = [h for h in sorted(self.hosts) if h != host.node_id]
+            self.rng.shuffle(peers)
+            self._dispatch(host, lambda node, local: node.start_join(peers, local))
+
+    def _on_tick(self, node_id: str, generation: int) -> None:
+        host = self.hosts[node_id]
+        if host.node is None or host.generation != generation:
+            return
+        self._dispatch(host, lambda node, local: node.tick(local))
+        self._schedule(self.now + self.config.tick_interval_s, _TICK, node_id, generation)
+
+    def _on_deliver(self, node_id: str, message: Message) -> None:
+        host = self.hosts[node_id]
+        if host.node is not None:
+            self._dispatch(host, lambda node, local: node.handle(message, local), message)
+
+    def _on_workload(self) -> None:
+        self._schedule(self.now + self.config.workload_interval_s, _WORKLOAD, None, None)
+        holder = self.current_lease_holder()
+        if holder is None:
+            return
+        self.round += 1
+        payload = f"seed {self.seed} round {self.round}".encode()
+        self._dispatch(self.hosts[holder], lambda node, local: node.propose(
+            local, EntryKind.OUTER_COMMIT, payload, fragment=self.round % 4, round=self.round, digest=f"d{self.round}")[2])
+
+    def _dispatch(self, host: _Host, step: Callable[[CoordinatorNode, float], list[Action]], message: Message | None = None) -> None:
+        node = host.node
+        assert node is not None
+        local = host.local(self.now)
+        epoch_before, commit_before = node.epoch, node.log.commit_index
+        try:
+            actions = step(node, local)
+        except (ProtocolError, AssertionError) as error:
+            self.checker.violations.append(f"t={self.now:.3f}s {host.node_id} raised {type(error).__name__}: {error}")
+            self.stopped = True
+            return
+        if node.log.commit_index > commit_before:
+            self.checker.on_commit_advance(self.now, node, commit_before)
+            if node.role is Role.LEADER:
+                self._note_commits(node, commit_before)
+        for action in actions:
+            if isinstance(action, Send):
+                self._send(host.node_id, action)
+                response = action.message
+                if (isinstance(response, AppendResponse) and response.success
+                        and isinstance(message, (AppendEntries, InstallSnapshot))):
+                    self.checker.on_append_accepted(self.now, host.node_id, message.epoch, epoch_before)
+            elif isinstance(action, ApplyEntry):
+                host.digest = chain_digest(host.digest, action.entry)
+                host.applied_index = action.entry.index
+                self.checker.on_apply(self.now, host.node_id, action.entry, host.digest)
+            elif isinstance(action, RestoreSnapshot):
+                self.checker.on_restore(self.now, host.node_id, action.snapshot)
+                host.digest = action.snapshot.state
+                host.applied_index = action.snapshot.last_index
+        if host.applied_index - node.log.store.snapshot.last_index >= self.config.compaction_every:
+            node.compact(host.applied_index, host.digest)
+        if node.role is Role.LEADER:
+            self.leaders[host.node_id] = node
+        else:
+            self.leaders.pop(host.node_id, None)
+        self.checker.after_event(self.now, node, list(self.leaders.values()), lambda n: self.hosts[n].local(self.now))
+        if node.left:
+            host.left = True
+            self.crash(host.node_id)
+        if self.checker.violations:
+            self.stopped = True
+
+    def _note_commits(self, node: CoordinatorNode, commit_before: int) -> None:
+        for index in range(commit_before + 1, node.log.commit_index + 1):
+            entry = node.log.entry_at(index)
+            if entry is not None and entry.kind is EntryKind.OUTER_COMMIT:
+                self.commits += 1
+                self.last_commit = (self.now, node.epoch)
+
+    # ------------------------------------------------------------ network
+
+    def _send(self, source: str, send: Send) -> None:
+        if self.groups and self.groups.get(source, 0) != self.groups.get(send.to, 0):
+            return
+        if send.to not in self.hosts:
+            return
+        if self.loss and self.rng.random() < self.loss:
+            return
+        copies = 2 if self.duplicate and self.rng.random() < self.duplicate else 1
+        for _ in range(copies):
+            delay = self.config.base_delay_s + self.rng.expovariate(1.0 / self.jitter)
+            self._schedule(self.now + delay, _DELIVER, send.to, send.message)
+
+    def _schedule(self, time: float, kind: int, a: object, b: object) -> None:
+        self._seq += 1
+        heapq.heappush(self._queue, (time, self._seq, kind, a, b))
+
+
+def run_seed(seed: int, config: SimConfig | None = None, node_factory: NodeFactory = CoordinatorNode) -> SimResult:
+    """Run one schedule; the same seed (and config, factory) always gives the same result."""
+    return Simulation(seed, config, node_factory).run()
