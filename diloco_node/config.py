@@ -243,7 +243,9 @@ _NODE_HELP = {
 _NODE_KINDS = {
     "node_id": "str", "listen": "hostport", "advertise": "str", "bootstrap": "hostports",
     "data_dir": "path", "secret_file": "optpath", "secret_credential": "str", "role": "str",
-    "log_level": "str", "checkpoint_keep": "int",
+    "log_level": "str", "connect_timeout_s": "float", "read_timeout_s": "float",
+    "heartbeat_interval_s": "float", "lease_timeout_s": "float", "checkpoint_interval_s": "float",
+    "checkpoint_keep": "int",
 }
 _NODE_FLAGS = {
     "node_id": "--node-id", "listen": "--listen", "advertise": "--advertise", "bootstrap": "--bootstrap",
@@ -260,7 +262,7 @@ def _node_specs() -> list[KeySpec]:
             default = HostPort.parse(DEFAULT_LISTEN, "listen")
         elif f.name in ("node_id", "advertise"):
             default = None  # derived at load time
-        specs.append(KeySpec(f.name, _NODE_KINDS.get(f.name, "float"), default, _NODE_HELP[f.name],
+        specs.append(KeySpec(f.name, _NODE_KINDS[f.name], default, _NODE_HELP[f.name],
                              _NODE_FLAGS.get(f.name)))
     return specs
 
