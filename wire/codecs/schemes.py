@@ -182,7 +182,8 @@ class BlockCodec(Codec):
 
     # Value a code of magnitude 1.0 * scale maps to the block's largest |x|: scale = absmax / qmax.
     qmax: ClassVar[float]
-    # Largest |decoded| / scale over all codes, used to refuse scales that would decode to inf.
+    # Largest |code value| a body can hold (incl. codes no encoder writes): above
+    # float32 max / this, a decoded block could overflow, so decode scans it for Inf.
     max_code_magnitude: ClassVar[float]
     code_bits: ClassVar[int]
 
@@ -250,7 +251,7 @@ class Int8Codec(BlockCodec):
     qmax = 127.0
     max_code_magnitude = 128.0  # -128 is never written but decodes like any other code
     code_bits = 8
-    error_bound = "|err| <= s/2 (+1 float32 ulp), s = bf16_up(block absmax / 127) >= 2^-126"
+    error_bound = "|err| <= s/2 (+ float32 rounding), s = max(bf16_up(block absmax / 127), 2^-126)"
 
     def _quantize(self, scaled: np.ndarray, codes: np.ndarray) -> None:
         np.rint(scaled, out=codes.view(np.int8), casting="unsafe")
@@ -272,7 +273,7 @@ class Int4Codec(BlockCodec):
     qmax = 7.0
     max_code_magnitude = 8.0
     code_bits = 4
-    error_bound = "|err| <= s/2 (+1 float32 ulp), s = bf16_up(block absmax / 7) >= 2^-126"
+    error_bound = "|err| <= s/2 (+ float32 rounding), s = max(bf16_up(block absmax / 7), 2^-126)"
 
     def _quantize(self, scaled: np.ndarray, codes: np.ndarray) -> None:
         half = codes.shape[1]
@@ -329,11 +330,12 @@ class E3M0Codec(BlockCodec):
 
     name = "e3m0"
     wire_id = 5
-    default_block_size = 64
+    # Its error is mostly relative to each value, so bigger blocks cost little precision.
+    default_block_size = 128
     qmax = 1.0
     max_code_magnitude = 1.0
     code_bits = 4
-    error_bound = "|err| <= max(|x| / 3, s * 2^-7) (+1 float32 ulp), s = bf16_up(block absmax)"
+    error_bound = "|err| <= max(|x| / 3, s * 2^-7) (+ float32 rounding), s = max(bf16_up(block absmax), 2^-126)"
 
     _ENCODE, _DECODE = _e3m0_tables()
     # Low/high nibble of every byte straight to float32, so decoding is one lookup per element.
