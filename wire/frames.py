@@ -412,7 +412,8 @@ def _field(header_map: dict[Any, Any], key: str, expected: type) -> Any:
 def decode_frame(data: bytes, verifier: FrameVerifier, *, now_unix: float, limits: Limits = DEFAULT_LIMITS) -> Received:
     """Decode a body that holds exactly one whole frame (small request/response bodies)."""
     decoder = FrameDecoder(verifier, limits)
-    decoder.receive_data(data)
+    if data:
+        decoder.receive_data(data)
     decoder.receive_data(b"")
     event = decoder.next_event(now_unix=now_unix)
     if not isinstance(event, Received):
