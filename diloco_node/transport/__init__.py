@@ -1,0 +1,35 @@
+"""The node's HTTP transport: authenticated wire frames between peers over aiohttp.
+
+`PeerServer` (server.py) answers `POST /v1/<kind>` bodies of frames with every bound enforced;
+`PeerClient` (client.py) sends messages and streamed payloads over one pooled session;
+`TrafficCounters` (counters.py) keeps bytes per peer for /status; routes.py holds the URL scheme.
+The composition root owns the aiohttp application and its AppRunner and wires handlers per kind.
+"""
+
+from diloco_node.transport.client import (
+    PEER_CLIENT,
+    PeerClient,
+    PeerRefused,
+    PeerUnreachable,
+    TransportError,
+)
+from diloco_node.transport.counters import PeerTraffic, TrafficCounters
+from diloco_node.transport.routes import SENDER_HEADER, kind_path
+from diloco_node.transport.server import PEER_SERVER, Peer, PayloadSink, PeerServer, ServerOptions
+
+__all__ = [
+    "PEER_CLIENT",
+    "PEER_SERVER",
+    "SENDER_HEADER",
+    "Peer",
+    "PayloadSink",
+    "PeerClient",
+    "PeerRefused",
+    "PeerServer",
+    "PeerTraffic",
+    "PeerUnreachable",
+    "ServerOptions",
+    "TrafficCounters",
+    "TransportError",
+    "kind_path",
+]

@@ -1,0 +1,298 @@
+"""The peer API's client side: one aiohttp session per node, messages out, authenticated replies in.
+
+`send(url, *messages)` posts small messages (one body, one or more frames of one kind) and returns
+the peer's replies. `send_stream(url, head, payload)` uploads one large payload as a streamed frame
+with bounded memory whatever its size: the payload comes from a bytes-like object (sent as slices,
+never copied) or an async iterator of chunks, and aiohttp drains the socket as it goes
+(backpressure). Timeouts are per read (`sock_read`), per connect, and per stall of an upload; a
+whole-message deadline is the caller's `deadline_s`. There is no total timeout: a 256 MB fragment on
+a slow link may rightly take minutes.
+
+Cancelling a send closes its connection (aiohttp never returns a half-written connection to the
+pool), so nothing is left half-sent. Hashing and encoding big payloads run in a thread pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable
+from concurrent.futures import Executor
+from typing import Final
+from urllib.parse import urlsplit
+
+import aiohttp
+from aiohttp import web
+
+from diloco_node.transport.counters import PeerTraffic, TrafficCounters
+from diloco_node.transport.routes import FRAME_CONTENT_TYPE, SENDER_HEADER, kind_path
+from diloco_node.transport.server import approx_payload_bytes
+from wire.auth import NONCE_BYTES, AuthContext, FrameVerifier
+from wire.errors import LocalProtocolError, RemoteProtocolError
+from wire.frames import CLOSED, NEED_DATA, FrameDecoder, Received, encode_frame, encode_frame_head
+from wire.limits import DEFAULT_LIMITS, Limits
+from wire.messages import Message
+
+log = logging.getLogger(__name__)
+
+KiB = 1024
+MiB = 1024 * KiB
+
+# A TCP handshake across continents takes well under a second; a peer silent for 10 s is down.
+CONNECT_TIMEOUT_S = 10.0
+# Connections kept per peer: its per-peer stream cap plus room for small messages beside them.
+MAX_CONNECTIONS_PER_PEER = 8
+# All pooled connections of one node.
+MAX_CONNECTIONS = 256
+# Slices handed to aiohttp; it drains the socket every 64 KiB, so memory stays at a few slices.
+UPLOAD_CHUNK_BYTES = 256 * KiB
+# Bodies larger than this are sent as slices rather than one write (the socket buffer would copy them).
+INLINE_BODY_MAX_BYTES = 256 * KiB
+# Messages whose payloads exceed this are encoded (SHA-256 + copy) in the thread pool.
+INLINE_ENCODE_MAX_BYTES = 64 * KiB
+# Reply bodies at or above this size are decoded in the thread pool.
+INLINE_DECODE_MAX_BYTES = 64 * KiB
+# Replies per request: a handler answers each frame at most once; more is a confused or hostile peer.
+MAX_REPLY_FRAMES = 1024
+# A refusal's reason text is read up to this size (the server sends at most 512 characters).
+MAX_REFUSAL_BODY_BYTES = 4 * KiB
+
+Payload = bytes | bytearray | memoryview | AsyncIterable[bytes]
+
+
+class TransportError(Exception):
+    """A send failed; `url` says where to."""
+
+    def __init__(self, url: str, message: str) -> None:
+        super().__init__(f"{url}: {message}")
+        self.url = url
+
+
+class PeerRefused(TransportError):
+    """The peer answered with an HTTP error; `status` and its `reason` text say why."""
+
+    def __init__(self, url: str, status: int, reason: str) -> None:
+        super().__init__(url, f"refused with {status}: {reason}")
+        self.status = status
+        self.reason = reason
+
+
+class PeerUnreachable(TransportError):
+    """No answer: connection refused, reset or stalled, or a deadline passed."""
+
+
+class PeerClient:
+    """Sends messages to peers over one pooled `aiohttp.ClientSession`."""
+
+    def __init__(
+        self,
+        auth: AuthContext,
+        verifier: FrameVerifier,
+        *,
+        limits: Limits = DEFAULT_LIMITS,
+        counters: TrafficCounters | None = None,
+        executor: Executor | None = None,
+        wall_clock: Callable[[], float] = time.time,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER,
+    ) -> None:
+        self._auth = auth
+        self._verifier = verifier
+        self.limits = limits
+        self.counters = counters if counters is not None else TrafficCounters()
+        self._executor = executor
+        self._wall_clock = wall_clock
+        self._connect_timeout_s = connect_timeout_s
+        self._max_connections_per_peer = max_connections_per_peer
+        self._session: aiohttp.ClientSession | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=MAX_CONNECTIONS, limit_per_host=self._max_connections_per_peer)
+        timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self._connect_timeout_s,
+                                        sock_read=self.limits.read_timeout_s)
+        # auto_decompress off: a peer's gzip reply must not inflate past our byte counts.
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> PeerClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def cleanup_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        """For `app.cleanup_ctx.append(client.cleanup_ctx)`: the session lives as long as the app."""
+        app[PEER_CLIENT] = self
+        await self.start()
+        yield
+        await self.close()
+
+    # ---- sending ----------------------------------------------------------------------------
+
+    async def send(self, base_url: str, *messages: Message, peer: str | None = None,
+                   deadline_s: float | None = None) -> list[Message]:
+        """Post `messages` (all of one kind) in one body; return the peer's replies in order."""
+        if not messages:
+            raise LocalProtocolError("send needs at least one message")
+        kind = messages[0].KIND
+        if any(m.KIND is not kind for m in messages):
+            raise LocalProtocolError("one body carries frames of one kind; send the others separately")
+        frames = [await self._encode(m) for m in messages]
+        body = frames[0] if len(frames) == 1 else b"".join(frames)
+        if len(body) <= INLINE_BODY_MAX_BYTES:
+            chunks: AsyncIterable[bytes | memoryview] | bytes = body
+        else:
+            chunks = _slices(memoryview(body))
+        return await self._post(base_url.rstrip("/") + kind_path(kind), chunks, len(body), peer, deadline_s)
+
+    async def send_stream(self, base_url: str, head: Message, payload: Payload, *,
+                          payload_length: int | None = None, payload_sha256: bytes | None = None,
+                          peer: str | None = None, deadline_s: float | None = None) -> list[Message]:
+        """Upload one large payload as a streamed frame of `head`'s kind.
+
+        `head` is the message with an empty payload (`message.without_payload()`). For a bytes-like
+        payload, length and SHA-256 are computed here (in the thread pool); an async iterator must
+        come with both, since the authenticated frame header carries them before the first byte.
+        """
+        loop = asyncio.get_running_loop()
+        if isinstance(payload, (bytes, bytearray, memoryview)):
+            view = memoryview(payload).cast("B")
+            if payload_length is not None and payload_length != len(view):
+                raise LocalProtocolError(f"payload_length {payload_length} != len(payload) {len(view)}")
+            payload_length = len(view)
+            if payload_sha256 is None:
+                payload_sha256 = await loop.run_in_executor(self._executor, lambda: hashlib.sha256(view).digest())
+            source: AsyncIterable[bytes | memoryview] = _slices(view)
+        else:
+            if payload_length is None or payload_sha256 is None:
+                raise LocalProtocolError("a streamed payload from an iterator needs payload_length and payload_sha256")
+            source = payload
+        head_bytes = encode_frame_head(head, self._auth, now_unix=self._wall_clock(), nonce=os.urandom(NONCE_BYTES),
+                                       payload_length=payload_length, payload_sha256=payload_sha256)
+        misuse: list[LocalProtocolError] = []
+        body = _exactly(head_bytes, source, payload_length, misuse)
+        try:
+            return await self._post(base_url.rstrip("/") + kind_path(head.KIND), body,
+                                    len(head_bytes) + payload_length, peer, deadline_s)
+        except TransportError:
+            if misuse:
+                raise misuse[0] from None
+            raise
+
+    async def _encode(self, message: Message) -> bytes:
+        nonce = os.urandom(NONCE_BYTES)
+        now_unix = self._wall_clock()
+        if approx_payload_bytes(message) < INLINE_ENCODE_MAX_BYTES:
+            return encode_frame(message, self._auth, now_unix=now_unix, nonce=nonce)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._executor, lambda: encode_frame(message, self._auth, now_unix=now_unix, nonce=nonce))
+
+    async def _post(self, url: str, body: AsyncIterable[bytes | memoryview] | bytes, length: int,
+                    peer: str | None, deadline_s: float | None) -> list[Message]:
+        if self._session is None:
+            raise LocalProtocolError("PeerClient is not started")
+        peer_key = peer or _origin(url)
+        traffic = self.counters.peer(peer_key)
+        traffic.requests_sent += 1
+        loop = asyncio.get_running_loop()
+        stall_s = self.limits.read_timeout_s
+        headers = {SENDER_HEADER: self._auth.sender, "Content-Type": FRAME_CONTENT_TYPE, "Content-Length": str(length)}
+        try:
+            async with asyncio.timeout(deadline_s) as deadline, asyncio.timeout(stall_s) as stall:
+                if isinstance(body, bytes):
+                    data: object = body
+                    traffic.bytes_sent += len(body)
+                else:
+                    # Every chunk aiohttp takes proves the previous one drained: push the stall
+                    # guard forward. A peer that stops reading trips it after `stall_s`.
+                    data = _counted(body, traffic, lambda: stall.reschedule(loop.time() + stall_s))
+                async with self._session.post(url, data=data, headers=headers) as response:
+                    stall.reschedule(None)  # from here on sock_read bounds each read
+                    if response.status != 200:
+                        reason = (await response.content.read(MAX_REFUSAL_BODY_BYTES)).decode("utf-8", "replace")
+                        self.counters.refused(peer_key, f"{response.status} {reason}")
+                        raise PeerRefused(url, response.status, reason)
+                    return await self._read_replies(response, traffic)
+        except TimeoutError as error:
+            which = "deadline" if deadline.expired() else "upload stalled" if stall.expired() else "read timeout"
+            self.counters.refused(peer_key, f"unreachable: {which}")
+            raise PeerUnreachable(url, f"{which}: {error or 'timed out'}") from None
+        except (aiohttp.ClientError, OSError) as error:
+            self.counters.refused(peer_key, f"unreachable: {type(error).__name__}")
+            raise PeerUnreachable(url, f"{type(error).__name__}: {error}") from None
+
+    async def _read_replies(self, response: aiohttp.ClientResponse, traffic: PeerTraffic) -> list[Message]:
+        decoder = FrameDecoder(self._verifier, self.limits)
+        loop = asyncio.get_running_loop()
+        replies: list[Message] = []
+        while True:
+            chunk = await response.content.readany()
+            traffic.bytes_received += len(chunk)
+            if len(chunk) < INLINE_DECODE_MAX_BYTES:
+                events = _decode_all(decoder, chunk, self._wall_clock())
+            else:
+                events = await loop.run_in_executor(self._executor, _decode_all, decoder, chunk, self._wall_clock())
+            for event in events:
+                assert isinstance(event, Received)  # the client decoder streams no kind
+                replies.append(event.message)
+            if len(replies) > MAX_REPLY_FRAMES:
+                raise RemoteProtocolError(f"more than {MAX_REPLY_FRAMES} reply frames", 400)
+            if not chunk:
+                return replies
+
+
+def _decode_all(decoder: FrameDecoder, data: bytes, now_unix: float) -> list[object]:
+    decoder.receive_data(data)
+    events = []
+    while (event := decoder.next_event(now_unix=now_unix)) is not NEED_DATA and event is not CLOSED:
+        events.append(event)
+    return events
+
+
+async def _slices(view: memoryview) -> AsyncIterator[memoryview]:
+    for start in range(0, len(view), UPLOAD_CHUNK_BYTES):
+        yield view[start:start + UPLOAD_CHUNK_BYTES]
+
+
+async def _exactly(head: bytes, source: AsyncIterable[bytes | memoryview], length: int,
+                   misuse: list[LocalProtocolError]) -> AsyncIterator[bytes | memoryview]:
+    """The head, then exactly `length` payload bytes from `source`; a mismatch is our bug."""
+    yield head
+    sent = 0
+    async for chunk in source:
+        sent += len(chunk)
+        if sent > length:
+            break
+        if chunk:
+            yield chunk
+    if sent != length:
+        misuse.append(LocalProtocolError(f"payload iterator gave {'more' if sent > length else sent} bytes, "
+                                         f"declared {length}"))
+        raise misuse[-1]
+
+
+async def _counted(body: AsyncIterable[bytes | memoryview], traffic: PeerTraffic,
+                   on_progress: Callable[[], None]) -> AsyncIterator[bytes | memoryview]:
+    async for chunk in body:
+        on_progress()
+        yield chunk
+        traffic.bytes_sent += len(chunk)
+
+
+def _origin(url: str) -> str:
+    parts = urlsplit(url)
+    return parts.netloc or url
+
+
+PEER_CLIENT: Final = web.AppKey("diloco_peer_client", PeerClient)

@@ -1,0 +1,352 @@
+"""The peer API's server side: request bodies of authenticated frames in, handler replies out.
+
+For each `POST /v1/<kind>` the server refuses what it can before reading a byte (unknown route 404,
+compressed body 415, Content-Length over the kind's bound 413, too many streams 429), then reads the
+body in chunks with a per-read timeout and a per-frame deadline (408: a slowloris is cut), counts the
+bytes itself (aiohttp's client_max_size does not cover streamed bodies), and feeds them to a
+`wire.frames.FrameDecoder`. Peer garbage surfaces as `RemoteProtocolError`, answered with its
+`status_hint` (400/401/409/413/426/429); handlers never see an unauthenticated message.
+
+Handlers are registered per message kind by the composition root:
+- `on_message(kind, handler)`: `async def handler(message, peer) -> reply | None` for whole messages;
+- `on_stream(kind, open_sink)`: `async def open_sink(head, peer, payload_length) -> PayloadSink` for
+  kinds whose payload is streamed (bounded memory whatever its size). The sink gets the chunks,
+  then `finish()` once the payload matched its authenticated digest, or `abort(reason)`.
+
+Decoding batches of 64 KiB or more (SHA-256 of payloads, msgpack) and encoding big replies run in a
+thread pool, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+from typing import Final, Protocol
+
+import aiohttp
+from aiohttp import http_exceptions, web
+
+from diloco_node.transport.counters import TrafficCounters
+from diloco_node.transport.routes import FRAME_CONTENT_TYPE, ROUTE_PREFIX, SENDER_HEADER, kind_from_name, kind_name
+from wire.auth import MAC_BYTES, NONCE_BYTES, AuthContext, FrameVerifier
+from wire.errors import RemoteProtocolError
+from wire.frames import (
+    CLOSED,
+    FIXED_HEADER_BYTES,
+    NEED_DATA,
+    Event,
+    FrameDecoder,
+    FrameEnd,
+    FrameHeader,
+    PayloadChunk,
+    Received,
+    encode_frame,
+)
+from wire.limits import DEFAULT_LIMITS, Limits
+from wire.messages import NODE_ID_PATTERN, Message, MessageKind
+
+log = logging.getLogger(__name__)
+
+KiB = 1024
+MiB = 1024 * KiB
+
+# All streams open at once, across peers: a run has tens of sites, each with a few streams; beyond
+# this a flood from many addresses is refused (429) before it costs buffers or threads.
+MAX_CONCURRENT_STREAMS = 64
+# Small kinds may batch several frames in one body; their bodies may reach this size even when one
+# frame of the kind is smaller.
+MIN_BODY_LIMIT_BYTES = 1 * MiB
+# Below this, decoding on the loop is cheaper than the hop to a thread.
+INLINE_DECODE_MAX_BYTES = 64 * KiB
+# Bytes already buffered by aiohttp are coalesced up to this size into one decode call, so a fast
+# stream costs one thread hop per MiB rather than one per socket read.
+DECODE_BATCH_BYTES = 1 * MiB
+# Replies whose payloads exceed this are encoded (SHA-256 + copy) in the thread pool.
+INLINE_ENCODE_MAX_BYTES = 64 * KiB
+# Refusal reasons are sent back as text; a peer should not be able to make us echo megabytes.
+MAX_REASON_CHARS = 512
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Peer:
+    """Who sent a message: the authenticated node id from the frame, and where it came from."""
+
+    node_id: str
+    address: str | None
+    sent_at_unix: float
+
+
+class PayloadSink(Protocol):
+    """Receives one streamed payload. Bytes are untrusted until `finish` is called."""
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def finish(self) -> Message | None:
+        """The payload is complete and authentic; return the reply, if any."""
+        ...
+
+    async def abort(self, reason: str) -> None:
+        """The stream failed (bad digest, disconnect, deadline): discard what was written."""
+        ...
+
+
+MessageHandler = Callable[[Message, Peer], Awaitable[Message | None]]
+SinkOpener = Callable[[Message, Peer, int], Awaitable[PayloadSink]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServerOptions:
+    """Transport-side bounds of the server (wire-side ones, incl. per-peer streams, are in `Limits`)."""
+
+    max_concurrent_streams: int = MAX_CONCURRENT_STREAMS
+    min_body_limit_bytes: int = MIN_BODY_LIMIT_BYTES
+    inline_decode_max_bytes: int = INLINE_DECODE_MAX_BYTES
+    decode_batch_bytes: int = DECODE_BATCH_BYTES
+
+    def __post_init__(self) -> None:
+        for spec in dataclasses.fields(self):
+            value = getattr(self, spec.name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"ServerOptions.{spec.name} must be a positive int, got {value!r}")
+
+
+class PeerServer:
+    """Routes `POST /v1/<kind>` bodies of frames to the handler registered for that kind."""
+
+    def __init__(
+        self,
+        auth: AuthContext,
+        verifier: FrameVerifier,
+        *,
+        limits: Limits = DEFAULT_LIMITS,
+        options: ServerOptions = ServerOptions(),
+        counters: TrafficCounters | None = None,
+        executor: Executor | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._auth = auth
+        self._verifier = verifier
+        self.limits = limits
+        self.options = options
+        self.counters = counters if counters is not None else TrafficCounters()
+        self._executor = executor  # None: the loop's default pool
+        self._wall_clock = wall_clock  # only for frame timestamps (replay window); deadlines use the loop
+        self._handlers: dict[MessageKind, MessageHandler] = {}
+        self._sinks: dict[MessageKind, SinkOpener] = {}
+        self._streams: dict[str, int] = {}
+        self._streams_total = 0
+
+    # ---- wiring -----------------------------------------------------------------------------
+
+    def on_message(self, kind: MessageKind, handler: MessageHandler) -> None:
+        self._check_unregistered(kind)
+        self._handlers[kind] = handler
+
+    def on_stream(self, kind: MessageKind, open_sink: SinkOpener) -> None:
+        self._check_unregistered(kind)
+        self._sinks[kind] = open_sink
+
+    def _check_unregistered(self, kind: MessageKind) -> None:
+        if kind in self._handlers or kind in self._sinks:
+            raise ValueError(f"a handler for {kind.name} is already registered")
+
+    def install(self, app: web.Application) -> None:
+        """Add the peer routes to `app` (the composition root owns the app and its AppRunner)."""
+        app[PEER_SERVER] = self
+        app.router.add_post(ROUTE_PREFIX + "{kind}", self._handle)
+
+    @property
+    def active_streams(self) -> dict[str, int]:
+        return dict(self._streams)
+
+    def body_limit(self, kind: MessageKind) -> int:
+        """Largest request body for `kind`: one frame of the largest allowed size (or a small batch)."""
+        largest_frame = FIXED_HEADER_BYTES + self.limits.max_header_map_bytes + MAC_BYTES + self.limits.max_payload(kind)
+        return max(largest_frame, self.options.min_body_limit_bytes)
+
+    # ---- one request ------------------------------------------------------------------------
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        claimed = request.headers.get(SENDER_HEADER)
+        if claimed is not None and not NODE_ID_PATTERN.fullmatch(claimed):
+            claimed = None
+        peer_key = claimed or request.remote or "unknown"
+        self.counters.peer(peer_key).requests_received += 1
+        name = request.match_info["kind"]
+        kind = kind_from_name(name)
+        if kind is None or (kind not in self._handlers and kind not in self._sinks):
+            return await self._refuse(request, peer_key, 404, f"no handler for {name[:64]!r} on this node")
+        encoding = request.headers.get("Content-Encoding", "identity").lower()
+        if encoding != "identity":
+            # aiohttp would inflate it: a decompression bomb past our byte counts.
+            return await self._refuse(request, peer_key, 415, f"Content-Encoding {encoding[:32]!r} is not accepted; send frames as-is")
+        limit = self.body_limit(kind)
+        if request.content_length is not None and request.content_length > limit:
+            return await self._refuse(request, peer_key, 413, f"{kind.name} body of {request.content_length} bytes exceeds "
+                                               f"the limit of {limit}")
+        per_peer = self.limits.max_concurrent_streams_per_peer
+        if self._streams.get(peer_key, 0) >= per_peer:
+            return await self._refuse(request, peer_key, 429, f"{peer_key} already has {per_peer} streams open")
+        if self._streams_total >= self.options.max_concurrent_streams:
+            return await self._refuse(request, peer_key, 429, f"this node already has {self._streams_total} streams open")
+        self._streams[peer_key] = self._streams.get(peer_key, 0) + 1
+        self._streams_total += 1
+        try:
+            replies = await self._consume(request, kind, claimed, limit, peer_key)
+            body = await self._encode_replies(replies)
+        except RemoteProtocolError as error:
+            return await self._refuse(request, peer_key, error.status_hint, str(error))
+        finally:
+            self._streams_total -= 1
+            if self._streams[peer_key] <= 1:
+                del self._streams[peer_key]
+            else:
+                self._streams[peer_key] -= 1
+        self.counters.sent(peer_key, len(body))
+        return web.Response(body=body, content_type=FRAME_CONTENT_TYPE)
+
+    async def _refuse(self, request: web.Request, peer_key: str, status: int, reason: str) -> web.Response:
+        reason = reason[:MAX_REASON_CHARS]
+        log.info("refused %s with %d: %s", peer_key, status, reason)
+        self.counters.refused(peer_key, f"{status} {reason}")
+        response = web.Response(status=status, text=reason)
+        response.force_close()
+        # The body may be unread. Left alone, aiohttp would keep reading ("lingering") up to 10 s of
+        # it; send the answer now and close the connection (buffered bytes are flushed first).
+        await response.prepare(request)
+        await response.write_eof()
+        request.protocol.force_close()
+        return response
+
+    async def _consume(self, request: web.Request, kind: MessageKind, claimed: str | None, limit: int,
+                       peer_key: str) -> list[Message]:
+        """Read, decode and dispatch the whole body; return the handlers' replies."""
+        decoder = FrameDecoder(self._verifier, self.limits, stream_kinds=(kind,) if kind in self._sinks else ())
+        loop = asyncio.get_running_loop()
+        replies: list[Message] = []
+        sink: PayloadSink | None = None
+        received = 0
+        frame_started: float | None = None
+        try:
+            while True:
+                data = await self._read_some(request, frame_started, loop)
+                received += len(data)
+                self.counters.received(peer_key, len(data))
+                if received > limit:
+                    raise RemoteProtocolError(f"{kind.name} body exceeds the limit of {limit} bytes", 413)
+                for event in await self._decode(decoder, data):
+                    if isinstance(event, Received):
+                        peer = self._peer(event.sender, event.sent_at_unix, event.message.KIND, kind, claimed, request)
+                        reply = await self._handlers[kind](event.message, peer)
+                        if reply is not None:
+                            replies.append(reply)
+                    elif isinstance(event, FrameHeader):
+                        peer = self._peer(event.sender, event.sent_at_unix, event.head.KIND, kind, claimed, request)
+                        sink = await self._sinks[kind](event.head, peer, event.payload_length)
+                    elif isinstance(event, PayloadChunk):
+                        assert sink is not None
+                        await sink.write(event.data)
+                    elif isinstance(event, FrameEnd):
+                        assert sink is not None
+                        finished, sink = sink, None
+                        reply = await finished.finish()
+                        if reply is not None:
+                            replies.append(reply)
+                if not data:
+                    return replies
+                if decoder.between_frames:
+                    frame_started = None
+                elif frame_started is None:
+                    frame_started = loop.time()
+        except BaseException as error:
+            if sink is not None:
+                await sink.abort(f"stream failed: {error or type(error).__name__}")
+            raise
+
+    async def _read_some(self, request: web.Request, frame_started: float | None,
+                         loop: asyncio.AbstractEventLoop) -> bytes:
+        """The next bytes of the body (b"" at its end), within the read timeout and frame deadline."""
+        timeout = self.limits.read_timeout_s
+        if frame_started is not None:
+            left = frame_started + self.limits.message_timeout_s - loop.time()
+            if left <= 0:
+                raise self._deadline_error()
+            timeout = min(timeout, left)
+        content = request.content
+        try:
+            async with asyncio.timeout(timeout):
+                chunk = await content.readany()
+        except TimeoutError:
+            if frame_started is not None and loop.time() >= frame_started + self.limits.message_timeout_s:
+                raise self._deadline_error() from None
+            raise RemoteProtocolError(f"no body byte for {self.limits.read_timeout_s:g} s", 408) from None
+        except (OSError, aiohttp.ClientError, http_exceptions.HttpProcessingError) as error:
+            raise RemoteProtocolError(f"request body broke off: {type(error).__name__}: {error}", 400) from None
+        if not chunk:
+            return b""
+        parts = [chunk]
+        size = len(chunk)
+        while size < self.options.decode_batch_bytes:
+            more = content.read_nowait(self.options.decode_batch_bytes - size)
+            if not more:
+                break
+            parts.append(more)
+            size += len(more)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _deadline_error(self) -> RemoteProtocolError:
+        return RemoteProtocolError(f"a frame took longer than the {self.limits.message_timeout_s:g} s deadline", 408)
+
+    async def _decode(self, decoder: FrameDecoder, data: bytes) -> list[Event]:
+        now_unix = self._wall_clock()
+        if len(data) < self.options.inline_decode_max_bytes:
+            return _decode_batch(decoder, data, now_unix)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, _decode_batch, decoder, data, now_unix)
+
+    def _peer(self, sender: str, sent_at_unix: float, frame_kind: MessageKind, route_kind: MessageKind,
+              claimed: str | None, request: web.Request) -> Peer:
+        if frame_kind is not route_kind:
+            raise RemoteProtocolError(f"{frame_kind.name} frame sent to the {kind_name(route_kind)} route", 400)
+        if claimed is not None and claimed != sender:
+            raise RemoteProtocolError(f"{SENDER_HEADER} says {claimed!r} but the frame is signed by {sender!r}", 401)
+        return Peer(node_id=sender, address=request.remote, sent_at_unix=sent_at_unix)
+
+    async def _encode_replies(self, replies: list[Message]) -> bytes:
+        frames = []
+        loop = asyncio.get_running_loop()
+        for reply in replies:
+            nonce = os.urandom(NONCE_BYTES)
+            now_unix = self._wall_clock()
+            if approx_payload_bytes(reply) < INLINE_ENCODE_MAX_BYTES:
+                frames.append(encode_frame(reply, self._auth, now_unix=now_unix, nonce=nonce))
+            else:
+                frames.append(await loop.run_in_executor(
+                    self._executor, lambda r=reply, n=nonce, t=now_unix: encode_frame(r, self._auth, now_unix=t, nonce=n)))
+        return b"".join(frames)
+
+
+def _decode_batch(decoder: FrameDecoder, data: bytes, now_unix: float) -> list[Event]:
+    """Feed `data` (b"": end of body) and collect every event it completes."""
+    decoder.receive_data(data)
+    events: list[Event] = []
+    while True:
+        event = decoder.next_event(now_unix=now_unix)
+        if event is NEED_DATA or event is CLOSED:
+            return events
+        events.append(event)
+
+
+def approx_payload_bytes(message: Message) -> int:
+    """Bulk bytes a message carries (its payload, or its log entries' payloads)."""
+    payload = getattr(message, "payload", b"")
+    entries = getattr(message, "entries", ())
+    return len(payload) + sum(len(entry.payload) for entry in entries)
+
+
+PEER_SERVER: Final = web.AppKey("diloco_peer_server", PeerServer)
