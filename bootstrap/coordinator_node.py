@@ -328,9 +328,8 @@ class CoordinatorNode:
 
     def _after_local_append(self, now: float) -> list[Action]:
         self._advance_commit(now)  # a configuration of one commits on its own
-        if self.role is not Role.LEADER:
-            return []
-        return self._replicate_to_all(now)
+        actions = self._replicate_to_all(now) if self.role is Role.LEADER else []
+        return actions + self._drain_applies()
 
     def _advance_commit(self, now: float) -> None:
         if self.log.advance_commit(self.log.config, self.epoch):

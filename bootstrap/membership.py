@@ -42,6 +42,8 @@ DEFAULT_SUSPECT_TIMEOUT_S = 5.0
 DEFAULT_RETRANSMIT_MULTIPLIER = 3
 # Records per message: bounds message size whatever the churn.
 DEFAULT_MAX_PIGGYBACK = 8
+# Random extra records per message, beyond pending rumours (anti-entropy, see _piggyback).
+DEFAULT_ANTI_ENTROPY_RECORDS = 2
 # Re-send a join request (to the next bootstrap peer) if no reply arrives within this.
 DEFAULT_JOIN_RETRY_S = 2.0
 
@@ -290,4 +292,11 @@ class Membership:
                 del self._pending[node_id]
             else:
                 self._pending[node_id] = left - 1
-        return tuple(self.members[node_id] for node_id, _ in chosen)
+        records = [self.members[node_id] for node_id, _ in chosen]
+        # Anti-entropy: a couple of random records ride along too, so a rumour whose
+        # retransmissions ran out during a partition still reaches everyone eventually.
+        spare = sorted(n for n in self.members if n not in self._pending and all(n != c for c, _ in chosen))
+        for node_id in self._rng.sample(spare, min(DEFAULT_ANTI_ENTROPY_RECORDS, len(spare),
+                                                   self.timing.max_piggyback - len(records))):
+            records.append(self.members[node_id])
+        return tuple(records)

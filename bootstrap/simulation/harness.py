@@ -43,6 +43,8 @@ FAULT_WEIGHTS: dict[str, float] = {
     "restart": 3.0,
     "partition": 1.5,
     "isolate_leader": 1.0,
+    "one_way": 1.0,
+    "cut_link": 1.0,
     "heal": 2.0,
     "loss": 1.0,
     "duplicate": 0.7,
@@ -50,7 +52,13 @@ FAULT_WEIGHTS: dict[str, float] = {
     "skew": 1.0,
     "join": 0.7,
     "leave": 0.4,
+    "workload": 1.0,
 }
+
+
+# Seconds between proposals during chaos: DiLoCo commits are sparse (one per outer step), and
+# idle stretches are when a stale node still looks up to date, so they matter for safety.
+WORKLOAD_INTERVALS_S = (0.3, 1.0, 4.0, 10.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +136,8 @@ class Simulation:
         self.hosts: dict[str, _Host] = {}
         self.leaders: dict[str, CoordinatorNode] = {}
         self.groups: dict[str, int] = {}
+        self.one_way: set[tuple[str, str]] = set()  # (source, destination) links that drop
+        self.workload_interval = self.rng.choice(WORKLOAD_INTERVALS_S)
         self.loss = 0.0
         self.duplicate = 0.0
         self.jitter = self.config.jitter_s
@@ -218,8 +228,26 @@ class Simulation:
         elif fault == "isolate_leader" and leader is not None:
             self.groups = {h.node_id: (1 if h.node_id == leader else 0) for h in self._sorted_hosts()}
             note = f"isolate leader {leader}"
+        elif fault == "one_way" and len(alive) > 1:
+            source, destination = self.rng.sample([h.node_id for h in alive], 2)
+            if leader is not None and self.rng.random() < 0.5:
+                source = leader
+                destination = self.rng.choice([h.node_id for h in alive if h.node_id != leader] or [destination])
+            self.one_way.add((source, destination))
+            note = f"one-way loss {source} -> {destination}"
+        elif fault == "cut_link" and len(alive) > 2:
+            # A partial partition: two nodes cannot talk, both still reach everyone else.
+            first, second = self.rng.sample([h.node_id for h in alive], 2)
+            if leader is not None and first != leader:
+                second = leader  # the interesting case: the lease holder loses one follower
+            self.one_way |= {(first, second), (second, first)}
+            note = f"cut link {first} <-> {second}"
+        elif fault == "workload":
+            self.workload_interval = self.rng.choice(WORKLOAD_INTERVALS_S)
+            note = f"workload every {self.workload_interval}s"
         elif fault == "heal":
             self.groups = {}
+            self.one_way = set()
         elif fault == "loss":
             self.loss = self.rng.choice([0.0, 0.05, 0.2, 0.4])
             note = f"loss {self.loss}"
@@ -258,6 +286,8 @@ class Simulation:
     def heal_everything(self) -> None:
         """End of chaos: a clean network and every crashed (not departed) node restarted."""
         self.groups = {}
+        self.one_way = set()
+        self.workload_interval = self.config.workload_interval_s
         self.loss = self.duplicate = 0.0
         self.jitter = self.config.jitter_s
         for host in self._sorted_hosts():
@@ -358,7 +388,7 @@ class Simulation:
             self._dispatch(host, lambda node, local: node.handle(message, local), message)
 
     def _on_workload(self) -> None:
-        self._schedule(self.now + self.config.workload_interval_s, _WORKLOAD, None, None)
+        self._schedule(self.now + self.workload_interval, _WORKLOAD, None, None)
         holder = self.current_lease_holder()
         if holder is None:
             return
@@ -422,7 +452,7 @@ class Simulation:
     def _send(self, source: str, send: Send) -> None:
         if self.groups and self.groups.get(source, 0) != self.groups.get(send.to, 0):
             return
-        if send.to not in self.hosts:
+        if send.to not in self.hosts or (source, send.to) in self.one_way:
             return
         if self.loss and self.rng.random() < self.loss:
             return
