@@ -14,6 +14,7 @@ The choices where the papers are silent are written down in docs/MERGE.md.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Collection, Mapping, Sequence
 
@@ -43,7 +44,8 @@ class Contribution:
     """One learner's delta for one fragment, relative to the global version `base_round`.
 
     Counters come from the network and are checked by `merge_contributions` (a bad value is a
-    rejection with a reason, not an exception), so only types are enforced here.
+    rejection with a reason, not an exception), so only types are enforced here. Numpy integer
+    counters are stored as Python ints: int64 arithmetic on a huge claim would wrap silently.
     """
 
     learner: str
@@ -60,6 +62,9 @@ class Contribution:
             value = getattr(self, attr)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
                 raise TypeError(f"Contribution.{attr} must be an integer, got {type(value).__name__}")
+            object.__setattr__(self, attr, int(value))
+        if not isinstance(self.delta, Mapping):
+            raise TypeError(f"Contribution.delta must be a mapping of name -> array, got {type(self.delta).__name__}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,9 +96,17 @@ def token_weight(c_tokens: int, c_steps: int, caps: ContributionCaps) -> float:
         raise ValueError(f"c_steps = {c_steps}: no inner steps since its base")
     if c_tokens < 0:
         raise ValueError(f"c_tokens = {c_tokens} is negative")
-    tokens_per_step = min(c_tokens / c_steps, float(caps.max_tokens_per_step))
+    # Compare as exact integers: a claim beyond the float range must be capped, not overflow.
+    if _claims_more_tokens_per_step(c_tokens, c_steps, caps):
+        tokens_per_step = float(caps.max_tokens_per_step)
+    else:
+        tokens_per_step = c_tokens / c_steps
     steps = min(c_steps, caps.max_steps)
     return tokens_per_step * tokens_per_step * steps
+
+
+def _claims_more_tokens_per_step(c_tokens: int, c_steps: int, caps: ContributionCaps) -> bool:
+    return int(c_tokens) > caps.max_tokens_per_step * int(c_steps)
 
 
 def rebase(
@@ -221,6 +234,13 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}"
 
 
+def _tokens_per_step_text(c_tokens: int, c_steps: int) -> str:
+    try:
+        return _fmt(c_tokens / c_steps)
+    except OverflowError:  # a claim beyond the float range (Python ints are unbounded)
+        return f"> {_fmt(sys.float_info.max)}"
+
+
 def _check_shape_and_values(
     c: Contribution, current: Mapping[str, np.ndarray]
 ) -> tuple[dict[str, np.ndarray] | None, str | None]:
@@ -318,8 +338,8 @@ def merge_contributions(
         notes = []
         if c.c_steps > caps.max_steps:
             notes.append(f"c_steps {c.c_steps} capped at {caps.max_steps}")
-        if c.c_tokens > caps.max_tokens_per_step * c.c_steps:
-            notes.append(f"tokens/step {_fmt(c.c_tokens / c.c_steps)} capped at {caps.max_tokens_per_step}")
+        if _claims_more_tokens_per_step(c.c_tokens, c.c_steps, caps):
+            notes.append(f"tokens/step {_tokens_per_step_text(c.c_tokens, c.c_steps)} capped at {caps.max_tokens_per_step}")
         if notes and weighting == "tokens":
             capped.append((c.learner, "; ".join(notes)))
         delta, why = _check_shape_and_values(c, current)

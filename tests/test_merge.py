@@ -487,3 +487,27 @@ def test_golden_trajectory() -> None:
     if record["final_digest"] != expected["final_digest"]:
         pytest.fail("arrays match within tolerance but the state digest differs: the trajectory is "
                     "no longer bit-identical; regenerate only after checking why (see module docstring)")
+
+
+# --- counters and tensors straight from the network -------------------------------------------
+
+def test_counters_beyond_the_float_range_are_capped_not_a_crash() -> None:
+    # c_tokens / c_steps would overflow a float; the claim is simply capped like any inflated one
+    assert token_weight(10**400, 1, CAPS) == CAPS.max_tokens_per_step ** 2
+    result = _merge([_contribution("b", steps=1, tokens=10**400), _contribution("a", seed=1)])
+    assert result.rejected == ()
+    assert dict(result.accepted)["b"] == CAPS.max_tokens_per_step ** 2
+    assert dict(result.capped)["b"] == "tokens/step > 1.8e+308 capped at 4096"
+
+
+def test_numpy_integer_counters_are_exact_python_ints() -> None:
+    # int64 arithmetic would wrap (max_tokens_per_step * c_steps) and misreport the cap
+    c = _contribution("b", steps=np.int64(2**62), tokens=np.int64(2**62))
+    assert type(c.c_steps) is int and type(c.c_tokens) is int
+    result = _merge([c])
+    assert result.capped == (("b", f"c_steps {2**62} capped at {CAPS.max_steps}"),)
+
+
+def test_a_delta_that_is_not_a_mapping_is_refused_at_construction() -> None:
+    with pytest.raises(TypeError, match="Contribution.delta must be a mapping"):
+        Contribution("a", 0, 0, [np.zeros(2)], 1, 3)  # type: ignore[arg-type]
