@@ -249,7 +249,7 @@ def _check_shape_and_values(
     expected = set(current)
     if names != expected:
         missing = sorted(expected - names)
-        extra = sorted(names - expected)
+        extra = sorted(str(n) for n in names - expected)  # a peer's names need not even be strings
         parts = []
         if missing:
             parts.append("missing " + ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else ""))
@@ -258,14 +258,20 @@ def _check_shape_and_values(
         return None, "tensor names do not match the fragment: " + "; ".join(parts)
     out: dict[str, np.ndarray] = {}
     for name in sorted(names):
-        arr = np.asarray(c.delta[name])
+        try:
+            arr = np.asarray(c.delta[name])
+        except (TypeError, ValueError):  # e.g. ragged nested lists
+            return None, f"{name} is not a numeric array"
         if arr.dtype.kind != "f":
             return None, f"{name} has dtype {arr.dtype}, expected float32"
         if arr.shape != np.shape(current[name]):
             return None, f"{name} has shape {arr.shape}, expected {np.shape(current[name])}"
-        arr = arr.astype(np.float32, copy=False)
         if not np.all(np.isfinite(arr)):
             return None, f"non-finite values in {name}"
+        with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf: caught below
+            arr = arr.astype(np.float32, copy=False)
+        if not np.all(np.isfinite(arr)):
+            return None, f"{name} has values beyond the float32 range"
         out[name] = arr
     return out, None
 

@@ -508,6 +508,23 @@ def test_numpy_integer_counters_are_exact_python_ints() -> None:
     assert result.capped == (("b", f"c_steps {2**62} capped at {CAPS.max_steps}"),)
 
 
+@pytest.mark.parametrize(
+    ("delta", "reason"),
+    [
+        ({**_delta(1), "blocks/0/b": [[1.0], [1.0, 2.0]]}, "blocks/0/b is not a numeric array"),
+        ({**_delta(1), "blocks/0/b": np.full(4, 1e300)}, "blocks/0/b has values beyond the float32 range"),
+        ({**_delta(1), 7: np.zeros(4, np.float32), "z": np.zeros(1, np.float32)},
+         "tensor names do not match the fragment: unexpected 7, z"),
+    ],
+    ids=["ragged", "float64 overflow", "non-string name"],
+)
+def test_malformed_tensors_are_rejections_not_exceptions(delta, reason) -> None:
+    with np.errstate(all="raise"):  # no silent overflow on the way to the reason either
+        result = _merge([_contribution("b", delta=delta), _contribution("a", seed=1)])
+    assert result.rejected == (("b", f"rejected learner b: {reason}"),)
+    assert [learner for learner, _ in result.accepted] == ["a"]
+
+
 def test_a_delta_that_is_not_a_mapping_is_refused_at_construction() -> None:
     with pytest.raises(TypeError, match="Contribution.delta must be a mapping"):
         Contribution("a", 0, 0, [np.zeros(2)], 1, 3)  # type: ignore[arg-type]
