@@ -94,12 +94,23 @@ class FrameKey:
             raise LocalProtocolError(f"FrameKey must be {MAC_BYTES} bytes")
 
 
+def hkdf_sha256(input_key: bytes, *, salt: bytes, info: bytes, length: int = 32) -> bytes:
+    """HKDF-SHA256 (RFC 5869): extract with `salt`, then expand with `info` to `length` bytes."""
+    if not 0 < length <= 255 * 32:
+        raise LocalProtocolError(f"HKDF-SHA256 output length must be in (0, 8160], got {length}")
+    pseudo_random_key = hmac.digest(salt, input_key, "sha256")
+    output, block = b"", b""
+    for counter in range(1, -(-length // 32) + 1):
+        block = hmac.digest(pseudo_random_key, block + info + bytes([counter]), "sha256")
+        output += block
+    return output[:length]
+
+
 def derive_frame_key(run_secret: bytes) -> FrameKey:
-    """HKDF-SHA256 (extract, then one block of expand) of the run secret into the frame MAC key."""
+    """The frame MAC key: HKDF-SHA256 of the run secret with this module's salt and info labels."""
     if type(run_secret) is not bytes or len(run_secret) < MIN_RUN_SECRET_BYTES:
         raise LocalProtocolError(f"run secret must be at least {MIN_RUN_SECRET_BYTES} bytes")
-    pseudo_random_key = hmac.digest(KDF_SALT, run_secret, "sha256")
-    return FrameKey(hmac.digest(pseudo_random_key, KDF_INFO_FRAME_MAC + b"\x01", "sha256"))
+    return FrameKey(hkdf_sha256(run_secret, salt=KDF_SALT, info=KDF_INFO_FRAME_MAC, length=MAC_BYTES))
 
 
 def compute_mac(key: FrameKey, signed_bytes: bytes) -> bytes:
