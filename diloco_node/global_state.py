@@ -28,6 +28,9 @@ from diloco_node.run_config import OuterOptimizer
 # missed a few merges while costing 8 copies of the model in memory on the syncer.
 DEFAULT_HISTORY_LEN = 8
 SNAPSHOT_FORMAT = 1
+# Rounds are hashed as signed 64-bit integers (see the digest layout in docs/MERGE.md); a larger one
+# from a snapshot would get into the state and make every later digest fail.
+MAX_ROUND = 2**63 - 1
 _DTYPE = np.dtype("<f4")  # the one dtype of the global state, little-endian so digests agree everywhere
 
 
@@ -274,8 +277,8 @@ class GlobalState:
             raise GlobalStateError("fragment snapshot: 'fragment' must be an integer")
         p = int(p)
         self._check_index(p)
-        if not isinstance(round_, (int, np.integer)) or isinstance(round_, bool) or round_ < 0:
-            raise GlobalStateError(f"fragment {p} snapshot: 'round' must be an integer >= 0")
+        if not isinstance(round_, (int, np.integer)) or isinstance(round_, bool) or not 0 <= round_ <= MAX_ROUND:
+            raise GlobalStateError(f"fragment {p} snapshot: 'round' must be an integer in [0, {MAX_ROUND}]")
         round_ = int(round_)
         params = _validated_fragment_tensors(self._shapes(p), snap.get("params"), f"fragment {p} snapshot params")
         momentum = _validated_fragment_tensors(self._shapes(p), snap.get("momentum"), f"fragment {p} snapshot momentum")

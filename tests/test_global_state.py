@@ -200,3 +200,17 @@ def test_snapshot_arrays_are_copies() -> None:
     for arr in snap["fragments"][0]["params"].values():
         arr[...] = 0
     assert state.digest() == _state().digest()
+
+
+@pytest.mark.parametrize("bad_round", [2**63, 10**30])
+def test_a_round_the_digest_cannot_encode_is_refused_and_changes_nothing(bad_round) -> None:
+    # the digest packs the round as int64: a larger one must not get into the state
+    source, target = _state(), _state()
+    before = target.digest()
+    snap = source.snapshot()
+    snap["fragments"][1]["round"] = bad_round
+    with pytest.raises(GlobalStateError, match=f"fragment 1 snapshot: 'round' must be an integer in \\[0, {2**63 - 1}\\]"):
+        target.restore(snap)
+    with pytest.raises(GlobalStateError, match="'round' must be an integer in"):
+        target.restore_fragment(snap["fragments"][1])
+    assert target.digest() == before
