@@ -328,14 +328,20 @@ def _check_names(got: set, expected: set, what: str) -> None:
 
 
 def _validated_array(value: Any, name: str, shape: tuple | None, what: str) -> np.ndarray:
-    arr = np.asarray(value)
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError):  # e.g. ragged nested lists
+        raise GlobalStateError(f"{what}: {name} is not a numeric array") from None
     if arr.dtype.kind != "f":
         raise GlobalStateError(f"{what}: {name} has dtype {arr.dtype}, expected float32")
     if shape is not None and arr.shape != shape:
         raise GlobalStateError(f"{what}: {name} has shape {arr.shape}, expected {shape}")
-    out = np.array(arr, dtype=_DTYPE, copy=True)
-    if not np.all(np.isfinite(out)):
+    if not np.all(np.isfinite(arr)):
         raise GlobalStateError(f"{what}: non-finite values in {name}")
+    with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf: caught below
+        out = np.array(arr, dtype=_DTYPE, copy=True)
+    if not np.all(np.isfinite(out)):
+        raise GlobalStateError(f"{what}: {name} has values beyond the float32 range")
     return out
 
 

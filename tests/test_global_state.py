@@ -214,3 +214,17 @@ def test_a_round_the_digest_cannot_encode_is_refused_and_changes_nothing(bad_rou
     with pytest.raises(GlobalStateError, match="'round' must be an integer in"):
         target.restore_fragment(snap["fragments"][1])
     assert target.digest() == before
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [([[1.0], [1.0, 2.0]], "is not a numeric array"), (np.full((4, 4), 1e300), "has values beyond the float32 range")],
+    ids=["ragged", "float64 overflow"],
+)
+def test_malformed_arrays_are_a_global_state_error(value, message) -> None:
+    state = _state()
+    grad = _grad(state, 2, 0)  # fragment 2 holds blocks/0/w and blocks/0/b
+    with np.errstate(all="raise"):
+        with pytest.raises(GlobalStateError, match=f"blocks/0/w {message}"):
+            state.apply_outer_gradient(2, {**grad, "blocks/0/w": value})
+    assert state.rounds() == (0, 0, 0)
