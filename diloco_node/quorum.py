@@ -139,6 +139,9 @@ def decide_round(
         raise ValueError(f"now = {now!r} and opened_at = {opened_at!r} must be finite")
     if live_learners < 0:
         raise ValueError(f"live_learners = {live_learners} must be >= 0")
+    for learner, arrived_at in arrivals.items():
+        if not math.isfinite(arrived_at):
+            raise ValueError(f"arrival time of {learner} = {arrived_at!r} must be finite")
     need = policy.min_quorum
     have = len(arrivals)
 

@@ -154,6 +154,9 @@ def test_ema() -> None:
         (lambda: TimingEstimates(None, math.nan, None), "quorum_s = nan"),
         (lambda: decide_round(math.nan, 0.0, {}, 1, K1, KNOWN), "must be finite"),
         (lambda: decide_round(1.0, 0.0, {}, -1, K1, KNOWN), "live_learners = -1"),
+        # a NaN arrival would otherwise vanish from max() and merge at once; inf would wait forever
+        (lambda: decide_round(10.0, 9.0, {"a": math.nan}, 4, K1, KNOWN), "arrival time of a = nan must be finite"),
+        (lambda: decide_round(10.0, 9.0, {"a": 9.5, "b": math.inf}, 4, K1, KNOWN), "arrival time of b = inf"),
     ],
 )
 def test_bad_parameters_are_refused(build, message) -> None:
