@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 from wire.codecs import CODECS, decode_tensor, encode_tensor  # noqa: E402
+from wire.codecs.container import FLAG_ZSTD, FLAGS_OFFSET  # noqa: E402
 
 # Outer gradients are roughly Gaussian with heavy-tailed outliers; these knobs set the mixture.
 OUTLIER_FRACTION = 0.03
@@ -112,7 +113,7 @@ def measure_codecs(
                 "num_elements": int(values.size),
                 "block_size": CODECS[name].default_block_size,
                 "zstd_level": zstd_level,
-                "zstd_used": bool(encoded[6] & 1),
+                "zstd_used": bool(encoded[FLAGS_OFFSET] & FLAG_ZSTD),
                 "encoded_bytes": len(encoded),
                 "bytes_per_value": len(encoded) / values.size,
                 "ratio": values.size * 4 / len(encoded),

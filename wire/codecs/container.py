@@ -21,6 +21,7 @@ from wire.errors import LocalProtocolError, RemoteProtocolError
 
 FORMAT_VERSION = 1
 MAGIC = b"DLTC"  # "DiLoCo tensor codec"
+FLAGS_OFFSET = 6  # byte of the flags in the fixed header
 FLAG_ZSTD = 0x01  # body is one zstd frame (with its content size) rather than raw bytes
 _KNOWN_FLAGS = FLAG_ZSTD
 
@@ -118,9 +119,9 @@ def encode_named(
     """
     scheme = _resolve_codec(codec)
     _check_zstd_level(zstd_level)
-    block = (scheme.default_block_size if block_size is None else block_size) if scheme.blockwise else 0
     if block_size is not None and not scheme.blockwise:
         raise LocalProtocolError(f"{scheme.name} is elementwise and takes no block size")
+    block = (scheme.default_block_size if block_size is None else block_size) if scheme.blockwise else 0
     if (problem := scheme.check_block_size(block)) is not None:
         raise LocalProtocolError(problem)
     if len(tensors) > MAX_TENSORS:
@@ -157,9 +158,9 @@ def encode_named(
     if zstd_level is not None and body.size:
         compressed = _compressor(zstd_level).compress(body)
         if len(compressed) < body.size:
-            header[6] = FLAG_ZSTD
-            return bytes(header) + compressed
-    return bytes(header) + body.tobytes()
+            header[FLAGS_OFFSET] = FLAG_ZSTD
+            return b"".join((header, compressed))
+    return b"".join((header, body))  # joins the array's buffer directly: one copy of the body
 
 
 def encode_tensor(
