@@ -127,7 +127,10 @@ def measure_codecs(
 
 
 def _format_table(rows: list[dict]) -> str:
-    header = f"{'dataset':<13}{'codec':<6}{'B/value':>9}{'ratio':>8}{'enc MB/s':>10}{'dec MB/s':>10}{'max rel err':>13}{'rel L2 err':>12}  zstd"
+    header = (
+        f"{'dataset':<13}{'codec':<6}{'B/value':>9}{'ratio':>8}{'enc MB/s':>10}{'dec MB/s':>10}"
+        f"{'max rel err':>13}{'rel L2 err':>12}  zstd"
+    )
     lines = [header]
     for row in rows:
         lines.append(

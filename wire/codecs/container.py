@@ -137,7 +137,9 @@ def encode_named(
         except UnicodeEncodeError:
             raise LocalProtocolError(f"tensor name {name!r} is not encodable as UTF-8") from None
         if len(name_bytes) > MAX_NAME_BYTES:
-            raise LocalProtocolError(f"tensor name {name[:40]!r}... is {len(name_bytes)} bytes; at most {MAX_NAME_BYTES}")
+            raise LocalProtocolError(
+                f"tensor name {name[:40]!r}... is {len(name_bytes)} bytes; at most {MAX_NAME_BYTES}"
+            )
         array = _as_float_array(name, value)
         arrays.append(array)
         header += _NAME_LEN.pack(len(name_bytes)) + name_bytes + _NDIM.pack(array.ndim)
@@ -211,7 +213,9 @@ def _parse(
     if magic != MAGIC:
         raise _malformed(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
-        raise RemoteProtocolError(f"tensor message format version {version}, we speak {FORMAT_VERSION}", status_hint=426)
+        raise RemoteProtocolError(
+            f"tensor message format version {version}, we speak {FORMAT_VERSION}", status_hint=426
+        )
     scheme = CODECS_BY_ID.get(codec_id)
     if scheme is None:
         raise _malformed(f"unknown codec id {codec_id}")
@@ -266,7 +270,10 @@ def _parse(
     return scheme, block, entries, view[reader.offset :], bool(flags & FLAG_ZSTD)
 
 
-def _decode_body(scheme: Codec, block: int, entries: list[tuple[str, tuple[int, ...]]], payload: memoryview, compressed: bool) -> list[np.ndarray]:
+def _decode_body(
+    scheme: Codec, block: int, entries: list[tuple[str, tuple[int, ...]]], payload: memoryview, compressed: bool
+) -> list[np.ndarray]:
+    """Check the payload's (declared) size against the header, decompress, decode, split."""
     padded = [scheme.padded_count(math.prod(shape), block) for _, shape in entries]
     total_padded = sum(padded)
     expected = scheme.body_size(total_padded, block)

@@ -62,7 +62,10 @@ def round_to_bf16_bits(values: np.ndarray) -> np.ndarray:
 def require_finite(values: np.ndarray) -> None:
     """Refuse NaN/Inf on encode: the caller decides what a non-finite update means."""
     if not np.isfinite(values).all():
-        raise LocalProtocolError("tensor contains NaN or Inf (or float64 values beyond the float32 range); codecs encode finite values only")
+        raise LocalProtocolError(
+            "tensor contains NaN or Inf (or float64 values beyond the float32 range); "
+            "codecs encode finite values only"
+        )
 
 
 def _interleave_planes(body: np.ndarray, width: int) -> np.ndarray:
