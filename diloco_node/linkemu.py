@@ -223,7 +223,8 @@ class LinkEmulator:
     def set_latency(self, latency_s: float, jitter_s: float = 0.0, directions: tuple[Direction, ...] = BOTH) -> None:
         self._update(directions, latency_s=latency_s, jitter_s=jitter_s)
 
-    def set_slicer(self, slice_bytes: int | None, delay_s: float = 0.0, directions: tuple[Direction, ...] = BOTH) -> None:
+    def set_slicer(self, slice_bytes: int | None, delay_s: float = 0.0,
+                   directions: tuple[Direction, ...] = BOTH) -> None:
         self._update(directions, slice_bytes=slice_bytes, slice_delay_s=delay_s)
 
     def set_blackhole(self, on: bool = True) -> None:
@@ -460,7 +461,8 @@ class LinkEmulator:
             return shape.latency_s
         return max(0.0, shape.latency_s + self._rng.uniform(-shape.jitter_s, shape.jitter_s))
 
-    async def _deliver(self, conn: _Connection, direction: Direction, data: bytes, writer: asyncio.StreamWriter) -> None:
+    async def _deliver(self, conn: _Connection, direction: Direction, data: bytes,
+                       writer: asyncio.StreamWriter) -> None:
         while self._stalled and not self._blackhole:
             await self._changed.wait()
         if self._blackhole:
@@ -494,7 +496,8 @@ def _host_port(text: str) -> tuple[str, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str = "linkemu") -> None:
-    parser.add_argument("--listen", type=_host_port, default=("127.0.0.1", 0), help="HOST:PORT to accept on (port 0: any)")
+    parser.add_argument("--listen", type=_host_port, default=("127.0.0.1", 0),
+                        help="HOST:PORT to accept on (port 0: any)")
     parser.add_argument("--upstream", type=_host_port, required=True, help="HOST:PORT to forward to")
     parser.add_argument("--bandwidth-mbit", type=float, default=None, help="cap per direction, Mbit/s")
     parser.add_argument("--latency-ms", type=float, default=0.0, help="one-way latency per direction")

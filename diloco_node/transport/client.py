@@ -15,6 +15,7 @@ pool), so nothing is left half-sent. Hashing and encoding big payloads run in a 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import os
@@ -53,14 +54,16 @@ UPLOAD_CHUNK_BYTES = 256 * KiB
 INLINE_BODY_MAX_BYTES = 256 * KiB
 # Messages whose payloads exceed this are encoded (SHA-256 + copy) in the thread pool.
 INLINE_ENCODE_MAX_BYTES = 64 * KiB
-# Reply bodies at or above this size are decoded in the thread pool.
+# Reply bytes at or above this size (with what the decoder holds) are decoded in the thread pool.
 INLINE_DECODE_MAX_BYTES = 64 * KiB
+# Reply bytes already buffered by aiohttp are decoded together up to this size.
+DECODE_BATCH_BYTES = 1 * MiB
 # Replies per request: a handler answers each frame at most once; more is a confused or hostile peer.
 MAX_REPLY_FRAMES = 1024
 # A refusal's reason text is read up to this size (the server sends at most 512 characters).
 MAX_REFUSAL_BODY_BYTES = 4 * KiB
 
-Payload = bytes | bytearray | memoryview | AsyncIterable[bytes]
+Payload = bytes | bytearray | memoryview | AsyncIterable[bytes]  # or any C-contiguous buffer
 
 
 class TransportError(Exception):
@@ -165,7 +168,7 @@ class PeerClient:
         come with both, since the authenticated frame header carries them before the first byte.
         """
         loop = asyncio.get_running_loop()
-        if isinstance(payload, (bytes, bytearray, memoryview)):
+        if not isinstance(payload, AsyncIterable):  # any buffer: bytes, bytearray, memoryview, ndarray
             view = memoryview(payload).cast("B")
             if payload_length is not None and payload_length != len(view):
                 raise LocalProtocolError(f"payload_length {payload_length} != len(payload) {len(view)}")
@@ -195,8 +198,8 @@ class PeerClient:
         if approx_payload_bytes(message) < INLINE_ENCODE_MAX_BYTES:
             return encode_frame(message, self._auth, now_unix=now_unix, nonce=nonce)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._executor, lambda: encode_frame(message, self._auth, now_unix=now_unix, nonce=nonce))
+        encode = functools.partial(encode_frame, message, self._auth, now_unix=now_unix, nonce=nonce)
+        return await loop.run_in_executor(self._executor, encode)
 
     async def _post(self, url: str, body: AsyncIterable[bytes | memoryview] | bytes, length: int,
                     peer: str | None, deadline_s: float | None) -> list[Message]:
@@ -238,8 +241,11 @@ class PeerClient:
         replies: list[Message] = []
         while True:
             chunk = await response.content.readany()
+            if chunk:  # coalesce what is already buffered: one decode call per MiB, not per read
+                more = response.content.read_nowait(DECODE_BATCH_BYTES - len(chunk))
+                chunk = chunk + more if more else chunk
             traffic.bytes_received += len(chunk)
-            if len(chunk) < INLINE_DECODE_MAX_BYTES:
+            if len(chunk) + decoder.buffered_bytes < INLINE_DECODE_MAX_BYTES:
                 events = _decode_all(decoder, chunk, self._wall_clock())
             else:
                 events = await loop.run_in_executor(self._executor, _decode_all, decoder, chunk, self._wall_clock())

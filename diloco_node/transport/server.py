@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -68,6 +69,8 @@ INLINE_DECODE_MAX_BYTES = 64 * KiB
 DECODE_BATCH_BYTES = 1 * MiB
 # Replies whose payloads exceed this are encoded (SHA-256 + copy) in the thread pool.
 INLINE_ENCODE_MAX_BYTES = 64 * KiB
+# Reply bodies above this are written in slices of this size (each awaits the socket draining).
+STREAMED_REPLY_MIN_BYTES = 256 * KiB
 # Refusal reasons are sent back as text; a peer should not be able to make us echo megabytes.
 MAX_REASON_CHARS = 512
 
@@ -166,7 +169,8 @@ class PeerServer:
 
     def body_limit(self, kind: MessageKind) -> int:
         """Largest request body for `kind`: one frame of the largest allowed size (or a small batch)."""
-        largest_frame = FIXED_HEADER_BYTES + self.limits.max_header_map_bytes + MAC_BYTES + self.limits.max_payload(kind)
+        limits = self.limits
+        largest_frame = FIXED_HEADER_BYTES + limits.max_header_map_bytes + MAC_BYTES + limits.max_payload(kind)
         return max(largest_frame, self.options.min_body_limit_bytes)
 
     # ---- one request ------------------------------------------------------------------------
@@ -184,16 +188,19 @@ class PeerServer:
         encoding = request.headers.get("Content-Encoding", "identity").lower()
         if encoding != "identity":
             # aiohttp would inflate it: a decompression bomb past our byte counts.
-            return await self._refuse(request, peer_key, 415, f"Content-Encoding {encoding[:32]!r} is not accepted; send frames as-is")
+            return await self._refuse(request, peer_key, 415,
+                                      f"Content-Encoding {encoding[:32]!r} is not accepted; send frames as-is")
         limit = self.body_limit(kind)
         if request.content_length is not None and request.content_length > limit:
-            return await self._refuse(request, peer_key, 413, f"{kind.name} body of {request.content_length} bytes exceeds "
-                                               f"the limit of {limit}")
+            return await self._refuse(request, peer_key, 413,
+                                      f"{kind.name} body of {request.content_length} bytes exceeds "
+                                      f"the limit of {limit}")
         per_peer = self.limits.max_concurrent_streams_per_peer
         if self._streams.get(peer_key, 0) >= per_peer:
             return await self._refuse(request, peer_key, 429, f"{peer_key} already has {per_peer} streams open")
         if self._streams_total >= self.options.max_concurrent_streams:
-            return await self._refuse(request, peer_key, 429, f"this node already has {self._streams_total} streams open")
+            return await self._refuse(request, peer_key, 429,
+                                      f"this node already has {self._streams_total} streams open")
         self._streams[peer_key] = self._streams.get(peer_key, 0) + 1
         self._streams_total += 1
         try:
@@ -208,7 +215,18 @@ class PeerServer:
             else:
                 self._streams[peer_key] -= 1
         self.counters.sent(peer_key, len(body))
-        return web.Response(body=body, content_type=FRAME_CONTENT_TYPE)
+        if len(body) <= STREAMED_REPLY_MIN_BYTES:
+            return web.Response(body=body, content_type=FRAME_CONTENT_TYPE)
+        # A big reply (log read, snapshot chunk) goes out in slices, so the socket buffer never
+        # holds a second copy of it.
+        response = web.StreamResponse(headers={"Content-Type": FRAME_CONTENT_TYPE})
+        response.content_length = len(body)
+        await response.prepare(request)
+        with memoryview(body) as view:
+            for start in range(0, len(view), STREAMED_REPLY_MIN_BYTES):
+                await response.write(view[start:start + STREAMED_REPLY_MIN_BYTES])
+        await response.write_eof()
+        return response
 
     async def _refuse(self, request: web.Request, peer_key: str, status: int, reason: str) -> web.Response:
         reason = reason[:MAX_REASON_CHARS]
@@ -304,7 +322,8 @@ class PeerServer:
 
     async def _decode(self, decoder: FrameDecoder, data: bytes) -> list[Event]:
         now_unix = self._wall_clock()
-        if len(data) < self.options.inline_decode_max_bytes:
+        # Whatever is already buffered counts too: completing a big buffered frame hashes all of it.
+        if len(data) + decoder.buffered_bytes < self.options.inline_decode_max_bytes:
             return _decode_batch(decoder, data, now_unix)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, _decode_batch, decoder, data, now_unix)
@@ -318,16 +337,15 @@ class PeerServer:
         return Peer(node_id=sender, address=request.remote, sent_at_unix=sent_at_unix)
 
     async def _encode_replies(self, replies: list[Message]) -> bytes:
-        frames = []
         loop = asyncio.get_running_loop()
+        frames = []
         for reply in replies:
-            nonce = os.urandom(NONCE_BYTES)
-            now_unix = self._wall_clock()
+            encode = functools.partial(encode_frame, reply, self._auth, now_unix=self._wall_clock(),
+                                       nonce=os.urandom(NONCE_BYTES))
             if approx_payload_bytes(reply) < INLINE_ENCODE_MAX_BYTES:
-                frames.append(encode_frame(reply, self._auth, now_unix=now_unix, nonce=nonce))
+                frames.append(encode())
             else:
-                frames.append(await loop.run_in_executor(
-                    self._executor, lambda r=reply, n=nonce, t=now_unix: encode_frame(r, self._auth, now_unix=t, nonce=n)))
+                frames.append(await loop.run_in_executor(self._executor, encode))
         return b"".join(frames)
 
 
