@@ -660,3 +660,20 @@ def test_role_strings_become_roles():
     request = JoinRequest(node_id="w1", advertise_url="http://10.0.0.2:8470", role="witness",
                           manifest_digest=bytes(32))
     assert request.role is Role.WITNESS
+
+
+def test_the_example_frame_in_docs_is_what_the_code_produces():
+    """docs/WIRE.md's hex example is the interoperability reference: keep it byte-exact."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "WIRE.md").read_text()
+    block = doc.split("<!-- example-frame")[1].split("```")[1]
+    documented = bytes.fromhex("".join(block.split()))
+    secret = b"example-run-secret-0123456789abcdef"
+    auth = AuthContext("run-demo", "site-a", derive_frame_key(secret))
+    message = FragmentContribution(fragment=2, base_index=7, base_round=10, c_steps=24, c_tokens=98304,
+                                   codec="int8", learner_id="site-a", payload=bytes.fromhex("deadbeef"))
+    assert encode_frame(message, auth, now_unix=1_800_000_000.0, nonce=bytes(range(16))) == documented
+    received = decode_frame(documented, FrameVerifier("run-demo", derive_frame_key(secret)),
+                            now_unix=1_800_000_000.0)
+    assert received.message == message
