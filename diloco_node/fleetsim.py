@@ -52,6 +52,12 @@ DEFAULT_EXPECTED_FAILURES = 20_000
 # Refuse runs beyond this many expected fleet-wide failures: about ten minutes of one core, so a
 # typo in --expected-failures or --wall-time-s fails fast instead of running for hours.
 MAX_EXPECTED_FAILURES = 5_000_000
+# The same guard for everything the event loop draws, over the warm-up and the horizon: failures
+# and repairs (2 per failure), transient slowdowns and their ends (2 per onset). A slowdown rate or
+# repair time off by orders of magnitude would otherwise run for hours while the failure count
+# looks harmless. 12M: the failure limit's 10M events plus room for the warm-up, about a minute
+# of one core (~180k events/s measured).
+MAX_EXPECTED_EVENTS = 12_000_000
 # Warm-up before accounting starts, in mean repair/reconfiguration times, so the job state is
 # close to stationary when measurement begins.
 WARMUP_TIME_CONSTANTS = 3.0
@@ -123,6 +129,13 @@ class FleetParams:
         if self.wall_time_s is not None:
             return float(self.wall_time_s)
         return self.expected_failures * self.mtbi_chip_s / chips
+
+    def expected_events(self, chips: int) -> float:
+        """Upper estimate of the events one fleet run draws (warm-up included), for MAX_EXPECTED_EVENTS."""
+        simulated_s = self.warmup_s() + self.horizon_s(chips)
+        failures = simulated_s * chips / self.mtbi_chip_s
+        slowdowns = simulated_s * (chips / self.slice_chips) * self.slowdown_rate_per_slice
+        return 2 * failures + 2 * slowdowns
 
     def warmup_s(self) -> float:
         longest = max(self.repair_s, self.downscale_s, self.upscale_s, self.restart_s)
@@ -379,6 +392,13 @@ def simulate_fleet(
         raise ValueError(
             f"{expected:.3g} expected failures exceed the limit of {MAX_EXPECTED_FAILURES:,}: "
             "lower expected_failures or wall_time_s"
+        )
+    events = params.expected_events(chips)
+    if events > MAX_EXPECTED_EVENTS:
+        raise ValueError(
+            f"{events:.3g} expected events (failures, repairs and slowdowns, warm-up included) exceed "
+            f"the limit of {MAX_EXPECTED_EVENTS:,}: check slowdown_rate_per_slice and the repair, "
+            "reconfiguration and restart times"
         )
     n_slices = slices_for(chips, learners, params.slice_chips)
     speeds = learner_speeds(learners, params.speed_spread)

@@ -199,6 +199,18 @@ def test_bad_fleet_arguments_are_rejected():
         simulate_fleet("dp", 100_000, replace(QUICK, expected_failures=10**9))
 
 
+@pytest.mark.parametrize(
+    "change",
+    [{"slowdown_rate_per_slice": 1.0},  # a typo for 1e-4: ~150 slowdown events per second of fleet time
+     {"repair_s": 1e9}],  # the warm-up (3 repair times) alone would hold ~1e8 failures and repairs
+    ids=["slowdown events", "warm-up events"],
+)
+def test_runs_whose_events_exceed_the_limit_fail_fast(change):
+    # the failure count of the measured horizon is small here; the events come from elsewhere
+    with pytest.raises(ValueError, match="expected events .* exceed the limit"):
+        simulate_fleet("elastic_dp", 1_200_000, replace(QUICK, **change))
+
+
 SMALL_RUN = ["simulate", "--chips", "50000", "200000", "--learners", "2", "4",
              "--expected-failures", "500", "--plot", "none"]
 
