@@ -14,6 +14,7 @@ Parameters cross the boundary as flat `dict[str, np.ndarray]` (see `model.flat_p
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterable, Mapping
 
 import jax
@@ -61,6 +62,32 @@ def _train_step_fn(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> 
     return step
 
 
+@functools.lru_cache(maxsize=16)
+def _compiled_single_step(cfg: model_lib.ModelConfig, inner: InnerOptimizer) -> Callable:
+    """One jitted step per (model shape, optimizer) per process: later runs reuse its compilation."""
+    graphdef, _ = model_lib.split_model(model_lib.init_model(cfg, 0))
+    return jax.jit(_train_step_fn(graphdef, make_optimizer(inner)), donate_argnums=(0, 1))
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_masked_step(cfg: model_lib.ModelConfig, inner: InnerOptimizer) -> Callable:
+    """The vmapped, masked M-learner step (M comes from the input shapes), compiled once per shape."""
+    graphdef, _ = model_lib.split_model(model_lib.init_model(cfg, 0))
+    single = _train_step_fn(graphdef, make_optimizer(inner))
+
+    def masked_step(params, opt_state, inputs_MxBxL, targets_MxBxL, mask_M):
+        new_params, new_opt, loss_M = jax.vmap(single)(params, opt_state, inputs_MxBxL, targets_MxBxL)
+
+        def keep(new, old):
+            if not hasattr(new, "ndim") or new.ndim == 0:
+                return new
+            return jnp.where(mask_M.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+
+        return jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt, opt_state), loss_M
+
+    return jax.jit(masked_step, donate_argnums=(0, 1))
+
+
 class InnerLearner:
     """One learner's local model and AdamW state, stepped by a jitted function with donated buffers."""
 
@@ -75,7 +102,7 @@ class InnerLearner:
         self.opt_state = self.tx.init(params)
         self.steps = 0
         self.tokens = 0
-        self._step = jax.jit(_train_step_fn(graphdef, self.tx), donate_argnums=(0, 1))
+        self._step = _compiled_single_step(cfg, inner)
 
     def step(self, inputs_BxL: np.ndarray, targets_BxL: np.ndarray) -> jax.Array:
         """One AdamW step; returns the loss as a device array (fetch it when convenient)."""
@@ -114,19 +141,7 @@ class StackedLearners:
         self.tokens = np.zeros(num_learners, dtype=np.int64)
         # Path tuples of every parameter, so flat names map to leaves of the stacked state.
         self._paths = {model_lib._path_name(path): path for path, _ in nnx.to_flat_state(params)}
-        single = _train_step_fn(graphdef, self.tx)
-
-        def masked_step(params, opt_state, inputs_MxBxL, targets_MxBxL, mask_M):
-            new_params, new_opt, loss_M = jax.vmap(single)(params, opt_state, inputs_MxBxL, targets_MxBxL)
-
-            def keep(new, old):
-                if not hasattr(new, "ndim") or new.ndim == 0:
-                    return new
-                return jnp.where(mask_M.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
-
-            return jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt, opt_state), loss_M
-
-        self._step = jax.jit(masked_step, donate_argnums=(0, 1))
+        self._step = _compiled_masked_step(cfg, inner)
 
     def step(self, inputs_MxBxL: np.ndarray, targets_MxBxL: np.ndarray, mask_M: np.ndarray) -> jax.Array:
         """Step the learners where `mask_M` is True; returns per-learner losses (device array).
@@ -150,7 +165,7 @@ class StackedLearners:
     def get_flat(self, learner: int, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         """Host copies of learner `learner`'s named parameters (all when `names` is None)."""
         names = list(self._paths) if names is None else list(names)
-        return {name: np.array(self._leaf(name)[...][learner], dtype=np.float32) for name in names}
+        return {name: np.array(np.asarray(self._leaf(name)[...])[learner], dtype=np.float32) for name in names}
 
     def set_flat(self, learner: int, flat: Mapping[str, np.ndarray]) -> None:
         """Overwrite learner `learner`'s named tensors; its AdamW state is kept (as DiLoCo does)."""
@@ -158,11 +173,12 @@ class StackedLearners:
             if name not in self._paths:
                 raise KeyError(f"unknown parameter name: {name}")
             leaf = self._leaf(name)
-            stacked = leaf[...]
+            # Edited on the host: a device scatter would compile once per tensor shape.
+            stacked = np.array(leaf[...], dtype=np.float32)
             if tuple(stacked.shape[1:]) != tuple(np.shape(value)):
                 raise ValueError(f"parameter {name}: shape {np.shape(value)} != expected {tuple(stacked.shape[1:])}")
-            leaf.set_value(stacked.at[learner].set(jnp.asarray(value, dtype=jnp.float32))) if hasattr(leaf, "set_value") \
-                else setattr(leaf, "value", stacked.at[learner].set(jnp.asarray(value, dtype=jnp.float32)))
+            stacked[learner] = value
+            leaf.value = jnp.asarray(stacked)
 
     def learner_params(self, learner: int) -> nnx.State:
         """Learner `learner`'s parameters as an (unstacked) State, e.g. for evaluation."""

@@ -12,6 +12,7 @@ tell them apart.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -142,6 +143,13 @@ def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, inputs_BxL: jax.Array, ta
     logp_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
     nll_BxL = -jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None].astype(jnp.int32), axis=-1)[..., 0]
     return jnp.mean(nll_BxL)
+
+
+@functools.lru_cache(maxsize=16)
+def eval_fn_for(cfg: ModelConfig):
+    """`make_eval_fn` for a model shape, built once per process so its compilation is reused."""
+    graphdef, _ = split_model(init_model(cfg, 0))
+    return make_eval_fn(graphdef)
 
 
 def make_eval_fn(graphdef: nnx.GraphDef):
