@@ -27,7 +27,7 @@ from diloco_node.transport import (
     kind_path,
 )
 from wire.auth import AuthContext, FrameVerifier, derive_frame_key
-from wire.errors import LocalProtocolError
+from wire.errors import LocalProtocolError, RemoteProtocolError
 from wire.frames import encode_frame, encode_frame_head
 from wire.limits import Limits
 from wire.messages import (
@@ -218,7 +218,13 @@ async def test_a_big_reply_comes_back_whole() -> None:
     server.on_message(MessageKind.SNAPSHOT_REQUEST, snapshot)
     async with _serving(server) as url, _client() as client:
         (reply,) = await client.send(url, SnapshotRequest(fragment=2, offset=MiB, max_length=2 * MiB))
-    assert isinstance(reply, SnapshotChunk) and reply.payload == state[MiB:]
+        assert isinstance(reply, SnapshotChunk) and reply.payload == state[MiB:]
+        # A client bounds replies by its own limits: a peer cannot push more than it accepts.
+        small = Limits(max_payload_bytes={MessageKind.SNAPSHOT_CHUNK: 512 * 1024})
+        async with _client(limits=small) as careful:
+            with pytest.raises(RemoteProtocolError) as refused:
+                await careful.send(url, SnapshotRequest(fragment=2, offset=0, max_length=2 * MiB))
+            assert refused.value.status_hint == 413
 
 
 async def test_unknown_route_and_mixed_kinds_are_refused_with_reasons() -> None:
@@ -499,6 +505,9 @@ async def test_link_faults_as_seen_by_the_transport() -> None:
         port = int(url.rsplit(":", 1)[1])
         async with LinkEmulator("127.0.0.1", port) as link:
             via = f"http://127.0.0.1:{link.port}"
+            for _ in range(3):
+                assert await client.send(via, _vote_request())
+            assert link.stats.connections_accepted == 1  # the session reuses its connection
             link.set_latency(0.1)
             start = time.monotonic()
             assert await client.send(via, _vote_request())

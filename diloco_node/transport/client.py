@@ -31,9 +31,17 @@ from aiohttp import web
 from diloco_node.transport.counters import PeerTraffic, TrafficCounters
 from diloco_node.transport.routes import FRAME_CONTENT_TYPE, SENDER_HEADER, kind_path
 from diloco_node.transport.server import approx_payload_bytes
-from wire.auth import NONCE_BYTES, AuthContext, FrameVerifier
+from wire.auth import MAC_BYTES, NONCE_BYTES, AuthContext, FrameVerifier
 from wire.errors import LocalProtocolError, RemoteProtocolError
-from wire.frames import CLOSED, NEED_DATA, FrameDecoder, Received, encode_frame, encode_frame_head
+from wire.frames import (
+    CLOSED,
+    FIXED_HEADER_BYTES,
+    NEED_DATA,
+    FrameDecoder,
+    Received,
+    encode_frame,
+    encode_frame_head,
+)
 from wire.limits import DEFAULT_LIMITS, Limits
 from wire.messages import Message
 
@@ -60,6 +68,8 @@ INLINE_DECODE_MAX_BYTES = 64 * KiB
 DECODE_BATCH_BYTES = 1 * MiB
 # Replies per request: a handler answers each frame at most once; more is a confused or hostile peer.
 MAX_REPLY_FRAMES = 1024
+# Replies to a batch of small messages may together exceed one small frame's bound.
+MIN_REPLY_LIMIT_BYTES = 1 * MiB
 # A refusal's reason text is read up to this size (the server sends at most 512 characters).
 MAX_REFUSAL_BODY_BYTES = 4 * KiB
 
@@ -139,6 +149,14 @@ class PeerClient:
         await self.start()
         yield
         await self.close()
+
+    @property
+    def max_reply_bytes(self) -> int:
+        """Largest reply body accepted: one frame of the largest kind (replies answer requests, and
+        only catch-up replies are big), or a batch of small ones."""
+        largest_payload = max(self.limits.max_payload_bytes.values(), default=0)
+        largest_frame = FIXED_HEADER_BYTES + self.limits.max_header_map_bytes + MAC_BYTES + largest_payload
+        return max(largest_frame, MIN_REPLY_LIMIT_BYTES)
 
     # ---- sending ----------------------------------------------------------------------------
 
@@ -229,9 +247,11 @@ class PeerClient:
                     return await self._read_replies(response, traffic)
         except TimeoutError as error:
             which = "deadline" if deadline.expired() else "upload stalled" if stall.expired() else "read timeout"
+            log.info("send to %s failed: %s", url, which)
             self.counters.refused(peer_key, f"unreachable: {which}")
             raise PeerUnreachable(url, f"{which}: {error or 'timed out'}") from None
         except (aiohttp.ClientError, OSError) as error:
+            log.info("send to %s failed: %s: %s", url, type(error).__name__, error)
             self.counters.refused(peer_key, f"unreachable: {type(error).__name__}")
             raise PeerUnreachable(url, f"{type(error).__name__}: {error}") from None
 
@@ -239,12 +259,17 @@ class PeerClient:
         decoder = FrameDecoder(self._verifier, self.limits)
         loop = asyncio.get_running_loop()
         replies: list[Message] = []
+        received = 0
+        limit = self.max_reply_bytes
         while True:
             chunk = await response.content.readany()
-            if chunk:  # coalesce what is already buffered: one decode call per MiB, not per read
+            if 0 < len(chunk) < DECODE_BATCH_BYTES:  # coalesce what is already buffered: fewer decode calls
                 more = response.content.read_nowait(DECODE_BATCH_BYTES - len(chunk))
                 chunk = chunk + more if more else chunk
             traffic.bytes_received += len(chunk)
+            received += len(chunk)
+            if received > limit:
+                raise RemoteProtocolError(f"reply body exceeds {limit} bytes", 413)
             if len(chunk) + decoder.buffered_bytes < INLINE_DECODE_MAX_BYTES:
                 events = _decode_all(decoder, chunk, self._wall_clock())
             else:
