@@ -7,7 +7,9 @@ intended change of the math, regenerate them with
 
     DILOCO_REGEN_GOLDEN=1 .venv/bin/python -m pytest tests/test_merge.py -k golden
 
-and review the diff of the JSON (reasons and weights) before committing.
+and review the diff of the JSON (reasons and weights) before committing. A second test replays the
+same inputs through a plain float64 transcription of ALGORITHM.md and checks the fixture against it,
+so a fixture regenerated from wrong math fails too.
 """
 
 from __future__ import annotations
@@ -410,40 +412,51 @@ GOLDEN_SHAPES = {
 }
 
 
+GOLDEN_SEED = 2024
+GOLDEN_LEARNERS = ("a", "b", "c", "d")
+GOLDEN_OUTER = OuterOptimizer(lr=0.7, momentum=0.9)
+GOLDEN_CAPS = ContributionCaps(max_tokens_per_step=2048, max_steps=12)
+
+
+def _golden_contributions(rng: np.random.Generator, plan, step: int, p: int, now_round: int) -> list[Contribution]:
+    """One round's inputs, drawn from `rng` in a fixed order (shared with the reference replay)."""
+    contributions = []
+    for i, learner in enumerate(GOLDEN_LEARNERS):
+        lag = (i + step) % 3  # learners b/c/d are sometimes one or two rounds behind
+        base_round = max(0, now_round - lag)
+        scale = 0.02 * (1 + i)
+        delta = {n: (scale * rng.standard_normal(GOLDEN_SHAPES[n])).astype(np.float32)
+                 for n in plan.fragments[p].names}
+        steps, tokens = 6 + i, (6 + i) * 1024 * (1 + i % 2)
+        if (step, p, learner) == (1, 0, "b"):
+            first = sorted(delta)[0]
+            delta[first][(0,) * delta[first].ndim] = np.nan
+        if (step, p, learner) == (2, 1, "c"):
+            delta = {n: 50 * a for n, a in delta.items()}
+        if (step, p, learner) == (3, 2, "d"):
+            tokens = 10**9
+        if (step, p, learner) == (4, 0, "a"):
+            base_round = 0  # at round 4 with history_len 3 only rounds 2..4 are kept
+        contributions.append(Contribution(learner, p, base_round, delta, steps, tokens))
+    return contributions
+
+
 def _golden_trajectory() -> tuple[dict[str, np.ndarray], dict]:
     """Six rounds per fragment over 3 fragments, 4 learners: stale bases, a NaN, an outlier, an
     evicted base, an inflated claim. Returns the arrays and a JSON-able record of every round."""
-    rng = np.random.default_rng(2024)
+    rng = np.random.default_rng(GOLDEN_SEED)
     plan = plan_fragments(GOLDEN_SHAPES, num_fragments=3, period=6, overlap=1)
     init = {n: (0.1 * rng.standard_normal(s)).astype(np.float32) for n, s in GOLDEN_SHAPES.items()}
-    state = GlobalState(plan, init, OuterOptimizer(lr=0.7, momentum=0.9), history_len=3)
+    state = GlobalState(plan, init, GOLDEN_OUTER, history_len=3)
     reference = NormReference()
-    caps = ContributionCaps(max_tokens_per_step=2048, max_steps=12)
+    caps = GOLDEN_CAPS
     embedding_names = [n for n in GOLDEN_SHAPES if n.startswith("embed")]
-    learners = ["a", "b", "c", "d"]
     arrays: dict[str, np.ndarray] = {}
     record: dict = {"rounds": []}
     for step in range(6):
         for p in range(plan.num_fragments):
             current = state.fragment_params(p)
-            now_round = state.round(p)
-            contributions = []
-            for i, learner in enumerate(learners):
-                lag = (i + step) % 3  # learners b/c/d are sometimes one or two rounds behind
-                base_round = max(0, now_round - lag)
-                scale = 0.02 * (1 + i)
-                delta = {n: (scale * rng.standard_normal(a.shape)).astype(np.float32) for n, a in current.items()}
-                steps, tokens = 6 + i, (6 + i) * 1024 * (1 + i % 2)
-                if (step, p, learner) == (1, 0, "b"):
-                    first = sorted(delta)[0]
-                    delta[first][(0,) * delta[first].ndim] = np.nan
-                if (step, p, learner) == (2, 1, "c"):
-                    delta = {n: 50 * a for n, a in delta.items()}
-                if (step, p, learner) == (3, 2, "d"):
-                    tokens = 10**9
-                if (step, p, learner) == (4, 0, "a"):
-                    base_round = 0  # at round 4 with history_len 3 only rounds 2..4 are kept
-                contributions.append(Contribution(learner, p, base_round, delta, steps, tokens))
+            contributions = _golden_contributions(rng, plan, step, p, state.round(p))
             result = merge_contributions(contributions, current, state.history(p), caps=caps,
                                          embedding_names=embedding_names, reference_norm=reference.get(p))
             reference.update(p, result.round_median_norm)
@@ -528,3 +541,63 @@ def test_malformed_tensors_are_rejections_not_exceptions(delta, reason) -> None:
 def test_a_delta_that_is_not_a_mapping_is_refused_at_construction() -> None:
     with pytest.raises(TypeError, match="Contribution.delta must be a mapping"):
         Contribution("a", 0, 0, [np.zeros(2)], 1, 3)  # type: ignore[arg-type]
+
+
+def _reference_replay(accepted_per_round: list[list[str]]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], list[list[float]]]:
+    """ALGORITHM.md written out plainly in float64, independently of merge.py and global_state.py:
+    Delta_m = (Theta_now - Theta_base) + delta; w = c_tokens^2 / c_steps after the caps; RDA, or the
+    weighted mean for embeddings; b <- mu b + Delta, Theta <- Theta - lr (Delta + mu b). It is fed
+    the golden run's inputs and, round by round, the learners the golden run accepted (which
+    contributions to reject is policy, tested above; this checks the arithmetic)."""
+    rng = np.random.default_rng(GOLDEN_SEED)
+    plan = plan_fragments(GOLDEN_SHAPES, num_fragments=3, period=6, overlap=1)
+    theta = {n: (0.1 * rng.standard_normal(s)).astype(np.float32).astype(np.float64) for n, s in GOLDEN_SHAPES.items()}
+    init = {n: a.copy() for n, a in theta.items()}
+    momentum = {n: np.zeros_like(a) for n, a in theta.items()}
+    versions = {p: [{n: theta[n].copy() for n in f.names}] for p, f in enumerate(plan.fragments)}  # by round
+    weights_per_round: list[list[float]] = []
+    rounds = iter(accepted_per_round)
+    for step in range(6):
+        for p, fragment in enumerate(plan.fragments):
+            contributions = _golden_contributions(rng, plan, step, p, len(versions[p]) - 1)
+            accepted_names = next(rounds)
+            accepted = [c for c in contributions if c.learner in accepted_names]
+            weights = []
+            for c in accepted:
+                tokens_per_step = min(c.c_tokens / c.c_steps, GOLDEN_CAPS.max_tokens_per_step)
+                steps = min(c.c_steps, GOLDEN_CAPS.max_steps)
+                tokens = tokens_per_step * steps
+                weights.append(tokens * tokens / steps)
+            weights_per_round.append(weights)
+            w = np.array(weights)
+            for name in fragment.names:
+                base = [versions[p][c.base_round][name] for c in accepted]
+                outer = [(theta[name] - b) + c.delta[name].astype(np.float64) for c, b in zip(accepted, base)]
+                if name.startswith("embed"):
+                    delta = sum(wi * v for wi, v in zip(w, outer)) / w.sum()
+                else:
+                    norms = [np.sqrt(np.sum(v * v)) for v in outer]
+                    radius = sum(wi * n for wi, n in zip(w, norms)) / w.sum()
+                    direction = sum(wi * v / n for wi, v, n in zip(w, outer, norms)) / w.sum()
+                    delta = radius * direction / np.sqrt(np.sum(direction * direction))
+                momentum[name] = GOLDEN_OUTER.momentum * momentum[name] + delta
+                theta[name] = theta[name] - GOLDEN_OUTER.lr * (delta + GOLDEN_OUTER.momentum * momentum[name])
+            versions[p].append({n: theta[n].copy() for n in fragment.names})
+    return init, theta, weights_per_round
+
+
+def test_golden_fixture_agrees_with_a_plain_float64_reference_of_the_algorithm() -> None:
+    """Guards the fixture itself: regenerating it from wrong math would fail here."""
+    golden = np.load(FIXTURES / "golden_merge.npz")
+    expected = json.loads((FIXTURES / "golden_merge.json").read_text())
+    accepted = [[learner for learner, _ in r["accepted"]] for r in expected["rounds"]]
+    assert all(accepted) and any(len(a) < len(GOLDEN_LEARNERS) for a in accepted)
+    init, theta, weights = _reference_replay(accepted)
+    for got, want in zip(weights, expected["rounds"]):
+        assert got == pytest.approx([w for _, w in want["accepted"]], rel=1e-12)
+    for name, arr in theta.items():
+        final = golden[f"final/params/{name}"].astype(np.float64)
+        error = np.abs(final - arr).max()
+        assert error <= 1e-6, f"{name}: golden fixture is {error:.2g} away from the reference"
+        # the outer steps moved every tensor by far more than that tolerance: the check has teeth
+        assert np.abs(final - init[name]).max() > 1e-2, name
