@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "watch": ("diloco_node.status_cli", "live view of nodes' status; one JSON line per poll when piped"),
     "config": ("diloco_node.config_cli", "config show: the effective configuration and each value's source"),
     "linkemu": ("diloco_node.linkemu", "a WAN link emulator: TCP proxy with bandwidth cap and latency"),
+    "run": ("diloco_node.run_cli", "run this site's daemon: found a run, or join one with --bootstrap"),
 }
 
 

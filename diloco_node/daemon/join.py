@@ -1,0 +1,165 @@
+"""Joining a running run: the join handshake and the fragment-by-fragment state download.
+
+Handshake (`request_membership`): a JoinRequest carrying the SHA-256 of the manifest we would
+run. The peer answers a Membership with the run's manifest bytes; it admits us (adds us to its
+member view, so the lease holder starts replicating to us) only when the digests agree. A
+joiner whose own settings merely left keys at their defaults adopts the run's manifest and asks
+again with the run's digest; one whose explicit settings contradict the run stops with the
+difference spelled out (`config.check_joiner_manifest`), having changed nothing anywhere.
+
+Download (`FragmentDownload`): each fragment's serialized state in chunks (SnapshotRequest /
+SnapshotChunk), resumable from the byte offset reached, from any peer that serves it; the whole
+is checked against the chunk's SHA-256 before it is installed. If the fragment moved on while we
+were downloading (the digest changed), the download restarts for that fragment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from diloco_node.config import ConfigError, EffectiveConfig
+from diloco_node.daemon.replica import Replica
+from diloco_node.run_config import RunManifest
+from diloco_node.transport import PeerClient, TransportError
+from wire import messages as wire
+from wire.errors import RemoteProtocolError
+
+# Bytes per SnapshotChunk request: big enough that per-request overhead is noise, small enough
+# that a dropped connection loses little (the download resumes at the offset reached).
+SNAPSHOT_CHUNK_BYTES = 4 * 1024 * 1024
+# Seconds one chunk may take; beyond this the chunk is retried from its offset on the next peer.
+CHUNK_DEADLINE_S = 120.0
+
+
+class JoinRefused(Exception):
+    """The run cannot be joined (wrong secret, contradicting manifest, no answer); says why."""
+
+
+def manifest_bytes(manifest: RunManifest) -> bytes:
+    return json.dumps(manifest.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+
+
+def manifest_digest(manifest: RunManifest) -> bytes:
+    return bytes.fromhex(manifest.digest())
+
+
+def parse_manifest(data: bytes) -> RunManifest:
+    try:
+        return RunManifest.from_dict(json.loads(data))
+    except (ValueError, ConfigError) as error:
+        raise RemoteProtocolError(f"the run's manifest is malformed: {error}", 400) from None
+
+
+async def request_membership(client: PeerClient, url: str, request: wire.JoinRequest) -> wire.Membership:
+    try:
+        replies = await client.send(url, request, deadline_s=10.0)
+    except TransportError as error:
+        raise JoinRefused(f"join through {url} failed: {error}") from None
+    for reply in replies:
+        if isinstance(reply, wire.Membership):
+            return reply
+    raise JoinRefused(f"join through {url}: the peer sent no membership")
+
+
+async def negotiate(client: PeerClient, urls: Sequence[str], effective: EffectiveConfig, node_id: str,
+                    advertise: str, role: wire.Role) -> tuple[RunManifest, wire.Membership, str]:
+    """Join through the first bootstrap peer that answers: (run manifest, membership, peer url)."""
+    errors: list[str] = []
+    for url in urls:
+        ours = effective.run
+        request = wire.JoinRequest(node_id, advertise, role, manifest_digest(ours))
+        try:
+            membership = await request_membership(client, url, request)
+            theirs = parse_manifest(membership.payload)
+            if theirs.digest() != ours.digest():
+                try:
+                    effective.manifest_for_join(theirs)
+                except ConfigError as error:
+                    raise JoinRefused(str(error)) from None
+                request = wire.JoinRequest(node_id, advertise, role, manifest_digest(theirs))
+                membership = await request_membership(client, url, request)
+                if parse_manifest(membership.payload).digest() != theirs.digest():
+                    raise JoinRefused(f"{url}: the run's manifest changed while joining; try again")
+            return theirs, membership, url
+        except JoinRefused as error:
+            if "contradict" in str(error) or "refused with 401" in str(error) or "refused with 409" in str(error):
+                raise
+            errors.append(str(error))
+        except RemoteProtocolError as error:
+            errors.append(f"{url}: {error}")
+    raise JoinRefused("could not join through any bootstrap peer:\n  " + "\n  ".join(errors))
+
+
+@dataclass(slots=True)
+class FragmentProgress:
+    fragment: int
+    received: int = 0
+    total: int | None = None
+    digest: bytes | None = None
+    done: bool = False
+
+
+class FragmentDownload:
+    """Downloads every fragment of the global state into `replica`, resumable, digest-verified."""
+
+    def __init__(self, client: PeerClient, replica: Replica, peers: Callable[[], list[str]],
+                 chunk_bytes: int = SNAPSHOT_CHUNK_BYTES) -> None:
+        self.client = client
+        self.replica = replica
+        self.peers = peers
+        self.chunk_bytes = chunk_bytes
+        self.progress = [FragmentProgress(p) for p in range(replica.plan.num_fragments)]
+        self.bytes_received = 0
+
+    def describe(self) -> str:
+        done = sum(1 for f in self.progress if f.done)
+        got = sum(f.received for f in self.progress)
+        total = sum(f.total or 0 for f in self.progress)
+        return f"downloading global state: {done}/{len(self.progress)} fragments, {got}/{total or '?'} bytes"
+
+    async def run(self, attempts: int = 20) -> None:
+        for progress in self.progress:
+            await self._one(progress, attempts)
+
+    async def _one(self, progress: FragmentProgress, attempts: int) -> None:
+        buffer = bytearray()
+        errors: list[str] = []
+        for attempt in range(attempts):
+            peers = self.peers()
+            if not peers:
+                raise JoinRefused("no peer to download the global state from")
+            url = peers[attempt % len(peers)]
+            try:
+                while True:
+                    request = wire.SnapshotRequest(progress.fragment, len(buffer), self.chunk_bytes)
+                    replies = await self.client.send(url, request, deadline_s=CHUNK_DEADLINE_S)
+                    chunk = next((r for r in replies if isinstance(r, wire.SnapshotChunk)), None)
+                    if chunk is None:
+                        raise RemoteProtocolError("no snapshot chunk in the reply", 400)
+                    if progress.digest is not None and chunk.digest != progress.digest:
+                        buffer.clear()  # the fragment advanced: start it again
+                        progress.digest, progress.received = None, 0
+                        continue
+                    if chunk.offset != len(buffer):
+                        raise RemoteProtocolError(f"chunk at offset {chunk.offset}, expected {len(buffer)}", 400)
+                    progress.digest, progress.total = chunk.digest, chunk.total
+                    buffer += chunk.payload
+                    progress.received = len(buffer)
+                    self.bytes_received += len(chunk.payload)
+                    if len(buffer) >= chunk.total:
+                        break
+                    if not chunk.payload:
+                        raise RemoteProtocolError("empty chunk before the end", 400)
+                if hashlib.sha256(buffer).digest() != progress.digest:
+                    buffer.clear()
+                    progress.digest, progress.received = None, 0
+                    raise RemoteProtocolError(f"fragment {progress.fragment}: assembled bytes fail their digest", 400)
+                self.replica.install_fragment_bytes(progress.fragment, bytes(buffer))
+                progress.done = True
+                return
+            except (TransportError, RemoteProtocolError) as error:
+                errors.append(f"{url}: {error}")
+        raise JoinRefused(f"fragment {progress.fragment}: download failed {attempts} times; last: {errors[-1]}")

@@ -1,0 +1,881 @@
+"""The daemon's composition root: the one place that wires I/O, clock and threads to the sans-IO cores.
+
+One asyncio loop (uvloop when installed) carries all network work: the aiohttp server (peer
+routes under /v1 and the operator routes), one outbox worker per peer, the coordination timer
+(`CoordinatorNode.tick(now)` every TICK_S on the monotonic clock) and the node's periodic jobs
+(status, checkpoints, watchdog). JAX trains in ONE dedicated thread (learner_thread.py) that
+never waits on the network; codecs, merges and hashing of big payloads run in a small thread pool.
+
+Rule for coordination actions (bootstrap.coordinator_node): after every call into the core the
+durable state is synced to disk *before* any resulting message leaves (replica_store.py).
+See docs/DAEMON.md for the process model and message flows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import random
+import signal
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from bootstrap import messages as coord
+from bootstrap.coordinator_node import CoordinatorNode, NodeOptions, PersistentState
+from bootstrap.election import LeaseTiming, Role
+from bootstrap.entries import EntryKind, LogEntry
+from diloco_node import data as data_lib
+from diloco_node import model as model_lib
+from diloco_node.checkpoint import CheckpointError, CheckpointStore
+from diloco_node.config import ConfigError, EffectiveConfig, check_joiner_manifest
+from diloco_node.daemon import peers
+from diloco_node.daemon.join import FragmentDownload, JoinRefused, manifest_bytes, manifest_digest, negotiate
+from diloco_node.daemon.learner_thread import (
+    DueFragment,
+    LearnerThread,
+    snapshot_from_checkpoint,
+    snapshot_meta_and_arrays,
+)
+from diloco_node.daemon.replica import CommitPayload, Replica
+from diloco_node.daemon.replica_store import ReplicaStore
+from diloco_node.daemon.syncer import MergedRound, Syncer
+from diloco_node.fragments import is_embedding, plan_fragments
+from diloco_node.merge import Contribution
+from diloco_node.run_config import RunManifest
+from diloco_node.status import FragmentStatus, MemberStatus, MetricsRegistry, QuorumStatus, StatusBuilder, operator_routes
+from diloco_node.systemd import SystemdNotifier, run_watchdog
+from diloco_node.transport import PeerClient, PeerRefused, PeerServer, PeerUnreachable, TransportError
+from wire import messages as wire
+from wire.auth import AuthContext, FrameVerifier, derive_frame_key
+from wire.codecs import decode_named, encode_named
+from wire.errors import LocalProtocolError, RemoteProtocolError
+
+log = logging.getLogger("diloco_node.daemon")
+
+# Coordination timer resolution: heartbeats are every 0.5 s and leases 3 s, so 50 ms of timer
+# slack is small against both.
+TICK_S = 0.05
+# /status figures that need the coordination core are refreshed this often.
+STATUS_REFRESH_S = 0.25
+# Coordination messages (votes, appends, probes) give up after this; the next tick retries.
+# Long enough for a log append of a few MB on a slow WAN link, short against a lease.
+COORDINATION_DEADLINE_S = 2.5
+# A contribution upload may take this long before it is dropped (the learner sends again at its
+# next slot, with the steps of both).
+CONTRIBUTION_DEADLINE_S = 60.0
+# Worker threads for codecs, merges and big-frame hashing (they release the GIL); the learner
+# has its own thread. Two is enough on a small host; more only competes with JAX.
+POOL_THREADS = 2
+# How long a refreshed address book is trusted before a peer is asked again for the member list.
+MEMBER_REFRESH_S = 5.0
+
+
+def run_id_for(secret: bytes) -> str:
+    """The run id stamped on every frame: derived from the run secret, so sites agree without config."""
+    return "run-" + hashlib.sha256(b"diloco-node/run-id\0" + secret).hexdigest()[:16]
+
+
+@dataclass(slots=True)
+class _Outbox:
+    pending: list[Any] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+
+class Node:
+    """One site's daemon. `await run()` returns the process exit code."""
+
+    def __init__(self, effective: EffectiveConfig, *, environ: dict[str, str] | None = None) -> None:
+        self.effective = effective
+        self.cfg = effective.node
+        self.node_id = self.cfg.node_id
+        self.environ = dict(os.environ if environ is None else environ)
+        self.role = coord.MemberRole.WITNESS if self.cfg.role == "witness" else coord.MemberRole.LEARNER
+        self.started = time.monotonic()
+        self.status = StatusBuilder(self.node_id, "", self.cfg.role, self.started)
+        self.metrics = MetricsRegistry()
+        self._commits_metric = self.metrics.counter("diloco_daemon_commits_applied_total", "outer commits applied")
+        self._contrib_metric = self.metrics.counter("diloco_daemon_contributions_sent_total", "contributions sent")
+        self._merges_metric = self.metrics.counter("diloco_daemon_merges_proposed_total", "merges proposed as lease holder")
+        self.notifier = SystemdNotifier(self.environ)
+        self.coord: CoordinatorNode | None = None
+        self.replica: Replica | None = None
+        self.learner: LearnerThread | None = None
+        self.syncer: Syncer | None = None
+        self.manifest: RunManifest | None = None
+        self.addresses = peers.AddressBook({self.node_id: self.cfg.advertise})
+        self.addresses.learn(self.node_id, self.cfg.advertise, self.cfg.role)
+        self._outboxes: dict[str, _Outbox] = {}
+        self._held_applies: list[LogEntry] | None = None  # buffered while the joiner downloads
+        self._download: FragmentDownload | None = None
+        self._stop = asyncio.Event()
+        self._ready = False
+        self._ready_reason = "starting"
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._merging = False
+        self._wake_handles: dict[int, asyncio.TimerHandle] = {}
+        self._last_leader: str | None = None
+        self._loss: float | None = None
+        self._diverged_fetching: set[int] = set()
+        self.exit_reason = ""
+        min_step = self.environ.get("DILOCO_X_MIN_STEP_S", "0")
+        self._min_step_interval_s = float(min_step) if min_step else 0.0
+
+    # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def now() -> float:
+        return time.monotonic()
+
+    def _error(self, message: str) -> None:
+        log.warning("%s", message)
+        self.status.record_error(message, self.now())
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> int:
+        loop = self.loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            secret = self.effective.read_secret()
+            try:
+                key = derive_frame_key(secret)
+            except LocalProtocolError as error:
+                raise ConfigError(f"run secret: {error}") from None
+        except ConfigError as error:
+            log.error("%s", error)
+            self.exit_reason = str(error)
+            return 2
+        run_id = run_id_for(secret)
+        self.status.set_run_id(run_id)
+        auth = AuthContext(run_id, self.node_id, key)
+        verifier = FrameVerifier(run_id, key)
+        self.executor = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix=f"pool-{self.node_id}")
+        self.client = PeerClient(auth, verifier, executor=self.executor, connect_timeout_s=self.cfg.connect_timeout_s)
+        self.server = PeerServer(auth, verifier, executor=self.executor)
+        self._register_handlers()
+        data_dir = Path(self.cfg.data_dir)
+        try:
+            self.checkpoints = CheckpointStore(data_dir / "checkpoints", self.cfg.checkpoint_keep)
+        except CheckpointError as error:
+            log.error("%s", error)
+            self.exit_reason = str(error)
+            return 1
+        self.store = ReplicaStore(data_dir / "coordination")
+        app = web.Application(client_max_size=1024 ** 2)
+        self.server.install(app)
+        app.add_routes(operator_routes(self._status_document, self.metrics, self._live))
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await self.client.start()
+        code = 1
+        try:
+            site = web.TCPSite(runner, self.cfg.listen.host, self.cfg.listen.port)
+            await site.start()
+            log.info("%s listening on %s (advertised %s)", self.node_id, self.cfg.listen, self.cfg.advertise)
+            code = await self._main()
+        except (JoinRefused, ConfigError) as error:
+            log.error("%s", error)
+            self.exit_reason = str(error)
+            code = 3
+        except OSError as error:
+            log.error("cannot listen on %s: %s", self.cfg.listen, error)
+            self.exit_reason = str(error)
+            code = 1
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            for outbox in self._outboxes.values():
+                if outbox.task:
+                    outbox.task.cancel()
+            await asyncio.gather(*self._tasks, *(o.task for o in self._outboxes.values() if o.task),
+                                 return_exceptions=True)
+            if self.learner is not None and self.learner.is_alive():
+                self.learner.stop()
+                await loop.run_in_executor(None, self.learner.join, 30.0)
+            await self.client.close()
+            await runner.cleanup()
+            self.executor.shutdown(wait=False, cancel_futures=True)
+            self.store.close()
+            self.checkpoints.close()
+            self.notifier.close()
+        return code
+
+    def _on_signal(self, sig: int) -> None:
+        log.info("%s: received %s, shutting down at the next step boundary", self.node_id, signal.Signals(sig).name)
+        self._stop.set()
+
+    async def _main(self) -> int:
+        mode = await self._establish_identity()
+        self._build_state()
+        restored = self._restore_checkpoint()
+        self._start_coordination()
+        self._tasks.append(asyncio.create_task(self._ticker(), name="coordination-ticker"))
+        self._tasks.append(asyncio.create_task(self._periodic(), name="periodic"))
+        self._tasks.append(asyncio.create_task(run_watchdog(self.notifier, self._live), name="watchdog"))
+        if mode == "join":
+            await self._announce_to_members()
+            self._held_applies = []
+            self._download = FragmentDownload(self.client, self.replica, self._download_peers)
+            await self._download.run()
+            held, self._held_applies = self._held_applies, None
+            for entry in held:
+                self._apply(entry)
+            self._download = None
+        elif mode == "restart":
+            await self._announce_to_members()
+        if self.role is coord.MemberRole.LEARNER:
+            await self._start_learner(restored)
+        await self._stop.wait()
+        await self._shutdown()
+        return 0
+
+    # ------------------------------------------------------------------ identity and state
+
+    async def _establish_identity(self) -> str:
+        if self.store.exists():
+            identity = self.store.load_identity()
+            if identity.get("node_id") != self.node_id:
+                raise ConfigError(f"data_dir {self.cfg.data_dir} belongs to node {identity.get('node_id')!r}, "
+                                  f"not {self.node_id!r}")
+            self.manifest = RunManifest.from_dict(identity["manifest"])
+            check_joiner_manifest(self.effective.run, self.manifest, self.effective.explicit_run_keys())
+            for node_id, url in identity.get("addresses", {}).items():
+                self.addresses.learn(node_id, url)
+            self._persistent = self.store.load_persistent()
+            return "restart"
+        if self.cfg.is_founder:
+            self.manifest = self.effective.run
+            self._persistent = PersistentState.founding([self.node_id])
+            self._save_identity()
+            return "found"
+        urls = [peer.url() for peer in self.cfg.bootstrap]
+        self._ready_reason = f"joining through {', '.join(urls)}"
+        manifest, membership, via = await negotiate(self.client, urls, self.effective, self.node_id,
+                                                    self.cfg.advertise, peers.role_to_wire(self.role))
+        self.manifest = manifest
+        self._learn_members(membership)
+        self._bootstrap_url = via
+        self._persistent = PersistentState.joining()
+        self._save_identity()
+        return "join"
+
+    def _save_identity(self) -> None:
+        assert self.manifest is not None
+        self.store.save_identity({"node_id": self.node_id, "role": self.cfg.role,
+                                  "manifest": self.manifest.to_dict(), "addresses": self.addresses.to_dict()})
+
+    def _learn_members(self, membership: wire.Membership) -> None:
+        changed = False
+        for member in membership.members:
+            changed |= self.addresses.learn(member.node_id, member.advertise_url, member.role.value)
+        if changed and self.manifest is not None:
+            self._save_identity()
+
+    def _build_state(self) -> None:
+        manifest = self.manifest
+        assert manifest is not None
+        self.corpus = data_lib.load_corpus(manifest.data) if self.role is coord.MemberRole.LEARNER else None
+        cfg = model_lib.model_config(manifest.model.size, manifest.model.seq_len)
+        vocab = self.corpus.vocab_size if self.corpus is not None else cfg.vocab_size
+        if vocab != cfg.vocab_size:
+            import dataclasses
+            cfg = dataclasses.replace(cfg, vocab_size=vocab)
+        self.model_cfg = cfg
+        _, params = model_lib.split_model(model_lib.init_model(cfg, manifest.seed))
+        initial = model_lib.flat_params(params)
+        shapes = {n: a.shape for n, a in initial.items()}
+        sync = manifest.sync
+        self.plan = plan_fragments(shapes, sync.fragments, sync.period, sync.overlap)
+        self.replica = Replica(self.plan, initial, manifest.outer)
+        self.syncer = Syncer(manifest, [n for n in initial if is_embedding(n)])
+        self.state_bytes = sum(a.nbytes for a in initial.values()) * 2  # params + momentum
+
+    def _restore_checkpoint(self) -> Any:
+        """Global state and learner state from our newest good checkpoint (None if there is none)."""
+        loaded = self.checkpoints.load_latest()
+        if loaded is None:
+            return None
+        meta, arrays = loaded.checkpoint.meta, loaded.checkpoint.arrays
+        assert self.replica is not None
+        fragments = []
+        for p, fragment in enumerate(self.plan.fragments):
+            fragments.append({
+                "fragment": p, "round": int(meta["rounds"][p]),
+                "params": {n: np.array(arrays[f"global/params/{n}"]) for n in fragment.names},
+                "momentum": {n: np.array(arrays[f"global/momentum/{n}"]) for n in fragment.names},
+            })
+        digest = self.replica.state.restore({"format": 1, "rounds": list(meta["rounds"]), "fragments": fragments},
+                                            expected_digest=meta["state_digest"])
+        applied = int(meta["applied_index"])
+        last = self._persistent.log.entries[-1].index if self._persistent.log.entries else 0
+        if applied > last:
+            raise ConfigError(f"checkpoint applied through {applied} but the durable log ends at {last}; "
+                              "the coordination directory does not belong to this checkpoint")
+        self.replica.applied_index = applied
+        log.info("%s: resumed from checkpoint %s at index %d, digest %s", self.node_id,
+                 loaded.checkpoint.sequence, applied, digest[:12])
+        return meta.get("learner") and snapshot_from_checkpoint(meta["learner"], arrays)
+
+    def _start_coordination(self) -> None:
+        assert self.replica is not None
+        lease = LeaseTiming(lease_s=self.cfg.lease_timeout_s, heartbeat_interval_s=self.cfg.heartbeat_interval_s)
+        options = NodeOptions(lease=lease, leave_timeout_s=max(3.0, 3 * self.cfg.lease_timeout_s))
+        self.coord = CoordinatorNode(self.node_id, self._persistent, now=self.now(),
+                                     rng=random.Random(os.urandom(16)), applied_index=self.replica.applied_index,
+                                     role=self.role, address=self.cfg.advertise, options=options)
+        self.store.sync(self._persistent)
+
+    async def _start_learner(self, restored: Any) -> None:
+        assert self.replica is not None and self.manifest is not None and self.corpus is not None
+        self._ready_reason = "compiling the training step"
+        learner = LearnerThread(
+            node_id=self.node_id, cfg=self.model_cfg, manifest=self.manifest, plan=self.plan, corpus=self.corpus,
+            global_params=self.replica.state.all_params(), global_rounds=list(self.replica.state.rounds()),
+            on_contribution=self._from_learner_contribution, on_progress=self._from_learner_progress,
+            min_step_interval_s=self._min_step_interval_s)
+        if restored:
+            learner.restore(restored)
+        seconds = await asyncio.get_running_loop().run_in_executor(None, learner.compile)
+        log.info("%s: training step compiled in %.1f s", self.node_id, seconds)
+        self.learner = learner
+        learner.start()
+
+    async def _announce_to_members(self) -> None:
+        """Tell every member we know that we are here (joiners, and restarts after a leave)."""
+        assert self.manifest is not None
+        request = wire.JoinRequest(self.node_id, self.cfg.advertise, peers.role_to_wire(self.role),
+                                   manifest_digest(self.manifest))
+
+        async def one(url: str) -> None:
+            try:
+                replies = await self.client.send(url, request, deadline_s=5.0)
+                for reply in replies:
+                    if isinstance(reply, wire.Membership):
+                        self._learn_members(reply)
+            except TransportError as error:
+                log.info("announce to %s failed: %s", url, error)
+
+        urls = [url for node_id, url in self.addresses.items() if node_id != self.node_id]
+        await asyncio.gather(*(one(url) for url in urls))
+
+    def _download_peers(self) -> list[str]:
+        first = getattr(self, "_bootstrap_url", None)
+        others = [url for node_id, url in self.addresses.items() if node_id != self.node_id and url != first]
+        return ([first] if first else []) + others
+
+    # ------------------------------------------------------------------ coordination plumbing
+
+    async def _ticker(self) -> None:
+        while True:
+            self._dispatch(self.coord.tick(self.now()))
+            self._after_coordination()
+            await asyncio.sleep(TICK_S)
+
+    def _handle(self, message: coord.Message) -> list[coord.Action]:
+        return self.coord.handle(message, self.now())
+
+    def _dispatch(self, actions: list[coord.Action], *, reply_to: str | None = None,
+                  reply_type: type | None = None) -> coord.Message | None:
+        """Persist, then perform actions; returns (not sends) the reply to `reply_to` if asked for one."""
+        self.store.sync(self._persistent)
+        reply = None
+        for action in actions:
+            if isinstance(action, coord.Send):
+                if (reply_to is not None and reply is None and action.to == reply_to
+                        and reply_type is not None and isinstance(action.message, reply_type)):
+                    reply = action.message
+                else:
+                    self._send(action.to, action.message)
+            elif isinstance(action, coord.ApplyEntry):
+                self._apply(action.entry)
+            elif isinstance(action, coord.RestoreSnapshot):
+                self._error("received a log snapshot, which this daemon never produces; ignored")
+        return reply
+
+    def _send(self, to: str, message: coord.Message) -> None:
+        if to == self.node_id:
+            return
+        outbox = self._outboxes.get(to)
+        if outbox is None:
+            outbox = self._outboxes[to] = _Outbox()
+            outbox.task = asyncio.create_task(self._peer_worker(to, outbox), name=f"outbox-{to}")
+        if isinstance(message, coord.AppendEntries):
+            # A newer replication message supersedes a queued older one (same leader state, later).
+            outbox.pending = [m for m in outbox.pending if not isinstance(m, coord.AppendEntries)]
+        outbox.pending.append(message)
+        outbox.wake.set()
+
+    async def _peer_worker(self, peer: str, outbox: _Outbox) -> None:
+        while True:
+            await outbox.wake.wait()
+            outbox.wake.clear()
+            batch, outbox.pending = outbox.pending, []
+            for message in batch:
+                try:
+                    await self._deliver(peer, message)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as error:  # one bad exchange must not stop the worker
+                    log.exception("delivery of %s to %s failed: %s", type(message).__name__, peer, error)
+
+    async def _deliver(self, peer: str, message: coord.Message) -> None:
+        url = self.addresses.url(peer)
+        if url is None:
+            record = self.coord.membership.record(peer)
+            url = record.address if record is not None and record.address else None
+        if url is None:
+            return  # learned from a configuration entry before its address: the member refresh fixes it
+        assert self.coord is not None
+        out = peers.to_wire(message, epoch=self.coord.epoch, commit_index=self.coord.log.commit_index,
+                            last_index=self.coord.log.last_index)
+        if out is None:
+            return
+        try:
+            replies = await self.client.send(url, out, peer=peer, deadline_s=COORDINATION_DEADLINE_S)
+        except PeerRefused as error:
+            if error.status not in (503,):
+                self._error(f"{peer} refused {type(out).__name__}: {error.status} {error.reason}")
+            return
+        except PeerUnreachable:
+            return
+        for reply in replies:
+            self._on_reply(peer, message, reply)
+
+    def _on_reply(self, peer: str, request: coord.Message, reply: wire.Message) -> None:
+        try:
+            if isinstance(reply, wire.VoteReply) and reply.voter == peer:
+                self._dispatch(self._handle(peers.vote_response_from_wire(reply)))
+            elif isinstance(reply, wire.LogAck) and reply.follower == peer and isinstance(request, coord.AppendEntries):
+                self._dispatch(self._handle(peers.append_response_from_wire(reply, request.sent_at)))
+            elif isinstance(reply, wire.HeartbeatAck) and reply.follower == peer and isinstance(request, coord.Ping):
+                self._revive(peer)
+                ack = coord.PingAck(request.seq, peer, peer, ())
+                self._dispatch(self._handle(ack))
+            else:
+                self._error(f"unexpected {type(reply).__name__} from {peer} in answer to {type(request).__name__}")
+        except (RemoteProtocolError, LocalProtocolError) as error:
+            self._error(f"bad reply from {peer}: {error}")
+        self._after_coordination()
+
+    def _revive(self, peer: str, role: coord.MemberRole | None = None, *, even_if_left: bool = False) -> None:
+        current = self.coord.membership.record(peer)
+        if current is not None and current.state is coord.MemberState.LEFT and not even_if_left:
+            return
+        url = self.addresses.url(peer) or (current.address if current else "")
+        role = role or (current.role if current else coord.MemberRole.LEARNER)
+        record = peers.revived_record(current, peer, url, role)
+        if record is not None:
+            self._dispatch_dropping_replies(self._handle(coord.Ping(0, peer, (record,))))
+
+    def _dispatch_dropping_replies(self, actions: list[coord.Action]) -> None:
+        self._dispatch([a for a in actions if not (isinstance(a, coord.Send) and isinstance(a.message, coord.PingAck))])
+
+    # ------------------------------------------------------------------ peer API handlers
+
+    def _register_handlers(self) -> None:
+        on = self.server.on_message
+        on(wire.MessageKind.VOTE_REQUEST, self._on_vote_request)
+        on(wire.MessageKind.LOG_APPEND, self._on_log_append)
+        on(wire.MessageKind.HEARTBEAT, self._on_heartbeat)
+        on(wire.MessageKind.LEAVE, self._on_leave)
+        on(wire.MessageKind.JOIN_REQUEST, self._on_join_request)
+        on(wire.MessageKind.SNAPSHOT_REQUEST, self._on_snapshot_request)
+        on(wire.MessageKind.FRAGMENT_CONTRIBUTION, self._on_contribution)
+
+    def _require_coordination(self) -> CoordinatorNode:
+        if self.coord is None:
+            raise RemoteProtocolError(f"{self.node_id} is still starting", 503)
+        return self.coord
+
+    @staticmethod
+    def _same_sender(claimed: str, peer: Any, what: str) -> None:
+        if claimed != peer.node_id:
+            raise RemoteProtocolError(f"{what} names {claimed!r} but is signed by {peer.node_id!r}", 400)
+
+    async def _on_vote_request(self, message: wire.VoteRequest, peer: Any) -> wire.Message | None:
+        self._require_coordination()
+        self._same_sender(message.candidate, peer, "VoteRequest")
+        reply = self._dispatch(self._handle(peers.vote_request_from_wire(message)), reply_to=peer.node_id,
+                               reply_type=coord.VoteResponse)
+        self._after_coordination()
+        return peers.to_wire(reply, epoch=0, commit_index=0, last_index=0) if reply is not None else None
+
+    async def _on_log_append(self, message: wire.LogAppend, peer: Any) -> wire.Message | None:
+        coordination = self._require_coordination()
+        self._same_sender(message.leader, peer, "LogAppend")
+        reply = self._dispatch(self._handle(peers.append_from_wire(message)), reply_to=peer.node_id,
+                               reply_type=coord.AppendResponse)
+        self._after_coordination()
+        if reply is None:
+            return None
+        return peers.to_wire(reply, epoch=coordination.epoch, commit_index=0, last_index=0)
+
+    async def _on_heartbeat(self, message: wire.Heartbeat, peer: Any) -> wire.Message | None:
+        coordination = self._require_coordination()
+        self._same_sender(message.leader, peer, "Heartbeat")
+        self._revive(peer.node_id)
+        reply = self._dispatch(self._handle(coord.Ping(message.seq, peer.node_id, ())), reply_to=peer.node_id,
+                               reply_type=coord.PingAck)
+        if reply is None:
+            return None
+        return peers.to_wire(reply, epoch=coordination.epoch, commit_index=coordination.log.commit_index,
+                             last_index=coordination.log.last_index)
+
+    async def _on_leave(self, message: wire.Leave, peer: Any) -> None:
+        self._require_coordination()
+        self._same_sender(message.node_id, peer, "Leave")
+        record = peers.left_record(self.coord.membership.record(peer.node_id))
+        if record is not None:
+            self._dispatch_dropping_replies(self._handle(coord.Ping(0, peer.node_id, (record,))))
+        log.info("%s leaves: %s", peer.node_id, message.reason)
+        return None
+
+    async def _on_join_request(self, message: wire.JoinRequest, peer: Any) -> wire.Message:
+        coordination = self._require_coordination()
+        self._same_sender(message.node_id, peer, "JoinRequest")
+        assert self.manifest is not None
+        if message.manifest_digest == manifest_digest(self.manifest):
+            role = peers.role_from_wire(message.role)
+            if self.addresses.learn(message.node_id, message.advertise_url, message.role.value):
+                self._save_identity()
+            self._revive(message.node_id, role, even_if_left=True)
+            log.info("%s admitted %s (%s, %s)", self.node_id, message.node_id, message.role.value,
+                     message.advertise_url)
+        voters = coordination.log.config.voters
+        members = tuple(wire.Member(node_id, url, wire.Role(self.addresses.role(node_id) or "learner"),
+                                    node_id in voters)
+                        for node_id, url in self.addresses.items())
+        return wire.Membership(coordination.epoch, coordination.log.latest_config_index(), members,
+                               manifest_bytes(self.manifest))
+
+    async def _on_snapshot_request(self, message: wire.SnapshotRequest, peer: Any) -> wire.Message:
+        self._require_coordination()
+        replica = self.replica
+        if replica is None or self._download is not None:
+            raise RemoteProtocolError(f"{self.node_id} has no complete global state yet", 503)
+        if not 0 <= message.fragment < replica.plan.num_fragments:
+            raise RemoteProtocolError(f"fragment {message.fragment} does not exist", 400)
+        if message.fragment in replica.diverged:
+            raise RemoteProtocolError(f"fragment {message.fragment} is being repaired here", 503)
+        _, data, digest = await asyncio.get_running_loop().run_in_executor(
+            self.executor, replica.fragment_bytes, message.fragment)
+        start = min(message.offset, len(data))
+        part = data[start:start + message.max_length]
+        return wire.SnapshotChunk(message.fragment, replica.applied_index, start, len(data), digest, part)
+
+    # ------------------------------------------------------------------ applying commits
+
+    def _apply(self, entry: LogEntry) -> None:
+        if self._held_applies is not None:
+            self._held_applies.append(entry)
+            return
+        assert self.replica is not None
+        outcome = self.replica.apply(entry)
+        if entry.kind is EntryKind.OUTER_COMMIT:
+            log.info("%s apply %s", self.node_id, outcome.reason)
+            if outcome.applied:
+                self._commits_metric.inc()
+        if outcome.diverged and outcome.fragment is not None:
+            self._error(outcome.reason)
+            self._repair(outcome.fragment)
+        if outcome.applied and outcome.fragment is not None and self.learner is not None:
+            p = outcome.fragment
+            self.learner.offer_fragment(p, self.replica.state.round(p), self.replica.state.fragment_params(p))
+
+    def _repair(self, p: int) -> None:
+        """Fetch fragment p from the lease holder (or any peer) after a digest mismatch or gap."""
+        if p in self._diverged_fetching:
+            return
+        self._diverged_fetching.add(p)
+
+        async def fetch() -> None:
+            try:
+                download = FragmentDownload(self.client, self.replica, self._repair_peers)
+                await download._one(download.progress[p], attempts=10)
+                log.info("%s repaired fragment %d from a peer", self.node_id, p)
+                if self.learner is not None:
+                    self.learner.offer_fragment(p, self.replica.state.round(p), self.replica.state.fragment_params(p))
+            except JoinRefused as error:
+                self._error(f"fragment {p} repair failed: {error}")
+            finally:
+                self._diverged_fetching.discard(p)
+
+        self._tasks.append(asyncio.create_task(fetch(), name=f"repair-{p}"))
+
+    def _repair_peers(self) -> list[str]:
+        leader = self.coord.election.leader_id if self.coord else None
+        urls = [self.addresses.url(leader)] if leader and leader != self.node_id and self.addresses.url(leader) else []
+        return urls + [u for n, u in self.addresses.items() if n != self.node_id and u not in urls]
+
+    # ------------------------------------------------------------------ learner -> network
+
+    def _from_learner_progress(self, step: int, loss: float, tokens: int) -> None:
+        self._loss = loss
+        self.status.record_learner(step=step, loss=loss, tokens=tokens, now=self.now())
+
+    def _from_learner_contribution(self, due: DueFragment) -> None:
+        """Called in the learner thread: hand over to the loop (never block training)."""
+        self.loop.call_soon_threadsafe(self._spawn_contribution, due)
+
+    def _spawn_contribution(self, due: DueFragment) -> None:
+        task = asyncio.create_task(self._send_contribution(due), name=f"contribution-{due.fragment}")
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    async def _send_contribution(self, due: DueFragment) -> None:
+        assert self.manifest is not None and self.coord is not None
+        loop = asyncio.get_running_loop()
+        codec = self.manifest.sync.codec_up
+        payload = await loop.run_in_executor(self.executor, lambda: encode_named(due.delta, codec))
+        message = wire.FragmentContribution(due.fragment, self.replica.applied_index, due.base_round,
+                                            due.c_steps, due.c_tokens, codec, self.node_id, payload)
+        leader = self.coord.election.leader_id
+        if leader is None:
+            return  # no lease holder: the next slot carries these steps too
+        self._contrib_metric.inc()
+        self.status.add_bytes(sent=len(payload))
+        if leader == self.node_id:
+            await self._accept_contribution(message, transfer_s=0.0)
+            return
+        url = self.addresses.url(leader)
+        if url is None:
+            return
+        started = time.monotonic()
+        try:
+            await self.client.send(url, message, peer=leader, deadline_s=CONTRIBUTION_DEADLINE_S)
+        except TransportError as error:
+            log.info("%s: contribution for fragment %d not delivered: %s", self.node_id, due.fragment, error)
+        else:
+            log.debug("contribution %d delivered in %.3f s", due.fragment, time.monotonic() - started)
+
+    # ------------------------------------------------------------------ the syncer (lease holder)
+
+    async def _on_contribution(self, message: wire.FragmentContribution, peer: Any) -> None:
+        coordination = self._require_coordination()
+        self._same_sender(message.learner_id, peer, "FragmentContribution")
+        if not coordination.is_lease_holder(self.now()):
+            leader = coordination.election.leader_id
+            raise RemoteProtocolError(f"{self.node_id} does not hold the lease (lease holder: {leader})", 409)
+        self.status.add_bytes(received=len(message.payload))
+        await self._accept_contribution(message, transfer_s=None)
+
+    async def _accept_contribution(self, message: wire.FragmentContribution, transfer_s: float | None) -> None:
+        assert self.replica is not None and self.syncer is not None
+        if not 0 <= message.fragment < self.plan.num_fragments:
+            raise RemoteProtocolError(f"fragment {message.fragment} does not exist in this run", 400)
+        loop = asyncio.get_running_loop()
+        try:
+            delta = await loop.run_in_executor(self.executor, decode_named, message.payload)
+        except (RemoteProtocolError, ValueError) as error:
+            raise RemoteProtocolError(f"contribution from {message.learner_id}: {error}", 400) from None
+        contribution = Contribution(message.learner_id, message.fragment, message.base_round, delta,
+                                    message.c_steps, message.c_tokens)
+        self.syncer.add(contribution, self.now(), transfer_s)
+        self._evaluate_round(message.fragment)
+
+    def _live_learners(self) -> int:
+        members = self.coord.membership.members
+        return sum(1 for record in members.values()
+                   if record.role is coord.MemberRole.LEARNER
+                   and record.state in (coord.MemberState.ALIVE, coord.MemberState.SUSPECT))
+
+    def _evaluate_round(self, p: int) -> None:
+        coordination = self.coord
+        if coordination is None or self.syncer is None or not coordination.is_lease_holder(self.now()):
+            return
+        decision = self.syncer.decide(p, self.now(), self._live_learners())
+        if decision is None:
+            return
+        if decision.wake_at is not None:
+            handle = self._wake_handles.pop(p, None)
+            if handle is not None:
+                handle.cancel()
+            delay = max(0.0, decision.wake_at - self.now())
+            self._wake_handles[p] = self.loop.call_later(delay, self._evaluate_round, p)
+            return
+        if not decision.merge_now:
+            return
+        # One merge at a time, and only on a state that includes every entry of our own log, so the
+        # round we propose is exactly the next one for this fragment.
+        if self._merging or coordination.log.applied_index != coordination.log.last_index:
+            self.loop.call_later(TICK_S, self._evaluate_round, p)
+            return
+        rnd = self.syncer.take(p, decision)
+        self._merging = True
+        task = asyncio.create_task(self._merge_and_propose(p, rnd, decision.reason), name=f"merge-{p}")
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    async def _merge_and_propose(self, p: int, rnd: Any, reason: str) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+            merged: MergedRound = await loop.run_in_executor(
+                self.executor, self.syncer.merge_round, p, rnd, self.replica.state, reason)
+            log.info("%s syncer: %s", self.node_id, self.syncer.last_merge_reason)
+            if merged.outer_gradient is None:
+                return
+            digest = await loop.run_in_executor(self.executor, self.replica.digest_after, p, merged.outer_gradient)
+            payload = CommitPayload(merged.encoded, tuple(n for n, _ in merged.result.accepted),
+                                    tuple(w for _, w in merged.result.accepted)).encode()
+            if merged.round != self.replica.state.round(p) + 1:
+                self._error(f"fragment {p}: state moved during the merge; round dropped")
+                return
+            entry, why, actions = self.coord.propose(self.now(), EntryKind.OUTER_COMMIT, payload,
+                                                     fragment=p, round=merged.round, digest=digest)
+            if entry is None:
+                self._error(f"fragment {p} merge not proposed: {why}")
+                return
+            self._merges_metric.inc()
+            self._dispatch(actions)
+        finally:
+            self._merging = False
+
+    # ------------------------------------------------------------------ periodic work
+
+    def _after_coordination(self) -> None:
+        coordination = self.coord
+        if coordination is None:
+            return
+        holder = coordination.is_lease_holder(self.now())
+        leader = coordination.election.leader_id if holder or coordination.role is not Role.LEADER else None
+        if self._last_leader == self.node_id and not holder and self.syncer is not None:
+            self.syncer.reset()
+        self._last_leader = self.node_id if holder else leader
+
+    async def _periodic(self) -> None:
+        next_checkpoint = self.now() + self.cfg.checkpoint_interval_s
+        next_refresh = self.now() + MEMBER_REFRESH_S
+        while True:
+            now = self.now()
+            self._update_readiness()
+            self._refresh_status()
+            if now >= next_checkpoint and self._ready:
+                next_checkpoint = now + self.cfg.checkpoint_interval_s
+                await self._checkpoint()
+            if now >= next_refresh:
+                next_refresh = now + MEMBER_REFRESH_S
+                await self._refresh_members()
+            await asyncio.sleep(STATUS_REFRESH_S)
+
+    async def _refresh_members(self) -> None:
+        """Learn addresses of members we only know by id (from configuration entries)."""
+        missing = [v for v in self.coord.log.config.voters if self.addresses.url(v) is None]
+        if not missing:
+            return
+        await self._announce_to_members()
+
+    def _update_readiness(self) -> None:
+        coordination = self.coord
+        if coordination is None:
+            return
+        reason = ""
+        if self._download is not None:
+            reason = self._download.describe()
+        elif self.role is coord.MemberRole.LEARNER and self.learner is None:
+            reason = "compiling the training step"
+        elif not coordination.log.config.voters:
+            reason = "waiting for the run's configuration to replicate"
+        elif coordination.log.applied_index < coordination.log.commit_index:
+            reason = f"catching up: applied {coordination.log.applied_index} of {coordination.log.commit_index}"
+        ready = not reason
+        if ready and not self._ready:
+            self._ready = True
+            if self.learner is not None:
+                self.learner.begin_training()
+            self.notifier.ready(f"{self.node_id} ready")
+            log.info("%s ready", self.node_id)
+        if self._ready:
+            role = "lease holder" if coordination.is_lease_holder(self.now()) else coordination.role.value
+            reason = f"ready: {role}, epoch {coordination.epoch}, applied {self.replica.applied_index}"
+        self._ready_reason = reason
+        self.status.set_ready(self._ready, reason)
+        self.notifier.status(reason)
+
+    def _refresh_status(self) -> None:
+        coordination = self.coord
+        if coordination is None or self.replica is None:
+            return
+        now = self.now()
+        holder = coordination.election.leader_id
+        voters = coordination.log.config.voters
+        members = []
+        for node_id, record in sorted(coordination.membership.members.items()):
+            members.append(MemberStatus(node_id=node_id, url=self.addresses.url(node_id) or record.address,
+                                        role=record.role.value, alive=record.state is coord.MemberState.ALIVE,
+                                        voter=node_id in voters))
+        quorum = QuorumStatus()
+        if self.syncer is not None and coordination.is_lease_holder(now):
+            reasons = "; ".join(f"p{p}: {r}" for p, r in sorted(self.syncer.last_decision.items()))
+            quorum = QuorumStatus(have=sum(len(r.pending) for r in self.syncer.rounds.values()),
+                                  need=self.syncer.policy.min_quorum, reason=reasons[:400])
+        self.status.set_coordination(
+            epoch=coordination.epoch, coordinator=holder if holder else None,
+            commit_index=self.replica.applied_index, state_digest=self.replica.state.digest(),
+            members=members, quorum=quorum,
+            fragments=[FragmentStatus(p, r) for p, r in enumerate(self.replica.state.rounds())])
+
+    def _status_document(self) -> Any:
+        return self.status.document(self.now())
+
+    def _live(self) -> bool:
+        learner = self.learner
+        return learner is None or learner.error is None
+
+    async def _checkpoint(self) -> None:
+        """Local weights, AdamW state, counters, applied index and the global state, atomically."""
+        replica = self.replica
+        assert replica is not None
+        state = replica.state
+        meta: dict[str, Any] = {"node_id": self.node_id, "applied_index": replica.applied_index,
+                                "rounds": list(state.rounds()), "state_digest": state.digest()}
+        arrays: dict[str, np.ndarray] = {}
+        for p in range(self.plan.num_fragments):
+            for n, a in state.fragment_params(p).items():
+                arrays[f"global/params/{n}"] = a
+            for n, a in state.momentum(p).items():
+                arrays[f"global/momentum/{n}"] = a
+        if self.learner is not None:
+            future = self.learner.request_state()
+            snap = await asyncio.wrap_future(future)
+            learner_meta, learner_arrays = snapshot_meta_and_arrays(snap)
+            meta["learner"] = learner_meta
+            arrays.update(learner_arrays)
+        loop = asyncio.get_running_loop()
+        path = await loop.run_in_executor(self.executor, self.checkpoints.save, meta, arrays)
+        log.info("%s checkpoint %s at index %d", self.node_id, path.name, replica.applied_index)
+
+    # ------------------------------------------------------------------ shutdown
+
+    async def _shutdown(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.notifier.stopping(f"{self.node_id} stopping")
+        self._ready_reason = "stopping"
+        if self.learner is not None:
+            self.learner.stop()
+            await loop.run_in_executor(None, self.learner.join, 60.0)
+            log.info("%s: learner stopped at step %s", self.node_id, self.learner.stopped_at_step)
+        coordination = self.coord
+        for task in self._tasks:
+            if task.get_name() == "periodic":
+                task.cancel()  # no periodic checkpoint racing the final one
+        if coordination is not None and set(coordination.log.config.voters) - {self.node_id}:
+            self._dispatch(coordination.leave(self.now()))
+            deadline = self.now() + coordination.options.leave_timeout_s
+            while not coordination.left and self.now() < deadline:
+                await asyncio.sleep(TICK_S)  # the ticker drives the leave to its commit
+            log.info("%s: %s", self.node_id, coordination.last_membership_reason or "left")
+        await self._checkpoint()
+        self.store.sync(self._persistent)
+        log.info("%s: stopped cleanly", self.node_id)
+

@@ -1,0 +1,162 @@
+"""Mapping between coordination messages (`bootstrap.messages`) and wire messages (`wire.messages`).
+
+The coordination core speaks Raft/SWIM-shaped messages; the wire carries the kinds `wire.messages`
+defines. Most map field by field. Where the two sets differ, this module decides, and the
+choices are documented in docs/DAEMON.md:
+
+- `AppendEntries.sent_at` (the leader's own clock) is not on the wire: every LogAppend is a
+  request whose LogAck comes back in the same HTTP response, so the sender restores `sent_at`
+  from the request it made (`append_response_from_wire`).
+- SWIM probes ride on Heartbeat/HeartbeatAck (seq and sender only). Piggybacked gossip and
+  indirect probes are not carried; members learn each other from join requests and from the
+  membership lists join replies carry. A member that answers a probe (or probes us, or asks to
+  join) while we hold it suspect, dead or unknown is marked alive again under a locally raised
+  incarnation (`revived_record`): with no gossip, incarnations are local bookkeeping only.
+- A graceful leave (a Ping announcing our own LEFT record) travels as a wire Leave.
+- InstallSnapshot is never produced: the daemon does not compact the log (joiners download the
+  global state fragment by fragment instead; see join.py).
+
+Everything here is pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from bootstrap import messages as coord
+from bootstrap.entries import ClusterConfig, EntryKind, LogEntry
+from wire import messages as wire
+from wire.errors import LocalProtocolError, RemoteProtocolError
+
+# Log entry kinds on the wire are short lowercase names (wire.messages.NAME_PATTERN).
+_KIND_TO_WIRE = {EntryKind.OUTER_COMMIT: "commit", EntryKind.MEMBERSHIP: "membership", EntryKind.NOOP: "noop"}
+_KIND_FROM_WIRE = {name: kind for kind, name in _KIND_TO_WIRE.items()}
+# Human reasons longer than the wire allows are cut, not refused: they are for people.
+MAX_REASON_CHARS = wire.MAX_REASON_CHARS
+
+
+def entry_to_wire(entry: LogEntry) -> wire.LogEntry:
+    metadata: dict[str, Any] = {"fragment": entry.fragment, "round": entry.round, "digest": entry.digest}
+    if entry.config is not None:
+        metadata["voters"] = entry.config.sorted_voters()
+    return wire.LogEntry(index=entry.index, epoch=entry.epoch, kind=_KIND_TO_WIRE[entry.kind],
+                         metadata=metadata, payload=entry.payload)
+
+
+def entry_from_wire(entry: wire.LogEntry) -> LogEntry:
+    """A peer's entry as a coordination entry; anything malformed is the peer's error (400)."""
+    kind = _KIND_FROM_WIRE.get(entry.kind)
+    if kind is None:
+        raise RemoteProtocolError(f"log entry {entry.index}: unknown kind {entry.kind!r}", 400)
+    meta = entry.metadata
+    try:
+        config = None
+        if kind is EntryKind.MEMBERSHIP:
+            voters = meta.get("voters")
+            if not isinstance(voters, (list, tuple)):
+                raise LocalProtocolError("membership entry without a voter list")
+            config = ClusterConfig.of(voters)
+        digest = meta.get("digest", "")
+        return LogEntry(epoch=entry.epoch, index=entry.index, kind=kind, payload=entry.payload,
+                        fragment=meta.get("fragment"), round=meta.get("round"),
+                        digest=digest if isinstance(digest, str) else "", config=config)
+    except LocalProtocolError as error:
+        raise RemoteProtocolError(f"log entry {entry.index}: {error}", 400) from None
+
+
+def to_wire(message: coord.Message, *, epoch: int, commit_index: int, last_index: int) -> wire.Message | None:
+    """The wire form of an outgoing coordination message, or None when it is not carried."""
+    if isinstance(message, coord.VoteRequest):
+        return wire.VoteRequest(message.epoch, message.candidate_id, message.last_log_epoch, message.last_log_index)
+    if isinstance(message, coord.VoteResponse):
+        return wire.VoteReply(message.epoch, message.voter_id, message.granted, message.reason[:MAX_REASON_CHARS])
+    if isinstance(message, coord.AppendEntries):
+        return wire.LogAppend(message.epoch, message.leader_id, message.prev_index, message.prev_epoch,
+                              tuple(entry_to_wire(e) for e in message.entries), message.leader_commit)
+    if isinstance(message, coord.AppendResponse):
+        return wire.LogAck(message.epoch, message.follower_id, message.match_index, message.success)
+    if isinstance(message, coord.Ping):
+        own = [r for r in message.updates if r.node_id == message.sender_id and r.state is coord.MemberState.LEFT]
+        if own:
+            return wire.Leave(message.sender_id, "leaving the run")
+        return wire.Heartbeat(epoch, message.sender_id, message.seq, commit_index)
+    if isinstance(message, coord.PingAck):
+        return wire.HeartbeatAck(epoch, message.sender_id, message.seq, last_index)
+    return None  # PingRequest, InstallSnapshot, JoinRequest/JoinReply (see module docstring)
+
+
+def append_from_wire(message: wire.LogAppend) -> coord.AppendEntries:
+    try:
+        return coord.AppendEntries(message.epoch, message.leader, message.prev_index, message.prev_epoch,
+                                   tuple(entry_from_wire(e) for e in message.entries), message.leader_commit,
+                                   sent_at=0.0)
+    except LocalProtocolError as error:
+        raise RemoteProtocolError(f"LogAppend: {error}", 400) from None
+
+
+def append_response_from_wire(message: wire.LogAck, sent_at: float) -> coord.AppendResponse:
+    """`sent_at` is the time we stamped on the AppendEntries this ack answers."""
+    return coord.AppendResponse(message.epoch, message.follower, message.success, message.index, sent_at,
+                                "acknowledged over the wire")
+
+
+def vote_request_from_wire(message: wire.VoteRequest) -> coord.VoteRequest:
+    return coord.VoteRequest(message.epoch, message.candidate, message.last_log_epoch, message.last_log_index)
+
+
+def vote_response_from_wire(message: wire.VoteReply) -> coord.VoteResponse:
+    return coord.VoteResponse(message.epoch, message.voter, message.granted, message.reason)
+
+
+def revived_record(current: coord.MemberRecord | None, node_id: str, address: str,
+                   role: coord.MemberRole) -> coord.MemberRecord | None:
+    """The record that makes `node_id` alive again in our view, or None if it already is."""
+    if current is not None and current.state is coord.MemberState.ALIVE and current.address == address:
+        return None
+    incarnation = 1 if current is None else current.incarnation + 1
+    return coord.MemberRecord(node_id, address, role, incarnation, coord.MemberState.ALIVE)
+
+
+def left_record(current: coord.MemberRecord | None) -> coord.MemberRecord | None:
+    if current is None or current.state is coord.MemberState.LEFT:
+        return None
+    return coord.MemberRecord(current.node_id, current.address, current.role, current.incarnation,
+                              coord.MemberState.LEFT)
+
+
+def role_to_wire(role: coord.MemberRole) -> wire.Role:
+    return wire.Role.WITNESS if role is coord.MemberRole.WITNESS else wire.Role.LEARNER
+
+
+def role_from_wire(role: wire.Role) -> coord.MemberRole:
+    return coord.MemberRole.WITNESS if role is wire.Role.WITNESS else coord.MemberRole.LEARNER
+
+
+class AddressBook:
+    """Node id -> advertised URL of every member we have heard of (persisted with the replica)."""
+
+    def __init__(self, entries: Mapping[str, str] | None = None) -> None:
+        self._urls: dict[str, str] = dict(entries or {})
+        self._roles: dict[str, str] = {}
+
+    def learn(self, node_id: str, url: str, role: str | None = None) -> bool:
+        """Record an address; True when it is new or changed."""
+        if role is not None:
+            self._roles[node_id] = role
+        if not url or self._urls.get(node_id) == url:
+            return False
+        self._urls[node_id] = url
+        return True
+
+    def url(self, node_id: str) -> str | None:
+        return self._urls.get(node_id)
+
+    def role(self, node_id: str) -> str | None:
+        return self._roles.get(node_id)
+
+    def items(self) -> list[tuple[str, str]]:
+        return sorted(self._urls.items())
+
+    def to_dict(self) -> dict[str, str]:
+        return dict(self._urls)
