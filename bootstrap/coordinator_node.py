@@ -109,6 +109,7 @@ class CoordinatorNode:
         self.log = self.log_type(node_id, persistent.log, applied, self.options.max_entries_per_append)
         self.membership = Membership(node_id, address, role, persistent.incarnation, rng, now, self.options.swim)
         self._next_heartbeat_at = now
+        self._learned_config: ClusterConfig | None = None
         self.leaving = False
         self.leave_started_at = 0.0
         self.left = False
@@ -278,8 +279,11 @@ class CoordinatorNode:
     # ------------------------------------------------------------ time
 
     def tick(self, now: float) -> list[Action]:
-        for voter in self.log.config.sorted_voters():
-            self.membership.learn(voter, now)  # founding voters know each other without a join
+        config = self.log.config
+        if config is not self._learned_config:  # founding voters know each other without a join
+            for voter in config.sorted_voters():
+                self.membership.learn(voter, now)
+            self._learned_config = config
         actions: list[Action] = list(self.membership.tick(now))
         if self.role is Role.LEADER:
             self.election.refresh_lease(now, self.log.config)

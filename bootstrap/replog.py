@@ -91,6 +91,7 @@ class ReplicatedLog:
         self.next_index: dict[str, int] = {}
         self.match_index: dict[str, int] = {}
         self.last_commit_reason = ""
+        self._config_cache: tuple[tuple[int, int, int], ClusterConfig] | None = None
 
     # ------------------------------------------------------------ reading
 
@@ -132,7 +133,11 @@ class ReplicatedLog:
 
     @property
     def config(self) -> ClusterConfig:
-        return self.config_at(self.last_index)
+        # Cached: asked on every event. Same last (index, epoch) means the same log (log matching).
+        key = (self.last_index, self.last_epoch, self.store.snapshot.last_index)
+        if self._config_cache is None or self._config_cache[0] != key:
+            self._config_cache = (key, self.config_at(self.last_index))
+        return self._config_cache[1]
 
     @property
     def committed_config(self) -> ClusterConfig:

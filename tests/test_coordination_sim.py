@@ -1,0 +1,94 @@
+"""Deterministic simulation of the coordination protocol: safety over many seeds, exact replay,
+liveness after the lease holder dies, and proof that the checker catches broken variants."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from bootstrap.entries import EntryKind, LogEntry
+from bootstrap.simulation import InvariantChecker, SimConfig, Simulation, run_seed
+from bootstrap.simulation.broken import BROKEN_VARIANTS
+
+# CI budget: 500 short schedules (3..9 nodes, 12 virtual seconds of faults each).
+CI_SEEDS = 500
+CI_CONFIG = SimConfig(chaos_s=12.0, warmup_s=4.0)
+
+
+def replay_hint(seed: int) -> str:
+    return f"replay: .venv/bin/python benchmarks/coordination.py --first-seed {seed} --seeds 1 --chaos-s 12 --verbose"
+
+
+def test_ci_seed_budget_keeps_every_invariant_and_recovers():
+    failures = []
+    failovers = []
+    for seed in range(CI_SEEDS):
+        result = run_seed(seed, CI_CONFIG)
+        if result.violations:
+            failures.append(f"seed {seed}: {result.violations[0]} ({replay_hint(seed)})")
+        if result.failover_s is not None:
+            failovers.append(result.failover_s)
+    assert not failures, "\n".join(failures[:10])
+    # Liveness: failover is measured whenever at least three members remain, i.e. nearly always.
+    assert len(failovers) >= CI_SEEDS * 0.9
+
+
+def test_same_seed_replays_exactly():
+    first = run_seed(7, CI_CONFIG)
+    second = run_seed(7, CI_CONFIG)
+    assert first.trace_digest == second.trace_digest
+    assert (first.events, first.commits, first.faults, first.violations, first.failover_s) == (
+        second.events, second.commits, second.faults, second.violations, second.failover_s)
+    assert run_seed(8, CI_CONFIG).trace_digest != first.trace_digest
+
+
+def test_healthy_cluster_commits_and_fails_over():
+    result = run_seed(3, SimConfig(chaos_s=0.0, faults=()))
+    assert result.violations == []
+    assert result.commits >= 2  # before and after the failover
+    assert result.failover_s is not None and result.failover_s < 3 * CI_CONFIG.lease.lease_s
+
+
+@pytest.mark.parametrize("variant, evidence", [
+    ("vote_without_log_check", "committed differently|overwrite committed"),
+    ("commit_without_majority", "committed differently|overwrite committed"),
+    ("vote_ignoring_lease", "active lease holders at once"),
+])
+def test_checker_catches_broken_variant_within_ci_budget(variant, evidence):
+    for seed in range(CI_SEEDS):
+        result = run_seed(seed, CI_CONFIG, BROKEN_VARIANTS[variant])
+        if any(re.search(evidence, v) for v in result.violations):
+            return
+    pytest.fail(f"{variant} survived {CI_SEEDS} seeds: the checker cannot see it")
+
+
+def test_faults_are_injected_by_name_and_recorded():
+    simulation = Simulation(1, SimConfig(min_nodes=3, max_nodes=3, chaos_s=0.0, faults=()))
+    simulation.run_until(5.0)
+    leader = simulation.current_lease_holder()
+    assert leader is not None
+    simulation.inject("crash_leader")
+    assert simulation.faults_applied[-1].endswith(f"crash leader {leader}")
+    assert simulation.current_lease_holder() is None
+
+
+def entry(index: int, payload: bytes) -> LogEntry:
+    return LogEntry(1, index, EntryKind.OUTER_COMMIT, payload)
+
+
+def test_checker_reports_a_changed_committed_entry_and_a_gap():
+    checker = InvariantChecker()
+    checker.on_apply(1.0, "a", entry(1, b"x"), b"d1")
+    checker.on_apply(1.0, "b", entry(1, b"y"), b"d1")
+    checker.on_apply(2.0, "a", entry(3, b"z"), b"d3")
+    assert checker.violations == [
+        "t=1.000s b applied #1@e1 outer_commit but index 1 was committed differently",
+        "t=2.000s a applied index 3, expected 2 (gap or repeat)",
+    ]
+
+
+def test_checker_reports_an_entry_accepted_from_a_stale_epoch():
+    checker = InvariantChecker()
+    checker.on_append_accepted(1.0, "a", message_epoch=3, epoch_before=4)
+    assert checker.violations == ["t=1.000s a accepted entries stamped epoch 3 after seeing epoch 4"]
