@@ -89,14 +89,15 @@ class LinkStats:
 class _TokenBucket:
     """Bytes/s limiter that lets the balance go into debt, so big chunks cost exactly their size."""
 
-    def __init__(self) -> None:
+    def __init__(self, min_burst_bytes: int) -> None:
+        self._min_burst = float(min_burst_bytes)
         self._tokens = 0.0
         self._stamp = time.monotonic()
 
     def delay_for(self, nbytes: int, rate_Bps: float) -> float:
         """Charge `nbytes` and return how long to wait before sending them at `rate_Bps`."""
         now = time.monotonic()
-        burst = max(float(READ_CHUNK_BYTES), rate_Bps * BUCKET_SECONDS)
+        burst = max(self._min_burst, rate_Bps * BUCKET_SECONDS)
         self._tokens = min(burst, self._tokens + (now - self._stamp) * rate_Bps)
         self._stamp = now
         self._tokens -= nbytes
@@ -150,11 +151,13 @@ class LinkEmulator:
         listen_host: str = "127.0.0.1",
         listen_port: int = 0,
         max_in_flight_bytes: int = MAX_IN_FLIGHT_BYTES,
+        read_chunk_bytes: int = READ_CHUNK_BYTES,
         seed: int | None = None,
     ) -> None:
         self.upstream = (upstream_host, upstream_port)
         self._listen = (listen_host, listen_port)
         self.max_in_flight_bytes = max_in_flight_bytes
+        self.read_chunk_bytes = read_chunk_bytes
         self.stats = LinkStats()
         self._shape = {Direction.UP: Shape(), Direction.DOWN: Shape()}
         self._blackhole = False
@@ -366,7 +369,7 @@ class LinkEmulator:
     async def _swallow_until_healed(self, reader: asyncio.StreamReader) -> None:
         while self._blackhole:
             changed = asyncio.ensure_future(self._changed.wait())
-            read = asyncio.ensure_future(reader.read(READ_CHUNK_BYTES))
+            read = asyncio.ensure_future(reader.read(self.read_chunk_bytes))
             try:
                 done, _ = await asyncio.wait({changed, read}, return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -395,7 +398,7 @@ class LinkEmulator:
         queued_bytes = 0
         space = asyncio.Event()
         ready = asyncio.Event()
-        bucket = _TokenBucket()
+        bucket = _TokenBucket(self.read_chunk_bytes)
         last_due = 0.0
         eof = False
 
@@ -424,7 +427,7 @@ class LinkEmulator:
                 while queued_bytes >= self.max_in_flight_bytes:
                     space.clear()
                     await space.wait()
-                data = await reader.read(READ_CHUNK_BYTES)
+                data = await reader.read(self.read_chunk_bytes)
                 if not data:
                     eof = True
                     ready.set()

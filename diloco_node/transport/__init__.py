@@ -8,6 +8,7 @@ The composition root owns the aiohttp application and its AppRunner and wires ha
 
 from diloco_node.transport.client import (
     PEER_CLIENT,
+    ClientOptions,
     PeerClient,
     PeerRefused,
     PeerUnreachable,
@@ -18,6 +19,7 @@ from diloco_node.transport.routes import SENDER_HEADER, kind_path
 from diloco_node.transport.server import PEER_SERVER, Peer, PayloadSink, PeerServer, ServerOptions
 
 __all__ = [
+    "ClientOptions",
     "PEER_CLIENT",
     "PEER_SERVER",
     "SENDER_HEADER",

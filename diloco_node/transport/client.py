@@ -15,6 +15,7 @@ pool), so nothing is left half-sent. Hashing and encoding big payloads run in a 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -73,6 +74,27 @@ MIN_REPLY_LIMIT_BYTES = 1 * MiB
 # A refusal's reason text is read up to this size (the server sends at most 512 characters).
 MAX_REFUSAL_BODY_BYTES = 4 * KiB
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClientOptions:
+    """Transport-side bounds of the client (wire-side ones, incl. the read timeout, are in `Limits`)."""
+
+    connect_timeout_s: float = CONNECT_TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS
+    max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER
+    upload_chunk_bytes: int = UPLOAD_CHUNK_BYTES
+    max_reply_frames: int = MAX_REPLY_FRAMES
+    min_reply_limit_bytes: int = MIN_REPLY_LIMIT_BYTES
+
+    def __post_init__(self) -> None:
+        if not self.connect_timeout_s > 0:
+            raise ValueError(f"ClientOptions.connect_timeout_s must be > 0, got {self.connect_timeout_s!r}")
+        for name in ("max_connections", "max_connections_per_peer", "upload_chunk_bytes", "max_reply_frames",
+                     "min_reply_limit_bytes"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"ClientOptions.{name} must be a positive int, got {value!r}")
+
+
 Payload = bytes | bytearray | memoryview | AsyncIterable[bytes]  # or any C-contiguous buffer
 
 
@@ -109,8 +131,7 @@ class PeerClient:
         counters: TrafficCounters | None = None,
         executor: Executor | None = None,
         wall_clock: Callable[[], float] = time.time,
-        connect_timeout_s: float = CONNECT_TIMEOUT_S,
-        max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER,
+        options: ClientOptions = ClientOptions(),
     ) -> None:
         self._auth = auth
         self._verifier = verifier
@@ -118,15 +139,15 @@ class PeerClient:
         self.counters = counters if counters is not None else TrafficCounters()
         self._executor = executor
         self._wall_clock = wall_clock
-        self._connect_timeout_s = connect_timeout_s
-        self._max_connections_per_peer = max_connections_per_peer
+        self.options = options
         self._session: aiohttp.ClientSession | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=MAX_CONNECTIONS, limit_per_host=self._max_connections_per_peer)
-        timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self._connect_timeout_s,
+        options = self.options
+        connector = aiohttp.TCPConnector(limit=options.max_connections, limit_per_host=options.max_connections_per_peer)
+        timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=options.connect_timeout_s,
                                         sock_read=self.limits.read_timeout_s)
         # auto_decompress off: a peer's gzip reply must not inflate past our byte counts.
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
@@ -156,7 +177,7 @@ class PeerClient:
         only catch-up replies are big), or a batch of small ones."""
         largest_payload = max(self.limits.max_payload_bytes.values(), default=0)
         largest_frame = FIXED_HEADER_BYTES + self.limits.max_header_map_bytes + MAC_BYTES + largest_payload
-        return max(largest_frame, MIN_REPLY_LIMIT_BYTES)
+        return max(largest_frame, self.options.min_reply_limit_bytes)
 
     # ---- sending ----------------------------------------------------------------------------
 
@@ -173,7 +194,7 @@ class PeerClient:
         if len(body) <= INLINE_BODY_MAX_BYTES:
             chunks: AsyncIterable[bytes | memoryview] | bytes = body
         else:
-            chunks = _slices(memoryview(body))
+            chunks = _slices(memoryview(body), self.options.upload_chunk_bytes)
         return await self._post(base_url.rstrip("/") + kind_path(kind), chunks, len(body), peer, deadline_s)
 
     async def send_stream(self, base_url: str, head: Message, payload: Payload, *,
@@ -193,7 +214,7 @@ class PeerClient:
             payload_length = len(view)
             if payload_sha256 is None:
                 payload_sha256 = await loop.run_in_executor(self._executor, lambda: hashlib.sha256(view).digest())
-            source: AsyncIterable[bytes | memoryview] = _slices(view)
+            source: AsyncIterable[bytes | memoryview] = _slices(view, self.options.upload_chunk_bytes)
         else:
             if payload_length is None or payload_sha256 is None:
                 raise LocalProtocolError("a streamed payload from an iterator needs payload_length and payload_sha256")
@@ -277,8 +298,8 @@ class PeerClient:
             for event in events:
                 assert isinstance(event, Received)  # the client decoder streams no kind
                 replies.append(event.message)
-            if len(replies) > MAX_REPLY_FRAMES:
-                raise RemoteProtocolError(f"more than {MAX_REPLY_FRAMES} reply frames", 400)
+            if len(replies) > self.options.max_reply_frames:
+                raise RemoteProtocolError(f"more than {self.options.max_reply_frames} reply frames", 400)
             if not chunk:
                 return replies
 
@@ -291,9 +312,9 @@ def _decode_all(decoder: FrameDecoder, data: bytes, now_unix: float) -> list[obj
     return events
 
 
-async def _slices(view: memoryview) -> AsyncIterator[memoryview]:
-    for start in range(0, len(view), UPLOAD_CHUNK_BYTES):
-        yield view[start:start + UPLOAD_CHUNK_BYTES]
+async def _slices(view: memoryview, size: int) -> AsyncIterator[memoryview]:
+    for start in range(0, len(view), size):
+        yield view[start:start + size]
 
 
 async def _exactly(head: bytes, source: AsyncIterable[bytes | memoryview], length: int,
