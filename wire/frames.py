@@ -240,6 +240,8 @@ class FrameDecoder:
     def next_event(self, *, now_unix: float) -> Event:
         """The next event, `NEED_DATA`, or `CLOSED`. `now_unix` is this node's wall clock (only used
         for the timestamp window of frames whose header completes during this call)."""
+        if not isinstance(now_unix, (int, float)) or not math.isfinite(now_unix):
+            raise LocalProtocolError(f"now_unix must be a finite wall-clock time, got {now_unix!r}")
         if self._failure is not None:
             raise RemoteProtocolError(f"stream already failed: {self._failure}", self._failure.status_hint)
         try:
