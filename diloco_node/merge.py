@@ -114,9 +114,10 @@ def rebase(
 ) -> dict[str, np.ndarray]:
     """Outer gradient against the current version: (Theta_now - Theta_base) + delta, float32."""
     out: dict[str, np.ndarray] = {}
-    for name, d in delta.items():
-        moved = np.subtract(current_params[name], base_params[name], dtype=np.float32)
-        out[name] = np.add(moved, d, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # merge_contributions rejects non-finite results
+        for name, d in delta.items():
+            moved = np.subtract(current_params[name], base_params[name], dtype=np.float32)
+            out[name] = np.add(moved, d, dtype=np.float32)
     return out
 
 

@@ -228,3 +228,33 @@ def test_malformed_arrays_are_a_global_state_error(value, message) -> None:
         with pytest.raises(GlobalStateError, match=f"blocks/0/w {message}"):
             state.apply_outer_gradient(2, {**grad, "blocks/0/w": value})
     assert state.rounds() == (0, 0, 0)
+
+
+def _snapshot_with(change):
+    snap = _state().snapshot(include_history=True)
+    change(snap)
+    return snap
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda s: s["fragments"].pop(), "snapshot: expected 3 fragments"),
+        (lambda s: s["fragments"].__setitem__(2, s["fragments"][1]), "fragment indexes must be 0..P-1, each once"),
+        (lambda s: s["fragments"].__setitem__(0, [1, 2]), "fragment snapshot: expected a mapping"),
+        (lambda s: s["fragments"][0].__setitem__("fragment", "0"), "'fragment' must be an integer"),
+        (lambda s: s["fragments"][0].__setitem__("fragment", 3), "fragment 3 out of range"),
+        (lambda s: s["fragments"][0].__setitem__("round", -1), "fragment 0 snapshot: 'round' must be an integer in"),
+        (lambda s: s["fragments"][0].__setitem__("params", None), "fragment 0 snapshot params: expected a mapping"),
+        (lambda s: s["fragments"][0].__setitem__("history", [1]), "'history' must be a mapping of round -> params"),
+        (lambda s: s["fragments"][0].__setitem__("history", {0: s["fragments"][0]["params"]}),
+         "history round 0 must be in \\[0, 0\\)"),  # a history round must be older than the current one
+    ],
+)
+def test_malformed_snapshots_are_refused_and_change_nothing(change, message) -> None:
+    target = _state()
+    target.apply_outer_gradient(0, _grad(target, 0, 0))
+    before = target.digest()
+    with pytest.raises(GlobalStateError, match=message):
+        target.restore(_snapshot_with(change))
+    assert target.digest() == before and target.rounds() == (1, 0, 0)

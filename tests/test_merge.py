@@ -243,6 +243,7 @@ REJECTION_CASES = [
     ("zero tokens", _contribution("b", tokens=0), "rejected learner b: weight 0 (c_tokens = 0)"),
     ("wrong fragment", _contribution("b", fragment=3), "rejected learner b: contribution for fragment 3 in a round of fragment 0"),
     ("future base", _contribution("b", base_round=9), "rejected learner b: base round 9 is ahead of the current round 5"),
+    ("negative base", _contribution("b", base_round=-1), "rejected learner b: base round -1 is negative"),
     ("evicted base", _contribution("b", base_round=2), "rejected learner b: base round 2 has been evicted (history keeps rounds 3..5)"),
     ("missing tensor", _contribution("b", delta={k: v for k, v in _delta(1).items() if k != "blocks/0/b"}),
      "rejected learner b: tensor names do not match the fragment: missing blocks/0/b"),
@@ -367,12 +368,32 @@ def test_result_does_not_depend_on_arrival_order() -> None:
         assert np.array_equal(first.outer_gradient[name], second.outer_gradient[name])
 
 
+def test_a_rebase_that_overflows_float32_is_rejected() -> None:
+    history = FragmentHistory(fragment=0, capacity=3)
+    big = {n: np.full(s, -3e38, np.float32) for n, s in SHAPES.items()}
+    history.record(0, big)
+    history.record(1, {n: -a for n, a in big.items()})  # the global fragment moved by 6e38 > float32 max
+    current = dict(history.version(1))
+    result = merge_contributions([_contribution("b", base_round=0), _contribution("a", base_round=1, seed=1)],
+                                 current, history, caps=CAPS, embedding_names=EMBEDDINGS)
+    assert result.rejected == (("b", "rejected learner b: non-finite values after rebasing from round 0"),)
+    assert [learner for learner, _ in result.accepted] == ["a"]
+
+
+def test_uniform_weighting_still_refuses_a_contribution_without_steps() -> None:
+    result = _merge([_contribution("b", steps=0), _contribution("a", seed=1, tokens=0)], weighting="uniform")
+    assert result.rejected == (("b", "rejected learner b: c_steps = 0: no inner steps since its base"),)
+    assert result.accepted == (("a", 1.0),)  # tokens do not matter with uniform weights
+
+
 def test_no_contributions_and_bad_options() -> None:
     assert _merge([]).reason == "nothing to merge for fragment 0: no contributions"
     with pytest.raises(ValueError, match="merge method 'median'"):
         _merge([], method="median")
     with pytest.raises(ValueError, match="weighting 'steps'"):
         _merge([], weighting="steps")
+    with pytest.raises(ValueError, match="norm_outlier_factor = 1 must be > 1"):
+        _merge([], norm_outlier_factor=1)
     with pytest.raises(TypeError, match="c_steps must be an integer"):
         Contribution("a", 0, 0, {}, 1.5, 3)  # type: ignore[arg-type]
 
