@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from diloco_node.fragments import FragmentPlan
-from diloco_node.merge import nesterov_step
+from diloco_node.merge import finite_float32, nesterov_step
 from diloco_node.run_config import OuterOptimizer
 
 # How many versions of each fragment (current included) are kept for rebasing. A contribution is
@@ -328,21 +328,10 @@ def _check_names(got: set, expected: set, what: str) -> None:
 
 
 def _validated_array(value: Any, name: str, shape: tuple | None, what: str) -> np.ndarray:
-    try:
-        arr = np.asarray(value)
-    except (TypeError, ValueError):  # e.g. ragged nested lists
-        raise GlobalStateError(f"{what}: {name} is not a numeric array") from None
-    if arr.dtype.kind != "f":
-        raise GlobalStateError(f"{what}: {name} has dtype {arr.dtype}, expected float32")
-    if shape is not None and arr.shape != shape:
-        raise GlobalStateError(f"{what}: {name} has shape {arr.shape}, expected {shape}")
-    if not np.all(np.isfinite(arr)):
-        raise GlobalStateError(f"{what}: non-finite values in {name}")
-    with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf: caught below
-        out = np.array(arr, dtype=_DTYPE, copy=True)
-    if not np.all(np.isfinite(out)):
-        raise GlobalStateError(f"{what}: {name} has values beyond the float32 range")
-    return out
+    arr, why = finite_float32(value, name, shape)
+    if arr is None:
+        raise GlobalStateError(f"{what}: {why}")
+    return np.array(arr, dtype=_DTYPE, copy=True)
 
 
 def _fragment_digest(p: int, round_: int, params: Mapping[str, np.ndarray], momentum: Mapping[str, np.ndarray]) -> str:

@@ -259,22 +259,35 @@ def _check_shape_and_values(
         return None, "tensor names do not match the fragment: " + "; ".join(parts)
     out: dict[str, np.ndarray] = {}
     for name in sorted(names):
-        try:
-            arr = np.asarray(c.delta[name])
-        except (TypeError, ValueError):  # e.g. ragged nested lists
-            return None, f"{name} is not a numeric array"
-        if arr.dtype.kind != "f":
-            return None, f"{name} has dtype {arr.dtype}, expected float32"
-        if arr.shape != np.shape(current[name]):
-            return None, f"{name} has shape {arr.shape}, expected {np.shape(current[name])}"
-        if not np.all(np.isfinite(arr)):
-            return None, f"non-finite values in {name}"
-        with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf: caught below
-            arr = arr.astype(np.float32, copy=False)
-        if not np.all(np.isfinite(arr)):
-            return None, f"{name} has values beyond the float32 range"
+        arr, why = finite_float32(c.delta[name], name, np.shape(current[name]))
+        if arr is None:
+            return None, why
         out[name] = arr
     return out, None
+
+
+def finite_float32(value: object, name: str, shape: tuple[int, ...] | None) -> tuple[np.ndarray | None, str]:
+    """`value` as a float32 array (of `shape`, unless None) with finite values, or (None, reason).
+
+    The one check for tensors from outside (a learner's delta, an outer gradient, a snapshot), so
+    the syncer and every replica accept exactly the same inputs. The array may share memory with
+    `value`; copy it before keeping it.
+    """
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError):  # e.g. ragged nested lists
+        return None, f"{name} is not a numeric array"
+    if arr.dtype.kind != "f":
+        return None, f"{name} has dtype {arr.dtype}, expected float32"
+    if shape is not None and arr.shape != shape:
+        return None, f"{name} has shape {arr.shape}, expected {shape}"
+    if not np.all(np.isfinite(arr)):
+        return None, f"non-finite values in {name}"
+    with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf: caught below
+        arr = arr.astype(np.float32, copy=False)
+    if not np.all(np.isfinite(arr)):
+        return None, f"{name} has values beyond the float32 range"
+    return arr, ""
 
 
 def _fragment_norm(tensors: Mapping[str, np.ndarray]) -> float:
