@@ -197,6 +197,14 @@ def test_bad_fleet_arguments_are_rejected():
         simulate_fleet("pipeline", 100_000, QUICK)
     with pytest.raises(ValueError, match="exceed the limit"):
         simulate_fleet("dp", 100_000, replace(QUICK, expected_failures=10**9))
+    with pytest.raises(ValueError, match="learners \\(M\\) must be a positive integer, got 0"):
+        simulate_fleet("decoupled", 100_000, QUICK, learners=0)
+    with pytest.raises(ValueError, match="wall_time_s must be a positive finite number"):
+        replace(QUICK, wall_time_s=math.inf)
+    with pytest.raises(ValueError, match="unknown strategy 'pipeline'"):
+        fleetsim.run_sweep(QUICK, strategies=["dp", "pipeline"])
+    with pytest.raises(ValueError, match="at least one slice"):
+        simulate_job(0, elastic=True, params=QUICK, horizon_s=1.0, rng=fleetsim.learner_rng(0, 0))
 
 
 @pytest.mark.parametrize(

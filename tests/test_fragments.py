@@ -142,3 +142,20 @@ def _count(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: Fragment(-1, ("x",), 1, 4, False), "fragment index -1 must be >= 0"),
+        (lambda: Fragment(0, (), 0, 0, False), "fragment 0 has no tensors"),
+        (lambda: Fragment(0, ("x", "x"), 2, 8, False), "fragment 0 lists a tensor twice"),
+        (lambda: FragmentPlan((), period=2, overlap=0), "at least one fragment"),
+        (lambda: FragmentPlan((Fragment(1, ("x",), 1, 4, False),), period=2, overlap=0), "indexed 0..P-1 in order"),
+        (lambda: plan_fragments({"": (2,)}, 1, 1, 0), "tensor names must be non-empty"),
+        (lambda: plan_fragments({"w": (2, -3)}, 1, 1, 0), "'w' has a negative dimension in shape \\(2, -3\\)"),
+    ],
+)
+def test_malformed_fragments_and_shapes_are_refused(build, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        build()
