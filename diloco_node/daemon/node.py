@@ -161,7 +161,7 @@ class Node:
         auth = AuthContext(run_id, self.node_id, key)
         verifier = FrameVerifier(run_id, key)
         self.executor = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix=f"pool-{self.node_id}")
-        self.client = PeerClient(auth, verifier, executor=self.executor, connect_timeout_s=self.cfg.connect_timeout_s)
+        self.client = PeerClient(auth, verifier, executor=self.executor)
         self.server = PeerServer(auth, verifier, executor=self.executor)
         self._register_handlers()
         data_dir = Path(self.cfg.data_dir)
