@@ -228,7 +228,13 @@ class NormReference:
         return dict(self._values)
 
     def restore(self, values: Mapping[int, float]) -> None:
-        self._values = {int(k): float(v) for k, v in values.items()}
+        """Replace every value (all or nothing). A NaN, infinite or negative value is refused: it
+        would switch the outlier check off for good (NaN never leaves an EMA)."""
+        restored = {int(k): float(v) for k, v in values.items()}
+        for fragment, value in sorted(restored.items()):
+            if not (math.isfinite(value) and value >= 0.0):
+                raise ValueError(f"reference norm of fragment {fragment} = {value!r} must be finite and >= 0")
+        self._values = restored
 
 
 def _fmt(x: float) -> str:

@@ -317,6 +317,16 @@ def test_norm_reference_follows_round_medians_and_survives_snapshots() -> None:
     assert other.get(0) == 3.0 and other.get(1) is None
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_norm_reference_refuses_a_restored_value_that_would_disable_the_check(bad) -> None:
+    # a NaN reference turns every later EMA update into NaN: the outlier check would be off for good
+    ref = NormReference()
+    ref.restore({0: 2.0})
+    with pytest.raises(ValueError, match=f"reference norm of fragment 1 = {bad!r} must be finite and >= 0"):
+        ref.restore({0: 5.0, 1: bad})
+    assert ref.snapshot() == {0: 2.0}  # nothing changed
+
+
 def test_stale_contributions_are_rebased_before_merging() -> None:
     history = _history_with_rounds(5)
     current = history.version(5)
