@@ -34,6 +34,10 @@ MIN_CONTRIBUTIONS_FOR_ROUND_MEDIAN = 3
 # Smoothing of the running reference norm (see NormReference): a persistent change of scale is
 # followed within a few rounds, a single spike barely moves it.
 DEFAULT_NORM_REFERENCE_ALPHA = 0.3
+# ... but one round moves it by at most this factor up or down. Without the bound, a lone outlier
+# of 100x (rejected) pulled the reference 30% of the way up and the same outlier passed the next
+# round. With it, a persistent change of scale is still followed (100x within about 5 rounds).
+DEFAULT_NORM_REFERENCE_MAX_STEP = 2.0
 
 MERGE_METHODS = ("rda", "mean")
 WEIGHTINGS = ("tokens", "uniform")
@@ -204,13 +208,19 @@ class NormReference:
     Kept by the syncer and passed to `merge_contributions`; `snapshot`/`restore` let a new syncer
     after failover or a restart carry it on. Updated from the median of every well-formed
     contribution of a round, accepted or not, so a genuine change of scale is followed within a few
-    rounds instead of rejecting everyone forever (a liveness choice; see docs/MERGE.md).
+    rounds instead of rejecting everyone forever (a liveness choice; see docs/MERGE.md). One
+    update changes the reference by at most `max_step` times, so a rejected outlier cannot drag
+    it far enough to pass on its next try.
     """
 
-    def __init__(self, alpha: float = DEFAULT_NORM_REFERENCE_ALPHA) -> None:
+    def __init__(self, alpha: float = DEFAULT_NORM_REFERENCE_ALPHA,
+                 max_step: float = DEFAULT_NORM_REFERENCE_MAX_STEP) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha = {alpha} must be in (0, 1]")
+        if not (math.isfinite(max_step) and max_step > 1.0):
+            raise ValueError(f"max_step = {max_step} must be a finite number > 1")
         self.alpha = alpha
+        self.max_step = max_step
         self._values: dict[int, float] = {}
 
     def get(self, fragment: int) -> float | None:
@@ -220,7 +230,12 @@ class NormReference:
         if round_median_norm is None or not math.isfinite(round_median_norm):
             return self._values.get(fragment)
         old = self._values.get(fragment)
-        new = round_median_norm if old is None else old + self.alpha * (round_median_norm - old)
+        if old is None:
+            new = round_median_norm
+        else:
+            new = old + self.alpha * (round_median_norm - old)
+            if old > 0.0:  # a zero reference (all-zero deltas so far) has no scale to bound
+                new = min(max(new, old / self.max_step), old * self.max_step)
         self._values[fragment] = new
         return new
 

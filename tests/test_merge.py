@@ -305,6 +305,27 @@ def test_norm_outlier_with_one_contribution_uses_the_running_reference() -> None
     assert [learner for learner, _ in result.rejected] == ["solo"]
 
 
+def test_a_rejected_outlier_does_not_open_the_door_for_the_next_one() -> None:
+    """K = 1 rounds often have one contribution, so the running reference is the only check."""
+    diverged = _contribution("solo", scale=1.0)
+    n = _norm_of(diverged)
+    reference = NormReference()
+    reference.update(0, n / 100)  # the honest scale of this fragment
+    outcomes = []
+    for _ in range(8):  # the learner keeps sending deltas 100x the honest scale, alone in its rounds
+        result = _merge([diverged], reference_norm=reference.get(0))
+        reference.update(0, result.round_median_norm)
+        outcomes.append(result.rejected != ())
+    # one round can at most double the reference, so it takes several rounds of the same scale
+    # before it counts as the new normal (a liveness choice, docs/MERGE.md), never the next round
+    assert outcomes[:3] == [True, True, True] and not outcomes[-1]
+    assert reference.get(0) <= 2 ** 8 * n / 100
+
+
+def _norm_of(c: Contribution) -> float:
+    return math.sqrt(sum(float(np.sum(a.astype(np.float64) ** 2)) for a in c.delta.values()))
+
+
 def test_norm_reference_follows_round_medians_and_survives_snapshots() -> None:
     ref = NormReference(alpha=0.5)
     assert ref.get(0) is None
