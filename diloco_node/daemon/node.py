@@ -323,8 +323,8 @@ class Node:
             raise ConfigError(f"checkpoint applied through {applied} but the durable log ends at {last}; "
                               "the coordination directory does not belong to this checkpoint")
         self.replica.applied_index = applied
-        log.info("%s: resumed from checkpoint %s at index %d, digest %s", self.node_id,
-                 loaded.checkpoint.sequence, applied, digest[:12])
+        log.info("%s: resumed from checkpoint %s at index %d digest %s", self.node_id,
+                 loaded.checkpoint.sequence, applied, digest)
         return meta.get("learner") and snapshot_from_checkpoint(meta["learner"], arrays)
 
     def _start_coordination(self) -> None:
@@ -877,5 +877,6 @@ class Node:
             log.info("%s: %s", self.node_id, coordination.last_membership_reason or "left")
         await self._checkpoint()
         self.store.sync(self._persistent)
-        log.info("%s: stopped cleanly", self.node_id)
+        log.info("%s: stopped cleanly at index %d digest %s", self.node_id, self.replica.applied_index,
+                 self.replica.state.digest())
 

@@ -1,0 +1,167 @@
+"""Real `diloco-node run` processes on 127.0.0.1: commits, failover, restart, join, refusals.
+
+One 3-site run (a founds, b and c join) is shared by the tests of this module, which run in
+file order and build on each other's state: agreement, refusals that change nothing, a fourth
+site joining, SIGKILL of the coordinator and its restart from checkpoint, SIGTERM and restart.
+Every process is killed at teardown. Marked slow (about 3-4 minutes on two shared cores).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from diloco_node.daemon.local_cluster import Cluster, Site
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+STARTUP_S = 150.0  # several JAX processes compiling at once on two shared cores
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    c = Cluster.create(tmp_path_factory.mktemp("cluster"))
+    try:
+        a = c.add("a")
+        c.wait_for("a ready", lambda s: s.get("a", {}).get("ready", False), STARTUP_S)
+        c.add("b", bootstrap=a)
+        c.add("c", bootstrap=a)
+        yield c
+    finally:
+        c.close()
+
+
+def _voters(doc: dict) -> set[str]:
+    return {m["node_id"] for m in doc["members"] if m["voter"]}
+
+
+def _all_ready(names: set[str]):
+    return lambda s: names <= {n for n, d in s.items() if d.get("ready")}
+
+
+def _common_index(c: Cluster, names: set[str], timeout: float) -> int:
+    """Poll until one commit index has been reported by every site in `names`; return it."""
+    seen: dict[str, set[int]] = {n: set() for n in names}
+
+    def check(statuses: dict) -> bool:
+        for n in names:
+            if n in statuses and statuses[n].get("ready"):
+                seen[n].add(statuses[n]["commit_index"])
+        return bool(set.intersection(*seen.values()))
+
+    c.wait_for(f"one commit index reported by all of {sorted(names)}", check, timeout, interval=0.05)
+    return max(set.intersection(*seen.values()))
+
+
+def test_three_sites_commit_and_agree(cluster: Cluster) -> None:
+    statuses = cluster.wait_for("a, b, c ready and all voters", lambda s: _all_ready({"a", "b", "c"})(s)
+                                and all(_voters(d) == {"a", "b", "c"} for d in s.values()), STARTUP_S)
+    start = min(d["commit_index"] for d in statuses.values())
+    cluster.wait_for("10 more commits everywhere", lambda s: len(s) == 3 and
+                     min(d["commit_index"] for d in s.values()) >= start + 10, 60)
+    index = _common_index(cluster, {"a", "b", "c"}, 60)
+    assert len(cluster.history[index]) == 1, f"sites disagree at index {index}: {cluster.history[index]}"
+    assert cluster.conflicting_indices() == {}
+    # Contributions of all three learners have been merged in some round.
+    merged = "\n".join(site.log_text() for site in cluster.sites.values())
+    assert re.search(r"merged 3 of 3 contribution\(s\)", merged), "no round merged all three learners"
+
+
+def test_wrong_secret_is_refused_and_changes_nothing(cluster: Cluster, tmp_path: Path) -> None:
+    before = cluster.poll()
+    other_secret = tmp_path / "other-secret"
+    other_secret.write_bytes(b"x" * 48)
+    other_secret.chmod(0o600)
+    intruder = cluster.add("intruder", bootstrap=cluster.sites["a"], secret_file=other_secret)
+    code = intruder.wait(60)
+    assert code == 3, f"intruder exited with {code}"
+    text = intruder.log_text()
+    assert "refused with 409" in text or "refused with 401" in text, text[-2000:]
+    after = cluster.poll()
+    for node_id in ("a", "b", "c"):
+        assert "intruder" not in {m["node_id"] for m in after[node_id]["members"]}
+        assert _voters(after[node_id]) == _voters(before[node_id])
+    del cluster.sites["intruder"]
+
+
+def test_contradicting_manifest_is_refused_with_a_clear_error(cluster: Cluster) -> None:
+    odd = cluster.add("odd", bootstrap=cluster.sites["a"], extra=["--set", "run.sync.period=16"])
+    code = odd.wait(90)
+    assert code == 3, f"odd exited with {code}"
+    text = odd.log_text()
+    assert "contradict" in text and "sync.period: 16 != 8" in text, text[-2000:]
+    after = cluster.poll()
+    assert all("odd" not in {m["node_id"] for m in d["members"]} for d in after.values())
+    del cluster.sites["odd"]
+
+
+def test_fourth_site_joins_mid_run_and_is_merged(cluster: Cluster) -> None:
+    d = cluster.add("d", bootstrap=cluster.sites["b"])
+    cluster.wait_for("d ready and a voter everywhere", lambda s: _all_ready({"a", "b", "c", "d"})(s)
+                     and all("d" in _voters(doc) for doc in s.values()), STARTUP_S)
+    deadline = time.monotonic() + 60
+    pattern = re.compile(r"syncer: fragment \d+: .*merged \d+ of \d+ contribution\(s\).*\bd w=")
+    while time.monotonic() < deadline:
+        logs = "\n".join(site.log_text() for site in cluster.sites.values())
+        if pattern.search(logs):
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail("no merge included d's contribution within 60 s")
+    assert "downloading global state" in d.log_text() or "resumed" not in d.log_text()
+    index = _common_index(cluster, {"a", "d"}, 60)
+    assert len(cluster.history[index]) == 1
+    assert cluster.conflicting_indices() == {}
+
+
+def test_sigkill_coordinator_fails_over_and_restarts_from_checkpoint(cluster: Cluster) -> None:
+    statuses = cluster.poll()
+    leader = cluster.coordinator(statuses)
+    assert leader is not None, f"no single coordinator: {[d.get('coordinator') for d in statuses.values()]}"
+    before = max(d["commit_index"] for d in statuses.values())
+    victim: Site = cluster.sites[leader]
+    victim.kill()
+    killed_at = time.monotonic()
+    survivors = {n for n in cluster.sites if n != leader and cluster.sites[n].running}
+
+    def new_leader_commits(s: dict) -> bool:
+        live = [s[n] for n in survivors if n in s]
+        holders = {doc.get("coordinator") for doc in live}
+        return (len(live) == len(survivors) and len(holders) == 1 and leader not in holders and None not in holders
+                and min(doc["commit_index"] for doc in live) > before + 2)
+
+    cluster.wait_for("a new coordinator and commits past the old index", new_leader_commits, 60)
+    failover_s = time.monotonic() - killed_at
+    assert failover_s < 60
+    assert cluster.conflicting_indices() == {}
+    # The killed site restarts from its own checkpoint and catches up.
+    victim.start()
+    cluster.wait_for(f"{leader} back, ready and caught up", lambda s: leader in s and s[leader].get("ready")
+                     and s[leader]["commit_index"] >= before, STARTUP_S)
+    assert "resumed from checkpoint" in victim.log_text()
+    index = _common_index(cluster, {leader, *survivors}, 60)
+    assert len(cluster.history[index]) == 1
+    assert cluster.conflicting_indices() == {}
+
+
+def test_sigterm_then_restart_resumes_at_the_same_index_with_identical_state(cluster: Cluster) -> None:
+    statuses = cluster.poll()
+    leader = cluster.coordinator(statuses)
+    follower = next(n for n in sorted(statuses) if n != leader)
+    site = cluster.sites[follower]
+    site.signal(signal.SIGTERM)
+    assert site.wait(60) == 0, "SIGTERM must end the node with exit code 0"
+    stopped = re.findall(r"stopped cleanly at index (\d+) digest ([0-9a-f]+)", site.log_text())
+    assert stopped, site.log_text()[-2000:]
+    index, digest = int(stopped[-1][0]), stopped[-1][1]
+    site.start()
+    cluster.wait_for(f"{follower} ready again", lambda s: follower in s and s[follower].get("ready"), STARTUP_S)
+    resumed = re.findall(r"resumed from checkpoint \d+ at index (\d+) digest ([0-9a-f]+)", site.log_text())
+    assert resumed and (int(resumed[-1][0]), resumed[-1][1]) == (index, digest)
+    common = _common_index(cluster, set(cluster.poll()), 60)
+    assert len(cluster.history[common]) == 1
+    assert cluster.conflicting_indices() == {}

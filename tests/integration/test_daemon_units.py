@@ -1,0 +1,142 @@
+"""Fast checks of the daemon's pure pieces: wire mapping, durable log, replica apply rules, join refusal."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bootstrap import messages as coord
+from bootstrap.coordinator_node import PersistentState
+from bootstrap.entries import ClusterConfig, EntryKind, LogEntry
+from diloco_node.daemon import peers
+from diloco_node.daemon.replica import CommitPayload, Replica
+from diloco_node.daemon.replica_store import ReplicaStore
+from diloco_node.fragments import plan_fragments
+from diloco_node.run_config import OuterOptimizer
+from wire import messages as wire
+from wire.codecs import decode_named, encode_named
+from wire.errors import RemoteProtocolError
+
+
+def _entries() -> list[LogEntry]:
+    return [
+        LogEntry(1, 1, EntryKind.MEMBERSHIP, config=ClusterConfig.of(["a", "b"])),
+        LogEntry(2, 2, EntryKind.NOOP),
+        LogEntry(2, 3, EntryKind.OUTER_COMMIT, b"delta-bytes", fragment=1, round=4, digest="ab" * 32),
+    ]
+
+
+def test_append_entries_round_trip_through_the_wire_form() -> None:
+    message = coord.AppendEntries(2, "a", 0, 0, tuple(_entries()), 2, sent_at=12.5)
+    out = peers.to_wire(message, epoch=2, commit_index=2, last_index=3)
+    assert isinstance(out, wire.LogAppend)
+    field_map, payload = out.to_wire()
+    back = peers.append_from_wire(wire.LogAppend.from_wire(field_map, payload))
+    assert back.entries == message.entries
+    assert (back.epoch, back.leader_id, back.leader_commit) == (2, "a", 2)
+    ack = wire.LogAck(2, "b", 3, True)
+    response = peers.append_response_from_wire(ack, sent_at=12.5)
+    assert (response.match_index, response.sent_at, response.success) == (3, 12.5, True)
+
+
+def test_unknown_entry_kind_from_a_peer_is_its_error() -> None:
+    bad = wire.LogEntry(index=1, epoch=1, kind="bogus", metadata={}, payload=b"")
+    with pytest.raises(RemoteProtocolError, match="unknown kind 'bogus'"):
+        peers.entry_from_wire(bad)
+
+
+def test_membership_entry_without_voters_is_refused() -> None:
+    bad = wire.LogEntry(index=1, epoch=1, kind="membership", metadata={"fragment": None}, payload=b"")
+    with pytest.raises(RemoteProtocolError, match="without a voter list"):
+        peers.entry_from_wire(bad)
+
+
+def test_leave_and_probe_mapping() -> None:
+    left = coord.MemberRecord("a", "http://x:1", coord.MemberRole.LEARNER, 3, coord.MemberState.LEFT)
+    assert isinstance(peers.to_wire(coord.Ping(1, "a", (left,)), epoch=1, commit_index=0, last_index=0), wire.Leave)
+    beat = peers.to_wire(coord.Ping(7, "a", ()), epoch=4, commit_index=9, last_index=9)
+    assert isinstance(beat, wire.Heartbeat) and beat.seq == 7 and beat.leader == "a"
+    assert peers.to_wire(coord.PingRequest(1, "a", "b", ()), epoch=1, commit_index=0, last_index=0) is None
+
+
+def test_revived_record_raises_the_incarnation_only_when_needed() -> None:
+    dead = coord.MemberRecord("b", "http://b:1", coord.MemberRole.LEARNER, 4, coord.MemberState.DEAD)
+    revived = peers.revived_record(dead, "b", "http://b:1", coord.MemberRole.LEARNER)
+    assert revived is not None and revived.incarnation == 5 and revived.state is coord.MemberState.ALIVE
+    assert revived.supersedes(dead)
+    alive = coord.MemberRecord("b", "http://b:1", coord.MemberRole.LEARNER, 4, coord.MemberState.ALIVE)
+    assert peers.revived_record(alive, "b", "http://b:1", coord.MemberRole.LEARNER) is None
+
+
+def test_replica_store_survives_restart_truncation_and_a_torn_tail(tmp_path) -> None:
+    store = ReplicaStore(tmp_path)
+    state = PersistentState.founding(["a"])
+    state.election.current_epoch = 2
+    state.election.voted_for = "a"
+    state.log.entries.extend(_entries()[1:])
+    store.sync(state)
+    store.close()
+    loaded = ReplicaStore(tmp_path).load_persistent()
+    assert loaded.log.entries == state.log.entries
+    assert (loaded.election.current_epoch, loaded.election.voted_for) == (2, "a")
+    # A new leader replaced index 3 with a different entry of epoch 3: the file is rewritten.
+    store2 = ReplicaStore(tmp_path)
+    state2 = store2.load_persistent()
+    state2.log.entries[2:] = [LogEntry(3, 3, EntryKind.NOOP)]
+    store2.sync(state2)
+    store2.close()
+    assert ReplicaStore(tmp_path).load_persistent().log.entries[2] == LogEntry(3, 3, EntryKind.NOOP)
+    # A crash mid-append leaves a torn record: it is dropped, the rest survives.
+    with open(tmp_path / "log.bin", "ab") as handle:
+        handle.write(b"\x10\x00\x00\x00garbage")
+    reloaded = ReplicaStore(tmp_path).load_persistent()
+    assert [e.index for e in reloaded.log.entries] == [1, 2, 3]
+
+
+def _replica() -> Replica:
+    rng = np.random.default_rng(0)
+    initial = {"w": rng.normal(size=(4, 4)).astype(np.float32), "b": rng.normal(size=(4,)).astype(np.float32)}
+    plan = plan_fragments({n: a.shape for n, a in initial.items()}, 2, 4, 1)
+    return Replica(plan, initial, OuterOptimizer())
+
+
+def _commit(replica: Replica, index: int, p: int, round_: int, digest: str | None = None) -> LogEntry:
+    names = replica.plan.fragments[p].names
+    encoded = encode_named({n: np.full(replica.state.fragment_params(p)[n].shape, 0.01, np.float32) for n in names},
+                           "int8")
+    if digest is None:
+        digest = replica.digest_after(p, decode_named(encoded))
+    payload = CommitPayload(encoded, ("a",), (1.0,)).encode()
+    return LogEntry(1, index, EntryKind.OUTER_COMMIT, payload, fragment=p, round=round_, digest=digest)
+
+
+def test_replicas_applying_the_same_entries_agree_and_skip_rounds_they_have() -> None:
+    leader, follower = _replica(), _replica()
+    entry = _commit(leader, 1, 0, 1)
+    assert leader.apply(entry).applied and follower.apply(entry).applied
+    assert leader.state.digest() == follower.state.digest()
+    # A joiner that downloaded the fragment already at round 1 skips the entry, with a reason.
+    joiner = _replica()
+    joiner.install_fragment_bytes(0, leader.fragment_bytes(0)[1])
+    outcome = joiner.apply(entry)
+    assert not outcome.applied and "already in the state" in outcome.reason
+    assert joiner.state.fragment_digest(0) == leader.state.fragment_digest(0)
+
+
+def test_digest_mismatch_and_round_gap_mark_the_fragment_for_repair() -> None:
+    replica = _replica()
+    outcome = replica.apply(_commit(replica, 1, 1, 1, digest="00" * 32))
+    assert outcome.diverged and "refetching" in outcome.reason and 1 in replica.diverged
+    other = _replica()
+    gap = other.apply(_commit(other, 1, 0, 3))
+    assert gap.diverged and "round 3 but state is at 0" in gap.reason
+
+
+def test_fragment_bytes_from_a_peer_are_checked_before_install() -> None:
+    replica = _replica()
+    with pytest.raises(RemoteProtocolError, match="malformed"):
+        replica.install_fragment_bytes(0, b"\x01\x02")
+    before = replica.state.digest()
+    with pytest.raises(RemoteProtocolError):
+        replica.install_fragment_bytes(1, replica.fragment_bytes(0)[1])  # fragment 0's bytes as fragment 1
+    assert replica.state.digest() == before
