@@ -10,6 +10,9 @@ Then it streams one large contribution (default 256 MiB) through the decoder in 
 reports MB/s and how much the peak RSS grew (the bounded-memory promise).
 
     .venv/bin/python benchmarks/wire_fuzz.py --examples 100000
+
+The hypothesis properties themselves scale with an environment variable:
+    WIRE_FUZZ_EXAMPLES=100000 .venv/bin/python -m pytest tests/test_wire_frames.py -k "total or equal or flipped"
 """
 
 from __future__ import annotations
@@ -292,7 +295,8 @@ def fuzz(examples: int, seed: int) -> int:
             if bugs >= 5:
                 break
     elapsed = time.perf_counter() - started
-    print(f"fuzzed {i + 1} examples in {elapsed:.1f} s ({(i + 1) / elapsed:,.0f}/s), seed {seed}, bugs: {bugs}")
+    print(f"fuzzed {i + 1} examples in {elapsed:.1f} s ({(i + 1) / elapsed:,.0f}/s), seed {seed}, bugs: {bugs}, "
+          f"peak RSS {max_rss_mb():.0f} MiB")
     for key in sorted(counts):
         print(f"  {key:<36} {counts[key]:>8}")
     return bugs
