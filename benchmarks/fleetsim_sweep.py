@@ -22,22 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from diloco_node.fleetsim import (  # noqa: E402
     DEFAULT_FLEET_SIZES,
+    PAPER_ELASTIC_GOODPUT as ELASTIC_TARGETS,
     FleetParams,
     format_table,
+    paper_goodput,
     run_sweep,
     simulate_fleet,
 )
 
-# The paper's figures (Decoupled DiLoCo, arXiv 2604.21428), as percentages.
-ELASTIC_TARGETS = dict(zip(DEFAULT_FLEET_SIZES, (88.0, 82.0, 70.0, 58.0, 40.0), strict=True))
-AT_1_2M_TARGETS = {
-    "dp": 27.0,
-    "elastic_dp": 58.0,
-    "decoupled M=2": 70.0,
-    "decoupled M=4": 82.0,
-    "decoupled M=8": 88.0,
-    "decoupled M=16": 93.0,
-}
 TOLERANCE_POINTS = 5.0
 
 
@@ -45,11 +37,7 @@ def compare_with_paper(results) -> list[str]:
     lines = ["measured vs paper (goodput %, tolerance 5 points)"]
     for r in results:
         name = r.strategy if r.strategy != "decoupled" else f"decoupled M={r.learners}"
-        target = None
-        if r.fleet_size == 1_200_000 and name in AT_1_2M_TARGETS:
-            target = AT_1_2M_TARGETS[name]
-        elif r.strategy == "elastic_dp":
-            target = ELASTIC_TARGETS.get(r.fleet_size)
+        target = paper_goodput(r)
         if target is None:
             continue
         got = 100 * r.goodput

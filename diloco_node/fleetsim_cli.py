@@ -17,10 +17,6 @@ from pathlib import Path
 from diloco_node import fleetsim
 from diloco_node.fleetsim import FleetParams, FleetResult
 
-# The paper's reported goodput (percent) drawn as reference marks on the plot.
-PAPER_ELASTIC = dict(zip(fleetsim.DEFAULT_FLEET_SIZES, (88, 82, 70, 58, 40), strict=True))
-PAPER_AT_1_2M = {"dp": 27, "decoupled M=2": 70, "decoupled M=4": 82, "decoupled M=8": 88, "decoupled M=16": 93}
-
 
 def add_arguments(parser: argparse.ArgumentParser, name: str = "simulate") -> None:
     d = FleetParams()
@@ -147,13 +143,7 @@ def write_plot(results: Sequence[FleetResult], path: Path, params: FleetParams) 
         xs = [r.fleet_size for r in rows]
         (line,) = ax_good.plot(xs, [100 * r.goodput for r in rows], marker="o", label=name)
         ax_up.plot(xs, [100 * r.uptime for r in rows], marker="o", color=line.get_color(), label=name)
-        base = name.split(" K=")[0]
-        if base == "elastic_dp":
-            marks = [(n, v) for n, v in PAPER_ELASTIC.items() if n in xs]
-        elif base in PAPER_AT_1_2M and 1_200_000 in xs:
-            marks = [(1_200_000, PAPER_AT_1_2M[base])]
-        else:
-            marks = []
+        marks = [(r.fleet_size, paper) for r in rows if (paper := fleetsim.paper_goodput(r)) is not None]
         if marks:
             ax_good.scatter([n for n, _ in marks], [v for _, v in marks], marker="x", s=70,
                             color=line.get_color(), zorder=5)

@@ -279,3 +279,12 @@ def test_simulate_and_bandwidth_do_not_import_jax(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_paper_goodput_points_are_where_the_paper_reports_them():
+    def at(strategy, chips, m=1):
+        return fleetsim.paper_goodput(simulate_fleet(strategy, chips, replace(QUICK, expected_failures=50), learners=m))
+
+    assert [at("elastic_dp", n) for n in fleetsim.DEFAULT_FLEET_SIZES] == [88.0, 82.0, 70.0, 58.0, 40.0]
+    assert (at("dp", 1_200_000), at("decoupled", 1_200_000, 8), at("decoupled", 1_200_000, 16)) == (27.0, 88.0, 93.0)
+    assert at("dp", 600_000) is None and at("decoupled", 1_200_000, 3) is None
