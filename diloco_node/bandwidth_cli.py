@@ -99,9 +99,13 @@ def run(args: argparse.Namespace) -> int:
         json.dump(payload, sys.stdout, indent=1)
         print()
     elif args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(payload, fh, indent=1)
-            fh.write("\n")
+        try:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump(payload, fh, indent=1)
+                fh.write("\n")
+        except OSError as exc:
+            print(f"diloco-node bandwidth: error: cannot write {args.json}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
         print(f"wrote {args.json}", file=text_out)
     return 0
 

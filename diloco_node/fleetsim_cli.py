@@ -116,11 +116,17 @@ def run(args: argparse.Namespace) -> int:
     if args.json == "-":
         json.dump(report, sys.stdout, indent=1)
         print()
-    else:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote {args.json}", file=text_out)
-    if args.plot.lower() != "none":
-        print(write_plot(results, Path(args.plot), params), file=text_out)
+    target = args.json
+    try:  # the table is already out; an unwritable path is the user's to fix, not a traceback
+        if args.json != "-":
+            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+            print(f"wrote {args.json}", file=text_out)
+        if args.plot.lower() != "none":
+            target = args.plot
+            print(write_plot(results, Path(args.plot), params), file=text_out)
+    except OSError as exc:
+        print(f"diloco-node simulate: error: cannot write {target}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     return 0
 
 

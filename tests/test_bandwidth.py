@@ -108,3 +108,10 @@ def test_cli_unparseable_number_exits_2(capsys):
         cli.main(["bandwidth", "--params", "lots", "--step-time", "1"])
     assert exc.value.code == 2
     assert "not a number" in capsys.readouterr().err
+
+
+def test_cli_unwritable_json_is_a_clear_error_not_a_traceback(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert cli.main(["bandwidth", "--paper", "--json", str(blocker / "out.json")]) == 1
+    assert f"diloco-node bandwidth: error: cannot write {blocker / 'out.json'}" in capsys.readouterr().err

@@ -288,3 +288,14 @@ def test_paper_goodput_points_are_where_the_paper_reports_them():
     assert [at("elastic_dp", n) for n in fleetsim.DEFAULT_FLEET_SIZES] == [88.0, 82.0, 70.0, 58.0, 40.0]
     assert (at("dp", 1_200_000), at("decoupled", 1_200_000, 8), at("decoupled", 1_200_000, 16)) == (27.0, 88.0, 93.0)
     assert at("dp", 600_000) is None and at("decoupled", 1_200_000, 3) is None
+
+
+@pytest.mark.parametrize("target", ["--json", "--plot"])
+def test_cli_unwritable_output_is_a_clear_error_not_a_traceback(tmp_path, capsys, target):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    args = ["simulate", "--chips", "20000", "--learners", "2", "--expected-failures", "100",
+            "--json", str(tmp_path / "g.json"), "--plot", "none"]
+    args[args.index(target) + 1] = str(blocker / "out")  # a path below a regular file
+    assert cli.main(args) == 1
+    assert f"diloco-node simulate: error: cannot write {blocker / 'out'}" in capsys.readouterr().err
