@@ -355,8 +355,7 @@ class LinkEmulator:
         # A partition or stall at accept time: hold the client without dialling upstream.
         while self._blackhole or self._stalled:
             if self._blackhole:
-                conn.swallowing = True
-                await self._swallow_until_healed(conn.client_reader)
+                await self._swallow_until_healed(conn)
             else:
                 await self._changed.wait()
         async with asyncio.timeout(UPSTREAM_CONNECT_TIMEOUT_S):
@@ -366,7 +365,9 @@ class LinkEmulator:
             tg.create_task(self._pump(conn, Direction.UP, conn.client_reader, up_writer))
             tg.create_task(self._pump(conn, Direction.DOWN, up_reader, conn.client_writer))
 
-    async def _swallow_until_healed(self, reader: asyncio.StreamReader) -> None:
+    async def _swallow_until_healed(self, conn: _Connection) -> None:
+        """Read and drop the client's bytes until heal (a connection that lost none may go on)."""
+        reader = conn.client_reader
         while self._blackhole:
             changed = asyncio.ensure_future(self._changed.wait())
             read = asyncio.ensure_future(reader.read(self.read_chunk_bytes))
@@ -380,6 +381,7 @@ class LinkEmulator:
                 data = read.result()
                 if not data:
                     raise ConnectionResetError("client closed during blackhole")
+                conn.swallowing = True
                 self.stats.bytes_swallowed += len(data)
 
     async def _pump(

@@ -328,6 +328,9 @@ async def test_oversize_by_content_length_is_refused_before_reading() -> None:
         with pytest.raises(PeerRefused) as refused:
             await client.send_stream(url, _contribution_head(), b"\1" * (4 * MiB))
         assert refused.value.status == 413
+        # The client asked first (Expect: 100-continue), so not one body byte was sent.
+        assert server.counters.peer("a").bytes_received == 0
+        assert client.counters.peer(url.removeprefix("http://")).bytes_sent == 0
         # A chunked body has no Content-Length: the frame header's declared size is refused (413)
         # before its payload is read.
         head = encode_frame_head(_contribution_head(), _auth("a"), now_unix=time.time(), nonce=os.urandom(16),

@@ -259,7 +259,10 @@ class PeerClient:
                     # Every chunk aiohttp takes proves the previous one drained: push the stall
                     # guard forward. A peer that stops reading trips it after `stall_s`.
                     data = _counted(body, traffic, lambda: stall.reschedule(loop.time() + stall_s))
-                async with self._session.post(url, data=data, headers=headers) as response:
+                # Big bodies ask first (Expect: 100-continue): a refusal decidable from the headers
+                # (413, 429, 404) then costs no body bytes and cannot race our upload.
+                async with self._session.post(url, data=data, headers=headers,
+                                              expect100=length > INLINE_BODY_MAX_BYTES) as response:
                     stall.reschedule(None)  # from here on sock_read bounds each read
                     if response.status != 200:
                         reason = (await response.content.read(MAX_REFUSAL_BODY_BYTES)).decode("utf-8", "replace")

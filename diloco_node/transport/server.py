@@ -71,6 +71,10 @@ DECODE_BATCH_BYTES = 1 * MiB
 INLINE_ENCODE_MAX_BYTES = 64 * KiB
 # Reply bodies above this are written in slices of this size (each awaits the socket draining).
 STREAMED_REPLY_MIN_BYTES = 256 * KiB
+# After refusing a request whose body is still coming, read and drop at most this much of it (or
+# for at most this long) so the answer reaches the client before the connection closes under it.
+REFUSAL_DRAIN_BYTES = 8 * MiB
+REFUSAL_DRAIN_S = 1.0
 # Refusal reasons are sent back as text; a peer should not be able to make us echo megabytes.
 MAX_REASON_CHARS = 512
 
@@ -110,11 +114,16 @@ class ServerOptions:
     min_body_limit_bytes: int = MIN_BODY_LIMIT_BYTES
     inline_decode_max_bytes: int = INLINE_DECODE_MAX_BYTES
     decode_batch_bytes: int = DECODE_BATCH_BYTES
+    refusal_drain_bytes: int = REFUSAL_DRAIN_BYTES
+    refusal_drain_s: float = REFUSAL_DRAIN_S
 
     def __post_init__(self) -> None:
         for spec in dataclasses.fields(self):
             value = getattr(self, spec.name)
-            if type(value) is not int or value <= 0:
+            if spec.name == "refusal_drain_s":
+                if not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                    raise ValueError(f"ServerOptions.refusal_drain_s must be >= 0 seconds, got {value!r}")
+            elif type(value) is not int or value <= 0:
                 raise ValueError(f"ServerOptions.{spec.name} must be a positive int, got {value!r}")
 
 
@@ -161,7 +170,7 @@ class PeerServer:
     def install(self, app: web.Application) -> None:
         """Add the peer routes to `app` (the composition root owns the app and its AppRunner)."""
         app[PEER_SERVER] = self
-        app.router.add_post(ROUTE_PREFIX + "{kind}", self._handle)
+        app.router.add_post(ROUTE_PREFIX + "{kind}", self._handle, expect_handler=self._expect)
 
     @property
     def active_streams(self) -> dict[str, int]:
@@ -175,32 +184,53 @@ class PeerServer:
 
     # ---- one request ------------------------------------------------------------------------
 
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
+    def _claimed_sender(self, request: web.Request) -> tuple[str | None, str]:
+        """The sender the header claims (if well-formed) and the key its streams are counted under."""
         claimed = request.headers.get(SENDER_HEADER)
         if claimed is not None and not NODE_ID_PATTERN.fullmatch(claimed):
             claimed = None
-        peer_key = claimed or request.remote or "unknown"
-        self.counters.peer(peer_key).requests_received += 1
+        return claimed, claimed or request.remote or "unknown"
+
+    def _precheck(self, request: web.Request, peer_key: str) -> tuple[int, str] | MessageKind:
+        """Everything decidable from the request line and headers: the route's kind, or a refusal."""
         name = request.match_info["kind"]
         kind = kind_from_name(name)
         if kind is None or (kind not in self._handlers and kind not in self._sinks):
-            return await self._refuse(request, peer_key, 404, f"no handler for {name[:64]!r} on this node")
+            return 404, f"no handler for {name[:64]!r} on this node"
         encoding = request.headers.get("Content-Encoding", "identity").lower()
         if encoding != "identity":
             # aiohttp would inflate it: a decompression bomb past our byte counts.
-            return await self._refuse(request, peer_key, 415,
-                                      f"Content-Encoding {encoding[:32]!r} is not accepted; send frames as-is")
+            return 415, f"Content-Encoding {encoding[:32]!r} is not accepted; send frames as-is"
         limit = self.body_limit(kind)
         if request.content_length is not None and request.content_length > limit:
-            return await self._refuse(request, peer_key, 413,
-                                      f"{kind.name} body of {request.content_length} bytes exceeds "
-                                      f"the limit of {limit}")
+            return 413, f"{kind.name} body of {request.content_length} bytes exceeds the limit of {limit}"
         per_peer = self.limits.max_concurrent_streams_per_peer
         if self._streams.get(peer_key, 0) >= per_peer:
-            return await self._refuse(request, peer_key, 429, f"{peer_key} already has {per_peer} streams open")
+            return 429, f"{peer_key} already has {per_peer} streams open"
         if self._streams_total >= self.options.max_concurrent_streams:
-            return await self._refuse(request, peer_key, 429,
-                                      f"this node already has {self._streams_total} streams open")
+            return 429, f"this node already has {self._streams_total} streams open"
+        return kind
+
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """`Expect: 100-continue` (big uploads): refuse before the client sends any body byte."""
+        claimed, peer_key = self._claimed_sender(request)
+        verdict = self._precheck(request, peer_key)
+        if not isinstance(verdict, MessageKind):
+            self.counters.peer(peer_key).requests_received += 1  # _handle never runs for it
+            return await self._refuse(request, peer_key, *verdict)
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            return await self._refuse(request, peer_key, 417, "only 'Expect: 100-continue' is understood")
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return None
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        claimed, peer_key = self._claimed_sender(request)
+        self.counters.peer(peer_key).requests_received += 1
+        verdict = self._precheck(request, peer_key)
+        if not isinstance(verdict, MessageKind):
+            return await self._refuse(request, peer_key, *verdict)
+        kind = verdict
+        limit = self.body_limit(kind)
         self._streams[peer_key] = self._streams.get(peer_key, 0) + 1
         self._streams_total += 1
         try:
@@ -234,12 +264,27 @@ class PeerServer:
         self.counters.refused(peer_key, f"{status} {reason}")
         response = web.Response(status=status, text=reason)
         response.force_close()
-        # The body may be unread. Left alone, aiohttp would keep reading ("lingering") up to 10 s of
-        # it; send the answer now and close the connection (buffered bytes are flushed first).
         await response.prepare(request)
         await response.write_eof()
+        # The body may be partly unread. Closing at once would make the client's kernel see a
+        # reset while it is still sending, which can destroy our answer before it is read; aiohttp's
+        # own "lingering" reads up to 10 s of it. Discard a bounded amount, then close.
+        await self._discard_body(request)
         request.protocol.force_close()
         return response
+
+    async def _discard_body(self, request: web.Request) -> None:
+        content = request.content
+        left = self.options.refusal_drain_bytes
+        try:
+            async with asyncio.timeout(self.options.refusal_drain_s):
+                while left > 0 and not content.is_eof():
+                    chunk = await content.readany()
+                    if not chunk:
+                        return
+                    left -= len(chunk)
+        except (TimeoutError, OSError, aiohttp.ClientError, http_exceptions.HttpProcessingError):
+            pass  # done waiting: the connection is closed next either way
 
     async def _consume(self, request: web.Request, kind: MessageKind, claimed: str | None, limit: int,
                        peer_key: str) -> list[Message]:
