@@ -225,7 +225,10 @@ class CoordinatorNode:
             if response is not None:
                 actions.append(Send(message.candidate_id, response))
         elif isinstance(message, VoteResponse):
-            if self.election.handle_vote_response(message, now, self.log.config):
+            became_leader, requests = self.election.handle_vote_response(
+                message, now, self.log.config, self.log.last_log)
+            actions += self._ask_voters(requests)
+            if became_leader:
                 actions += self._on_elected(now)
         elif isinstance(message, AppendEntries):
             actions += self._on_append(message, now)
@@ -292,11 +295,9 @@ class CoordinatorNode:
                 actions += self._replicate_to_all(now)
             if self.role is Role.LEADER and self.options.manage_membership:
                 actions += self._manage_membership(now)
-        elif not self.leaving:  # a leaving node never takes the lease
+        else:  # a leaving voter may still lead: it may be needed to commit its own removal
             requests = self.election.campaign_if_due(now, self.log.config, self.log.last_log)
-            for voter in self.log.config.sorted_voters():
-                if voter != self.node_id:
-                    actions += [Send(voter, request) for request in requests]
+            actions += self._ask_voters(requests)
             if self.role is Role.LEADER:  # a configuration of one elects itself at once
                 actions += self._on_elected(now)
         actions += self._drain_applies()
@@ -304,6 +305,10 @@ class CoordinatorNode:
         return actions
 
     # ------------------------------------------------------------ leader internals
+
+    def _ask_voters(self, requests: list[VoteRequest]) -> list[Action]:
+        voters = [v for v in self.log.config.sorted_voters() if v != self.node_id]
+        return [Send(voter, request) for request in requests for voter in voters]
 
     def _replication_targets(self) -> list[str]:
         """Voters plus live members catching up before they are added as voters."""

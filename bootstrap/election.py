@@ -166,6 +166,7 @@ class Election:
         self.heard_leader_at: float | None = now
         self.election_deadline = now + timing.lease_s + self._jitter()
         self.votes: set[str] = set()
+        self.pre_votes: set[str] | None = None  # set while a pre-vote round is open
         self.won_at: float | None = None
         self.renewal_sent_at: dict[str, float] = {}
         self.lease_until: float | None = None
@@ -201,7 +202,11 @@ class Election:
     def handle_vote_request(
         self, request: VoteRequest, now: float, our_last_log: tuple[int, int]
     ) -> VoteResponse | None:
-        """Decide a vote. Returns None when refused for a live lease (silence: no epoch leak)."""
+        """Decide a vote (or pre-vote). None when refused for a live lease (silence: no epoch leak).
+
+        A pre-vote answers "would you vote for me in this epoch?" with the same rules and
+        changes nothing here, so a node cut off for a while cannot raise everyone's epoch.
+        """
         heard_at = now if self.role is Role.LEADER else self.heard_leader_at
         decision = decide_vote(
             request,
@@ -213,7 +218,13 @@ class Election:
             now=now,
             lease_s=self.timing.lease_s,
         )
-        self.last_vote_reason = f"vote for {request.candidate_id} epoch {request.epoch}: {decision.reason}"
+        kind = "pre-vote" if request.pre_vote else "vote"
+        self.last_vote_reason = f"{kind} for {request.candidate_id} epoch {request.epoch}: {decision.reason}"
+        if request.pre_vote:
+            if decision.silent:
+                return None
+            epoch = request.epoch if decision.granted else self.state.current_epoch
+            return VoteResponse(epoch, self.node_id, decision.granted, decision.reason, pre_vote=True)
         if decision.adopt_epoch:
             self.observe_epoch(request.epoch, now, request.candidate_id)
         if decision.granted:
@@ -225,7 +236,7 @@ class Election:
         return VoteResponse(self.state.current_epoch, self.node_id, decision.granted, decision.reason)
 
     def campaign_if_due(self, now: float, config: ClusterConfig, last_log: tuple[int, int]) -> list[VoteRequest]:
-        """Start an election (epoch + 1, vote for self) when our wait is over; else nothing."""
+        """When our wait is over, open a pre-vote round for epoch + 1; else nothing."""
         if self.role is Role.LEADER or now < self.election_deadline:
             return []
         if self.node_id not in config.voters:
@@ -234,6 +245,18 @@ class Election:
         if self.heard_leader_at is not None and now - self.heard_leader_at < self.timing.lease_s:
             self.election_deadline = self.heard_leader_at + self.timing.lease_s + self._jitter()
             return []
+        if self.role is Role.CANDIDATE:
+            self.role = Role.FOLLOWER  # the round failed: start over from a pre-vote
+        self.pre_votes = {self.node_id}
+        self.election_deadline = now + self.timing.candidate_timeout_s + self._jitter()
+        if config.is_majority(self.pre_votes):
+            return self._campaign(now, config, last_log)
+        self.last_vote_reason = f"pre-vote for epoch {self.state.current_epoch + 1}"
+        return [VoteRequest(self.state.current_epoch + 1, self.node_id, last_log[0], last_log[1], pre_vote=True)]
+
+    def _campaign(self, now: float, config: ClusterConfig, last_log: tuple[int, int]) -> list[VoteRequest]:
+        """Start a real election: epoch + 1, vote for ourselves, ask the others."""
+        self.pre_votes = None
         self.role = Role.CANDIDATE
         self.leader_id = None
         self.state.current_epoch += 1
@@ -246,17 +269,30 @@ class Election:
             return []
         return [VoteRequest(self.state.current_epoch, self.node_id, last_log[0], last_log[1])]
 
-    def handle_vote_response(self, response: VoteResponse, now: float, config: ClusterConfig) -> bool:
-        """Count a vote; True when it just made us the leader."""
+    def handle_vote_response(
+        self, response: VoteResponse, now: float, config: ClusterConfig, last_log: tuple[int, int]
+    ) -> tuple[bool, list[VoteRequest]]:
+        """Count a (pre-)vote. Returns (just became leader, vote requests to send now)."""
+        if response.pre_vote and response.granted:
+            # A granted pre-vote carries the hypothetical epoch, never adopted.
+            if self.pre_votes is None or response.epoch != self.state.current_epoch + 1:
+                return False, []
+            self.pre_votes.add(response.voter_id)
+            if not config.is_majority(self.pre_votes):
+                return False, []
+            requests = self._campaign(now, config, last_log)
+            return self.role is Role.LEADER, requests
         if self.observe_epoch(response.epoch, now, response.voter_id):
-            return False
-        if self.role is not Role.CANDIDATE or response.epoch != self.state.current_epoch or not response.granted:
-            return False
+            return False, []
+        if response.pre_vote or self.role is not Role.CANDIDATE or response.epoch != self.state.current_epoch:
+            return False, []
+        if not response.granted:
+            return False, []
         self.votes.add(response.voter_id)
         if config.is_majority(self.votes):
             self._become_leader(now)
-            return True
-        return False
+            return True, []
+        return False, []
 
     def _become_leader(self, now: float) -> None:
         self.role = Role.LEADER
@@ -276,6 +312,7 @@ class Election:
             raise LocalProtocolError(f"{leader_id} claims epoch {epoch}, which we lead")
         if self.role is Role.CANDIDATE:
             self._step_down(now, f"{leader_id} won epoch {epoch}")
+        self.pre_votes = None
         self.leader_id = leader_id
         self.heard_leader_at = now
         self.election_deadline = now + self.timing.lease_s + self._jitter()
@@ -323,6 +360,7 @@ class Election:
         self.role = Role.FOLLOWER
         self.leader_id = None
         self.votes = set()
+        self.pre_votes = None
         self.lease_until = None
         self.won_at = None
         self.last_step_down_reason = reason

@@ -38,6 +38,7 @@ class VoteRequest:
     candidate_id: str
     last_log_epoch: int
     last_log_index: int
+    pre_vote: bool = False  # "would you vote for me?": answered without changing any state
 
     def __post_init__(self) -> None:
         _check_epoch(self.epoch)
@@ -52,6 +53,7 @@ class VoteResponse:
     voter_id: str
     granted: bool
     reason: str
+    pre_vote: bool = False
 
     def __post_init__(self) -> None:
         _check_epoch(self.epoch)

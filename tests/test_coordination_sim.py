@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from bootstrap.election import LeaseTiming
 from bootstrap.entries import EntryKind, LogEntry
 from bootstrap.simulation import InvariantChecker, SimConfig, Simulation, run_seed
 from bootstrap.simulation.broken import BROKEN_VARIANTS
@@ -92,3 +93,15 @@ def test_checker_reports_an_entry_accepted_from_a_stale_epoch():
     checker = InvariantChecker()
     checker.on_append_accepted(1.0, "a", message_epoch=3, epoch_before=4)
     assert checker.violations == ["t=1.000s a accepted entries stamped epoch 3 after seeing epoch 4"]
+
+
+@pytest.mark.slow
+def test_lease_without_drift_allowance_is_caught_when_clocks_drift_a_lot():
+    """With a 20 % drift bound, a holder that keeps the full lease outlives a follower's promise."""
+    config = SimConfig(chaos_s=12.0, warmup_s=4.0, lease=LeaseTiming(max_drift_rate=0.2))
+    for seed in range(300):
+        result = run_seed(seed, config, BROKEN_VARIANTS["lease_ignoring_drift"])
+        if any("active lease holders at once" in v for v in result.violations):
+            assert all(not run_seed(s, config).violations for s in range(seed - 3, seed + 1))
+            return
+    pytest.fail("the drift-blind lease survived 300 seeds at a 20 % drift bound")

@@ -89,12 +89,25 @@ def make(node_id="a", now=0.0):
     return Election(node_id, ElectionState(current_epoch=1), TIMING, random.Random(1), now)
 
 
-def test_no_campaign_within_lease_after_start_then_campaign():
+def test_no_campaign_within_lease_after_start_then_pre_vote_then_campaign():
     election = make()
     assert election.campaign_if_due(1.0, CONFIG, (1, 1)) == []
     requests = election.campaign_if_due(10.0, CONFIG, (1, 1))
-    assert requests == [VoteRequest(2, "a", 1, 1)]
-    assert election.role is Role.CANDIDATE and election.state.voted_for == "a"
+    assert requests == [VoteRequest(2, "a", 1, 1, pre_vote=True)]
+    assert election.role is Role.FOLLOWER and election.epoch == 1  # a pre-vote changes nothing yet
+    became, requests = election.handle_vote_response(VoteResponse(2, "b", True, "ok", pre_vote=True), 10.01, CONFIG, (1, 1))
+    assert not became and requests == [VoteRequest(2, "a", 1, 1)]
+    assert election.role is Role.CANDIDATE and election.state.voted_for == "a" and election.epoch == 2
+
+
+def test_pre_vote_changes_no_state_on_the_voter():
+    voter = make("b")
+    response = voter.handle_vote_request(VoteRequest(7, "a", 1, 1, pre_vote=True), 10.0, (1, 1))
+    assert response == VoteResponse(7, "b", True, "granted to a for epoch 7", pre_vote=True)
+    assert voter.epoch == 1 and voter.state.voted_for is None
+    assert voter.last_vote_reason == "pre-vote for a epoch 7: granted to a for epoch 7"
+    refused = voter.handle_vote_request(VoteRequest(7, "a", 0, 0, pre_vote=True), 10.0, (1, 1))
+    assert refused is not None and not refused.granted and refused.epoch == 1
 
 
 def test_non_voter_never_campaigns():
@@ -105,7 +118,9 @@ def test_non_voter_never_campaigns():
 
 def win(election: Election, now: float = 10.0) -> None:
     election.campaign_if_due(now, CONFIG, (1, 1))
-    assert election.handle_vote_response(VoteResponse(2, "b", True, "ok"), now + 0.01, CONFIG)
+    election.handle_vote_response(VoteResponse(2, "b", True, "ok", pre_vote=True), now, CONFIG, (1, 1))
+    became, _ = election.handle_vote_response(VoteResponse(2, "b", True, "ok"), now + 0.01, CONFIG, (1, 1))
+    assert became
 
 
 def test_majority_of_votes_makes_leader_but_lease_starts_with_first_renewal():

@@ -7,7 +7,7 @@ and for `benchmarks/coordination.py --broken NAME`; nothing in production import
 from __future__ import annotations
 
 from bootstrap.coordinator_node import CoordinatorNode
-from bootstrap.election import Election, Role
+from bootstrap.election import Election, Role, lease_expiry
 from bootstrap.entries import ClusterConfig
 from bootstrap.messages import VoteRequest, VoteResponse
 from bootstrap.replog import ReplicatedLog
@@ -34,6 +34,13 @@ class _CommitWithoutMajority(ReplicatedLog):
         return False
 
 
+class _LeaseIgnoringDrift(Election):
+    def refresh_lease(self, now: float, config: ClusterConfig) -> None:
+        until, reason = lease_expiry(config=config, self_id=self.node_id, now=now,
+                                     renewal_sent_at=self.renewal_sent_at, span_s=self.timing.lease_s)
+        self.lease_until, self.last_lease_reason = until, reason  # the full lease, no drift allowance
+
+
 class VoteWithoutLogCheck(CoordinatorNode):
     election_type = _VoteWithoutLogCheck
 
@@ -46,8 +53,15 @@ class CommitWithoutMajority(CoordinatorNode):
     log_type = _CommitWithoutMajority
 
 
+class LeaseIgnoringDrift(CoordinatorNode):
+    election_type = _LeaseIgnoringDrift
+
+
 BROKEN_VARIANTS: dict[str, type[CoordinatorNode]] = {
     "vote_without_log_check": VoteWithoutLogCheck,
     "vote_ignoring_lease": VoteIgnoringLease,
     "commit_without_majority": CommitWithoutMajority,
+    # Subtle: unsafe only when clocks drift apart during a narrow window; not expected to be
+    # caught within the CI budget (see docs/COORDINATION.md).
+    "lease_ignoring_drift": LeaseIgnoringDrift,
 }

@@ -74,6 +74,9 @@ class InvariantChecker:
             self._fail(time, f"committed configs {previous.describe()} and {config.describe()} admit disjoint majorities")
         self.truth_configs[index] = config
 
+    def latest_committed_config(self) -> ClusterConfig:
+        return self.truth_configs[max(self.truth_configs)]
+
     def on_apply(self, time: float, node_id: str, entry: LogEntry, digest_after: bytes) -> None:
         expected = self.applied.get(node_id, 0) + 1
         if entry.index != expected:
