@@ -165,7 +165,8 @@ def compute(inputs: BandwidthInputs) -> BandwidthReport:
     dec_down = max(down_deadline, down_sustained)
     lines += [
         f"  decoupled deadline: a fragment ({fragment_bits:.4g} bit up) may take tau x step + "
-        f"stall budget = {dec_window:.4g} s -> {_g(up_deadline)}",
+        f"H/P x stall budget = {tau} x {t:g} s + {steps_between_fragments:g} x {stall_budget:.4g} s = "
+        f"{dec_window:.4g} s -> {_g(up_deadline)}",
         f"  decoupled sustained: P/H = {p}/{h} fragments per step at {100 * u:g}% of "
         f"{t:g} s -> {_g(up_sustained)}"
         + (f" (tau={tau} transfers in flight share the link)" if tau > steps_between_fragments else ""),

@@ -59,6 +59,8 @@ def test_lines_show_the_numbers_they_claim():
     assert "2(S-1)/S = 1.5" in text
     assert "64 Gbit/s" in text
     assert "0.32 Gbit/s" in text
+    # the deadline window includes H/P steps' worth of stall budget, and the line says so
+    assert "may take tau x step + H/P x stall budget = 3 x 0.5 s + 2 x 0.125 s = 1.75 s" in text
 
 
 @pytest.mark.parametrize(
