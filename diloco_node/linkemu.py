@@ -107,13 +107,7 @@ class _TokenBucket:
 class _Connection:
     """One proxied client connection: two pumps (up, down) and the sockets they own."""
 
-    def __init__(
-        self,
-        link: LinkEmulator,
-        client_reader: asyncio.StreamReader,
-        client_writer: asyncio.StreamWriter,
-    ) -> None:
-        self.link = link
+    def __init__(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         self.client_reader = client_reader
         self.client_writer = client_writer
         self.upstream_writer: asyncio.StreamWriter | None = None
@@ -325,7 +319,7 @@ class LinkEmulator:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.stats.connections_accepted += 1
-        conn = _Connection(self, reader, writer)
+        conn = _Connection(reader, writer)
         self._connections.add(conn)
         self.stats.connections_open += 1
         try:

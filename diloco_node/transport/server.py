@@ -176,6 +176,11 @@ class PeerServer:
     def active_streams(self) -> dict[str, int]:
         return dict(self._streams)
 
+    def status(self) -> dict[str, object]:
+        """The transport's part of /status: open streams and traffic per peer."""
+        return {"active_streams": self.active_streams, "streams_total": self._streams_total,
+                "peers": self.counters.snapshot()}
+
     def body_limit(self, kind: MessageKind) -> int:
         """Largest request body for `kind`: one frame of the largest allowed size (or a small batch)."""
         limits = self.limits
