@@ -126,6 +126,7 @@ class Node:
         self._last_leader: str | None = None
         self._loss: float | None = None
         self._diverged_fetching: set[int] = set()
+        self._last_ok: dict[str, float] = {}  # peer -> last successful exchange (monotonic)
         self.exit_reason = ""
         min_step = self.environ.get("DILOCO_X_MIN_STEP_S", "0")
         self._min_step_interval_s = float(min_step) if min_step else 0.0
@@ -406,6 +407,9 @@ class Node:
     def _send(self, to: str, message: coord.Message) -> None:
         if to == self.node_id:
             return
+        if isinstance(message, coord.VoteRequest) and message.pre_vote:
+            self.loop.call_soon(self._answer_pre_vote_locally, to, message)
+            return
         outbox = self._outboxes.get(to)
         if outbox is None:
             outbox = self._outboxes[to] = _Outbox()
@@ -415,6 +419,21 @@ class Node:
             outbox.pending = [m for m in outbox.pending if not isinstance(m, coord.AppendEntries)]
         outbox.pending.append(message)
         outbox.wake.set()
+
+    def _answer_pre_vote_locally(self, peer: str, request: coord.VoteRequest) -> None:
+        """The wire's VoteRequest has no pre-vote flag, so a pre-vote is answered here for the peer.
+
+        Granted only for a peer we exchanged messages with within one lease (so an isolated node
+        does not raise its epoch in vain); a real vote request follows and the peer applies every
+        rule then, including the silent refusal while it hears a live lease holder.
+        """
+        last_ok = self._last_ok.get(peer)
+        if self.coord is None or last_ok is None or self.now() - last_ok > self.cfg.lease_timeout_s:
+            return
+        response = coord.VoteResponse(request.epoch, peer, True, "pre-vote answered locally (peer reachable)",
+                                      pre_vote=True)
+        self._dispatch(self._handle(response))
+        self._after_coordination()
 
     async def _peer_worker(self, peer: str, outbox: _Outbox) -> None:
         while True:
@@ -449,6 +468,7 @@ class Node:
             return
         except PeerUnreachable:
             return
+        self._last_ok[peer] = self.now()
         for reply in replies:
             self._on_reply(peer, message, reply)
 
@@ -498,10 +518,10 @@ class Node:
             raise RemoteProtocolError(f"{self.node_id} is still starting", 503)
         return self.coord
 
-    @staticmethod
-    def _same_sender(claimed: str, peer: Any, what: str) -> None:
+    def _same_sender(self, claimed: str, peer: Any, what: str) -> None:
         if claimed != peer.node_id:
             raise RemoteProtocolError(f"{what} names {claimed!r} but is signed by {peer.node_id!r}", 400)
+        self._last_ok[peer.node_id] = self.now()
 
     async def _on_vote_request(self, message: wire.VoteRequest, peer: Any) -> wire.Message | None:
         self._require_coordination()

@@ -13,6 +13,8 @@ choices are documented in docs/DAEMON.md:
   join) while we hold it suspect, dead or unknown is marked alive again under a locally raised
   incarnation (`revived_record`): with no gossip, incarnations are local bookkeeping only.
 - A graceful leave (a Ping announcing our own LEFT record) travels as a wire Leave.
+- Pre-votes are not carried (the wire VoteRequest has no pre-vote flag); the node answers them
+  locally for peers it reached within one lease, and the real vote that follows carries every rule.
 - InstallSnapshot is never produced: the daemon does not compact the log (joiners download the
   global state fragment by fragment instead; see join.py).
 
@@ -67,6 +69,8 @@ def entry_from_wire(entry: wire.LogEntry) -> LogEntry:
 
 def to_wire(message: coord.Message, *, epoch: int, commit_index: int, last_index: int) -> wire.Message | None:
     """The wire form of an outgoing coordination message, or None when it is not carried."""
+    if isinstance(message, (coord.VoteRequest, coord.VoteResponse)) and message.pre_vote:
+        return None  # no pre-vote flag on the wire: the node answers pre-votes locally (node.py)
     if isinstance(message, coord.VoteRequest):
         return wire.VoteRequest(message.epoch, message.candidate_id, message.last_log_epoch, message.last_log_index)
     if isinstance(message, coord.VoteResponse):
