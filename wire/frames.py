@@ -234,7 +234,7 @@ class FrameDecoder:
             raise LocalProtocolError(f"receive_data takes bytes, got {type(data).__name__}")
         if len(data) == 0:
             self._end_of_stream = True
-        else:
+        elif self._failure is None:  # a failed stream is dead: keep nothing more from it
             self._buffer += data
 
     def next_event(self, *, now_unix: float) -> Event:
