@@ -115,7 +115,9 @@ class Transformer(nnx.Module):
         self.pos_embed = nnx.Embed(cfg.seq_len, cfg.d_model, param_dtype=jnp.float32, embedding_init=embed_init, rngs=rngs)
         self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
         self.ln_f = nnx.LayerNorm(cfg.d_model, param_dtype=jnp.float32, rngs=rngs)
-        self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, param_dtype=jnp.float32, rngs=rngs)
+        # Small head init: near-uniform predictions (loss ~ log V) at the start.
+        self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, param_dtype=jnp.float32, rngs=rngs,
+                               kernel_init=nnx.initializers.normal(0.02))
 
     def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
         L = tokens_BxL.shape[1]
@@ -184,7 +186,7 @@ def load_flat_params(params: nnx.State, flat: Mapping[str, np.ndarray]) -> nnx.S
     unknown = sorted(set(flat) - set(by_name))
     if unknown:
         raise KeyError(f"unknown parameter name(s): {', '.join(unknown[:5])}")
-    pure = params.to_pure_dict()
+    pure = nnx.to_pure_dict(params)
     for name, value in flat.items():
         node = pure
         path = by_name[name]
@@ -195,7 +197,7 @@ def load_flat_params(params: nnx.State, flat: Mapping[str, np.ndarray]) -> nnx.S
             raise ValueError(f"parameter {name}: shape {np.shape(value)} != expected {tuple(old.shape)}")
         node[path[-1]] = jnp.asarray(value, dtype=jnp.float32)
     new = jax.tree.map(lambda x: x, params)
-    new.replace_by_pure_dict(pure)
+    nnx.replace_by_pure_dict(new, pure)
     return new
 
 

@@ -721,3 +721,28 @@ class _FragmentSync:
                 continue
             st.inbox.append(msg)
             self._push(msg.arrival, _DELIVER, st.index)
+
+
+# ------------------------------------------------------------------------------------------------
+# named scenarios (shared by the CLI and the parity benchmark)
+
+SCENARIOS = ("uniform", "straggler", "outage")
+STRAGGLER_SLOWDOWN = 2.5  # the straggler's step takes this many times longer
+
+
+def scenario_settings(name: str, num_learners: int, steps: int, base_step_s: float = 1.0
+                      ) -> tuple[tuple[float, ...], tuple[Outage, ...]]:
+    """(speeds, outages) of a named scenario; the last learner is the odd one out.
+
+    uniform: equal speeds. straggler: the last learner is 2.5x slower. outage: the last learner is
+    down for the middle third of the nominal run (steps * base_step_s), on whole steps.
+    """
+    if name not in SCENARIOS:
+        raise ValueError(f"scenario {name!r}: must be one of {', '.join(SCENARIOS)}")
+    if name == "uniform" or num_learners < 2 and name == "straggler":
+        return (), ()
+    if name == "straggler":
+        return tuple([1.0] * (num_learners - 1) + [1.0 / STRAGGLER_SLOWDOWN]), ()
+    start = round(steps / 3) * base_step_s
+    end = round(2 * steps / 3) * base_step_s
+    return (), (Outage(num_learners - 1, start, end),)

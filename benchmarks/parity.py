@@ -1,0 +1,115 @@
+"""Parity benchmark: every sync mode in three scenarios at equal total tokens (M = 4, stdlib corpus).
+
+For each (mode, scenario) it reports eval_loss of the final global model, bytes_cross_site
+(uplink + downlink payload bytes actually encoded), idle_fraction (learner time blocked on
+others), merges and wall_s (real seconds of the simulated run). The learners run in one process
+on a virtual clock (diloco_node/runner.py); see docs/PARITY.md for the accounting.
+
+    .venv/bin/python benchmarks/parity.py --json /tmp/parity.json        # full run
+    .venv/bin/python benchmarks/parity.py --quick                        # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+# Two cores: one XLA intra-op pool per process is enough; set before JAX starts.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from diloco_node import data as data_lib  # noqa: E402
+from diloco_node import runner  # noqa: E402
+from diloco_node.run_config import DataSpec  # noqa: E402
+from diloco_node.train_cli import default_manifest  # noqa: E402
+
+NUM_LEARNERS = 4
+FULL_STEPS = 600  # nominal steps per learner
+QUICK_STEPS = 64
+
+
+def run_all(steps: int, modes: list[str], scenarios: list[str], seed: int, verbose: bool = True) -> dict:
+    corpus = data_lib.load_corpus(DataSpec(source="stdlib", seed=seed))
+    manifest = default_manifest(steps, seed)
+    results = []
+    for scenario in scenarios:
+        speeds, outages = runner.scenario_settings(scenario, NUM_LEARNERS, steps)
+        for mode in modes:
+            config = runner.RunnerConfig(manifest, mode, NUM_LEARNERS, steps, speeds=speeds, outages=outages)
+            result = runner.run(config, corpus)
+            row = {
+                "mode": mode, "scenario": scenario, "eval_loss": round(result.eval_loss, 4),
+                "bytes_cross_site": result.bytes_cross_site, "idle_fraction": round(result.idle_fraction, 4),
+                "merges": result.merges, "wall_s": round(result.wall_s, 1),
+                "merges_during_outage": result.merges_during_outage, "tokens": result.tokens,
+                "virtual_s": round(result.virtual_s, 1), "eval_loss_start": round(result.eval_loss_start, 4),
+            }
+            results.append(row)
+            if verbose:
+                print(f"{scenario:9s} {mode:13s} eval_loss {row['eval_loss']:.4f}  bytes {row['bytes_cross_site']:>13,d}  "
+                      f"idle {row['idle_fraction']:.3f}  merges {row['merges']:5d} (outage {row['merges_during_outage']})  "
+                      f"wall {row['wall_s']:.1f}s", flush=True)
+    config = {"num_learners": NUM_LEARNERS, "steps_per_learner": steps, "seed": seed,
+              "manifest": manifest.to_dict(), "base_step_s": 1.0,
+              "link": dataclasses.asdict(runner.LinkModel()), "straggler_slowdown": runner.STRAGGLER_SLOWDOWN,
+              "corpus": corpus.description}
+    return {"results": results, "config": config}
+
+
+def summary(report: dict) -> list[str]:
+    """The targets, checked against the measured rows (a line each)."""
+    rows = {(r["mode"], r["scenario"]): r for r in report["results"]}
+    lines = []
+
+    def get(mode, scenario):
+        return rows.get((mode, scenario))
+
+    dp, dec = get("data_parallel", "uniform"), get("decoupled", "uniform")
+    if dp and dec:
+        gap = dec["eval_loss"] / dp["eval_loss"] - 1
+        ratio = dp["bytes_cross_site"] / max(dec["bytes_cross_site"], 1)
+        lines.append(f"uniform: decoupled vs data_parallel loss gap {gap:+.1%} (target <= 3%), "
+                     f"bytes {ratio:.0f}x fewer (target >= 200x)")
+    dil, dec_s = get("diloco", "straggler"), get("decoupled", "straggler")
+    if dil and dec_s:
+        gap = dec_s["eval_loss"] / dil["eval_loss"] - 1
+        lines.append(f"straggler: idle decoupled {dec_s['idle_fraction']:.3f} (target <= 0.05), diloco "
+                     f"{dil['idle_fraction']:.3f} (target >= 0.3); decoupled vs diloco loss {gap:+.1%} (target <= 2%)")
+    dec_o = get("decoupled", "outage")
+    if dec_o and dec:
+        gap = dec_o["eval_loss"] / dec["eval_loss"] - 1
+        lines.append(f"outage: decoupled merges during the outage {dec_o['merges_during_outage']} (target > 0), "
+                     f"loss vs its uniform {gap:+.1%} (target <= 3%)")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
+    parser.add_argument("--quick", action="store_true", help=f"smoke run ({QUICK_STEPS} steps per learner)")
+    parser.add_argument("--steps", type=int, default=None, help="nominal steps per learner")
+    parser.add_argument("--modes", default=",".join(runner.MODES))
+    parser.add_argument("--scenarios", default=",".join(runner.SCENARIOS))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    steps = args.steps or (QUICK_STEPS if args.quick else FULL_STEPS)
+    started = time.perf_counter()
+    report = run_all(steps, args.modes.split(","), args.scenarios.split(","), args.seed)
+    report["config"]["total_wall_s"] = round(time.perf_counter() - started, 1)
+    for line in summary(report):
+        print(line)
+    print(f"total wall time {report['config']['total_wall_s']:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
