@@ -653,3 +653,43 @@ def test_golden_fixture_agrees_with_a_plain_float64_reference_of_the_algorithm()
         assert error <= 1e-6, f"{name}: golden fixture is {error:.2g} away from the reference"
         # the outer steps moved every tensor by far more than that tolerance: the check has teeth
         assert np.abs(final - init[name]).max() > 1e-2, name
+
+
+def _full(shape, fill, dtype):
+    with np.errstate(all="ignore"):  # NaN or 1e300 into an integer or float16 array is part of the garbage
+        return np.full(shape, fill, dtype=dtype)
+
+
+_garbage_arrays = st.one_of(
+    st.builds(_full, st.sampled_from([(8, 4), (4, 4), (4,), (5,), (), (0,)]),
+              st.sampled_from([0.0, -1e-3, 1.0, 3.4e38, np.nan, np.inf, 1e300, 5]),
+              st.sampled_from([np.float32, np.float64, np.float16, np.int32, np.complex64, object])),
+    st.sampled_from([[[1.0], [1.0, 2.0]], "abc", None, [1, 2, 3, 4]]),
+)
+_garbage_ints = st.sampled_from([0, 1, 10, -1, 2**63 - 1, 10**30, 10**400, -(10**400)])
+# Mostly well-formed deltas with a few tensors replaced or added, so garbage reaches every check.
+_garbage_deltas = st.builds(
+    lambda seed, replaced: {**_delta(seed), **replaced},
+    st.integers(0, 3),
+    st.dictionaries(st.sampled_from([*SHAPES, "x"]), _garbage_arrays, max_size=2),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    garbage=st.lists(st.tuples(st.sampled_from("bcd"), st.sampled_from([0, 0, 0, 1, -1]),
+                               st.sampled_from([5, 5, 4, 0, -1, 9, 2**63 - 1, 10**400]),
+                               _garbage_deltas, _garbage_ints, _garbage_ints), max_size=4),
+)
+def test_any_peer_garbage_gives_a_result_never_an_exception(garbage) -> None:
+    contributions = [Contribution(*fields) for fields in garbage] + [_contribution("a", seed=1)]
+    with np.errstate(all="raise"):  # not even a silent overflow on the way
+        result = _merge(contributions)
+    assert len(result.accepted) + len(result.rejected) == len(contributions)
+    assert all(reason.startswith(f"rejected learner {learner}: ") for learner, reason in result.rejected)
+    if "a" in dict(result.accepted):
+        for name, shape in SHAPES.items():
+            merged = result.outer_gradient[name]
+            assert merged.shape == shape and merged.dtype == np.float32 and np.all(np.isfinite(merged))
+    else:  # only as a norm outlier against tiny but well-formed garbage deltas
+        assert "x the round median" in dict(result.rejected)["a"]
