@@ -283,7 +283,9 @@ class GlobalState:
         params = _validated_fragment_tensors(self._shapes(p), snap.get("params"), f"fragment {p} snapshot params")
         momentum = _validated_fragment_tensors(self._shapes(p), snap.get("momentum"), f"fragment {p} snapshot momentum")
         history: dict[int, dict[str, np.ndarray]] = {}
-        raw_history = snap.get("history") or {}
+        raw_history = snap.get("history")
+        if raw_history is None:  # a snapshot without history (what a joiner gets)
+            raw_history = {}
         if not isinstance(raw_history, Mapping):
             raise GlobalStateError(f"fragment {p} snapshot: 'history' must be a mapping of round -> params")
         for r, version in raw_history.items():

@@ -247,6 +247,7 @@ def _snapshot_with(change):
         (lambda s: s["fragments"][0].__setitem__("round", -1), "fragment 0 snapshot: 'round' must be an integer in"),
         (lambda s: s["fragments"][0].__setitem__("params", None), "fragment 0 snapshot params: expected a mapping"),
         (lambda s: s["fragments"][0].__setitem__("history", [1]), "'history' must be a mapping of round -> params"),
+        (lambda s: s["fragments"][0].__setitem__("history", np.zeros(3)), "'history' must be a mapping"),
         (lambda s: s["fragments"][0].__setitem__("history", {0: s["fragments"][0]["params"]}),
          "history round 0 must be in \\[0, 0\\)"),  # a history round must be older than the current one
     ],
