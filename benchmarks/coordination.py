@@ -41,6 +41,19 @@ def _run(job: tuple[int, SimConfig, str | None]) -> SimResult:
     return run_seed(seed, config, factory)
 
 
+class _Serial:
+    """The in-process stand-in for a pool, so one code path serves --jobs 1."""
+
+    def __enter__(self) -> _Serial:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def imap(self, function, items, chunksize: int = 1):  # noqa: ARG002 - same signature as Pool.imap
+        return map(function, items)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=1000, help="number of schedules to run")
@@ -57,11 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     config = SimConfig(chaos_s=args.chaos_s)
     jobs = [(seed, config, args.broken) for seed in range(args.first_seed, args.first_seed + args.seeds)]
     started = time.perf_counter()
-    if args.jobs > 1:
-        with multiprocessing.Pool(args.jobs) as pool:
-            results = pool.map(_run, jobs, chunksize=16)
-    else:
-        results = [_run(job) for job in jobs]
+    results: list[SimResult] = []
+    with multiprocessing.Pool(args.jobs) if args.jobs > 1 else _Serial() as pool:
+        for result in pool.imap(_run, jobs, chunksize=16):
+            results.append(result)
+            if len(results) % 500 == 0:  # progress on stderr, so long runs can be watched
+                print(f"{len(results)} seeds, {sum(1 for r in results if r.violations)} failing, "
+                      f"{time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
     wall_s = time.perf_counter() - started
 
     failing = [r for r in results if r.violations]

@@ -310,24 +310,31 @@ class CoordinatorNode:
         voters = [v for v in self.log.config.sorted_voters() if v != self.node_id]
         return [Send(voter, request) for request in requests for voter in voters]
 
-    def _replication_targets(self) -> list[str]:
-        """Voters plus live members catching up before they are added as voters."""
+    def _replication_targets(self, now: float) -> list[str]:
+        """Voters, live members catching up before they are added, and recent leavers.
+
+        A leaver keeps receiving heartbeats for `leave_timeout_s`, so it learns that its
+        removal committed and can stop at once.
+        """
         targets = set(self.log.config.voters)
         for node_id, record in self.membership.members.items():
-            if record.state is MemberState.ALIVE:
+            if record.state is MemberState.ALIVE or (
+                record.state is MemberState.LEFT
+                and now - self.membership.changed_at[node_id] < self.options.leave_timeout_s
+            ):
                 targets.add(node_id)
         targets.discard(self.node_id)
         return sorted(targets)
 
     def _replicate_to_all(self, now: float) -> list[Action]:
         actions: list[Action] = []
-        for peer in self._replication_targets():
+        for peer in self._replication_targets(now):
             self.log.track_peer(peer)
             actions.append(Send(peer, self.log.replication_message(peer, self.epoch, self.node_id, now)))
         return actions
 
     def _on_elected(self, now: float) -> list[Action]:
-        self.log.reset_progress(self._replication_targets())
+        self.log.reset_progress(self._replication_targets(now))
         # A no-op of our own epoch lets us commit (and so learn) everything earlier leaders left.
         self.log.append_local(self.epoch, EntryKind.NOOP)
         self.election.refresh_lease(now, self.log.config)

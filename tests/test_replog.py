@@ -157,3 +157,28 @@ def test_proposals_refused_without_the_lease():
     node = CoordinatorNode("a", PersistentState.founding(["a", "b", "c"]), now=0.0, rng=random.Random(0))
     entry_, reason, actions = node.propose(1.0, EntryKind.OUTER_COMMIT, b"x")
     assert entry_ is None and actions == [] and reason == "not the lease holder (role follower, epoch 1)"
+
+
+def run_pair(nodes: dict[str, CoordinatorNode], until: float, pending: list[Send], now: float = 10.0) -> float:
+    """A perfect zero-latency network and 100 ms ticks."""
+    while now < until:
+        while pending:
+            send = pending.pop(0)
+            pending += [a for a in nodes[send.to].handle(send.message, now) if isinstance(a, Send)]
+        for node in nodes.values():
+            pending += [a for a in node.tick(now) if isinstance(a, Send)]
+        now += 0.1
+    return now
+
+
+def test_joiner_through_bootstrap_peer_becomes_a_voter_then_leaves_gracefully():
+    leader = lone_leader()
+    joiner = CoordinatorNode("b", PersistentState.joining(), now=10.0, rng=random.Random(1))
+    nodes = {"a": leader, "b": joiner}
+    now = run_pair(nodes, 14.0, list(joiner.start_join(["a"], 10.0)))
+    assert leader.log.committed_config.voters == {"a", "b"}
+    assert joiner.log.committed_config.voters == {"a", "b"} and joiner.log.applied_index == leader.log.applied_index
+    assert leader.status(now)["reasons"]["membership"].startswith("proposed #")
+    run_pair(nodes, now + 3.0, list(joiner.leave(now)), now)
+    assert joiner.left and joiner.status(now)["reasons"]["membership"] == "left: our removal is committed"
+    assert leader.log.committed_config.voters == {"a"}
