@@ -64,14 +64,17 @@ class Site:
     env: dict[str, str]
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    public_port: int | None = None  # where peers reach it (a link emulator in front), if not `port`
 
     @property
     def url(self) -> str:
+        """Direct URL (operator routes are read here, not through an emulated link)."""
         return f"http://127.0.0.1:{self.port}"
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        """HOST:PORT peers use (bootstrap address)."""
+        return f"127.0.0.1:{self.public_port or self.port}"
 
     def start(self) -> None:
         self.starts += 1
@@ -130,14 +133,19 @@ class Cluster:
         return cls(root, secret)
 
     def add(self, node_id: str, *, bootstrap: Site | None = None, extra: Sequence[str] = (),
-            secret_file: Path | None = None, env: dict[str, str] | None = None, start: bool = True) -> Site:
-        port = free_port()
+            secret_file: Path | None = None, env: dict[str, str] | None = None, start: bool = True,
+            port: int | None = None, public_port: int | None = None,
+            run_flags: Sequence[str] = DEFAULT_RUN_FLAGS) -> Site:
+        port = port or free_port()
         data_dir = self.root / node_id
         args = ["--node-id", node_id, "--listen", f"127.0.0.1:{port}", "--data-dir", str(data_dir),
-                "--secret-file", str(secret_file or self.secret_file), *DEFAULT_RUN_FLAGS, *extra]
+                "--secret-file", str(secret_file or self.secret_file), *run_flags, *extra]
+        if public_port is not None:
+            args += ["--advertise", f"http://127.0.0.1:{public_port}"]
         if bootstrap is not None:
             args += ["--bootstrap", bootstrap.address]
-        site = Site(node_id, port, data_dir, self.root / f"{node_id}.log", args, child_env(env))
+        site = Site(node_id, port, data_dir, self.root / f"{node_id}.log", args, child_env(env),
+                    public_port=public_port)
         self.sites[node_id] = site
         if start:
             site.start()

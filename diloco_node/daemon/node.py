@@ -126,6 +126,7 @@ class Node:
         self._last_leader: str | None = None
         self._loss: float | None = None
         self._diverged_fetching: set[int] = set()
+        self._bytes_reported = (0, 0)  # transport byte totals already added to the status document
         self._last_ok: dict[str, float] = {}  # peer -> last successful exchange (monotonic)
         self.exit_reason = ""
         min_step = self.environ.get("DILOCO_X_MIN_STEP_S", "0")
@@ -664,7 +665,6 @@ class Node:
         if leader is None:
             return  # no lease holder: the next slot carries these steps too
         self._contrib_metric.inc()
-        self.status.add_bytes(sent=len(payload))
         if leader == self.node_id:
             await self._accept_contribution(message, transfer_s=0.0)
             return
@@ -687,7 +687,6 @@ class Node:
         if not coordination.is_lease_holder(self.now()):
             leader = coordination.election.leader_id
             raise RemoteProtocolError(f"{self.node_id} does not hold the lease (lease holder: {leader})", 409)
-        self.status.add_bytes(received=len(message.payload))
         await self._accept_contribution(message, transfer_s=None)
 
     async def _accept_contribution(self, message: wire.FragmentContribution, transfer_s: float | None) -> None:
@@ -834,6 +833,10 @@ class Node:
             members.append(MemberStatus(node_id=node_id, url=self.addresses.url(node_id) or record.address,
                                         role=record.role.value, alive=record.state is coord.MemberState.ALIVE,
                                         voter=node_id in voters))
+        sent = self.client.counters.total_sent + self.server.counters.total_sent
+        received = self.client.counters.total_received + self.server.counters.total_received
+        self.status.add_bytes(sent=sent - self._bytes_reported[0], received=received - self._bytes_reported[1])
+        self._bytes_reported = (sent, received)
         quorum = QuorumStatus()
         if self.syncer is not None and coordination.is_lease_holder(now):
             reasons = "; ".join(f"p{p}: {r}" for p, r in sorted(self.syncer.last_decision.items()))
