@@ -36,8 +36,9 @@ MIN_CONTRIBUTIONS_FOR_ROUND_MEDIAN = 3
 DEFAULT_NORM_REFERENCE_ALPHA = 0.3
 # ... but one round moves it by at most this factor up or down. Without the bound, a lone outlier
 # of 100x (rejected) pulled the reference 30% of the way up and the same outlier passed the next
-# round. With it, a persistent change of scale is still followed (100x within about 5 rounds).
-DEFAULT_NORM_REFERENCE_MAX_STEP = 2.0
+# round; with it, that takes 4 rounds of the same scale. 3x keeps liveness: honest norms growing
+# 2.5x per round for as long as they like (e.g. inner learning-rate warm-up) are never rejected.
+DEFAULT_NORM_REFERENCE_MAX_STEP = 3.0
 
 MERGE_METHODS = ("rda", "mean")
 WEIGHTINGS = ("tokens", "uniform")
