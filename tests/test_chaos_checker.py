@@ -267,3 +267,11 @@ def test_bad_windows_are_refused():
         commit_gaps([], 5, 5)
     with pytest.raises(ValueError, match="no learner"):
         goodput(metrics_run(), {"a": (20, 30)}, 0, 10)
+
+
+def test_a_commit_after_the_final_probe_is_not_a_loss():
+    h = clean_run()
+    h["b"].append(ev("b", "commit", 10.5, epoch=2, index=5, entry_digest=entry(5)))  # after finals (t=10)
+    assert check_histories(h) == []
+    h["b"][-1] = ev("b", "commit", 9.5, epoch=2, index=5, entry_digest=entry(5))  # before: a loss
+    assert invariants(h) == {"committed_index_lost"}

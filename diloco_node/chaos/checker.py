@@ -60,7 +60,7 @@ class FinalState:
     index: int
     state_digest: str
     finite: bool = True
-    t_mono: float | None = None
+    t_mono: float | None = None  # when the node was asked (None: after everything)
 
 
 def final_states_from(histories: Mapping[str, Sequence[HistoryEvent]]) -> list[FinalState]:
@@ -72,7 +72,9 @@ def final_states_from(histories: Mapping[str, Sequence[HistoryEvent]]) -> list[F
                 target = e.detail.get("target")
                 if not isinstance(target, str) or e.index is None or e.state_digest is None:
                     raise ValueError(f"final event at t={e.t_mono:.3f} needs detail.target, index and state_digest")
-                finals.append(FinalState(target, e.index, e.state_digest, bool(e.detail.get("finite", True)), e.t_mono))
+                # probed_at: when the harness asked the node, which is what commits are compared to
+                probed_at = e.detail.get("probed_at", e.t_mono)
+                finals.append(FinalState(target, e.index, e.state_digest, bool(e.detail.get("finite", True)), float(probed_at)))
     return finals
 
 
@@ -145,15 +147,18 @@ def _committed_index_lost(nodes: Mapping[str, Sequence[HistoryEvent]], finals: S
                     f"but index {highest.index} was committed by {highest.node} at t={highest.t_mono:.3f}",
                     e.t_mono,
                 ))
-    if highest is not None:
-        for f in finals:
-            if f.index < (highest.index or 0):
-                out.append(Violation(
-                    "committed_index_lost",
-                    f"{f.node} ended at index {f.index}, but index {highest.index} was committed "
-                    f"by {highest.node} at t={highest.t_mono:.3f}",
-                    f.t_mono,
-                ))
+    commits = [e for e in _all_events(nodes) if e.kind == "commit"]
+    for f in finals:
+        # Only what was committed before the node was asked counts: a live cluster keeps going.
+        before = [e for e in commits if f.t_mono is None or e.t_mono <= f.t_mono]
+        top = max(before, key=lambda e: e.index or 0, default=None)
+        if top is not None and f.index < (top.index or 0):
+            out.append(Violation(
+                "committed_index_lost",
+                f"{f.node} ended at index {f.index}, but index {top.index} was committed "
+                f"by {top.node} at t={top.t_mono:.3f}",
+                f.t_mono,
+            ))
     return out
 
 

@@ -274,6 +274,7 @@ class ChaosConfig:
     warmup_s: float = 10.0
     settle_s: float = 15.0
     recovery_s: float = 8.0
+    degrade_s: tuple[float, float] = (3.0, 10.0)  # how long bandwidth caps and slowdowns last
     ready_timeout_s: float = READY_TIMEOUT_S
     converge_timeout_s: float = CONVERGE_TIMEOUT_S
     stall_after_s: float | None = None  # None: twice the median gap between commits
@@ -298,7 +299,7 @@ class ChaosConfig:
         return ScheduleSpec(
             nodes=self.node_ids, joiners=self.joiner_ids, duration_s=self.duration_s,
             lease_s=self.lease_s, faults=max(self.faults, 2 + self.joiners), warmup_s=self.warmup_s,
-            settle_s=self.settle_s, recovery_s=self.recovery_s,
+            settle_s=self.settle_s, recovery_s=self.recovery_s, degrade_s=self.degrade_s,
         )
 
 
@@ -508,6 +509,7 @@ class ModeRun:
         live = [n for n in self.slots if n in self.launched_at and sup.alive(n)]
         deadline = time.monotonic() + self.config.converge_timeout_s
         while True:
+            probed_at = time.monotonic()
             probes = {n: await self.launcher.probe(self.slots[n], self.launched_at[n]) for n in live}
             committed = max((c.index for c in commit_times(self._read_histories(nodes_only=True))), default=0)
             states = {(p.index, p.state_digest) for p in probes.values()}
@@ -519,7 +521,7 @@ class ModeRun:
             await asyncio.sleep(POLL_S)
         for node, p in probes.items():
             nemesis.record("final", index=p.index or 0, state_digest=p.state_digest or "",
-                           detail={"target": node, "ready": p.ready, "reason": p.reason})
+                           detail={"target": node, "ready": p.ready, "reason": p.reason, "probed_at": probed_at})
 
     def _history_paths(self) -> list[Path]:
         paths = [s.history_path for s in self.slots.values() if s.history_path.exists()]

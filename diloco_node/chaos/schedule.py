@@ -218,9 +218,25 @@ def _shortest(fault: Fault, spec: ScheduleSpec) -> Fault:
     return Fault(fault.at_s, fault.action, fault.target, round(shortest, 2), fault.param)
 
 
+# A tight spec (short run, long lease) may not fit every random draw; further draws from the
+# same seed are tried before giving up, so the result is still a function of (seed, spec).
+GENERATE_ATTEMPTS = 50
+
+
 def generate(seed: int, spec: ScheduleSpec) -> Schedule:
     """A schedule of `spec.faults` faults spread over the usable window, deterministic per seed."""
-    rng = random.Random(seed)
+    error: ScheduleError | None = None
+    for attempt in range(GENERATE_ATTEMPTS):
+        try:
+            return _generate_once(seed, attempt, spec)
+        except ScheduleError as exc:
+            error = exc
+    assert error is not None
+    raise ScheduleError(f"{error} (after {GENERATE_ATTEMPTS} draws)")
+
+
+def _generate_once(seed: int, attempt: int, spec: ScheduleSpec) -> Schedule:
+    rng = random.Random(seed * 1000 + attempt)
     plan: list[tuple[str, str]] = [("kill", COORDINATOR), ("stop", COORDINATOR)]
     plan += [("join", j) for j in spec.joiners]
     actions = sorted(spec.weights)
@@ -235,9 +251,14 @@ def generate(seed: int, spec: ScheduleSpec) -> Schedule:
     last_heal = spec.duration_s - spec.settle_s
     spacing = (last_heal - spec.warmup_s) / len(plan)
     placed: list[Fault] = []
-    for k, (action, target) in enumerate(plan):
+    # Each fault keeps its shuffled time slot k, but the coordinator faults (which overlap
+    # nothing) and joins are placed first, while the timeline is still empty.
+    order = sorted(range(len(plan)), key=lambda k: plan[k][1] != COORDINATOR and plan[k][0] != "join")
+    jitter = [rng.uniform(0, spacing / 2) for _ in plan]
+    for k in order:
+        action, target = plan[k]
         drawn = _draw(rng, action, target, spec)
-        nominal = spec.warmup_s + k * spacing + rng.uniform(0, spacing / 2)
+        nominal = spec.warmup_s + k * spacing + jitter[k]
         start = _earliest_fit(drawn, nominal, last_heal, placed, spec)
         if start is None:  # pushed past the end by earlier faults: take the first free gap
             start = _earliest_fit(drawn, spec.warmup_s, last_heal, placed, spec)
