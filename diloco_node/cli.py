@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "status": ("diloco_node.status_cli", "one-shot status of one or more nodes (table or --json)"),
     "watch": ("diloco_node.status_cli", "live view of nodes' status; one JSON line per poll when piped"),
     "config": ("diloco_node.config_cli", "config show: the effective configuration and each value's source"),
+    "chaos": ("diloco_node.chaos_cli", "seeded chaos run on local sites: kills, stops, partitions; checked histories"),
     "linkemu": ("diloco_node.linkemu", "a WAN link emulator: TCP proxy with bandwidth cap and latency"),
     "run": ("diloco_node.run_cli", "run this site's daemon: found a run, or join one with --bootstrap"),
 }
