@@ -178,7 +178,7 @@ class StackedLearners:
             if tuple(stacked.shape[1:]) != tuple(np.shape(value)):
                 raise ValueError(f"parameter {name}: shape {np.shape(value)} != expected {tuple(stacked.shape[1:])}")
             stacked[learner] = value
-            leaf.value = jnp.asarray(stacked)
+            leaf[...] = jnp.asarray(stacked)
 
     def learner_params(self, learner: int) -> nnx.State:
         """Learner `learner`'s parameters as an (unstacked) State, e.g. for evaluation."""

@@ -153,6 +153,7 @@ class RunResult:
     virtual_s: float
     wall_s: float
     data_parallel_bytes_equivalent: int  # what data-parallel would have sent for these tokens
+    missed_merges_applied: int = 0  # merges that learners back from an outage downloaded and applied
     merge_log: list[str] = field(default_factory=list)
     loss_curve: list[tuple[float, int, float]] = field(default_factory=list)  # (time, tokens, train loss)
 
@@ -392,6 +393,7 @@ class _FragmentSync:
         self._seq = 0
         self.bytes_up = self.bytes_down = 0
         self.merges = self.merges_outage = 0
+        self.missed_merges_applied = 0
         self.tokens = 0
         self.now = 0.0
         self.stop_time: float | None = None
@@ -463,6 +465,7 @@ class _FragmentSync:
             idle_fraction=idle / max(idle + compute, 1e-12), tokens=self.tokens,
             learner_steps=tuple(int(s) for s in self.stack.steps), virtual_s=self.stop_time or self.now,
             wall_s=0.0, data_parallel_bytes_equivalent=dp_equiv, merge_log=self.merge_log, loss_curve=self.curve,
+            missed_merges_applied=self.missed_merges_applied,
         )
 
     # --- learners ---
@@ -629,6 +632,7 @@ class _FragmentSync:
         for msg in sorted(st.missed, key=lambda m: (m.fragment, m.round)):
             self.bytes_down += msg.nbytes
             self._apply_merge(st, msg, overwrite=True)
+            self.missed_merges_applied += 1
         st.missed = []
         st.awaiting.clear()
         for p in range(self.plan.num_fragments):
