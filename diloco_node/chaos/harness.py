@@ -437,13 +437,23 @@ class ModeRun:
             return target, False
         deadline = time.monotonic() + 3 * self.config.lease_s
         while True:
-            holder = self._lease_holder(sup)
+            holder = self._lease_holder(sup) or await self._reported_holder(sup)
             if holder is not None:
                 return holder, True
             if time.monotonic() > deadline:
                 live = [n for n in self.config.node_ids if sup.alive(n) and not sup.stopped(n)]
                 return self.rng.choice(live), False
             await asyncio.sleep(POLL_S)
+
+    async def _reported_holder(self, sup: Supervisor) -> str | None:
+        """The lease holder a majority of live nodes name in their status (when histories
+        name none, e.g. a daemon that does not write its lease events)."""
+        live = [n for n in self.slots if n in self.launched_at and sup.alive(n) and not sup.stopped(n)]
+        named = [(await self.launcher.probe(self.slots[n], self.launched_at[n])).coordinator for n in live]
+        for candidate in set(named) - {None}:
+            if named.count(candidate) * 2 > len(live) and candidate in live:
+                return candidate
+        return None
 
     def _lease_holder(self, sup: Supervisor) -> str | None:
         histories = self._read_histories(nodes_only=True)

@@ -1,0 +1,72 @@
+"""Chaos benchmarks: the long soak and the goodput comparison, against real daemons.
+
+    python benchmarks/chaos.py soak      # 10 minutes, >= 20 faults incl. coordinator kills and
+                                         # SIGSTOPs, one site joining, decoupled and synchronous
+    python benchmarks/chaos.py goodput   # one learner down a third of the time: decoupled
+                                         # goodput >= 0.85, synchronous <= 0.6
+    python benchmarks/chaos.py all
+Options: --seed N, --duration S (override), --standin (engine self-test with stand-in nodes;
+its figures say nothing about the daemon), --out FILE (the JSON reports).
+
+Heavy: the soak runs every mode for the full duration (about 25 minutes for both). Run it once,
+alone, and say in any figure you quote whether the machine was shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from diloco_node.chaos.harness import ChaosConfig, DaemonLauncher, StandinLauncher, run_chaos, standin_config
+
+PRESETS = {
+    # The issue's soak: 10 minutes, >= 20 faults, the coordinator included, a site joining.
+    "soak": dict(duration_s=600.0, faults=24, joiners=1, scenario="random"),
+    # The goodput comparison: one learner killed for a third of the window, nothing else.
+    "goodput": dict(duration_s=300.0, faults=2, joiners=0, scenario="learner-down"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=(*PRESETS, "all"))
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--duration", type=float, default=None)
+    parser.add_argument("--lease", type=float, default=3.0)
+    parser.add_argument("--standin", action="store_true")
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="diloco-chaos-bench-"))
+    reports = {}
+    for name in (PRESETS if args.what == "all" else [args.what]):
+        preset = dict(PRESETS[name])
+        if args.duration is not None:
+            preset["duration_s"] = args.duration
+        config = ChaosConfig(workdir=workdir / name, seed=args.seed, lease_s=args.lease, **preset)
+        if args.standin:
+            config = standin_config(config)
+        launcher = StandinLauncher() if args.standin else DaemonLauncher()
+        started = time.monotonic()
+        print(f"{name}: {config.duration_s:.0f}s per mode, histories under {config.workdir}", file=sys.stderr)
+        report = run_chaos(config, launcher)
+        report["bench_wall_s"] = round(time.monotonic() - started, 1)
+        reports[name] = report
+        summary = {mode: {k: report[mode][k] for k in ("goodput", "uptime", "max_commit_gap_s", "failover_s")}
+                   for mode in config.modes}
+        print(json.dumps({"what": name, "nodes": report["nodes"], "faults": report["faults"],
+                          "violations": report["violations"], **summary}, indent=2))
+        for target, result in report["targets"].items():
+            print(f"  {'ok  ' if result['ok'] else 'MISS'} {target}: {result['value']} (target {result['target']})")
+    if args.out is not None:
+        args.out.write_text(json.dumps(reports, indent=2) + "\n")
+    return 1 if any(r["violations"] for r in reports.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
