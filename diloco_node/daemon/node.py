@@ -126,6 +126,7 @@ class Node:
         self._last_leader: str | None = None
         self._loss: float | None = None
         self._diverged_fetching: set[int] = set()
+        self._frozen = False  # set while stopping: no message is handled, no entry applied
         self._bytes_reported = (0, 0)  # transport byte totals already added to the status document
         self._last_ok: dict[str, float] = {}  # peer -> last successful exchange (monotonic)
         self.exit_reason = ""
@@ -229,7 +230,10 @@ class Node:
             await self._announce_to_members()
             self._held_applies = []
             self._download = FragmentDownload(self.client, self.replica, self._download_peers)
+            started = time.monotonic()
             await self._download.run()
+            log.info("%s: downloaded the global state (%d bytes) in %.2f s", self.node_id,
+                     self._download.bytes_received, time.monotonic() - started)
             held, self._held_applies = self._held_applies, None
             for entry in held:
                 self._apply(entry)
@@ -392,6 +396,8 @@ class Node:
         """Persist, then perform actions; returns (not sends) the reply to `reply_to` if asked for one."""
         self.store.sync(self._persistent)
         reply = None
+        if self._frozen:
+            return None
         for action in actions:
             if isinstance(action, coord.Send):
                 if (reply_to is not None and reply is None and action.to == reply_to
@@ -517,6 +523,8 @@ class Node:
     def _require_coordination(self) -> CoordinatorNode:
         if self.coord is None:
             raise RemoteProtocolError(f"{self.node_id} is still starting", 503)
+        if self._frozen:
+            raise RemoteProtocolError(f"{self.node_id} is stopping", 503)
         return self.coord
 
     def _same_sender(self, claimed: str, peer: Any, what: str) -> None:
@@ -898,6 +906,12 @@ class Node:
             while not coordination.left and self.now() < deadline:
                 await asyncio.sleep(TICK_S)  # the ticker drives the leave to its commit
             log.info("%s: %s", self.node_id, coordination.last_membership_reason or "left")
+        # Freeze the replica: nothing may be applied between the final checkpoint and exit, so a
+        # restart resumes at exactly the index and digest logged below.
+        self._frozen = True
+        for task in self._tasks:
+            if task.get_name() == "coordination-ticker":
+                task.cancel()
         await self._checkpoint()
         self.store.sync(self._persistent)
         log.info("%s: stopped cleanly at index %d digest %s", self.node_id, self.replica.applied_index,

@@ -112,7 +112,7 @@ def test_fourth_site_joins_mid_run_and_is_merged(cluster: Cluster) -> None:
         time.sleep(0.5)
     else:
         pytest.fail("no merge included d's contribution within 60 s")
-    assert "downloading global state" in d.log_text() or "resumed" not in d.log_text()
+    assert re.search(r"downloaded the global state \(\d+ bytes\)", d.log_text()), "d did not download the state"
     index = _common_index(cluster, {"a", "d"}, 60)
     assert len(cluster.history[index]) == 1
     assert cluster.conflicting_indices() == {}
