@@ -825,9 +825,10 @@ class Node:
         if self._ready:
             role = "lease holder" if coordination.is_lease_holder(self.now()) else coordination.role.value
             reason = f"ready: {role}, epoch {coordination.epoch}, applied {self.replica.applied_index}"
+        if reason != self._ready_reason:
+            self.notifier.status(reason)  # systemd's STATUS= line, only when it changes
         self._ready_reason = reason
         self.status.set_ready(self._ready, reason)
-        self.notifier.status(reason)
 
     def _refresh_status(self) -> None:
         coordination = self.coord

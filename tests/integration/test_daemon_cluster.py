@@ -165,3 +165,15 @@ def test_sigterm_then_restart_resumes_at_the_same_index_with_identical_state(clu
     common = _common_index(cluster, set(cluster.poll()), 60)
     assert len(cluster.history[common]) == 1
     assert cluster.conflicting_indices() == {}
+
+
+def test_witness_votes_and_replicates_without_training(cluster: Cluster) -> None:
+    names = {n for n, s in cluster.sites.items() if s.running}
+    cluster.add("w", bootstrap=cluster.sites["a"], extra=["--role", "witness"])
+    cluster.wait_for("w ready and a voter everywhere", lambda s: _all_ready(names | {"w"})(s)
+                     and all("w" in _voters(doc) for doc in s.values()), STARTUP_S)
+    index = _common_index(cluster, {"w", *names}, 60)
+    assert len(cluster.history[index]) == 1
+    doc = cluster.poll()["w"]
+    assert doc["role"] == "witness" and doc["learner"]["step"] == 0
+    assert cluster.conflicting_indices() == {}
