@@ -106,11 +106,12 @@ def test_impossible_specs_are_refused_with_reasons():
 
 def test_one_learner_down_a_third_of_the_time():
     schedule = one_learner_down(3, SOAK)
-    window = SOAK.duration_s - SOAK.warmup_s - SOAK.settle_s
     assert {f.action for f in schedule.faults} == {"kill"}
     assert len({f.target for f in schedule.faults}) == 1 and schedule.faults[0].target != "n1"
-    assert sum(f.duration_s for f in schedule.faults) == pytest.approx(window / 3, abs=0.05)
+    assert sum(f.duration_s for f in schedule.faults) == pytest.approx(SOAK.duration_s / 3, abs=0.05)
     assert check_schedule(schedule, SOAK, require_coordinator_faults=False) == []
+    with pytest.raises(ScheduleError, match="does not fit"):
+        one_learner_down(3, SHORT, down_fraction=0.7, outages=1)
 
 
 # ---------------------------------------------------------------------------------------------

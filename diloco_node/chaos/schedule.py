@@ -292,14 +292,18 @@ def _earliest_fit(fault: Fault, nominal: float, last_heal: float, placed: Sequen
 
 def one_learner_down(seed: int, spec: ScheduleSpec, down_fraction: float = 1 / 3, outages: int = 2) -> Schedule:
     """The goodput comparison: one learner (not the first node) killed for `down_fraction` of the
-    usable window, in `outages` equal, evenly spaced pieces; nothing else."""
+    whole run, in `outages` equal pieces spread evenly over the usable window; nothing else."""
     if not 0 < down_fraction < 1 or outages < 1:
         raise ScheduleError(f"down_fraction must be in (0, 1) and outages >= 1, got {down_fraction}, {outages}")
     rng = random.Random(seed)
     target = rng.choice(spec.learner_nodes[1:] or spec.learner_nodes)
-    window = spec.duration_s - spec.settle_s - spec.warmup_s
-    down = window * down_fraction / outages
-    slot = window / outages
+    usable = spec.duration_s - spec.settle_s - spec.warmup_s
+    down = spec.duration_s * down_fraction / outages
+    slot = usable / outages
+    if down > slot:
+        raise ScheduleError(
+            f"{down_fraction:.0%} of {spec.duration_s:.0f}s down in {outages} outage(s) does not fit the "
+            f"{usable:.0f}s between warm-up and settle; shorten them or lengthen the run")
     faults = tuple(Fault(round(spec.warmup_s + i * slot + (slot - down) / 2, 2), "kill", target, round(down, 2))
                    for i in range(outages))
     return Schedule(seed, spec.duration_s, faults)
