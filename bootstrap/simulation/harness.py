@@ -350,14 +350,17 @@ class Simulation:
         return sum(1 for h in self.hosts.values() if not h.left) >= 3
 
     def _stable_for_failover(self) -> bool:
-        """A holder whose committed configuration is exactly the live members, at least three."""
+        """A holder whose committed configuration is exactly the live members (three or more), none leaving."""
         holder = self.current_lease_holder()
         if holder is None:
             return False
         node = self.hosts[holder].node
         assert node is not None
         voters = node.log.committed_config.voters
-        live = {h.node_id for h in self.hosts.values() if h.node is not None and not h.left}
+        running = [h.node for h in self.hosts.values() if h.node is not None]
+        if any(n.leaving for n in running):
+            return False  # a leaver about to go would take the majority with it
+        live = {n.node_id for n in running}
         return len(voters) >= 3 and voters == live and node.log.config.voters == voters
 
     # ------------------------------------------------------------ nodes
