@@ -113,6 +113,9 @@ class FragmentDownload:
         self.chunk_bytes = chunk_bytes
         self.progress = [FragmentProgress(p) for p in range(replica.plan.num_fragments)]
         self.bytes_received = 0
+        # Fragments arrive as of different log indices; once the log is applied through the
+        # newest of them, every fragment is exactly as of that index.
+        self.max_commit_index = 0
 
     def describe(self) -> str:
         done = sum(1 for f in self.progress if f.done)
@@ -146,6 +149,7 @@ class FragmentDownload:
                     if chunk.offset != len(buffer):
                         raise RemoteProtocolError(f"chunk at offset {chunk.offset}, expected {len(buffer)}", 400)
                     progress.digest, progress.total = chunk.digest, chunk.total
+                    self.max_commit_index = max(self.max_commit_index, chunk.commit_index)
                     buffer += chunk.payload
                     progress.received = len(buffer)
                     self.bytes_received += len(chunk.payload)

@@ -126,6 +126,8 @@ class Node:
         self._last_leader: str | None = None
         self._loss: float | None = None
         self._diverged_fetching: set[int] = set()
+        self._consistent_from = 0  # applied index from which our replica is one consistent state
+        self._leader_commit = 0  # highest commit index a lease holder told us
         self._frozen = False  # set while stopping: no message is handled, no entry applied
         self._bytes_reported = (0, 0)  # transport byte totals already added to the status document
         self._last_ok: dict[str, float] = {}  # peer -> last successful exchange (monotonic)
@@ -234,6 +236,7 @@ class Node:
             await self._download.run()
             log.info("%s: downloaded the global state (%d bytes) in %.2f s", self.node_id,
                      self._download.bytes_received, time.monotonic() - started)
+            self._consistent_from = self._download.max_commit_index
             held, self._held_applies = self._held_applies, None
             for entry in held:
                 self._apply(entry)
@@ -543,6 +546,7 @@ class Node:
     async def _on_log_append(self, message: wire.LogAppend, peer: Any) -> wire.Message | None:
         coordination = self._require_coordination()
         self._same_sender(message.leader, peer, "LogAppend")
+        self._leader_commit = max(self._leader_commit, message.leader_commit)
         reply = self._dispatch(self._handle(peers.append_from_wire(message)), reply_to=peer.node_id,
                                reply_type=coord.AppendResponse)
         self._after_coordination()
@@ -813,8 +817,13 @@ class Node:
             reason = "compiling the training step"
         elif not coordination.log.config.voters:
             reason = "waiting for the run's configuration to replicate"
-        elif coordination.log.applied_index < coordination.log.commit_index:
-            reason = f"catching up: applied {coordination.log.applied_index} of {coordination.log.commit_index}"
+        elif self.replica.applied_index < self._consistent_from:
+            # A joiner's fragments were downloaded as of different indices: not one consistent
+            # state (nor a digest worth showing) until the log is replayed through the newest.
+            reason = f"replaying the log: applied {self.replica.applied_index} of {self._consistent_from}"
+        elif coordination.log.applied_index < max(coordination.log.commit_index, self._leader_commit):
+            reason = (f"catching up: applied {coordination.log.applied_index} of "
+                      f"{max(coordination.log.commit_index, self._leader_commit)}")
         ready = not reason
         if ready and not self._ready:
             self._ready = True
