@@ -5,7 +5,6 @@ and (marked slow until the daemon lands) a short chaos run against the real daem
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import textwrap
@@ -340,3 +339,21 @@ def test_short_chaos_against_the_real_daemon(tmp_path):
     assert {(f["action"], f["coordinator"]) for f in applied} >= {("kill", True), ("stop", True)}, applied
     assert report["targets"]["failover_gap"]["ok"], report["targets"]
     assert report["decoupled"]["commits"] > 0
+
+
+def test_targets_are_judged_only_where_they_apply(tmp_path):
+    from diloco_node.chaos.harness import evaluate_targets
+
+    def mode(goodput, failovers, unrecovered=0):
+        return {"goodput": goodput, "failover_s": {"all": failovers, "unrecovered": unrecovered}}
+
+    down = ChaosConfig(workdir=tmp_path, scenario="learner-down", lease_s=3.0)
+    targets = evaluate_targets({"violations": [], "decoupled": mode(0.88, []), "synchronous": mode(0.62, [])}, down)
+    assert {k: v["ok"] for k, v in targets.items()} == {
+        "violations": True, "decoupled_goodput": True, "synchronous_goodput": False}
+    chaos = ChaosConfig(workdir=tmp_path, lease_s=3.0)
+    targets = evaluate_targets({"violations": ["x"], "decoupled": mode(0.5, [2.0, 9.5])}, chaos)
+    assert {k: v["ok"] for k, v in targets.items()} == {"violations": False, "failover_gap": False}
+    assert targets["failover_gap"]["value"] == 9.5 and targets["failover_gap"]["target"] == "<= 9s (3 x lease)"
+    targets = evaluate_targets({"violations": [], "decoupled": mode(0.5, [2.0], unrecovered=1)}, chaos)
+    assert targets["failover_gap"]["ok"] is False

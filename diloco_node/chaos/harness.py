@@ -43,7 +43,7 @@ from diloco_node.chaos.schedule import (
     one_learner_down,
 )
 from diloco_node.chaos.supervisor import ProcessSpec, Supervisor, SupervisorError
-from diloco_node.history import HISTORY_FILE_NAME, HistoryEvent, HistoryWriter, load_histories
+from diloco_node.history import HISTORY_FILE_NAME, HistoryEvent, HistoryWriter, load_histories, read_history
 from diloco_node.linkemu import LinkEmulator
 
 NEMESIS = "nemesis"
@@ -112,8 +112,6 @@ class Launcher(Protocol):
 
 def _history_probe(slot: NodeSlot, since: float) -> NodeProbe:
     """Readiness and state from a node's own history: started after `since`, last apply."""
-    from diloco_node.history import read_history
-
     if not slot.history_path.exists():
         return NodeProbe(False, "no history yet")
     events = read_history(slot.history_path).events
@@ -560,8 +558,6 @@ class ModeRun:
         return load_histories(paths)
 
     def _evaluate(self, t0: float, t1: float) -> ModeResult:
-        from diloco_node.history import read_history
-
         histories = self._read_histories()
         torn = sum(read_history(p).torn_tail for p in self._history_paths())
         violations = check_histories(histories, final_states_from(histories))
@@ -619,9 +615,9 @@ def evaluate_targets(report: Mapping[str, Any], config: ChaosConfig) -> dict[str
             "value": worst, "target": f"<= {limit:g}s (3 x lease)",
             "ok": worst is not None and worst <= limit and decoupled["failover_s"]["unrecovered"] == 0,
         }
-        if config.scenario == "learner-down":
-            targets["decoupled_goodput"] = {"value": decoupled["goodput"], "target": f">= {TARGET_DECOUPLED_GOODPUT}",
-                                            "ok": decoupled["goodput"] >= TARGET_DECOUPLED_GOODPUT}
+    if decoupled is not None and config.scenario == "learner-down":
+        targets["decoupled_goodput"] = {"value": decoupled["goodput"], "target": f">= {TARGET_DECOUPLED_GOODPUT}",
+                                        "ok": decoupled["goodput"] >= TARGET_DECOUPLED_GOODPUT}
     synchronous = report.get("synchronous")
     if synchronous is not None and config.scenario == "learner-down":
         targets["synchronous_goodput"] = {"value": synchronous["goodput"], "target": f"<= {TARGET_SYNCHRONOUS_GOODPUT_MAX}",
