@@ -302,7 +302,7 @@ def test_harness_end_to_end_with_standins(tmp_path):
     assert all(f["note"] == "ok" for f in applied)
     assert decoupled["commits"] > 10 and 0 < decoupled["goodput"] <= 1 and 0 < decoupled["uptime"] <= 1
     assert len(decoupled["failover_s"]["all"]) == 2 and decoupled["failover_s"]["unrecovered"] == 0
-    assert report["targets"]["violations"]["ok"]
+    assert report["targets"]["violations"]["ok"] and report["targets"]["histories"]["ok"]
 
     histories = load_histories(find_history_files(tmp_path))
     # every process the run started is gone: each start event names its pid
@@ -335,6 +335,7 @@ def test_short_chaos_against_the_real_daemon(tmp_path):
     report = run_chaos(config, DaemonLauncher())
     (tmp_path / "report.json").write_text(json.dumps(report, indent=2))
     assert report["violations"] == [], report["violations"]
+    assert report["decoupled"]["nodes_without_history"] == []  # the checker saw every node
     applied = report["decoupled"]["faults_applied"]
     assert {(f["action"], f["coordinator"]) for f in applied} >= {("kill", True), ("stop", True)}, applied
     assert report["targets"]["failover_gap"]["ok"], report["targets"]
@@ -350,10 +351,11 @@ def test_targets_are_judged_only_where_they_apply(tmp_path):
     down = ChaosConfig(workdir=tmp_path, scenario="learner-down", lease_s=3.0)
     targets = evaluate_targets({"violations": [], "decoupled": mode(0.88, []), "synchronous": mode(0.62, [])}, down)
     assert {k: v["ok"] for k, v in targets.items()} == {
-        "violations": True, "decoupled_goodput": True, "synchronous_goodput": False}
+        "violations": True, "histories": True, "decoupled_goodput": True, "synchronous_goodput": False}
     chaos = ChaosConfig(workdir=tmp_path, lease_s=3.0)
-    targets = evaluate_targets({"violations": ["x"], "decoupled": mode(0.5, [2.0, 9.5])}, chaos)
-    assert {k: v["ok"] for k, v in targets.items()} == {"violations": False, "failover_gap": False}
+    targets = evaluate_targets({"violations": ["x"], "decoupled": {**mode(0.5, [2.0, 9.5]), "nodes_without_history": ["n2"]}}, chaos)
+    assert {k: v["ok"] for k, v in targets.items()} == {"violations": False, "histories": False, "failover_gap": False}
+    assert targets["histories"]["value"] == ["n2"]
     assert targets["failover_gap"]["value"] == 9.5 and targets["failover_gap"]["target"] == "<= 9s (3 x lease)"
     targets = evaluate_targets({"violations": [], "decoupled": mode(0.5, [2.0], unrecovered=1)}, chaos)
     assert targets["failover_gap"]["ok"] is False

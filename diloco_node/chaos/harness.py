@@ -330,6 +330,7 @@ class ModeResult:
     violations: list[Violation]
     applied: list[dict[str, Any]] = field(default_factory=list)
     torn_tails: int = 0
+    silent_nodes: list[str] = field(default_factory=list)  # launched but wrote no history
 
 
 # ---------------------------------------------------------------------------------------------
@@ -567,7 +568,9 @@ class ModeRun:
             gaps = [b - a for a, b in zip(times, times[1:])]
             stall_after = 2 * statistics.median(gaps) if gaps else 0.0
         metrics = measure(histories, self.learner_windows, t0, t1, stall_after)
-        return ModeResult(self.mode, metrics, violations, self.applied, torn)
+        # Without a node's history the checker cannot see it: say so rather than pass quietly.
+        silent = sorted(n for n in self.launched_at if not histories.get(n))
+        return ModeResult(self.mode, metrics, violations, self.applied, torn, silent)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -596,7 +599,7 @@ def run_chaos(config: ChaosConfig, launcher: Launcher | None = None, schedule: S
     }
     for mode, result in results.items():
         report[mode] = {**result.metrics.to_report(), "torn_history_lines": result.torn_tails,
-                        "faults_applied": result.applied}
+                        "nodes_without_history": result.silent_nodes, "faults_applied": result.applied}
     report["targets"] = evaluate_targets(report, config)
     return report
 
@@ -606,6 +609,8 @@ def evaluate_targets(report: Mapping[str, Any], config: ChaosConfig) -> dict[str
     targets: dict[str, dict[str, Any]] = {
         "violations": {"value": len(report["violations"]), "target": "== 0", "ok": not report["violations"]},
     }
+    silent = sorted({n for mode in MODES if mode in report for n in report[mode].get("nodes_without_history", [])})
+    targets["histories"] = {"value": silent, "target": "every node writes <data_dir>/history.jsonl", "ok": not silent}
     decoupled = report.get("decoupled")
     outages = 0 if decoupled is None else len(decoupled["failover_s"]["all"]) + decoupled["failover_s"]["unrecovered"]
     if decoupled is not None and outages:
