@@ -14,13 +14,13 @@ See docs/DAEMON.md for the process model and message flows.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import os
 import random
 import signal
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -298,7 +298,6 @@ class Node:
         cfg = model_lib.model_config(manifest.model.size, manifest.model.seq_len)
         vocab = self.corpus.vocab_size if self.corpus is not None else cfg.vocab_size
         if vocab != cfg.vocab_size:
-            import dataclasses
             cfg = dataclasses.replace(cfg, vocab_size=vocab)
         self.model_cfg = cfg
         _, params = model_lib.split_model(model_lib.init_model(cfg, manifest.seed))
