@@ -275,3 +275,18 @@ def test_a_commit_after_the_final_probe_is_not_a_loss():
     assert check_histories(h) == []
     h["b"][-1] = ev("b", "commit", 9.5, epoch=2, index=5, entry_digest=entry(5))  # before: a loss
     assert invariants(h) == {"committed_index_lost"}
+
+
+def test_stale_leader_step_down_after_sigcont():
+    from diloco_node.chaos.metrics import step_down_times
+
+    h = {"a": [ev("a", "lease_acquired", 1.0, epoch=1, index=0), ev("a", "lease_lost", 9.3, epoch=2)],
+         "b": [ev("b", "lease_acquired", 6.0, epoch=2, index=4)],
+         "nemesis": [ev("nemesis", "fault", 5.0, detail={"action": "stop", "target": "a", "coordinator": True, "fault": 0}),
+                     ev("nemesis", "heal", 9.0, detail={"action": "stop", "target": "a", "fault": 0})]}
+    times, never = step_down_times(h)
+    assert times == pytest.approx([0.3]) and never == 0
+    h["a"].pop()  # a never noticed it was superseded
+    assert step_down_times(h) == ([], 1)
+    h["b"][0] = ev("b", "lease_acquired", 9.5, epoch=2, index=4)  # elected only after SIGCONT: not stale
+    assert step_down_times(h) == ([], 0)

@@ -302,6 +302,9 @@ def test_harness_end_to_end_with_standins(tmp_path):
     assert all(f["note"] == "ok" for f in applied)
     assert decoupled["commits"] > 10 and 0 < decoupled["goodput"] <= 1 and 0 < decoupled["uptime"] <= 1
     assert len(decoupled["failover_s"]["all"]) == 2 and decoupled["failover_s"]["unrecovered"] == 0
+    # the SIGSTOPped holder was superseded and stepped down once continued
+    assert len(decoupled["stale_leader_step_down_s"]["all"]) == 1
+    assert decoupled["stale_leader_step_down_s"]["never"] == 0
     assert report["targets"]["violations"]["ok"] and report["targets"]["histories"]["ok"]
 
     histories = load_histories(find_history_files(tmp_path))

@@ -12,12 +12,15 @@ cannot be compared this way). Definitions, with the reasoning, are in docs/CHAOS
 - uptime = 1 - Σ max(0, gap - stall_after_s) / (t1 - t0): the share of time the global model kept
   advancing, allowing `stall_after_s` between commits as normal;
 - failover: for each nemesis fault that took the lease holder down (kill, stop, isolate), the time
-  from the fault to the next commit on any node.
+  from the fault to the next commit on any node;
+- step-down: for each coordinator SIGSTOP outlived by a newer lease elsewhere, the time from
+  SIGCONT to the stale holder's `lease_lost` (fencing).
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -156,6 +159,35 @@ def failover_times(
     return sorted(failovers), unrecovered
 
 
+def step_down_times(histories: Mapping[str, Sequence[HistoryEvent]]) -> tuple[list[float], int]:
+    """(seconds from SIGCONT to `lease_lost`, how many stale holders never stepped down) for each
+    coordinator SIGSTOP during which another node acquired a newer lease (the fencing promise:
+    a continued stale holder must find out and step down)."""
+    events = [e for evs in histories.values() for e in evs]
+    continued = {e.detail.get("fault"): e.t_mono for e in events if e.kind == "heal" and e.detail.get("action") == "stop"}
+    times: list[float] = []
+    never = 0
+    for fault in events:
+        if fault.kind != "fault" or fault.detail.get("action") != "stop" or not fault.detail.get("coordinator"):
+            continue
+        node, t_stop = fault.detail.get("target"), fault.t_mono
+        t_cont = continued.get(fault.detail.get("fault"))
+        if not isinstance(node, str) or t_cont is None:
+            continue
+        own = histories.get(node, ())
+        held = max((e.epoch or 0 for e in own if e.kind == "lease_acquired" and e.t_mono <= t_stop), default=0)
+        superseded = any(e.kind == "lease_acquired" and e.node != node and (e.epoch or 0) > held
+                         and t_stop <= e.t_mono <= t_cont for e in events)
+        if not superseded:
+            continue
+        lost = next((e.t_mono for e in own if e.t_mono >= t_cont and e.kind in ("lease_lost", "start")), None)
+        if lost is None:
+            never += 1
+        else:
+            times.append(lost - t_cont)
+    return sorted(times), never
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default); None for no values."""
     if not 0 <= q <= 100:
@@ -181,6 +213,8 @@ class ModeMetrics:
     commits: int
     lost_learner_s: float
     window_s: float
+    step_down_s: list[float] = dataclasses.field(default_factory=list)
+    never_stepped_down: int = 0
 
     def to_report(self) -> dict[str, object]:
         return {
@@ -196,6 +230,8 @@ class ModeMetrics:
             "commits": self.commits,
             "lost_learner_s": round(self.lost_learner_s, 3),
             "window_s": round(self.window_s, 3),
+            "stale_leader_step_down_s": {"all": [round(x, 3) for x in self.step_down_s],
+                                         "never": self.never_stepped_down},
         }
 
 
@@ -214,6 +250,7 @@ def measure(
     commits = commit_times(histories)
     gaps = commit_gaps(commits, t0, t1)
     failovers, unrecovered = failover_times(histories, t1)
+    step_down = step_down_times(histories)
     lost = 0.0
     for node, (start, end) in learner_windows.items():
         lost += productive_seconds(histories.get(node, ()), node, commits, max(t0, start), min(t1, end))[1]
@@ -226,6 +263,8 @@ def measure(
         commits=sum(1 for c in commits if t0 <= c.t_mono <= t1),
         lost_learner_s=lost,
         window_s=t1 - t0,
+        step_down_s=step_down[0],
+        never_stepped_down=step_down[1],
     )
 
 
