@@ -97,6 +97,9 @@ class RunnerConfig:
     eval_batches: int = 8
     eval_batch_size: int = 32
     log_every: int = 0  # ticks between progress callbacks (0: never)
+    # When the budget is spent, every live learner sends each fragment it has trained since its
+    # last send, so the evaluated global model contains every token (costs one more exchange).
+    final_sync: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -346,6 +349,7 @@ class _LearnerState:
     base_round: list[int] = field(default_factory=list)
     base_params: list[dict[str, np.ndarray]] = field(default_factory=list)
     awaiting: dict[int, int] = field(default_factory=dict)  # fragment -> last step allowed before its merge
+    sent_step: dict[int, int] = field(default_factory=dict)  # fragment -> sync_step of its last send
     inbox: list[_MergeMsg] = field(default_factory=list)
     missed: list[_MergeMsg] = field(default_factory=list)
     compute_s: float = 0.0
@@ -506,8 +510,18 @@ class _FragmentSync:
             heapq.heapify(self.events)
             for st in self.learners:
                 st.stepping = False
+                if st.blocked_since is not None:  # blocked until the end: that wait is idle time
+                    st.idle_s += t - st.blocked_since
+                    st.blocked_since = None
         for m in indices:
             self._boundary(self.learners[m], t, stepped=True)
+        if self.stop_time == t and config.final_sync and config.mode != "data_parallel":
+            for st in self.learners:
+                if st.down:
+                    continue
+                for p in range(self.plan.num_fragments):
+                    if st.c_steps[p] > 0 and st.sent_step.get(p) != st.sync_step:
+                        self._send(st, p, t)
         self._admit_joiners(indices, t)
         if config.log_every and self._ticks % config.log_every == 0:
             self._report(t)
@@ -591,6 +605,7 @@ class _FragmentSync:
         payload = encode_named(delta, sync.codec_up)
         self.bytes_up += len(payload)
         contribution = Contribution(st.name, p, st.base_round[p], decode_named(payload), st.c_steps[p], st.c_tokens[p])
+        st.sent_step[p] = st.sync_step
         if self.policy.blocking:
             st.awaiting[p] = st.sync_step + self.policy.overlap
         self._push(t + self.config.link.transfer_s(len(payload)), _ARRIVE, (contribution, t))

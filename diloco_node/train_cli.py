@@ -34,7 +34,7 @@ def default_manifest(steps: int, seed: int = 0) -> RunManifest:
         model=ModelSpec(size="tiny", seq_len=64),
         data=DataSpec(source="stdlib", seed=seed),
         inner=InnerOptimizer(batch_size=8, lr_peak=3e-3, warmup_steps=min(30, steps // 4), total_steps=max(steps, 2)),
-        outer=OuterOptimizer(lr=0.7, momentum=0.9),
+        outer=OuterOptimizer(lr=0.7, momentum=0.6),
         sync=SyncSpec(fragments=4, period=32 if steps >= 128 else 16, overlap=2, min_quorum=1,
                       codec_up="int4", codec_down="int4", merge="rda", weighting="tokens"),
         seed=seed,
