@@ -315,10 +315,10 @@ class Simulation:
         cfg = self.config
         healed_at = self.now
         committed = self.checker.latest_committed_config()
-        live = [h.node_id for h in self.hosts.values() if h.node is not None]
+        live = [h.node_id for h in self.hosts.values() if h.node is not None and not h.node.leaving]
         if not committed.is_majority(live):
-            # The schedule destroyed the majority for good (e.g. voters left before their removal
-            # committed): no protocol can commit now, so liveness is not owed.
+            # The schedule destroyed the majority for good (voters left, or are about to leave,
+            # before their removal committed): no protocol can commit, so liveness is not owed.
             self.faults_applied.append(f"{self.now:.2f} no live majority of {committed.describe()}: liveness not checked")
             return None
         fresh = lambda: self.last_commit is not None and self.last_commit[0] > healed_at  # noqa: E731
