@@ -293,7 +293,13 @@ def test_harness_end_to_end_with_standins(tmp_path):
         workdir=tmp_path, seed=3, duration_s=12, faults=3, lease_s=0.5, heartbeat_s=0.1,
         warmup_s=2, settle_s=2.5, recovery_s=1, modes=("decoupled",),
     ))
-    report = run_chaos(config, StandinLauncher(commit_interval_s=0.2))
+    # Explicit, so the SIGSTOP outlasts the 0.5 s lease by a wide margin even on a loaded machine.
+    schedule = Schedule(3, 12, (
+        Fault(2.0, "kill", COORDINATOR, 1.0),
+        Fault(5.0, "stop", COORDINATOR, 2.0),
+        Fault(8.0, "bandwidth", "n2", 1.0, 2.0),
+    ))
+    report = run_chaos(config, StandinLauncher(commit_interval_s=0.2), schedule)
     assert report["nodes"] == "standin" and report["faults"] == 3
     assert report["violations"] == [], report["violations"]
     decoupled = report["decoupled"]

@@ -66,6 +66,7 @@ class StandinNode:
         self.last_checkpoint = time.monotonic()
         self.history = HistoryWriter(self.data / HISTORY_FILE_NAME, self.node)
         self.running = True
+        self.pending: list[tuple[str, dict]] = []
 
     def save_checkpoint(self) -> None:
         _write_json(self.checkpoint_path, {"applied": self.applied, "digest": self.digest, "epoch": self.epoch})
@@ -99,6 +100,14 @@ class StandinNode:
         return sorted(present)
 
     def coordinate(self, now: float) -> None:
+        """One look at the lease and, as holder, maybe a commit. History events are written after
+        the lock is released, so a SIGSTOP is unlikely to freeze the holder inside it."""
+        self.pending = []
+        self._coordinate_locked(now)
+        for kind, fields in self.pending:
+            self.history.record(kind, **fields)
+
+    def _coordinate_locked(self, now: float) -> None:
         with open(self.cluster / "lock", "a+") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -111,7 +120,7 @@ class StandinNode:
                 self.holding = False
                 self.epoch = max(self.epoch, lease["epoch"])
                 self.save_checkpoint()
-                self.history.record("lease_lost", epoch=self.epoch, detail={"holder": lease["holder"]})
+                self.pending.append(("lease_lost", {"epoch": self.epoch, "detail": {"holder": lease["holder"]}}))
             if mine and self.holding:
                 lease["expires"] = now + self.lease_s
                 _write_json(lease_path, lease)
@@ -120,7 +129,7 @@ class StandinNode:
                 self.save_checkpoint()  # an epoch is durable before it is used
                 _write_json(lease_path, {"epoch": self.epoch, "holder": self.node, "expires": now + self.lease_s})
                 self.holding = True
-                self.history.record("lease_acquired", epoch=self.epoch, index=self.log_length())
+                self.pending.append(("lease_acquired", {"epoch": self.epoch, "index": self.log_length()}))
                 self.last_commit = now
             elif lease["epoch"] > self.epoch:
                 self.epoch = lease["epoch"]
@@ -140,9 +149,9 @@ class StandinNode:
         entry = hashlib.blake2b(f"{self.epoch}|{index}|{','.join(contributors)}".encode(), digest_size=8).hexdigest()
         with open(self.cluster / "log.jsonl", "a") as log:
             log.write(json.dumps({"index": index, "epoch": self.epoch, "entry": entry}) + "\n")
-        self.history.record("append", epoch=self.epoch, index=index, entry_digest=entry)
-        self.history.record("commit", epoch=self.epoch, index=index, entry_digest=entry,
-                            detail={"contributors": contributors})
+        self.pending.append(("append", {"epoch": self.epoch, "index": index, "entry_digest": entry}))
+        self.pending.append(("commit", {"epoch": self.epoch, "index": index, "entry_digest": entry,
+                                        "detail": {"contributors": contributors}}))
 
     def apply_new(self) -> None:
         path = self.cluster / "log.jsonl"
