@@ -363,8 +363,9 @@ class ModeRun:
 
     def run(self) -> ModeResult:
         self.dir.mkdir(parents=True, exist_ok=True)
-        learners = self.config.nodes + self.config.joiners
-        min_quorum = learners if self.mode == "synchronous" else 1
+        # Synchronous: K = M, the founding learners (the manifest is fixed at founding; a site
+        # that joins later adds a learner the quorum does not wait for).
+        min_quorum = self.config.nodes if self.mode == "synchronous" else 1
         self.launcher.prepare(self.dir, min_quorum, self.config.lease_s, self.config.heartbeat_s, self.config.seed)
         nemesis = HistoryWriter(self.dir / NEMESIS / HISTORY_FILE_NAME, NEMESIS)
         # The supervisor is outside the event loop so that whatever happens to the loop
