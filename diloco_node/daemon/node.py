@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import random
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -75,6 +76,8 @@ CONTRIBUTION_DEADLINE_S = 60.0
 # Worker threads for codecs, merges and big-frame hashing (they release the GIL); the learner
 # has its own thread. Two is enough on a small host; more only competes with JAX.
 POOL_THREADS = 2
+# systemd STATUS= lines repeat at most this often while nothing but counters changes.
+SYSTEMD_STATUS_EVERY_S = 10.0
 # How long a refreshed address book is trusted before a peer is asked again for the member list.
 MEMBER_REFRESH_S = 5.0
 
@@ -126,6 +129,7 @@ class Node:
         self._last_leader: str | None = None
         self._loss: float | None = None
         self._diverged_fetching: set[int] = set()
+        self._systemd_shape, self._systemd_status_at = "", 0.0
         self._consistent_from = 0  # applied index from which our replica is one consistent state
         self._leader_commit = 0  # highest commit index a lease holder told us
         self._frozen = False  # set while stopping: no message is handled, no entry applied
@@ -833,8 +837,12 @@ class Node:
         if self._ready:
             role = "lease holder" if coordination.is_lease_holder(self.now()) else coordination.role.value
             reason = f"ready: {role}, epoch {coordination.epoch}, applied {self.replica.applied_index}"
-        if reason != self._ready_reason:
-            self.notifier.status(reason)  # systemd's STATUS= line, only when it changes
+        # systemd's STATUS= line: when the kind of state changes (numbers aside), else at most every
+        # SYSTEMD_STATUS_EVERY_S; the notify socket is a blocking datagram socket, so never a flood.
+        shape = re.sub(r"\d+", "#", reason)
+        if shape != self._systemd_shape or self.now() - self._systemd_status_at >= SYSTEMD_STATUS_EVERY_S:
+            self.notifier.status(reason)
+            self._systemd_shape, self._systemd_status_at = shape, self.now()
         self._ready_reason = reason
         self.status.set_ready(self._ready, reason)
 

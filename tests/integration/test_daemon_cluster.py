@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -25,14 +26,20 @@ STARTUP_S = 150.0  # several JAX processes compiling at once on two shared cores
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     c = Cluster.create(tmp_path_factory.mktemp("cluster"))
+    # Site a runs as if under a Type=notify unit: its sd_notify datagrams land in this socket.
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(c.root / "notify.sock"))
+    notify.setblocking(False)
+    c.notify_socket = notify  # type: ignore[attr-defined]
     try:
-        a = c.add("a")
+        a = c.add("a", env={"NOTIFY_SOCKET": str(c.root / "notify.sock")})
         c.wait_for("a ready", lambda s: s.get("a", {}).get("ready", False), STARTUP_S)
         c.add("b", bootstrap=a)
         c.add("c", bootstrap=a)
         yield c
     finally:
         c.close()
+        notify.close()
 
 
 def _voters(doc: dict) -> set[str]:
@@ -72,6 +79,17 @@ def test_three_sites_commit_and_agree(cluster: Cluster) -> None:
     while not any(all_three.search(site.log_text()) for site in cluster.sites.values()):
         assert time.monotonic() < deadline, "no round merged all three learners within 60 s"
         time.sleep(0.5)
+
+
+def test_systemd_hears_ready_and_status(cluster: Cluster) -> None:
+    received = []
+    while True:
+        try:
+            received.append(cluster.notify_socket.recv(4096).decode())  # type: ignore[attr-defined]
+        except BlockingIOError:
+            break
+    assert any("READY=1" in m for m in received), received
+    assert any(m.startswith("STATUS=") and "ready: lease holder" in m for m in received), received
 
 
 def test_wrong_secret_is_refused_and_changes_nothing(cluster: Cluster, tmp_path: Path) -> None:
@@ -165,6 +183,27 @@ def test_sigterm_then_restart_resumes_at_the_same_index_with_identical_state(clu
     cluster.wait_for(f"{follower} ready again", lambda s: follower in s and s[follower].get("ready"), STARTUP_S)
     resumed = re.findall(r"resumed from checkpoint \d+ at index (\d+) digest ([0-9a-f]+)", site.log_text())
     assert resumed and (int(resumed[-1][0]), resumed[-1][1]) == (index, digest)
+    common = _common_index(cluster, set(cluster.poll()), 60)
+    assert len(cluster.history[common]) == 1
+    assert cluster.conflicting_indices() == {}
+
+
+def test_sigterm_of_the_coordinator_resigns_and_it_rejoins_after_restart(cluster: Cluster) -> None:
+    statuses = cluster.poll()
+    leader = cluster.coordinator(statuses)
+    assert leader is not None
+    site = cluster.sites[leader]
+    site.signal(signal.SIGTERM)
+    assert site.wait(60) == 0, "SIGTERM must end the coordinator with exit code 0"
+    text = site.log_text()
+    assert "left: our removal is committed" in text, text[-2000:]
+    others = {n for n, s in cluster.sites.items() if s.running}
+    cluster.wait_for("another coordinator without the resigned one", lambda s: others <= set(s) and len(
+        {s[n].get("coordinator") for n in others} - {None, leader}) == 1 and all(leader not in _voters(s[n])
+                                                                                  for n in others), 60)
+    site.start()
+    cluster.wait_for(f"{leader} re-added as a voter", lambda s: leader in s and s[leader].get("ready")
+                     and all(leader in _voters(doc) for doc in s.values()), STARTUP_S)
     common = _common_index(cluster, set(cluster.poll()), 60)
     assert len(cluster.history[common]) == 1
     assert cluster.conflicting_indices() == {}
