@@ -312,6 +312,7 @@ def test_harness_end_to_end_with_standins(tmp_path):
     assert len(decoupled["stale_leader_step_down_s"]["all"]) == 1
     assert decoupled["stale_leader_step_down_s"]["never"] == 0
     assert report["targets"]["violations"]["ok"] and report["targets"]["histories"]["ok"]
+    assert decoupled["nodes_dead_at_end"] == {}
 
     histories = load_histories(find_history_files(tmp_path))
     # every process the run started is gone: each start event names its pid
@@ -360,10 +361,14 @@ def test_targets_are_judged_only_where_they_apply(tmp_path):
     down = ChaosConfig(workdir=tmp_path, scenario="learner-down", lease_s=3.0)
     targets = evaluate_targets({"violations": [], "decoupled": mode(0.88, []), "synchronous": mode(0.62, [])}, down)
     assert {k: v["ok"] for k, v in targets.items()} == {
-        "violations": True, "histories": True, "decoupled_goodput": True, "synchronous_goodput": False}
+        "violations": True, "histories": True, "nodes_alive": True, "decoupled_goodput": True,
+        "synchronous_goodput": False}
     chaos = ChaosConfig(workdir=tmp_path, lease_s=3.0)
-    targets = evaluate_targets({"violations": ["x"], "decoupled": {**mode(0.5, [2.0, 9.5]), "nodes_without_history": ["n2"]}}, chaos)
-    assert {k: v["ok"] for k, v in targets.items()} == {"violations": False, "histories": False, "failover_gap": False}
+    silent_and_dead = {**mode(0.5, [2.0, 9.5]), "nodes_without_history": ["n2"], "nodes_dead_at_end": {"n3": 1}}
+    targets = evaluate_targets({"violations": ["x"], "decoupled": silent_and_dead}, chaos)
+    assert {k: v["ok"] for k, v in targets.items()} == {
+        "violations": False, "histories": False, "nodes_alive": False, "failover_gap": False}
+    assert targets["nodes_alive"]["value"] == {"decoupled:n3": 1}
     assert targets["histories"]["value"] == ["n2"]
     assert targets["failover_gap"]["value"] == 9.5 and targets["failover_gap"]["target"] == "<= 9s (3 x lease)"
     targets = evaluate_targets({"violations": [], "decoupled": mode(0.5, [2.0], unrecovered=1)}, chaos)

@@ -331,6 +331,7 @@ class ModeResult:
     applied: list[dict[str, Any]] = field(default_factory=list)
     torn_tails: int = 0
     silent_nodes: list[str] = field(default_factory=list)  # launched but wrote no history
+    dead_at_end: dict[str, int | None] = field(default_factory=dict)  # node -> exit code
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,6 +361,7 @@ class ModeRun:
         self.resolved: dict[int, str] = {}  # fault number -> node it hit
         self.applied: list[dict[str, Any]] = []
         self.t0 = 0.0
+        self.dead_at_end: dict[str, int | None] = {}
 
     def run(self) -> ModeResult:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -532,6 +534,8 @@ class ModeRun:
         """Wait until every live node is ready at the same index and digest, at or past the
         highest committed index; then write the `final` events either way (the checker judges)."""
         live = [n for n in self.slots if n in self.launched_at and sup.alive(n)]
+        # Every kill is followed by a restart, so a node dead now exited on its own.
+        self.dead_at_end = {n: sup.returncode(n) for n in self.launched_at if n not in live}
         deadline = time.monotonic() + self.config.converge_timeout_s
         while True:
             probed_at = time.monotonic()
@@ -571,7 +575,7 @@ class ModeRun:
         metrics = measure(histories, self.learner_windows, t0, t1, stall_after)
         # Without a node's history the checker cannot see it: say so rather than pass quietly.
         silent = sorted(n for n in self.launched_at if not histories.get(n))
-        return ModeResult(self.mode, metrics, violations, self.applied, torn, silent)
+        return ModeResult(self.mode, metrics, violations, self.applied, torn, silent, self.dead_at_end)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -600,7 +604,8 @@ def run_chaos(config: ChaosConfig, launcher: Launcher | None = None, schedule: S
     }
     for mode, result in results.items():
         report[mode] = {**result.metrics.to_report(), "torn_history_lines": result.torn_tails,
-                        "nodes_without_history": result.silent_nodes, "faults_applied": result.applied}
+                        "nodes_without_history": result.silent_nodes, "nodes_dead_at_end": result.dead_at_end,
+                        "faults_applied": result.applied}
     report["targets"] = evaluate_targets(report, config)
     return report
 
@@ -612,6 +617,8 @@ def evaluate_targets(report: Mapping[str, Any], config: ChaosConfig) -> dict[str
     }
     silent = sorted({n for mode in MODES if mode in report for n in report[mode].get("nodes_without_history", [])})
     targets["histories"] = {"value": silent, "target": "every node writes <data_dir>/history.jsonl", "ok": not silent}
+    dead = {f"{mode}:{n}": rc for mode in MODES if mode in report for n, rc in report[mode].get("nodes_dead_at_end", {}).items()}
+    targets["nodes_alive"] = {"value": dead, "target": "no node exits on its own", "ok": not dead}
     decoupled = report.get("decoupled")
     outages = 0 if decoupled is None else len(decoupled["failover_s"]["all"]) + decoupled["failover_s"]["unrecovered"]
     if decoupled is not None and outages:
