@@ -38,7 +38,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 
@@ -49,7 +49,7 @@ from diloco_node.global_state import GlobalState
 from diloco_node.inner import InnerLearner, StackedLearners
 from diloco_node.merge import Contribution, ContributionCaps, NormReference, merge_contributions
 from diloco_node.quorum import Ema, QuorumPolicy, TimingEstimates, decide_round
-from diloco_node.run_config import OuterOptimizer, RunManifest
+from diloco_node.run_config import RunManifest
 from wire.codecs import decode_named, encode_named
 
 MODES = ("data_parallel", "diloco", "streaming", "decoupled")
@@ -341,7 +341,6 @@ class _LearnerState:
     stepping: bool = False  # a STEP_DONE event is scheduled
     joining: bool = False  # back from an outage, waiting for the next step boundary of the others
     active_since: float = 0.0  # when it (re)joined the schedule; rounds opened earlier do not wait for it
-    finished: bool = False
     blocked_since: float | None = None
     sync_step: int = 0  # steps since start (phase of the fragment schedule)
     c_steps: list[int] = field(default_factory=list)
@@ -547,7 +546,6 @@ class _FragmentSync:
                 if st.c_steps[p] > 0:  # nothing new to contribute right after a merge was applied
                     self._send(st, p, t)
         if self.stop_time is not None:
-            st.finished = True
             if st.blocked_since is not None:
                 st.idle_s += t - st.blocked_since
                 st.blocked_since = None

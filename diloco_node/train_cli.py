@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 import tomllib
