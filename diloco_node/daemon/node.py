@@ -46,6 +46,7 @@ from diloco_node.daemon.learner_thread import (
     snapshot_from_checkpoint,
     snapshot_meta_and_arrays,
 )
+from diloco_node.daemon.notify import BackgroundNotifier
 from diloco_node.daemon.replica import CommitPayload, Replica
 from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.daemon.syncer import MergedRound, Syncer
@@ -109,7 +110,7 @@ class Node:
         self._commits_metric = self.metrics.counter("diloco_daemon_commits_applied_total", "outer commits applied")
         self._contrib_metric = self.metrics.counter("diloco_daemon_contributions_sent_total", "contributions sent")
         self._merges_metric = self.metrics.counter("diloco_daemon_merges_proposed_total", "merges proposed as lease holder")
-        self.notifier = SystemdNotifier(self.environ)
+        self.notifier = BackgroundNotifier(SystemdNotifier(self.environ))
         self.coord: CoordinatorNode | None = None
         self.replica: Replica | None = None
         self.learner: LearnerThread | None = None
@@ -231,7 +232,8 @@ class Node:
         self._start_coordination()
         self._tasks.append(asyncio.create_task(self._ticker(), name="coordination-ticker"))
         self._tasks.append(asyncio.create_task(self._periodic(), name="periodic"))
-        self._tasks.append(asyncio.create_task(run_watchdog(self.notifier, self._live), name="watchdog"))
+        self._tasks.append(asyncio.create_task(run_watchdog(self.notifier, self._live),  # type: ignore[arg-type]
+                                               name="watchdog"))
         if mode == "join":
             await self._announce_to_members()
             self._held_applies = []

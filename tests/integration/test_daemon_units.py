@@ -140,3 +140,21 @@ def test_fragment_bytes_from_a_peer_are_checked_before_install() -> None:
     with pytest.raises(RemoteProtocolError):
         replica.install_fragment_bytes(1, replica.fragment_bytes(0)[1])  # fragment 0's bytes as fragment 1
     assert replica.state.digest() == before
+
+
+def test_notifications_never_block_when_systemd_stops_reading(tmp_path) -> None:
+    import socket
+
+    from diloco_node.daemon.notify import BackgroundNotifier
+    from diloco_node.systemd import SystemdNotifier
+
+    path = tmp_path / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:
+        listener.bind(str(path))  # bound, never read: its queue fills and sendto blocks
+        notifier = BackgroundNotifier(SystemdNotifier({"NOTIFY_SOCKET": str(path)}), max_pending=4)
+        notifier.ready("up")
+        for i in range(200):
+            notifier.status(f"status {i}")  # would hang here if sends ran on the caller's thread
+        assert notifier.dropped > 0
+        assert listener.recv(4096).startswith(b"READY=1")
+        notifier.close()
