@@ -158,3 +158,36 @@ def test_notifications_never_block_when_systemd_stops_reading(tmp_path) -> None:
         assert notifier.dropped > 0
         assert listener.recv(4096).startswith(b"READY=1")
         notifier.close()
+
+
+class _FlakyPeers:
+    """A stand-in PeerClient serving fragment bytes from `source`; the first URL dies after one chunk."""
+
+    def __init__(self, source: Replica) -> None:
+        self.source = source
+        self.requests: list[tuple[str, int, int]] = []  # (url, fragment, offset)
+
+    async def send(self, url, request, **_):
+        from diloco_node.transport import PeerUnreachable
+
+        self.requests.append((url, request.fragment, request.offset))
+        if url == "http://dies" and len([r for r in self.requests if r[0] == url]) > 1:
+            raise PeerUnreachable(url, "connection reset")
+        _, data, digest = self.source.fragment_bytes(request.fragment)
+        part = data[request.offset:request.offset + request.max_length]
+        return [wire.SnapshotChunk(request.fragment, 7, request.offset, len(data), digest, part)]
+
+
+async def test_fragment_download_resumes_at_the_offset_on_another_peer() -> None:
+    from diloco_node.daemon.join import FragmentDownload
+
+    source, target = _replica(), _replica()
+    source.apply(_commit(source, 1, 0, 1))
+    client = _FlakyPeers(source)
+    download = FragmentDownload(client, target, lambda: ["http://dies", "http://works"], chunk_bytes=64)
+    await download.run()
+    assert target.state.digest() == source.state.digest()
+    assert download.max_commit_index == 7
+    # Fragment 0: one chunk from the dying peer, then the next peer continues at offset 64, not 0.
+    fragment0 = [(url, offset) for url, p, offset in client.requests if p == 0]
+    assert fragment0[:3] == [("http://dies", 0), ("http://dies", 64), ("http://works", 64)]
