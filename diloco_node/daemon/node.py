@@ -127,7 +127,7 @@ class Node:
         self._tasks: list[asyncio.Task[Any]] = []
         self._merging = False
         self._wake_handles: dict[int, asyncio.TimerHandle] = {}
-        self._last_leader: str | None = None
+        self._held_lease = False
         self._loss: float | None = None
         self._diverged_fetching: set[int] = set()
         self._systemd_shape, self._systemd_status_at = "", 0.0
@@ -780,14 +780,14 @@ class Node:
     # ------------------------------------------------------------------ periodic work
 
     def _after_coordination(self) -> None:
-        coordination = self.coord
-        if coordination is None:
-            return
-        holder = coordination.is_lease_holder(self.now())
-        leader = coordination.election.leader_id if holder or coordination.role is not Role.LEADER else None
-        if self._last_leader == self.node_id and not holder and self.syncer is not None:
+        """Lease lost: drop the syncer's open rounds and timers (learners resend at their next slot)."""
+        holder = self.coord is not None and self.coord.is_lease_holder(self.now())
+        if self._held_lease and not holder and self.syncer is not None:
             self.syncer.reset()
-        self._last_leader = self.node_id if holder else leader
+            for handle in self._wake_handles.values():
+                handle.cancel()
+            self._wake_handles.clear()
+        self._held_lease = holder
 
     async def _periodic(self) -> None:
         next_checkpoint = self.now() + self.cfg.checkpoint_interval_s
