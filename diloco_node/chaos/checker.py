@@ -12,8 +12,9 @@ no file and no clock. The properties (docs/CHAOS.md has the reasoning):
 - apply_gap: within one process lifetime a node applies index i+1 right after i (a snapshot
   install may jump); after a restart it may replay from any earlier index;
 - digest_divergence: every apply of an index yields the same state digest on every node, and
-  all live nodes end at the same index with the same digest;
-- non_finite: no apply or final state reports non-finite global parameters.
+  live nodes that end at the same index end on the same digest;
+- non_finite: no apply or final state reports non-finite global parameters;
+- not_converged: after healing, all live nodes reached one index (the harness waits for it).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ INVARIANTS = (
     "apply_gap",
     "digest_divergence",
     "non_finite",
+    "not_converged",
 )
 
 
@@ -233,16 +235,20 @@ def _digests_agree(nodes: Mapping[str, Sequence[HistoryEvent]], finals: Sequence
                 f"(t={known.t_mono:.3f}) after applying the same entry {e.entry_digest}",
                 e.t_mono,
             ))
-    if finals:
-        reference = finals[0]
-        for f in finals[1:]:
-            if (f.index, f.state_digest) != (reference.index, reference.state_digest):
-                out.append(Violation(
-                    "digest_divergence",
-                    f"after healing {f.node} is at index {f.index} state {f.state_digest} but "
-                    f"{reference.node} is at index {reference.index} state {reference.state_digest}",
-                    f.t_mono,
-                ))
+    by_index: dict[int, FinalState] = {}
+    for f in finals:
+        reference = by_index.setdefault(f.index, f)
+        if f.state_digest != reference.state_digest:
+            out.append(Violation(
+                "digest_divergence",
+                f"after healing {f.node} and {reference.node} are both at index {f.index} but on "
+                f"states {f.state_digest} and {reference.state_digest}",
+                f.t_mono,
+            ))
+    if len(by_index) > 1:
+        where = ", ".join(f"{f.node}@{f.index}" for f in sorted(finals, key=lambda f: (f.index, f.node)))
+        out.append(Violation("not_converged", f"after healing the live nodes never reached one index: {where}",
+                             max((f.t_mono for f in finals if f.t_mono is not None), default=None)))
     for f in finals:
         applied = first.get(f.index)
         if applied is not None and applied.state_digest != f.state_digest:

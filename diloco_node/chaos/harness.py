@@ -20,6 +20,8 @@ One mode run, step by step (docs/CHAOS.md has the picture):
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import random
 import secrets
 import socket
@@ -110,18 +112,35 @@ class Launcher(Protocol):
     async def close(self) -> None: ...
 
 
-def _history_probe(slot: NodeSlot, since: float) -> NodeProbe:
-    """Readiness and state from a node's own history: started after `since`, last apply."""
-    if not slot.history_path.exists():
-        return NodeProbe(False, "no history yet")
-    events = read_history(slot.history_path).events
-    started = any(e.kind == "start" and e.t_mono >= since for e in events)
-    applies = [e for e in events if e.kind == "apply"]
-    last = applies[-1] if applies else None
-    return NodeProbe(
-        started, "started" if started else "no start event since launch",
-        last.index if last else 0, last.state_digest if last else "",
-    )
+class _HistoryTail:
+    """Follows one history file incrementally (a probe every 0.25 s must not re-read a file that
+    grows by thousands of events); keeps the last start time and the last apply."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.last_start = -1.0
+        self.last_apply: HistoryEvent | None = None
+        self.max_commit = 0
+
+    def poll(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < self.offset:  # replaced: start over
+                self.offset, self.last_start, self.last_apply, self.max_commit = 0, -1.0, None, 0
+            f.seek(self.offset)
+            data = f.read()
+        complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next poll
+        self.offset += len(complete)
+        for line in complete.splitlines():
+            event = HistoryEvent.from_dict(json.loads(line))
+            if event.kind == "start":
+                self.last_start = event.t_mono
+            elif event.kind == "apply":
+                self.last_apply = event
+            elif event.kind == "commit" and event.index is not None:
+                self.max_commit = max(self.max_commit, event.index)
 
 
 class StandinLauncher:
@@ -134,8 +153,10 @@ class StandinLauncher:
         self._cluster: Path | None = None
         self._min_quorum = 1
         self._lease_s = 1.0
+        self._tails: dict[str, _HistoryTail] = {}
 
     def prepare(self, mode_dir: Path, min_quorum: int, lease_s: float, heartbeat_s: float, seed: int) -> None:
+        self._tails = {}
         self._cluster = mode_dir / "standin-cluster"
         self._cluster.mkdir(parents=True, exist_ok=True)
         self._min_quorum = min_quorum
@@ -152,7 +173,13 @@ class StandinLauncher:
         return None
 
     async def probe(self, slot: NodeSlot, since: float) -> NodeProbe:
-        return _history_probe(slot, since)
+        """Readiness and state from the node's own history: a start since launch, the last apply."""
+        tail = self._tails.setdefault(slot.node_id, _HistoryTail(slot.history_path))
+        tail.poll()
+        started = tail.last_start >= since
+        last = tail.last_apply
+        return NodeProbe(started, "started" if started else "no start event since launch",
+                         last.index if last else 0, last.state_digest if last else "")
 
     async def close(self) -> None:
         return None
@@ -236,8 +263,6 @@ class DaemonLauncher:
         return argv
 
     def env(self) -> dict[str, str] | None:
-        import os
-
         # Our own DILOCO_* settings would reconfigure every node; DILOCO_X_* are tooling knobs
         # (e.g. DILOCO_X_MIN_STEP_S pacing learner steps) and pass through.
         env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_") or k.startswith("DILOCO_X_")}
@@ -362,6 +387,7 @@ class ModeRun:
         self.applied: list[dict[str, Any]] = []
         self.t0 = 0.0
         self.dead_at_end: dict[str, int | None] = {}
+        self.tails: dict[str, _HistoryTail] = {}
 
     def run(self) -> ModeResult:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -420,7 +446,7 @@ class ModeRun:
     async def _wait_ready(self, sup: Supervisor, nodes: Sequence[str]) -> None:
         deadline = time.monotonic() + self.config.ready_timeout_s
         while True:
-            probes = {n: await self.launcher.probe(self.slots[n], self.launched_at[n]) for n in nodes}
+            probes = await self._probe_all(nodes)
             if all(p.ready for p in probes.values()):
                 return
             dead = [n for n in nodes if not sup.alive(n)]
@@ -431,6 +457,11 @@ class ModeRun:
                 )
                 raise HarnessError(f"{self.mode}: cluster not ready after {time.monotonic() - deadline + self.config.ready_timeout_s:.0f}s: {why}")
             await asyncio.sleep(POLL_S)
+
+    async def _probe_all(self, nodes: Sequence[str]) -> dict[str, NodeProbe]:
+        """All at once: the cluster keeps committing, so a slow sweep never sees one index."""
+        results = await asyncio.gather(*(self.launcher.probe(self.slots[n], self.launched_at[n]) for n in nodes))
+        return dict(zip(nodes, results))
 
     # ---- the nemesis ---------------------------------------------------------------------
 
@@ -539,8 +570,8 @@ class ModeRun:
         deadline = time.monotonic() + self.config.converge_timeout_s
         while True:
             probed_at = time.monotonic()
-            probes = {n: await self.launcher.probe(self.slots[n], self.launched_at[n]) for n in live}
-            committed = max((c.index for c in commit_times(self._read_histories(nodes_only=True))), default=0)
+            probes = await self._probe_all(live)
+            committed = self._max_committed()
             states = {(p.index, p.state_digest) for p in probes.values()}
             if (all(p.ready for p in probes.values()) and len(states) == 1
                     and all((p.index or 0) >= committed for p in probes.values())):
@@ -551,6 +582,12 @@ class ModeRun:
         for node, p in probes.items():
             nemesis.record("final", index=p.index or 0, state_digest=p.state_digest or "",
                            detail={"target": node, "ready": p.ready, "reason": p.reason, "probed_at": probed_at})
+
+    def _max_committed(self) -> int:
+        """The highest index any node has recorded as committed (files followed incrementally)."""
+        for node, slot in self.slots.items():
+            self.tails.setdefault(node, _HistoryTail(slot.history_path)).poll()
+        return max((t.max_commit for t in self.tails.values()), default=0)
 
     def _history_paths(self) -> list[Path]:
         paths = [s.history_path for s in self.slots.values() if s.history_path.exists()]
