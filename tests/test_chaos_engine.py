@@ -373,3 +373,16 @@ def test_targets_are_judged_only_where_they_apply(tmp_path):
     assert targets["failover_gap"]["value"] == 9.5 and targets["failover_gap"]["target"] == "<= 9s (3 x lease)"
     targets = evaluate_targets({"violations": [], "decoupled": mode(0.5, [2.0], unrecovered=1)}, chaos)
     assert targets["failover_gap"]["ok"] is False
+
+
+def test_a_cluster_that_never_gets_ready_fails_with_the_reason(tmp_path):
+    class Broken(StandinLauncher):
+        def argv(self, slot, bootstrap):
+            return [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"]
+
+    config = standin_config(ChaosConfig(workdir=tmp_path, duration_s=30, faults=2, lease_s=0.5, warmup_s=2,
+                                        settle_s=3, recovery_s=1, modes=("decoupled",)))
+    from diloco_node.chaos.harness import HarnessError
+
+    with pytest.raises(HarnessError, match=r"decoupled: cluster not ready after \d+s: n1: exited with 3 \(log .*node.log\)"):
+        run_chaos(config, Broken())

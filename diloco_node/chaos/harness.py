@@ -444,7 +444,8 @@ class ModeRun:
         sup.start(ProcessSpec(node, self.launcher.argv(slot, bootstrap), slot.log_path, self.launcher.env()))
 
     async def _wait_ready(self, sup: Supervisor, nodes: Sequence[str]) -> None:
-        deadline = time.monotonic() + self.config.ready_timeout_s
+        started = time.monotonic()
+        deadline = started + self.config.ready_timeout_s
         while True:
             probes = await self._probe_all(nodes)
             if all(p.ready for p in probes.values()):
@@ -455,7 +456,7 @@ class ModeRun:
                     f"{n}: {'exited with ' + str(sup.returncode(n)) if n in dead else probes[n].reason} "
                     f"(log {self.slots[n].log_path})" for n in nodes if not probes[n].ready
                 )
-                raise HarnessError(f"{self.mode}: cluster not ready after {time.monotonic() - deadline + self.config.ready_timeout_s:.0f}s: {why}")
+                raise HarnessError(f"{self.mode}: cluster not ready after {time.monotonic() - started:.0f}s: {why}")
             await asyncio.sleep(POLL_S)
 
     async def _probe_all(self, nodes: Sequence[str]) -> dict[str, NodeProbe]:
