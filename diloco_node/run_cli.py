@@ -30,6 +30,7 @@ def _event_loop_policy() -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         effective = load_config_from_args(args)
+        effective.read_secret()  # fail in milliseconds, before JAX is imported
     except ConfigError as error:
         print(f"diloco-node run: {error}", file=sys.stderr)
         return 2
