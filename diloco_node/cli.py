@@ -13,7 +13,7 @@ import sys
 
 # name -> (module implementing it, one-line help). Add a line per subcommand.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("diloco_node.train_cli", "the main job on its built-in default: a local multi-site run"),
+    "demo": ("diloco_node.cluster_demo", "the main job on its built-in default: 4 local sites as real processes"),
     "train": ("diloco_node.train_cli", "an in-process multi-learner run with every knob exposed"),
     "simulate": ("diloco_node.fleetsim_cli", "fleet goodput under failures: dp, elastic dp, decoupled"),
     "bandwidth": ("diloco_node.bandwidth_cli", "cross-site bandwidth: data-parallel vs decoupled"),

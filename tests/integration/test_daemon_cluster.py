@@ -3,7 +3,7 @@
 One 3-site run (a founds, b and c join) is shared by the tests of this module, which run in
 file order and build on each other's state: agreement, refusals that change nothing, a fourth
 site joining, SIGKILL of the coordinator and its restart from checkpoint, SIGTERM and restart.
-Every process is killed at teardown. Marked slow (about 3-4 minutes on two shared cores).
+Every process is killed at teardown. Part of the default suite (about 2-4 minutes on two cores).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 from diloco_node.daemon.local_cluster import Cluster, Site
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.timeout(600)]
 
 STARTUP_S = 150.0  # several JAX processes compiling at once on two shared cores
 
