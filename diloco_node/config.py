@@ -37,6 +37,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from urllib.parse import urlsplit
 
 from diloco_node.run_config import ConfigError, RunManifest
+from wire.auth import MIN_RUN_SECRET_BYTES
 
 __all__ = [
     "ConfigError",
@@ -60,8 +61,9 @@ ENV_PREFIX = "DILOCO_"
 ENV_PRIVATE_PREFIX = "DILOCO_X_"
 CONFIG_FILE_ENV = "DILOCO_CONFIG"
 DEFAULT_SECRET_CREDENTIAL = "diloco-secret"
-# A shorter HMAC key is guessable offline from one captured frame.
-MIN_SECRET_BYTES = 16
+# The frame layer's floor (256 bits; a shorter HMAC key is guessable offline from one captured
+# frame). One constant, so `config show` and `run` can never disagree about a valid secret.
+MIN_SECRET_BYTES = MIN_RUN_SECRET_BYTES
 # A secret file is a key, not a document; anything larger is almost certainly the wrong path.
 MAX_SECRET_BYTES = 4096
 NODE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")

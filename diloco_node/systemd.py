@@ -48,9 +48,16 @@ class SystemdNotifier:
         message = "\n".join(assignments).encode()
         try:
             if self._socket is None:
-                self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                # Non-blocking: a notify socket nobody reads must never freeze the caller (the
+                # daemon calls this from its event loop); a full queue drops one notification.
+                self._socket = socket.socket(
+                    socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
+                )
             self._socket.sendto(message, self._address)
             return True
+        except BlockingIOError:
+            log.warning("sd_notify %r dropped: the notify socket's queue is full", assignments)
+            return False
         except OSError as exc:
             log.warning("sd_notify %r failed: %s", assignments, exc)
             return False

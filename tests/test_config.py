@@ -228,7 +228,7 @@ def test_unreadable_or_unsuitable_secret_files_are_named(tmp_path):
     with pytest.raises(ConfigError, match="not a regular file"):
         load_config(None, {}, {"secret_file": str(tmp_path)})
     short = _write(tmp_path, "short\n", "short")
-    with pytest.raises(ConfigError, match="secret is 5 bytes, need at least 16"):
+    with pytest.raises(ConfigError, match="secret is 5 bytes, need at least 32"):
         load_config(None, {}, {"secret_file": str(short)})
     loose = _write(tmp_path, SECRET, "loose")
     loose.chmod(0o644)

@@ -92,3 +92,20 @@ async def test_watchdog_loop_pings_at_half_interval_only_while_healthy(listener)
 
 async def test_watchdog_loop_returns_without_a_watchdog():
     await asyncio.wait_for(run_watchdog(SystemdNotifier({}), lambda: True), timeout=1.0)
+
+
+def test_an_unread_notify_socket_never_blocks_the_sender(tmp_path):
+    """The daemon notifies from its event loop: a full socket queue must drop, not block."""
+    path = str(tmp_path / "notify.sock")
+    unread = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    unread.bind(path)
+    try:
+        notifier = SystemdNotifier(environ={"NOTIFY_SOCKET": path})
+        # The datagram queue of an unread AF_UNIX socket holds a few hundred messages at most;
+        # a blocking send would hang inside this loop (and pytest-timeout would fail the test).
+        results = [notifier.status(f"step {i} " + "x" * 200) for i in range(5000)]
+        assert results[0] is True
+        assert results[-1] is False, "a full queue must be reported as a dropped notification"
+        notifier.close()
+    finally:
+        unread.close()
