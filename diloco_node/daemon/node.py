@@ -49,7 +49,7 @@ from diloco_node.daemon.learner_thread import (
 from diloco_node.daemon.notify import BackgroundNotifier
 from diloco_node.daemon.replica import CommitPayload, Replica
 from diloco_node.daemon.replica_store import ReplicaStore
-from diloco_node.daemon.syncer import MergedRound, Syncer
+from diloco_node.daemon.syncer import CommitPlan, Syncer
 from diloco_node.fragments import is_embedding, plan_fragments
 from diloco_node.merge import Contribution
 from diloco_node.run_config import RunManifest
@@ -756,24 +756,33 @@ class Node:
     async def _merge_and_propose(self, p: int, rnd: Any, reason: str) -> None:
         try:
             loop = asyncio.get_running_loop()
-            merged: MergedRound = await loop.run_in_executor(
-                self.executor, self.syncer.merge_round, p, rnd, self.replica.state, reason)
-            log.info("%s syncer: %s", self.node_id, self.syncer.last_merge_reason)
-            if merged.outer_gradient is None:
+            plan: CommitPlan = await loop.run_in_executor(
+                self.executor, self.syncer.plan_commit, p, rnd, self.replica.state, self.replica.digest_after, reason)
+            merged = plan.merged
+            if merged is None:
+                if plan.failed:
+                    self._error(plan.reason)
+                else:
+                    log.info("%s syncer: %s", self.node_id, plan.reason)
                 return
-            digest = await loop.run_in_executor(self.executor, self.replica.digest_after, p, merged.outer_gradient)
+            log.info("%s syncer: %s", self.node_id, plan.reason)
             payload = CommitPayload(merged.encoded, tuple(n for n, _ in merged.result.accepted),
                                     tuple(w for _, w in merged.result.accepted)).encode()
             if merged.round != self.replica.state.round(p) + 1:
                 self._error(f"fragment {p}: state moved during the merge; round dropped")
                 return
             entry, why, actions = self.coord.propose(self.now(), EntryKind.OUTER_COMMIT, payload,
-                                                     fragment=p, round=merged.round, digest=digest)
+                                                     fragment=p, round=merged.round, digest=plan.digest)
             if entry is None:
                 self._error(f"fragment {p} merge not proposed: {why}")
                 return
             self._merges_metric.inc()
             self._dispatch(actions)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # never die unobserved in a task: drop the round, say why
+            log.exception("fragment %d merge failed", p)
+            self._error(f"fragment {p}: merge failed ({type(error).__name__}: {error}); round dropped")
         finally:
             self._merging = False
 

@@ -11,7 +11,7 @@ No I/O and no clock: the node passes `now` and runs `merge_round` in its thread 
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,6 +39,17 @@ class MergedRound:
     encoded: bytes
     outer_gradient: dict[str, np.ndarray] | None
     decision_reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class CommitPlan:
+    """What the lease holder proposes for one round, or why nothing is (`merged` None)."""
+
+    fragment: int
+    merged: MergedRound | None
+    digest: str
+    reason: str
+    failed: bool = False  # the merge could not be applied (an error worth showing), not just empty
 
 
 class Syncer:
@@ -110,3 +121,21 @@ class Syncer:
             return MergedRound(p, state.round(p), result, b"", None, decision_reason)
         encoded = encode_named(result.outer_gradient, sync.codec_down)
         return MergedRound(p, state.round(p) + 1, result, encoded, decode_named(encoded), decision_reason)
+
+    def plan_commit(self, p: int, rnd: OpenRound, state: GlobalState,
+                    digest_after: Callable[[int, Mapping[str, np.ndarray]], str],
+                    decision_reason: str) -> CommitPlan:
+        """Merge a round and compute the digest the fragment will have (run in the thread pool).
+
+        A merge that cannot be applied (e.g. a huge but finite merged update whose outer step
+        overflows: `GlobalStateError`, a ValueError) drops the round with the reason instead of
+        raising: the learners' counters keep growing and their next slots carry the steps.
+        """
+        try:
+            merged = self.merge_round(p, rnd, state, decision_reason)
+            if merged.outer_gradient is None:
+                return CommitPlan(p, None, "", f"fragment {p}: nothing to commit ({self.last_merge_reason})")
+            digest = digest_after(p, merged.outer_gradient)
+        except ValueError as error:
+            return CommitPlan(p, None, "", f"fragment {p}: merged round dropped: {error}", failed=True)
+        return CommitPlan(p, merged, digest, self.last_merge_reason)

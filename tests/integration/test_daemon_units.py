@@ -191,3 +191,31 @@ async def test_fragment_download_resumes_at_the_offset_on_another_peer() -> None
     # Fragment 0: one chunk from the dying peer, then the next peer continues at offset 64, not 0.
     fragment0 = [(url, offset) for url, p, offset in client.requests if p == 0]
     assert fragment0[:3] == [("http://dies", 0), ("http://dies", 64), ("http://works", 64)]
+
+
+def _syncer_with(replica: Replica, value: float) -> tuple:
+    from diloco_node.daemon.syncer import OpenRound, Syncer
+    from diloco_node.merge import Contribution
+    from diloco_node.run_config import RunManifest
+
+    syncer = Syncer(RunManifest(), [])
+    names = replica.plan.fragments[0].names
+    delta = {n: np.full(replica.state.fragment_params(0)[n].shape, value, np.float32) for n in names}
+    rnd = OpenRound(opened_at=0.0)
+    rnd.pending["a"] = (Contribution("a", 0, 0, delta, 8, 1024), 0.0)
+    return syncer, rnd
+
+
+def test_a_merge_whose_outer_step_overflows_is_dropped_with_its_reason() -> None:
+    replica = _replica()
+    before = replica.state.digest()
+    # Finite (float32 max is 3.4e38) but the outer step overflows when applied: GlobalStateError.
+    syncer, rnd = _syncer_with(replica, 3.0e38)
+    plan = syncer.plan_commit(0, rnd, replica.state, replica.digest_after, "quorum reached")
+    assert plan.merged is None and plan.failed
+    assert "merged round dropped" in plan.reason and "non-finite" in plan.reason
+    assert replica.state.digest() == before and replica.state.round(0) == 0
+    # A sane round still goes through, with the digest the replicas will reach.
+    syncer, rnd = _syncer_with(replica, 0.01)
+    plan = syncer.plan_commit(0, rnd, replica.state, replica.digest_after, "quorum reached")
+    assert plan.merged is not None and not plan.failed and plan.merged.round == 1 and len(plan.digest) == 64
