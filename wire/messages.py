@@ -17,7 +17,7 @@ import enum
 import math
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar, Self
 
 from wire.errors import LocalProtocolError
@@ -266,6 +266,8 @@ class Message:
                 kwargs["payload"] = payload
                 continue
             if spec.name not in field_map:
+                if spec.default is not MISSING:  # an optional field added in a later minor
+                    continue
                 raise LocalProtocolError(f"{cls.__name__}.{spec.name}: missing")
             kwargs[spec.name] = field_map[spec.name]
         if "payload" not in kwargs and payload:
@@ -501,6 +503,9 @@ class VoteRequest(Message):
     candidate: str
     last_log_epoch: int
     last_log_index: int
+    # A pre-vote asks "would you vote for me at `epoch`?" and changes no state on either side;
+    # optional (absent in frames from older senders: False).
+    pre_vote: bool = False
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -508,6 +513,7 @@ class VoteRequest(Message):
         _node_id(owner, "candidate", self.candidate)
         _uint(owner, "last_log_epoch", self.last_log_epoch)
         _uint(owner, "last_log_index", self.last_log_index)
+        _boolean(owner, "pre_vote", self.pre_vote)
 
 
 @dataclass(frozen=True, slots=True)
@@ -519,6 +525,7 @@ class VoteReply(Message):
     voter: str
     granted: bool
     reason: str
+    pre_vote: bool = False  # answers a pre-vote request (optional, as in VoteRequest)
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -526,6 +533,7 @@ class VoteReply(Message):
         _node_id(owner, "voter", self.voter)
         _boolean(owner, "granted", self.granted)
         _text(owner, "reason", self.reason, max_chars=MAX_REASON_CHARS, allow_empty=True)
+        _boolean(owner, "pre_vote", self.pre_vote)
 
 
 @dataclass(frozen=True, slots=True)

@@ -422,9 +422,6 @@ class Node:
     def _send(self, to: str, message: coord.Message) -> None:
         if to == self.node_id:
             return
-        if isinstance(message, coord.VoteRequest) and message.pre_vote:
-            self.loop.call_soon(self._answer_pre_vote_locally, to, message)
-            return
         outbox = self._outboxes.get(to)
         if outbox is None:
             outbox = self._outboxes[to] = _Outbox()
@@ -434,21 +431,6 @@ class Node:
             outbox.pending = [m for m in outbox.pending if not isinstance(m, coord.AppendEntries)]
         outbox.pending.append(message)
         outbox.wake.set()
-
-    def _answer_pre_vote_locally(self, peer: str, request: coord.VoteRequest) -> None:
-        """The wire's VoteRequest has no pre-vote flag, so a pre-vote is answered here for the peer.
-
-        Granted only for a peer we exchanged messages with within one lease (so an isolated node
-        does not raise its epoch in vain); a real vote request follows and the peer applies every
-        rule then, including the silent refusal while it hears a live lease holder.
-        """
-        last_ok = self._last_ok.get(peer)
-        if self.coord is None or last_ok is None or self.now() - last_ok > self.cfg.lease_timeout_s:
-            return
-        response = coord.VoteResponse(request.epoch, peer, True, "pre-vote answered locally (peer reachable)",
-                                      pre_vote=True)
-        self._dispatch(self._handle(response))
-        self._after_coordination()
 
     async def _peer_worker(self, peer: str, outbox: _Outbox) -> None:
         while True:
@@ -866,9 +848,11 @@ class Node:
         voters = coordination.log.config.voters
         members = []
         for node_id, record in sorted(coordination.membership.members.items()):
+            heard = self._last_ok.get(node_id) if node_id != self.node_id else None
             members.append(MemberStatus(node_id=node_id, url=self.addresses.url(node_id) or record.address,
                                         role=record.role.value, alive=record.state is coord.MemberState.ALIVE,
-                                        voter=node_id in voters))
+                                        voter=node_id in voters,
+                                        last_seen_s=None if heard is None else round(now - heard, 3)))
         sent = self.client.counters.total_sent + self.server.counters.total_sent
         received = self.client.counters.total_received + self.server.counters.total_received
         self.status.add_bytes(sent=sent - self._bytes_reported[0], received=received - self._bytes_reported[1])

@@ -13,8 +13,8 @@ choices are documented in docs/DAEMON.md:
   join) while we hold it suspect, dead or unknown is marked alive again under a locally raised
   incarnation (`revived_record`): with no gossip, incarnations are local bookkeeping only.
 - A graceful leave (a Ping announcing our own LEFT record) travels as a wire Leave.
-- Pre-votes are not carried (the wire VoteRequest has no pre-vote flag); the node answers them
-  locally for peers it reached within one lease, and the real vote that follows carries every rule.
+- Pre-votes travel as VoteRequest/VoteReply with `pre_vote` set (an optional wire field: a frame
+  from a sender that predates it decodes as a real vote request/reply).
 - InstallSnapshot is never produced: the daemon does not compact the log (joiners download the
   global state fragment by fragment instead; see join.py).
 
@@ -69,12 +69,12 @@ def entry_from_wire(entry: wire.LogEntry) -> LogEntry:
 
 def to_wire(message: coord.Message, *, epoch: int, commit_index: int, last_index: int) -> wire.Message | None:
     """The wire form of an outgoing coordination message, or None when it is not carried."""
-    if isinstance(message, (coord.VoteRequest, coord.VoteResponse)) and message.pre_vote:
-        return None  # no pre-vote flag on the wire: the node answers pre-votes locally (node.py)
     if isinstance(message, coord.VoteRequest):
-        return wire.VoteRequest(message.epoch, message.candidate_id, message.last_log_epoch, message.last_log_index)
+        return wire.VoteRequest(message.epoch, message.candidate_id, message.last_log_epoch, message.last_log_index,
+                                pre_vote=message.pre_vote)
     if isinstance(message, coord.VoteResponse):
-        return wire.VoteReply(message.epoch, message.voter_id, message.granted, message.reason[:MAX_REASON_CHARS])
+        return wire.VoteReply(message.epoch, message.voter_id, message.granted, message.reason[:MAX_REASON_CHARS],
+                              pre_vote=message.pre_vote)
     if isinstance(message, coord.AppendEntries):
         return wire.LogAppend(message.epoch, message.leader_id, message.prev_index, message.prev_epoch,
                               tuple(entry_to_wire(e) for e in message.entries), message.leader_commit)
@@ -106,11 +106,13 @@ def append_response_from_wire(message: wire.LogAck, sent_at: float) -> coord.App
 
 
 def vote_request_from_wire(message: wire.VoteRequest) -> coord.VoteRequest:
-    return coord.VoteRequest(message.epoch, message.candidate, message.last_log_epoch, message.last_log_index)
+    return coord.VoteRequest(message.epoch, message.candidate, message.last_log_epoch, message.last_log_index,
+                             pre_vote=message.pre_vote)
 
 
 def vote_response_from_wire(message: wire.VoteReply) -> coord.VoteResponse:
-    return coord.VoteResponse(message.epoch, message.voter, message.granted, message.reason)
+    return coord.VoteResponse(message.epoch, message.voter, message.granted, message.reason,
+                              pre_vote=message.pre_vote)
 
 
 def revived_record(current: coord.MemberRecord | None, node_id: str, address: str,

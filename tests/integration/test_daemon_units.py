@@ -219,3 +219,20 @@ def test_a_merge_whose_outer_step_overflows_is_dropped_with_its_reason() -> None
     syncer, rnd = _syncer_with(replica, 0.01)
     plan = syncer.plan_commit(0, rnd, replica.state, replica.digest_after, "quorum reached")
     assert plan.merged is not None and not plan.failed and plan.merged.round == 1 and len(plan.digest) == 64
+
+
+def test_pre_votes_travel_over_the_wire_and_older_frames_decode_as_real_votes() -> None:
+    request = coord.VoteRequest(7, "a", 3, 42, pre_vote=True)
+    out = peers.to_wire(request, epoch=6, commit_index=0, last_index=0)
+    assert isinstance(out, wire.VoteRequest) and out.pre_vote
+    field_map, payload = out.to_wire()
+    back = peers.vote_request_from_wire(wire.VoteRequest.from_wire(field_map, payload))
+    assert back == request
+    reply = coord.VoteResponse(7, "b", True, "would vote", pre_vote=True)
+    reply_out = peers.to_wire(reply, epoch=0, commit_index=0, last_index=0)
+    assert peers.vote_response_from_wire(wire.VoteReply.from_wire(*reply_out.to_wire())) == reply
+    # A sender that predates the field omits it: a real vote request, not an error.
+    del field_map["pre_vote"]
+    assert wire.VoteRequest.from_wire(field_map, b"").pre_vote is False
+    with pytest.raises(Exception, match="pre_vote"):
+        wire.VoteRequest.from_wire({**field_map, "pre_vote": 1}, b"")
