@@ -39,6 +39,7 @@ from diloco_node import model as model_lib
 from diloco_node.checkpoint import CheckpointError, CheckpointStore
 from diloco_node.config import ConfigError, EffectiveConfig, check_joiner_manifest
 from diloco_node.daemon import peers
+from diloco_node.daemon.history_hooks import DaemonHistory
 from diloco_node.daemon.join import FragmentDownload, JoinRefused, manifest_bytes, manifest_digest, negotiate
 from diloco_node.daemon.learner_thread import (
     DueFragment,
@@ -182,6 +183,7 @@ class Node:
             self.exit_reason = str(error)
             return 1
         self.store = ReplicaStore(data_dir / "coordination")
+        self.history = DaemonHistory.open(data_dir, self.node_id, pace_s=self._min_step_interval_s)
         app = web.Application(client_max_size=1024 ** 2)
         self.server.install(app)
         app.add_routes(operator_routes(self._status_document, self.metrics, self._live))
@@ -217,6 +219,7 @@ class Node:
             await runner.cleanup()
             self.executor.shutdown(wait=False, cancel_futures=True)
             self.store.close()
+            self.history.close()
             self.checkpoints.close()
             self.notifier.close()
         return code
@@ -349,6 +352,7 @@ class Node:
                                      rng=random.Random(os.urandom(16)), applied_index=self.replica.applied_index,
                                      role=self.role, address=self.cfg.advertise, options=options)
         self.store.sync(self._persistent)
+        self.history.start(self.coord, self.replica.applied_index, self.manifest.sync if self.manifest else None)
 
     async def _start_learner(self, restored: Any) -> None:
         assert self.replica is not None and self.manifest is not None and self.corpus is not None
@@ -403,6 +407,7 @@ class Node:
                   reply_type: type | None = None) -> coord.Message | None:
         """Persist, then perform actions; returns (not sends) the reply to `reply_to` if asked for one."""
         self.store.sync(self._persistent)
+        self.history.observe(self.coord)  # after the sync: the history never claims more than the disk
         reply = None
         if self._frozen:
             return None
@@ -602,6 +607,7 @@ class Node:
             return
         assert self.replica is not None
         outcome = self.replica.apply(entry)
+        self.history.applied(entry, self.replica, self._consistent_from, self.coord.epoch)
         if entry.kind is EntryKind.OUTER_COMMIT:
             log.info("%s apply %s", self.node_id, outcome.reason)
             if outcome.applied:
@@ -643,6 +649,7 @@ class Node:
     def _from_learner_progress(self, step: int, loss: float, tokens: int) -> None:
         self._loss = loss
         self.status.record_learner(step=step, loss=loss, tokens=tokens, now=self.now())
+        self.history.learner_step(step, loss, tokens, self.learner)
 
     def _from_learner_contribution(self, due: DueFragment) -> None:
         """Called in the learner thread: hand over to the loop (never block training)."""
@@ -918,6 +925,7 @@ class Node:
             while not coordination.left and self.now() < deadline:
                 await asyncio.sleep(TICK_S)  # the ticker drives the leave to its commit
             log.info("%s: %s", self.node_id, coordination.last_membership_reason or "left")
+            self.history.leave(coordination, coordination.last_membership_reason or "left")
         # Freeze the replica: nothing may be applied between the final checkpoint and exit, so a
         # restart resumes at exactly the index and digest logged below.
         self._frozen = True
@@ -928,4 +936,5 @@ class Node:
         self.store.sync(self._persistent)
         log.info("%s: stopped cleanly at index %d digest %s", self.node_id, self.replica.applied_index,
                  self.replica.state.digest())
+        self.history.stop(self.coord, self.replica.applied_index)
 
