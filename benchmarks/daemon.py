@@ -3,12 +3,17 @@
 1. Failover: SIGKILL the coordinator of a 3-site run, time until a survivor reports a new
    coordinator AND a commit past the last one seen (polled every 50 ms), restart the victim from
    its checkpoint, repeat; p50/p99 over --trials (>= 10).
-2. Join: a fourth site joins through a link emulator at --bandwidth-mbit; time from process start
-   to ready, and the state download alone (from the node's log), against
-   state size / link bandwidth + 10 s.
-3. Learner step time: in-process jitted step alone; a 1-site run (it syncs with itself); site a
-   of the 3-site run (the two other learners paced to 10 steps/s). Measured as batch tokens /
-   tokens-per-second from /status (30 s window), so it includes whatever the node does beside.
+2. Join: a site joins through a link emulator at --bandwidth-mbit, twice: with the shared warm
+   JAX compilation cache, and with an empty one (a host that never ran the model). Measured from
+   process spawn to its first training step (/status learner step > 0) and to /readyz ready
+   (replica caught up with the log), plus the node's own start-up timeline from its log; the
+   target is training within state size / link bandwidth + 10 s.
+3. Learner step time, as batch tokens / tokens-per-second from /status (30 s window, so it
+   includes whatever the node does beside): in-process jitted step alone; a 1-site run (no peers;
+   it syncs with itself); site a syncing with peers that do not compete for the CPU (2 witnesses:
+   the step-time target), then with 2 more learners paced to 1 step/s (3 learners merged, little
+   extra CPU); and site a of the 3-site run whose other learners run at 10 steps/s
+   (CPU-contended: three JAX processes on the same cores, not a measure of sync overhead).
 
     python benchmarks/daemon.py --json out.json [--trials 10]
 
@@ -69,6 +74,73 @@ def bench_inprocess_step(steps: int = 200) -> float:
     return (time.perf_counter() - started) / steps
 
 
+def measure_step(cluster: Cluster, name: str, label: str, window_s: float = 35.0) -> float | None:
+    time.sleep(window_s)  # a full tokens/s window
+    value = step_time_from(cluster.poll()[name])
+    print(f"{label}: {value * 1000:.2f} ms" if value else f"{label}: no rate", flush=True)
+    return value
+
+
+def bench_isolated_sync(root: Path) -> dict:
+    """Site a syncing with peers that leave the CPU to it: 2 witnesses, then 2 slow learners too."""
+    cluster = Cluster.create(root)
+    out: dict = {}
+    try:
+        a = cluster.add("a", env={"DILOCO_X_MIN_STEP_S": "0"})
+        wait_ready(cluster, {"a"})
+        for w in ("w1", "w2"):
+            cluster.add(w, bootstrap=a, extra=["--role", "witness"])
+        wait_ready(cluster, {"a", "w1", "w2"})
+        cluster.wait_for("3 voters", lambda s: len(s["a"].get("members", [])) == 3
+                         and all(m.get("voter") for m in s["a"]["members"]), 60)
+        out["step_s_with_2_witnesses"] = measure_step(cluster, "a", "site a + 2 witnesses")
+        slow = {"DILOCO_X_MIN_STEP_S": "1.0"}
+        cluster.add("s1", bootstrap=a, env=slow)
+        cluster.add("s2", bootstrap=a, env=slow)
+        wait_ready(cluster, {"a", "s1", "s2"})
+        out["step_s_with_2_witnesses_2_slow_learners"] = measure_step(cluster, "a",
+                                                                      "site a + 2 witnesses + 2 learners at 1 step/s")
+        out["commit_index_end"] = cluster.poll()["a"]["commit_index"]
+    finally:
+        cluster.close()
+    return out
+
+
+TIMELINE = re.compile(r"(listening on|identity at|state built at|state downloaded at|training step compiled in"
+                      r"|training started at|ready,).*?([0-9.]+) s after process start")
+
+
+def timeline_from_log(text: str) -> dict[str, float]:
+    """The node's own start-up phases (seconds after its process started), last start only."""
+    text = text.rsplit("===== start", 1)[-1]
+    return {m.group(1).rstrip(" ,").replace(" at", "").replace(" in", ""): float(m.group(2))
+            for m in TIMELINE.finditer(text)}
+
+
+def bench_join(cluster: Cluster, name: str, bootstrap: str, bandwidth_mbit: float, env: dict[str, str]) -> dict:
+    started = time.monotonic()
+    site = cluster.add(name, extra=["--bootstrap", bootstrap], env=env)
+    training_s = ready_s = None
+    while time.monotonic() - started < STARTUP_S and (training_s is None or ready_s is None):
+        doc = site.status(timeout=1.0)
+        if doc is not None:
+            if training_s is None and doc["learner"]["step"] > 0:
+                training_s = time.monotonic() - started
+            if ready_s is None and doc.get("ready"):
+                ready_s = time.monotonic() - started
+        time.sleep(0.05)
+    text = site.log_text()
+    match = re.search(r"downloaded the global state \((\d+) bytes\) in ([0-9.]+) s", text)
+    state_bytes = int(match.group(1)) if match else None
+    bound = (state_bytes * 8 / (bandwidth_mbit * 1e6) + 10.0) if state_bytes else None
+    result = {"spawn_to_training_s": training_s, "spawn_to_ready_s": ready_s,
+              "download_s": float(match.group(2)) if match else None, "state_bytes": state_bytes,
+              "bound_s": bound, "training_within_bound": None not in (training_s, bound) and training_s <= bound,
+              "timeline_s": timeline_from_log(text)}
+    print(f"join {name}: {result}", flush=True)
+    return result
+
+
 def wait_ready(cluster: Cluster, names: set[str]) -> dict:
     return cluster.wait_for(f"{sorted(names)} ready", lambda s: names <= {n for n, d in s.items() if d.get("ready")},
                             STARTUP_S)
@@ -87,23 +159,21 @@ def main() -> int:
     print(f"in-process step: {results['step_s_inprocess'] * 1000:.1f} ms", flush=True)
 
     root = Path(tempfile.mkdtemp(prefix="diloco-bench-"))
-    cluster = Cluster.create(root)
+    results.update(bench_isolated_sync(root / "isolated"))
+    cluster = Cluster.create(root / "main")
     link: subprocess.Popen[bytes] | None = None
     try:
         unpaced = {"DILOCO_X_MIN_STEP_S": "0"}
         a = cluster.add("a", env=unpaced)
         wait_ready(cluster, {"a"})
-        time.sleep(35)  # a full tokens/s window
-        results["step_s_single_site"] = step_time_from(cluster.poll()["a"])
-        print(f"single-site daemon step: {results['step_s_single_site']}", flush=True)
+        results["step_s_single_site"] = measure_step(cluster, "a", "single-site daemon (no peers)")
 
         paced = {"DILOCO_X_MIN_STEP_S": "0.1"}
         cluster.add("b", bootstrap=a, env=paced)
         cluster.add("c", bootstrap=a, env=paced)
         wait_ready(cluster, {"a", "b", "c"})
-        time.sleep(35)
-        results["step_s_three_sites"] = step_time_from(cluster.poll()["a"])
-        print(f"3-site daemon step (site a): {results['step_s_three_sites']}", flush=True)
+        results["step_s_three_sites_cpu_contended"] = measure_step(cluster, "a",
+                                                                   "3-site run, site a (CPU-contended)")
 
         failovers: list[float] = []
         for trial in range(args.trials):
@@ -134,19 +204,13 @@ def main() -> int:
                                  "--upstream", cluster.sites["a"].address, "--bandwidth-mbit", str(args.bandwidth_mbit),
                                  "--latency-ms", str(args.latency_ms)], env=child_env(), stdout=subprocess.DEVNULL)
         time.sleep(1.0)
-        started = time.monotonic()
-        d = cluster.add("d", extra=["--bootstrap", f"127.0.0.1:{public}"])
-        wait_ready(cluster, {"d"})
-        join_total = time.monotonic() - started
-        match = re.search(r"downloaded the global state \((\d+) bytes\) in ([0-9.]+) s", d.log_text())
-        state_bytes = int(match.group(1)) if match else None
-        download_s = float(match.group(2)) if match else None
-        bound = (state_bytes * 8 / (args.bandwidth_mbit * 1e6) + 10.0) if state_bytes else None
-        results["join"] = {"bandwidth_mbit": args.bandwidth_mbit, "latency_ms": args.latency_ms,
-                           "total_to_ready_s": join_total, "download_s": download_s, "state_bytes": state_bytes,
-                           "bound_s": bound, "download_within_bound": download_s is not None and bound is not None
-                           and download_s <= bound}
-        print(f"join: {results['join']}", flush=True)
+        results["log_entries_at_join"] = max(d["commit_index"] for d in cluster.poll().values())
+        bootstrap = f"127.0.0.1:{public}"
+        results["join_warm_cache"] = bench_join(cluster, "d", bootstrap, args.bandwidth_mbit, {})
+        cold = str(root / "cold-jax-cache")
+        results["join_cold_cache"] = bench_join(cluster, "e", bootstrap, args.bandwidth_mbit,
+                                                {"JAX_COMPILATION_CACHE_DIR": cold})
+        results["join_link"] = {"bandwidth_mbit": args.bandwidth_mbit, "latency_ms": args.latency_ms}
     finally:
         cluster.close()
         if link is not None:

@@ -27,6 +27,19 @@ def _event_loop_policy() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
+def _use_persistent_compilation_cache(data_dir: str) -> None:
+    """Compiled XLA programs are kept in `<data_dir>/jax-cache` so a restart (or a second site on
+    the same host pointed at a shared cache) skips most of the model's compile time.
+
+    An operator's own JAX_COMPILATION_CACHE_DIR (e.g. one cache shared by several sites) wins. JAX
+    reads these variables when it is imported, so this runs before the import.
+    """
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(data_dir, "jax-cache"))
+    # The model's initialisation is many small programs, each under JAX's default 1 s threshold;
+    # caching them too is what makes a warm start fast (measured: 5.6 s -> 0.8 s for the tiny model).
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         effective = load_config_from_args(args)
@@ -38,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
                         format=f"%(asctime)s {effective.node.node_id} %(levelname)s %(name)s: %(message)s")
     for warning in effective.warnings:
         logging.getLogger("diloco_node.daemon").warning("%s", warning)
+    _use_persistent_compilation_cache(effective.node.data_dir)
     from diloco_node.daemon.node import Node  # imports JAX: only for `run`
 
     node = Node(effective, environ=dict(os.environ))

@@ -127,6 +127,15 @@ class LearnerThread(threading.Thread):
         self.c_steps = list(snap.c_steps)
         self.c_tokens = list(snap.c_tokens)
 
+    def adopt_global(self, global_params: Mapping[str, np.ndarray], global_rounds: list[int]) -> None:
+        """A fresh learner (before `start`) takes the current global state as its weights and base."""
+        self._inner.set_flat(global_params)
+        self.base_rounds = list(global_rounds)
+        self._base_params = [{n: np.array(global_params[n], np.float32) for n in f.names}
+                             for f in self.plan.fragments]
+        self.c_steps = [0] * self.plan.num_fragments
+        self.c_tokens = [0] * self.plan.num_fragments
+
     def begin_training(self) -> None:
         self._go.set()
 
@@ -192,20 +201,21 @@ class LearnerThread(threading.Thread):
     def _boundary(self) -> None:
         with self._lock:
             offers, self._offers = self._offers, {}
-        for p, (round_, params) in sorted(offers.items()):
-            if round_ <= self.base_rounds[p]:
-                continue
+        taken = {p: offer for p, offer in offers.items() if offer[0] > self.base_rounds[p]}
+        if taken:
+            # One write of all newly committed fragments: the cost of rebuilding the parameter
+            # tree is per call, not per tensor, and this runs on the training thread.
+            incoming = {n: v for _, params in taken.values() for n, v in params.items()}
             if self.manifest.sync.apply == "mix":
                 alpha = self.manifest.sync.mix_alpha
-                local = self._inner.get_flat(params)
-                self._inner.set_flat({n: (alpha * local[n] + (1 - alpha) * v).astype(np.float32)
-                                      for n, v in params.items()})
-            else:
-                self._inner.set_flat(params)
-            self.base_rounds[p] = round_
-            self._base_params[p] = params
-            self.c_steps[p] = 0
-            self.c_tokens[p] = 0
+                local = self._inner.get_flat(incoming)
+                incoming = {n: (alpha * local[n] + (1 - alpha) * v).astype(np.float32) for n, v in incoming.items()}
+            self._inner.set_flat(incoming)
+            for p, (round_, params) in taken.items():
+                self.base_rounds[p] = round_
+                self._base_params[p] = params
+                self.c_steps[p] = 0
+                self.c_tokens[p] = 0
         self._answer_state_requests()
 
     def _send_due(self, p: int) -> None:

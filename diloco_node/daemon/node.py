@@ -84,6 +84,20 @@ SYSTEMD_STATUS_EVERY_S = 10.0
 MEMBER_REFRESH_S = 5.0
 
 
+_IMPORTED_AT = time.monotonic()
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux /proc; elsewhere, since this module was imported)."""
+    try:
+        fields_after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        start_ticks = int(fields_after_name[19])  # field 22, starttime, in clock ticks after boot
+        uptime_s = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime_s - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED_AT
+
+
 def run_id_for(secret: bytes) -> str:
     """The run id stamped on every frame: derived from the run secret, so sites agree without config."""
     return "run-" + hashlib.sha256(b"diloco-node/run-id\0" + secret).hexdigest()[:16]
@@ -194,7 +208,8 @@ class Node:
         try:
             site = web.TCPSite(runner, self.cfg.listen.host, self.cfg.listen.port)
             await site.start()
-            log.info("%s listening on %s (advertised %s)", self.node_id, self.cfg.listen, self.cfg.advertise)
+            log.info("%s listening on %s (advertised %s), %.2f s after process start", self.node_id,
+                     self.cfg.listen, self.cfg.advertise, process_age_s())
             code = await self._main()
         except (JoinRefused, ConfigError) as error:
             log.error("%s", error)
@@ -229,14 +244,25 @@ class Node:
         self._stop.set()
 
     async def _main(self) -> int:
+        loop = asyncio.get_running_loop()
         mode = await self._establish_identity()
-        self._build_state()
+        self._mark_phase("identity")
+        # Model set-up runs off the loop (JAX init, corpus): /status keeps answering meanwhile.
+        await loop.run_in_executor(None, self._build_state)
+        self._mark_phase("state built")
         restored = self._restore_checkpoint()
+        # The learner's starting base: the global state as of now (copied; the download replaces it).
+        self._learner_base = ({n: a.copy() for n, a in self.replica.state.all_params().items()},
+                              list(self.replica.state.rounds()))
         self._start_coordination()
         self._tasks.append(asyncio.create_task(self._ticker(), name="coordination-ticker"))
         self._tasks.append(asyncio.create_task(self._periodic(), name="periodic"))
         self._tasks.append(asyncio.create_task(run_watchdog(self.notifier, self._live),  # type: ignore[arg-type]
                                                name="watchdog"))
+        # The learner is built and its step compiled in a worker thread WHILE a joiner announces
+        # itself and downloads the global state: the two are independent until training starts.
+        preparing = (asyncio.ensure_future(loop.run_in_executor(None, self._prepare_learner, restored))
+                     if self.role is coord.MemberRole.LEARNER else None)
         if mode == "join":
             await self._announce_to_members()
             self._held_applies = []
@@ -245,6 +271,7 @@ class Node:
             await self._download.run()
             log.info("%s: downloaded the global state (%d bytes) in %.2f s", self.node_id,
                      self._download.bytes_received, time.monotonic() - started)
+            self._mark_phase("state downloaded")
             self._consistent_from = self._download.max_commit_index
             held, self._held_applies = self._held_applies, None
             for entry in held:
@@ -252,11 +279,16 @@ class Node:
             self._download = None
         elif mode == "restart":
             await self._announce_to_members()
-        if self.role is coord.MemberRole.LEARNER:
-            await self._start_learner(restored)
+        if preparing is not None:
+            learner = await preparing
+            self._start_training(learner, fresh=not restored)
         await self._stop.wait()
         await self._shutdown()
         return 0
+
+    def _mark_phase(self, what: str) -> None:
+        """Start-up timeline in the log (seconds since the process started): where join time goes."""
+        log.info("%s: %s at %.2f s after process start", self.node_id, what, process_age_s())
 
     # ------------------------------------------------------------------ identity and state
 
@@ -354,20 +386,40 @@ class Node:
         self.store.sync(self._persistent)
         self.history.start(self.coord, self.replica.applied_index, self.manifest.sync if self.manifest else None)
 
-    async def _start_learner(self, restored: Any) -> None:
-        assert self.replica is not None and self.manifest is not None and self.corpus is not None
-        self._ready_reason = "compiling the training step"
+    def _prepare_learner(self, restored: Any) -> LearnerThread:
+        """Build the learner and compile its step (in a worker thread; touches no loop state)."""
+        assert self.manifest is not None and self.corpus is not None
         learner = LearnerThread(
             node_id=self.node_id, cfg=self.model_cfg, manifest=self.manifest, plan=self.plan, corpus=self.corpus,
-            global_params=self.replica.state.all_params(), global_rounds=list(self.replica.state.rounds()),
+            global_params=self._learner_base[0], global_rounds=self._learner_base[1],
             on_contribution=self._from_learner_contribution, on_progress=self._from_learner_progress,
             min_step_interval_s=self._min_step_interval_s)
         if restored:
             learner.restore(restored)
-        seconds = await asyncio.get_running_loop().run_in_executor(None, learner.compile)
-        log.info("%s: training step compiled in %.1f s", self.node_id, seconds)
+        seconds = learner.compile()
+        log.info("%s: training step compiled in %.1f s (%.2f s after process start)", self.node_id, seconds,
+                 process_age_s())
+        return learner
+
+    def _start_training(self, learner: LearnerThread, *, fresh: bool) -> None:
+        """Bring the compiled learner up to the replica's current global state and start stepping.
+
+        Training starts as soon as the global state is in place (founded, restored or downloaded):
+        it does not wait for the replica to replay the log to the newest commit (that can be a long
+        history, and a learner on a slightly older fragment is rebased by the syncer anyway).
+        `/readyz` still waits for the replica rule in `_update_readiness`.
+        """
+        assert self.replica is not None
+        state = self.replica.state
+        if fresh:
+            learner.adopt_global(state.all_params(), list(state.rounds()))
+        else:  # a restored learner keeps its own weights; fragments committed since arrive as offers
+            for p in range(self.plan.num_fragments):
+                learner.offer_fragment(p, state.round(p), state.fragment_params(p))
         self.learner = learner
         learner.start()
+        learner.begin_training()
+        self._mark_phase("training started")
 
     async def _announce_to_members(self) -> None:
         """Tell every member we know that we are here (joiners, and restarts after a leave)."""
@@ -830,10 +882,8 @@ class Node:
         ready = not reason
         if ready and not self._ready:
             self._ready = True
-            if self.learner is not None:
-                self.learner.begin_training()
             self.notifier.ready(f"{self.node_id} ready")
-            log.info("%s ready", self.node_id)
+            log.info("%s ready, %.2f s after process start", self.node_id, process_age_s())
         if self._ready:
             role = "lease holder" if coordination.is_lease_holder(self.now()) else coordination.role.value
             reason = f"ready: {role}, epoch {coordination.epoch}, applied {self.replica.applied_index}"
