@@ -1,6 +1,6 @@
 """The chaos engine: schedules (deterministic, constrained), the supervisor against real child
 processes (kill, stop/continue, restart, slow, reap), the harness end to end with stand-in nodes,
-and (marked slow until the daemon lands) a short chaos run against the real daemon."""
+and a short chaos run against the real daemon (about two minutes, in the default suite)."""
 
 from __future__ import annotations
 
@@ -334,7 +334,6 @@ def test_harness_end_to_end_with_standins(tmp_path):
 # the real daemon
 
 
-@pytest.mark.slow  # until diloco_node.daemon lands; then it belongs in the default suite
 def test_short_chaos_against_the_real_daemon(tmp_path):
     """About a minute: a coordinator kill, a coordinator SIGSTOP past the lease and two more
     faults on three real daemons. Fails (never skips) when the daemon is missing or not ready."""
@@ -386,3 +385,20 @@ def test_a_cluster_that_never_gets_ready_fails_with_the_reason(tmp_path):
 
     with pytest.raises(HarnessError, match=r"decoupled: cluster not ready after \d+s: n1: exited with 3 \(log .*node.log\)"):
         run_chaos(config, Broken())
+
+
+def test_a_stale_holder_that_steps_down_before_the_heal_line_counts_as_zero():
+    """Seen against the real daemon: the continued holder wrote `lease_lost` 30 ms before the
+    harness wrote its `heal` line; the step-down must not be matched to a later lease loss."""
+    from diloco_node.chaos.metrics import step_down_times
+    from diloco_node.history import HistoryEvent
+
+    def ev(node, kind, t, **kw):
+        return HistoryEvent(t_wall=t, t_mono=t, node=node, kind=kind, **kw)
+
+    h = {"a": [ev("a", "lease_acquired", 1.0, epoch=2, index=1), ev("a", "lease_lost", 9.97, epoch=2),
+               ev("a", "lease_lost", 60.0, epoch=4)],
+         "b": [ev("b", "lease_acquired", 8.0, epoch=3, index=9)],
+         "nemesis": [ev("nemesis", "fault", 5.0, detail={"action": "stop", "target": "a", "coordinator": True, "fault": 0}),
+                     ev("nemesis", "heal", 10.0, detail={"action": "stop", "target": "a", "fault": 0})]}
+    assert step_down_times(h) == ([0.0], 0)

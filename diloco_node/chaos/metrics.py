@@ -180,11 +180,13 @@ def step_down_times(histories: Mapping[str, Sequence[HistoryEvent]]) -> tuple[li
                          and t_stop <= e.t_mono <= t_cont for e in events)
         if not superseded:
             continue
-        lost = next((e.t_mono for e in own if e.t_mono >= t_cont and e.kind in ("lease_lost", "start")), None)
+        # A stopped process writes nothing, so whatever it wrote after the SIGSTOP came after the
+        # SIGCONT, even when it beat the harness's `heal` line to the clock (then it took 0 s).
+        lost = next((e.t_mono for e in own if e.t_mono > t_stop and e.kind in ("lease_lost", "start")), None)
         if lost is None:
             never += 1
         else:
-            times.append(lost - t_cont)
+            times.append(max(0.0, lost - t_cont))
     return sorted(times), never
 
 
