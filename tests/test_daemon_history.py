@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 
 from bootstrap import messages as coord
 from bootstrap.coordinator_node import CoordinatorNode, NodeOptions, PersistentState
@@ -29,7 +30,7 @@ class Clock:
 
 def recorder(tmp_path, node: str, clock: Clock, **kwargs) -> DaemonHistory:
     writer = HistoryWriter(tmp_path / node / "history.jsonl", node, wall_clock=clock, mono_clock=clock)
-    return DaemonHistory(writer, **kwargs)
+    return DaemonHistory(writer, mono_clock=clock, **kwargs)
 
 
 def events(history: DaemonHistory) -> list:
@@ -211,7 +212,9 @@ def test_steps_are_batched_and_a_synchronous_learner_past_the_barrier_is_waiting
     assert len(steps) == 2  # about one event per second
     assert sum(e.detail["steps"] for e in steps) == 15
     assert sum(e.detail["tokens"] for e in steps) == 14 * 128  # the first step only sets the baseline
-    assert abs(sum(e.detail["productive_s"] for e in steps) - 10 * 0.05) < 1e-9  # pace > step time
+    # The first step counts its pace (0.05 s > its 0.01 s of compute), the next nine the 0.1 s since
+    # the previous one (within 2 x 0.05 s); past the barrier nothing.
+    assert abs(sum(e.detail["productive_s"] for e in steps) - (0.05 + 9 * 0.1)) < 1e-9
     assert steps[-1].detail["learner_step"] == 15 and steps[-1].detail["loss"] == 2.4
 
 
@@ -229,13 +232,15 @@ def test_decoupled_learners_never_wait_and_lifecycle_events_close_the_history(tm
     history.start(core, 0, Sync())
     assert history.barrier_steps is None
     history.learner_step(1, float("nan"), 0, FakeLearner(0.02, [10_000, 10_000]))
+    clock.now += 5.0  # paused (SIGSTOP) between two steps: at most twice the step counts
+    history.learner_step(2, 1.5, 128, FakeLearner(0.02, [10_000, 10_000]))
     history.leave(core, "left: our removal is committed")
     history.stop(core, 7)
     history.close()
-    history.learner_step(2, 1.0, 128, FakeLearner())  # a straggling learner thread: ignored
+    history.learner_step(3, 1.0, 256, FakeLearner())  # a straggling learner thread: ignored
     got = list(read_history(history.writer.path).events)
     assert [e.kind for e in got] == ["start", "step", "leave", "stop"]
-    assert got[1].detail["productive_s"] == 0.02 and "loss" not in got[1].detail
+    assert got[1].detail["productive_s"] == pytest.approx(0.02 + 0.04) and got[1].detail["steps"] == 2
     assert got[2].detail == {"reason": "left: our removal is committed"}
     assert (got[3].index, got[3].epoch) == (7, 1)
     assert np.isfinite(got[3].t_mono)

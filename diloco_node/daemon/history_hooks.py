@@ -22,7 +22,8 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,6 +40,11 @@ from wire.errors import RemoteProtocolError
 # are steps a blocking synchronous learner would have spent waiting at the fragment barrier for
 # a missing peer, so they are reported as unproductive. Decoupled learners (K = 1) never wait.
 SYNC_BARRIER_PERIODS = 2
+# A learner step's productive time is the wall time since the previous step ended (the learner
+# thread only trains: boundary work and the pacing sleep of a slower device are part of it), but
+# at most this many times its own duration, so a pause (a SIGSTOP, a stopped process) is not
+# counted as training.
+MAX_STEP_GAP_FACTOR = 2.0
 
 
 def entry_digest(entry: LogEntry) -> str:
@@ -108,6 +114,7 @@ class DaemonHistory:
         *,
         pace_s: float = 0.0,
         barrier_steps: int | None = None,
+        mono_clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`pace_s`: the learner's minimum step interval (a stand-in for a slower device, so it
         counts as training time); `barrier_steps`: see SYNC_BARRIER_PERIODS (None: decoupled)."""
@@ -124,6 +131,8 @@ class DaemonHistory:
         self._digests: dict[int, tuple[LogEntry, str]] = {}  # index -> (entry, digest), small cache
         self._next_apply_is_snapshot = False
         self._last_tokens: int | None = None
+        self._mono = mono_clock
+        self._last_step_end: float | None = None
         self.started = False
         self._closed = False  # a learner thread outliving the node's shutdown records nothing
 
@@ -272,7 +281,10 @@ class DaemonHistory:
             return
         previous, self._last_tokens = self._last_tokens, tokens
         new_tokens = max(0, tokens - previous) if previous is not None else 0
-        seconds = max(learner.step_seconds if learner is not None else 0.0, self.pace_s)
+        now = self._mono()
+        previous_end, self._last_step_end = self._last_step_end, now
+        nominal = max(learner.step_seconds if learner is not None else 0.0, self.pace_s)
+        seconds = nominal if previous_end is None else min(now - previous_end, MAX_STEP_GAP_FACTOR * nominal)
         waiting = self.barrier_steps is not None and learner is not None and self._past_barrier(learner.c_steps)
         extra: dict[str, Any] = {"learner_step": step}
         if loss == loss and abs(loss) != float("inf"):  # JSON has no NaN; a non-finite loss is left out
