@@ -94,7 +94,9 @@ class Membership:
             node_id: MemberRecord(node_id, address, role, incarnation, MemberState.ALIVE)
         }
         self.changed_at: dict[str, float] = {node_id: now}
-        self._pending: dict[str, int] = {}  # node id -> piggyback transmissions left for its record
+        # node id -> piggyback transmissions left for its record; ours first, so a restart's new
+        # incarnation spreads even before anyone asks.
+        self._pending: dict[str, int] = {node_id: self._retransmissions()}
         self._probe_order: list[str] = []
         self._probe: _Probe | None = None
         self._next_probe_at = now + rng.uniform(0.0, self.timing.probe_interval_s)
@@ -156,6 +158,10 @@ class Membership:
 
     def handle(self, message: Message, now: float) -> list[Send]:
         if isinstance(message, JoinRequest):
+            if not self.joined and len(self.members) == 1:
+                # Two nodes that are both still joining must not welcome each other into an
+                # island of their own: the requester retries with its next bootstrap peer.
+                return [Send(message.member.node_id, JoinReply(False, f"{self.node_id} has not joined a run yet", ()))]
             self._merge(message.member, now)
             members = tuple(self.members[n] for n in sorted(self.members))
             return [Send(message.member.node_id, JoinReply(True, f"welcome, {len(members)} members", members))]
@@ -165,6 +171,8 @@ class Membership:
                     self._merge(record, now)
                 self.joined = True
                 self.last_reason = f"joined: {message.reason}"
+            else:
+                self.last_reason = f"join refused: {message.reason}"
             return []
         if isinstance(message, Ping):
             self._merge_all(message.updates, now)

@@ -170,3 +170,13 @@ def test_join_reply_lists_members_in_a_fixed_order():
     message = reply[0].message
     assert isinstance(message, JoinReply) and message.accepted
     assert [r.node_id for r in message.members] == ["1", "2", "3", "4"]
+
+
+def test_two_joining_nodes_do_not_form_an_island():
+    first, second = member("4"), member("5")
+    first.start_join(["5"], 0.0)
+    second.start_join(["4"], 0.0)
+    reply = second.handle(JoinRequest(first.members["4"]), 0.1)
+    assert reply == [Send("4", JoinReply(False, "5 has not joined a run yet", ()))]
+    first.handle(reply[0].message, 0.1)
+    assert not first.joined and first.last_reason == "join refused: 5 has not joined a run yet"
