@@ -10,7 +10,7 @@
    target is training within state size / link bandwidth + 10 s.
 3. Learner step time, as batch tokens / tokens-per-second from /status (30 s window, so it
    includes whatever the node does beside): in-process jitted step alone; a 1-site run (no peers;
-   it syncs with itself); site a syncing with peers that do not compete for the CPU (2 witnesses:
+   it syncs with itself), then the same site a syncing with peers that do not compete for the CPU (2 witnesses:
    the step-time target), then with 2 more learners paced to 1 step/s (3 learners merged, little
    extra CPU); and site a of the 3-site run whose other learners run at 10 steps/s
    (CPU-contended: three JAX processes on the same cores, not a measure of sync overhead).
@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -74,31 +75,52 @@ def bench_inprocess_step(steps: int = 200) -> float:
     return (time.perf_counter() - started) / steps
 
 
-def measure_step(cluster: Cluster, name: str, label: str, window_s: float = 35.0) -> float | None:
+def learner_clock(site) -> tuple[int, float, float]:
+    """(steps, compute seconds, sync seconds) of a site's training thread, from /status and /metrics."""
+    doc = site.status()
+    with urllib.request.urlopen(site.url + "/metrics", timeout=2.0) as response:
+        text = response.read().decode()
+    values = {m.group(1): float(m.group(2)) for m in
+              re.finditer(r"^diloco_daemon_learner_(compute|sync)_seconds(?:\{[^}]*\})? ([0-9.e+-]+)$", text, re.M)}
+    return doc["learner"]["step"], values.get("compute", 0.0), values.get("sync", 0.0)
+
+
+def measure_step(cluster: Cluster, name: str, label: str, window_s: float = 35.0) -> dict:
+    """Wall-clock step time (tokens/s window) and the training thread's own split over the window."""
+    site = cluster.sites[name]
+    steps0, compute0, sync0 = learner_clock(site)
     time.sleep(window_s)  # a full tokens/s window
-    value = step_time_from(cluster.poll()[name])
-    print(f"{label}: {value * 1000:.2f} ms" if value else f"{label}: no rate", flush=True)
-    return value
+    wall = step_time_from(cluster.poll()[name])
+    steps1, compute1, sync1 = learner_clock(site)
+    steps = max(1, steps1 - steps0)
+    out = {"step_s": wall, "compute_s_per_step": (compute1 - compute0) / steps,
+           "learner_sync_s_per_step": (sync1 - sync0) / steps, "steps": steps1 - steps0}
+    print(f"{label}: wall {wall * 1000 if wall else float('nan'):.2f} ms/step, in-thread compute "
+          f"{out['compute_s_per_step'] * 1000:.2f} ms + sync {out['learner_sync_s_per_step'] * 1000:.3f} ms",
+          flush=True)
+    return out
 
 
 def bench_isolated_sync(root: Path) -> dict:
-    """Site a syncing with peers that leave the CPU to it: 2 witnesses, then 2 slow learners too."""
+    """Site a alone (no peers), then syncing with peers that leave the CPU to it: 2 witnesses, then
+    2 slow learners too; back to back in one run, so machine load drifts as little as possible."""
     cluster = Cluster.create(root)
     out: dict = {}
     try:
         a = cluster.add("a", env={"DILOCO_X_MIN_STEP_S": "0"})
         wait_ready(cluster, {"a"})
+        out["step_single_site"] = measure_step(cluster, "a", "single-site daemon (no peers)")
         for w in ("w1", "w2"):
             cluster.add(w, bootstrap=a, extra=["--role", "witness"])
         wait_ready(cluster, {"a", "w1", "w2"})
         cluster.wait_for("3 voters", lambda s: len(s["a"].get("members", [])) == 3
                          and all(m.get("voter") for m in s["a"]["members"]), 60)
-        out["step_s_with_2_witnesses"] = measure_step(cluster, "a", "site a + 2 witnesses")
+        out["step_with_2_witnesses"] = measure_step(cluster, "a", "site a + 2 witnesses")
         slow = {"DILOCO_X_MIN_STEP_S": "1.0"}
         cluster.add("s1", bootstrap=a, env=slow)
         cluster.add("s2", bootstrap=a, env=slow)
         wait_ready(cluster, {"a", "s1", "s2"})
-        out["step_s_with_2_witnesses_2_slow_learners"] = measure_step(cluster, "a",
+        out["step_with_2_witnesses_2_slow_learners"] = measure_step(cluster, "a",
                                                                       "site a + 2 witnesses + 2 learners at 1 step/s")
         out["commit_index_end"] = cluster.poll()["a"]["commit_index"]
     finally:
@@ -166,13 +188,11 @@ def main() -> int:
         unpaced = {"DILOCO_X_MIN_STEP_S": "0"}
         a = cluster.add("a", env=unpaced)
         wait_ready(cluster, {"a"})
-        results["step_s_single_site"] = measure_step(cluster, "a", "single-site daemon (no peers)")
-
         paced = {"DILOCO_X_MIN_STEP_S": "0.1"}
         cluster.add("b", bootstrap=a, env=paced)
         cluster.add("c", bootstrap=a, env=paced)
         wait_ready(cluster, {"a", "b", "c"})
-        results["step_s_three_sites_cpu_contended"] = measure_step(cluster, "a",
+        results["step_three_sites_cpu_contended"] = measure_step(cluster, "a",
                                                                    "3-site run, site a (CPU-contended)")
 
         failovers: list[float] = []
@@ -216,6 +236,13 @@ def main() -> int:
         if link is not None:
             link.kill()
             link.wait(10)
+    alone, synced = results.get("step_single_site", {}), results.get("step_with_2_witnesses", {})
+    if alone.get("step_s") and synced.get("step_s"):
+        results["sync_overhead_vs_no_peers"] = {
+            "wall": synced["step_s"] / alone["step_s"] - 1.0,
+            "training_thread": (synced["compute_s_per_step"] + synced["learner_sync_s_per_step"])
+            / (alone["compute_s_per_step"] + alone["learner_sync_s_per_step"]) - 1.0,
+            "target": 0.10}
     Path(args.json).write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
     return 0

@@ -125,6 +125,11 @@ class Node:
         self._commits_metric = self.metrics.counter("diloco_daemon_commits_applied_total", "outer commits applied")
         self._contrib_metric = self.metrics.counter("diloco_daemon_contributions_sent_total", "contributions sent")
         self._merges_metric = self.metrics.counter("diloco_daemon_merges_proposed_total", "merges proposed as lease holder")
+        self._compute_metric = self.metrics.gauge("diloco_daemon_learner_compute_seconds",
+                                                  "training thread: seconds in the jitted step (cumulative)")
+        self._learner_sync_metric = self.metrics.gauge(
+            "diloco_daemon_learner_sync_seconds",
+            "training thread: seconds applying committed fragments and computing due deltas (cumulative)")
         self.notifier = BackgroundNotifier(SystemdNotifier(self.environ))
         self.coord: CoordinatorNode | None = None
         self.replica: Replica | None = None
@@ -701,6 +706,10 @@ class Node:
     def _from_learner_progress(self, step: int, loss: float, tokens: int) -> None:
         self._loss = loss
         self.status.record_learner(step=step, loss=loss, tokens=tokens, now=self.now())
+        learner = self.learner
+        if learner is not None:
+            self._compute_metric.set(learner.compute_seconds_total)
+            self._learner_sync_metric.set(learner.sync_seconds_total)
         self.history.learner_step(step, loss, tokens, self.learner)
 
     def _from_learner_contribution(self, due: DueFragment) -> None:

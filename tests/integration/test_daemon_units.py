@@ -236,3 +236,32 @@ def test_pre_votes_travel_over_the_wire_and_older_frames_decode_as_real_votes() 
     assert wire.VoteRequest.from_wire(field_map, b"").pre_vote is False
     with pytest.raises(Exception, match="pre_vote"):
         wire.VoteRequest.from_wire({**field_map, "pre_vote": 1}, b"")
+
+
+def test_learner_reads_and_writes_parameter_leaves_by_the_models_names() -> None:
+    import jax.numpy as jnp
+
+    from diloco_node import model as model_lib
+    from diloco_node.daemon.learner_thread import _leaf_index
+
+    from flax import nnx
+
+    class Two(nnx.Module):  # nested modules and a list, like the model's blocks, but tiny
+        def __init__(self) -> None:
+            self.blocks = nnx.List([nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.Linear(3, 2, rngs=nnx.Rngs(1))])
+            self.head = nnx.LayerNorm(2, rngs=nnx.Rngs(2))
+
+    _, params = nnx.split(Two(), nnx.Param)
+    flat = model_lib.flat_params(params)
+    index = _leaf_index(params)
+    assert set(index) == set(flat)
+    import jax
+
+    leaves = jax.tree.leaves(params)
+    changed = {name: flat[name] + 1.0 for name in sorted(flat)[:3]}
+    for name, value in changed.items():
+        leaves[index[name]] = jnp.asarray(value)
+    fast = model_lib.flat_params(jax.tree.unflatten(jax.tree.structure(params), leaves))
+    slow = model_lib.flat_params(model_lib.load_flat_params(params, changed))
+    assert all(np.array_equal(fast[n], slow[n]) for n in flat)
+    assert not np.array_equal(fast[sorted(flat)[0]], flat[sorted(flat)[0]])
