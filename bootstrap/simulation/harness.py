@@ -144,6 +144,7 @@ class Simulation:
         self.groups: dict[str, int] = {}
         self.one_way: set[tuple[str, str]] = set()  # (source, destination) links that drop
         self.workload_interval = self.rng.choice(WORKLOAD_INTERVALS_S)
+        self._workload_generation = 0  # bumped to cancel the pending proposal when the rate changes
         self.loss = 0.0
         self.duplicate = 0.0
         self.jitter = self.config.jitter_s
@@ -169,7 +170,6 @@ class Simulation:
 
     def run(self) -> SimResult:
         cfg = self.config
-        self._workload_generation = 0
         self._schedule(self.workload_interval, _WORKLOAD, self._workload_generation, None)
         self.run_until(cfg.warmup_s)
         t = cfg.warmup_s
@@ -250,7 +250,7 @@ class Simulation:
             self.one_way |= {(first, second), (second, first)}
             note = f"cut link {first} <-> {second}"
         elif fault == "workload":
-            self._set_workload(self.rng.choice(WORKLOAD_INTERVALS_S))
+            self.set_workload(self.rng.choice(WORKLOAD_INTERVALS_S))
             note = f"workload every {self.workload_interval}s"
         elif fault == "heal":
             self.groups = {}
@@ -294,7 +294,7 @@ class Simulation:
         """End of chaos: a clean network and every crashed (not departed) node restarted."""
         self.groups = {}
         self.one_way = set()
-        self._set_workload(self.config.workload_interval_s)
+        self.set_workload(self.config.workload_interval_s)
         self.loss = self.duplicate = 0.0
         self.jitter = self.config.jitter_s
         for host in self._sorted_hosts():
@@ -404,7 +404,7 @@ class Simulation:
         if host.node is not None:
             self._dispatch(host, lambda node, local: node.handle(message, local), message)
 
-    def _set_workload(self, interval_s: float) -> None:
+    def set_workload(self, interval_s: float) -> None:
         """Change the proposal period now: the pending proposal of the old period is dropped."""
         self.workload_interval = interval_s
         self._workload_generation += 1
