@@ -156,6 +156,8 @@ class Node:
         self._frozen = False  # set while stopping: no message is handled, no entry applied
         self._bytes_reported = (0, 0)  # transport byte totals already added to the status document
         self._last_ok: dict[str, float] = {}  # peer -> last successful exchange (monotonic)
+        self._repairs_done = 0  # fragments replaced by a repair (part of the digest cache key)
+        self._digest_cache: tuple[Any, str] = (None, "")
         self.exit_reason = ""
         min_step = self.environ.get("DILOCO_X_MIN_STEP_S", "0")
         self._min_step_interval_s = float(min_step) if min_step else 0.0
@@ -692,6 +694,7 @@ class Node:
             except JoinRefused as error:
                 self._error(f"fragment {p} repair failed: {error}")
             finally:
+                self._repairs_done += 1
                 self._diverged_fetching.discard(p)
 
         self._tasks.append(asyncio.create_task(fetch(), name=f"repair-{p}"))
@@ -930,9 +933,20 @@ class Node:
                                   need=self.syncer.policy.min_quorum, reason=reasons[:400])
         self.status.set_coordination(
             epoch=coordination.epoch, coordinator=holder if holder else None,
-            commit_index=self.replica.applied_index, state_digest=self.replica.state.digest(),
+            commit_index=self.replica.applied_index, state_digest=self._state_digest(),
             members=members, quorum=quorum,
             fragments=[FragmentStatus(p, r) for p, r in enumerate(self.replica.state.rounds())])
+
+    def _state_digest(self) -> str:
+        """The global state's digest for /status, recomputed only when the state changed (it hashes
+        the whole state: ~1 MB for the tiny model, every STATUS_REFRESH_S otherwise)."""
+        replica = self.replica
+        key = (replica.applied_index, replica.state.rounds(), self._repairs_done)
+        if self._download is not None:  # fragments change under a download: never cached
+            self._digest_cache = (None, replica.state.digest())
+        elif self._digest_cache[0] != key:
+            self._digest_cache = (key, replica.state.digest())
+        return self._digest_cache[1]
 
     def _status_document(self) -> Any:
         return self.status.document(self.now())
