@@ -54,35 +54,12 @@ class _Serial:
         return map(function, items)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=1000, help="number of schedules to run")
-    parser.add_argument("--first-seed", type=int, default=0)
-    parser.add_argument("--chaos-s", type=float, default=DEFAULT_CHAOS_S, help="virtual seconds of faults per schedule")
-    parser.add_argument("--jobs", type=int, default=1, help="worker processes (the machine may be shared)")
-    parser.add_argument("--broken", choices=sorted(BROKEN_VARIANTS), help="run a deliberately broken variant")
-    parser.add_argument("--json", type=Path, help="write the summary here")
-    parser.add_argument("--verbose", action="store_true", help="print each failing seed's faults and violations")
-    args = parser.parse_args(argv)
-    if args.seeds < 1:
-        parser.error("--seeds must be >= 1")
-
-    config = SimConfig(chaos_s=args.chaos_s)
-    jobs = [(seed, config, args.broken) for seed in range(args.first_seed, args.first_seed + args.seeds)]
-    started = time.perf_counter()
-    results: list[SimResult] = []
-    with multiprocessing.Pool(args.jobs) if args.jobs > 1 else _Serial() as pool:
-        for result in pool.imap(_run, jobs, chunksize=16):
-            results.append(result)
-            if len(results) % 500 == 0:  # progress on stderr, so long runs can be watched
-                print(f"{len(results)} seeds, {sum(1 for r in results if r.violations)} failing, "
-                      f"{time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
-    wall_s = time.perf_counter() - started
-
+def summarize(results: list[SimResult], args: argparse.Namespace, config: SimConfig, wall_s: float) -> dict:
     failing = [r for r in results if r.violations]
     failovers = sorted(r.failover_s for r in results if r.failover_s is not None)
-    summary = {
-        "seeds": args.seeds,
+    return {
+        "seeds": len(results),
+        "seeds_requested": args.seeds,
         "first_seed": args.first_seed,
         "broken_variant": args.broken,
         "violations": len(failing),
@@ -104,10 +81,40 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(wall_s, 1),
         "jobs": args.jobs,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=1000, help="number of schedules to run")
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--chaos-s", type=float, default=DEFAULT_CHAOS_S, help="virtual seconds of faults per schedule")
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes (the machine may be shared)")
+    parser.add_argument("--broken", choices=sorted(BROKEN_VARIANTS), help="run a deliberately broken variant")
+    parser.add_argument("--json", type=Path, help="write the summary here")
+    parser.add_argument("--verbose", action="store_true", help="print each failing seed's faults and violations")
+    args = parser.parse_args(argv)
+    if args.seeds < 1:
+        parser.error("--seeds must be >= 1")
+
+    config = SimConfig(chaos_s=args.chaos_s)
+    jobs = [(seed, config, args.broken) for seed in range(args.first_seed, args.first_seed + args.seeds)]
+    started = time.perf_counter()
+    results: list[SimResult] = []
+    with multiprocessing.Pool(args.jobs) if args.jobs > 1 else _Serial() as pool:
+        for result in pool.imap(_run, jobs, chunksize=16):
+            results.append(result)
+            if len(results) % 500 == 0 and len(results) < len(jobs):
+                # Long runs on a shared machine: a partial summary survives an interruption.
+                partial = summarize(results, args, config, time.perf_counter() - started)
+                print(f"{len(results)} seeds, {partial['violations']} failing, {partial['wall_s']}s",
+                      file=sys.stderr, flush=True)
+                if args.json:
+                    args.json.write_text(json.dumps(partial, indent=2) + "\n")
+    summary = summarize(results, args, config, time.perf_counter() - started)
     text = json.dumps(summary, indent=2)
     print(text)
     if args.verbose:
-        for result in failing:
+        for result in (r for r in results if r.violations):
             print(f"\nseed {result.seed} ({result.nodes} nodes):", *result.faults, *result.violations, sep="\n  ")
     if args.json:
         args.json.write_text(text + "\n")
