@@ -85,19 +85,42 @@ def learner_clock(site) -> tuple[int, float, float]:
     return doc["learner"]["step"], values.get("compute", 0.0), values.get("sync", 0.0)
 
 
+def cpu_seconds(cluster: Cluster) -> dict[str, float]:
+    """CPU time (user + system) each running site's process has used so far (Linux /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for node_id, site in cluster.sites.items():
+        if site.running and site.proc is not None:
+            try:
+                fields = Path(f"/proc/{site.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[node_id] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return out
+
+
+def load_average() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
 def measure_step(cluster: Cluster, name: str, label: str, window_s: float = 35.0) -> dict:
-    """Wall-clock step time (tokens/s window) and the training thread's own split over the window."""
+    """Wall-clock step time (tokens/s window), the training thread's own split over the window,
+    the CPU our site processes used (cores) and the machine's load average (others' jobs too)."""
     site = cluster.sites[name]
     steps0, compute0, sync0 = learner_clock(site)
+    cpu0, started = cpu_seconds(cluster), time.monotonic()
     time.sleep(window_s)  # a full tokens/s window
     wall = step_time_from(cluster.poll()[name])
     steps1, compute1, sync1 = learner_clock(site)
+    cpu1, elapsed = cpu_seconds(cluster), time.monotonic() - started
     steps = max(1, steps1 - steps0)
     out = {"step_s": wall, "compute_s_per_step": (compute1 - compute0) / steps,
-           "learner_sync_s_per_step": (sync1 - sync0) / steps, "steps": steps1 - steps0}
+           "learner_sync_s_per_step": (sync1 - sync0) / steps, "steps": steps1 - steps0,
+           "cores_used": {n: round((cpu1[n] - cpu0[n]) / elapsed, 3) for n in cpu1 if n in cpu0},
+           "load_average_1m": load_average()}
     print(f"{label}: wall {wall * 1000 if wall else float('nan'):.2f} ms/step, in-thread compute "
-          f"{out['compute_s_per_step'] * 1000:.2f} ms + sync {out['learner_sync_s_per_step'] * 1000:.3f} ms",
-          flush=True)
+          f"{out['compute_s_per_step'] * 1000:.2f} ms + sync {out['learner_sync_s_per_step'] * 1000:.3f} ms; "
+          f"cores used {out['cores_used']}, load {out['load_average_1m']}", flush=True)
     return out
 
 

@@ -76,11 +76,16 @@ class LearnerThread(threading.Thread):
         on_contribution: Callable[[DueFragment], None],
         on_progress: Callable[[int, float, int], None],
         min_step_interval_s: float = 0.0,
+        inner: InnerLearner | None = None,
     ) -> None:
         super().__init__(name=f"learner-{node_id}", daemon=True)
         self.plan = plan
         self.manifest = manifest
-        self._inner = InnerLearner(cfg, manifest.inner, manifest.seed, global_params)
+        if inner is None:
+            inner = InnerLearner(cfg, manifest.inner, manifest.seed, global_params)
+        else:  # built earlier by the node (its initial weights seeded the replica): take the state
+            inner.set_flat(global_params)
+        self._inner = inner
         self._leaf_index = _leaf_index(self._inner.params)
         if set(self._leaf_index) != set(global_params):
             raise RuntimeError("parameter leaf names do not match the model's flat names")

@@ -52,6 +52,7 @@ from diloco_node.daemon.replica import CommitPayload, Replica
 from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.daemon.syncer import CommitPlan, Syncer
 from diloco_node.fragments import is_embedding, plan_fragments
+from diloco_node.inner import InnerLearner
 from diloco_node.merge import Contribution
 from diloco_node.run_config import RunManifest
 from diloco_node.status import FragmentStatus, MemberStatus, MetricsRegistry, QuorumStatus, StatusBuilder, operator_routes
@@ -348,8 +349,14 @@ class Node:
         if vocab != cfg.vocab_size:
             cfg = dataclasses.replace(cfg, vocab_size=vocab)
         self.model_cfg = cfg
-        _, params = model_lib.split_model(model_lib.init_model(cfg, manifest.seed))
-        initial = model_lib.flat_params(params)
+        if self.role is coord.MemberRole.LEARNER:
+            # The learner's model, initialised once: its weights are also the run's initial state
+            # (the same seed), so start-up does not initialise the model twice.
+            self._inner = InnerLearner(cfg, manifest.inner, manifest.seed)
+            initial = self._inner.get_flat()
+        else:
+            _, params = model_lib.split_model(model_lib.init_model(cfg, manifest.seed))
+            initial = model_lib.flat_params(params)
         shapes = {n: a.shape for n, a in initial.items()}
         sync = manifest.sync
         self.plan = plan_fragments(shapes, sync.fragments, sync.period, sync.overlap)
@@ -400,7 +407,7 @@ class Node:
             node_id=self.node_id, cfg=self.model_cfg, manifest=self.manifest, plan=self.plan, corpus=self.corpus,
             global_params=self._learner_base[0], global_rounds=self._learner_base[1],
             on_contribution=self._from_learner_contribution, on_progress=self._from_learner_progress,
-            min_step_interval_s=self._min_step_interval_s)
+            min_step_interval_s=self._min_step_interval_s, inner=self._inner)
         if restored:
             learner.restore(restored)
         seconds = learner.compile()
