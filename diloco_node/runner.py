@@ -610,7 +610,8 @@ class _FragmentSync:
 
     def _admit_joiners(self, stepped: list[int], t: float) -> None:
         """Learners back from an outage start at the next step boundary of the live learners, so
-        they share the vmapped tick; synchronous modes also take the live learners' phase."""
+        they share the vmapped tick, and take the live learners' phase of the fragment schedule,
+        so their contributions join the others' rounds instead of forming rounds of their own."""
         joiners = [st for st in self.learners if st.joining and not st.down]
         if not joiners or self.stop_time is not None:
             return
@@ -618,8 +619,7 @@ class _FragmentSync:
         for st in joiners:
             st.joining = False
             st.active_since = t
-            if self.policy.all_live:
-                st.sync_step = phase
+            st.sync_step = phase
             self._start_step(st, t)
 
     # --- outages ---
