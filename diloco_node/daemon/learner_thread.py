@@ -198,7 +198,7 @@ class LearnerThread(threading.Thread):
                     self.c_steps[p] += 1
                     self.c_tokens[p] += tokens
                 computed = time.perf_counter()
-                self.step_seconds = computed - started
+                self.step_seconds = computed - computing
                 self.compute_seconds_total += computed - computing
                 self.last_step_at = time.monotonic()
                 self._on_progress(self._inner.steps, loss, self._inner.tokens)
