@@ -1,10 +1,11 @@
-"""`diloco-node demo` and `diloco-node train`: in-process multi-learner runs from the command line.
+"""`diloco-node train`: an in-process multi-learner run from the command line.
 
-`demo` is the main job on its built-in default: a Decoupled DiLoCo run of M = 4 learners on the
-running interpreter's standard library source, with live progress lines and a summary (eval loss
-at start and end, merges, bytes that crossed sites vs what data-parallel would have sent).
-`train` exposes every knob: mode, scenario, learners, model size, steps, optimizers, sync,
-codecs, data source, link model, and a manifest file (TOML or JSON) whose values flags override.
+All learners run in this one process on a virtual clock (`diloco_node/runner.py`), with progress
+lines and a summary (eval loss at start and end, merges, bytes that crossed sites vs what
+data-parallel would have sent). (`diloco-node demo`, the main job, runs real processes instead:
+`diloco_node/cluster_demo.py`.) `train` exposes every knob: mode, scenario, learners, model size,
+steps, optimizers, sync, codecs, data source, link model, and a manifest file (TOML or JSON)
+whose values flags override.
 
 Exit status: 0 on success; 2 for bad configuration or data (the message names it); 1 when the
 run itself failed (non-finite loss, or the model did not improve).
@@ -24,11 +25,11 @@ from typing import Any
 from diloco_node.run_config import (CODEC_NAMES, MODEL_SIZES, ConfigError, DataSpec, InnerOptimizer, ModelSpec,
                                     OuterOptimizer, RunManifest, SyncSpec)
 
-DEMO_STEPS = 300  # about a minute of compute on two idle cores for M = 4 tiny learners
+DEFAULT_STEPS = 300  # about a minute of compute on two idle cores for M = 4 tiny learners
 
 
 def default_manifest(steps: int, seed: int = 0) -> RunManifest:
-    """The defaults of demo, train and the parity benchmark (chosen by the sweep in docs/PARITY.md)."""
+    """The defaults of train and the parity benchmark (chosen by the sweep in docs/PARITY.md)."""
     return RunManifest(
         model=ModelSpec(size="tiny", seq_len=64),
         data=DataSpec(source="stdlib", seed=seed),
@@ -41,13 +42,11 @@ def default_manifest(steps: int, seed: int = 0) -> RunManifest:
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("--steps", type=int, default=DEMO_STEPS if name == "demo" else 400,
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
                         help="nominal steps per learner (token budget = learners x steps x batch x seq_len)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=25, help="ticks between progress lines (0: none)")
     parser.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH")
-    if name == "demo":
-        return
     from diloco_node.runner import MODES, SCENARIOS
 
     parser.add_argument("--config", metavar="FILE", help="run manifest (TOML or JSON); flags below override it")
@@ -156,23 +155,19 @@ def run(args: argparse.Namespace) -> int:
     from diloco_node import runner
 
     try:
-        if args.command == "demo":
-            manifest = default_manifest(args.steps, args.seed)
-            config = runner.RunnerConfig(manifest, "decoupled", 4, args.steps, log_every=args.log_every)
-        else:
-            manifest = build_manifest(args)
-            speeds, outages = runner.scenario_settings(args.scenario, args.learners, args.steps, args.base_step_s)
-            if args.speeds:
-                try:
-                    speeds = tuple(float(s) for s in args.speeds.split(","))
-                except ValueError:
-                    raise ConfigError(f"--speeds {args.speeds!r}: expected comma-separated numbers") from None
-            if args.outage:
-                outages = tuple(_parse_outage(o) for o in args.outage)
-            link = runner.LinkModel(args.bandwidth_mbit * 1e6 / 8, args.latency_ms / 1000)
-            config = runner.RunnerConfig(manifest, args.mode, args.learners, args.steps, speeds=speeds,
-                                         outages=outages, base_step_s=args.base_step_s, link=link,
-                                         log_every=args.log_every)
+        manifest = build_manifest(args)
+        speeds, outages = runner.scenario_settings(args.scenario, args.learners, args.steps, args.base_step_s)
+        if args.speeds:
+            try:
+                speeds = tuple(float(s) for s in args.speeds.split(","))
+            except ValueError:
+                raise ConfigError(f"--speeds {args.speeds!r}: expected comma-separated numbers") from None
+        if args.outage:
+            outages = tuple(_parse_outage(o) for o in args.outage)
+        link = runner.LinkModel(args.bandwidth_mbit * 1e6 / 8, args.latency_ms / 1000)
+        config = runner.RunnerConfig(manifest, args.mode, args.learners, args.steps, speeds=speeds,
+                                     outages=outages, base_step_s=args.base_step_s, link=link,
+                                     log_every=args.log_every)
         corpus = data_lib.load_corpus(manifest.data)
     except (ConfigError, ValueError) as exc:  # DataError is a ValueError
         print(f"diloco-node {args.command}: {exc}", file=sys.stderr)
