@@ -9,6 +9,11 @@ counted from the moment quorum was reached. xi_* are exponential moving averages
 learner step time, time to reach quorum and transfer+merge time. `decide_round` is a pure
 function of (now, round state, policy, estimates) that returns the decision and a human-readable
 reason; it reads no clock and does no I/O.
+
+Rounds of one fragment are also rate-limited to the fragment's period: a contribution arriving
+sooner than rho * H * xi_step after the fragment's last merge (a straggler's, out of phase with
+the others) is held and merged with the next on-time contributions, instead of taking an outer
+step of its own.
 """
 
 from __future__ import annotations
@@ -23,6 +28,14 @@ if TYPE_CHECKING:
 # Default smoothing of the timing estimates: recent rounds dominate within about 5 samples, so
 # the grace window follows a change of step time or link speed without jumping on one outlier.
 DEFAULT_EMA_ALPHA = 0.2
+
+# rho: a contribution arriving less than rho * H * xi_step after its fragment's last merge is
+# "early" (out of phase with the fragment's schedule, e.g. a straggler's) and is held for the next
+# on-time contributions. 0.5 leaves a margin of half a period for on-time contributions, whose
+# step-time estimate xi_step may be inflated by slower learners' samples, so the fast learners'
+# rounds are never held, while a contribution landing in the first half of the period waits.
+# 0 disables the limit (synchronous modes: K = M already aligns rounds).
+DEFAULT_MIN_ROUND_INTERVAL_FACTOR = 0.5
 
 
 class Ema:
@@ -58,17 +71,24 @@ class TimingEstimates:
 
 @dataclass(frozen=True, slots=True)
 class QuorumPolicy:
-    """K (min_quorum), gamma (< 1: keep a margin of the slack), the cap in seconds, and tau in steps."""
+    """K (min_quorum), gamma (< 1: keep a margin of the slack), the cap in seconds, tau in steps,
+    and the per-fragment rate limit: rho (min_round_interval_factor) and H (period_steps).
+
+    The rate limit applies only when rho > 0, H > 0, the step time is measured and the caller
+    passes the fragment's last merge time; period_steps = 0 (the default) disables it.
+    """
 
     min_quorum: int
     grace_gamma: float
     grace_cap_s: float
     overlap_steps: int
+    period_steps: int = 0
+    min_round_interval_factor: float = DEFAULT_MIN_ROUND_INTERVAL_FACTOR
 
     @classmethod
     def from_sync_spec(cls, sync: "SyncSpec") -> "QuorumPolicy":
         return cls(min_quorum=sync.min_quorum, grace_gamma=sync.grace_gamma,
-                   grace_cap_s=sync.grace_cap_s, overlap_steps=sync.overlap)
+                   grace_cap_s=sync.grace_cap_s, overlap_steps=sync.overlap, period_steps=sync.period)
 
     def __post_init__(self) -> None:
         if self.min_quorum < 1:
@@ -79,6 +99,16 @@ class QuorumPolicy:
             raise ValueError(f"grace_cap_s = {self.grace_cap_s} must be a finite number >= 0")
         if self.overlap_steps < 0:
             raise ValueError(f"overlap_steps tau = {self.overlap_steps} must be >= 0")
+        if self.period_steps < 0:
+            raise ValueError(f"period_steps H = {self.period_steps} must be >= 0")
+        if not 0.0 <= self.min_round_interval_factor <= 1.0:
+            raise ValueError(f"min_round_interval_factor rho = {self.min_round_interval_factor} must be in [0, 1]")
+
+    def min_round_interval(self, step_s: float | None) -> float:
+        """rho * H * xi_step in seconds; 0 (no limit) when disabled or the step time is unknown."""
+        if step_s is None or self.period_steps == 0:
+            return 0.0
+        return self.min_round_interval_factor * self.period_steps * step_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +121,8 @@ class RoundDecision:
     need: int
     grace_s: float
     reason: str
-    quorum_at: float | None = None  # when quorum was reached (feed now - opened_at of it to xi_quorum)
+    quorum_at: float | None = None  # when quorum was reached (feed quorum_at - opened_at - held_s to xi_quorum)
+    held_s: float = 0.0  # how much later quorum counted because early contributions were held
 
 
 def _grace_and_why(policy: QuorumPolicy, estimates: TimingEstimates) -> tuple[float, str]:
@@ -125,18 +156,29 @@ def decide_round(
     live_learners: int,
     policy: QuorumPolicy,
     estimates: TimingEstimates,
+    last_merge_at: float | None = None,
 ) -> RoundDecision:
     """Merge now, or wait (until `wake_at`, or for the next arrival when wake_at is None).
 
     `arrivals` maps learner -> arrival time of its contribution this round; `live_learners` is
-    how many learners are currently alive (contributed or not). Rules, in order:
+    how many learners are currently alive (contributed or not); `last_merge_at` is when this
+    fragment last took an outer step (None: never, or the caller does not rate-limit).
+
+    Rate limit (when `policy.min_round_interval(xi_step)` = rho * H * xi_step > 0 and
+    last_merge_at is known): a contribution that arrived before last_merge_at + that interval is
+    *early*. It is held: it does not count toward quorum until the fragment's next expected round
+    at last_merge_at + H * xi_step, so it merges with the next on-time contributions, or alone at
+    that time if none come (liveness). Rules, in order:
       1. fewer than K contributions: wait (saying so when fewer than K learners are even alive);
-      2. every live learner has contributed: merge at once;
-      3. quorum reached at t_q = max(opened_at, time of the K-th arrival): wait until
-         t_q + grace, then merge with whoever has arrived.
+      2. every live learner has contributed: merge at once (held or not: nobody else will come);
+      3. quorum counts at t_q = max(opened_at, K-th counted arrival): before t_q (only when early
+         contributions are held) hold; otherwise wait until t_q + grace, then merge with whoever
+         has arrived.
     """
     if not (math.isfinite(now) and math.isfinite(opened_at)):
         raise ValueError(f"now = {now!r} and opened_at = {opened_at!r} must be finite")
+    if last_merge_at is not None and not math.isfinite(last_merge_at):
+        raise ValueError(f"last_merge_at = {last_merge_at!r} must be None or finite")
     if live_learners < 0:
         raise ValueError(f"live_learners = {live_learners} must be >= 0")
     for learner, arrived_at in arrivals.items():
@@ -152,8 +194,6 @@ def decide_round(
                        f"quorum K = {need} cannot be reached until more learners are live")
         return RoundDecision(False, None, have, need, 0.0, reason)
 
-    times = sorted(arrivals.values())
-    quorum_at = max(opened_at, times[need - 1])
     grace, why = _grace_and_why(policy, estimates)
 
     if have >= live_learners:
@@ -163,7 +203,30 @@ def decide_round(
             reason = f"merging: all {live_learners} live learner{'s' if live_learners != 1 else ''} arrived"
         else:
             reason = f"merging: all {live_learners} live learners arrived ({have} contributions)"
+        quorum_at = max(opened_at, sorted(arrivals.values())[need - 1])
         return RoundDecision(True, None, have, need, grace, reason, quorum_at)
+
+    interval = policy.min_round_interval(estimates.step_s)
+    counted = dict(arrivals)
+    hold_note = ""
+    if interval > 0.0 and last_merge_at is not None and estimates.step_s is not None:
+        early_before = last_merge_at + interval
+        next_round_at = last_merge_at + policy.period_steps * estimates.step_s
+        early = [m for m, at in arrivals.items() if at < early_before]
+        for m in early:
+            counted[m] = max(arrivals[m], next_round_at)
+        if early:
+            hold_note = (f"this fragment merged {now - last_merge_at:.1f} s ago; at most one round per "
+                         f"{policy.min_round_interval_factor:g} x {policy.period_steps} x {estimates.step_s:.3g} s"
+                         f" = {interval:.1f} s, {len(early)} early contribution{'s' if len(early) != 1 else ''} "
+                         f"held for the next on-time ones")
+    raw_quorum_at = max(opened_at, sorted(arrivals.values())[need - 1])
+    quorum_at = max(opened_at, sorted(counted.values())[need - 1])
+    held_s = quorum_at - raw_quorum_at
+
+    if held_s > 0.0 and now < quorum_at:
+        reason = f"holding: {hold_note} (until t={quorum_at:.2f} at the latest)"
+        return RoundDecision(False, quorum_at, have, need, grace, reason, quorum_at, held_s)
 
     deadline = quorum_at + grace
     missing = live_learners - have
@@ -172,8 +235,10 @@ def decide_round(
             reason = f"merging: quorum {need}/{need} reached with {have} of {live_learners}; {why}"
         else:
             reason = f"merging: grace window of {grace:.2f} s expired with {have} of {live_learners}"
-        return RoundDecision(True, None, have, need, grace, reason, quorum_at)
+        if held_s > 0.0:
+            reason += f" (early contributions held {held_s:.2f} s)"
+        return RoundDecision(True, None, have, need, grace, reason, quorum_at, held_s)
     reason = (f"quorum {need}/{need} reached at t={quorum_at:.2f} ({have} of {live_learners} arrived); "
               f"waiting grace {grace:.2f} s for "
               f"{missing} more live learner{'s' if missing != 1 else ''} (until t={deadline:.2f})")
-    return RoundDecision(False, deadline, have, need, grace, reason, quorum_at)
+    return RoundDecision(False, deadline, have, need, grace, reason, quorum_at, held_s)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco_node.quorum import Ema, QuorumPolicy, RoundDecision, TimingEstimates, decide_round, grace_window
+from diloco_node.quorum import DEFAULT_MIN_ROUND_INTERVAL_FACTOR, Ema, QuorumPolicy, RoundDecision, TimingEstimates, decide_round, grace_window
 from diloco_node.run_config import SyncSpec
 
 K1 = QuorumPolicy(min_quorum=1, grace_gamma=0.5, grace_cap_s=5.0, overlap_steps=2)
@@ -74,6 +74,88 @@ def test_decide_round(case, now, opened_at, arrivals, live, policy, estimates, m
         assert decision.wake_at == pytest.approx(wake_at)
 
 
+# Rate limit: rho 0.5, H 32, step 0.25 s -> at most one round per 4.0 s; a held contribution
+# counts toward quorum at the next expected round, last merge + 32 x 0.25 = +8 s.
+# grace = 0.5 * (2 * 0.25 - (0.05 + 0.05)) = 0.2 s. The fragment last merged at t=100.
+KR = QuorumPolicy(min_quorum=1, grace_gamma=0.5, grace_cap_s=5.0, overlap_steps=2, period_steps=32,
+                  min_round_interval_factor=0.5)
+FAST = TimingEstimates(step_s=0.25, quorum_s=0.05, sync_s=0.05)
+HELD = "this fragment merged 3.1 s ago; at most one round per 0.5 x 32 x 0.25 s = 4.0 s, "
+
+# (case, now, opened_at, arrivals, live, policy, last_merge_at, merge_now, wake_at, held_s, reason)
+HOLD_CASES = [
+    ("a straggler's lone early contribution is held", 103.1, 103.0, {"s": 103.0}, 4, KR, 100.0, False, 108.0, 5.0,
+     "holding: " + HELD + "1 early contribution held for the next on-time ones (until t=108.00 at the latest)"),
+    ("two early contributions are held together", 103.1, 101.0, {"s": 101.0, "t": 103.0}, 4, KR, 100.0, False, 108.0,
+     7.0, "holding: " + HELD + "2 early contributions held for the next on-time ones (until t=108.00 at the latest)"),
+    ("the next on-time contribution counts at once; grace for the rest", 107.9, 103.0, {"s": 103.0, "a": 107.9}, 4,
+     KR, 100.0, False, 108.1, 4.9,
+     "quorum 1/1 reached at t=107.90 (2 of 4 arrived); waiting grace 0.20 s for 2 more live learners (until t=108.10)"),
+    ("held and on-time merge together when all live arrived", 107.9, 103.0,
+     {"s": 103.0, "a": 107.9, "b": 107.9, "c": 107.9}, 4, KR, 100.0, True, None, 0.0,
+     "merging: all 4 live learners arrived"),
+    ("nobody on time by the next expected round: grace from then", 108.0, 103.0, {"s": 103.0}, 4, KR, 100.0, False,
+     108.2, 5.0,
+     "quorum 1/1 reached at t=108.00 (1 of 4 arrived); waiting grace 0.20 s for 3 more live learners (until t=108.20)"),
+    ("then the held contribution merges alone (liveness)", 108.2, 103.0, {"s": 103.0}, 4, KR, 100.0, True, None, 5.0,
+     "merging: grace window of 0.20 s expired with 1 of 4 (early contributions held 5.00 s)"),
+    ("an arrival after the interval is on time", 104.5, 104.5, {"s": 104.5}, 4, KR, 100.0, False, 104.7, 0.0,
+     "quorum 1/1 reached at t=104.50 (1 of 4 arrived); waiting grace 0.20 s for 3 more live learners (until t=104.70)"),
+    ("the only live learner is never held", 103.1, 103.0, {"s": 103.0}, 1, KR, 100.0, True, None, 0.0,
+     "merging: all 1 live learner arrived"),
+    ("no last merge known: no limit", 103.2, 103.0, {"s": 103.0}, 4, KR, None, True, None, 0.0,
+     "merging: grace window of 0.20 s expired with 1 of 4"),
+    ("rho = 0 disables the limit", 103.2, 103.0, {"s": 103.0}, 4,
+     QuorumPolicy(1, 0.5, 5.0, 2, period_steps=32, min_round_interval_factor=0.0), 100.0, True, None, 0.0,
+     "merging: grace window of 0.20 s expired with 1 of 4"),
+    ("H = 0 (the default) disables the limit", 103.2, 103.0, {"s": 103.0}, 4, QuorumPolicy(1, 0.5, 5.0, 2), 100.0,
+     True, None, 0.0, "merging: grace window of 0.20 s expired with 1 of 4"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "now", "opened_at", "arrivals", "live", "policy", "last_merge_at", "merge_now", "wake_at", "held_s",
+     "reason"),
+    HOLD_CASES,
+    ids=[c[0] for c in HOLD_CASES],
+)
+def test_rate_limit(case, now, opened_at, arrivals, live, policy, last_merge_at, merge_now, wake_at, held_s,
+                    reason) -> None:
+    decision = decide_round(now, opened_at, arrivals, live, policy, FAST, last_merge_at=last_merge_at)
+    assert decision.reason == reason
+    assert decision.merge_now is merge_now
+    assert decision.held_s == pytest.approx(held_s)
+    if wake_at is None:
+        assert decision.wake_at is None
+    else:
+        assert decision.wake_at == pytest.approx(wake_at)
+
+
+def test_rate_limit_interval_formula() -> None:
+    assert KR.min_round_interval(0.25) == pytest.approx(4.0)
+    assert KR.min_round_interval(None) == 0.0
+    assert QuorumPolicy(1, 0.5, 5.0, 2).min_round_interval(0.25) == 0.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    arrivals=st.dictionaries(st.sampled_from("abcdefgh"), st.floats(0, 20), min_size=1, max_size=8),
+    live=st.integers(1, 8), last=st.floats(-10, 20), now=st.floats(0, 40),
+)
+def test_held_rounds_always_merge_by_waking(arrivals, live, last, now) -> None:
+    now = max(now, max(arrivals.values()))
+    d = decide_round(now, 0.0, arrivals, live, KR, FAST, last_merge_at=last)
+    for _ in range(3):  # hold -> grace -> merge at most
+        if d.merge_now:
+            break
+        assert d.wake_at is not None and d.wake_at > now
+        now = d.wake_at
+        d = decide_round(now, 0.0, arrivals, live, KR, FAST, last_merge_at=last)
+    assert d.merge_now
+    # the limit never pushes quorum past the next expected round (last merge + H x step = +8 s)
+    assert d.quorum_at is not None and d.quorum_at <= max(max(arrivals.values()), last + 8.0) + 1e-9
+
+
 def test_quorum_time_is_reported_for_the_quorum_estimate() -> None:
     decision = decide_round(10.0, 9.0, {"a": 9.7, "b": 9.2, "c": 9.9}, 5, K3, KNOWN)
     assert decision.quorum_at == 9.9
@@ -128,7 +210,8 @@ def test_decisions_are_consistent(arrivals, live, k, now) -> None:
 
 def test_policy_from_the_run_manifest() -> None:
     sync = SyncSpec(min_quorum=2, grace_gamma=0.3, grace_cap_s=1.5, overlap=3, fragments=2, period=8)
-    assert QuorumPolicy.from_sync_spec(sync) == QuorumPolicy(2, 0.3, 1.5, 3)
+    assert QuorumPolicy.from_sync_spec(sync) == QuorumPolicy(2, 0.3, 1.5, 3, period_steps=8)
+    assert QuorumPolicy.from_sync_spec(sync).min_round_interval_factor == DEFAULT_MIN_ROUND_INTERVAL_FACTOR
 
 
 def test_ema() -> None:
@@ -150,6 +233,9 @@ def test_ema() -> None:
         (lambda: QuorumPolicy(1, 1.0, 1.0, 2), "grace_gamma = 1.0 must be in \\[0, 1\\)"),
         (lambda: QuorumPolicy(1, 0.5, -1.0, 2), "grace_cap_s = -1.0"),
         (lambda: QuorumPolicy(1, 0.5, 1.0, -1), "overlap_steps tau = -1"),
+        (lambda: QuorumPolicy(1, 0.5, 1.0, 2, period_steps=-1), "period_steps H = -1"),
+        (lambda: QuorumPolicy(1, 0.5, 1.0, 2, min_round_interval_factor=1.5), "rho = 1.5 must be in \\[0, 1\\]"),
+        (lambda: decide_round(1.0, 0.0, {}, 1, K1, KNOWN, last_merge_at=math.nan), "last_merge_at = nan"),
         (lambda: TimingEstimates(-1.0, None, None), "step_s = -1.0"),
         (lambda: TimingEstimates(None, math.nan, None), "quorum_s = nan"),
         (lambda: decide_round(math.nan, 0.0, {}, 1, K1, KNOWN), "must be finite"),
