@@ -33,14 +33,16 @@ FULL_STEPS = 600  # nominal steps per learner
 QUICK_STEPS = 64
 
 
-def run_all(steps: int, modes: list[str], scenarios: list[str], seed: int, verbose: bool = True) -> dict:
+def run_all(steps: int, modes: list[str], scenarios: list[str], seed: int, verbose: bool = True,
+            min_round_interval_factor: float = runner.DEFAULT_MIN_ROUND_INTERVAL_FACTOR) -> dict:
     corpus = data_lib.load_corpus(DataSpec(source="stdlib", seed=seed))
     manifest = default_manifest(steps, seed)
     results = []
     for scenario in scenarios:
         speeds, outages = runner.scenario_settings(scenario, NUM_LEARNERS, steps)
         for mode in modes:
-            config = runner.RunnerConfig(manifest, mode, NUM_LEARNERS, steps, speeds=speeds, outages=outages)
+            config = runner.RunnerConfig(manifest, mode, NUM_LEARNERS, steps, speeds=speeds, outages=outages,
+                                         min_round_interval_factor=min_round_interval_factor)
             result = runner.run(config, corpus)
             row = {
                 "mode": mode, "scenario": scenario, "eval_loss": round(result.eval_loss, 4),
@@ -57,7 +59,7 @@ def run_all(steps: int, modes: list[str], scenarios: list[str], seed: int, verbo
     config = {"num_learners": NUM_LEARNERS, "steps_per_learner": steps, "seed": seed,
               "manifest": manifest.to_dict(), "base_step_s": 1.0,
               "link": dataclasses.asdict(runner.LinkModel()), "straggler_slowdown": runner.STRAGGLER_SLOWDOWN,
-              "corpus": corpus.description}
+              "corpus": corpus.description, "min_round_interval_factor": min_round_interval_factor}
     return {"results": results, "config": config}
 
 
@@ -96,10 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default=",".join(runner.MODES))
     parser.add_argument("--scenarios", default=",".join(runner.SCENARIOS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--min-round-interval-factor", type=float, default=runner.DEFAULT_MIN_ROUND_INTERVAL_FACTOR,
+                        help="decoupled: rho of the per-fragment round rate limit (0 disables it)")
     args = parser.parse_args(argv)
     steps = args.steps or (QUICK_STEPS if args.quick else FULL_STEPS)
     started = time.perf_counter()
-    report = run_all(steps, args.modes.split(","), args.scenarios.split(","), args.seed)
+    report = run_all(steps, args.modes.split(","), args.scenarios.split(","), args.seed,
+                     min_round_interval_factor=args.min_round_interval_factor)
     report["config"]["total_wall_s"] = round(time.perf_counter() - started, 1)
     for line in summary(report):
         print(line)

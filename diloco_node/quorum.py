@@ -196,18 +196,9 @@ def decide_round(
 
     grace, why = _grace_and_why(policy, estimates)
 
-    if have >= live_learners:
-        if live_learners == 0:
-            reason = f"merging: no live learners left to wait for ({have} contribution{'s' if have != 1 else ''})"
-        elif have == live_learners:
-            reason = f"merging: all {live_learners} live learner{'s' if live_learners != 1 else ''} arrived"
-        else:
-            reason = f"merging: all {live_learners} live learners arrived ({have} contributions)"
-        quorum_at = max(opened_at, sorted(arrivals.values())[need - 1])
-        return RoundDecision(True, None, have, need, grace, reason, quorum_at)
-
     interval = policy.min_round_interval(estimates.step_s)
     counted = dict(arrivals)
+    early: list[str] = []
     hold_note = ""
     if interval > 0.0 and last_merge_at is not None and estimates.step_s is not None:
         early_before = last_merge_at + interval
@@ -220,6 +211,18 @@ def decide_round(
                          f"{policy.min_round_interval_factor:g} x {policy.period_steps} x {estimates.step_s:.3g} s"
                          f" = {interval:.1f} s, {len(early)} early contribution{'s' if len(early) != 1 else ''} "
                          f"held for the next on-time ones")
+    if have >= live_learners:
+        if live_learners == 0:
+            reason = f"merging: no live learners left to wait for ({have} contribution{'s' if have != 1 else ''})"
+        elif have == live_learners:
+            reason = f"merging: all {live_learners} live learner{'s' if live_learners != 1 else ''} arrived"
+        else:
+            reason = f"merging: all {live_learners} live learners arrived ({have} contributions)"
+        if early:
+            reason += f", including {len(early)} early contribution{'s' if len(early) != 1 else ''}"
+        quorum_at = max(opened_at, sorted(arrivals.values())[need - 1])
+        return RoundDecision(True, None, have, need, grace, reason, quorum_at)
+
     raw_quorum_at = max(opened_at, sorted(arrivals.values())[need - 1])
     quorum_at = max(opened_at, sorted(counted.values())[need - 1])
     held_s = quorum_at - raw_quorum_at

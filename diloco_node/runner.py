@@ -48,7 +48,7 @@ from diloco_node.fragments import FragmentPlan, is_embedding, plan_fragments
 from diloco_node.global_state import GlobalState
 from diloco_node.inner import InnerLearner, StackedLearners
 from diloco_node.merge import Contribution, ContributionCaps, NormReference, merge_contributions
-from diloco_node.quorum import Ema, QuorumPolicy, TimingEstimates, decide_round
+from diloco_node.quorum import DEFAULT_MIN_ROUND_INTERVAL_FACTOR, Ema, QuorumPolicy, TimingEstimates, decide_round
 from diloco_node.run_config import RunManifest
 from wire.codecs import decode_named, encode_named
 
@@ -100,6 +100,8 @@ class RunnerConfig:
     # When the budget is spent, every live learner sends each fragment it has trained since its
     # last send, so the evaluated global model contains every token (costs one more exchange).
     final_sync: bool = True
+    # decoupled: rho of the per-fragment round rate limit (quorum.py); 0 disables it
+    min_round_interval_factor: float = DEFAULT_MIN_ROUND_INTERVAL_FACTOR
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -381,7 +383,11 @@ class _FragmentSync:
         self.caps = ContributionCaps(sync.max_tokens_per_step, sync.max_steps_per_contribution)
         self.embedding_names = [n for n in setup.initial if is_embedding(n)]
         self.norm_ref = NormReference()
-        self.quorum = QuorumPolicy(sync.min_quorum, sync.grace_gamma, sync.grace_cap_s, self.policy.overlap)
+        # Decoupled: rounds of a fragment are rate-limited to its period (QuorumPolicy's rho), so a
+        # straggler's out-of-phase contribution joins the next on-time round instead of merging alone.
+        self.quorum = QuorumPolicy(sync.min_quorum, sync.grace_gamma, sync.grace_cap_s, self.policy.overlap,
+                                   period_steps=period, min_round_interval_factor=config.min_round_interval_factor)
+        self.last_merge_at: dict[int, float] = {}  # fragment -> time of its last outer step
         M = config.num_learners
         self.learners = [_LearnerState(m, f"learner-{m}", config.base_step_s / config.speed(m)) for m in range(M)]
         self._by_name = {st.name: st for st in self.learners}
@@ -686,19 +692,21 @@ class _FragmentSync:
         live = self._live()
         if self.policy.all_live:
             members_live = len(rnd.members & live | set(arrivals))
-            policy = QuorumPolicy(max(1, members_live), 0.0, 0.0, self.policy.overlap)
+            # K = M already aligns rounds: no rate limit.
+            policy = QuorumPolicy(max(1, members_live), 0.0, 0.0, self.policy.overlap, min_round_interval_factor=0.0)
             live_count = members_live
         else:
             policy = self.quorum
             live_count = len(live | set(arrivals))
         estimates = TimingEstimates(self.xi_step.value, self.xi_quorum.value, self.xi_sync.value)
-        decision = decide_round(t, rnd.opened_at, arrivals, live_count, policy, estimates)
+        decision = decide_round(t, rnd.opened_at, arrivals, live_count, policy, estimates,
+                                last_merge_at=self.last_merge_at.get(p))
         if decision.merge_now:
-            self._merge(p, rnd, t, decision.reason, decision.quorum_at)
+            self._merge(p, rnd, t, decision.reason, decision.quorum_at, decision.held_s)
         elif decision.wake_at is not None:
             self._push(decision.wake_at, _WAKE, p)
 
-    def _merge(self, p: int, rnd: _Round, t: float, why: str, quorum_at: float | None) -> None:
+    def _merge(self, p: int, rnd: _Round, t: float, why: str, quorum_at: float | None, held_s: float = 0.0) -> None:
         del self.rounds[p]
         sync = self.config.manifest.sync
         contributions = [c for c, _, _ in rnd.pending.values()]
@@ -711,7 +719,8 @@ class _FragmentSync:
         self.merge_log.append(f"t={t:.2f} fragment {p}: {why}; {result.reason}"
                               + "".join(f"; {r}" for _, r in result.rejected))
         if quorum_at is not None:
-            self.xi_quorum.update(max(0.0, quorum_at - rnd.opened_at))
+            # Time spent holding early contributions is not time waiting for quorum.
+            self.xi_quorum.update(max(0.0, quorum_at - rnd.opened_at - held_s))
         if result.outer_gradient is None:
             nbytes = 0  # nothing merged: waiting learners are released with the unchanged fragment
         else:
@@ -720,6 +729,7 @@ class _FragmentSync:
             # The syncer applies exactly the dequantized bits it broadcasts.
             self.global_state.apply_outer_gradient(p, decode_named(encoded))
             self.merges += 1
+            self.last_merge_at[p] = t
             if self._in_outage(t):
                 self.merges_outage += 1
         down_s = self.config.link.transfer_s(nbytes)

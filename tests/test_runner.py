@@ -87,3 +87,20 @@ def test_scenarios_and_bad_configs_are_explained():
         _config("async")
     with pytest.raises(ValueError, match="outage names learner 7"):
         _config("decoupled", outages=(runner.Outage(7, 1.0, 2.0),))
+
+
+def test_rate_limit_merges_a_stragglers_early_contributions_with_the_next_round(corpus):
+    limited = runner.run(_config("decoupled", "straggler"), corpus)
+    unlimited = runner.run(_config("decoupled", "straggler", min_round_interval_factor=0.0), corpus)
+    held = [line for line in limited.merge_log if "early contribution" in line]
+    assert held, limited.merge_log
+    assert not any("early contribution" in line for line in unlimited.merge_log)
+    assert limited.merges < unlimited.merges
+    assert limited.idle_fraction <= 0.05  # holding a round never blocks a learner
+    assert limited.tokens == unlimited.tokens
+
+
+def test_synchronous_modes_are_not_rate_limited(corpus):
+    a = runner.run(_config("streaming", "straggler"), corpus)
+    b = runner.run(_config("streaming", "straggler", min_round_interval_factor=0.0), corpus)
+    assert a.merge_log == b.merge_log and a.eval_loss == b.eval_loss
