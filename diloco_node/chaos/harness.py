@@ -20,6 +20,7 @@ One mode run, step by step (docs/CHAOS.md has the picture):
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import os
 import random
@@ -100,6 +101,7 @@ class Launcher(Protocol):
     """How nodes of one kind are configured, started and asked how they are."""
 
     name: str
+    status_lag_s: float  # how old a status answer may be when it arrives
 
     def prepare(self, mode_dir: Path, min_quorum: int, lease_s: float, heartbeat_s: float, seed: int) -> None: ...
 
@@ -122,6 +124,7 @@ class _HistoryTail:
         self.last_start = -1.0
         self.last_apply: HistoryEvent | None = None
         self.max_commit = 0
+        self.commit_steps: list[tuple[float, int]] = []  # (t_mono, max_commit from then on)
 
     def poll(self) -> None:
         if not self.path.exists():
@@ -129,6 +132,7 @@ class _HistoryTail:
         with open(self.path, "rb") as f:
             if os.fstat(f.fileno()).st_size < self.offset:  # replaced: start over
                 self.offset, self.last_start, self.last_apply, self.max_commit = 0, -1.0, None, 0
+                self.commit_steps = []
             f.seek(self.offset)
             data = f.read()
         complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next poll
@@ -139,14 +143,21 @@ class _HistoryTail:
                 self.last_start = event.t_mono
             elif event.kind == "apply":
                 self.last_apply = event
-            elif event.kind == "commit" and event.index is not None:
-                self.max_commit = max(self.max_commit, event.index)
+            elif event.kind == "commit" and event.index is not None and event.index > self.max_commit:
+                self.max_commit = event.index
+                self.commit_steps.append((event.t_mono, event.index))
+
+    def max_commit_before(self, t: float) -> int:
+        """The highest index this node had recorded as committed by time `t`."""
+        i = bisect.bisect_right(self.commit_steps, (t, float("inf")))
+        return self.commit_steps[i - 1][1] if i else 0
 
 
 class StandinLauncher:
     """Stand-in processes (`diloco_node.chaos.standin`): exercises the engine without the daemon."""
 
     name = "standin"
+    status_lag_s = 0.0  # it reads its files on every /status request
 
     def __init__(self, commit_interval_s: float = 0.25) -> None:
         self.commit_interval_s = commit_interval_s
@@ -222,6 +233,9 @@ class DaemonLauncher:
     """The real thing: `python -m diloco_node run ...` per node, status from `GET /status`."""
 
     name = "daemon"
+    # How old a /status answer may be: the daemon refreshes the document every 0.25 s
+    # (daemon.node.STATUS_REFRESH_S).
+    status_lag_s = 0.25
 
     def __init__(self, config_template: Path | None = None) -> None:
         self.config_template = config_template
@@ -569,10 +583,14 @@ class ModeRun:
         # Every kill is followed by a restart, so a node dead now exited on its own.
         self.dead_at_end = {n: sup.returncode(n) for n in self.launched_at if n not in live}
         deadline = time.monotonic() + self.config.converge_timeout_s
+        # A node's answer describes it as of this long before the probe: its /status may be one
+        # refresh old, and a follower learns a commit at the next append or heartbeat. The cluster
+        # keeps committing, so the finals are compared with what was committed before that.
+        lag = self.launcher.status_lag_s + self.config.heartbeat_s
         while True:
-            probed_at = time.monotonic()
+            probed_at = time.monotonic() - lag
             probes = await self._probe_all(live)
-            committed = self._max_committed()
+            committed = self._max_committed(before=probed_at)
             states = {(p.index, p.state_digest) for p in probes.values()}
             if (all(p.ready for p in probes.values()) and len(states) == 1
                     and all((p.index or 0) >= committed for p in probes.values())):
@@ -584,11 +602,14 @@ class ModeRun:
             nemesis.record("final", index=p.index or 0, state_digest=p.state_digest or "",
                            detail={"target": node, "ready": p.ready, "reason": p.reason, "probed_at": probed_at})
 
-    def _max_committed(self) -> int:
-        """The highest index any node has recorded as committed (files followed incrementally)."""
+    def _max_committed(self, before: float | None = None) -> int:
+        """The highest index any node has recorded as committed (by time `before` if given;
+        files followed incrementally)."""
         for node, slot in self.slots.items():
             self.tails.setdefault(node, _HistoryTail(slot.history_path)).poll()
-        return max((t.max_commit for t in self.tails.values()), default=0)
+        if before is None:
+            return max((t.max_commit for t in self.tails.values()), default=0)
+        return max((t.max_commit_before(before) for t in self.tails.values()), default=0)
 
     def _history_paths(self) -> list[Path]:
         paths = [s.history_path for s in self.slots.values() if s.history_path.exists()]
