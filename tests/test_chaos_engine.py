@@ -27,7 +27,7 @@ from diloco_node.chaos.schedule import (
     one_learner_down,
 )
 from diloco_node.chaos.supervisor import ProcessSpec, Supervisor, SupervisorError
-from diloco_node.history import HistoryEvent, find_history_files, load_histories
+from diloco_node.history import HistoryEvent, HistoryWriter, find_history_files, load_histories
 
 NODES = ("n1", "n2", "n3")
 SHORT = ScheduleSpec(nodes=NODES, duration_s=60, lease_s=3.0, faults=4, warmup_s=10, settle_s=15,
@@ -402,3 +402,18 @@ def test_a_stale_holder_that_steps_down_before_the_heal_line_counts_as_zero():
          "nemesis": [ev("nemesis", "fault", 5.0, detail={"action": "stop", "target": "a", "coordinator": True, "fault": 0}),
                      ev("nemesis", "heal", 10.0, detail={"action": "stop", "target": "a", "fault": 0})]}
     assert step_down_times(h) == ([0.0], 0)
+
+
+def test_the_history_tail_knows_what_was_committed_by_when(tmp_path):
+    """Finals are judged against commits recorded before the (lagging) status was current."""
+    from diloco_node.chaos.harness import _HistoryTail
+
+    clock = iter([1.0, 2.0, 3.0, 4.0])
+    path = tmp_path / "history.jsonl"
+    with HistoryWriter(path, "n1", mono_clock=lambda: next(clock)) as w:
+        for index in (5, 7, 6, 9):  # a replayed lower index does not lower the maximum
+            w.record("commit", epoch=2, index=index, entry_digest=f"e{index}")
+    tail = _HistoryTail(path)
+    tail.poll()
+    assert [tail.max_commit_before(t) for t in (0.5, 1.0, 2.5, 3.5, 9.0)] == [0, 5, 7, 7, 9]
+    assert tail.max_commit == 9
