@@ -1,8 +1,9 @@
 """Every benchmark script starts and prints its usage.
 
 Benchmarks live outside the default suite, so nothing else would notice one that no longer
-imports. Running them as scripts also guards against `benchmarks/wire.py` shadowing the `wire`
-package (a script's own folder comes first on sys.path unless it puts the repo root first).
+imports. A script's own folder comes first on sys.path, so a benchmark file named like one of
+our packages would shadow it for every other benchmark (a `benchmarks/wire.py` once broke
+`benchmarks/chaos.py` this way); the second test forbids such names.
 """
 
 import subprocess
@@ -16,6 +17,11 @@ BENCHMARKS = sorted((Path(__file__).resolve().parent.parent / "benchmarks").glob
 
 def test_there_are_benchmarks_to_check():
     assert len(BENCHMARKS) >= 5
+
+
+def test_no_benchmark_is_named_like_a_package():
+    packages = {"wire", "bootstrap", "diloco_node"}
+    assert not [p.name for p in BENCHMARKS if p.stem in packages]
 
 
 @pytest.mark.parametrize("script", BENCHMARKS, ids=lambda p: p.name)

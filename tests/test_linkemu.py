@@ -1,7 +1,7 @@
 """The WAN link emulator: each toxic changes what a client observes, and heal undoes it.
 
 Only lower bounds on time are asserted (a shaped link can't be faster than its shape); speed
-itself is measured in benchmarks/wire.py.
+itself is measured in benchmarks/wire_bench.py.
 """
 
 from __future__ import annotations
