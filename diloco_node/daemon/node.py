@@ -836,6 +836,7 @@ class Node:
             if entry is None:
                 self._error(f"fragment {p} merge not proposed: {why}")
                 return
+            self.syncer.note_proposed(p, self.now())
             self._merges_metric.inc()
             self._dispatch(actions)
         except asyncio.CancelledError:

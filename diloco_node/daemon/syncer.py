@@ -67,10 +67,19 @@ class Syncer:
         self._last_arrival: dict[tuple[str, int], tuple[float, int]] = {}  # (learner, p) -> (time, c_steps)
         self.last_decision: dict[int, str] = {}
         self.last_merge_reason = ""
+        # When each fragment last had an outer step proposed: rounds of one fragment are limited
+        # to about one per period, so a straggler's out-of-phase push is held for the next round
+        # instead of taking a full outer step alone (docs/MERGE.md, "round rate limit").
+        self.last_merge_at: dict[int, float] = {}
 
     def reset(self) -> None:
         """Lease lost: open rounds are dropped (learners resend at their next slot)."""
         self.rounds.clear()
+        self.last_merge_at.clear()
+
+    def note_proposed(self, p: int, now: float) -> None:
+        """An outer step for fragment p was proposed: the next round of p is due a period later."""
+        self.last_merge_at[p] = now
 
     def add(self, contribution: Contribution, now: float, transfer_s: float | None = None) -> None:
         """A contribution arrived; a newer one from the same learner replaces its older one."""
@@ -97,14 +106,16 @@ class Syncer:
             return None
         arrivals = {name: at for name, (_, at) in rnd.pending.items()}
         estimates = TimingEstimates(self.xi_step.value, self.xi_quorum.value, self.xi_sync.value)
-        decision = decide_round(now, rnd.opened_at, arrivals, live_learners, self.policy, estimates)
+        decision = decide_round(now, rnd.opened_at, arrivals, live_learners, self.policy, estimates,
+                                last_merge_at=self.last_merge_at.get(p))
         self.last_decision[p] = decision.reason
         return decision
 
     def take(self, p: int, decision: RoundDecision) -> OpenRound:
         rnd = self.rounds.pop(p)
         if decision.quorum_at is not None:
-            self.xi_quorum.update(max(0.0, decision.quorum_at - rnd.opened_at))
+            # Time spent holding early contributions is the rate limit's, not the network's.
+            self.xi_quorum.update(max(0.0, decision.quorum_at - rnd.opened_at - decision.held_s))
         return rnd
 
     def merge_round(self, p: int, rnd: OpenRound, state: GlobalState, decision_reason: str) -> MergedRound:

@@ -265,3 +265,30 @@ def test_learner_reads_and_writes_parameter_leaves_by_the_models_names() -> None
     slow = model_lib.flat_params(model_lib.load_flat_params(params, changed))
     assert all(np.array_equal(fast[n], slow[n]) for n in flat)
     assert not np.array_equal(fast[sorted(flat)[0]], flat[sorted(flat)[0]])
+
+
+def test_syncer_holds_an_out_of_phase_push_until_the_fragments_next_round() -> None:
+    """The daemon's syncer applies the same per-fragment round rate limit as the runner."""
+    from diloco_node.merge import Contribution
+
+    replica = _replica()
+    syncer, _ = _syncer_with(replica, 0.01)
+    syncer.rounds.clear()
+    period = syncer.manifest.sync.period
+    syncer.xi_step.update(0.25)  # seconds per learner step: a period is period * 0.25 s
+    delta = {name: np.full(arr.shape, 0.01, np.float32) for name, arr in replica.state.fragment_params(0).items()}
+    # No merge yet: a lone contribution with K = 1 and no grace estimates merges at once.
+    syncer.add(Contribution("slow", 0, 0, delta, 8, 1024), now=100.0)
+    first = syncer.decide(0, 100.0, live_learners=4)
+    assert first is not None and first.merge_now, first.reason
+    syncer.take(0, first)
+    syncer.note_proposed(0, 100.0)
+    # The same learner pushes again soon after that merge: held for the next on-time round.
+    syncer.add(Contribution("slow", 0, 0, delta, 8, 1024), now=101.0)
+    held = syncer.decide(0, 101.0, live_learners=4)
+    assert held is not None and not held.merge_now
+    assert held.reason.startswith("holding"), held.reason
+    assert held.wake_at is not None and held.wake_at >= 100.0 + 0.5 * period * 0.25
+    # Losing the lease forgets the schedule: the next holder starts without a last merge time.
+    syncer.reset()
+    assert syncer.last_merge_at == {} and syncer.rounds == {}
