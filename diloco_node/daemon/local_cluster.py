@@ -122,7 +122,8 @@ class Cluster:
     secret_file: Path
     sites: dict[str, Site] = field(default_factory=dict)
     # Every (commit_index -> state_digest) any site ever reported: one digest per index, ever.
-    history: dict[int, set[str]] = field(default_factory=dict)
+    history: dict[int, set[str]] = field(default_factory=dict)  # commit index -> digests reported there
+    reporters: dict[int, set[str]] = field(default_factory=dict)  # commit index -> sites that reported it
 
     @classmethod
     def create(cls, root: Path) -> Cluster:
@@ -176,6 +177,7 @@ class Cluster:
             out[node_id] = doc
             if doc.get("ready"):
                 self.history.setdefault(doc["commit_index"], set()).add(doc["state_digest"])
+                self.reporters.setdefault(doc["commit_index"], set()).add(node_id)
         return out
 
     def wait_for(self, what: str, check: Callable[[dict[str, dict[str, Any]]], bool], timeout: float,
@@ -193,6 +195,10 @@ class Cluster:
 
     def conflicting_indices(self) -> dict[int, set[str]]:
         return {index: digests for index, digests in self.history.items() if len(digests) > 1}
+
+    def shared_indices(self) -> int:
+        """How many commit indices at least two sites reported: what the digest check compared."""
+        return sum(1 for nodes in self.reporters.values() if len(nodes) > 1)
 
     def coordinator(self, statuses: dict[str, dict[str, Any]]) -> str | None:
         holders = {d.get("coordinator") for d in statuses.values() if d.get("coordinator")}
