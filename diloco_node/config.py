@@ -134,6 +134,10 @@ class NodeConfig:
     node_id: str
     listen: HostPort
     advertise: str
+    # Outbound peer connections bind to this local IP (None: the kernel picks by route). For
+    # multi-homed hosts that must send WAN traffic from one interface, and for per-site source
+    # addresses on one machine (the chaos harness partitions sites by it).
+    source_address: str | None = None
     bootstrap: tuple[HostPort, ...] = ()  # empty: this node founds the run
     data_dir: Path = Path("diloco-data")
     secret_file: Path | None = None
@@ -207,7 +211,7 @@ class KeySpec:
     """One configurable key. `kind` drives parsing from TOML values and from strings."""
 
     key: str  # dotted name: "listen", "run.sync.period", "run.seed"
-    kind: str  # str | int | float | bool | path | optpath | hostport | hostports | strlist
+    kind: str  # str | int | float | bool | path | optpath | optip | hostport | hostports | strlist
     default: Any
     help: str
     flag: str | None = None  # a dedicated command-line flag, if any
@@ -229,6 +233,7 @@ _NODE_HELP = {
     "node_id": "this node's name in the run (default: the host name)",
     "listen": "HOST:PORT to bind the HTTP server to",
     "advertise": "URL other sites use to reach this node (default: http://<listen>)",
+    "source_address": "local IP address outbound peer connections are made from (default: chosen by route)",
     "bootstrap": "HOST:PORT of peers already in the run (empty: found a new run)",
     "data_dir": "checkpoints and the replicated log (default: $STATE_DIRECTORY, else ./diloco-data)",
     "secret_file": "file holding the run's shared secret (default: the systemd credential)",
@@ -243,14 +248,16 @@ _NODE_HELP = {
     "checkpoint_keep": "checkpoints kept on disk (>= 2 so a corrupt newest falls back)",
 }
 _NODE_KINDS = {
-    "node_id": "str", "listen": "hostport", "advertise": "str", "bootstrap": "hostports",
+    "node_id": "str", "listen": "hostport", "advertise": "str", "source_address": "optip",
+    "bootstrap": "hostports",
     "data_dir": "path", "secret_file": "optpath", "secret_credential": "str", "role": "str",
     "log_level": "str", "connect_timeout_s": "float", "read_timeout_s": "float",
     "heartbeat_interval_s": "float", "lease_timeout_s": "float", "checkpoint_interval_s": "float",
     "checkpoint_keep": "int",
 }
 _NODE_FLAGS = {
-    "node_id": "--node-id", "listen": "--listen", "advertise": "--advertise", "bootstrap": "--bootstrap",
+    "node_id": "--node-id", "listen": "--listen", "advertise": "--advertise",
+    "source_address": "--source-address", "bootstrap": "--bootstrap",
     "data_dir": "--data-dir", "secret_file": "--secret-file", "role": "--role", "log_level": "--log-level",
 }
 DEFAULT_LISTEN = "127.0.0.1:7070"
@@ -349,6 +356,16 @@ def _parse(spec: KeySpec, raw: Any, where: str, base_dir: Path, from_text: bool)
         _require(raw != "", f"{name}: must not be empty")
         path = Path(raw).expanduser()
         return path if path.is_absolute() else (base_dir / path)
+    if kind == "optip":
+        _require(is_string, f"{name}: must be an IP address string")
+        if raw.strip() == "":
+            return None
+        try:
+            address = ipaddress.ip_address(raw.strip())
+        except ValueError:
+            raise ConfigError(f"{name}: must be an IP address literal such as 10.0.0.5 (not a host name)") from None
+        _require(not address.is_unspecified, f"{name}: a wildcard address picks nothing; leave it unset instead")
+        return str(address)
     if kind == "hostport":
         _require(is_string, f"{name}: must be a string HOST:PORT")
         return HostPort.parse(raw, f"{spec.key} ({where})")

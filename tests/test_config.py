@@ -193,6 +193,18 @@ def test_bad_advertise_urls(advertise):
         load_config(None, {}, {"advertise": advertise})
 
 
+def test_source_address_is_an_ip_literal_or_unset():
+    assert load_config(None, {}, {}).node.source_address is None
+    config = load_config(None, {"DILOCO_SOURCE_ADDRESS": "127.0.0.12"}, {})
+    assert config.node.source_address == "127.0.0.12"
+    assert config.sources["source_address"] == "env:DILOCO_SOURCE_ADDRESS"
+    assert load_config(None, {}, {"source_address": "::1"}).node.source_address == "::1"
+    with pytest.raises(ConfigError, match=r"source_address = 'gateway.example' \(flag:--source-address\): must be an IP"):
+        load_config(None, {}, {"source_address": "gateway.example"})
+    with pytest.raises(ConfigError, match=r"source_address = '0.0.0.0' .*wildcard"):
+        load_config(None, {}, {"source_address": "0.0.0.0"})
+
+
 def test_bootstrap_pointing_at_self_and_bad_node_ids():
     with pytest.raises(ConfigError, match="points at this node's own advertise address"):
         load_config(None, {}, {"bootstrap": "127.0.0.1:7070"})

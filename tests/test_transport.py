@@ -18,6 +18,7 @@ from aiohttp import web
 
 from diloco_node.linkemu import LinkEmulator
 from diloco_node.transport import (
+    ClientOptions,
     Peer,
     PeerClient,
     PeerRefused,
@@ -204,6 +205,17 @@ async def test_round_trip_of_small_messages_with_replies_and_counters() -> None:
         assert server.counters.peer("a").bytes_sent == sent.bytes_received
         status = server.status()
         assert status["active_streams"] == {} and status["peers"]["a"]["requests_received"] == 2
+
+
+async def test_the_client_connects_from_its_configured_source_address() -> None:
+    server = _server()
+    voter = _Voter()
+    server.on_message(MessageKind.VOTE_REQUEST, voter)
+    client = PeerClient(_auth("a"), FrameVerifier(RUN, KEY), options=ClientOptions(source_address="127.0.0.23"))
+    async with _serving(server) as url, client:
+        await client.send(url, _vote_request(), peer="b")
+    (_, peer), = voter.calls
+    assert peer.address == "127.0.0.23"
 
 
 async def test_a_big_reply_comes_back_whole() -> None:

@@ -84,6 +84,8 @@ class ClientOptions:
     upload_chunk_bytes: int = UPLOAD_CHUNK_BYTES
     max_reply_frames: int = MAX_REPLY_FRAMES
     min_reply_limit_bytes: int = MIN_REPLY_LIMIT_BYTES
+    # Local IP outbound connections bind to (None: the kernel chooses by route).
+    source_address: str | None = None
 
     def __post_init__(self) -> None:
         if not self.connect_timeout_s > 0:
@@ -146,7 +148,9 @@ class PeerClient:
 
     async def start(self) -> None:
         options = self.options
-        connector = aiohttp.TCPConnector(limit=options.max_connections, limit_per_host=options.max_connections_per_peer)
+        local_addr = (options.source_address, 0) if options.source_address is not None else None
+        connector = aiohttp.TCPConnector(limit=options.max_connections, limit_per_host=options.max_connections_per_peer,
+                                         local_addr=local_addr)
         timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=options.connect_timeout_s,
                                         sock_read=self.limits.read_timeout_s)
         # auto_decompress off: a peer's gzip reply must not inflate past our byte counts.
