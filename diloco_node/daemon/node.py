@@ -57,7 +57,7 @@ from diloco_node.merge import Contribution
 from diloco_node.run_config import RunManifest
 from diloco_node.status import FragmentStatus, MemberStatus, MetricsRegistry, QuorumStatus, StatusBuilder, operator_routes
 from diloco_node.systemd import SystemdNotifier, run_watchdog
-from diloco_node.transport import PeerClient, PeerRefused, PeerServer, PeerUnreachable, TransportError
+from diloco_node.transport import ClientOptions, PeerClient, PeerRefused, PeerServer, PeerUnreachable, TransportError
 from wire import messages as wire
 from wire.auth import AuthContext, FrameVerifier, derive_frame_key
 from wire.codecs import decode_named, encode_named
@@ -194,7 +194,8 @@ class Node:
         auth = AuthContext(run_id, self.node_id, key)
         verifier = FrameVerifier(run_id, key)
         self.executor = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix=f"pool-{self.node_id}")
-        self.client = PeerClient(auth, verifier, executor=self.executor)
+        self.client = PeerClient(auth, verifier, executor=self.executor,
+                                 options=ClientOptions(source_address=self.cfg.source_address))
         self.server = PeerServer(auth, verifier, executor=self.executor)
         self._register_handlers()
         data_dir = Path(self.cfg.data_dir)
