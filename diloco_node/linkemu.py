@@ -9,6 +9,8 @@ link's behaviour per direction ("up" = client to upstream, "down" = upstream to 
 - stall (data hangs for N seconds, then every connection is closed),
 - reset (connections are torn down with a TCP RST now, optionally every new one too),
 - blackhole (connections are accepted and their bytes swallowed: a partition),
+- blocked sources (the blackhole for connections from some remote IPs only: with one loopback
+  address per sender, 127.0.0.0/8, this cuts chosen senders off, i.e. one side of a partition),
 - heal (back to a clean link).
 
 Control methods may be called from the event loop or from another thread: settings are plain
@@ -25,6 +27,7 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
+import ipaddress
 import random
 import signal
 import socket
@@ -32,7 +35,7 @@ import struct
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 # Largest read from a socket in one go; also the unit latency is applied to. 64 KiB keeps the
 # per-chunk overhead negligible at loopback speeds while a 200 Mbit/s link still sees fine grain.
@@ -84,6 +87,7 @@ class LinkStats:
     bytes_down: int = 0
     bytes_swallowed: int = 0
     resets: int = 0
+    connections_blocked: int = 0  # accepted from a blocked source, or open when its source was blocked
 
 
 class _TokenBucket:
@@ -110,8 +114,10 @@ class _Connection:
     def __init__(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         self.client_reader = client_reader
         self.client_writer = client_writer
+        self.source = _peer_host(client_writer)  # the sender's IP, normalised; "" if unknown
         self.upstream_writer: asyncio.StreamWriter | None = None
         self.swallowing = False  # set once any byte was dropped: the stream has a hole
+        self.cut_counted = False  # counted in LinkStats.connections_blocked
         self.task: asyncio.Task[None] | None = None
 
     def abort(self, rst: bool) -> None:
@@ -124,6 +130,24 @@ class _Connection:
             writer.transport.abort()
         if self.task is not None:
             self.task.cancel()
+
+
+def _peer_host(writer: asyncio.StreamWriter) -> str:
+    peer = writer.get_extra_info("peername")
+    if not peer:
+        return ""
+    try:
+        return _normalise_host(str(peer[0]))
+    except ValueError:
+        return str(peer[0])
+
+
+def _normalise_host(host: str) -> str:
+    """One spelling per address (an IPv4 peer on a dual-stack socket shows as ::ffff:a.b.c.d)."""
+    address = ipaddress.ip_address(host)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return str(address)
 
 
 def _arm_rst(writer: asyncio.StreamWriter) -> None:
@@ -155,6 +179,7 @@ class LinkEmulator:
         self.stats = LinkStats()
         self._shape = {Direction.UP: Shape(), Direction.DOWN: Shape()}
         self._blackhole = False
+        self._blocked_sources: frozenset[str] = frozenset()
         self._stalled = False
         self._reset_new = False
         self._rng = random.Random(seed)
@@ -230,6 +255,27 @@ class LinkEmulator:
         self._blackhole = on
         self._call_in_loop(self._after_blackhole_change)
 
+    def set_blocked_sources(self, hosts: Iterable[str]) -> None:
+        """Blackhole the connections whose remote IP is in `hosts` (replacing the previous set; empty:
+        none). New ones are accepted and swallowed; open ones from a newly blocked source stop
+        carrying bytes both ways, as a partitioned WAN link does: no reset, no answer, so the sender
+        learns of the partition only through its own timeouts. Unblocking a source closes, with an
+        RST, its connections that lost bytes (their streams have holes), like healing a blackhole.
+
+        A bad address raises ValueError naming it and changes nothing."""
+        blocked = set()
+        for host in hosts:
+            try:
+                blocked.add(_normalise_host(host))
+            except ValueError:
+                raise ValueError(f"blocked source {host!r} is not an IP address") from None
+        self._blocked_sources = frozenset(blocked)
+        self._call_in_loop(self._after_blackhole_change)
+
+    @property
+    def blocked_sources(self) -> frozenset[str]:
+        return self._blocked_sources
+
     def stall(self, seconds: float) -> None:
         """Hold all data for `seconds`, then close every connection (toxiproxy's "timeout")."""
         if seconds < 0:
@@ -243,12 +289,14 @@ class LinkEmulator:
         self._call_in_loop(self._reset_all)
 
     def heal(self) -> None:
-        """Remove every toxic: full speed, no latency, no slicer, no stall, no blackhole, no resets."""
+        """Remove every toxic: full speed, no latency, no slicer, no stall, no blackhole, no blocked
+        sources, no resets."""
         for d in BOTH:
             self._shape[d] = Shape()
         self._reset_new = False
         self._stalled = False
         self._blackhole = False
+        self._blocked_sources = frozenset()
 
         def in_loop() -> None:
             if self._stall_timer is not None:
@@ -308,11 +356,19 @@ class LinkEmulator:
             conn.abort(rst=True)
             self.stats.resets += 1
 
+    def _cut(self, conn: _Connection) -> bool:
+        """Whether this connection's bytes are swallowed now (blackhole, or its source blocked)."""
+        return self._blackhole or conn.source in self._blocked_sources
+
     def _after_blackhole_change(self) -> None:
-        if not self._blackhole:
-            for conn in list(self._connections):
-                if conn.swallowing:
-                    conn.abort(rst=True)
+        """Close the connections that lost bytes and flow again; wake the pumps to re-check."""
+        for conn in list(self._connections):
+            if conn.swallowing and not self._cut(conn):
+                conn.abort(rst=True)
+                self.stats.resets += 1
+            elif not conn.cut_counted and conn.source in self._blocked_sources:
+                conn.cut_counted = True
+                self.stats.connections_blocked += 1
         self._notify()
 
     # ---- data path ---------------------------------------------------------------------------
@@ -347,8 +403,11 @@ class LinkEmulator:
 
     async def _serve(self, conn: _Connection) -> None:
         # A partition or stall at accept time: hold the client without dialling upstream.
-        while self._blackhole or self._stalled:
-            if self._blackhole:
+        if conn.source in self._blocked_sources:
+            conn.cut_counted = True
+            self.stats.connections_blocked += 1
+        while self._cut(conn) or self._stalled:
+            if self._cut(conn):
                 await self._swallow_until_healed(conn)
             else:
                 await self._changed.wait()
@@ -362,7 +421,7 @@ class LinkEmulator:
     async def _swallow_until_healed(self, conn: _Connection) -> None:
         """Read and drop the client's bytes until heal (a connection that lost none may go on)."""
         reader = conn.client_reader
-        while self._blackhole:
+        while self._cut(conn):
             changed = asyncio.ensure_future(self._changed.wait())
             read = asyncio.ensure_future(reader.read(self.read_chunk_bytes))
             try:
@@ -428,9 +487,9 @@ class LinkEmulator:
                     eof = True
                     ready.set()
                     return
-                while self._stalled and not self._blackhole:
+                while self._stalled and not self._cut(conn):
                     await self._changed.wait()
-                if self._blackhole:
+                if self._cut(conn):
                     conn.swallowing = True
                     self.stats.bytes_swallowed += len(data)
                     continue
@@ -462,9 +521,9 @@ class LinkEmulator:
 
     async def _deliver(self, conn: _Connection, direction: Direction, data: bytes,
                        writer: asyncio.StreamWriter) -> None:
-        while self._stalled and not self._blackhole:
+        while self._stalled and not self._cut(conn):
             await self._changed.wait()
-        if self._blackhole:
+        if self._cut(conn):
             conn.swallowing = True
             self.stats.bytes_swallowed += len(data)
             return
