@@ -503,8 +503,9 @@ class VoteRequest(Message):
     candidate: str
     last_log_epoch: int
     last_log_index: int
-    # A pre-vote asks "would you vote for me at `epoch`?" and changes no state on either side;
-    # optional (absent in frames from older senders: False).
+    # A pre-vote asks "would you vote for me at `epoch`?" and changes no state on either side.
+    # Part of wire 1.0 (added before any release); absent means False. Not an additive minor
+    # field: a receiver ignoring it would cast a real vote (docs/WIRE.md, versioning).
     pre_vote: bool = False
 
     def __post_init__(self) -> None:
