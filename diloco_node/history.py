@@ -16,6 +16,11 @@ events that record a promise to peers (vote, lease_acquired, commit, leave, stop
 leave at most one torn last line; the reader drops it, the writer cuts it off when it reopens the
 file, and any other malformed line is an error.
 
+Bounded on disk: when the live file passes `max_bytes` (default 64 MiB) it is renamed to
+`history.jsonl.1` (older segments shift to `.2`, ... and the one past `keep` is deleted), so a
+daemon that runs for months keeps at most (keep + 1) x max_bytes of history. Readers take the
+rotated segments too (`find_history_files`).
+
 Small on purpose: no JAX, no asyncio, a lock around each write so any thread may record.
 """
 
@@ -55,6 +60,10 @@ STEP_BATCH_S = 1.0
 # A line longer than this is refused at write time (a bug, e.g. a tensor put into `detail`)
 # and at read time (not a history file).
 MAX_LINE_BYTES = 64 * 1024
+# Rotation: a busy tiny-model node writes ~13 KB/s (~1.1 GB/day) without it. 64 MiB segments hold
+# over an hour of the busiest run we have measured; five of them bound the total at 320 MiB.
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+DEFAULT_KEEP = 4  # rotated segments kept besides the live file
 
 FIELDS = ("t_wall", "t_mono", "node", "kind", "epoch", "index", "entry_digest", "state_digest",
           "fragment", "round", "detail")
@@ -152,9 +161,15 @@ class HistoryWriter:
         step_batch_s: float = STEP_BATCH_S,
         wall_clock: Callable[[], float] = time.time,
         mono_clock: Callable[[], float] = time.monotonic,
+        max_bytes: int | None = DEFAULT_MAX_BYTES,
+        keep: int = DEFAULT_KEEP,
     ) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync = {fsync!r}: expected one of {FSYNC_POLICIES}")
+        if max_bytes is not None and max_bytes < MAX_LINE_BYTES:
+            raise ValueError(f"max_bytes = {max_bytes}: must be None (no rotation) or >= {MAX_LINE_BYTES}")
+        if keep < 1:
+            raise ValueError(f"keep = {keep}: must be >= 1 (rotation needs somewhere to put the old file)")
         if not node:
             raise ValueError("node: expected a non-empty node id")
         self.path = Path(path)
@@ -163,10 +178,13 @@ class HistoryWriter:
         self.step_batch_s = step_batch_s
         self._wall = wall_clock
         self._mono = mono_clock
+        self.max_bytes = max_bytes
+        self.keep = keep
         self._lock = threading.Lock()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._cut_torn_tail()
+        self._size = os.fstat(self._fd).st_size
         # Learner progress accumulated since the last step event.
         self._steps = 0
         self._tokens = 0
@@ -255,8 +273,29 @@ class HistoryWriter:
         written = os.write(self._fd, line)
         if written != len(line):  # disk full: the reader will see a torn line, say so now
             raise OSError(f"history {self.path}: short write ({written} of {len(line)} bytes)")
+        self._size += written
         if self.fsync_policy == "always" or (self.fsync_policy == "critical" and event.kind in CRITICAL_KINDS):
             os.fsync(self._fd)
+        if self.max_bytes is not None and self._size >= self.max_bytes:
+            self._rotate_locked()
+
+    def _rotate_locked(self) -> None:
+        """Live file -> `.1`, `.k` -> `.k+1`, the one past `keep` deleted; then a fresh live file.
+        Only whole lines are ever rotated (we rotate between writes), so segments never tear."""
+        assert self._fd is not None
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = None
+        for number in range(self.keep, 0, -1):
+            older = rotated_path(self.path, number)
+            if older.exists():
+                if number == self.keep:
+                    older.unlink()
+                else:
+                    os.replace(older, rotated_path(self.path, number + 1))
+        os.replace(self.path, rotated_path(self.path, 1))
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._size = 0
 
     def close(self) -> None:
         with self._lock:
@@ -301,9 +340,21 @@ def read_history(path: str | os.PathLike[str]) -> History:
     return History(path=path, events=tuple(events), torn_tail=torn)
 
 
+def rotated_path(path: Path, number: int) -> Path:
+    """The `number`-th older segment of the history file at `path` (1 = the most recent)."""
+    return path.with_name(f"{path.name}.{number}")
+
+
 def find_history_files(root: str | os.PathLike[str]) -> list[Path]:
-    """Every history file under `root` (a run's working directory), sorted for stable output."""
-    return sorted(Path(root).rglob(HISTORY_FILE_NAME))
+    """Every history file under `root` (a run's working directory), rotated segments included,
+    sorted for stable output (`load_histories` orders events by time, not by file)."""
+    live = sorted(Path(root).rglob(HISTORY_FILE_NAME))
+    found: list[Path] = []
+    for path in live:
+        found.extend(sorted(path.parent.glob(f"{HISTORY_FILE_NAME}.[0-9]*"),
+                            key=lambda p: -int(p.suffix[1:]) if p.suffix[1:].isdigit() else 0))
+        found.append(path)
+    return found
 
 
 def load_histories(paths: Iterable[str | os.PathLike[str]]) -> dict[str, list[HistoryEvent]]:

@@ -12,8 +12,11 @@ from diloco_node.history import (
     HistoryEvent,
     HistoryFormatError,
     HistoryWriter,
+    MAX_LINE_BYTES,
+    find_history_files,
     load_histories,
     read_history,
+    rotated_path,
 )
 
 
@@ -164,3 +167,47 @@ def test_writer_refuses_bad_policy_and_writes_after_close(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="closed"):
         w.record("start")
+
+
+def test_rotation_bounds_the_files_and_readers_see_every_kept_segment(tmp_path):
+    clock = FakeClock()
+    live = tmp_path / "node" / "history.jsonl"
+    padding = "x" * 2000  # ~2.2 KB lines: a segment holds about 30 of them
+    w = HistoryWriter(live, "n1", mono_clock=clock, max_bytes=MAX_LINE_BYTES, keep=2, fsync="never")
+    for i in range(200):
+        clock.now += 1
+        w.record("append", index=i + 1, entry_digest=f"d{i}", detail={"pad": padding})
+    w.close()
+    files = find_history_files(tmp_path)
+    assert files == [rotated_path(live, 2), rotated_path(live, 1), live]
+    assert not rotated_path(live, 3).exists()  # the segment past `keep` was deleted
+    for path in files[:2]:
+        assert MAX_LINE_BYTES <= path.stat().st_size < MAX_LINE_BYTES + 2500
+    events = load_histories(files)["n1"]
+    indices = [e.index for e in events]
+    # The newest events survive, contiguous and in order; only the oldest segments are gone.
+    assert indices == list(range(indices[0], 201)) and 1 < indices[0] < 150
+
+
+def test_rotation_continues_after_a_restart_and_a_torn_tail(tmp_path):
+    live = tmp_path / "history.jsonl"
+    w = HistoryWriter(live, "n1", max_bytes=MAX_LINE_BYTES, keep=1, fsync="never")
+    for i in range(40):
+        w.record("commit", index=i + 1, entry_digest="d", detail={"pad": "y" * 2000})
+    w.close()
+    assert rotated_path(live, 1).exists()
+    with open(live, "ab") as f:
+        f.write(b'{"t_wall": 1, "torn')  # a crash mid-line in the live file
+    w = HistoryWriter(live, "n1", max_bytes=MAX_LINE_BYTES, keep=1, fsync="never")
+    w.record("stop", index=40)
+    w.close()
+    history = read_history(live)
+    assert not history.torn_tail and history.events[-1].kind == "stop"
+    assert not read_history(rotated_path(live, 1)).torn_tail
+
+
+def test_rotation_settings_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="max_bytes"):
+        HistoryWriter(tmp_path / "h.jsonl", "n1", max_bytes=100)
+    with pytest.raises(ValueError, match="keep"):
+        HistoryWriter(tmp_path / "h.jsonl", "n1", keep=0)
