@@ -3,6 +3,7 @@
     diloco-node chaos --seed 3 --duration 60 --faults 4            # real daemons, both modes
     diloco-node chaos --scenario learner-down --duration 300       # the goodput comparison
     diloco-node chaos --schedule-only --seed 3 --duration 600 --faults 24
+    diloco-node chaos --nodes 5 --coordinator-partition ...       # the lease holder in a cut-off minority
     diloco-node chaos --check RUN_DIR                              # re-check a run's histories
     diloco-node chaos --standin ...                                # stand-in nodes: tests the engine only
 
@@ -45,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser, name: str = "chaos") -> None:
     parser.add_argument("--recovery", type=float, default=8.0, help="a restarted node counts as down this much longer")
     parser.add_argument("--scenario", choices=SCENARIOS, default="random",
                         help="random nemesis, or one learner down a third of the time (goodput comparison)")
+    parser.add_argument("--coordinator-partition", action="store_true",
+                        help="the random schedule must also cut the lease holder off with a minority (both ways)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: decoupled, synchronous")
     parser.add_argument("--workdir", type=Path, default=None, help="where histories and logs go (default: a new temp dir)")
     parser.add_argument("--config-template", type=Path, default=None, help="node TOML to use instead of the built-in tiny run")
@@ -66,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         config = ChaosConfig(
             workdir=workdir, seed=args.seed, nodes=args.nodes, joiners=args.joiners, duration_s=args.duration,
             faults=args.faults, lease_s=args.lease, heartbeat_s=args.heartbeat, scenario=args.scenario,
+            coordinator_partition=args.coordinator_partition,
             modes=modes, warmup_s=args.warmup, settle_s=args.settle, recovery_s=args.recovery,
             ready_timeout_s=args.ready_timeout,
         )

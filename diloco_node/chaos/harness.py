@@ -4,9 +4,11 @@ package: the only module here that touches processes, sockets, files and the clo
 
 One mode run, step by step (docs/CHAOS.md has the picture):
 1. a `LinkEmulator` per node on loopback; the node listens on its own port and advertises the
-   emulator's address, so every byte a peer sends it crosses the emulator (partitions and
-   bandwidth caps act on a node's inbound link); the harness polls the node's port directly so a
-   partition never blinds it;
+   emulator's address, so every byte a peer sends it crosses the emulator (bandwidth caps act on
+   a node's inbound link); each node makes its outbound connections from its own loopback address
+   (127.0.0.(10+i), `--source-address`), so an emulator tells senders apart and a partition is
+   its source filters (`set_blocked_sources`) on both sides; the harness polls the node's port
+   directly from 127.0.0.1 so a partition never blinds it;
 2. the founding node starts without a bootstrap peer, the others bootstrap from it; the run
    waits until every node is ready (`Launcher.probe`), and fails with the reasons if it is not;
 3. the schedule runs on the clock: each fault is injected and healed on time, `@coordinator`
@@ -29,7 +31,7 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,6 +40,7 @@ from diloco_node.chaos.checker import Violation, check_histories, final_states_f
 from diloco_node.chaos.metrics import ModeMetrics, commit_times, lease_holder_at, measure
 from diloco_node.chaos.schedule import (
     COORDINATOR,
+    FOLLOWER,
     Fault,
     Schedule,
     ScheduleSpec,
@@ -63,6 +66,10 @@ POLL_S = 0.25
 TARGET_DECOUPLED_GOODPUT = 0.85
 TARGET_SYNCHRONOUS_GOODPUT_MAX = 0.6
 TARGET_GAP_LEASES = 3.0
+# Node i (1-based) sends from 127.0.0.(SOURCE_HOST_BASE + i): every 127.0.0.0/8 address is loopback
+# on Linux, and 127.0.0.1 (the harness, the emulators' upstream side) stays apart from all of them.
+SOURCE_HOST_BASE = 10
+MAX_NODES = 254 - SOURCE_HOST_BASE
 
 
 class HarnessError(RuntimeError):
@@ -79,6 +86,7 @@ class NodeSlot:
     role: str
     port: int  # the node listens here; the harness polls it directly
     link: str  # HOST:PORT of the emulator in front of it: what peers use
+    source: str  # the loopback IP its outbound connections come from (partitions key on it)
     data_dir: Path
     log_path: Path
     founder: bool
@@ -269,7 +277,7 @@ class DaemonLauncher:
         argv = [sys.executable, "-m", "diloco_node", "run", "--config", str(self._config),
                 "--node-id", slot.node_id, "--listen", f"127.0.0.1:{slot.port}",
                 "--advertise", f"http://{slot.link}", "--data-dir", str(slot.data_dir),
-                "--secret-file", str(self._secret), "--role", slot.role]
+                "--secret-file", str(self._secret), "--role", slot.role, "--source-address", slot.source]
         for override in self._overrides:
             argv += ["--set", override]
         if bootstrap is not None:
@@ -322,6 +330,7 @@ class ChaosConfig:
     lease_s: float = 3.0
     heartbeat_s: float = 0.5
     scenario: str = "random"
+    coordinator_partition: bool = False  # the schedule must cut the lease holder off (with a minority)
     modes: tuple[str, ...] = MODES
     warmup_s: float = 10.0
     settle_s: float = 15.0
@@ -338,6 +347,8 @@ class ChaosConfig:
         unknown = set(self.modes) - set(MODES)
         if unknown or not self.modes:
             raise HarnessError(f"modes {self.modes}: expected some of {MODES}")
+        if self.nodes + self.joiners > MAX_NODES:
+            raise HarnessError(f"{self.nodes + self.joiners} nodes: at most {MAX_NODES} (one loopback source address each)")
 
     @property
     def node_ids(self) -> tuple[str, ...]:
@@ -350,8 +361,9 @@ class ChaosConfig:
     def schedule_spec(self) -> ScheduleSpec:
         return ScheduleSpec(
             nodes=self.node_ids, joiners=self.joiner_ids, duration_s=self.duration_s,
-            lease_s=self.lease_s, faults=max(self.faults, 2 + self.joiners), warmup_s=self.warmup_s,
-            settle_s=self.settle_s, recovery_s=self.recovery_s, degrade_s=self.degrade_s,
+            lease_s=self.lease_s, faults=max(self.faults, 2 + int(self.coordinator_partition) + self.joiners),
+            warmup_s=self.warmup_s, settle_s=self.settle_s, recovery_s=self.recovery_s, degrade_s=self.degrade_s,
+            coordinator_partition=self.coordinator_partition,
         )
 
 
@@ -383,6 +395,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def source_address(node_number: int) -> str:
+    """The loopback IP node `node_number` (1-based) sends from."""
+    return f"127.0.0.{SOURCE_HOST_BASE + node_number}"
+
+
+def partition_cuts(minorities: Iterable[frozenset[str]], nodes: Iterable[str]) -> dict[str, frozenset[str]]:
+    """For each node, the nodes it must not hear from while these partitions last: in each, a
+    minority node is cut from everyone outside it and the others from the minority. Two at once
+    (each within the schedule's bound on nodes down) compose: the cuts add up."""
+    everyone = frozenset(nodes)
+    cuts: dict[str, set[str]] = {n: set() for n in everyone}
+    for minority in minorities:
+        for node in everyone:
+            cuts[node] |= (everyone - minority) if node in minority else (minority & everyone)
+    return {n: frozenset(c) for n, c in cuts.items()}
+
+
 class ModeRun:
     """Runs one schedule in one mode; `run()` returns the checked, measured result."""
 
@@ -398,6 +427,7 @@ class ModeRun:
         self.launched_at: dict[str, float] = {}
         self.learner_windows: dict[str, tuple[float, float]] = {}
         self.resolved: dict[int, str] = {}  # fault number -> node it hit
+        self.partitions: dict[int, frozenset[str]] = {}  # fault number -> minority side, while it lasts
         self.applied: list[dict[str, Any]] = []
         self.t0 = 0.0
         self.dead_at_end: dict[str, int | None] = {}
@@ -421,14 +451,14 @@ class ModeRun:
 
     async def _main(self, sup: Supervisor, nemesis: HistoryWriter) -> tuple[float, float]:
         try:
-            for node in self.config.node_ids + self.config.joiner_ids:
+            for number, node in enumerate(self.config.node_ids + self.config.joiner_ids, start=1):
                 link = LinkEmulator("127.0.0.1", _free_port(), seed=self.config.seed)
                 await link.start()
                 self.links[node] = link
                 founder = node in self.config.node_ids
                 self.slots[node] = NodeSlot(
-                    node, "learner", link.upstream[1], link.address, self.dir / "nodes" / node / "data",
-                    self.dir / "nodes" / node / "node.log", founder,
+                    node, "learner", link.upstream[1], link.address, source_address(number),
+                    self.dir / "nodes" / node / "data", self.dir / "nodes" / node / "node.log", founder,
                 )
             founders = self.config.node_ids
             self._launch(sup, founders[0], None)
@@ -525,31 +555,59 @@ class ModeRun:
             return holder
         return None
 
+    def _resolve_side(self, sup: Supervisor, node: str, side: Sequence[str]) -> tuple[list[str], str]:
+        """A partition's other minority nodes: named ones as they are, each `FOLLOWER` a live
+        founder not yet on the side (seeded choice); a note if too few were live."""
+        named = [n for n in side if n != FOLLOWER]
+        chosen = [node, *named]
+        wanted = len(side) - len(named)
+        live = [n for n in self.config.node_ids if sup.alive(n) and not sup.stopped(n) and n not in chosen]
+        picked = self.rng.sample(live, min(wanted, len(live)))
+        note = "ok" if len(picked) == wanted else f"only {len(picked)} of {wanted} followers live to join the minority"
+        return named + picked, note
+
+    def _apply_cuts(self) -> dict[str, list[str]]:
+        """Set every emulator's source filter from the partitions in force; returns node -> cut-off
+        nodes (recorded with each partition's fault and heal)."""
+        cuts = partition_cuts(self.partitions.values(), self.slots)
+        for node, cut in cuts.items():
+            self.links[node].set_blocked_sources(self.slots[n].source for n in cut)
+        return {n: sorted(c) for n, c in sorted(cuts.items()) if c}
+
+    def _bootstrap_for_joiner(self, sup: Supervisor) -> str:
+        """A live founder the joiner can reach: on the majority side of every partition in force."""
+        cut_off = set().union(*self.partitions.values())
+        live = [n for n in self.config.node_ids if sup.alive(n) and not sup.stopped(n)]
+        reachable = [n for n in live if n not in cut_off] or live
+        return self.slots[reachable[0]].link
+
     async def _inject(self, sup: Supervisor, nemesis: HistoryWriter, number: int, fault: Fault) -> None:
         node, is_coordinator = await self._resolve(sup, fault.target)
         self.resolved[number] = node
         note = "ok"
+        extra: dict[str, Any] = {}
         try:
             if fault.action == "kill":
                 sup.kill(node)
             elif fault.action == "stop":
                 sup.stop(node)
-            elif fault.action == "isolate":
-                self.links[node].set_blackhole(True)
+            elif fault.action in ("isolate", "partition"):
+                side, note = self._resolve_side(sup, node, fault.side)
+                self.partitions[number] = frozenset([node, *side])
+                extra = {"side": side, "cuts": self._apply_cuts()}
             elif fault.action == "bandwidth":
                 self.links[node].set_bandwidth_mbit(fault.param)
             elif fault.action == "slow":
                 assert fault.param is not None
                 sup.slow(node, fault.param)
             elif fault.action == "join":
-                live = [n for n in self.config.node_ids if sup.alive(n) and not sup.stopped(n)]
-                self._launch(sup, node, self.slots[live[0]].link)
+                self._launch(sup, node, self._bootstrap_for_joiner(sup))
                 now = time.monotonic()
                 self.learner_windows[node] = (now, now + self.schedule.duration_s)
         except SupervisorError as exc:
             note = f"skipped: {exc}"
         detail = {"action": fault.action, "target": node, "scheduled": fault.target, "coordinator": is_coordinator,
-                  "duration_s": fault.duration_s, "param": fault.param, "fault": number, "note": note}
+                  "duration_s": fault.duration_s, "param": fault.param, "fault": number, "note": note, **extra}
         nemesis.record("fault", detail=detail)
         self.applied.append({"t_s": round(time.monotonic() - self.t0, 2), **detail})
 
@@ -558,21 +616,23 @@ class ModeRun:
         if node is None:
             return
         note = "ok"
+        extra: dict[str, Any] = {}
         try:
             if fault.action == "kill":
                 sup.restart(node)
                 self.launched_at[node] = time.monotonic()
             elif fault.action == "stop":
                 sup.cont(node)
-            elif fault.action == "isolate":
-                self.links[node].set_blackhole(False)
+            elif fault.action in ("isolate", "partition"):
+                self.partitions.pop(number, None)
+                extra = {"cuts": self._apply_cuts()}  # what other partitions still cut
             elif fault.action == "bandwidth":
                 self.links[node].set_bandwidth(None)
             elif fault.action == "slow":
                 sup.unslow(node)
         except SupervisorError as exc:
             note = f"skipped: {exc}"
-        nemesis.record("heal", detail={"action": fault.action, "target": node, "fault": number, "note": note})
+        nemesis.record("heal", detail={"action": fault.action, "target": node, "fault": number, "note": note, **extra})
 
     # ---- the end ---------------------------------------------------------------------------
 
@@ -705,5 +765,6 @@ def standin_config(config: ChaosConfig) -> ChaosConfig:
 
 __all__ = [
     "ChaosConfig", "DaemonLauncher", "HarnessError", "Launcher", "ModeResult", "ModeRun", "NodeProbe",
-    "NodeSlot", "StandinLauncher", "build_schedule", "evaluate_targets", "run_chaos", "standin_config",
+    "NodeSlot", "StandinLauncher", "build_schedule", "evaluate_targets", "partition_cuts", "run_chaos",
+    "source_address", "standin_config",
 ]

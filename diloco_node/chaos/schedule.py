@@ -2,16 +2,21 @@
 
 A schedule is plain data (JSON round-trip), a pure function of (seed, spec), so a failing run is
 replayed by its seed. Targets are node ids, or `COORDINATOR`, which the harness resolves to the
-lease holder at injection time. Constraints every generated schedule meets (`check_schedule`
-proves them, and refuses a hand-written schedule that breaks one):
+lease holder at injection time. A `partition` names its whole minority side: the target plus
+`side` (node ids; with a coordinator target, `FOLLOWER` placeholders, resolved when it fires to
+live founders other than the holder). Constraints every generated schedule meets
+(`check_schedule` proves them, and refuses a hand-written schedule that breaks one):
 
-- never more than a minority of the founding voters down at once (killed, stopped or isolated),
-  counting a node as down until `recovery_s` after its fault ends (a restarted daemon still has to
-  compile and catch up), so the run always keeps a live majority;
-- at most one fault per node at a time; a coordinator-targeted outage overlaps no other outage
+- never more than a minority of the founding voters down at once (killed, stopped, isolated, or
+  on the minority side of a partition: each node of that side counts), counting a node as down
+  until `recovery_s` after its fault ends (a restarted daemon still has to compile and catch up),
+  so the run always keeps a live, connected majority;
+- at most one fault per node at a time; a coordinator-targeted fault overlaps no other fault
   (the lease holder could be that other node);
+- SIGSTOPs, isolations and partitions outlast the lease (x 1.5), so the majority must elect;
 - every fault is healed `settle_s` before the end, so convergence can be checked;
-- at least one coordinator kill and one coordinator SIGSTOP lasting past the lease time.
+- at least one coordinator kill and one coordinator SIGSTOP lasting past the lease time (and, if
+  the spec asks, one coordinator partition).
 """
 
 from __future__ import annotations
@@ -19,18 +24,24 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 COORDINATOR = "@coordinator"
+# In a partition's side: one more live founder, not the lease holder, chosen when the fault fires.
+FOLLOWER = "@follower"
 
 # kill: SIGKILL, restart after duration_s. stop: SIGSTOP, SIGCONT after duration_s.
-# isolate: the node's inbound link blackholed. bandwidth: the node's link capped at param Mbit/s.
-# slow: the node's learner runs at `param` of its speed. join: a new site starts (permanent).
-ACTIONS = ("kill", "stop", "isolate", "bandwidth", "slow", "join")
-OUTAGES = frozenset({"kill", "stop", "isolate"})
+# isolate: the node cut off from every other node, both ways (a one-node partition).
+# partition: the target and `side` cut off from the rest, both ways. bandwidth: the node's link
+# capped at param Mbit/s. slow: the node's learner runs at `param` of its speed.
+# join: a new site starts (permanent).
+ACTIONS = ("kill", "stop", "isolate", "partition", "bandwidth", "slow", "join")
+OUTAGES = frozenset({"kill", "stop", "isolate", "partition"})
+# Outages that must outlast the lease (see STOP_PAST_LEASE_FACTOR).
+PAST_LEASE = frozenset({"stop", "isolate", "partition"})
 
-# A SIGSTOP must outlast the lease by this factor so that the others elect a new holder and the
-# stopped one, when continued, is provably stale (the fencing promise).
+# A SIGSTOP or a partition must outlast the lease by this factor so that the others elect a new
+# holder and the cut-off one, when back, is provably stale (the fencing promise).
 STOP_PAST_LEASE_FACTOR = 1.5
 
 
@@ -45,10 +56,21 @@ class Fault:
     target: str  # a node id or COORDINATOR
     duration_s: float = 0.0  # until healed; 0 for join (permanent)
     param: float | None = None  # Mbit/s for bandwidth, speed fraction for slow
+    side: tuple[str, ...] = ()  # partition only: the others on the target's (minority) side
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
             raise ScheduleError(f"fault action {self.action!r}: expected one of {ACTIONS}")
+        if not isinstance(self.side, tuple):  # from JSON: a list
+            object.__setattr__(self, "side", tuple(self.side))
+        if self.side and self.action != "partition":
+            raise ScheduleError(f"{self.action} on {self.target}: only a partition has a side, got {list(self.side)}")
+        named = [n for n in self.side if n != FOLLOWER]
+        if len(set(named)) != len(named) or self.target in self.side or COORDINATOR in self.side:
+            raise ScheduleError(f"partition of {self.target}: side {list(self.side)} must name other nodes, "
+                                f"each once (the coordinator only as the target)")
+        if FOLLOWER in self.side and self.target != COORDINATOR:
+            raise ScheduleError(f"partition of {self.target}: {FOLLOWER} in the side needs the coordinator as target")
         if not self.at_s >= 0 or not self.duration_s >= 0:
             raise ScheduleError(f"{self.action} on {self.target}: at_s and duration_s must be >= 0")
         if self.action in ("bandwidth", "slow") and (self.param is None or not self.param > 0):
@@ -66,6 +88,16 @@ class Fault:
     def is_outage(self) -> bool:
         return self.action in OUTAGES
 
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """Every node the fault hits (a partition: its whole minority side)."""
+        return (self.target, *self.side)
+
+    @property
+    def down(self) -> int:
+        """How many founding voters it takes out of the majority while it lasts."""
+        return len(self.nodes) if self.is_outage else 0
+
     def describe(self) -> str:
         target = "the coordinator" if self.target == COORDINATOR else self.target
         d = self.duration_s
@@ -74,7 +106,10 @@ class Fault:
         elif self.action == "stop":
             what = f"SIGSTOP {target} for {d:.1f}s"
         elif self.action == "isolate":
-            what = f"cut {target}'s inbound link for {d:.1f}s"
+            what = f"cut {target} off from every other node (both ways) for {d:.1f}s"
+        elif self.action == "partition":
+            others = ["another follower" if n == FOLLOWER else n for n in self.side]
+            what = f"partition {' + '.join([target, *others])} from the rest (both ways) for {d:.1f}s"
         elif self.action == "bandwidth":
             what = f"cap {target}'s link at {self.param:g} Mbit/s for {d:.1f}s"
         elif self.action == "slow":
@@ -94,6 +129,7 @@ class ScheduleSpec:
     faults: int  # total, the mandatory ones included
     learners: tuple[str, ...] | None = None  # nodes that train (default: all); `slow` targets these
     joiners: tuple[str, ...] = ()  # new sites that join mid-run, one `join` each
+    coordinator_partition: bool = False  # also require a partition with the lease holder in the minority
     warmup_s: float = 10.0  # no fault before this: the cluster settles first
     settle_s: float = 15.0  # everything healed this long before the end
     recovery_s: float = 8.0  # a restarted/continued node counts as down this much longer
@@ -101,8 +137,10 @@ class ScheduleSpec:
     degrade_s: tuple[float, float] = (5.0, 15.0)  # bandwidth and slow durations
     bandwidth_mbit: tuple[float, float] = (0.5, 5.0)
     slow_fraction: tuple[float, float] = (0.25, 0.5)
+    # `partition` is drawn only where a minority can hold two nodes (5+ founders): with 3, the
+    # one-node partition is `isolate` (and seeds keep the schedules they had before partitions).
     weights: Mapping[str, float] = field(default_factory=lambda: {
-        "kill": 3.0, "stop": 2.0, "isolate": 2.0, "bandwidth": 2.0, "slow": 2.0,
+        "kill": 3.0, "stop": 2.0, "isolate": 2.0, "partition": 2.0, "bandwidth": 2.0, "slow": 2.0,
     })
 
     def __post_init__(self) -> None:
@@ -114,8 +152,13 @@ class ScheduleSpec:
             raise ScheduleError(f"duration {self.duration_s}s leaves no time after warmup {self.warmup_s}s and settle {self.settle_s}s")
         if not self.lease_s > 0:
             raise ScheduleError(f"lease_s must be > 0, got {self.lease_s}")
-        if self.faults < 2 + len(self.joiners):
-            raise ScheduleError(f"faults = {self.faults}: need >= 2 (a coordinator kill and stop) plus one per joiner")
+        if self.faults < self.mandatory_faults:
+            raise ScheduleError(f"faults = {self.faults}: need >= {self.mandatory_faults - len(self.joiners)} (a coordinator "
+                                f"kill and stop{' and partition' if self.coordinator_partition else ''}) plus one per joiner")
+
+    @property
+    def mandatory_faults(self) -> int:
+        return 2 + int(self.coordinator_partition) + len(self.joiners)
 
     @property
     def learner_nodes(self) -> tuple[str, ...]:
@@ -156,7 +199,7 @@ def _uniform(rng: random.Random, bounds: tuple[float, float]) -> float:
 
 
 def _busy_until(fault: Fault, spec: ScheduleSpec) -> float:
-    """When the fault's node is available again (outages keep it busy while it recovers)."""
+    """When the fault's nodes are available again (outages keep them busy while they recover)."""
     return fault.end_s + (spec.recovery_s if fault.is_outage else 0.0)
 
 
@@ -165,12 +208,12 @@ def _fits(candidate: Fault, placed: Sequence[Fault], spec: ScheduleSpec) -> bool
     overlapping = [f for f in placed if f.action != "join" and f.at_s < end and start < _busy_until(f, spec)]
     if candidate.action == "join":
         return True
-    if any(f.target == candidate.target for f in overlapping):
+    if any(set(f.nodes) & set(candidate.nodes) for f in overlapping):
         return False
     if candidate.is_outage:
         outages = [f for f in overlapping if f.is_outage]
-        intervals = [(max(start, f.at_s), min(end, _busy_until(f, spec))) for f in outages]
-        if 1 + _max_concurrent(intervals) > spec.max_down:
+        intervals = [(max(start, f.at_s), min(end, _busy_until(f, spec)), f.down) for f in outages]
+        if candidate.down + _max_concurrent(intervals) > spec.max_down:
             return False
         if outages and (candidate.target == COORDINATOR or any(f.target == COORDINATOR for f in outages)):
             return False
@@ -180,11 +223,11 @@ def _fits(candidate: Fault, placed: Sequence[Fault], spec: ScheduleSpec) -> bool
     return True
 
 
-def _max_concurrent(intervals: Sequence[tuple[float, float]]) -> int:
-    """The most half-open intervals [a, b) covering one instant."""
-    edges = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals])
+def _max_concurrent(intervals: Sequence[tuple[float, float, int]]) -> int:
+    """The largest total weight of half-open intervals [a, b) covering one instant."""
+    edges = sorted([(a, w) for a, _, w in intervals] + [(b, -w) for _, b, w in intervals])
     best = current = 0
-    for _, step in edges:  # at equal times -1 sorts first: touching intervals do not overlap
+    for _, step in edges:  # at equal times removals sort first: touching intervals do not overlap
         current += step
         best = max(best, current)
     return best
@@ -196,9 +239,17 @@ def _draw(rng: random.Random, action: str, target: str, spec: ScheduleSpec) -> F
     if action == "stop":
         low = spec.lease_s * STOP_PAST_LEASE_FACTOR
         return Fault(0.0, action, target, _uniform(rng, (low, low + spec.lease_s)))
-    if action == "isolate":
+    if action in ("isolate", "partition"):
         low = spec.lease_s * STOP_PAST_LEASE_FACTOR
-        return Fault(0.0, action, target, _uniform(rng, (low, low + 2 * spec.lease_s)))
+        duration = _uniform(rng, (low, low + 2 * spec.lease_s))
+        if action == "isolate":
+            return Fault(0.0, action, target, duration)
+        size = rng.randint(1, spec.max_down)
+        if target == COORDINATOR:
+            side = (FOLLOWER,) * (size - 1)
+        else:
+            side = tuple(rng.sample(sorted(set(spec.nodes) - {target}), size - 1))
+        return Fault(0.0, action, target, duration, side=side)
     if action == "bandwidth":
         return Fault(0.0, action, target, _uniform(rng, spec.degrade_s), _uniform(rng, spec.bandwidth_mbit))
     if action == "slow":
@@ -211,11 +262,12 @@ def _shortest(fault: Fault, spec: ScheduleSpec) -> Fault:
         "kill": spec.kill_down_s[0],
         "stop": spec.lease_s * STOP_PAST_LEASE_FACTOR,
         "isolate": spec.lease_s * STOP_PAST_LEASE_FACTOR,
+        "partition": spec.lease_s * STOP_PAST_LEASE_FACTOR,
         "bandwidth": spec.degrade_s[0],
         "slow": spec.degrade_s[0],
         "join": 0.0,
     }[fault.action]
-    return Fault(fault.at_s, fault.action, fault.target, round(shortest, 2), fault.param)
+    return replace(fault, duration_s=round(shortest, 2))
 
 
 # A tight spec (short run, long lease) may not fit every random draw; further draws from the
@@ -238,8 +290,10 @@ def generate(seed: int, spec: ScheduleSpec) -> Schedule:
 def _generate_once(seed: int, attempt: int, spec: ScheduleSpec) -> Schedule:
     rng = random.Random(seed * 1000 + attempt)
     plan: list[tuple[str, str]] = [("kill", COORDINATOR), ("stop", COORDINATOR)]
+    if spec.coordinator_partition:
+        plan.append(("partition", COORDINATOR))
     plan += [("join", j) for j in spec.joiners]
-    actions = sorted(spec.weights)
+    actions = sorted(a for a in spec.weights if a != "partition" or spec.max_down >= 2)
     weights = [spec.weights[a] for a in actions]
     while len(plan) < spec.faults:
         action = rng.choices(actions, weights)[0]
@@ -271,7 +325,7 @@ def _generate_once(seed: int, attempt: int, spec: ScheduleSpec) -> Schedule:
                 f"{drawn.duration_s}s) before t+{last_heal:.0f}s with at most {spec.max_down} node(s) down; "
                 f"lengthen the run or ask for fewer faults"
             )
-        placed.append(Fault(start, drawn.action, drawn.target, drawn.duration_s, drawn.param))
+        placed.append(replace(drawn, at_s=start))
     schedule = Schedule(seed, spec.duration_s, tuple(sorted(placed, key=lambda f: f.at_s)))
     problems = check_schedule(schedule, spec)
     assert not problems, problems  # generation and checking are written independently
@@ -283,7 +337,7 @@ def _earliest_fit(fault: Fault, nominal: float, last_heal: float, placed: Sequen
     """Slide the fault later from `nominal` (0.25 s steps) until it fits, or None."""
     start = round(nominal, 2)  # the value stored, so checking later sees the same numbers
     while start + fault.duration_s <= last_heal:
-        candidate = Fault(start, fault.action, fault.target, fault.duration_s, fault.param)
+        candidate = replace(fault, at_s=start)
         if _fits(candidate, placed, spec):
             return start
         start = round(start + 0.25, 2)
@@ -314,20 +368,23 @@ def check_schedule(schedule: Schedule, spec: ScheduleSpec, require_coordinator_f
     problems = []
     last_heal = spec.duration_s - spec.settle_s
     known = set(spec.nodes) | set(spec.joiners) | {COORDINATOR}
+    founders = set(spec.nodes) | {COORDINATOR}
     for f in schedule.faults:
         if f.target not in known:
             problems.append(f"{f.describe()}: unknown target {f.target}")
+        if f.action == "partition" and not set(f.nodes) <= founders | {FOLLOWER}:
+            problems.append(f"{f.describe()}: a partition's minority is made of founders, not {sorted(set(f.nodes) - founders - {FOLLOWER})}")
         if f.end_s > last_heal:
             problems.append(f"{f.describe()}: healed at t+{f.end_s:.1f}s, after t+{last_heal:.1f}s (settle {spec.settle_s}s)")
         if f.at_s < spec.warmup_s:
             problems.append(f"{f.describe()}: before the warm-up ends at t+{spec.warmup_s:.1f}s")
-        if f.action == "stop" and f.duration_s < spec.lease_s * STOP_PAST_LEASE_FACTOR:
+        if f.action in PAST_LEASE and f.duration_s < spec.lease_s * STOP_PAST_LEASE_FACTOR:
             problems.append(f"{f.describe()}: shorter than {STOP_PAST_LEASE_FACTOR} x lease ({spec.lease_s}s)")
     for i, f in enumerate(schedule.faults):
         if f.action != "join" and not _fits(f, schedule.faults[:i] + schedule.faults[i + 1:], spec):
             problems.append(f"{f.describe()}: overlaps another fault on the same node or takes down a majority")
     if require_coordinator_faults:
-        for action in ("kill", "stop"):
+        for action in ("kill", "stop") + (("partition",) if spec.coordinator_partition else ()):
             if not any(f.action == action and f.target == COORDINATOR for f in schedule.faults):
                 problems.append(f"no coordinator {action}")
     return problems
