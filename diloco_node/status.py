@@ -110,6 +110,8 @@ class StatusDocument:
     version: str = ""
     last_errors: tuple[RecentError, ...] = ()
     ready_reason: str = ""  # why not ready yet ("catching up: applied 12 of 40"), or what ready means
+    log_first_index: int = 1  # the oldest log entry this node still holds (> 1 once compacted)
+    log_bytes: int = 0  # size of the replicated log on disk
     schema: str = STATUS_SCHEMA
 
     @property
@@ -153,6 +155,8 @@ class StatusDocument:
             last_errors=tuple(_build(RecentError, e, f"last_errors[{i}]")
                               for i, e in enumerate(raw.get("last_errors", []) or [])),
             ready_reason=str(raw.get("ready_reason", "")),
+            log_first_index=int(_get(raw, "log_first_index", int)) if "log_first_index" in raw else 1,
+            log_bytes=int(_get(raw, "log_bytes", int)) if "log_bytes" in raw else 0,
         )
 
     @classmethod
@@ -245,6 +249,11 @@ class StatusBuilder:
             self._base = dataclasses.replace(
                 self._base, epoch=epoch, coordinator=coordinator, commit_index=commit_index,
                 state_digest=state_digest, members=tuple(members), quorum=quorum, fragments=tuple(fragments))
+
+    def set_log(self, *, first_index: int, size_bytes: int) -> None:
+        """The replicated log's first held index and its size on disk (compaction at work)."""
+        with self._lock:
+            self._base = dataclasses.replace(self._base, log_first_index=first_index, log_bytes=size_bytes)
 
     def record_learner(self, *, step: int, loss: float | None, tokens: int, now: float) -> None:
         """`tokens` is the learner's cumulative count; the rate comes from the recent window."""
@@ -405,6 +414,9 @@ def status_families(doc: StatusDocument) -> list[MetricFamily]:
             learner.tokens_per_s),
         one("diloco_bytes_sent_total", "counter", "Bytes sent to peers.", doc.bytes.sent),
         one("diloco_bytes_received_total", "counter", "Bytes received from peers.", doc.bytes.received),
+        one("diloco_log_first_index", "gauge", "Oldest log index held (older ones are compacted).",
+            doc.log_first_index),
+        one("diloco_log_bytes", "gauge", "Size of the replicated log on disk.", doc.log_bytes),
         MetricFamily("diloco_fragment_round", "gauge", "Committed round per fragment.",
                      tuple(({"fragment": str(f.fragment)}, float(f.round)) for f in doc.fragments)),
     ]
@@ -473,7 +485,8 @@ def render_html(doc: StatusDocument) -> str:
 <body><h1>{e(doc.node_id)} <small>({e(doc.role)}, {'ready' if doc.ready else 'not ready'})</small></h1>
 <p>{e(doc.ready_reason)}</p>
 <p>run {e(doc.run_id)} &middot; epoch {doc.epoch} &middot; coordinator {e(doc.coordinator or '-')}
-&middot; commit index {doc.commit_index} &middot; digest {e(doc.state_digest[:16])}</p>
+&middot; commit index {doc.commit_index} &middot; digest {e(doc.state_digest[:16])}
+&middot; log from {doc.log_first_index}, {doc.log_bytes} bytes</p>
 <p>quorum {doc.quorum.have}/{doc.quorum.need}: {e(doc.quorum.reason)}</p>
 <p>step {learner.step} &middot; loss {loss} &middot; tokens {learner.tokens} &middot;
 {learner.tokens_per_s:.1f} tokens/s &middot; bytes sent {doc.bytes.sent} received {doc.bytes.received}</p>

@@ -235,7 +235,7 @@ class DaemonHistory:
             self._commit_recorded = index
             self._uncommitted.pop(index, None)
             entry = log.entry_at(index)
-            if entry is None:  # compacted away: this daemon never compacts, so nothing to say
+            if entry is None:  # covered by an installed snapshot: the entry itself is not here
                 continue
             detail: dict[str, Any] = {"entry_epoch": entry.epoch, "entry_kind": entry.kind.value}
             if entry.kind is EntryKind.OUTER_COMMIT:
@@ -255,6 +255,11 @@ class DaemonHistory:
         return digest
 
     # ------------------------------------------------------------------ applies
+
+    def state_replaced(self) -> None:
+        """The global state was replaced by a download (snapshot install): the next apply recorded
+        says `snapshot: true`, since the state jumped rather than followed the previous apply."""
+        self._next_apply_is_snapshot = True
 
     def applied(self, entry: LogEntry, replica: ReplicaView, consistent_from: int, epoch: int) -> None:
         """After `replica.apply(entry)`. Nothing is recorded while the replica is not one

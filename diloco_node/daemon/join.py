@@ -10,32 +10,53 @@ difference spelled out (`config.check_joiner_manifest`), having changed nothing 
 Download (`FragmentDownload`): each fragment's serialized state in chunks (SnapshotRequest /
 SnapshotChunk), resumable from the byte offset reached, from any peer that serves it; the whole
 is checked against the chunk's SHA-256 before it is installed. If the fragment moved on while we
-were downloading (the digest changed), the download restarts for that fragment.
+were downloading (the digest changed), the download restarts for that fragment. A download may
+carry a floor (`min_commit_index`): fragments served as of an older log index are fetched again,
+from another peer, until each is at least that new.
+
+Snapshot install (`snapshot_to_wire` / `snapshot_from_wire`): when the lease holder's log was
+compacted past what a replica needs, the coordination core sends `InstallSnapshot`. The daemon's
+snapshot carries no state (the global state is this download), only (last_index, last_epoch,
+voters), so it travels as a LogAppend holding one entry of kind "snapshot" at `last_index`; a
+replica that receives it restores the coordination snapshot and downloads the global state with
+that index as the floor. A build that predates it refuses the unknown entry kind (400).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from bootstrap import messages as coord
+from bootstrap.entries import ClusterConfig, Snapshot
 from diloco_node.config import ConfigError, EffectiveConfig
 from diloco_node.daemon.replica import Replica
 from diloco_node.run_config import RunManifest
 from diloco_node.transport import PeerClient, TransportError
 from wire import messages as wire
-from wire.errors import RemoteProtocolError
+from wire.errors import LocalProtocolError, RemoteProtocolError
 
 # Bytes per SnapshotChunk request: big enough that per-request overhead is noise, small enough
 # that a dropped connection loses little (the download resumes at the offset reached).
 SNAPSHOT_CHUNK_BYTES = 4 * 1024 * 1024
 # Seconds one chunk may take; beyond this the chunk is retried from its offset on the next peer.
 CHUNK_DEADLINE_S = 120.0
+# A peer whose copy of a fragment is older than the download's floor is asked again after this
+# pause (round-robin over the peers): it is usually applying the very entries we need.
+BEHIND_FLOOR_RETRY_S = 0.2
+# The wire kind of the log entry that stands for an InstallSnapshot (see the module docstring).
+SNAPSHOT_ENTRY_KIND = "snapshot"
 
 
 class JoinRefused(Exception):
     """The run cannot be joined (wrong secret, contradicting manifest, no answer); says why."""
+
+
+class _PeerBehind(Exception):
+    """A peer's copy of a fragment is older than the download's floor: ask another peer."""
 
 
 def manifest_bytes(manifest: RunManifest) -> bytes:
@@ -93,6 +114,34 @@ async def negotiate(client: PeerClient, urls: Sequence[str], effective: Effectiv
     raise JoinRefused("could not join through any bootstrap peer:\n  " + "\n  ".join(errors))
 
 
+def snapshot_to_wire(message: coord.InstallSnapshot, leader_commit: int) -> wire.LogAppend:
+    """The wire form of an InstallSnapshot: a LogAppend whose single entry is the snapshot point."""
+    snapshot = message.snapshot
+    if snapshot.last_index < 1:
+        raise LocalProtocolError("the initial snapshot (index 0) is never sent")
+    marker = wire.LogEntry(index=snapshot.last_index, epoch=snapshot.last_epoch, kind=SNAPSHOT_ENTRY_KIND,
+                           metadata={"voters": snapshot.config.sorted_voters()}, payload=b"")
+    return wire.LogAppend(message.epoch, message.leader_id, snapshot.last_index - 1, 0, (marker,),
+                          max(leader_commit, snapshot.last_index))
+
+
+def snapshot_from_wire(message: wire.LogAppend) -> coord.InstallSnapshot | None:
+    """The InstallSnapshot a LogAppend stands for, or None when it is an ordinary append."""
+    if not any(entry.kind == SNAPSHOT_ENTRY_KIND for entry in message.entries):
+        return None
+    if len(message.entries) != 1:
+        raise RemoteProtocolError("LogAppend: a snapshot entry must travel alone", 400)
+    marker = message.entries[0]
+    voters = marker.metadata.get("voters")
+    if not isinstance(voters, (list, tuple)) or not all(isinstance(v, str) for v in voters):
+        raise RemoteProtocolError("LogAppend: the snapshot entry carries no voter list", 400)
+    try:
+        snapshot = Snapshot(marker.index, marker.epoch, ClusterConfig.of(voters))
+        return coord.InstallSnapshot(message.epoch, message.leader, snapshot, sent_at=0.0)
+    except LocalProtocolError as error:
+        raise RemoteProtocolError(f"LogAppend: snapshot entry: {error}", 400) from None
+
+
 @dataclass(slots=True)
 class FragmentProgress:
     fragment: int
@@ -100,13 +149,14 @@ class FragmentProgress:
     total: int | None = None
     digest: bytes | None = None
     done: bool = False
+    commit_index: int = 0  # the newest log index a server said these bytes are current at
 
 
 class FragmentDownload:
     """Downloads every fragment of the global state into `replica`, resumable, digest-verified."""
 
     def __init__(self, client: PeerClient, replica: Replica, peers: Callable[[], list[str]],
-                 chunk_bytes: int = SNAPSHOT_CHUNK_BYTES) -> None:
+                 chunk_bytes: int = SNAPSHOT_CHUNK_BYTES, min_commit_index: int = 0) -> None:
         self.client = client
         self.replica = replica
         self.peers = peers
@@ -116,6 +166,13 @@ class FragmentDownload:
         # Fragments arrive as of different log indices; once the log is applied through the
         # newest of them, every fragment is exactly as of that index.
         self.max_commit_index = 0
+        # Every fragment must be at least this new (a snapshot install's index): older copies
+        # would miss commits the log no longer holds. May be raised while the download runs.
+        self.min_commit_index = min_commit_index
+
+    def raise_floor(self, index: int) -> None:
+        """A snapshot through `index` arrived meanwhile: fragments older than it are fetched again."""
+        self.min_commit_index = max(self.min_commit_index, index)
 
     def describe(self) -> str:
         done = sum(1 for f in self.progress if f.done)
@@ -124,11 +181,16 @@ class FragmentDownload:
         return f"downloading global state: {done}/{len(self.progress)} fragments, {got}/{total or '?'} bytes"
 
     async def run(self, attempts: int = 20) -> None:
-        for progress in self.progress:
-            await self._one(progress, attempts)
+        while True:
+            stale = [p for p in self.progress if not p.done or p.commit_index < self.min_commit_index]
+            if not stale:
+                return
+            for progress in stale:
+                await self._one(progress, attempts)
 
     async def _one(self, progress: FragmentProgress, attempts: int) -> None:
         buffer = bytearray()
+        progress.digest, progress.received, progress.done, progress.commit_index = None, 0, False, 0
         errors: list[str] = []
         for attempt in range(attempts):
             peers = self.peers()
@@ -144,12 +206,15 @@ class FragmentDownload:
                         raise RemoteProtocolError("no snapshot chunk in the reply", 400)
                     if progress.digest is not None and chunk.digest != progress.digest:
                         buffer.clear()  # the fragment advanced: start it again
-                        progress.digest, progress.received = None, 0
+                        progress.digest, progress.received, progress.commit_index = None, 0, 0
                         continue
+                    if not buffer and chunk.commit_index < self.min_commit_index:
+                        raise _PeerBehind(f"serves fragment {progress.fragment} as of index {chunk.commit_index}, "
+                                          f"older than the snapshot through {self.min_commit_index}")
                     if chunk.offset != len(buffer):
                         raise RemoteProtocolError(f"chunk at offset {chunk.offset}, expected {len(buffer)}", 400)
                     progress.digest, progress.total = chunk.digest, chunk.total
-                    self.max_commit_index = max(self.max_commit_index, chunk.commit_index)
+                    progress.commit_index = max(progress.commit_index, chunk.commit_index)
                     buffer += chunk.payload
                     progress.received = len(buffer)
                     self.bytes_received += len(chunk.payload)
@@ -159,11 +224,20 @@ class FragmentDownload:
                         raise RemoteProtocolError("empty chunk before the end", 400)
                 if hashlib.sha256(buffer).digest() != progress.digest:
                     buffer.clear()
-                    progress.digest, progress.received = None, 0
+                    progress.digest, progress.received, progress.commit_index = None, 0, 0
                     raise RemoteProtocolError(f"fragment {progress.fragment}: assembled bytes fail their digest", 400)
+                if progress.commit_index < self.min_commit_index:  # the floor was raised meanwhile
+                    raise _PeerBehind(f"fragment {progress.fragment} is as of index {progress.commit_index}, "
+                                      f"older than the snapshot through {self.min_commit_index}")
                 self.replica.install_fragment_bytes(progress.fragment, bytes(buffer))
+                self.max_commit_index = max(self.max_commit_index, progress.commit_index)
                 progress.done = True
                 return
+            except _PeerBehind as error:
+                buffer.clear()
+                progress.digest, progress.received, progress.commit_index = None, 0, 0
+                errors.append(f"{url}: {error}")
+                await asyncio.sleep(BEHIND_FLOOR_RETRY_S)
             except (TransportError, RemoteProtocolError) as error:
                 errors.append(f"{url}: {error}")
         raise JoinRefused(f"fragment {progress.fragment}: download failed {attempts} times; last: {errors[-1]}")

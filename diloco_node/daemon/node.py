@@ -33,14 +33,22 @@ from aiohttp import web
 from bootstrap import messages as coord
 from bootstrap.coordinator_node import CoordinatorNode, NodeOptions, PersistentState
 from bootstrap.election import LeaseTiming, Role
-from bootstrap.entries import EntryKind, LogEntry
+from bootstrap.entries import EntryKind, LogEntry, Snapshot
 from diloco_node import data as data_lib
 from diloco_node import model as model_lib
-from diloco_node.checkpoint import CheckpointError, CheckpointStore
+from diloco_node.checkpoint import CheckpointError, CheckpointStore, read_checkpoint_file
 from diloco_node.config import ConfigError, EffectiveConfig, check_joiner_manifest
 from diloco_node.daemon import peers
 from diloco_node.daemon.history_hooks import DaemonHistory
-from diloco_node.daemon.join import FragmentDownload, JoinRefused, manifest_bytes, manifest_digest, negotiate
+from diloco_node.daemon.join import (
+    FragmentDownload,
+    JoinRefused,
+    manifest_bytes,
+    manifest_digest,
+    negotiate,
+    snapshot_from_wire,
+    snapshot_to_wire,
+)
 from diloco_node.daemon.learner_thread import (
     DueFragment,
     LearnerThread,
@@ -49,7 +57,7 @@ from diloco_node.daemon.learner_thread import (
 )
 from diloco_node.daemon.notify import BackgroundNotifier
 from diloco_node.daemon.replica import CommitPayload, Replica
-from diloco_node.daemon.replica_store import ReplicaStore
+from diloco_node.daemon.replica_store import ReplicaStore, compaction_point
 from diloco_node.daemon.syncer import CommitPlan, Syncer
 from diloco_node.fragments import is_embedding, plan_fragments
 from diloco_node.inner import InnerLearner
@@ -83,6 +91,9 @@ POOL_THREADS = 2
 SYSTEMD_STATUS_EVERY_S = 10.0
 # How long a refreshed address book is trusted before a peer is asked again for the member list.
 MEMBER_REFRESH_S = 5.0
+# A snapshot install whose download failed on every peer (a partition, say) tries again after
+# this pause; the node stays not-ready meanwhile and keeps training on its last state.
+INSTALL_RETRY_S = 2.0
 
 
 _IMPORTED_AT = time.monotonic()
@@ -153,6 +164,7 @@ class Node:
         self._diverged_fetching: set[int] = set()
         self._systemd_shape, self._systemd_status_at = "", 0.0
         self._consistent_from = 0  # applied index from which our replica is one consistent state
+        self._install_floor = 0  # newest snapshot index the state download must reach (0: none)
         self._leader_commit = 0  # highest commit index a lease holder told us
         self._frozen = False  # set while stopping: no message is handled, no entry applied
         self._bytes_reported = (0, 0)  # transport byte totals already added to the status document
@@ -263,6 +275,11 @@ class Node:
         # The learner's starting base: the global state as of now (copied; the download replaces it).
         self._learner_base = ({n: a.copy() for n, a in self.replica.state.all_params().items()},
                               list(self.replica.state.rounds()))
+        if mode == "join":
+            # Before coordination starts: entries (or a snapshot) may arrive from then on, and they
+            # must find the download in place to be held by it (or to raise its floor).
+            self._held_applies = []
+            self._download = FragmentDownload(self.client, self.replica, self._download_peers)
         self._start_coordination()
         self._tasks.append(asyncio.create_task(self._ticker(), name="coordination-ticker"))
         self._tasks.append(asyncio.create_task(self._periodic(), name="periodic"))
@@ -274,20 +291,18 @@ class Node:
                      if self.role is coord.MemberRole.LEARNER else None)
         if mode == "join":
             await self._announce_to_members()
-            self._held_applies = []
-            self._download = FragmentDownload(self.client, self.replica, self._download_peers)
+            download = self._download
+            assert download is not None
             started = time.monotonic()
-            await self._download.run()
+            await download.run()
             log.info("%s: downloaded the global state (%d bytes) in %.2f s", self.node_id,
-                     self._download.bytes_received, time.monotonic() - started)
+                     download.bytes_received, time.monotonic() - started)
             self._mark_phase("state downloaded")
-            self._consistent_from = self._download.max_commit_index
-            held, self._held_applies = self._held_applies, None
-            for entry in held:
-                self._apply(entry)
-            self._download = None
+            self._finish_download(download)
         elif mode == "restart":
             await self._announce_to_members()
+            if self._install_floor:
+                self._start_install(self._install_floor)
         if preparing is not None:
             learner = await preparing
             self._start_training(learner, fresh=not restored)
@@ -366,12 +381,22 @@ class Node:
         self.state_bytes = sum(a.nbytes for a in initial.values()) * 2  # params + momentum
 
     def _restore_checkpoint(self) -> Any:
-        """Global state and learner state from our newest good checkpoint (None if there is none)."""
+        """Global state and learner state from our newest good checkpoint (None if there is none).
+
+        The durable log holds the entries after its snapshot point; the checkpoint must lie
+        between that point and the log's end, so replaying the log from it is complete. A
+        checkpoint older than the point (the newest failed verification and an older one was
+        used, or the checkpoints were removed) cannot be replayed: the node then installs the
+        global state from peers, as after a snapshot install (`_start_install`).
+        """
+        assert self.replica is not None
+        snapshot_index = self._persistent.log.snapshot.last_index
+        last = snapshot_index + len(self._persistent.log.entries)
         loaded = self.checkpoints.load_latest()
         if loaded is None:
+            self._need_install_if_compacted(0, snapshot_index)
             return None
         meta, arrays = loaded.checkpoint.meta, loaded.checkpoint.arrays
-        assert self.replica is not None
         fragments = []
         for p, fragment in enumerate(self.plan.fragments):
             fragments.append({
@@ -382,14 +407,28 @@ class Node:
         digest = self.replica.state.restore({"format": 1, "rounds": list(meta["rounds"]), "fragments": fragments},
                                             expected_digest=meta["state_digest"])
         applied = int(meta["applied_index"])
-        last = self._persistent.log.entries[-1].index if self._persistent.log.entries else 0
         if applied > last:
             raise ConfigError(f"checkpoint applied through {applied} but the durable log ends at {last}; "
                               "the coordination directory does not belong to this checkpoint")
         self.replica.applied_index = applied
         log.info("%s: resumed from checkpoint %s at index %d digest %s", self.node_id,
                  loaded.checkpoint.sequence, applied, digest)
+        self._need_install_if_compacted(applied, snapshot_index)
         return meta.get("learner") and snapshot_from_checkpoint(meta["learner"], arrays)
+
+    def _need_install_if_compacted(self, applied: int, snapshot_index: int) -> None:
+        """The log starts after `snapshot_index`; a state older than that is replaced from peers."""
+        if applied >= snapshot_index:
+            return
+        if not self.cfg.bootstrap and not [n for n, _ in self.addresses.items() if n != self.node_id]:
+            raise ConfigError(f"the global state is as of index {applied} but the durable log was compacted "
+                              f"through {snapshot_index}, and there is no peer to fetch the state from")
+        log.warning("%s: the global state is as of index %d but the durable log starts after %d; "
+                    "installing the global state from peers", self.node_id, applied, snapshot_index)
+        self.replica.applied_index = snapshot_index
+        self._install_floor = snapshot_index
+        self._consistent_from = snapshot_index
+        self._held_applies = []  # coordination may apply entries before the download starts
 
     def _start_coordination(self) -> None:
         assert self.replica is not None
@@ -488,7 +527,7 @@ class Node:
             elif isinstance(action, coord.ApplyEntry):
                 self._apply(action.entry)
             elif isinstance(action, coord.RestoreSnapshot):
-                self._error("received a log snapshot, which this daemon never produces; ignored")
+                self._on_restore_snapshot(action.snapshot)
         return reply
 
     def _send(self, to: str, message: coord.Message) -> None:
@@ -498,9 +537,10 @@ class Node:
         if outbox is None:
             outbox = self._outboxes[to] = _Outbox()
             outbox.task = asyncio.create_task(self._peer_worker(to, outbox), name=f"outbox-{to}")
-        if isinstance(message, coord.AppendEntries):
+        if isinstance(message, (coord.AppendEntries, coord.InstallSnapshot)):
             # A newer replication message supersedes a queued older one (same leader state, later).
-            outbox.pending = [m for m in outbox.pending if not isinstance(m, coord.AppendEntries)]
+            outbox.pending = [m for m in outbox.pending
+                              if not isinstance(m, (coord.AppendEntries, coord.InstallSnapshot))]
         outbox.pending.append(message)
         outbox.wake.set()
 
@@ -525,8 +565,11 @@ class Node:
         if url is None:
             return  # learned from a configuration entry before its address: the member refresh fixes it
         assert self.coord is not None
-        out = peers.to_wire(message, epoch=self.coord.epoch, commit_index=self.coord.log.commit_index,
-                            last_index=self.coord.log.last_index)
+        if isinstance(message, coord.InstallSnapshot):
+            out: wire.Message | None = snapshot_to_wire(message, self.coord.log.commit_index)
+        else:
+            out = peers.to_wire(message, epoch=self.coord.epoch, commit_index=self.coord.log.commit_index,
+                                last_index=self.coord.log.last_index)
         if out is None:
             return
         try:
@@ -545,7 +588,8 @@ class Node:
         try:
             if isinstance(reply, wire.VoteReply) and reply.voter == peer:
                 self._dispatch(self._handle(peers.vote_response_from_wire(reply)))
-            elif isinstance(reply, wire.LogAck) and reply.follower == peer and isinstance(request, coord.AppendEntries):
+            elif (isinstance(reply, wire.LogAck) and reply.follower == peer
+                  and isinstance(request, (coord.AppendEntries, coord.InstallSnapshot))):
                 self._dispatch(self._handle(peers.append_response_from_wire(reply, request.sent_at)))
             elif isinstance(reply, wire.HeartbeatAck) and reply.follower == peer and isinstance(request, coord.Ping):
                 self._revive(peer)
@@ -606,8 +650,9 @@ class Node:
         coordination = self._require_coordination()
         self._same_sender(message.leader, peer, "LogAppend")
         self._leader_commit = max(self._leader_commit, message.leader_commit)
-        reply = self._dispatch(self._handle(peers.append_from_wire(message)), reply_to=peer.node_id,
-                               reply_type=coord.AppendResponse)
+        install = snapshot_from_wire(message)
+        incoming = install if install is not None else peers.append_from_wire(message)
+        reply = self._dispatch(self._handle(incoming), reply_to=peer.node_id, reply_type=coord.AppendResponse)
         self._after_coordination()
         if reply is None:
             return None
@@ -665,6 +710,73 @@ class Node:
         start = min(message.offset, len(data))
         part = data[start:start + message.max_length]
         return wire.SnapshotChunk(message.fragment, replica.applied_index, start, len(data), digest, part)
+
+    # ------------------------------------------------------------------ snapshot install
+
+    def _on_restore_snapshot(self, snapshot: Snapshot) -> None:
+        """The lease holder's log no longer holds what we need: the core adopted its snapshot
+        (our commit and applied index jumped to `snapshot.last_index`). The global state as of at
+        least that index is downloaded from peers; entries committed meanwhile are held and applied
+        after it, exactly as for a joiner."""
+        floor = snapshot.last_index
+        log.info("%s: snapshot through %d (epoch %d) installed from the lease holder; fetching the global "
+                 "state (replica at %d)", self.node_id, floor, snapshot.last_epoch, self.replica.applied_index)
+        if self._held_applies is not None:
+            self._held_applies = [e for e in self._held_applies if e.index > floor]
+        self._start_install(floor)
+
+    def _start_install(self, floor: int) -> None:
+        """Download the global state as of `floor` or newer (or raise a running download's floor)."""
+        self._install_floor = max(self._install_floor, floor)
+        self._consistent_from = max(self._consistent_from, floor)
+        self.history.state_replaced()
+        if self._download is not None:  # a join or an earlier install is downloading: it must reach this
+            self._download.raise_floor(floor)
+            return
+        if self._held_applies is None:
+            self._held_applies = []
+        download = self._download = FragmentDownload(self.client, self.replica, self._repair_peers,
+                                                     min_commit_index=self._install_floor)
+        task = asyncio.create_task(self._install_state(download), name="snapshot-install")
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    async def _install_state(self, download: FragmentDownload) -> None:
+        started = time.monotonic()
+        while True:
+            try:
+                await download.run()
+                break
+            except JoinRefused as error:
+                self._error(f"snapshot install: {error}; retrying in {INSTALL_RETRY_S:.0f} s")
+                await asyncio.sleep(INSTALL_RETRY_S)
+        log.info("%s: snapshot install: global state downloaded (%d bytes, fragments as of index >= %d) "
+                 "in %.2f s", self.node_id, download.bytes_received, download.min_commit_index,
+                 time.monotonic() - started)
+        self._finish_download(download)
+
+    def _finish_download(self, download: FragmentDownload) -> None:
+        """The downloaded state is in place: apply what was held, rebase the learner."""
+        replica = self.replica
+        assert replica is not None
+        self._consistent_from = max(self._consistent_from, download.max_commit_index, self._install_floor)
+        if replica.applied_index < self._install_floor:
+            replica.applied_index = self._install_floor
+        held, self._held_applies = self._held_applies or [], None
+        self._download = None
+        self.history.state_replaced()
+        for entry in held:
+            if entry.index > replica.applied_index:
+                self._apply(entry)
+        if self.learner is not None:  # rebased on the new global state, as after a join download
+            for p in range(self.plan.num_fragments):
+                self.learner.offer_fragment(p, replica.state.round(p), replica.state.fragment_params(p))
+
+    def _state_consistent(self) -> bool:
+        """The replica is one global state as of its applied index (not mid-download or repair)."""
+        replica = self.replica
+        return (replica is not None and self._download is None and not replica.diverged
+                and replica.applied_index >= self._consistent_from)
 
     # ------------------------------------------------------------------ applying commits
 
@@ -805,7 +917,8 @@ class Node:
             return
         # One merge at a time, and only on a state that includes every entry of our own log, so the
         # round we propose is exactly the next one for this fragment.
-        if self._merging or coordination.log.applied_index != coordination.log.last_index:
+        if (self._merging or coordination.log.applied_index != coordination.log.last_index
+                or self._download is not None or self.replica.applied_index < self._consistent_from):
             self.loop.call_later(TICK_S, self._evaluate_round, p)
             return
         rnd = self.syncer.take(p, decision)
@@ -869,7 +982,9 @@ class Node:
             self._refresh_status()
             if now >= next_checkpoint and self._ready:
                 next_checkpoint = now + self.cfg.checkpoint_interval_s
-                await self._checkpoint()
+                saved = await self._checkpoint()
+                if saved is not None:
+                    await self._compact_log(*saved)
             if now >= next_refresh:
                 next_refresh = now + MEMBER_REFRESH_S
                 await self._refresh_members()
@@ -905,7 +1020,13 @@ class Node:
             self._ready = True
             self.notifier.ready(f"{self.node_id} ready")
             log.info("%s ready, %.2f s after process start", self.node_id, process_age_s())
-        if self._ready:
+        # Once ready, a node stays ready while it catches up from the log (its state is always one
+        # committed state); during a snapshot install it is not one state, so /status and /readyz
+        # say not ready (and show no digest worth comparing) until the download is replayed.
+        installing = self._ready and (self._download is not None or self.replica.applied_index < self._consistent_from)
+        if installing:
+            reason = f"installing a snapshot: {reason}"
+        elif self._ready:
             role = "lease holder" if coordination.is_lease_holder(self.now()) else coordination.role.value
             reason = f"ready: {role}, epoch {coordination.epoch}, applied {self.replica.applied_index}"
         # systemd's STATUS= line: when the kind of state changes (numbers aside), else at most every
@@ -915,7 +1036,7 @@ class Node:
             self.notifier.status(reason)
             self._systemd_shape, self._systemd_status_at = shape, self.now()
         self._ready_reason = reason
-        self.status.set_ready(self._ready, reason)
+        self.status.set_ready(self._ready and not installing, reason)
 
     def _refresh_status(self) -> None:
         coordination = self.coord
@@ -945,6 +1066,7 @@ class Node:
             commit_index=self.replica.applied_index, state_digest=self._state_digest(),
             members=members, quorum=quorum,
             fragments=[FragmentStatus(p, r) for p, r in enumerate(self.replica.state.rounds())])
+        self.status.set_log(first_index=self.store.log_first_index, size_bytes=self.store.log_bytes)
 
     def _state_digest(self) -> str:
         """The global state's digest for /status, recomputed only when the state changed (it hashes
@@ -964,10 +1086,19 @@ class Node:
         learner = self.learner
         return learner is None or learner.error is None
 
-    async def _checkpoint(self) -> None:
-        """Local weights, AdamW state, counters, applied index and the global state, atomically."""
+    async def _checkpoint(self, *, final: bool = False) -> tuple[Path, int] | None:
+        """Local weights, AdamW state, counters, applied index and the global state, atomically.
+
+        Returns (file, applied index), or None when skipped: a periodic checkpoint waits while the
+        global state is not one consistent state (a download or repair in progress), since the
+        log is compacted below checkpoints. The final one at shutdown is always written (its
+        learner state matters; a restart re-installs an inconsistent global state from peers).
+        """
         replica = self.replica
         assert replica is not None
+        if not final and not self._state_consistent():
+            log.info("%s: checkpoint deferred: the global state is being downloaded or repaired", self.node_id)
+            return None
         state = replica.state
         meta: dict[str, Any] = {"node_id": self.node_id, "applied_index": replica.applied_index,
                                 "rounds": list(state.rounds()), "state_digest": state.digest()}
@@ -985,7 +1116,47 @@ class Node:
             arrays.update(learner_arrays)
         loop = asyncio.get_running_loop()
         path = await loop.run_in_executor(self.executor, self.checkpoints.save, meta, arrays)
-        log.info("%s checkpoint %s at index %d", self.node_id, path.name, replica.applied_index)
+        log.info("%s checkpoint %s at index %d", self.node_id, path.name, meta["applied_index"])
+        return path, int(meta["applied_index"])
+
+    async def _compact_log(self, path: Path, checkpointed: int) -> None:
+        """Compact the log below a checkpoint once the checkpoint reads back intact.
+
+        The new `log.bin` (snapshot header + the kept committed entries) is written in a worker
+        thread while the log keeps growing; the core then drops the prefix and `store.sync` appends
+        the entries added meanwhile and renames the file into place (replica_store.py).
+        """
+        coordination, loop = self.coord, asyncio.get_running_loop()
+        assert coordination is not None
+        try:
+            checkpoint = await loop.run_in_executor(self.executor, read_checkpoint_file, path)
+            verified = int(checkpoint.meta["applied_index"])
+        except (CheckpointError, KeyError, TypeError, ValueError) as error:
+            self._error(f"checkpoint {path.name} did not verify; log not compacted: {error}")
+            return
+        if verified != checkpointed:
+            self._error(f"checkpoint {path.name} holds index {verified}, expected {checkpointed}; log not compacted")
+            return
+        replog = coordination.log
+        through, reason = compaction_point(checkpoint_index=verified, commit_index=replog.commit_index,
+                                           snapshot_index=replog.store.snapshot.last_index,
+                                           retain=self.cfg.log_retain_entries)
+        if through is None:
+            log.debug("%s: %s", self.node_id, reason)
+            return
+        epoch = replog.epoch_at(through)
+        assert epoch is not None
+        snapshot = Snapshot(through, epoch, replog.config_at(through))
+        committed = [e for i in range(through + 1, replog.commit_index + 1) if (e := replog.entry_at(i)) is not None]
+        prepared = await loop.run_in_executor(self.executor, self.store.prepare_compaction, snapshot, committed)
+        if self._frozen or replog.store.snapshot.last_index >= through or replog.applied_index < through:
+            self.store.discard_prepared()  # stopping, or a snapshot was installed meanwhile
+            return
+        before = self.store.log_bytes
+        coordination.compact(through, b"")
+        self.store.sync(self._persistent, prepared)
+        log.info("%s: log %s; log.bin %d -> %d bytes, first index %d", self.node_id, reason, before,
+                 self.store.log_bytes, self.store.log_first_index)
 
     # ------------------------------------------------------------------ shutdown
 
@@ -1014,7 +1185,7 @@ class Node:
         for task in self._tasks:
             if task.get_name() == "coordination-ticker":
                 task.cancel()
-        await self._checkpoint()
+        await self._checkpoint(final=True)
         self.store.sync(self._persistent)
         log.info("%s: stopped cleanly at index %d digest %s", self.node_id, self.replica.applied_index,
                  self.replica.state.digest())

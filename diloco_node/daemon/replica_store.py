@@ -5,13 +5,21 @@ requires it to be on disk before any message that depends on it leaves the node.
 called after every batch of actions and before sending them; it writes only what changed:
 
 - `election.json` (epoch, vote): rewritten atomically (temp file, fsync, rename, fsync dir);
-- `log.bin`: append-only records `u32 length | u32 crc32 | msgpack entry`, fsynced. When the log
-  was truncated (a conflicting uncommitted suffix replaced by a new leader) the file is rewritten
-  atomically. A torn last record (crash mid-append) fails its CRC and is dropped at load: it was
-  never acknowledged, since acknowledgements leave only after `sync()` returned;
+- `log.bin`: records `u32 length | u32 crc32 | msgpack body`, fsynced. The first record may be a
+  snapshot header (`{"snapshot": [last_index, last_epoch, voters]}`): the log was compacted (or a
+  snapshot installed) through `last_index`, and the entry records that follow start right after
+  it. A file without a header is a log from index 1 (the format before compaction existed).
+  New entries are appended. When the log was truncated (a conflicting uncommitted suffix replaced
+  by a new leader), compacted, or a snapshot was installed, the whole file (header and kept
+  entries) is rewritten to `.log.bin.tmp` and renamed over `log.bin`: a crash at any moment
+  leaves the old log or the new one, never a mix; a temp file left behind is deleted at load.
+  A torn last record (crash mid-append) fails its CRC and is dropped at load: it was never
+  acknowledged, since acknowledgements leave only after `sync()` returned. A header is only ever
+  written by a rewrite, so a damaged header is corruption and refuses to load;
 - `identity.json`: node id, role, run manifest and the address book (rewritten when changed).
 
-The log is never compacted by the daemon, so the snapshot in the store is always index 0.
+The snapshot's application state is not stored here: the global state lives in the node's
+checkpoints (diloco_node/checkpoint.py) and a lagging node fetches it from peers (join.py).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import json
 import os
 import struct
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +42,25 @@ from bootstrap.replog import LogStore
 _RECORD_HEAD = struct.Struct("<II")
 # One entry holds one merged fragment delta; bigger than this is a corrupt length field.
 MAX_RECORD_BYTES = 512 * 1024 * 1024
+_SNAPSHOT_KEY = "snapshot"
+INITIAL_SNAPSHOT = Snapshot(0, 0, ClusterConfig())
+
+
+def compaction_point(*, checkpoint_index: int, commit_index: int, snapshot_index: int,
+                     retain: int) -> tuple[int | None, str]:
+    """How far the log may be compacted after a verified checkpoint at `checkpoint_index`.
+
+    Never past the checkpoint (a restart replays the log from it, so checkpoint and log must
+    stay contiguous) nor past the commit index, and `retain` entries below that are kept for
+    peers that lag a little. Returns (index to compact through, or None; reason).
+    """
+    bound = min(checkpoint_index, commit_index)
+    through = bound - retain
+    if through <= snapshot_index:
+        return None, (f"nothing to compact: checkpoint {checkpoint_index}, commit {commit_index}, keeping "
+                      f"{retain} entries puts the cut at {through}, log already starts after {snapshot_index}")
+    return through, (f"compact through {through}: {retain} entries kept below "
+                     f"min(checkpoint {checkpoint_index}, commit {commit_index})")
 
 
 class ReplicaStoreError(Exception):
@@ -47,8 +75,12 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _temp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp")
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
-    temp = path.with_name(f".{path.name}.tmp")
+    temp = _temp_path(path)
     with open(temp, "wb") as handle:
         handle.write(data)
         handle.flush()
@@ -57,36 +89,90 @@ def _atomic_write(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-def _encode_entry(entry: LogEntry) -> bytes:
-    voters = entry.config.sorted_voters() if entry.config is not None else None
-    body = msgpack.packb([entry.epoch, entry.index, entry.kind.value, entry.payload, entry.fragment,
-                          entry.round, entry.digest, voters], use_bin_type=True)
+def _record(body: bytes) -> bytes:
     return _RECORD_HEAD.pack(len(body), zlib.crc32(body)) + body
 
 
-def _decode_entries(data: bytes, path: Path) -> tuple[list[LogEntry], int]:
-    """Entries and the byte length of the valid prefix (a torn tail is cut off)."""
+def _encode_entry(entry: LogEntry) -> bytes:
+    voters = entry.config.sorted_voters() if entry.config is not None else None
+    return _record(msgpack.packb([entry.epoch, entry.index, entry.kind.value, entry.payload, entry.fragment,
+                                  entry.round, entry.digest, voters], use_bin_type=True))
+
+
+def _encode_snapshot(snapshot: Snapshot) -> bytes:
+    """The header record of a compacted log (none for the initial snapshot: the old format)."""
+    if snapshot.last_index == 0:
+        return b""
+    return _record(msgpack.packb({_SNAPSHOT_KEY: [snapshot.last_index, snapshot.last_epoch,
+                                                  snapshot.config.sorted_voters()]}, use_bin_type=True))
+
+
+def encode_log(snapshot: Snapshot, entries: list[LogEntry]) -> bytes:
+    """The whole `log.bin` for a log holding `entries` after `snapshot`."""
+    return _encode_snapshot(snapshot) + b"".join(_encode_entry(e) for e in entries)
+
+
+def _decode_body(body: Any, offset: int, path: Path) -> LogEntry | Snapshot:
+    try:
+        if isinstance(body, dict):
+            last_index, last_epoch, voters = body[_SNAPSHOT_KEY]
+            return Snapshot(int(last_index), int(last_epoch), ClusterConfig.of(voters))
+        epoch, index, kind, payload, fragment, round_, digest, voters = body
+        config = ClusterConfig.of(voters) if voters is not None else None
+        return LogEntry(epoch, index, EntryKind(kind), payload, fragment, round_, digest, config)
+    except (ValueError, TypeError, KeyError) as error:
+        raise ReplicaStoreError(f"{path}: record at byte {offset} is not a log entry: {error}") from None
+
+
+def decode_log(data: bytes, path: Path) -> tuple[Snapshot, list[LogEntry], int]:
+    """(snapshot, entries, byte length of the valid prefix): a torn tail is cut off."""
+    snapshot = INITIAL_SNAPSHOT
     entries: list[LogEntry] = []
     offset = 0
     while offset + _RECORD_HEAD.size <= len(data):
         length, crc = _RECORD_HEAD.unpack_from(data, offset)
         start = offset + _RECORD_HEAD.size
-        if length > MAX_RECORD_BYTES or start + length > len(data):
-            break
-        body = data[start:start + length]
-        if zlib.crc32(body) != crc:
+        complete = length <= MAX_RECORD_BYTES and start + length <= len(data)
+        if not complete or zlib.crc32(data[start:start + length]) != crc:
+            if offset == 0 and complete:
+                # Only an append can be torn, and a header is written by an atomic rewrite: a
+                # complete first record that fails its checksum is damage, and dropping it
+                # would silently throw the whole log away.
+                raise ReplicaStoreError(f"{path}: the first record fails its checksum; the log is damaged")
             break
         try:
-            epoch, index, kind, payload, fragment, round_, digest, voters = msgpack.unpackb(body, raw=False)
-            config = ClusterConfig.of(voters) if voters is not None else None
-            entry = LogEntry(epoch, index, EntryKind(kind), payload, fragment, round_, digest, config)
-        except (ValueError, TypeError) as error:
-            raise ReplicaStoreError(f"{path}: record at byte {offset} is not a log entry: {error}") from None
-        if entries and entry.index != entries[-1].index + 1:
-            raise ReplicaStoreError(f"{path}: entry {entry.index} follows {entries[-1].index}")
-        entries.append(entry)
+            body = msgpack.unpackb(data[start:start + length], raw=False)
+        except (ValueError, msgpack.UnpackException) as error:
+            raise ReplicaStoreError(f"{path}: record at byte {offset} is not msgpack: {error}") from None
+        record = _decode_body(body, offset, path)
+        if isinstance(record, Snapshot):
+            if offset != 0:
+                raise ReplicaStoreError(f"{path}: a snapshot header at byte {offset}; only the first record may be one")
+            snapshot = record
+        else:
+            expected = entries[-1].index + 1 if entries else snapshot.last_index + 1
+            if record.index != expected:
+                after = f"entry {entries[-1].index}" if entries else f"the snapshot through {snapshot.last_index}"
+                raise ReplicaStoreError(f"{path}: entry {record.index} follows {after}")
+            entries.append(record)
         offset = start + length
-    return entries, offset
+    return snapshot, entries, offset
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedLog:
+    """A compacted log written to the temp file, waiting for the state that carries its snapshot."""
+
+    snapshot: tuple[int, int]  # (last_index, last_epoch)
+    count: int  # entries written after the header
+    last: tuple[int, int] | None  # (index, epoch) of the last of them
+    size: int
+
+    def fits(self, snapshot: Snapshot, entries: list[LogEntry]) -> bool:
+        """True when `entries` (after `snapshot`) start with exactly the entries written."""
+        if (snapshot.last_index, snapshot.last_epoch) != self.snapshot or len(entries) < self.count:
+            return False
+        return self.count == 0 or (entries[self.count - 1].index, entries[self.count - 1].epoch) == self.last
 
 
 class ReplicaStore:
@@ -99,10 +185,28 @@ class ReplicaStore:
         self._log_path = self.directory / "log.bin"
         self._identity_path = self.directory / "identity.json"
         self._written_election: tuple[int, str | None] | None = None
+        self._written_snapshot: tuple[int, int] = (0, 0)  # (last_index, last_epoch) of the header
         self._written_count = 0
         self._written_last: tuple[int, int] | None = None  # (index, epoch) of the last persisted entry
         self._written_identity: str | None = None
+        self._log_bytes = 0
         self._log_handle: Any = None
+
+    # ---- what is on disk --------------------------------------------------------------------
+
+    @property
+    def log_path(self) -> Path:
+        return self._log_path
+
+    @property
+    def log_first_index(self) -> int:
+        """The first index `log.bin` holds an entry for (1 until the log is compacted)."""
+        return self._written_snapshot[0] + 1
+
+    @property
+    def log_bytes(self) -> int:
+        """Size of `log.bin` as last written."""
+        return self._log_bytes
 
     # ---- loading ----------------------------------------------------------------------------
 
@@ -126,18 +230,23 @@ class ReplicaStore:
                 election = ElectionState(int(raw["current_epoch"]), raw.get("voted_for"))
             except (OSError, ValueError, KeyError, TypeError) as error:
                 raise ReplicaStoreError(f"{self._election_path}: unreadable: {error}") from None
-        entries: list[LogEntry] = []
+        # A rewrite that crashed before its rename: log.bin is still the complete old log.
+        _temp_path(self._log_path).unlink(missing_ok=True)
+        self._compaction_path.unlink(missing_ok=True)
+        snapshot, entries = INITIAL_SNAPSHOT, []
         if self._log_path.exists():
             data = self._log_path.read_bytes()
-            entries, valid = _decode_entries(data, self._log_path)
+            snapshot, entries, valid = decode_log(data, self._log_path)
             if valid != len(data):
                 with open(self._log_path, "r+b") as handle:
                     handle.truncate(valid)
                     os.fsync(handle.fileno())
+            self._log_bytes = valid
         self._written_election = (election.current_epoch, election.voted_for)
+        self._written_snapshot = (snapshot.last_index, snapshot.last_epoch)
         self._written_count = len(entries)
         self._written_last = (entries[-1].index, entries[-1].epoch) if entries else None
-        return PersistentState(election, LogStore(Snapshot(0, 0, ClusterConfig()), entries))
+        return PersistentState(election, LogStore(snapshot, entries))
 
     # ---- writing ----------------------------------------------------------------------------
 
@@ -147,39 +256,92 @@ class ReplicaStore:
             _atomic_write(self._identity_path, text.encode())
             self._written_identity = text
 
-    def sync(self, state: PersistentState) -> None:
-        """Make `state` durable (only the parts that changed since the last call)."""
+    def sync(self, state: PersistentState, prepared: PreparedLog | None = None) -> None:
+        """Make `state` durable (only the parts that changed since the last call).
+
+        `prepared`: a compaction written by `prepare_compaction`, used when `state` carries its
+        snapshot and still begins with its entries (else the log is rewritten whole).
+        """
         election = (state.election.current_epoch, state.election.voted_for)
         if election != self._written_election:
             _atomic_write(self._election_path,
                           json.dumps({"current_epoch": election[0], "voted_for": election[1]}).encode())
             self._written_election = election
-        entries = state.log.entries
-        if state.log.snapshot.last_index != 0:
-            raise ReplicaStoreError("the daemon never compacts its log; found a snapshot")
+        snapshot, entries = state.log.snapshot, state.log.entries
         count = self._written_count
-        prefix_intact = len(entries) >= count and (
+        same_snapshot = (snapshot.last_index, snapshot.last_epoch) == self._written_snapshot
+        prefix_intact = same_snapshot and len(entries) >= count and (
             count == 0 or (entries[count - 1].index, entries[count - 1].epoch) == self._written_last)
-        if not prefix_intact:
-            self._rewrite(entries)
+        if not same_snapshot and prepared is not None and prepared.fits(snapshot, entries):
+            self._finish_compaction(prepared, entries)
+            prepared = None
+        elif not prefix_intact:
+            self._rewrite(snapshot, entries)
         elif len(entries) > count:
             self._append(entries[count:])
-        if entries:
-            self._written_last = (entries[-1].index, entries[-1].epoch)
-        else:
-            self._written_last = None
+        if prepared is not None:  # the state moved on differently (e.g. a snapshot was installed)
+            self.discard_prepared()
+        self._written_snapshot = (snapshot.last_index, snapshot.last_epoch)
+        self._written_last = (entries[-1].index, entries[-1].epoch) if entries else None
         self._written_count = len(entries)
 
     def _append(self, new: list[LogEntry]) -> None:
         if self._log_handle is None:
             self._log_handle = open(self._log_path, "ab")
-        self._log_handle.write(b"".join(_encode_entry(e) for e in new))
+        data = b"".join(_encode_entry(e) for e in new)
+        self._log_handle.write(data)
         self._log_handle.flush()
         os.fsync(self._log_handle.fileno())
+        self._log_bytes += len(data)
 
-    def _rewrite(self, entries: list[LogEntry]) -> None:
+    def _rewrite(self, snapshot: Snapshot, entries: list[LogEntry]) -> None:
+        """Header and entries in one atomic replacement: compaction and truncation are crash-safe."""
         self.close()
-        _atomic_write(self._log_path, b"".join(_encode_entry(e) for e in entries))
+        data = encode_log(snapshot, entries)
+        _atomic_write(self._log_path, data)
+        self._log_bytes = len(data)
+
+    # ---- compaction, written mostly off the event loop -----------------------------------------
+
+    @property
+    def _compaction_path(self) -> Path:
+        return self._log_path.with_name(f".{self._log_path.name}.compact.tmp")
+
+    def prepare_compaction(self, snapshot: Snapshot, committed: list[LogEntry]) -> PreparedLog:
+        """Write the compacted log's header and `committed` entries (the ones right after the
+        snapshot; committed, so no leader ever truncates them) to a temp file and fsync it.
+
+        The slow part of a compaction (megabytes of entries), safe to run in a worker thread while
+        `sync()` keeps appending to the live `log.bin` (this touches no attribute of the store).
+        The compaction takes effect at `sync(state, prepared)` once the state carries this
+        snapshot: only the entries after `committed` are then appended and the file renamed over
+        `log.bin` (atomic). A crash before the rename leaves the old log and a temp file that the
+        next load deletes.
+        """
+        if committed and committed[0].index != snapshot.last_index + 1:
+            raise ReplicaStoreError(f"compaction: entry {committed[0].index} does not follow the snapshot "
+                                    f"through {snapshot.last_index}")
+        data = encode_log(snapshot, committed)
+        with open(self._compaction_path, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        last = (committed[-1].index, committed[-1].epoch) if committed else None
+        return PreparedLog((snapshot.last_index, snapshot.last_epoch), len(committed), last, len(data))
+
+    def discard_prepared(self) -> None:
+        self._compaction_path.unlink(missing_ok=True)
+
+    def _finish_compaction(self, prepared: PreparedLog, entries: list[LogEntry]) -> None:
+        self.close()
+        rest = b"".join(_encode_entry(e) for e in entries[prepared.count:])
+        with open(self._compaction_path, "ab") as handle:
+            handle.write(rest)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(self._compaction_path, self._log_path)
+        _fsync_dir(self.directory)
+        self._log_bytes = prepared.size + len(rest)
 
     def close(self) -> None:
         if self._log_handle is not None:

@@ -1,0 +1,348 @@
+"""Log compaction and snapshot install in the daemon: the durable log's compacted format, crash
+safety of the rewrite, the compaction rule, the snapshot notice on the wire, the download floor
+and the restart contiguity rule. Fast and in-process (the multi-process runs are in
+test_daemon_compaction_cluster.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from bootstrap import messages as coord
+from bootstrap.coordinator_node import PersistentState
+from bootstrap.entries import ClusterConfig, EntryKind, LogEntry, Snapshot
+from bootstrap.replog import LogStore, ReplicatedLog
+from diloco_node.checkpoint import CheckpointStore
+from diloco_node.config import ConfigError
+from diloco_node.daemon import peers
+from diloco_node.daemon.join import FragmentDownload, snapshot_from_wire, snapshot_to_wire
+from diloco_node.daemon.node import Node
+from diloco_node.daemon.replica import CommitPayload, Replica
+from diloco_node.daemon.replica_store import ReplicaStore, ReplicaStoreError, compaction_point
+from diloco_node.fragments import plan_fragments
+from diloco_node.run_config import OuterOptimizer
+from wire import messages as wire
+from wire.codecs import decode_named, encode_named
+from wire.errors import RemoteProtocolError
+
+VOTERS = ClusterConfig.of(["a", "b", "c"])
+
+
+def _log(n: int, *, epoch: int = 1, payload: bytes = b"x" * 100) -> list[LogEntry]:
+    entries = [LogEntry(1, 1, EntryKind.MEMBERSHIP, config=VOTERS)]
+    entries += [LogEntry(epoch, i, EntryKind.OUTER_COMMIT, payload, fragment=i % 2, round=i, digest="d")
+                for i in range(2, n + 1)]
+    return entries
+
+
+def _state(entries: list[LogEntry], snapshot: Snapshot | None = None) -> PersistentState:
+    state = PersistentState.founding(["a", "b", "c"])
+    state.log = LogStore(snapshot or Snapshot(0, 0, ClusterConfig()), list(entries))
+    return state
+
+
+def _compact(state: PersistentState, through: int) -> Snapshot:
+    """What the node does: the core drops the prefix (ReplicatedLog.compact)."""
+    replog = ReplicatedLog("a", state.log, applied_index=state.log.snapshot.last_index + len(state.log.entries))
+    return replog.compact(through, b"")
+
+
+# ---------------------------------------------------------------- the durable log
+
+
+def test_compacted_log_round_trips_and_keeps_growing(tmp_path: Path) -> None:
+    store = ReplicaStore(tmp_path)
+    state = _state(_log(50))
+    store.sync(state)
+    full = store.log_bytes
+    assert full == (tmp_path / "log.bin").stat().st_size and store.log_first_index == 1
+    _compact(state, 40)
+    store.sync(state)
+    assert store.log_first_index == 41
+    assert store.log_bytes == (tmp_path / "log.bin").stat().st_size < full / 3
+    state.log.entries.append(LogEntry(1, 51, EntryKind.NOOP))  # appends continue after the rewrite
+    store.sync(state)
+    store.close()
+    loaded = ReplicaStore(tmp_path).load_persistent()
+    assert (loaded.log.snapshot.last_index, loaded.log.snapshot.last_epoch) == (40, 1)
+    assert loaded.log.snapshot.config == VOTERS  # the configuration in effect survives the cut
+    assert [e.index for e in loaded.log.entries] == list(range(41, 52))
+    assert loaded.log.entries == state.log.entries
+
+
+def test_a_torn_tail_after_compaction_is_dropped_and_the_header_kept(tmp_path: Path) -> None:
+    store = ReplicaStore(tmp_path)
+    state = _state(_log(30))
+    _compact(state, 20)
+    store.sync(state)
+    store.close()
+    with open(tmp_path / "log.bin", "ab") as handle:
+        handle.write(b"\x40\x00\x00\x00torn")
+    loaded = ReplicaStore(tmp_path).load_persistent()
+    assert loaded.log.snapshot.last_index == 20
+    assert [e.index for e in loaded.log.entries] == list(range(21, 31))
+
+
+def test_a_damaged_header_refuses_to_load_instead_of_dropping_the_log(tmp_path: Path) -> None:
+    store = ReplicaStore(tmp_path)
+    state = _state(_log(10))
+    _compact(state, 5)
+    store.sync(state)
+    store.close()
+    data = bytearray((tmp_path / "log.bin").read_bytes())
+    data[10] ^= 0xFF  # inside the header record's body
+    (tmp_path / "log.bin").write_bytes(bytes(data))
+    with pytest.raises(ReplicaStoreError, match="first record fails its checksum"):
+        ReplicaStore(tmp_path).load_persistent()
+    assert (tmp_path / "log.bin").read_bytes() == bytes(data)  # nothing truncated
+
+
+def test_entries_that_do_not_follow_the_snapshot_are_refused(tmp_path: Path) -> None:
+    from diloco_node.daemon.replica_store import encode_log
+
+    gap = encode_log(Snapshot(10, 1, VOTERS), [LogEntry(1, 12, EntryKind.NOOP)])
+    (tmp_path / "log.bin").write_bytes(gap)
+    with pytest.raises(ReplicaStoreError, match="entry 12 follows the snapshot through 10"):
+        ReplicaStore(tmp_path).load_persistent()
+
+
+def test_crash_before_the_rename_loads_the_old_log_and_removes_the_temp(tmp_path: Path, monkeypatch) -> None:
+    store = ReplicaStore(tmp_path)
+    state = _state(_log(30))
+    store.sync(state)
+    old = (tmp_path / "log.bin").read_bytes()
+
+    def crash(*_args: object) -> None:
+        raise OSError("power lost")
+
+    _compact(state, 20)
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="power lost"):
+        store.sync(state)
+    monkeypatch.undo()
+    assert (tmp_path / ".log.bin.tmp").exists()  # the new log, complete but never renamed
+    assert (tmp_path / "log.bin").read_bytes() == old
+    loaded = ReplicaStore(tmp_path).load_persistent()
+    assert loaded.log.snapshot.last_index == 0 and [e.index for e in loaded.log.entries] == list(range(1, 31))
+    assert not (tmp_path / ".log.bin.tmp").exists()
+
+
+def test_prepared_compaction_appends_what_came_meanwhile_then_renames(tmp_path: Path) -> None:
+    store = ReplicaStore(tmp_path)
+    state = _state(_log(30))
+    store.sync(state)
+    snapshot = Snapshot(20, 1, VOTERS)
+    committed = state.log.entries[20:25]  # 21..25, committed when the compaction started
+    prepared = store.prepare_compaction(snapshot, committed)
+    # A crash now: log.bin is untouched and the half-made compaction is discarded at load.
+    assert ReplicaStore(tmp_path).load_persistent().log.snapshot.last_index == 0
+    assert not (tmp_path / ".log.bin.compact.tmp").exists()
+    prepared = store.prepare_compaction(snapshot, committed)
+    state.log.entries += [LogEntry(2, 31, EntryKind.NOOP), LogEntry(2, 32, EntryKind.NOOP)]
+    store.sync(state)  # the live log keeps growing while the compacted one is written
+    _compact(state, 20)
+    store.sync(state, prepared)
+    store.close()
+    assert not (tmp_path / ".log.bin.compact.tmp").exists()
+    loaded = ReplicaStore(tmp_path).load_persistent()
+    assert loaded.log.snapshot.last_index == 20
+    assert [e.index for e in loaded.log.entries] == list(range(21, 33))
+    assert store.log_bytes == (tmp_path / "log.bin").stat().st_size
+
+
+def test_a_prepared_compaction_that_no_longer_fits_is_replaced_by_a_full_rewrite(tmp_path: Path) -> None:
+    store = ReplicaStore(tmp_path)
+    state = _state(_log(30))
+    store.sync(state)
+    prepared = store.prepare_compaction(Snapshot(20, 1, VOTERS), state.log.entries[20:30])
+    # A snapshot from the lease holder was installed meanwhile, through 40: the log restarts there.
+    state.log = LogStore(Snapshot(40, 3, VOTERS), [LogEntry(3, 41, EntryKind.NOOP)])
+    store.sync(state, prepared)
+    store.close()
+    loaded = ReplicaStore(tmp_path).load_persistent()
+    assert loaded.log.snapshot.last_index == 40 and [e.index for e in loaded.log.entries] == [41]
+    assert not (tmp_path / ".log.bin.compact.tmp").exists()
+
+
+def test_a_log_from_before_compaction_existed_still_loads(tmp_path: Path) -> None:
+    from diloco_node.daemon.replica_store import _encode_entry
+
+    (tmp_path / "log.bin").write_bytes(b"".join(_encode_entry(e) for e in _log(5)))  # no header
+    loaded = ReplicaStore(tmp_path).load_persistent()
+    assert loaded.log.snapshot.last_index == 0 and [e.index for e in loaded.log.entries] == [1, 2, 3, 4, 5]
+
+
+# ---------------------------------------------------------------- the compaction rule
+
+
+def test_compaction_point_keeps_the_tail_below_the_checkpoint_and_the_commit() -> None:
+    through, reason = compaction_point(checkpoint_index=1000, commit_index=1200, snapshot_index=0, retain=256)
+    assert through == 744 and "256 entries kept below min(checkpoint 1000, commit 1200)" in reason
+    through, _ = compaction_point(checkpoint_index=1000, commit_index=900, snapshot_index=0, retain=256)
+    assert through == 644  # never past what is committed
+    through, reason = compaction_point(checkpoint_index=1000, commit_index=1200, snapshot_index=800, retain=256)
+    assert through is None and "already starts after 800" in reason
+    through, reason = compaction_point(checkpoint_index=100, commit_index=100, snapshot_index=0, retain=256)
+    assert through is None and "nothing to compact" in reason
+
+
+# ---------------------------------------------------------------- the snapshot notice on the wire
+
+
+def test_snapshot_notice_round_trips_through_a_frame_and_old_builds_refuse_it() -> None:
+    message = coord.InstallSnapshot(5, "a", Snapshot(700, 4, VOTERS), sent_at=3.0)
+    out = snapshot_to_wire(message, leader_commit=720)
+    field_map, payload = out.to_wire()
+    frame = wire.LogAppend.from_wire(field_map, payload)
+    back = snapshot_from_wire(frame)
+    assert back is not None and back.snapshot == message.snapshot and (back.epoch, back.leader_id) == (5, "a")
+    assert frame.leader_commit == 720
+    # A build without snapshot support reads it as an entry of an unknown kind: a clear refusal.
+    with pytest.raises(RemoteProtocolError, match="unknown kind 'snapshot'"):
+        peers.append_from_wire(frame)
+    # Ordinary appends are not snapshots.
+    plain = peers.to_wire(coord.AppendEntries(5, "a", 0, 0, (LogEntry(1, 1, EntryKind.NOOP),), 0, 1.0),
+                          epoch=5, commit_index=0, last_index=1)
+    assert isinstance(plain, wire.LogAppend) and snapshot_from_wire(plain) is None
+
+
+def test_a_malformed_snapshot_notice_is_the_peers_error() -> None:
+    marker = wire.LogEntry(index=9, epoch=1, kind="snapshot", metadata={}, payload=b"")
+    with pytest.raises(RemoteProtocolError, match="no voter list"):
+        snapshot_from_wire(wire.LogAppend(2, "a", 8, 0, (marker,), 9))
+    extra = wire.LogEntry(index=10, epoch=1, kind="noop", metadata={}, payload=b"")
+    with pytest.raises(RemoteProtocolError, match="must travel alone"):
+        snapshot_from_wire(wire.LogAppend(2, "a", 8, 0, (marker, extra), 9))
+
+
+def test_follower_core_installs_the_notice_and_asks_for_a_state_restore() -> None:
+    """The notice drives the unmodified core: it restores, acks the snapshot index, drops its log."""
+    from bootstrap.coordinator_node import CoordinatorNode
+    import random
+
+    persistent = PersistentState.founding(["a", "b", "c"])
+    node = CoordinatorNode("b", persistent, now=0.0, rng=random.Random(1), applied_index=0)
+    notice = snapshot_from_wire(snapshot_to_wire(coord.InstallSnapshot(3, "a", Snapshot(50, 2, VOTERS), 0.0), 50))
+    actions = node.handle(notice, now=1.0)
+    restores = [a for a in actions if isinstance(a, coord.RestoreSnapshot)]
+    acks = [a.message for a in actions if isinstance(a, coord.Send) and isinstance(a.message, coord.AppendResponse)]
+    assert [r.snapshot.last_index for r in restores] == [50]
+    assert acks and acks[0].success and acks[0].match_index == 50
+    assert node.log.first_index == 51 and node.log.applied_index == 50 and persistent.log.entries == []
+
+
+# ---------------------------------------------------------------- the download floor
+
+
+def _replica() -> Replica:
+    rng = np.random.default_rng(0)
+    initial = {"w": rng.normal(size=(4, 4)).astype(np.float32), "b": rng.normal(size=(4,)).astype(np.float32)}
+    plan = plan_fragments({n: a.shape for n, a in initial.items()}, 2, 4, 1)
+    return Replica(plan, initial, OuterOptimizer())
+
+
+def _commit(replica: Replica, index: int, p: int, round_: int) -> LogEntry:
+    names = replica.plan.fragments[p].names
+    encoded = encode_named({n: np.full(replica.state.fragment_params(p)[n].shape, 0.01, np.float32) for n in names},
+                           "int8")
+    payload = CommitPayload(encoded, ("a",), (1.0,)).encode()
+    return LogEntry(1, index, EntryKind.OUTER_COMMIT, payload, fragment=p, round=round_,
+                    digest=replica.digest_after(p, decode_named(encoded)))
+
+
+class _Peers:
+    """Stand-in PeerClient: each URL serves a replica's fragments as of a given applied index."""
+
+    def __init__(self, served: dict[str, tuple[Replica, int]]) -> None:
+        self.served = served
+        self.asked: list[str] = []
+
+    async def send(self, url, request, **_):
+        self.asked.append(url)
+        replica, index = self.served[url]
+        _, data, digest = replica.fragment_bytes(request.fragment)
+        part = data[request.offset:request.offset + request.max_length]
+        return [wire.SnapshotChunk(request.fragment, index, request.offset, len(data), digest, part)]
+
+
+async def test_download_with_a_floor_skips_peers_that_are_behind_it(monkeypatch) -> None:
+    import diloco_node.daemon.join as join
+
+    monkeypatch.setattr(join, "BEHIND_FLOOR_RETRY_S", 0.0)
+    behind, current, target = _replica(), _replica(), _replica()
+    for i, p in enumerate((0, 1, 0), start=1):
+        current.apply(_commit(current, i, p, current.state.round(p) + 1))
+    client = _Peers({"http://behind": (behind, 1), "http://current": (current, 3)})
+    download = FragmentDownload(client, target, lambda: ["http://behind", "http://current"], min_commit_index=3)
+    await download.run()
+    assert target.state.digest() == current.state.digest()
+    assert download.max_commit_index == 3
+    assert all(p.commit_index >= 3 for p in download.progress)
+
+
+async def test_raising_the_floor_refetches_fragments_already_downloaded() -> None:
+    old, new, target = _replica(), _replica(), _replica()
+    new.apply(_commit(new, 1, 0, 1))
+    served = {"http://peer": (old, 0)}
+    download = FragmentDownload(_Peers(served), target, lambda: ["http://peer"])
+    await download._one(download.progress[0], attempts=1)  # fragment 0 as of index 0
+    download.raise_floor(1)  # a snapshot through 1 arrived meanwhile
+    served["http://peer"] = (new, 1)
+    await download.run()
+    assert target.state.round(0) == 1 and target.state.digest() == new.state.digest()
+
+
+# ---------------------------------------------------------------- restart: checkpoint and log
+
+
+def _restore_with(tmp_path: Path, *, checkpoint_index: int | None, snapshot_index: int, log_len: int,
+                  peers_known: bool) -> SimpleNamespace:
+    """Run Node._restore_checkpoint on a minimal stand-in node (the real method, real stores)."""
+    replica = _replica()
+    checkpoints = CheckpointStore(tmp_path / "checkpoints")
+    if checkpoint_index is not None:
+        state = replica.state
+        arrays = {}
+        for p in range(replica.plan.num_fragments):
+            arrays.update({f"global/params/{n}": a for n, a in state.fragment_params(p).items()})
+            arrays.update({f"global/momentum/{n}": a for n, a in state.momentum(p).items()})
+        checkpoints.save({"applied_index": checkpoint_index, "rounds": list(state.rounds()),
+                          "state_digest": state.digest()}, arrays)
+    entries = [LogEntry(1, i, EntryKind.NOOP) for i in range(snapshot_index + 1, snapshot_index + log_len + 1)]
+    node = SimpleNamespace(
+        replica=replica, plan=replica.plan, checkpoints=checkpoints, node_id="a",
+        _persistent=_state(entries, Snapshot(snapshot_index, 1, VOTERS) if snapshot_index else None),
+        cfg=SimpleNamespace(bootstrap=()),
+        addresses=peers.AddressBook({"a": "http://a:1", **({"b": "http://b:1"} if peers_known else {})}),
+        _install_floor=0, _consistent_from=0, _held_applies=None)
+    node._need_install_if_compacted = lambda applied, snap: Node._need_install_if_compacted(node, applied, snap)
+    try:
+        Node._restore_checkpoint(node)
+    finally:
+        checkpoints.close()
+    return node
+
+
+def test_restart_checkpoint_inside_the_log_replays_it(tmp_path: Path) -> None:
+    node = _restore_with(tmp_path, checkpoint_index=120, snapshot_index=100, log_len=50, peers_known=True)
+    assert node.replica.applied_index == 120 and node._install_floor == 0 and node._held_applies is None
+
+
+def test_restart_checkpoint_beyond_the_log_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="checkpoint applied through 200 but the durable log ends at 150"):
+        _restore_with(tmp_path, checkpoint_index=200, snapshot_index=100, log_len=50, peers_known=True)
+
+
+def test_restart_checkpoint_older_than_the_compacted_log_installs_from_peers(tmp_path: Path) -> None:
+    node = _restore_with(tmp_path, checkpoint_index=60, snapshot_index=100, log_len=50, peers_known=True)
+    assert node.replica.applied_index == 100 and node._install_floor == 100
+    assert node._consistent_from == 100 and node._held_applies == []
+
+
+def test_restart_compacted_log_without_checkpoint_or_peers_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="compacted through 100, and there is no peer"):
+        _restore_with(tmp_path, checkpoint_index=None, snapshot_index=100, log_len=5, peers_known=False)
