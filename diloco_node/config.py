@@ -714,6 +714,7 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-id", metavar="ID", help=_NODE_HELP["node_id"])
     parser.add_argument("--listen", metavar="HOST:PORT", help=f"{_NODE_HELP['listen']} (default {DEFAULT_LISTEN})")
     parser.add_argument("--advertise", metavar="URL", help=_NODE_HELP["advertise"])
+    parser.add_argument("--source-address", metavar="IP", help=_NODE_HELP["source_address"])
     parser.add_argument("--bootstrap", metavar="HOST:PORT", action="append",
                         help="a peer already in the run; repeat or comma-separate for several")
     parser.add_argument("--data-dir", metavar="DIR", help=_NODE_HELP["data_dir"])

@@ -17,8 +17,10 @@ from diloco_node.config import (
     ConfigError,
     HostPort,
     NodeConfig,
+    add_run_flags,
     check_joiner_manifest,
     load_config,
+    load_config_from_args,
 )
 from diloco_node.run_config import RunManifest
 
@@ -203,6 +205,10 @@ def test_source_address_is_an_ip_literal_or_unset():
         load_config(None, {}, {"source_address": "gateway.example"})
     with pytest.raises(ConfigError, match=r"source_address = '0.0.0.0' .*wildcard"):
         load_config(None, {}, {"source_address": "0.0.0.0"})
+    parser = argparse.ArgumentParser()
+    add_run_flags(parser)
+    config = load_config_from_args(parser.parse_args(["--source-address", "127.0.0.9"]), {})
+    assert config.node.source_address == "127.0.0.9" and config.sources["source_address"] == "flag:--source-address"
 
 
 def test_bootstrap_pointing_at_self_and_bad_node_ids():
