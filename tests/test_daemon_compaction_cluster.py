@@ -1,0 +1,183 @@
+"""Real `diloco-node run` processes with a small log tail: compaction, snapshot install, join after it.
+
+One 3-site run (a founds, b and c join) with `log_retain_entries=16` and a checkpoint every 3 s,
+shared by the tests of this module in file order: the logs compact and stay bounded; a follower
+SIGSTOPped until the lease holder compacted past it comes back by snapshot install; a follower
+SIGKILLed until then restarts and does the same; a fourth site joins after compaction. Every
+site must agree on the state digest at every index any two of them reported, and the chaos
+checker must find no violation in the nodes' histories. Every process is killed at teardown.
+Slow (several JAX processes on shared cores: ~4-6 minutes): run with `-m slow`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from diloco_node.chaos.checker import check_histories
+from diloco_node.daemon.local_cluster import DEFAULT_RUN_FLAGS, Cluster
+from diloco_node.history import load_histories
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+STARTUP_S = 150.0  # several JAX processes compiling at once on two shared cores
+RETAIN = 16
+FLAGS = (*DEFAULT_RUN_FLAGS, "--set", f"log_retain_entries={RETAIN}")
+MEASURED: dict[str, object] = {}  # figures printed at the end (the report quotes them)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    c = Cluster.create(tmp_path_factory.mktemp("compaction"))
+    try:
+        a = c.add("a", run_flags=FLAGS)
+        c.wait_for("a ready", lambda s: s.get("a", {}).get("ready", False), STARTUP_S)
+        c.add("b", bootstrap=a, run_flags=FLAGS)
+        c.add("c", bootstrap=a, run_flags=FLAGS)
+        yield c
+    finally:
+        c.close()
+        print("\nmeasured:", json.dumps(MEASURED, indent=1))
+
+
+def _ready(names: set[str]):
+    return lambda s: names <= {n for n, d in s.items() if d.get("ready")}
+
+
+def _agree(c: Cluster, names: set[str], timeout: float = 90) -> int:
+    """Poll until one commit index was reported ready by every site in `names`; digests must agree."""
+    seen: dict[str, set[int]] = {n: set() for n in names}
+
+    def check(statuses: dict) -> bool:
+        for n in names:
+            if n in statuses and statuses[n].get("ready"):
+                seen[n].add(statuses[n]["commit_index"])
+        return bool(set.intersection(*seen.values()))
+
+    c.wait_for(f"one commit index reported by all of {sorted(names)}", check, timeout, interval=0.05)
+    index = max(set.intersection(*seen.values()))
+    assert len(c.history[index]) == 1, f"sites disagree at index {index}: {c.history[index]}"
+    assert c.conflicting_indices() == {}
+    return index
+
+
+def _leader_and_follower(c: Cluster) -> tuple[str, str]:
+    statuses = c.wait_for("one coordinator", lambda s: c.coordinator(s) is not None, 60)
+    leader = c.coordinator(statuses)
+    assert leader is not None
+    follower = next(n for n in sorted(statuses) if n != leader and c.sites[n].running)
+    return leader, follower
+
+
+def _compacted_past(c: Cluster, leader: str, index: int, timeout: float = 120) -> dict:
+    return c.wait_for(f"{leader} compacted past index {index}",
+                      lambda s: leader in s and s[leader].get("log_first_index", 1) > index + 1, timeout)
+
+
+def _snapshot_applies(site_dir: Path) -> list[dict]:
+    lines = (site_dir / "history.jsonl").read_text().splitlines()
+    events = [json.loads(line) for line in lines if line.strip()]
+    return [e for e in events if e.get("kind") == "apply" and (e.get("detail") or {}).get("snapshot")]
+
+
+def _wait_for_log(site, needle: str, after: int, timeout: float) -> str:
+    """Poll a site's log until `needle` appears more than `after` times; returns the log text."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = site.log_text()
+        if text.count(needle) > after:
+            return text
+        time.sleep(0.3)
+    raise AssertionError(f"{site.node_id}: no {needle!r} within {timeout:.0f} s:\n{site.log_text()[-3000:]}")
+
+
+def test_logs_compact_and_stay_bounded(cluster: Cluster) -> None:
+    cluster.wait_for("a, b, c ready", _ready({"a", "b", "c"}), STARTUP_S)
+
+    def compacted_everywhere(s: dict) -> bool:
+        return {"a", "b", "c"} <= set(s) and all(s[n].get("log_first_index", 1) > 1 for n in ("a", "b", "c"))
+
+    cluster.wait_for("every site compacted its log", compacted_everywhere, 120)
+    first = cluster.poll()
+    start_commit = min(d["commit_index"] for d in first.values())
+    # Run on: the log keeps being cut, so what is held stays near the tail plus one interval.
+    statuses = cluster.wait_for("200 more commits", lambda s: {"a", "b", "c"} <= set(s) and min(
+        s[n]["commit_index"] for n in ("a", "b", "c")) >= start_commit + 200, 240)
+    for n in ("a", "b", "c"):
+        doc = statuses[n]
+        held = doc["commit_index"] - doc["log_first_index"] + 1
+        assert doc["log_first_index"] > first[n]["log_first_index"], f"{n} compacted only once"
+        assert held < 200, f"{n} holds {held} entries: the log is not bounded"
+        path = cluster.sites[n].data_dir / "coordination" / "log.bin"
+        cuts = [(int(b), int(a)) for b, a in re.findall(r"log\.bin (\d+) -> (\d+) bytes", cluster.sites[n].log_text())]
+        assert cuts and all(after < before for before, after in cuts)
+        MEASURED[f"{n}.compactions"] = len(cuts)
+        MEASURED[f"{n}.log_bytes_max_before_a_cut"] = max(b for b, _ in cuts)
+        MEASURED[f"{n}.log_bytes_max_after_a_cut"] = max(a for _, a in cuts)
+        MEASURED[f"{n}.log_bytes_now"] = path.stat().st_size
+        MEASURED[f"{n}.entries_held_now"] = held
+        # What log.bin would hold uncompacted: every entry since index 1, at the mean size held now.
+        MEASURED[f"{n}.log_bytes_if_uncompacted_est"] = path.stat().st_size * doc["commit_index"] // max(held, 1)
+        MEASURED[f"{n}.commit_index_now"] = doc["commit_index"]
+    _agree(cluster, {"a", "b", "c"})
+
+
+def test_stopped_follower_returns_by_snapshot_install(cluster: Cluster) -> None:
+    leader, follower = _leader_and_follower(cluster)
+    site = cluster.sites[follower]
+    installs = site.log_text().count("installed from the lease holder")
+    downloads = site.log_text().count("snapshot install: global state downloaded")
+    site.signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    stopped_at = max(d["commit_index"] for d in cluster.poll().values())
+    try:
+        # Past whatever it had appended but not applied: a few entries beyond its commit index.
+        _compacted_past(cluster, leader, stopped_at + RETAIN)
+    finally:
+        site.signal(signal.SIGCONT)
+    MEASURED["stopped.follower"], MEASURED["stopped.at_index"] = follower, stopped_at
+    MEASURED["stopped.seconds"] = round(time.monotonic() - stopped, 1)
+    _wait_for_log(site, "installed from the lease holder", installs, 60)
+    _wait_for_log(site, "snapshot install: global state downloaded", downloads, 120)
+    cluster.wait_for(f"{follower} ready again", _ready({follower}), 120)
+    assert _snapshot_applies(site.data_dir), "no apply after the install says snapshot: true"
+    _agree(cluster, {"a", "b", "c"})
+
+
+def test_killed_follower_restarts_behind_the_compaction_point(cluster: Cluster) -> None:
+    leader, follower = _leader_and_follower(cluster)
+    site = cluster.sites[follower]
+    killed_at = cluster.poll()[follower]["commit_index"]
+    site.kill()
+    _compacted_past(cluster, leader, killed_at + 2 * RETAIN)
+    before = site.log_text().count("installed from the lease holder")
+    downloads = site.log_text().count("snapshot install: global state downloaded")
+    site.start()
+    _wait_for_log(site, "snapshot install: global state downloaded", downloads, STARTUP_S)
+    assert site.log_text().count("installed from the lease holder") > before
+    assert "resumed from checkpoint" in site.log_text().split("===== start")[-1]
+    cluster.wait_for(f"{follower} back and ready", lambda s: follower in s and s[follower].get("ready")
+                     and s[follower]["commit_index"] > killed_at, STARTUP_S)
+    MEASURED["killed.follower"], MEASURED["killed.at_index"] = follower, killed_at
+    _agree(cluster, {"a", "b", "c"})
+
+
+def test_fourth_site_joins_after_compaction(cluster: Cluster) -> None:
+    statuses = cluster.poll()
+    assert all(d.get("log_first_index", 1) > 1 for d in statuses.values())
+    d = cluster.add("d", bootstrap=cluster.sites["b"], run_flags=FLAGS)
+    cluster.wait_for("d ready", _ready({"a", "b", "c", "d"}), STARTUP_S)
+    text = d.log_text()
+    assert "downloaded the global state" in text and "installed from the lease holder" in text, text[-3000:]
+    _agree(cluster, {"a", "b", "c", "d"})
+
+
+def test_histories_pass_the_chaos_checker(cluster: Cluster) -> None:
+    paths = [site.data_dir / "history.jsonl" for site in cluster.sites.values()]
+    violations = check_histories(load_histories(paths))
+    assert violations == [], "\n".join(f"{v.invariant}: {v.message}" for v in violations[:10])
