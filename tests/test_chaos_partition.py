@@ -151,7 +151,7 @@ def test_each_daemon_sends_from_its_own_loopback_address(tmp_path):
     launcher.prepare(tmp_path, 1, 3.0, 0.5, seed=0)
     slot = NodeSlot("n2", "learner", 4000, "127.0.0.1:4001", "127.0.0.12", tmp_path / "d", tmp_path / "l", True)
     argv = launcher.argv(slot, "127.0.0.1:5001")
-    assert "source_address=127.0.0.12" in [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+    assert argv[argv.index("--source-address") + 1] == "127.0.0.12"
     assert argv[argv.index("--listen") + 1] == "127.0.0.1:4000"  # /status is polled here, not via the link
 
 

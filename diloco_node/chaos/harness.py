@@ -6,7 +6,7 @@ One mode run, step by step (docs/CHAOS.md has the picture):
 1. a `LinkEmulator` per node on loopback; the node listens on its own port and advertises the
    emulator's address, so every byte a peer sends it crosses the emulator (bandwidth caps act on
    a node's inbound link); each node makes its outbound connections from its own loopback address
-   (127.0.0.(10+i), the daemon's `source_address` setting), so an emulator tells senders apart and a partition is
+   (127.0.0.(10+i), `--source-address`), so an emulator tells senders apart and a partition is
    its source filters (`set_blocked_sources`) on both sides; the harness polls the node's port
    directly from 127.0.0.1 so a partition never blinds it;
 2. the founding node starts without a bootstrap peer, the others bootstrap from it; the run
@@ -277,10 +277,7 @@ class DaemonLauncher:
         argv = [sys.executable, "-m", "diloco_node", "run", "--config", str(self._config),
                 "--node-id", slot.node_id, "--listen", f"127.0.0.1:{slot.port}",
                 "--advertise", f"http://{slot.link}", "--data-dir", str(slot.data_dir),
-                "--secret-file", str(self._secret), "--role", slot.role,
-                # The config key rather than `--source-address`: same setting, and `run` does not
-                # register that flag (config.add_run_flags) as of this writing.
-                "--set", f"source_address={slot.source}"]
+                "--secret-file", str(self._secret), "--role", slot.role, "--source-address", slot.source]
         for override in self._overrides:
             argv += ["--set", override]
         if bootstrap is not None:
