@@ -346,3 +346,24 @@ def test_restart_checkpoint_older_than_the_compacted_log_installs_from_peers(tmp
 def test_restart_compacted_log_without_checkpoint_or_peers_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="compacted through 100, and there is no peer"):
         _restore_with(tmp_path, checkpoint_index=None, snapshot_index=100, log_len=5, peers_known=False)
+
+
+# ---------------------------------------------------------------- /status and /metrics
+
+
+def test_status_shows_the_logs_first_index_and_size() -> None:
+    from diloco_node.status import StatusBuilder, StatusDocument, StatusFormatError, render_metrics
+
+    builder = StatusBuilder("a", "run-1", "learner", 0.0)
+    builder.set_log(first_index=745, size_bytes=604_648)
+    doc = builder.document(1.0)
+    back = StatusDocument.from_json(doc.to_json())
+    assert (back.log_first_index, back.log_bytes) == (745, 604_648)
+    text = render_metrics(doc)
+    assert "diloco_log_first_index 745" in text and "diloco_log_bytes 604648" in text
+    raw = doc.to_dict()
+    del raw["log_first_index"], raw["log_bytes"]  # a node from before compaction
+    assert StatusDocument.from_dict(raw).log_first_index == 1
+    raw["log_bytes"] = "big"
+    with pytest.raises(StatusFormatError, match="log_bytes"):
+        StatusDocument.from_dict(raw)
