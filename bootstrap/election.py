@@ -183,6 +183,20 @@ class Election:
     def lease_active(self, now: float) -> bool:
         return self.role is Role.LEADER and self.lease_until is not None and now < self.lease_until
 
+    def may_act_as_leader(self, now: float) -> bool:
+        """Whether a message this node produced as leader may still leave it at `now`.
+
+        True while it leads and its lease has not run out, counting the span right after winning
+        (before the first acknowledgements arrive). A message queued earlier and sent later, e.g.
+        after the process was paused, must not go out once this is False: a follower that receives
+        it renews its promise to the old holder and refuses every candidate for another lease time.
+        """
+        if self.role is not Role.LEADER:
+            return False
+        if self.lease_until is None:
+            return self.won_at is not None and now < self.won_at + self.timing.leader_lease_span_s
+        return now < self.lease_until
+
     def _jitter(self) -> float:
         return self._rng.uniform(0.0, self.timing.election_jitter_s)
 

@@ -142,6 +142,23 @@ def test_step_down_when_renewals_stop():
     assert election.last_step_down_reason.startswith("lease expired: lost contact with a majority")
 
 
+def test_a_paused_holder_may_not_send_as_leader_once_its_lease_has_run_out():
+    """A holder paused past its lease (SIGSTOP) must not let queued leader messages out before
+    its ticker notices: each one would renew a follower's promise to it for another lease."""
+    election = make()
+    assert not election.may_act_as_leader(9.0)  # a follower never sends leader messages
+    win(election)
+    span = TIMING.leader_lease_span_s
+    assert election.may_act_as_leader(10.02)  # just won, no acknowledgement yet
+    assert not election.may_act_as_leader(10.01 + span + 0.01)  # never acknowledged
+    election.record_renewal("b", 2, sent_at=10.05, now=10.1, config=CONFIG)
+    assert election.may_act_as_leader(10.05 + span - 0.01)
+    paused_until = 10.05 + span + 1.5
+    assert not election.may_act_as_leader(paused_until)
+    assert election.role is Role.LEADER  # a pure query: stepping down is check_lease's job
+    assert election.check_lease(paused_until) and not election.may_act_as_leader(paused_until)
+
+
 def test_step_down_on_higher_epoch():
     election = make()
     win(election)

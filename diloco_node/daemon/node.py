@@ -565,6 +565,12 @@ class Node:
         if url is None:
             return  # learned from a configuration entry before its address: the member refresh fixes it
         assert self.coord is not None
+        if (isinstance(message, (coord.AppendEntries, coord.InstallSnapshot))
+                and not (message.epoch == self.coord.epoch and self.coord.election.may_act_as_leader(self.now()))):
+            # Queued while we led, but our lease ran out before it could leave (the process was
+            # paused, or the link stalled): a follower would take it as the holder being alive and
+            # refuse every candidate for another lease time. Dropping a message is always safe.
+            return
         if isinstance(message, coord.InstallSnapshot):
             out: wire.Message | None = snapshot_to_wire(message, self.coord.log.commit_index)
         else:
