@@ -57,7 +57,7 @@ from diloco_node.daemon.learner_thread import (
 )
 from diloco_node.daemon.notify import BackgroundNotifier
 from diloco_node.daemon.replica import CommitPayload, Replica
-from diloco_node.daemon.replica_store import ReplicaStore, compaction_point
+from diloco_node.daemon.replica_store import ReplicaStore, ReplicaStoreError, compaction_point
 from diloco_node.daemon.syncer import CommitPlan, Syncer
 from diloco_node.fragments import is_embedding, plan_fragments
 from diloco_node.inner import InnerLearner
@@ -990,7 +990,10 @@ class Node:
                 next_checkpoint = now + self.cfg.checkpoint_interval_s
                 saved = await self._checkpoint()
                 if saved is not None:
-                    await self._compact_log(*saved)
+                    try:
+                        await self._compact_log(*saved)
+                    except (OSError, ReplicaStoreError) as error:  # e.g. a full disk: keep the long log
+                        self._error(f"log compaction failed, the log stays as it is: {error}")
             if now >= next_refresh:
                 next_refresh = now + MEMBER_REFRESH_S
                 await self._refresh_members()
