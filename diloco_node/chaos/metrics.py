@@ -29,7 +29,7 @@ from diloco_node.history import HistoryEvent
 
 # Nemesis actions that take a node out of the protocol; when that node holds the lease, the run
 # must fail over, and the time to the next commit is a failover time.
-OUTAGE_ACTIONS = frozenset({"kill", "stop", "isolate"})
+OUTAGE_ACTIONS = frozenset({"kill", "stop", "isolate", "partition"})
 
 
 @dataclass(frozen=True, slots=True)
