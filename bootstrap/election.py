@@ -362,9 +362,16 @@ class Election:
                 return True
             return False
         if now >= self.lease_until:
-            self._step_down(now, f"lease expired: lost contact with a majority ({self.last_lease_reason})")
+            self._step_down(now, f"lease expired: lost contact with a majority ({self._renewal_ages(now)})")
             return True
         return False
+
+    def _renewal_ages(self, now: float) -> str:
+        """Operator-facing: how old each voter's newest acknowledged heartbeat is (send times)."""
+        if not self.renewal_sent_at:
+            return "no voter acknowledged any heartbeat"
+        ages = ", ".join(f"{peer} {now - sent:.1f}s ago" for peer, sent in sorted(self.renewal_sent_at.items()))
+        return f"newest acknowledged heartbeats: {ages}; a lease needs a majority within {self.timing.leader_lease_span_s:.2f}s"
 
     def step_down(self, now: float, reason: str) -> None:
         if self.role is not Role.FOLLOWER:

@@ -140,6 +140,7 @@ def test_step_down_when_renewals_stop():
     assert election.check_lease(10.05 + TIMING.leader_lease_span_s + 0.01)
     assert election.role is Role.FOLLOWER
     assert election.last_step_down_reason.startswith("lease expired: lost contact with a majority")
+    assert "newest acknowledged heartbeats: b 2.9s ago" in election.last_step_down_reason
 
 
 def test_a_paused_holder_may_not_send_as_leader_once_its_lease_has_run_out():
