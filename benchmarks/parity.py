@@ -7,6 +7,7 @@ on a virtual clock (diloco_node/runner.py); see docs/PARITY.md for the accountin
 
     .venv/bin/python benchmarks/parity.py --json /tmp/parity.json        # full run
     .venv/bin/python benchmarks/parity.py --quick                        # smoke run
+    .venv/bin/python benchmarks/parity.py --modes decoupled --scenarios uniform --set outer.lr=0.9
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from diloco_node import data as data_lib  # noqa: E402
 from diloco_node import runner  # noqa: E402
-from diloco_node.run_config import DataSpec  # noqa: E402
+from diloco_node.run_config import ConfigError, DataSpec, RunManifest  # noqa: E402
 from diloco_node.train_cli import default_manifest  # noqa: E402
 
 NUM_LEARNERS = 4
@@ -33,15 +34,52 @@ FULL_STEPS = 600  # nominal steps per learner
 QUICK_STEPS = 64
 
 
+def parse_overrides(items: list[str]) -> dict[str, dict[str, object]]:
+    """`section.key=value` strings -> {section: {key: value}}; values are parsed as JSON when they
+    can be (numbers, true/false), otherwise kept as strings (codec and merge names)."""
+    out: dict[str, dict[str, object]] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        section, dot, key = name.strip().partition(".")
+        if not sep or not dot or not section or not key:
+            raise ConfigError(f"override {item!r}: expected section.key=value, e.g. outer.lr=0.9")
+        try:
+            value: object = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        out.setdefault(section, {})[key] = value
+    return out
+
+
+def with_overrides(manifest: RunManifest, overrides: dict[str, dict[str, object]]) -> RunManifest:
+    """The manifest with `overrides` applied, validated like a config file (unknown keys are errors)."""
+    if not overrides:
+        return manifest
+    raw = manifest.to_dict()
+    for section, values in overrides.items():
+        if not isinstance(raw.get(section), dict):
+            raise ConfigError(f"override section {section!r}: must be one of "
+                              + ", ".join(k for k, v in raw.items() if isinstance(v, dict)))
+        raw[section].update(values)
+    return RunManifest.from_dict(raw)
+
+
 def run_all(steps: int, modes: list[str], scenarios: list[str], seed: int, verbose: bool = True,
-            min_round_interval_factor: float = runner.DEFAULT_MIN_ROUND_INTERVAL_FACTOR) -> dict:
+            min_round_interval_factor: float = runner.DEFAULT_MIN_ROUND_INTERVAL_FACTOR,
+            overrides: dict[str, dict[str, object]] | None = None,
+            dp_overrides: dict[str, dict[str, object]] | None = None) -> dict:
+    """`overrides` change the manifest of the fragment modes (diloco, streaming, decoupled),
+    `dp_overrides` that of data_parallel, so a learner-side setting never moves the baseline."""
     corpus = data_lib.load_corpus(DataSpec(source="stdlib", seed=seed))
-    manifest = default_manifest(steps, seed)
+    base = default_manifest(steps, seed)
+    manifest = with_overrides(base, overrides or {})
+    dp_manifest = with_overrides(base, dp_overrides or {})
     results = []
     for scenario in scenarios:
         speeds, outages = runner.scenario_settings(scenario, NUM_LEARNERS, steps)
         for mode in modes:
-            config = runner.RunnerConfig(manifest, mode, NUM_LEARNERS, steps, speeds=speeds, outages=outages,
+            config = runner.RunnerConfig(dp_manifest if mode == "data_parallel" else manifest, mode,
+                                         NUM_LEARNERS, steps, speeds=speeds, outages=outages,
                                          min_round_interval_factor=min_round_interval_factor)
             result = runner.run(config, corpus)
             row = {
@@ -57,7 +95,7 @@ def run_all(steps: int, modes: list[str], scenarios: list[str], seed: int, verbo
                       f"idle {row['idle_fraction']:.3f}  merges {row['merges']:5d} (outage {row['merges_during_outage']})  "
                       f"wall {row['wall_s']:.1f}s", flush=True)
     config = {"num_learners": NUM_LEARNERS, "steps_per_learner": steps, "seed": seed,
-              "manifest": manifest.to_dict(), "base_step_s": 1.0,
+              "manifest": manifest.to_dict(), "data_parallel_manifest": dp_manifest.to_dict(), "base_step_s": 1.0,
               "link": dataclasses.asdict(runner.LinkModel()), "straggler_slowdown": runner.STRAGGLER_SLOWDOWN,
               "corpus": corpus.description, "min_round_interval_factor": min_round_interval_factor}
     return {"results": results, "config": config}
@@ -100,11 +138,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-round-interval-factor", type=float, default=runner.DEFAULT_MIN_ROUND_INTERVAL_FACTOR,
                         help="decoupled: rho of the per-fragment round rate limit (0 disables it)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="overrides",
+                        help="override a manifest value of the fragment modes, e.g. outer.lr=0.9 (repeatable)")
+    parser.add_argument("--dp-set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="dp_overrides",
+                        help="override a manifest value of data_parallel only, e.g. inner.lr_peak=0.006")
     args = parser.parse_args(argv)
     steps = args.steps or (QUICK_STEPS if args.quick else FULL_STEPS)
+    try:
+        overrides, dp_overrides = parse_overrides(args.overrides), parse_overrides(args.dp_overrides)
+        default_manifest_checked = default_manifest(steps, args.seed)
+        with_overrides(default_manifest_checked, overrides)
+        with_overrides(default_manifest_checked, dp_overrides)
+    except ConfigError as exc:
+        parser.error(str(exc))
     started = time.perf_counter()
     report = run_all(steps, args.modes.split(","), args.scenarios.split(","), args.seed,
-                     min_round_interval_factor=args.min_round_interval_factor)
+                     min_round_interval_factor=args.min_round_interval_factor,
+                     overrides=overrides, dp_overrides=dp_overrides)
     report["config"]["total_wall_s"] = round(time.perf_counter() - started, 1)
     for line in summary(report):
         print(line)
