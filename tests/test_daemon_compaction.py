@@ -188,6 +188,11 @@ def test_compaction_point_keeps_the_tail_below_the_checkpoint_and_the_commit() -
     assert through is None and "already starts after 800" in reason
     through, reason = compaction_point(checkpoint_index=100, commit_index=100, snapshot_index=0, retain=256)
     assert through is None and "nothing to compact" in reason
+    # Checkpoints every few seconds must not rewrite the whole retained tail for a handful of entries.
+    through, reason = compaction_point(checkpoint_index=1000, commit_index=1200, snapshot_index=700, retain=256)
+    assert through is None and "would drop 44 entries, fewer than 128" in reason
+    through, _ = compaction_point(checkpoint_index=1000, commit_index=1200, snapshot_index=616, retain=256)
+    assert through == 744
 
 
 # ---------------------------------------------------------------- the snapshot notice on the wire

@@ -13,10 +13,10 @@ choices are documented in docs/DAEMON.md:
   join) while we hold it suspect, dead or unknown is marked alive again under a locally raised
   incarnation (`revived_record`): with no gossip, incarnations are local bookkeeping only.
 - A graceful leave (a Ping announcing our own LEFT record) travels as a wire Leave.
-- Pre-votes travel as VoteRequest/VoteReply with `pre_vote` set (an optional wire field: a frame
-  from a sender that predates it decodes as a real vote request/reply).
-- InstallSnapshot is never produced: the daemon does not compact the log (joiners download the
-  global state fragment by fragment instead; see join.py).
+- Pre-votes travel as VoteRequest/VoteReply with `pre_vote` set (part of wire 1.0; see
+  docs/WIRE.md, versioning).
+- InstallSnapshot is not converted here: node.py sends it as a LogAppend holding one `snapshot`
+  entry, and the follower then downloads the global state itself (join.py).
 
 Everything here is pure: no I/O, no clock.
 """

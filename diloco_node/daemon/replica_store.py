@@ -52,13 +52,20 @@ def compaction_point(*, checkpoint_index: int, commit_index: int, snapshot_index
 
     Never past the checkpoint (a restart replays the log from it, so checkpoint and log must
     stay contiguous) nor past the commit index, and `retain` entries below that are kept for
-    peers that lag a little. Returns (index to compact through, or None; reason).
+    peers that lag a little; and only once the cut drops at least half as many entries as it keeps.
+    Returns (index to compact through, or None; reason).
     """
     bound = min(checkpoint_index, commit_index)
     through = bound - retain
     if through <= snapshot_index:
         return None, (f"nothing to compact: checkpoint {checkpoint_index}, commit {commit_index}, keeping "
                       f"{retain} entries puts the cut at {through}, log already starts after {snapshot_index}")
+    # A cut rewrites the retained tail; waiting until it drops at least half as many entries as it
+    # keeps bounds the rewriting at ~3x the log's own writes, however often checkpoints come.
+    min_drop = max(1, retain // 2)
+    if through - snapshot_index < min_drop:
+        return None, (f"not yet: the cut at {through} would drop {through - snapshot_index} entries, "
+                      f"fewer than {min_drop} (half the {retain} kept)")
     return through, (f"compact through {through}: {retain} entries kept below "
                      f"min(checkpoint {checkpoint_index}, commit {commit_index})")
 
