@@ -411,6 +411,8 @@ class Node:
             raise ConfigError(f"checkpoint applied through {applied} but the durable log ends at {last}; "
                               "the coordination directory does not belong to this checkpoint")
         self.replica.applied_index = applied
+        # Older checkpoints have none: the next commit of each fragment brings its reference.
+        self.replica.norm_refs = {int(p): float(v) for p, v in meta.get("norm_refs", {}).items()}
         log.info("%s: resumed from checkpoint %s at index %d digest %s", self.node_id,
                  loaded.checkpoint.sequence, applied, digest)
         self._need_install_if_compacted(applied, snapshot_index)
@@ -947,7 +949,7 @@ class Node:
                 return
             log.info("%s syncer: %s", self.node_id, plan.reason)
             payload = CommitPayload(merged.encoded, tuple(n for n, _ in merged.result.accepted),
-                                    tuple(w for _, w in merged.result.accepted)).encode()
+                                    tuple(w for _, w in merged.result.accepted), merged.norm_ref).encode()
             if merged.round != self.replica.state.round(p) + 1:
                 self._error(f"fragment {p}: state moved during the merge; round dropped")
                 return
@@ -977,6 +979,8 @@ class Node:
             for handle in self._wake_handles.values():
                 handle.cancel()
             self._wake_handles.clear()
+        if holder and not self._held_lease and self.syncer is not None and self.replica is not None:
+            self.syncer.adopt_norm_references(self.replica.norm_refs)
         self._held_lease = holder
 
     async def _periodic(self) -> None:
@@ -1110,7 +1114,8 @@ class Node:
             return None
         state = replica.state
         meta: dict[str, Any] = {"node_id": self.node_id, "applied_index": replica.applied_index,
-                                "rounds": list(state.rounds()), "state_digest": state.digest()}
+                                "rounds": list(state.rounds()), "state_digest": state.digest(),
+                                "norm_refs": {str(p): v for p, v in sorted(replica.norm_refs.items())}}
         arrays: dict[str, np.ndarray] = {}
         for p in range(self.plan.num_fragments):
             for n, a in state.fragment_params(p).items():

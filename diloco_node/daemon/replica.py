@@ -1,7 +1,9 @@
 """The node's replica of the global model: applying committed outer steps, digests, fragment bytes.
 
 A commit entry's payload is a small msgpack map: the encoded merged outer gradient (codec_down
-bytes, decoded identically everywhere) plus who contributed with which weight. Entry metadata
+bytes, decoded identically everywhere) plus who contributed with which weight, and the syncer's
+running reference norm for the fragment after this round (so that a new lease holder keeps
+checking norm outliers from its first round instead of starting without a reference). Entry metadata
 carries the fragment, its new round and the fragment digest after applying. Every replica
 applies entries in log order; an entry whose round is already in the state (a joiner that
 downloaded a newer fragment) is skipped; a gap or a digest mismatch marks the fragment as
@@ -13,6 +15,7 @@ No I/O and no clock here.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,10 +40,14 @@ class CommitPayload:
     delta: bytes  # encoded with the run's codec_down
     contributors: tuple[str, ...]
     weights: tuple[float, ...]
+    norm_ref: float | None = None  # the fragment's reference delta norm after this round (optional)
 
     def encode(self) -> bytes:
-        return msgpack.packb({"delta": self.delta, "contributors": list(self.contributors),
-                              "weights": list(self.weights)}, use_bin_type=True)
+        fields: dict[str, Any] = {"delta": self.delta, "contributors": list(self.contributors),
+                                  "weights": list(self.weights)}
+        if self.norm_ref is not None:
+            fields["norm_ref"] = self.norm_ref
+        return msgpack.packb(fields, use_bin_type=True)
 
     @classmethod
     def decode(cls, data: bytes) -> CommitPayload:
@@ -51,11 +58,16 @@ class CommitPayload:
             delta = raw["delta"]
             contributors = tuple(str(c) for c in raw["contributors"])
             weights = tuple(float(w) for w in raw["weights"])
-        except (ValueError, KeyError, TypeError, msgpack.UnpackException) as error:
+            norm_ref = raw.get("norm_ref")
+            norm_ref = None if norm_ref is None else float(norm_ref)
+        except (ValueError, KeyError, TypeError, AttributeError, msgpack.UnpackException) as error:
             raise RemoteProtocolError(f"commit payload is malformed: {error}", 400) from None
         if not isinstance(delta, bytes) or len(contributors) != len(weights):
             raise RemoteProtocolError("commit payload: delta must be bytes and weights match contributors", 400)
-        return cls(delta, contributors, weights)
+        if norm_ref is not None and not (math.isfinite(norm_ref) and norm_ref >= 0.0):
+            # A NaN reference would switch the outlier check off for good on every future holder.
+            raise RemoteProtocolError(f"commit payload: norm_ref = {norm_ref!r} must be finite and >= 0", 400)
+        return cls(delta, contributors, weights, norm_ref)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +88,9 @@ class Replica:
         self.applied_index = 0
         self.diverged: set[int] = set()
         self.last_reason = "initial state"
+        # Per fragment, the reference delta norm carried by the newest applied commit: a node that
+        # wins the lease seeds its syncer with these (not part of the digest: merge policy state).
+        self.norm_refs: dict[int, float] = {}
         self._bytes_cache: dict[int, tuple[int, bytes, bytes]] = {}  # p -> (round, bytes, sha256)
 
     # ---- the leader's preview ---------------------------------------------------------------
@@ -118,6 +133,8 @@ class Replica:
             self.diverged.add(p)
             return ApplyOutcome(True, p, f"fragment {p} round {round_}: digest {digest[:12]} != committed "
                                          f"{entry.digest[:12]}; refetching the fragment", True)
+        if payload.norm_ref is not None:
+            self.norm_refs[p] = payload.norm_ref
         return ApplyOutcome(True, p, f"fragment {p} -> round {round_} from {len(payload.contributors)} "
                                      f"contributor(s), digest {digest[:12]}")
 

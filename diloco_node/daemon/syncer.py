@@ -39,6 +39,7 @@ class MergedRound:
     encoded: bytes
     outer_gradient: dict[str, np.ndarray] | None
     decision_reason: str
+    norm_ref: float | None = None  # the fragment's reference norm after this round (replicated)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,11 @@ class Syncer:
         """Lease lost: open rounds are dropped (learners resend at their next slot)."""
         self.rounds.clear()
         self.last_merge_at.clear()
+
+    def adopt_norm_references(self, committed: Mapping[int, float]) -> None:
+        """Lease won: continue from the reference norms the log committed (the previous holder's),
+        so the first rounds after a failover still get the norm-outlier check."""
+        self.norm_ref.restore(committed)
 
     def note_proposed(self, p: int, now: float) -> None:
         """An outer step for fragment p was proposed: the next round of p is due a period later."""
@@ -131,7 +137,8 @@ class Syncer:
         if result.outer_gradient is None:
             return MergedRound(p, state.round(p), result, b"", None, decision_reason)
         encoded = encode_named(result.outer_gradient, sync.codec_down)
-        return MergedRound(p, state.round(p) + 1, result, encoded, decode_named(encoded), decision_reason)
+        return MergedRound(p, state.round(p) + 1, result, encoded, decode_named(encoded), decision_reason,
+                           self.norm_ref.get(p))
 
     def plan_commit(self, p: int, rnd: OpenRound, state: GlobalState,
                     digest_after: Callable[[int, Mapping[str, np.ndarray]], str],

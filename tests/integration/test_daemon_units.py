@@ -292,3 +292,28 @@ def test_syncer_holds_an_out_of_phase_push_until_the_fragments_next_round() -> N
     # Losing the lease forgets the schedule: the next holder starts without a last merge time.
     syncer.reset()
     assert syncer.last_merge_at == {} and syncer.rounds == {}
+
+
+def test_the_norm_reference_travels_in_commits_so_a_new_holder_keeps_checking_outliers() -> None:
+    """The running reference norm is merge policy, not state: it rides in each commit's payload,
+    every replica keeps the newest per fragment, and a node winning the lease starts from it."""
+    holder_replica = _replica()
+    syncer, rnd = _syncer_with(holder_replica, 0.01)
+    plan = syncer.plan_commit(0, rnd, holder_replica.state, holder_replica.digest_after, "quorum reached")
+    assert plan.merged is not None and plan.merged.norm_ref is not None
+    assert plan.merged.norm_ref == syncer.norm_ref.get(0) > 0.0
+    payload = CommitPayload(plan.merged.encoded, ("a",), (1.0,), plan.merged.norm_ref).encode()
+    entry = LogEntry(1, 1, EntryKind.OUTER_COMMIT, payload, fragment=0, round=1, digest=plan.digest)
+    follower = _replica()
+    assert follower.apply(entry).applied
+    assert follower.norm_refs == {0: plan.merged.norm_ref}
+    # The follower wins the lease after a failover: its fresh syncer checks from round one.
+    new_syncer, _ = _syncer_with(follower, 0.01)
+    assert new_syncer.norm_ref.get(0) is None
+    new_syncer.adopt_norm_references(follower.norm_refs)
+    assert new_syncer.norm_ref.get(0) == plan.merged.norm_ref
+    # Payloads from before the field decode without it; a poisoned reference is the peer's error.
+    assert CommitPayload.decode(CommitPayload(b"x", ("a",), (1.0,)).encode()).norm_ref is None
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(RemoteProtocolError, match="norm_ref"):
+            CommitPayload.decode(CommitPayload(b"x", ("a",), (1.0,), bad).encode())
