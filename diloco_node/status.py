@@ -112,6 +112,8 @@ class StatusDocument:
     ready_reason: str = ""  # why not ready yet ("catching up: applied 12 of 40"), or what ready means
     log_first_index: int = 1  # the oldest log entry this node still holds (> 1 once compacted)
     log_bytes: int = 0  # size of the replicated log on disk
+    loop_lag_s: float = 0.0  # worst event-loop lag of the last 10-20 s (daemon/loop_monitor.py)
+    loop_stalls: int = 0  # event-loop stalls of >= 1 s since the process started
     schema: str = STATUS_SCHEMA
 
     @property
@@ -157,6 +159,8 @@ class StatusDocument:
             ready_reason=str(raw.get("ready_reason", "")),
             log_first_index=int(_get(raw, "log_first_index", int)) if "log_first_index" in raw else 1,
             log_bytes=int(_get(raw, "log_bytes", int)) if "log_bytes" in raw else 0,
+            loop_lag_s=float(_get(raw, "loop_lag_s", (int, float))) if "loop_lag_s" in raw else 0.0,
+            loop_stalls=int(_get(raw, "loop_stalls", int)) if "loop_stalls" in raw else 0,
         )
 
     @classmethod
@@ -254,6 +258,11 @@ class StatusBuilder:
         """The replicated log's first held index and its size on disk (compaction at work)."""
         with self._lock:
             self._base = dataclasses.replace(self._base, log_first_index=first_index, log_bytes=size_bytes)
+
+    def set_loop_lag(self, *, worst_s: float, stalls: int) -> None:
+        """The event loop's recent worst lag and its stall count (daemon/loop_monitor.py)."""
+        with self._lock:
+            self._base = dataclasses.replace(self._base, loop_lag_s=worst_s, loop_stalls=stalls)
 
     def record_learner(self, *, step: int, loss: float | None, tokens: int, now: float) -> None:
         """`tokens` is the learner's cumulative count; the rate comes from the recent window."""
@@ -417,6 +426,8 @@ def status_families(doc: StatusDocument) -> list[MetricFamily]:
         one("diloco_log_first_index", "gauge", "Oldest log index held (older ones are compacted).",
             doc.log_first_index),
         one("diloco_log_bytes", "gauge", "Size of the replicated log on disk.", doc.log_bytes),
+        one("diloco_event_loop_lag_seconds", "gauge", "Worst event-loop lag over the last 10-20 s.", doc.loop_lag_s),
+        one("diloco_event_loop_stalls_total", "counter", "Event-loop stalls of 1 s or more.", doc.loop_stalls),
         MetricFamily("diloco_fragment_round", "gauge", "Committed round per fragment.",
                      tuple(({"fragment": str(f.fragment)}, float(f.round)) for f in doc.fragments)),
     ]
@@ -486,7 +497,8 @@ def render_html(doc: StatusDocument) -> str:
 <p>{e(doc.ready_reason)}</p>
 <p>run {e(doc.run_id)} &middot; epoch {doc.epoch} &middot; coordinator {e(doc.coordinator or '-')}
 &middot; commit index {doc.commit_index} &middot; digest {e(doc.state_digest[:16])}
-&middot; log from {doc.log_first_index}, {doc.log_bytes} bytes</p>
+&middot; log from {doc.log_first_index}, {doc.log_bytes} bytes
+&middot; event-loop lag {doc.loop_lag_s:.3f} s ({doc.loop_stalls} stalls)</p>
 <p>quorum {doc.quorum.have}/{doc.quorum.need}: {e(doc.quorum.reason)}</p>
 <p>step {learner.step} &middot; loss {loss} &middot; tokens {learner.tokens} &middot;
 {learner.tokens_per_s:.1f} tokens/s &middot; bytes sent {doc.bytes.sent} received {doc.bytes.received}</p>

@@ -40,6 +40,7 @@ from diloco_node.checkpoint import CheckpointError, CheckpointStore, read_checkp
 from diloco_node.config import ConfigError, EffectiveConfig, check_joiner_manifest
 from diloco_node.daemon import peers
 from diloco_node.daemon.history_hooks import DaemonHistory
+from diloco_node.daemon.loop_monitor import LagWindow, watch_loop_lag
 from diloco_node.daemon.join import (
     FragmentDownload,
     JoinRefused,
@@ -143,6 +144,7 @@ class Node:
             "diloco_daemon_learner_sync_seconds",
             "training thread: seconds applying committed fragments and computing due deltas (cumulative)")
         self.notifier = BackgroundNotifier(SystemdNotifier(self.environ))
+        self.loop_lag = LagWindow()
         self.coord: CoordinatorNode | None = None
         self.replica: Replica | None = None
         self.learner: LearnerThread | None = None
@@ -285,6 +287,7 @@ class Node:
         self._tasks.append(asyncio.create_task(self._periodic(), name="periodic"))
         self._tasks.append(asyncio.create_task(run_watchdog(self.notifier, self._live),  # type: ignore[arg-type]
                                                name="watchdog"))
+        self._tasks.append(asyncio.create_task(watch_loop_lag(self.loop_lag, self.node_id), name="loop-lag"))
         # The learner is built and its step compiled in a worker thread WHILE a joiner announces
         # itself and downloads the global state: the two are independent until training starts.
         preparing = (asyncio.ensure_future(loop.run_in_executor(None, self._prepare_learner, restored))
@@ -1080,6 +1083,7 @@ class Node:
             members=members, quorum=quorum,
             fragments=[FragmentStatus(p, r) for p, r in enumerate(self.replica.state.rounds())])
         self.status.set_log(first_index=self.store.log_first_index, size_bytes=self.store.log_bytes)
+        self.status.set_loop_lag(worst_s=self.loop_lag.worst_recent_s, stalls=self.loop_lag.stalls)
 
     def _state_digest(self) -> str:
         """The global state's digest for /status, recomputed only when the state changed (it hashes
