@@ -102,6 +102,10 @@ class RunnerConfig:
     final_sync: bool = True
     # decoupled: rho of the per-fragment round rate limit (quorum.py); 0 disables it
     min_round_interval_factor: float = DEFAULT_MIN_ROUND_INTERVAL_FACTOR
+    # Not the paper's rule (it overwrites): when a merge with this learner's contribution is
+    # applied, keep the local progress made on the fragment since that contribution was sent,
+    # theta_p <- Theta_p + (theta_p,now - theta_p,at send), instead of discarding those steps.
+    keep_inflight_progress: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -351,6 +355,8 @@ class _LearnerState:
     base_params: list[dict[str, np.ndarray]] = field(default_factory=list)
     awaiting: dict[int, int] = field(default_factory=dict)  # fragment -> last step allowed before its merge
     sent_step: dict[int, int] = field(default_factory=dict)  # fragment -> sync_step of its last send
+    # fragment -> (local fragment, c_steps, c_tokens) at its last send (keep_inflight_progress only)
+    sent_local: dict[int, tuple[dict[str, np.ndarray], int, int]] = field(default_factory=dict)
     inbox: list[_MergeMsg] = field(default_factory=list)
     missed: list[_MergeMsg] = field(default_factory=list)
     compute_s: float = 0.0
@@ -589,6 +595,18 @@ class _FragmentSync:
             st.base_round[p] = msg.round
             st.base_params[p] = msg.params
             return
+        sent = st.sent_local.pop(p, None)
+        if self.config.keep_inflight_progress and not overwrite and sent is not None and st.name in msg.contributors:
+            # Steps taken since the send are not in the merge: carry them over, counters included.
+            at_send, steps_at_send, tokens_at_send = sent
+            local = self.stack.get_flat(st.index, msg.params)
+            self.stack.set_flat(st.index, {n: (v + (local[n] - at_send[n])).astype(np.float32)
+                                           for n, v in msg.params.items()})
+            st.base_round[p] = msg.round
+            st.base_params[p] = msg.params
+            st.c_steps[p] = max(0, st.c_steps[p] - steps_at_send)
+            st.c_tokens[p] = max(0, st.c_tokens[p] - tokens_at_send)
+            return
         if sync.apply == "mix" and not overwrite:
             local = self.stack.get_flat(st.index, msg.params)
             new = {n: (sync.mix_alpha * local[n] + (1 - sync.mix_alpha) * v).astype(np.float32)
@@ -610,6 +628,8 @@ class _FragmentSync:
         self.bytes_up += len(payload)
         contribution = Contribution(st.name, p, st.base_round[p], decode_named(payload), st.c_steps[p], st.c_tokens[p])
         st.sent_step[p] = st.sync_step
+        if self.config.keep_inflight_progress:
+            st.sent_local[p] = (local, st.c_steps[p], st.c_tokens[p])
         if self.policy.blocking:
             st.awaiting[p] = st.sync_step + self.policy.overlap
         self._push(t + self.config.link.transfer_s(len(payload)), _ARRIVE, (contribution, t))
@@ -654,6 +674,7 @@ class _FragmentSync:
             self.missed_merges_applied += 1
         st.missed = []
         st.awaiting.clear()
+        st.sent_local.clear()
         for p in range(self.plan.num_fragments):
             st.c_steps[p] = st.c_tokens[p] = 0
         if self.stop_time is not None:
