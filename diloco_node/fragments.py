@@ -182,3 +182,57 @@ def _greedy_pack(names: list[str], sizes: Mapping[str, int], bins: int) -> list[
         groups[target].append(name)
         loads[target] += sizes[name]
     return groups
+
+
+# A commit entry wraps the merged delta in a small msgpack map (contributors, weights); a log
+# append adds its own framing. 1 MiB covers both with room to spare.
+WIRE_OVERHEAD_BYTES = 1 << 20
+
+
+def wire_fit_problems(
+    plan: FragmentPlan,
+    shapes: Mapping[str, tuple[int, ...]],
+    codec_up: str,
+    codec_down: str,
+    *,
+    max_contribution_bytes: int,
+    max_log_append_bytes: int,
+    max_decoded_elements: int,
+) -> list[str]:
+    """Why some fragment's messages could never cross the wire (empty: every fragment fits).
+
+    A contribution (codec_up) and a commit (codec_down) carry one whole fragment; a fragment too
+    big for the wire limits would be refused by every peer on every try while its learner kept
+    training, so a node checks this before it starts. The sizes are the codecs' own upper bounds
+    (before zstd, which may only shrink them).
+    """
+    from wire.codecs.container import CODECS  # local: the plan itself needs no codec
+
+    problems = []
+    total = sum(f.num_elements for f in plan.fragments)
+    for fragment in plan.fragments:
+        decoded = fragment.num_elements
+        if decoded > max_decoded_elements:
+            problems.append(f"fragment {fragment.index} holds {decoded:,} parameters; a message decodes to at most "
+                            f"{max_decoded_elements:,}")
+        for role, codec, limit in (("contribution", codec_up, max_contribution_bytes),
+                                   ("commit", codec_down, max_log_append_bytes)):
+            scheme = CODECS[codec]
+            size = WIRE_OVERHEAD_BYTES + sum(
+                scheme.estimate_encoded_size(_elements(shapes[n]), max(1, len(shapes[n]))) for n in fragment.names)
+            if size > limit:
+                problems.append(f"fragment {fragment.index}: its {role} ({codec}, {decoded:,} parameters) can reach "
+                                f"{size / 2**20:,.0f} MiB, over the {limit / 2**20:,.0f} MiB wire limit")
+    if problems:
+        largest = max(f.num_elements for f in plan.fragments)
+        problems.append(f"the model has {total:,} parameters in {len(plan.fragments)} fragment(s), the largest "
+                        f"{largest:,}: raise run.sync.fragments (and run.sync.period with it) or pick a smaller "
+                        "codec so that every fragment fits")
+    return problems
+
+
+def _elements(shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    return count

@@ -60,7 +60,7 @@ from diloco_node.daemon.notify import BackgroundNotifier
 from diloco_node.daemon.replica import CommitPayload, Replica
 from diloco_node.daemon.replica_store import ReplicaStore, ReplicaStoreError, compaction_point
 from diloco_node.daemon.syncer import CommitPlan, Syncer
-from diloco_node.fragments import is_embedding, plan_fragments
+from diloco_node.fragments import is_embedding, plan_fragments, wire_fit_problems
 from diloco_node.inner import InnerLearner
 from diloco_node.merge import Contribution
 from diloco_node.run_config import RunManifest
@@ -70,7 +70,9 @@ from diloco_node.transport import ClientOptions, PeerClient, PeerRefused, PeerSe
 from wire import messages as wire
 from wire.auth import AuthContext, FrameVerifier, derive_frame_key
 from wire.codecs import decode_named, encode_named
+from wire.codecs.container import MAX_TENSOR_ELEMENTS
 from wire.errors import LocalProtocolError, RemoteProtocolError
+from wire.limits import MAX_CONTRIBUTION_BYTES, MAX_LOG_APPEND_BYTES
 
 log = logging.getLogger("diloco_node.daemon")
 
@@ -379,6 +381,12 @@ class Node:
         shapes = {n: a.shape for n, a in initial.items()}
         sync = manifest.sync
         self.plan = plan_fragments(shapes, sync.fragments, sync.period, sync.overlap)
+        too_big = wire_fit_problems(self.plan, shapes, sync.codec_up, sync.codec_down,
+                                    max_contribution_bytes=MAX_CONTRIBUTION_BYTES,
+                                    max_log_append_bytes=MAX_LOG_APPEND_BYTES,
+                                    max_decoded_elements=MAX_TENSOR_ELEMENTS)
+        if too_big:
+            raise ConfigError("the run's fragments do not fit the wire limits: " + "; ".join(too_big))
         self.replica = Replica(self.plan, initial, manifest.outer)
         self.syncer = Syncer(manifest, [n for n in initial if is_embedding(n)])
         self.state_bytes = sum(a.nbytes for a in initial.values()) * 2  # params + momentum
