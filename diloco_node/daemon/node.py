@@ -210,6 +210,9 @@ class Node:
         auth = AuthContext(run_id, self.node_id, key)
         verifier = FrameVerifier(run_id, key)
         self.executor = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix=f"pool-{self.node_id}")
+        # Checkpoints and log compaction write and fsync megabytes; in the codec pool they would
+        # queue the merges, encodes and decodes of the round in progress behind the disk.
+        self.disk_executor = ThreadPoolExecutor(1, thread_name_prefix=f"disk-{self.node_id}")
         self.client = PeerClient(auth, verifier, executor=self.executor,
                                  options=ClientOptions(source_address=self.cfg.source_address))
         self.server = PeerServer(auth, verifier, executor=self.executor)
@@ -258,6 +261,7 @@ class Node:
             await self.client.close()
             await runner.cleanup()
             self.executor.shutdown(wait=False, cancel_futures=True)
+            self.disk_executor.shutdown(wait=False, cancel_futures=True)
             self.store.close()
             self.history.close()
             self.checkpoints.close()
@@ -1141,7 +1145,7 @@ class Node:
             meta["learner"] = learner_meta
             arrays.update(learner_arrays)
         loop = asyncio.get_running_loop()
-        path = await loop.run_in_executor(self.executor, self.checkpoints.save, meta, arrays)
+        path = await loop.run_in_executor(self.disk_executor, self.checkpoints.save, meta, arrays)
         log.info("%s checkpoint %s at index %d", self.node_id, path.name, meta["applied_index"])
         return path, int(meta["applied_index"])
 
@@ -1155,7 +1159,7 @@ class Node:
         coordination, loop = self.coord, asyncio.get_running_loop()
         assert coordination is not None
         try:
-            checkpoint = await loop.run_in_executor(self.executor, read_checkpoint_file, path)
+            checkpoint = await loop.run_in_executor(self.disk_executor, read_checkpoint_file, path)
             verified = int(checkpoint.meta["applied_index"])
         except (CheckpointError, KeyError, TypeError, ValueError) as error:
             self._error(f"checkpoint {path.name} did not verify; log not compacted: {error}")
@@ -1174,7 +1178,8 @@ class Node:
         assert epoch is not None
         snapshot = Snapshot(through, epoch, replog.config_at(through))
         committed = [e for i in range(through + 1, replog.commit_index + 1) if (e := replog.entry_at(i)) is not None]
-        prepared = await loop.run_in_executor(self.executor, self.store.prepare_compaction, snapshot, committed)
+        prepared = await loop.run_in_executor(self.disk_executor, self.store.prepare_compaction, snapshot,
+                                              committed)
         if self._frozen or replog.store.snapshot.last_index >= through or replog.applied_index < through:
             self.store.discard_prepared()  # stopping, or a snapshot was installed meanwhile
             return
