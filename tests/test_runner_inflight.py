@@ -74,3 +74,11 @@ def test_parity_overrides_parse_json_values_and_reject_unknown_keys():
         parity.parse_overrides(["outer.lr"])
     with pytest.raises(ConfigError, match="sync.merge"):
         parity.with_overrides(manifest, parity.parse_overrides(["sync.merge=median"]))
+
+
+def test_benchmark_manifest_takes_the_re_swept_warm_up_and_period_for_every_mode():
+    full = parity.benchmark_manifest(600, 0)
+    assert (full.inner.warmup_steps, full.sync.period) == (200, 28)
+    assert full.outer == parity.default_manifest(600, 0).outer  # outer settings unchanged by the re-sweep
+    smoke = parity.benchmark_manifest(64, 0)
+    assert (smoke.inner.warmup_steps, smoke.sync.period) == (21, parity.default_manifest(64, 0).sync.period)
