@@ -6,7 +6,9 @@ SIGSTOPped until the lease holder compacted past it comes back by snapshot insta
 SIGKILLed until then restarts and does the same; a fourth site joins after compaction. Every
 site must agree on the state digest at every index any two of them reported, and the chaos
 checker must find no violation in the nodes' histories. Every process is killed at teardown.
-Slow (several JAX processes on shared cores: ~4-6 minutes): run with `-m slow`.
+The default suite runs the snapshot install after a SIGSTOP and the checker (~1-2 minutes); the
+bounded-log run, the restart behind the cut and the late joiner are `slow` (`-m slow`: ~4-6
+minutes in all, several JAX processes on shared cores).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from diloco_node.chaos.checker import check_histories
 from diloco_node.daemon.local_cluster import DEFAULT_RUN_FLAGS, Cluster
 from diloco_node.history import load_histories
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.timeout(1200)]
 
 STARTUP_S = 150.0  # several JAX processes compiling at once on two shared cores
 RETAIN = 16
@@ -96,6 +98,7 @@ def _wait_for_log(site, needle: str, after: int, timeout: float) -> str:
     raise AssertionError(f"{site.node_id}: no {needle!r} within {timeout:.0f} s:\n{site.log_text()[-3000:]}")
 
 
+@pytest.mark.slow
 def test_logs_compact_and_stay_bounded(cluster: Cluster) -> None:
     cluster.wait_for("a, b, c ready", _ready({"a", "b", "c"}), STARTUP_S)
 
@@ -128,6 +131,7 @@ def test_logs_compact_and_stay_bounded(cluster: Cluster) -> None:
 
 
 def test_stopped_follower_returns_by_snapshot_install(cluster: Cluster) -> None:
+    cluster.wait_for("a, b, c ready", _ready({"a", "b", "c"}), STARTUP_S)
     leader, follower = _leader_and_follower(cluster)
     site = cluster.sites[follower]
     installs = site.log_text().count("installed from the lease holder")
@@ -149,6 +153,7 @@ def test_stopped_follower_returns_by_snapshot_install(cluster: Cluster) -> None:
     _agree(cluster, {"a", "b", "c"})
 
 
+@pytest.mark.slow
 def test_killed_follower_restarts_behind_the_compaction_point(cluster: Cluster) -> None:
     leader, follower = _leader_and_follower(cluster)
     site = cluster.sites[follower]
@@ -167,6 +172,7 @@ def test_killed_follower_restarts_behind_the_compaction_point(cluster: Cluster) 
     _agree(cluster, {"a", "b", "c"})
 
 
+@pytest.mark.slow
 def test_fourth_site_joins_after_compaction(cluster: Cluster) -> None:
     statuses = cluster.poll()
     assert all(d.get("log_first_index", 1) > 1 for d in statuses.values())
