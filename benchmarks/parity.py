@@ -64,21 +64,11 @@ def with_overrides(manifest: RunManifest, overrides: dict[str, dict[str, object]
     return RunManifest.from_dict(raw)
 
 
-# Re-sweep at 600 steps (docs/PARITY.md, "Re-sweep at 600 steps (lecun head)"): a warm-up of a
-# third of the run and H = 28 narrowed the decoupled gap most. Every mode, data_parallel included,
-# gets the same inner schedule (a fair baseline); H 28 keeps the fragment modes >= 200x fewer bytes.
-WARMUP_FRACTION = 1 / 3
-PERIOD_AT_FULL_SCALE = 28
-MIN_STEPS_FOR_FULL_PERIOD = 128  # shorter (smoke) runs keep train's shorter period
-
-
 def benchmark_manifest(steps: int, seed: int) -> RunManifest:
-    """train's default manifest with the benchmark's re-swept warm-up and period."""
-    manifest = default_manifest(steps, seed)
-    overrides: dict[str, dict[str, object]] = {"inner": {"warmup_steps": int(steps * WARMUP_FRACTION)}}
-    if steps >= MIN_STEPS_FOR_FULL_PERIOD:
-        overrides["sync"] = {"period": PERIOD_AT_FULL_SCALE}
-    return with_overrides(manifest, overrides)
+    """train's default manifest, which carries the re-swept warm-up (a third of the run) and
+    H = 28 (docs/PARITY.md, "Re-sweep at 600 steps (lecun head)"). Every mode, data_parallel
+    included, gets the same inner schedule, so the baseline is a fair one."""
+    return default_manifest(steps, seed)
 
 
 def run_all(steps: int, modes: list[str], scenarios: list[str], seed: int, verbose: bool = True,
