@@ -53,16 +53,7 @@ def _ready(names: set[str]):
 
 def _agree(c: Cluster, names: set[str], timeout: float = 90) -> int:
     """Poll until one commit index was reported ready by every site in `names`; digests must agree."""
-    seen: dict[str, set[int]] = {n: set() for n in names}
-
-    def check(statuses: dict) -> bool:
-        for n in names:
-            if n in statuses and statuses[n].get("ready"):
-                seen[n].add(statuses[n]["commit_index"])
-        return bool(set.intersection(*seen.values()))
-
-    c.wait_for(f"one commit index reported by all of {sorted(names)}", check, timeout, interval=0.05)
-    index = max(set.intersection(*seen.values()))
+    index = c.common_commit_index(names, timeout)
     assert len(c.history[index]) == 1, f"sites disagree at index {index}: {c.history[index]}"
     assert c.conflicting_indices() == {}
     return index

@@ -193,6 +193,20 @@ class Cluster:
                  for n, d in last.items()}
         raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last statuses: {brief}")
 
+    def common_commit_index(self, names: set[str], timeout: float) -> int:
+        """Poll until one commit index has been reported (ready) by every site in `names`; the
+        highest such index. Digests at it are recorded in `history` as for every poll."""
+        seen: dict[str, set[int]] = {n: set() for n in names}
+
+        def check(statuses: dict[str, dict[str, Any]]) -> bool:
+            for n in names:
+                if n in statuses and statuses[n].get("ready"):
+                    seen[n].add(statuses[n]["commit_index"])
+            return bool(set.intersection(*seen.values()))
+
+        self.wait_for(f"one commit index reported by all of {sorted(names)}", check, timeout, interval=0.05)
+        return max(set.intersection(*seen.values()))
+
     def conflicting_indices(self) -> dict[int, set[str]]:
         return {index: digests for index, digests in self.history.items() if len(digests) > 1}
 

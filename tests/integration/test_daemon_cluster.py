@@ -50,27 +50,13 @@ def _all_ready(names: set[str]):
     return lambda s: names <= {n for n, d in s.items() if d.get("ready")}
 
 
-def _common_index(c: Cluster, names: set[str], timeout: float) -> int:
-    """Poll until one commit index has been reported by every site in `names`; return it."""
-    seen: dict[str, set[int]] = {n: set() for n in names}
-
-    def check(statuses: dict) -> bool:
-        for n in names:
-            if n in statuses and statuses[n].get("ready"):
-                seen[n].add(statuses[n]["commit_index"])
-        return bool(set.intersection(*seen.values()))
-
-    c.wait_for(f"one commit index reported by all of {sorted(names)}", check, timeout, interval=0.05)
-    return max(set.intersection(*seen.values()))
-
-
 def test_three_sites_commit_and_agree(cluster: Cluster) -> None:
     statuses = cluster.wait_for("a, b, c ready and all voters", lambda s: _all_ready({"a", "b", "c"})(s)
                                 and all(_voters(d) == {"a", "b", "c"} for d in s.values()), STARTUP_S)
     start = min(d["commit_index"] for d in statuses.values())
     cluster.wait_for("10 more commits everywhere", lambda s: len(s) == 3 and
                      min(d["commit_index"] for d in s.values()) >= start + 10, 60)
-    index = _common_index(cluster, {"a", "b", "c"}, 60)
+    index = cluster.common_commit_index({"a", "b", "c"}, 60)
     assert len(cluster.history[index]) == 1, f"sites disagree at index {index}: {cluster.history[index]}"
     assert cluster.conflicting_indices() == {}
     # Contributions of all three learners are merged together in some round.
@@ -134,7 +120,7 @@ def test_fourth_site_joins_mid_run_and_is_merged(cluster: Cluster) -> None:
     else:
         pytest.fail("no merge included d's contribution within 60 s")
     assert re.search(r"downloaded the global state \(\d+ bytes\)", d.log_text()), "d did not download the state"
-    index = _common_index(cluster, {"a", "d"}, 60)
+    index = cluster.common_commit_index({"a", "d"}, 60)
     assert len(cluster.history[index]) == 1
     assert cluster.conflicting_indices() == {}
 
@@ -164,7 +150,7 @@ def test_sigkill_coordinator_fails_over_and_restarts_from_checkpoint(cluster: Cl
     cluster.wait_for(f"{leader} back, ready and caught up", lambda s: leader in s and s[leader].get("ready")
                      and s[leader]["commit_index"] >= before, STARTUP_S)
     assert "resumed from checkpoint" in victim.log_text()
-    index = _common_index(cluster, {leader, *survivors}, 60)
+    index = cluster.common_commit_index({leader, *survivors}, 60)
     assert len(cluster.history[index]) == 1
     assert cluster.conflicting_indices() == {}
 
@@ -183,7 +169,7 @@ def test_sigterm_then_restart_resumes_at_the_same_index_with_identical_state(clu
     cluster.wait_for(f"{follower} ready again", lambda s: follower in s and s[follower].get("ready"), STARTUP_S)
     resumed = re.findall(r"resumed from checkpoint \d+ at index (\d+) digest ([0-9a-f]+)", site.log_text())
     assert resumed and (int(resumed[-1][0]), resumed[-1][1]) == (index, digest)
-    common = _common_index(cluster, set(cluster.poll()), 60)
+    common = cluster.common_commit_index(set(cluster.poll()), 60)
     assert len(cluster.history[common]) == 1
     assert cluster.conflicting_indices() == {}
 
@@ -204,7 +190,7 @@ def test_sigterm_of_the_coordinator_resigns_and_it_rejoins_after_restart(cluster
     site.start()
     cluster.wait_for(f"{leader} re-added as a voter", lambda s: leader in s and s[leader].get("ready")
                      and all(leader in _voters(doc) for doc in s.values()), STARTUP_S)
-    common = _common_index(cluster, set(cluster.poll()), 60)
+    common = cluster.common_commit_index(set(cluster.poll()), 60)
     assert len(cluster.history[common]) == 1
     assert cluster.conflicting_indices() == {}
 
@@ -214,7 +200,7 @@ def test_witness_votes_and_replicates_without_training(cluster: Cluster) -> None
     cluster.add("w", bootstrap=cluster.sites["a"], extra=["--role", "witness"])
     cluster.wait_for("w ready and a voter everywhere", lambda s: _all_ready(names | {"w"})(s)
                      and all("w" in _voters(doc) for doc in s.values()), STARTUP_S)
-    index = _common_index(cluster, {"w", *names}, 60)
+    index = cluster.common_commit_index({"w", *names}, 60)
     assert len(cluster.history[index]) == 1
     doc = cluster.poll()["w"]
     assert doc["role"] == "witness" and doc["learner"]["step"] == 0
