@@ -11,6 +11,7 @@ Pure and deterministic: the same shapes and numbers always give the same plan on
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -219,7 +220,7 @@ def wire_fit_problems(
                                    ("commit", codec_down, max_log_append_bytes)):
             scheme = CODECS[codec]
             size = WIRE_OVERHEAD_BYTES + sum(
-                scheme.estimate_encoded_size(_elements(shapes[n]), max(1, len(shapes[n]))) for n in fragment.names)
+                scheme.estimate_encoded_size(math.prod(shapes[n]), max(1, len(shapes[n]))) for n in fragment.names)
             if size > limit:
                 problems.append(f"fragment {fragment.index}: its {role} ({codec}, {decoded:,} parameters) can reach "
                                 f"{size / 2**20:,.0f} MiB, over the {limit / 2**20:,.0f} MiB wire limit")
@@ -230,9 +231,3 @@ def wire_fit_problems(
                         "codec so that every fragment fits")
     return problems
 
-
-def _elements(shape: tuple[int, ...]) -> int:
-    count = 1
-    for dim in shape:
-        count *= int(dim)
-    return count

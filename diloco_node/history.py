@@ -348,12 +348,11 @@ def rotated_path(path: Path, number: int) -> Path:
 def find_history_files(root: str | os.PathLike[str]) -> list[Path]:
     """Every history file under `root` (a run's working directory), rotated segments included,
     sorted for stable output (`load_histories` orders events by time, not by file)."""
-    live = sorted(Path(root).rglob(HISTORY_FILE_NAME))
     found: list[Path] = []
-    for path in live:
-        found.extend(sorted(path.parent.glob(f"{HISTORY_FILE_NAME}.[0-9]*"),
-                            key=lambda p: -int(p.suffix[1:]) if p.suffix[1:].isdigit() else 0))
-        found.append(path)
+    for live in sorted(Path(root).rglob(HISTORY_FILE_NAME)):
+        rotated = [p for p in live.parent.glob(f"{HISTORY_FILE_NAME}.*") if p.suffix[1:].isdigit()]
+        found.extend(sorted(rotated, key=lambda p: -int(p.suffix[1:])))  # oldest segment first
+        found.append(live)
     return found
 
 

@@ -437,7 +437,7 @@ class Node:
         """The log starts after `snapshot_index`; a state older than that is replaced from peers."""
         if applied >= snapshot_index:
             return
-        if not self.cfg.bootstrap and not [n for n, _ in self.addresses.items() if n != self.node_id]:
+        if not self.cfg.bootstrap and not any(n != self.node_id for n, _ in self.addresses.items()):
             raise ConfigError(f"the global state is as of index {applied} but the durable log was compacted "
                               f"through {snapshot_index}, and there is no peer to fetch the state from")
         log.warning("%s: the global state is as of index %d but the durable log starts after %d; "
@@ -795,11 +795,13 @@ class Node:
             for p in range(self.plan.num_fragments):
                 self.learner.offer_fragment(p, replica.state.round(p), replica.state.fragment_params(p))
 
+    def _replacing_state(self) -> bool:
+        """A download (join or snapshot install) is in progress, or its held entries not yet applied."""
+        return self._download is not None or self.replica.applied_index < self._consistent_from
+
     def _state_consistent(self) -> bool:
         """The replica is one global state as of its applied index (not mid-download or repair)."""
-        replica = self.replica
-        return (replica is not None and self._download is None and not replica.diverged
-                and replica.applied_index >= self._consistent_from)
+        return self.replica is not None and not self._replacing_state() and not self.replica.diverged
 
     # ------------------------------------------------------------------ applying commits
 
@@ -941,7 +943,7 @@ class Node:
         # One merge at a time, and only on a state that includes every entry of our own log, so the
         # round we propose is exactly the next one for this fragment.
         if (self._merging or coordination.log.applied_index != coordination.log.last_index
-                or self._download is not None or self.replica.applied_index < self._consistent_from):
+                or self._replacing_state()):
             self.loop.call_later(TICK_S, self._evaluate_round, p)
             return
         rnd = self.syncer.take(p, decision)
@@ -1051,7 +1053,7 @@ class Node:
         # Once ready, a node stays ready while it catches up from the log (its state is always one
         # committed state); during a snapshot install it is not one state, so /status and /readyz
         # say not ready (and show no digest worth comparing) until the download is replayed.
-        installing = self._ready and (self._download is not None or self.replica.applied_index < self._consistent_from)
+        installing = self._ready and self._replacing_state()
         if installing:
             reason = f"installing a snapshot: {reason}"
         elif self._ready:
@@ -1158,6 +1160,14 @@ class Node:
         """
         coordination, loop = self.coord, asyncio.get_running_loop()
         assert coordination is not None
+        replog = coordination.log
+        # Decided first: most checkpoints cut nothing, and those need not read their file back.
+        through, reason = compaction_point(checkpoint_index=checkpointed, commit_index=replog.commit_index,
+                                           snapshot_index=replog.store.snapshot.last_index,
+                                           retain=self.cfg.log_retain_entries)
+        if through is None:
+            log.debug("%s: %s", self.node_id, reason)
+            return
         try:
             checkpoint = await loop.run_in_executor(self.disk_executor, read_checkpoint_file, path)
             verified = int(checkpoint.meta["applied_index"])
@@ -1166,13 +1176,6 @@ class Node:
             return
         if verified != checkpointed:
             self._error(f"checkpoint {path.name} holds index {verified}, expected {checkpointed}; log not compacted")
-            return
-        replog = coordination.log
-        through, reason = compaction_point(checkpoint_index=verified, commit_index=replog.commit_index,
-                                           snapshot_index=replog.store.snapshot.last_index,
-                                           retain=self.cfg.log_retain_entries)
-        if through is None:
-            log.debug("%s: %s", self.node_id, reason)
             return
         epoch = replog.epoch_at(through)
         assert epoch is not None
