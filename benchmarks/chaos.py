@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from diloco_node.chaos.harness import ChaosConfig, DaemonLauncher, StandinLauncher, run_chaos, standin_config
+from diloco_node.testbed.chaos.harness import ChaosConfig, DaemonLauncher, StandinLauncher, run_chaos, standin_config
 
 PRESETS = {
     # The soak: 10 minutes, >= 20 faults, the coordinator included, a site joining.

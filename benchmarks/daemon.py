@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diloco_node.daemon.local_cluster import DEFAULT_RUN_FLAGS, Cluster, child_env, free_port  # noqa: E402
+from diloco_node.testbed.local_cluster import DEFAULT_RUN_FLAGS, Cluster, child_env, free_port  # noqa: E402
 
 STARTUP_S = 240.0
 BATCH_TOKENS = 4 * 32  # DEFAULT_RUN_FLAGS: batch 4 x seq 32
@@ -55,10 +55,10 @@ def step_time_from(doc: dict) -> float | None:
 
 def bench_inprocess_step(steps: int = 200) -> float:
     os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
-    from diloco_node import data as data_lib
-    from diloco_node import model as model_lib
-    from diloco_node.config import load_config
-    from diloco_node.inner import InnerLearner
+    from diloco_node.learn import data as data_lib
+    from diloco_node.learn import model as model_lib
+    from diloco_node.config.settings import load_config
+    from diloco_node.learn.inner import InnerLearner
 
     flags = {DEFAULT_RUN_FLAGS[i + 1].split("=")[0]: DEFAULT_RUN_FLAGS[i + 1].split("=")[1]
              for i in range(0, len(DEFAULT_RUN_FLAGS), 2) if DEFAULT_RUN_FLAGS[i + 1].startswith("run.")}
@@ -272,7 +272,7 @@ def main() -> int:
 
         # Join through an emulated WAN link in front of site a.
         public = free_port()
-        link = subprocess.Popen([sys.executable, "-m", "diloco_node.linkemu", "--listen", f"127.0.0.1:{public}",
+        link = subprocess.Popen([sys.executable, "-m", "diloco_node.testbed.linkemu", "--listen", f"127.0.0.1:{public}",
                                  "--upstream", cluster.sites["a"].address, "--bandwidth-mbit", str(args.bandwidth_mbit),
                                  "--latency-ms", str(args.latency_ms)], env=child_env(), stdout=subprocess.DEVNULL)
         time.sleep(1.0)

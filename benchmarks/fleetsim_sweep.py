@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from diloco_node.fleetsim import (  # noqa: E402
+from diloco_node.sim.fleetsim import (  # noqa: E402
     DEFAULT_FLEET_SIZES,
     PAPER_ELASTIC_GOODPUT as ELASTIC_TARGETS,
     FleetParams,

@@ -3,7 +3,7 @@
 For each (mode, scenario) it reports eval_loss of the final global model, bytes_cross_site
 (uplink + downlink payload bytes actually encoded), idle_fraction (learner time blocked on
 others), merges and wall_s (real seconds of the simulated run). The learners run in one process
-on a virtual clock (diloco_node/runner.py); see docs/PARITY.md for the accounting.
+on a virtual clock (diloco_node/sim/runner.py); see docs/PARITY.md for the accounting.
 
     .venv/bin/python benchmarks/parity.py --json /tmp/parity.json        # full run
     .venv/bin/python benchmarks/parity.py --quick                        # smoke run
@@ -24,10 +24,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from diloco_node import data as data_lib  # noqa: E402
-from diloco_node import runner  # noqa: E402
-from diloco_node.run_config import ConfigError, DataSpec, RunManifest  # noqa: E402
-from diloco_node.train_cli import default_manifest  # noqa: E402
+from diloco_node.learn import data as data_lib  # noqa: E402
+from diloco_node.sim import runner  # noqa: E402
+from diloco_node.config.manifest import ConfigError, DataSpec, RunManifest  # noqa: E402
+from diloco_node.cli.train import default_manifest  # noqa: E402
 
 NUM_LEARNERS = 4
 FULL_STEPS = 600  # nominal steps per learner

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from diloco_node import bandwidth, cli
-from diloco_node.bandwidth import BandwidthInputs, compute
+from diloco_node import cli
+from diloco_node.sim import bandwidth
+from diloco_node.sim.bandwidth import BandwidthInputs, compute
 
 # Every number below is worked out by hand in the comments, not by the code under test.
 HAND = BandwidthInputs(

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from diloco_node.chaos.checker import FinalState, check_histories, final_states_from
-from diloco_node.chaos.metrics import (
+from diloco_node.testbed.chaos.checker import FinalState, check_histories, final_states_from
+from diloco_node.testbed.chaos.metrics import (
     commit_gaps,
     commit_times,
     failover_times,
@@ -17,7 +17,7 @@ from diloco_node.chaos.metrics import (
     productive_seconds,
     uptime,
 )
-from diloco_node.history import HistoryEvent, HistoryWriter, load_histories
+from diloco_node.ops.history import HistoryEvent, HistoryWriter, load_histories
 
 
 def ev(node: str, kind: str, t: float, **fields) -> HistoryEvent:
@@ -279,7 +279,7 @@ def test_a_commit_after_the_final_probe_is_not_a_loss():
 
 
 def test_stale_leader_step_down_after_sigcont():
-    from diloco_node.chaos.metrics import step_down_times
+    from diloco_node.testbed.chaos.metrics import step_down_times
 
     h = {"a": [ev("a", "lease_acquired", 1.0, epoch=1, index=0), ev("a", "lease_lost", 9.3, epoch=2)],
          "b": [ev("b", "lease_acquired", 6.0, epoch=2, index=4)],

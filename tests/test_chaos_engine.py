@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from diloco_node.chaos.checker import check_histories
-from diloco_node.chaos.harness import ChaosConfig, DaemonLauncher, StandinLauncher, run_chaos, standin_config
-from diloco_node.chaos.schedule import (
+from diloco_node.testbed.chaos.checker import check_histories
+from diloco_node.testbed.chaos.harness import ChaosConfig, DaemonLauncher, StandinLauncher, run_chaos, standin_config
+from diloco_node.testbed.chaos.schedule import (
     COORDINATOR,
     STOP_PAST_LEASE_FACTOR,
     Fault,
@@ -26,8 +26,8 @@ from diloco_node.chaos.schedule import (
     generate,
     one_learner_down,
 )
-from diloco_node.chaos.supervisor import ProcessSpec, Supervisor, SupervisorError
-from diloco_node.history import HistoryEvent, HistoryWriter, find_history_files, load_histories
+from diloco_node.testbed.chaos.supervisor import ProcessSpec, Supervisor, SupervisorError
+from diloco_node.ops.history import HistoryEvent, HistoryWriter, find_history_files, load_histories
 
 NODES = ("n1", "n2", "n3")
 SHORT = ScheduleSpec(nodes=NODES, duration_s=60, lease_s=3.0, faults=4, warmup_s=10, settle_s=15,
@@ -353,7 +353,7 @@ def test_short_chaos_against_the_real_daemon(tmp_path):
 
 
 def test_targets_are_judged_only_where_they_apply(tmp_path):
-    from diloco_node.chaos.harness import evaluate_targets
+    from diloco_node.testbed.chaos.harness import evaluate_targets
 
     def mode(goodput, failovers, unrecovered=0):
         return {"goodput": goodput, "failover_s": {"all": failovers, "unrecovered": unrecovered}}
@@ -382,7 +382,7 @@ def test_a_cluster_that_never_gets_ready_fails_with_the_reason(tmp_path):
 
     config = standin_config(ChaosConfig(workdir=tmp_path, duration_s=30, faults=2, lease_s=0.5, warmup_s=2,
                                         settle_s=3, recovery_s=1, modes=("decoupled",)))
-    from diloco_node.chaos.harness import HarnessError
+    from diloco_node.testbed.chaos.harness import HarnessError
 
     with pytest.raises(HarnessError, match=r"decoupled: cluster not ready after \d+s: n1: exited with 3 \(log .*node.log\)"):
         run_chaos(config, Broken())
@@ -391,8 +391,8 @@ def test_a_cluster_that_never_gets_ready_fails_with_the_reason(tmp_path):
 def test_a_stale_holder_that_steps_down_before_the_heal_line_counts_as_zero():
     """Seen against the real daemon: the continued holder wrote `lease_lost` 30 ms before the
     harness wrote its `heal` line; the step-down must not be matched to a later lease loss."""
-    from diloco_node.chaos.metrics import step_down_times
-    from diloco_node.history import HistoryEvent
+    from diloco_node.testbed.chaos.metrics import step_down_times
+    from diloco_node.ops.history import HistoryEvent
 
     def ev(node, kind, t, **kw):
         return HistoryEvent(t_wall=t, t_mono=t, node=node, kind=kind, **kw)
@@ -407,7 +407,7 @@ def test_a_stale_holder_that_steps_down_before_the_heal_line_counts_as_zero():
 
 def test_the_history_tail_knows_what_was_committed_by_when(tmp_path):
     """Finals are judged against commits recorded before the (lagging) status was current."""
-    from diloco_node.chaos.harness import _HistoryTail
+    from diloco_node.testbed.chaos.harness import _HistoryTail
 
     clock = iter([1.0, 2.0, 3.0, 4.0])
     path = tmp_path / "history.jsonl"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco_node.chaos.harness import (
+from diloco_node.testbed.chaos.harness import (
     ChaosConfig,
     DaemonLauncher,
     NodeSlot,
@@ -20,7 +20,7 @@ from diloco_node.chaos.harness import (
     source_address,
     standin_config,
 )
-from diloco_node.chaos.schedule import (
+from diloco_node.testbed.chaos.schedule import (
     COORDINATOR,
     FOLLOWER,
     Fault,
@@ -30,7 +30,7 @@ from diloco_node.chaos.schedule import (
     check_schedule,
     generate,
 )
-from diloco_node.history import find_history_files, load_histories
+from diloco_node.ops.history import find_history_files, load_histories
 
 FIVE = ("n1", "n2", "n3", "n4", "n5")
 SPEC5 = ScheduleSpec(nodes=FIVE, duration_s=120, lease_s=2.0, faults=8, warmup_s=10, settle_s=10, recovery_s=4)

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from diloco_node.checkpoint import (
+from diloco_node.ops.checkpoint import (
     HEADER_BYTES,
     CheckpointError,
     CheckpointStore,
@@ -157,7 +157,7 @@ def test_sigkill_during_a_save_loop_always_leaves_a_loadable_checkpoint(tmp_path
     script = textwrap.dedent(
         f"""
         import numpy as np, sys
-        from diloco_node.checkpoint import CheckpointStore
+        from diloco_node.ops.checkpoint import CheckpointStore
         store = CheckpointStore({str(tmp_path)!r}, keep=2)
         big = np.zeros(2_000_000, dtype=np.float32)
         step = 0

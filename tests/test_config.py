@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from diloco_node import config_cli
-from diloco_node.config import (
+from diloco_node.cli import config as config_cli
+from diloco_node.config.settings import (
     NODE_SPECS,
     RUN_SPECS,
     ConfigError,
@@ -22,7 +22,7 @@ from diloco_node.config import (
     load_config,
     load_config_from_args,
 )
-from diloco_node.run_config import RunManifest
+from diloco_node.config.manifest import RunManifest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -390,7 +390,7 @@ def test_operations_doc_lists_every_key_and_variable():
 def test_config_command_does_not_import_jax():
     code = ("import sys; from diloco_node import cli; rc = cli.main(['config', 'show', '--json']); "
             "assert 'jax' not in sys.modules, 'jax imported'; "
-            "from diloco_node import status_cli; assert 'jax' not in sys.modules")
+            "from diloco_node.cli import status as status_cli; assert 'jax' not in sys.modules")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                             env={k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")})
     assert result.returncode == 0, result.stderr

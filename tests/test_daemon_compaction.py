@@ -16,15 +16,15 @@ from bootstrap import messages as coord
 from bootstrap.coordinator_node import PersistentState
 from bootstrap.entries import ClusterConfig, EntryKind, LogEntry, Snapshot
 from bootstrap.replog import LogStore, ReplicatedLog
-from diloco_node.checkpoint import CheckpointStore
-from diloco_node.config import ConfigError
+from diloco_node.ops.checkpoint import CheckpointStore
+from diloco_node.config.settings import ConfigError
 from diloco_node.daemon import peers
 from diloco_node.daemon.join import FragmentDownload, snapshot_from_wire, snapshot_to_wire
 from diloco_node.daemon.node import Node
-from diloco_node.daemon.replica import CommitPayload, Replica
+from diloco_node.sync.replica import CommitPayload, Replica
 from diloco_node.daemon.replica_store import ReplicaStore, ReplicaStoreError, compaction_point
-from diloco_node.fragments import plan_fragments
-from diloco_node.run_config import OuterOptimizer
+from diloco_node.sync.fragments import plan_fragments
+from diloco_node.config.manifest import OuterOptimizer
 from wire import messages as wire
 from wire.codecs import decode_named, encode_named
 from wire.errors import RemoteProtocolError
@@ -357,7 +357,7 @@ def test_restart_compacted_log_without_checkpoint_or_peers_is_a_clear_error(tmp_
 
 
 def test_status_shows_the_logs_first_index_and_size() -> None:
-    from diloco_node.status import StatusBuilder, StatusDocument, StatusFormatError, render_metrics
+    from diloco_node.ops.status import StatusBuilder, StatusDocument, StatusFormatError, render_metrics
 
     builder = StatusBuilder("a", "run-1", "learner", 0.0)
     builder.set_log(first_index=745, size_bytes=604_648)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from diloco_node.chaos.checker import check_histories
-from diloco_node.daemon.local_cluster import DEFAULT_RUN_FLAGS, Cluster
-from diloco_node.history import load_histories
+from diloco_node.testbed.chaos.checker import check_histories
+from diloco_node.testbed.local_cluster import DEFAULT_RUN_FLAGS, Cluster
+from diloco_node.ops.history import load_histories
 
 pytestmark = [pytest.mark.timeout(1200)]
 

@@ -12,10 +12,10 @@ from bootstrap import messages as coord
 from bootstrap.coordinator_node import CoordinatorNode, NodeOptions, PersistentState
 from bootstrap.election import LeaseTiming
 from bootstrap.entries import EntryKind, LogEntry
-from diloco_node.chaos.checker import check_histories
+from diloco_node.testbed.chaos.checker import check_histories
 from diloco_node.daemon.history_hooks import SYNC_BARRIER_PERIODS, DaemonHistory, entry_digest
-from diloco_node.daemon.replica import CommitPayload
-from diloco_node.history import HistoryWriter, read_history
+from diloco_node.sync.replica import CommitPayload
+from diloco_node.ops.history import HistoryWriter, read_history
 
 LEASE = LeaseTiming(lease_s=3.0, heartbeat_interval_s=0.5, election_jitter_s=0.0)
 

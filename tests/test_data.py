@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from diloco_node import data as data_lib
-from diloco_node.run_config import DataSpec
+from diloco_node.learn import data as data_lib
+from diloco_node.config.manifest import DataSpec
 
 
 def test_stdlib_split_is_deterministic_disjoint_and_covers_every_file():

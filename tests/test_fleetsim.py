@@ -10,8 +10,9 @@ from dataclasses import replace
 
 import pytest
 
-from diloco_node import cli, fleetsim
-from diloco_node.fleetsim import FleetParams, JobResult, quorum_uptime, simulate_fleet, simulate_job
+from diloco_node import cli
+from diloco_node.sim import fleetsim
+from diloco_node.sim.fleetsim import FleetParams, JobResult, quorum_uptime, simulate_fleet, simulate_job
 
 # Small horizons keep every test well under a second.
 QUICK = FleetParams(expected_failures=2_000)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco_node.fragments import FragmentPlan, Fragment, is_embedding, plan_fragments
+from diloco_node.sync.fragments import FragmentPlan, Fragment, is_embedding, plan_fragments
 
 TINY_MODEL = {
     "embed/embedding": (256, 64),
@@ -162,7 +162,7 @@ def test_malformed_fragments_and_shapes_are_refused(build, message) -> None:
 
 
 def test_fragments_too_big_for_the_wire_are_refused_before_training():
-    from diloco_node.fragments import wire_fit_problems
+    from diloco_node.sync.fragments import wire_fit_problems
     from wire.codecs.container import MAX_TENSOR_ELEMENTS
     from wire.limits import MAX_CONTRIBUTION_BYTES, MAX_LOG_APPEND_BYTES
 

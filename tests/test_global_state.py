@@ -9,10 +9,10 @@ import struct
 import numpy as np
 import pytest
 
-from diloco_node.fragments import plan_fragments
-from diloco_node.global_state import FragmentHistory, GlobalState, GlobalStateError
-from diloco_node.merge import nesterov_step
-from diloco_node.run_config import OuterOptimizer
+from diloco_node.sync.fragments import plan_fragments
+from diloco_node.sync.global_state import FragmentHistory, GlobalState, GlobalStateError
+from diloco_node.sync.merge import nesterov_step
+from diloco_node.config.manifest import OuterOptimizer
 
 SHAPES = {
     "embed/embedding": (16, 4),

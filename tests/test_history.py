@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from diloco_node.history import (
+from diloco_node.ops.history import (
     FIELDS,
     HistoryEvent,
     HistoryFormatError,

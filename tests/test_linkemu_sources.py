@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from diloco_node.linkemu import LinkEmulator
+from diloco_node.testbed.linkemu import LinkEmulator
 
 A = "127.0.0.21"  # the sender that gets blocked
 B = "127.0.0.22"  # a sender on the other side, never blocked

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from diloco_node.daemon.loop_monitor import LagWindow, watch_loop_lag
-from diloco_node.status import StatusBuilder, StatusDocument, render_metrics
+from diloco_node.ops.status import StatusBuilder, StatusDocument, render_metrics
 
 
 def test_window_keeps_the_worst_lag_of_this_and_the_last_window():

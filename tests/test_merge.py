@@ -24,9 +24,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco_node.fragments import plan_fragments
-from diloco_node.global_state import FragmentHistory, GlobalState
-from diloco_node.merge import (
+from diloco_node.sync.fragments import plan_fragments
+from diloco_node.sync.global_state import FragmentHistory, GlobalState
+from diloco_node.sync.merge import (
     Contribution,
     ContributionCaps,
     NormReference,
@@ -37,7 +37,7 @@ from diloco_node.merge import (
     token_weight,
     weighted_mean,
 )
-from diloco_node.run_config import OuterOptimizer, SyncSpec
+from diloco_node.config.manifest import OuterOptimizer, SyncSpec
 
 CAPS = ContributionCaps(max_tokens_per_step=4096, max_steps=64)
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from diloco_node import model as model_lib
-from diloco_node.fragments import is_embedding
-from diloco_node.inner import InnerLearner
-from diloco_node.run_config import InnerOptimizer
+from diloco_node.learn import model as model_lib
+from diloco_node.sync.fragments import is_embedding
+from diloco_node.learn.inner import InnerLearner
+from diloco_node.config.manifest import InnerOptimizer
 
 
 def _abstract_param_count(size: str) -> int:

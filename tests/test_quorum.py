@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco_node.quorum import DEFAULT_MIN_ROUND_INTERVAL_FACTOR, Ema, QuorumPolicy, RoundDecision, TimingEstimates, decide_round, grace_window
-from diloco_node.run_config import SyncSpec
+from diloco_node.sync.quorum import DEFAULT_MIN_ROUND_INTERVAL_FACTOR, Ema, QuorumPolicy, RoundDecision, TimingEstimates, decide_round, grace_window
+from diloco_node.config.manifest import SyncSpec
 
 K1 = QuorumPolicy(min_quorum=1, grace_gamma=0.5, grace_cap_s=5.0, overlap_steps=2)
 K3 = QuorumPolicy(min_quorum=3, grace_gamma=0.5, grace_cap_s=5.0, overlap_steps=2)

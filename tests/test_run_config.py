@@ -2,7 +2,7 @@
 
 import pytest
 
-from diloco_node.run_config import ConfigError, RunManifest, SyncSpec
+from diloco_node.config.manifest import ConfigError, RunManifest, SyncSpec
 
 
 def test_default_manifest_round_trips_through_dict():

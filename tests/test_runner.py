@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from diloco_node import data as data_lib
-from diloco_node import runner
-from diloco_node.run_config import InnerOptimizer, ModelSpec, RunManifest, SyncSpec
+from diloco_node.learn import data as data_lib
+from diloco_node.sim import runner
+from diloco_node.config.manifest import InnerOptimizer, ModelSpec, RunManifest, SyncSpec
 
 STEPS = 24
 M = 3

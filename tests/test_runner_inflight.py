@@ -6,9 +6,9 @@ import sys
 import numpy as np
 import pytest
 
-from diloco_node import data as data_lib
-from diloco_node import runner
-from diloco_node.run_config import ConfigError, InnerOptimizer, ModelSpec, RunManifest, SyncSpec
+from diloco_node.learn import data as data_lib
+from diloco_node.sim import runner
+from diloco_node.config.manifest import ConfigError, InnerOptimizer, ModelSpec, RunManifest, SyncSpec
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import parity  # noqa: E402

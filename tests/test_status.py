@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from diloco_node import cli
-from diloco_node.status import (
+from diloco_node.ops.status import (
     STATUS_SCHEMA,
     FragmentStatus,
     MemberStatus,
@@ -24,7 +24,7 @@ from diloco_node.status import (
     render_html,
     render_metrics,
 )
-from diloco_node.status_cli import fetch_status, PeerError, render_table, watch_command
+from diloco_node.cli.status import fetch_status, PeerError, render_table, watch_command
 
 
 def _document(node_id: str = "site-a", ready: bool = True) -> StatusDocument:

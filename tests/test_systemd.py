@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from diloco_node.systemd import SystemdNotifier, run_watchdog
+from diloco_node.ops.systemd import SystemdNotifier, run_watchdog
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from diloco_node.linkemu import LinkEmulator
+from diloco_node.testbed.linkemu import LinkEmulator
 from diloco_node.transport import (
     ClientOptions,
     Peer,

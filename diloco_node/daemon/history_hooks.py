@@ -30,8 +30,8 @@ from typing import Any, Protocol
 from bootstrap.coordinator_node import CoordinatorNode
 from bootstrap.election import Role
 from bootstrap.entries import EntryKind, LogEntry
-from diloco_node.daemon.replica import CommitPayload
-from diloco_node.history import HISTORY_FILE_NAME, FsyncPolicy, HistoryWriter
+from diloco_node.sync.replica import CommitPayload
+from diloco_node.ops.history import HISTORY_FILE_NAME, FsyncPolicy, HistoryWriter
 from wire.errors import RemoteProtocolError
 
 # A synchronous learner (quorum K > 1: a merge waits for peers) may run this many sync periods
@@ -78,7 +78,7 @@ def commit_contributors(entry: LogEntry) -> list[str]:
 
 
 class ReplicaView(Protocol):
-    """What the recorder reads of the replica after an apply (diloco_node.daemon.replica.Replica)."""
+    """What the recorder reads of the replica after an apply (diloco_node.sync.replica.Replica)."""
 
     applied_index: int
     diverged: set[int]

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 from bootstrap import messages as coord
 from bootstrap.entries import ClusterConfig, Snapshot
-from diloco_node.config import ConfigError, EffectiveConfig
-from diloco_node.daemon.replica import Replica
-from diloco_node.run_config import RunManifest
+from diloco_node.config.settings import ConfigError, EffectiveConfig
+from diloco_node.sync.replica import Replica
+from diloco_node.config.manifest import RunManifest
 from diloco_node.transport import PeerClient, TransportError
 from wire import messages as wire
 from wire.errors import LocalProtocolError, RemoteProtocolError

@@ -34,10 +34,10 @@ from bootstrap import messages as coord
 from bootstrap.coordinator_node import CoordinatorNode, NodeOptions, PersistentState
 from bootstrap.election import LeaseTiming, Role
 from bootstrap.entries import EntryKind, LogEntry, Snapshot
-from diloco_node import data as data_lib
-from diloco_node import model as model_lib
-from diloco_node.checkpoint import CheckpointError, CheckpointStore, read_checkpoint_file
-from diloco_node.config import ConfigError, EffectiveConfig, check_joiner_manifest
+from diloco_node.learn import data as data_lib
+from diloco_node.learn import model as model_lib
+from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore, read_checkpoint_file
+from diloco_node.config.settings import ConfigError, EffectiveConfig, check_joiner_manifest
 from diloco_node.daemon import peers
 from diloco_node.daemon.history_hooks import DaemonHistory
 from diloco_node.daemon.loop_monitor import LagWindow, watch_loop_lag
@@ -50,22 +50,22 @@ from diloco_node.daemon.join import (
     snapshot_from_wire,
     snapshot_to_wire,
 )
-from diloco_node.daemon.learner_thread import (
+from diloco_node.learn.learner_thread import (
     DueFragment,
     LearnerThread,
     snapshot_from_checkpoint,
     snapshot_meta_and_arrays,
 )
 from diloco_node.daemon.notify import BackgroundNotifier
-from diloco_node.daemon.replica import CommitPayload, Replica
+from diloco_node.sync.replica import CommitPayload, Replica
 from diloco_node.daemon.replica_store import ReplicaStore, ReplicaStoreError, compaction_point
-from diloco_node.daemon.syncer import CommitPlan, Syncer
-from diloco_node.fragments import is_embedding, plan_fragments, wire_fit_problems
-from diloco_node.inner import InnerLearner
-from diloco_node.merge import Contribution
-from diloco_node.run_config import RunManifest
-from diloco_node.status import FragmentStatus, MemberStatus, MetricsRegistry, QuorumStatus, StatusBuilder, operator_routes
-from diloco_node.systemd import SystemdNotifier, run_watchdog
+from diloco_node.sync.syncer import CommitPlan, Syncer
+from diloco_node.sync.fragments import is_embedding, plan_fragments, wire_fit_problems
+from diloco_node.learn.inner import InnerLearner
+from diloco_node.sync.merge import Contribution
+from diloco_node.config.manifest import RunManifest
+from diloco_node.ops.status import FragmentStatus, MemberStatus, MetricsRegistry, QuorumStatus, StatusBuilder, operator_routes
+from diloco_node.ops.systemd import SystemdNotifier, run_watchdog
 from diloco_node.transport import ClientOptions, PeerClient, PeerRefused, PeerServer, PeerUnreachable, TransportError
 from wire import messages as wire
 from wire.auth import AuthContext, FrameVerifier, derive_frame_key

@@ -14,7 +14,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from diloco_node.systemd import SystemdNotifier
+from diloco_node.ops.systemd import SystemdNotifier
 
 log = logging.getLogger(__name__)
 

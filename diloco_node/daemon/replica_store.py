@@ -19,7 +19,7 @@ called after every batch of actions and before sending them; it writes only what
 - `identity.json`: node id, role, run manifest and the address book (rewritten when changed).
 
 The snapshot's application state is not stored here: the global state lives in the node's
-checkpoints (diloco_node/checkpoint.py) and a lagging node fetches it from peers (join.py).
+checkpoints (diloco_node/ops/checkpoint.py) and a lagging node fetches it from peers (join.py).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco_node.daemon.local_cluster import Cluster, Site
+from diloco_node.testbed.local_cluster import Cluster, Site
 
 pytestmark = [pytest.mark.timeout(600)]
 

@@ -9,10 +9,10 @@ from bootstrap import messages as coord
 from bootstrap.coordinator_node import PersistentState
 from bootstrap.entries import ClusterConfig, EntryKind, LogEntry
 from diloco_node.daemon import peers
-from diloco_node.daemon.replica import CommitPayload, Replica
+from diloco_node.sync.replica import CommitPayload, Replica
 from diloco_node.daemon.replica_store import ReplicaStore
-from diloco_node.fragments import plan_fragments
-from diloco_node.run_config import OuterOptimizer
+from diloco_node.sync.fragments import plan_fragments
+from diloco_node.config.manifest import OuterOptimizer
 from wire import messages as wire
 from wire.codecs import decode_named, encode_named
 from wire.errors import RemoteProtocolError
@@ -146,7 +146,7 @@ def test_notifications_never_block_when_systemd_stops_reading(tmp_path) -> None:
     import socket
 
     from diloco_node.daemon.notify import BackgroundNotifier
-    from diloco_node.systemd import SystemdNotifier
+    from diloco_node.ops.systemd import SystemdNotifier
 
     path = tmp_path / "notify.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:
@@ -194,9 +194,9 @@ async def test_fragment_download_resumes_at_the_offset_on_another_peer() -> None
 
 
 def _syncer_with(replica: Replica, value: float) -> tuple:
-    from diloco_node.daemon.syncer import OpenRound, Syncer
-    from diloco_node.merge import Contribution
-    from diloco_node.run_config import RunManifest
+    from diloco_node.sync.syncer import OpenRound, Syncer
+    from diloco_node.sync.merge import Contribution
+    from diloco_node.config.manifest import RunManifest
 
     syncer = Syncer(RunManifest(), [])
     names = replica.plan.fragments[0].names
@@ -241,8 +241,8 @@ def test_pre_votes_travel_over_the_wire_and_older_frames_decode_as_real_votes() 
 def test_learner_reads_and_writes_parameter_leaves_by_the_models_names() -> None:
     import jax.numpy as jnp
 
-    from diloco_node import model as model_lib
-    from diloco_node.daemon.learner_thread import _leaf_index
+    from diloco_node.learn import model as model_lib
+    from diloco_node.learn.learner_thread import _leaf_index
 
     from flax import nnx
 
@@ -269,7 +269,7 @@ def test_learner_reads_and_writes_parameter_leaves_by_the_models_names() -> None
 
 def test_syncer_holds_an_out_of_phase_push_until_the_fragments_next_round() -> None:
     """The daemon's syncer applies the same per-fragment round rate limit as the runner."""
-    from diloco_node.merge import Contribution
+    from diloco_node.sync.merge import Contribution
 
     replica = _replica()
     syncer, _ = _syncer_with(replica, 0.01)

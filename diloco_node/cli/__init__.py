@@ -1,0 +1,67 @@
+"""The `diloco-node` command line: a registry of subcommands, each in its own module.
+
+Subcommand modules are imported lazily so that `diloco-node bandwidth` does not pay for
+importing JAX. Each module exposes `add_arguments(parser)` and `run(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+# name -> (module implementing it, one-line help). Add a line per subcommand.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("diloco_node.testbed.demo", "the main job on its built-in default: 4 local sites as real processes"),
+    "train": ("diloco_node.cli.train", "an in-process multi-learner run with every knob exposed"),
+    "simulate": ("diloco_node.cli.simulate", "fleet goodput under failures: dp, elastic dp, decoupled"),
+    "bandwidth": ("diloco_node.cli.bandwidth", "cross-site bandwidth: data-parallel vs decoupled"),
+    "status": ("diloco_node.cli.status", "one-shot status of one or more nodes (table or --json)"),
+    "watch": ("diloco_node.cli.status", "live view of nodes' status; one JSON line per poll when piped"),
+    "config": ("diloco_node.cli.config", "config show: the effective configuration and each value's source"),
+    "chaos": ("diloco_node.cli.chaos", "seeded chaos run on local sites: kills, stops, partitions; checked histories"),
+    "linkemu": ("diloco_node.testbed.linkemu", "a WAN link emulator: TCP proxy with bandwidth cap and latency"),
+    "run": ("diloco_node.cli.run", "run this site's daemon: found a run, or join one with --bootstrap"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="diloco-node",
+        description="Decoupled DiLoCo across sites: learners, a leased syncer, WAN-friendly sync.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser.set_defaults(_module=module_name, _command=name)
+        # Arguments are added on demand (see main) so unrelated commands stay cheap to parse.
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] not in SUBCOMMANDS:
+        parser.parse_args(argv)  # prints help / the error for an unknown command
+        parser.print_help()
+        return 2
+    name = argv[0]
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    sub_parser = argparse.ArgumentParser(prog=f"diloco-node {name}", description=SUBCOMMANDS[name][1])
+    module.add_arguments(sub_parser, name)
+    args = sub_parser.parse_args(argv[1:])
+    args.command = name
+    try:
+        return int(module.run(args) or 0)
+    except BrokenPipeError:
+        # `diloco-node simulate | head`: the reader left; that is not an error of ours.
+        # Point stdout at devnull so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""`diloco-node run`: start this site's daemon (found a run, or join one with --bootstrap).
+
+Exit codes: 0 clean stop (SIGTERM/SIGINT), 1 runtime failure, 2 configuration error,
+3 the run refused us (wrong secret, contradicting manifest, no bootstrap peer answered).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from diloco_node.config.settings import ConfigError, add_run_flags, load_config_from_args
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    add_run_flags(parser)
+
+
+def _event_loop_policy() -> None:
+    try:
+        import uvloop
+    except ImportError:  # the stdlib loop works too, only slower
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def _use_persistent_compilation_cache(data_dir: str) -> None:
+    """Compiled XLA programs are kept in `<data_dir>/jax-cache` so a restart (or a second site on
+    the same host pointed at a shared cache) skips most of the model's compile time.
+
+    An operator's own JAX_COMPILATION_CACHE_DIR (e.g. one cache shared by several sites) wins. JAX
+    reads these variables when it is imported, so this runs before the import.
+    """
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(data_dir, "jax-cache"))
+    # The model's initialisation is many small programs, each under JAX's default 1 s threshold;
+    # caching them too is what makes a warm start fast (measured: 5.6 s -> 0.8 s for the tiny model).
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        effective = load_config_from_args(args)
+        effective.read_secret()  # fail in milliseconds, before JAX is imported
+    except ConfigError as error:
+        print(f"diloco-node run: {error}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=effective.node.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s {effective.node.node_id} %(levelname)s %(name)s: %(message)s")
+    for warning in effective.warnings:
+        logging.getLogger("diloco_node.daemon").warning("%s", warning)
+    _use_persistent_compilation_cache(effective.node.data_dir)
+    from diloco_node.daemon.node import Node  # imports JAX: only for `run`
+
+    node = Node(effective, environ=dict(os.environ))
+    _event_loop_policy()
+    code = asyncio.run(node.run())
+    if code != 0 and node.exit_reason:
+        print(f"diloco-node run: {node.exit_reason}", file=sys.stderr)
+    return code

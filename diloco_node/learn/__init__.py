@@ -1,0 +1,1 @@
+"""The learner: the model, its data, the jitted inner AdamW step, and the training thread."""

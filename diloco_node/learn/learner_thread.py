@@ -1,0 +1,302 @@
+"""The learner: local AdamW training in ONE dedicated thread that never waits on the network.
+
+The event loop talks to it only through thread-safe hand-offs:
+- `offer_fragment(p, round, params)`: a newly committed global fragment; taken at the next step
+  boundary (the newest round wins), written over the local fragment, its counters reset;
+- `request_state()`: a future filled at the next step boundary with a consistent copy of the
+  learner's state (for checkpoints);
+- `stop()`: finish the current step and exit.
+The thread reports back through callbacks the node passes in (`on_contribution` when fragment
+p is due, `on_progress` after each step); the node marshals them onto the loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diloco_node.learn import data as data_lib
+from diloco_node.sync.fragments import FragmentPlan
+from diloco_node.learn.inner import InnerLearner
+from diloco_node.learn.model import ModelConfig
+from diloco_node.config.manifest import RunManifest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DueFragment:
+    """What the learner hands over when fragment p's slot comes: δ = Θ_p(base) − θ_p and counters."""
+
+    fragment: int
+    base_round: int
+    c_steps: int
+    c_tokens: int
+    delta: dict[str, np.ndarray]
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class LearnerSnapshot:
+    step: int
+    tokens: int
+    params: dict[str, np.ndarray]
+    opt_leaves: list[np.ndarray]
+    base_rounds: list[int]
+    c_steps: list[int]
+    c_tokens: list[int]
+
+
+def learner_index(node_id: str) -> int:
+    """A stable per-site stream index for the batch sampler (different sites, different batches)."""
+    return int.from_bytes(hashlib.sha256(node_id.encode()).digest()[:4], "little")
+
+
+class LearnerThread(threading.Thread):
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        cfg: ModelConfig,
+        manifest: RunManifest,
+        plan: FragmentPlan,
+        corpus: data_lib.Corpus,
+        global_params: Mapping[str, np.ndarray],
+        global_rounds: list[int],
+        on_contribution: Callable[[DueFragment], None],
+        on_progress: Callable[[int, float, int], None],
+        min_step_interval_s: float = 0.0,
+        inner: InnerLearner | None = None,
+    ) -> None:
+        super().__init__(name=f"learner-{node_id}", daemon=True)
+        self.plan = plan
+        self.manifest = manifest
+        if inner is None:
+            inner = InnerLearner(cfg, manifest.inner, manifest.seed, global_params)
+        else:  # built earlier by the node (its initial weights seeded the replica): take the state
+            inner.set_flat(global_params)
+        self._inner = inner
+        self._leaf_index = _leaf_index(self._inner.params)
+        if set(self._leaf_index) != set(global_params):
+            raise RuntimeError("parameter leaf names do not match the model's flat names")
+        self._sampler = data_lib.BatchSampler(corpus.train, manifest.inner.batch_size, manifest.model.seq_len,
+                                              manifest.seed, learner_index(node_id))
+        P = plan.num_fragments
+        self.base_rounds = list(global_rounds)
+        self._base_params = [{n: np.array(global_params[n], np.float32) for n in f.names} for f in plan.fragments]
+        self.c_steps = [0] * P
+        self.c_tokens = [0] * P
+        self._on_contribution = on_contribution
+        self._on_progress = on_progress
+        self._min_step_interval_s = min_step_interval_s
+        self._lock = threading.Lock()
+        self._offers: dict[int, tuple[int, dict[str, np.ndarray], dict[str, jax.Array]]] = {}
+        self._state_requests: list[Future[LearnerSnapshot]] = []
+        self._stop_requested = threading.Event()
+        self._go = threading.Event()
+        self.stopped_at_step: int | None = None
+        self.error: BaseException | None = None
+        self.last_step_at = time.monotonic()
+        self.step_seconds = 0.0
+        # Where the training thread's time goes (cumulative, written only by this thread): the
+        # jitted step itself vs the sync work it does at boundaries (applying committed fragments,
+        # computing due deltas, checkpoint copies). Pacing sleeps are in neither.
+        self.compute_seconds_total = 0.0
+        self.sync_seconds_total = 0.0
+
+    # ---- set-up -----------------------------------------------------------------------------
+
+    def compile(self) -> float:
+        """Compile the jitted step on throw-away copies (the node reports ready only after this)."""
+        started = time.perf_counter()
+        inner = self._inner
+        params = jax.tree.map(jnp.copy, inner.params)
+        opt_state = jax.tree.map(jnp.copy, inner.opt_state)
+        x, y = self._sampler.next()
+        _, _, loss = inner._step(params, opt_state, x, y)  # the same jitted callable: fills its cache
+        jax.block_until_ready(loss)
+        return time.perf_counter() - started
+
+    def restore(self, snap: LearnerSnapshot) -> None:
+        """Resume a checkpointed learner (before `start`): weights, AdamW state, step and tokens."""
+        inner = self._inner
+        inner.set_flat(snap.params)
+        treedef = jax.tree.structure(inner.opt_state)
+        inner.opt_state = jax.tree.unflatten(treedef, [jnp.asarray(a) for a in snap.opt_leaves])
+        inner.steps = snap.step
+        inner.tokens = snap.tokens
+        # The base stays the current global state: the next delta also carries what the run
+        # moved since this learner's checkpoint (a rebase), and the counters keep its work.
+        self.c_steps = list(snap.c_steps)
+        self.c_tokens = list(snap.c_tokens)
+
+    def adopt_global(self, global_params: Mapping[str, np.ndarray], global_rounds: list[int]) -> None:
+        """A fresh learner (before `start`) takes the current global state as its weights and base."""
+        self._inner.set_flat(global_params)
+        self.base_rounds = list(global_rounds)
+        self._base_params = [{n: np.array(global_params[n], np.float32) for n in f.names}
+                             for f in self.plan.fragments]
+        self.c_steps = [0] * self.plan.num_fragments
+        self.c_tokens = [0] * self.plan.num_fragments
+
+    def begin_training(self) -> None:
+        self._go.set()
+
+    # ---- thread-safe hand-offs ----------------------------------------------------------------
+
+    def offer_fragment(self, p: int, round_: int, params: dict[str, np.ndarray]) -> None:
+        # Device copies are made here, on the caller's thread, not at the training thread's boundary.
+        on_device = {n: jnp.asarray(v, dtype=jnp.float32) for n, v in params.items()}
+        with self._lock:
+            current = self._offers.get(p)
+            if current is None or current[0] < round_:
+                self._offers[p] = (round_, params, on_device)
+
+    def request_state(self) -> Future[LearnerSnapshot]:
+        future: Future[LearnerSnapshot] = Future()
+        with self._lock:
+            self._state_requests.append(future)
+        if not self._go.is_set() or not self.is_alive():
+            self._answer_state_requests()
+        return future
+
+    def stop(self) -> None:
+        self._stop_requested.set()
+        self._go.set()
+
+    @property
+    def steps(self) -> int:
+        return self._inner.steps
+
+    @property
+    def tokens(self) -> int:
+        return self._inner.tokens
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            self._go.wait()
+            while not self._stop_requested.is_set():
+                started = time.perf_counter()
+                self._boundary()
+                computing = time.perf_counter()
+                x, y = self._sampler.next()
+                loss = float(self._inner.step(x, y))
+                tokens = int(np.size(y))
+                for p in range(self.plan.num_fragments):
+                    self.c_steps[p] += 1
+                    self.c_tokens[p] += tokens
+                computed = time.perf_counter()
+                self.step_seconds = computed - computing
+                self.compute_seconds_total += computed - computing
+                self.last_step_at = time.monotonic()
+                self._on_progress(self._inner.steps, loss, self._inner.tokens)
+                for p in self.plan.due(self._inner.steps):
+                    self._send_due(p)
+                self.sync_seconds_total += (computing - started) + (time.perf_counter() - computed)
+                if self._min_step_interval_s > 0:
+                    rest = self._min_step_interval_s - (time.perf_counter() - started)
+                    if rest > 0:
+                        self._stop_requested.wait(rest)
+            self._boundary()
+        except BaseException as error:  # reported on /status and /livez by the node
+            self.error = error
+            log.exception("learner thread failed")
+        finally:
+            self.stopped_at_step = self._inner.steps
+            self._answer_state_requests()
+
+    def _boundary(self) -> None:
+        with self._lock:
+            offers, self._offers = self._offers, {}
+        taken = {p: offer for p, offer in offers.items() if offer[0] > self.base_rounds[p]}
+        if taken:
+            # One write of all newly committed fragments, straight into the parameter leaves:
+            # this runs on the training thread, so it avoids the generic (slower) tree rebuild.
+            incoming: dict[str, Any] = {n: v for _, _, on_device in taken.values() for n, v in on_device.items()}
+            if self.manifest.sync.apply == "mix":
+                alpha = self.manifest.sync.mix_alpha
+                local = self._read_params(incoming)
+                incoming = {n: (alpha * local[n] + (1 - alpha) * np.asarray(v)).astype(np.float32)
+                            for n, v in incoming.items()}
+            self._write_params(incoming)
+            for p, (round_, params, _) in taken.items():
+                self.base_rounds[p] = round_
+                self._base_params[p] = params
+                self.c_steps[p] = 0
+                self.c_tokens[p] = 0
+        self._answer_state_requests()
+
+    def _read_params(self, names: Iterable[str]) -> dict[str, np.ndarray]:
+        """Host copies of the named local tensors (only those: a due fragment needs its own)."""
+        leaves = jax.tree.leaves(self._inner.params)
+        return {n: np.array(leaves[self._leaf_index[n]], dtype=np.float32) for n in names}
+
+    def _write_params(self, flat: Mapping[str, Any]) -> None:
+        params = self._inner.params
+        leaves = jax.tree.leaves(params)
+        for name, value in flat.items():
+            i = self._leaf_index[name]
+            if tuple(np.shape(value)) != tuple(leaves[i].shape):
+                raise ValueError(f"parameter {name}: shape {np.shape(value)} != {tuple(leaves[i].shape)}")
+            leaves[i] = value if isinstance(value, jax.Array) else jnp.asarray(value, dtype=jnp.float32)
+        self._inner.params = jax.tree.unflatten(jax.tree.structure(params), leaves)
+
+    def _send_due(self, p: int) -> None:
+        if self.c_steps[p] == 0:
+            return
+        names = self.plan.fragments[p].names
+        local = self._read_params(names)
+        delta = {n: (self._base_params[p][n] - local[n]).astype(np.float32) for n in names}
+        self._on_contribution(DueFragment(p, self.base_rounds[p], self.c_steps[p], self.c_tokens[p], delta,
+                                          self._inner.steps))
+
+    def _answer_state_requests(self) -> None:
+        with self._lock:
+            requests, self._state_requests = self._state_requests, []
+        if not requests:
+            return
+        snap = LearnerSnapshot(
+            step=self._inner.steps, tokens=self._inner.tokens, params=self._inner.get_flat(),
+            opt_leaves=[np.asarray(leaf) for leaf in jax.tree.leaves(self._inner.opt_state)],
+            base_rounds=list(self.base_rounds), c_steps=list(self.c_steps), c_tokens=list(self.c_tokens))
+        for future in requests:
+            if not future.done():
+                future.set_result(snap)
+
+
+def _leaf_index(params: Any) -> dict[str, int]:
+    """Parameter name ("blocks/0/attn/out/kernel", as `model.flat_params` names them) -> leaf position."""
+    named, _ = jax.tree_util.tree_flatten_with_path(params)
+    index = {}
+    for i, (path, _) in enumerate(named):
+        keys = [k for k in path if not isinstance(k, jax.tree_util.GetAttrKey)]  # the Variable's `.value`
+        index["/".join(str(k.key if hasattr(k, "key") else k.idx) for k in keys)] = i
+    return index
+
+
+def snapshot_meta_and_arrays(snap: LearnerSnapshot) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    meta = {"step": snap.step, "tokens": snap.tokens, "base_rounds": snap.base_rounds,
+            "c_steps": snap.c_steps, "c_tokens": snap.c_tokens, "opt_leaves": len(snap.opt_leaves)}
+    arrays = {f"learner/params/{n}": a for n, a in snap.params.items()}
+    arrays.update({f"learner/opt/{i:05d}": np.asarray(a) for i, a in enumerate(snap.opt_leaves)})
+    return meta, arrays
+
+
+def snapshot_from_checkpoint(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> LearnerSnapshot:
+    prefix = "learner/params/"
+    params = {k[len(prefix):]: np.array(v) for k, v in arrays.items() if k.startswith(prefix)}
+    leaves = [np.array(arrays[f"learner/opt/{i:05d}"]) for i in range(int(meta["opt_leaves"]))]
+    return LearnerSnapshot(int(meta["step"]), int(meta["tokens"]), params, leaves, list(meta["base_rounds"]),
+                           list(meta["c_steps"]), list(meta["c_tokens"]))

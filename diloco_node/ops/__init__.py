@@ -1,0 +1,1 @@
+"""What operators see and keep: /status and /metrics documents, systemd, checkpoints, history files."""

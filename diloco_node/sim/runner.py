@@ -1,0 +1,796 @@
+"""In-process multi-learner runner on a virtual clock: M learners, one syncer, real codecs.
+
+This is the simulation harness behind `diloco-node demo/train` and `benchmarks/parity.py`. All M
+learners live in one process: their parameters are stacked and stepped by one vmapped, jitted
+AdamW call per clock tick (`inner.StackedLearners`), masked for learners that are mid-step or
+down. Time is virtual: learner m's step takes `base_step_s / speed_m`; a transfer of n bytes takes
+`latency_s + n / bandwidth`. Every exchange is really encoded with `wire.codecs`, so byte counts
+are actual payload lengths, and merged with the merge helper's modules (`merge`,
+`global_state`, `quorum`, `fragments`): the runner composes them and adds no merge math.
+
+Modes (see `MODES`):
+- `data_parallel`: one model, gradients all-reduced every step (global batch = every live
+  learner's batch). Bytes: each live learner sends its raw fp32 gradient and receives the raw fp32
+  mean every step (what a ring/tree all-reduce moves per worker, up to a constant near 1).
+- `diloco`: synchronous DiLoCo: whole model (P = 1) every H steps, learners block until the
+  merge of all live learners (K = M) comes back; plain mean, uniform weights.
+- `streaming`: Streaming DiLoCo: P fragments, staggered; a fragment sent at step n must be merged
+  (K = M) and applied before step n + tau + 1 starts, otherwise the learner blocks; plain mean.
+- `decoupled`: Decoupled DiLoCo: K from the manifest (default 1) plus the adaptive grace window,
+  token weights, RDA; learners never block, merges are applied at the next step boundary.
+
+Outages: a learner that is down does not compute (a step in progress is lost). On rejoin it
+downloads every merge it missed (bytes counted), takes the newest global fragments and resets its
+counters. The synchronous baselines are *elastic*: they carry on with the live learners (failure
+detection is assumed instant, which favours them) and a rejoining learner joins at the next
+round. Idle time = time a live learner spends blocked (on slower peers or on the network);
+`idle_fraction` = idle / (idle + compute) over all learners.
+
+The run stops when the learners together have processed the token budget (equal tokens across
+modes); contributions already sent are still merged, steps in progress are dropped. Deterministic
+for a seed: same config, same losses and byte counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from diloco_node.learn import data as data_lib
+from diloco_node.learn import model as model_lib
+from diloco_node.sync.fragments import FragmentPlan, is_embedding, plan_fragments
+from diloco_node.sync.global_state import GlobalState
+from diloco_node.learn.inner import InnerLearner, StackedLearners
+from diloco_node.sync.merge import Contribution, ContributionCaps, NormReference, merge_contributions
+from diloco_node.sync.quorum import DEFAULT_MIN_ROUND_INTERVAL_FACTOR, Ema, QuorumPolicy, TimingEstimates, decide_round
+from diloco_node.config.manifest import RunManifest
+from wire.codecs import decode_named, encode_named
+
+MODES = ("data_parallel", "diloco", "streaming", "decoupled")
+# Events closer than this on the virtual clock count as simultaneous (float noise of sums).
+TIME_EPS = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class LinkModel:
+    """A WAN link between any site and the syncer: fixed latency plus bandwidth."""
+
+    bandwidth_bytes_per_s: float = 12.5e6  # 100 Mbit/s
+    latency_s: float = 0.05
+
+    def transfer_s(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True, slots=True)
+class Outage:
+    """Learner `learner` is down on the virtual interval [start_s, end_s)."""
+
+    learner: int
+    start_s: float
+    end_s: float
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.start_s < self.end_s:
+            raise ValueError(f"outage of learner {self.learner}: need 0 <= start_s < end_s, got {self.start_s}, {self.end_s}")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """One simulated run. `steps` is the nominal number of steps per learner: the token budget is
+    num_learners * steps * batch_size * seq_len, and it is the horizon of the inner cosine."""
+
+    manifest: RunManifest
+    mode: str = "decoupled"
+    num_learners: int = 4
+    steps: int = 400
+    speeds: tuple[float, ...] = ()  # relative speeds, 1.0 each when empty
+    outages: tuple[Outage, ...] = ()
+    base_step_s: float = 1.0
+    link: LinkModel = LinkModel()
+    eval_batches: int = 8
+    eval_batch_size: int = 32
+    log_every: int = 0  # ticks between progress callbacks (0: never)
+    # When the budget is spent, every live learner sends each fragment it has trained since its
+    # last send, so the evaluated global model contains every token (costs one more exchange).
+    final_sync: bool = True
+    # decoupled: rho of the per-fragment round rate limit (quorum.py); 0 disables it
+    min_round_interval_factor: float = DEFAULT_MIN_ROUND_INTERVAL_FACTOR
+    # Not the paper's rule (it overwrites): when a merge with this learner's contribution is
+    # applied, keep the local progress made on the fragment since that contribution was sent,
+    # theta_p <- Theta_p + (theta_p,now - theta_p,at send), instead of discarding those steps.
+    keep_inflight_progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r}: must be one of {', '.join(MODES)}")
+        if self.num_learners < 1:
+            raise ValueError(f"num_learners = {self.num_learners}: must be >= 1")
+        if self.steps < 1:
+            raise ValueError(f"steps = {self.steps}: must be >= 1")
+        if self.speeds and len(self.speeds) != self.num_learners:
+            raise ValueError(f"speeds: {len(self.speeds)} given for {self.num_learners} learners")
+        if any(not (s > 0 and math.isfinite(s)) for s in self.speeds):
+            raise ValueError(f"speeds {self.speeds}: each must be a positive number")
+        for outage in self.outages:
+            if not 0 <= outage.learner < self.num_learners:
+                raise ValueError(f"outage names learner {outage.learner}, but there are {self.num_learners}")
+
+    def speed(self, m: int) -> float:
+        return self.speeds[m] if self.speeds else 1.0
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.manifest.inner.batch_size * self.manifest.model.seq_len
+
+    @property
+    def token_budget(self) -> int:
+        return self.num_learners * self.steps * self.tokens_per_step
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A live progress line's content."""
+
+    mode: str
+    time_s: float
+    step: int  # most steps any learner has done
+    tokens: int
+    train_loss: float
+    merges: int
+    bytes_cross_site: int
+
+
+@dataclass
+class RunResult:
+    mode: str
+    eval_loss_start: float
+    eval_loss: float
+    bytes_up: int
+    bytes_down: int
+    merges: int
+    merges_during_outage: int
+    idle_fraction: float
+    tokens: int
+    learner_steps: tuple[int, ...]
+    virtual_s: float
+    wall_s: float
+    data_parallel_bytes_equivalent: int  # what data-parallel would have sent for these tokens
+    missed_merges_applied: int = 0  # merges that learners back from an outage downloaded and applied
+    merge_log: list[str] = field(default_factory=list)
+    loss_curve: list[tuple[float, int, float]] = field(default_factory=list)  # (time, tokens, train loss)
+
+    @property
+    def bytes_cross_site(self) -> int:
+        return self.bytes_up + self.bytes_down
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["bytes_cross_site"] = self.bytes_cross_site
+        out.pop("merge_log")
+        return out
+
+
+# ------------------------------------------------------------------------------------------------
+# shared setup
+
+
+@dataclass
+class _Setup:
+    cfg: model_lib.ModelConfig
+    samplers: list[data_lib.BatchSampler]
+    eval_inputs: np.ndarray
+    eval_targets: np.ndarray
+    initial: dict[str, np.ndarray]
+    fp32_grad_bytes: int
+
+
+def _setup(config: RunnerConfig, corpus: data_lib.Corpus) -> _Setup:
+    manifest = config.manifest
+    seq_len = manifest.model.seq_len
+    cfg = model_lib.model_config(manifest.model.size, seq_len)
+    if corpus.vocab_size != cfg.vocab_size:
+        cfg = dataclasses.replace(cfg, vocab_size=corpus.vocab_size)
+    shards = data_lib.shard_bounds(len(corpus.train), config.num_learners)
+    samplers = [data_lib.BatchSampler(corpus.train[a:b], manifest.inner.batch_size, seq_len, manifest.seed, m)
+                for m, (a, b) in enumerate(shards)]
+    eval_inputs, eval_targets = data_lib.eval_batches(corpus.eval, config.eval_batches, config.eval_batch_size, seq_len)
+    _, params = model_lib.split_model(model_lib.init_model(cfg, manifest.seed))
+    initial = model_lib.flat_params(params)
+    # Raw fp32 (no compression) is what a gradient all-reduce moves.
+    fp32_grad_bytes = len(encode_named(initial, "fp32", zstd_level=None))
+    return _Setup(cfg, samplers, eval_inputs, eval_targets, initial, fp32_grad_bytes)
+
+
+def _inner_for(config: RunnerConfig):
+    return dataclasses.replace(config.manifest.inner, total_steps=max(config.steps, config.manifest.inner.warmup_steps + 1))
+
+
+def _outage_intervals(config: RunnerConfig, m: int) -> list[tuple[float, float]]:
+    return sorted((o.start_s, o.end_s) for o in config.outages if o.learner == m)
+
+
+def _is_down(config: RunnerConfig, m: int, t: float) -> bool:
+    return any(a - TIME_EPS <= t < b - TIME_EPS for a, b in _outage_intervals(config, m))
+
+
+def run(config: RunnerConfig, corpus: data_lib.Corpus,
+        on_progress: Callable[[Progress], None] | None = None) -> RunResult:
+    """Run one simulated training job and evaluate the resulting global model."""
+    started = time.perf_counter()
+    setup = _setup(config, corpus)
+    if config.mode == "data_parallel":
+        result = _DataParallel(config, setup, on_progress).run()
+    else:
+        result = _FragmentSync(config, setup, on_progress).run()
+    result.wall_s = time.perf_counter() - started
+    return result
+
+
+def _evaluate(setup: _Setup, flat: dict[str, np.ndarray], evaluate, template) -> float:
+    params = model_lib.load_flat_params(template, flat)
+    return float(evaluate(params, setup.eval_inputs, setup.eval_targets))
+
+
+# ------------------------------------------------------------------------------------------------
+# data-parallel
+
+
+class _DataParallel:
+    """One model; every step waits for the slowest live learner, then all-reduces fp32 gradients."""
+
+    def __init__(self, config: RunnerConfig, setup: _Setup, on_progress):
+        self.config, self.setup, self.on_progress = config, setup, on_progress
+
+    def run(self) -> RunResult:
+        config, setup = self.config, self.setup
+        learner = InnerLearner(setup.cfg, _inner_for(config), config.manifest.seed, setup.initial)
+        evaluate = model_lib.eval_fn_for(setup.cfg)
+        eval_start = _evaluate(setup, setup.initial, evaluate, learner.params)
+        t = 0.0
+        tokens = bytes_up = bytes_down = merges = merges_outage = 0
+        compute_s = idle_s = 0.0
+        was_down = [False] * config.num_learners
+        steps = [0] * config.num_learners
+        losses: list[tuple[float, int, object]] = []
+        curve: list[tuple[float, int, float]] = []
+        tick = 0
+        while tokens < config.token_budget:
+            live = [m for m in range(config.num_learners) if not _is_down(config, m, t)]
+            if not live:  # everyone down: time passes until the next rejoin
+                t = min(b for m in range(config.num_learners) for a, b in _outage_intervals(config, m) if b > t)
+                continue
+            for m in range(config.num_learners):
+                down = m not in live
+                if was_down[m] and not down:  # rejoin: fetch the current model (raw fp32)
+                    bytes_down += setup.fp32_grad_bytes
+                was_down[m] = down
+            batches = [setup.samplers[m].next() for m in live]
+            inputs = np.concatenate([b[0] for b in batches])
+            targets = np.concatenate([b[1] for b in batches])
+            loss = learner.step(inputs, targets)
+            durations = [config.base_step_s / config.speed(m) for m in live]
+            comm_s = 2 * config.link.transfer_s(setup.fp32_grad_bytes)
+            step_s = max(durations) + comm_s
+            compute_s += sum(durations)
+            idle_s += sum(step_s - d for d in durations)
+            bytes_up += len(live) * setup.fp32_grad_bytes
+            bytes_down += len(live) * setup.fp32_grad_bytes
+            if any(o.start_s <= t < o.end_s for o in config.outages):
+                merges_outage += 1
+            t += step_s
+            merges += 1
+            tokens += int(targets.size)
+            for m in live:
+                steps[m] += 1
+            losses.append((t, tokens, loss))
+            tick += 1
+            if config.log_every and tick % config.log_every == 0:
+                train_loss = float(np.mean([float(x) for _, _, x in losses[-config.log_every:]]))
+                curve.append((t, tokens, train_loss))
+                if self.on_progress:
+                    self.on_progress(Progress(config.mode, t, max(steps), tokens, train_loss, merges, bytes_up + bytes_down))
+        eval_end = float(evaluate(learner.params, setup.eval_inputs, setup.eval_targets))
+        return RunResult(
+            mode=config.mode, eval_loss_start=eval_start, eval_loss=eval_end, bytes_up=bytes_up,
+            bytes_down=bytes_down, merges=merges, merges_during_outage=merges_outage,
+            idle_fraction=idle_s / max(idle_s + compute_s, 1e-12), tokens=tokens, learner_steps=tuple(steps),
+            virtual_s=t, wall_s=0.0, data_parallel_bytes_equivalent=bytes_up + bytes_down, loss_curve=curve,
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# fragment synchronisation: diloco, streaming, decoupled
+
+
+@dataclass(frozen=True)
+class _ModePolicy:
+    fragments: int
+    overlap: int
+    blocking: bool  # learners wait for a sent fragment's merge by step n + overlap
+    all_live: bool  # K = every live member of the round (synchronous)
+    method: str
+    weighting: str
+
+
+def _mode_policy(config: RunnerConfig) -> _ModePolicy:
+    sync = config.manifest.sync
+    if config.mode == "diloco":
+        return _ModePolicy(1, 0, True, True, "mean", "uniform")
+    if config.mode == "streaming":
+        return _ModePolicy(sync.fragments, sync.overlap, True, True, "mean", "uniform")
+    return _ModePolicy(sync.fragments, sync.overlap, False, False, sync.merge, sync.weighting)
+
+
+@dataclass
+class _MergeMsg:
+    fragment: int
+    round: int
+    params: dict[str, np.ndarray]  # Theta_p after the merge (the learner's replica computes the same bits)
+    nbytes: int  # encoded merged outer gradient: what crosses the link
+    arrival: float
+    contributors: frozenset[str] = frozenset()  # learners whose contribution this merge accepted
+
+
+@dataclass
+class _LearnerState:
+    index: int
+    name: str
+    step_s: float
+    down: bool = False
+    stepping: bool = False  # a STEP_DONE event is scheduled
+    joining: bool = False  # back from an outage, waiting for the next step boundary of the others
+    active_since: float = 0.0  # when it (re)joined the schedule; rounds opened earlier do not wait for it
+    blocked_since: float | None = None
+    sync_step: int = 0  # steps since start (phase of the fragment schedule)
+    c_steps: list[int] = field(default_factory=list)
+    c_tokens: list[int] = field(default_factory=list)
+    base_round: list[int] = field(default_factory=list)
+    base_params: list[dict[str, np.ndarray]] = field(default_factory=list)
+    awaiting: dict[int, int] = field(default_factory=dict)  # fragment -> last step allowed before its merge
+    sent_step: dict[int, int] = field(default_factory=dict)  # fragment -> sync_step of its last send
+    # fragment -> (local fragment, c_steps, c_tokens) at its last send (keep_inflight_progress only)
+    sent_local: dict[int, tuple[dict[str, np.ndarray], int, int]] = field(default_factory=dict)
+    inbox: list[_MergeMsg] = field(default_factory=list)
+    missed: list[_MergeMsg] = field(default_factory=list)
+    compute_s: float = 0.0
+    idle_s: float = 0.0
+
+
+@dataclass
+class _Round:
+    opened_at: float
+    members: frozenset[str]
+    first_sent_at: float
+    pending: dict[str, tuple[Contribution, float, float]] = field(default_factory=dict)  # (c, arrived, sent)
+
+
+_STEP, _ARRIVE, _WAKE, _DELIVER, _DOWN, _UP = range(6)
+
+
+class _FragmentSync:
+    """diloco / streaming / decoupled: learners, one syncer, an event queue on a virtual clock."""
+
+    def __init__(self, config: RunnerConfig, setup: _Setup, on_progress):
+        self.config, self.setup, self.on_progress = config, setup, on_progress
+        self.policy = _mode_policy(config)
+        sync = config.manifest.sync
+        period = max(sync.period, self.policy.fragments)
+        shapes = {n: a.shape for n, a in setup.initial.items()}
+        self.plan: FragmentPlan = plan_fragments(shapes, self.policy.fragments, period, self.policy.overlap)
+        self.period = period
+        self.global_state = GlobalState(self.plan, setup.initial, config.manifest.outer)
+        self.caps = ContributionCaps(sync.max_tokens_per_step, sync.max_steps_per_contribution)
+        self.embedding_names = [n for n in setup.initial if is_embedding(n)]
+        self.norm_ref = NormReference()
+        # Decoupled: rounds of a fragment are rate-limited to its period (QuorumPolicy's rho), so a
+        # straggler's out-of-phase contribution joins the next on-time round instead of merging alone.
+        self.quorum = QuorumPolicy(sync.min_quorum, sync.grace_gamma, sync.grace_cap_s, self.policy.overlap,
+                                   period_steps=period, min_round_interval_factor=config.min_round_interval_factor)
+        self.last_merge_at: dict[int, float] = {}  # fragment -> time of its last outer step
+        M = config.num_learners
+        self.learners = [_LearnerState(m, f"learner-{m}", config.base_step_s / config.speed(m)) for m in range(M)]
+        self._by_name = {st.name: st for st in self.learners}
+        P = self.plan.num_fragments
+        for st in self.learners:
+            st.c_steps, st.c_tokens = [0] * P, [0] * P
+            st.base_round = [0] * P
+            st.base_params = [self.global_state.fragment_params(p) for p in range(P)]
+        self.stack = StackedLearners(setup.cfg, _inner_for(config), M, config.manifest.seed, setup.initial)
+        self.rounds: dict[int, _Round] = {}
+        self.events: list[tuple[float, int, int, object]] = []
+        self._seq = 0
+        self.bytes_up = self.bytes_down = 0
+        self.merges = self.merges_outage = 0
+        self.missed_merges_applied = 0
+        self.tokens = 0
+        self.now = 0.0
+        self.stop_time: float | None = None
+        self.merge_log: list[str] = []
+        # Timing estimates for the grace window. The syncer primes them from what it knows before
+        # the first round: step times from progress reports, sync time from a link probe.
+        self.xi_step, self.xi_quorum, self.xi_sync = Ema(), Ema(), Ema()
+        self.xi_step.update(config.base_step_s / max(config.speed(m) for m in range(M)))
+        self.xi_quorum.update(0.0)
+        probe = len(encode_named(self.global_state.fragment_params(0), sync.codec_up))
+        self.xi_sync.update(2 * config.link.transfer_s(probe))
+        self._zero_batch = np.zeros((config.manifest.inner.batch_size, config.manifest.model.seq_len), np.int32)
+        self._losses: list[tuple[np.ndarray, object]] = []
+        self.curve: list[tuple[float, int, float]] = []
+        self._ticks = 0
+
+    # --- event queue ---
+
+    def _push(self, t: float, kind: int, payload: object) -> None:
+        self._seq += 1
+        heapq.heappush(self.events, (t, kind if kind == _STEP else 1 + kind, self._seq, (kind, payload)))
+
+    def _in_outage(self, t: float) -> bool:
+        return any(o.start_s <= t < o.end_s for o in self.config.outages)
+
+    # --- main loop ---
+
+    def run(self) -> RunResult:
+        config = self.config
+        evaluate = model_lib.eval_fn_for(self.setup.cfg)
+        template = self.stack.learner_params(0)
+        eval_start = _evaluate(self.setup, self.setup.initial, evaluate, template)
+        for o in config.outages:
+            self._push(o.start_s, _DOWN, o.learner)
+            self._push(o.end_s, _UP, o.learner)
+        for st in self.learners:
+            if not _is_down(config, st.index, 0.0):
+                self._start_step(st, 0.0)
+            else:
+                st.down = True
+        while self.events:
+            t, _, _, (kind, payload) = heapq.heappop(self.events)
+            self.now = t
+            if kind == _STEP:
+                group = [payload]
+                while self.events and self.events[0][1] == _STEP and abs(self.events[0][0] - t) <= TIME_EPS:
+                    group.append(heapq.heappop(self.events)[3][1])
+                self._steps_done(sorted(group), t)
+            elif kind == _ARRIVE:
+                self._arrive(payload, t)
+            elif kind == _WAKE:
+                self._evaluate_round(payload, t)
+            elif kind == _DELIVER:
+                st = self.learners[payload]
+                if st.blocked_since is not None and not st.down:
+                    self._boundary(st, t, stepped=False)
+            elif kind == _DOWN:
+                self._go_down(self.learners[payload], t)
+            elif kind == _UP:
+                self._come_up(self.learners[payload], t)
+        self._flush_losses()
+        eval_end = _evaluate(self.setup, self.global_state.all_params(), evaluate, template)
+        compute = sum(st.compute_s for st in self.learners)
+        idle = sum(st.idle_s for st in self.learners)
+        dp_equiv = 2 * self.setup.fp32_grad_bytes * (self.tokens // config.tokens_per_step)
+        return RunResult(
+            mode=config.mode, eval_loss_start=eval_start, eval_loss=eval_end, bytes_up=self.bytes_up,
+            bytes_down=self.bytes_down, merges=self.merges, merges_during_outage=self.merges_outage,
+            idle_fraction=idle / max(idle + compute, 1e-12), tokens=self.tokens,
+            learner_steps=tuple(int(s) for s in self.stack.steps), virtual_s=self.stop_time or self.now,
+            wall_s=0.0, data_parallel_bytes_equivalent=dp_equiv, merge_log=self.merge_log, loss_curve=self.curve,
+            missed_merges_applied=self.missed_merges_applied,
+        )
+
+    # --- learners ---
+
+    def _start_step(self, st: _LearnerState, t: float) -> None:
+        st.stepping = True
+        self._push(t + st.step_s, _STEP, st.index)
+
+    def _steps_done(self, indices: list[int], t: float) -> None:
+        config = self.config
+        mask = np.zeros(config.num_learners, dtype=bool)
+        for m in indices:
+            mask[m] = True
+        rows_in, rows_tg = [], []
+        for m in range(config.num_learners):
+            if mask[m]:
+                x, y = self.setup.samplers[m].next()
+            else:
+                x, y = self._zero_batch, self._zero_batch
+            rows_in.append(x)
+            rows_tg.append(y)
+        loss_M = self.stack.step(np.stack(rows_in), np.stack(rows_tg), mask)
+        self._losses.append((mask, loss_M))
+        self._ticks += 1
+        for m in indices:
+            st = self.learners[m]
+            st.stepping = False
+            st.compute_s += st.step_s
+            st.sync_step += 1
+            self.tokens += config.tokens_per_step
+            for p in range(self.plan.num_fragments):
+                st.c_steps[p] += 1
+                st.c_tokens[p] += config.tokens_per_step
+        if self.tokens >= config.token_budget and self.stop_time is None:
+            self.stop_time = t
+            # Steps in progress are dropped: the budget is spent.
+            self.events = [e for e in self.events if e[3][0] != _STEP]
+            heapq.heapify(self.events)
+            for st in self.learners:
+                st.stepping = False
+                if st.blocked_since is not None:  # blocked until the end: that wait is idle time
+                    st.idle_s += t - st.blocked_since
+                    st.blocked_since = None
+        for m in indices:
+            self._boundary(self.learners[m], t, stepped=True)
+        if self.stop_time == t and config.final_sync and config.mode != "data_parallel":
+            for st in self.learners:
+                if st.down:
+                    continue
+                for p in range(self.plan.num_fragments):
+                    if st.c_steps[p] > 0 and st.sent_step.get(p) != st.sync_step:
+                        self._send(st, p, t)
+        self._admit_joiners(indices, t)
+        if config.log_every and self._ticks % config.log_every == 0:
+            self._report(t)
+
+    def _flush_losses(self) -> list[float]:
+        values = [float(np.asarray(loss)[mask].mean()) for mask, loss in self._losses]
+        self._losses = []
+        return values
+
+    def _report(self, t: float) -> None:
+        values = self._flush_losses()
+        train_loss = float(np.mean(values)) if values else float("nan")
+        self.curve.append((t, self.tokens, train_loss))
+        if self.on_progress:
+            self.on_progress(Progress(self.config.mode, t, int(max(self.stack.steps)), self.tokens, train_loss,
+                                      self.merges, self.bytes_up + self.bytes_down))
+
+    def _boundary(self, st: _LearnerState, t: float, stepped: bool) -> None:
+        """Between two steps: apply arrived merges, send due fragments, then step or block."""
+        self._apply_inbox(st, t)
+        if stepped and (self.stop_time is None or self.stop_time == t):
+            for p in self.plan.due(st.sync_step):
+                if st.c_steps[p] > 0:  # nothing new to contribute right after a merge was applied
+                    self._send(st, p, t)
+        if self.stop_time is not None:
+            if st.blocked_since is not None:
+                st.idle_s += t - st.blocked_since
+                st.blocked_since = None
+            return
+        blocked = self.policy.blocking and any(st.sync_step >= last for last in st.awaiting.values())
+        if blocked:
+            if st.blocked_since is None:
+                st.blocked_since = t
+            return
+        if st.blocked_since is not None:
+            st.idle_s += t - st.blocked_since
+            st.blocked_since = None
+        self._start_step(st, t)
+
+    def _apply_inbox(self, st: _LearnerState, t: float) -> None:
+        ready = [msg for msg in st.inbox if msg.arrival <= t + TIME_EPS]
+        if not ready:
+            return
+        st.inbox = [msg for msg in st.inbox if msg.arrival > t + TIME_EPS]
+        for msg in sorted(ready, key=lambda m: (m.fragment, m.round)):
+            self._apply_merge(st, msg)
+
+    def _apply_merge(self, st: _LearnerState, msg: _MergeMsg, overwrite: bool = False) -> None:
+        p = msg.fragment
+        st.awaiting.pop(p, None)  # the round it waited for is closed (merged, or nothing acceptable)
+        if msg.round <= st.base_round[p]:
+            return
+        sync = self.config.manifest.sync
+        if not overwrite and st.name not in msg.contributors and st.c_steps[p] > 0:
+            # A merge without this learner's pending work (e.g. a straggler's lone round): take the
+            # global change on top of the local model and keep the unsent progress and counters.
+            local = self.stack.get_flat(st.index, msg.params)
+            base = st.base_params[p]
+            self.stack.set_flat(st.index, {n: (local[n] + (v - base[n])).astype(np.float32) for n, v in msg.params.items()})
+            st.base_round[p] = msg.round
+            st.base_params[p] = msg.params
+            return
+        sent = st.sent_local.pop(p, None)
+        if self.config.keep_inflight_progress and not overwrite and sent is not None and st.name in msg.contributors:
+            # Steps taken since the send are not in the merge: carry them over, counters included.
+            at_send, steps_at_send, tokens_at_send = sent
+            local = self.stack.get_flat(st.index, msg.params)
+            self.stack.set_flat(st.index, {n: (v + (local[n] - at_send[n])).astype(np.float32)
+                                           for n, v in msg.params.items()})
+            st.base_round[p] = msg.round
+            st.base_params[p] = msg.params
+            st.c_steps[p] = max(0, st.c_steps[p] - steps_at_send)
+            st.c_tokens[p] = max(0, st.c_tokens[p] - tokens_at_send)
+            return
+        if sync.apply == "mix" and not overwrite:
+            local = self.stack.get_flat(st.index, msg.params)
+            new = {n: (sync.mix_alpha * local[n] + (1 - sync.mix_alpha) * v).astype(np.float32)
+                   for n, v in msg.params.items()}
+        else:
+            new = msg.params
+        self.stack.set_flat(st.index, new)
+        st.base_round[p] = msg.round
+        st.base_params[p] = msg.params
+        st.c_steps[p] = 0
+        st.c_tokens[p] = 0
+
+    def _send(self, st: _LearnerState, p: int, t: float) -> None:
+        sync = self.config.manifest.sync
+        names = self.plan.fragments[p].names
+        local = self.stack.get_flat(st.index, names)
+        delta = {n: st.base_params[p][n] - local[n] for n in names}
+        payload = encode_named(delta, sync.codec_up)
+        self.bytes_up += len(payload)
+        contribution = Contribution(st.name, p, st.base_round[p], decode_named(payload), st.c_steps[p], st.c_tokens[p])
+        st.sent_step[p] = st.sync_step
+        if self.config.keep_inflight_progress:
+            st.sent_local[p] = (local, st.c_steps[p], st.c_tokens[p])
+        if self.policy.blocking:
+            st.awaiting[p] = st.sync_step + self.policy.overlap
+        self._push(t + self.config.link.transfer_s(len(payload)), _ARRIVE, (contribution, t))
+
+    def _admit_joiners(self, stepped: list[int], t: float) -> None:
+        """Learners back from an outage start at the next step boundary of the live learners, so
+        they share the vmapped tick, and take the live learners' phase of the fragment schedule,
+        so their contributions join the others' rounds instead of forming rounds of their own."""
+        joiners = [st for st in self.learners if st.joining and not st.down]
+        if not joiners or self.stop_time is not None:
+            return
+        phase = max(self.learners[m].sync_step for m in stepped)
+        for st in joiners:
+            st.joining = False
+            st.active_since = t
+            st.sync_step = phase
+            self._start_step(st, t)
+
+    # --- outages ---
+
+    def _go_down(self, st: _LearnerState, t: float) -> None:
+        st.down = True
+        if st.stepping:  # the step in progress is lost
+            self.events = [e for e in self.events if not (e[3][0] == _STEP and e[3][1] == st.index)]
+            heapq.heapify(self.events)
+            st.stepping = False
+        if st.blocked_since is not None:
+            st.idle_s += t - st.blocked_since
+            st.blocked_since = None
+        # Merges in flight to it are lost with it; it will fetch them on rejoin.
+        st.missed.extend(st.inbox)
+        st.inbox = []
+        for p in list(self.rounds):
+            self._evaluate_round(p, t)
+
+    def _come_up(self, st: _LearnerState, t: float) -> None:
+        st.down = False
+        # Every missed merge is downloaded and applied in order; counters restart.
+        for msg in sorted(st.missed, key=lambda m: (m.fragment, m.round)):
+            self.bytes_down += msg.nbytes
+            self._apply_merge(st, msg, overwrite=True)
+            self.missed_merges_applied += 1
+        st.missed = []
+        st.awaiting.clear()
+        st.sent_local.clear()
+        for p in range(self.plan.num_fragments):
+            st.c_steps[p] = st.c_tokens[p] = 0
+        if self.stop_time is not None:
+            return
+        if any(o.stepping for o in self.learners):
+            st.joining = True  # starts at the others' next step boundary (_admit_joiners)
+        else:
+            st.active_since = t
+            self._start_step(st, t)
+
+    # --- syncer ---
+
+    def _live(self) -> set[str]:
+        return {st.name for st in self.learners if not st.down}
+
+    def _arrive(self, payload: tuple[Contribution, float], t: float) -> None:
+        contribution, sent_at = payload
+        p = contribution.fragment
+        rnd = self.rounds.get(p)
+        if rnd is None:
+            # Members: learners live and on the schedule when the first contribution was sent.
+            members = {st.name for st in self.learners
+                       if not st.down and not st.joining and st.active_since < sent_at + TIME_EPS}
+            rnd = self.rounds[p] = _Round(opened_at=t, first_sent_at=sent_at,
+                                          members=frozenset(members | {contribution.learner}))
+        # A newer contribution from the same learner supersedes its older one (it includes its steps).
+        rnd.pending[contribution.learner] = (contribution, t, sent_at)
+        self.xi_step.update(self._by_name[contribution.learner].step_s)
+        self._evaluate_round(p, t)
+
+    def _evaluate_round(self, p: int, t: float) -> None:
+        rnd = self.rounds.get(p)
+        if rnd is None:
+            return
+        arrivals = {name: at for name, (_, at, _) in rnd.pending.items()}
+        live = self._live()
+        if self.policy.all_live:
+            members_live = len(rnd.members & live | set(arrivals))
+            # K = M already aligns rounds: no rate limit.
+            policy = QuorumPolicy(max(1, members_live), 0.0, 0.0, self.policy.overlap, min_round_interval_factor=0.0)
+            live_count = members_live
+        else:
+            policy = self.quorum
+            live_count = len(live | set(arrivals))
+        estimates = TimingEstimates(self.xi_step.value, self.xi_quorum.value, self.xi_sync.value)
+        decision = decide_round(t, rnd.opened_at, arrivals, live_count, policy, estimates,
+                                last_merge_at=self.last_merge_at.get(p))
+        if decision.merge_now:
+            self._merge(p, rnd, t, decision.reason, decision.quorum_at, decision.held_s)
+        elif decision.wake_at is not None:
+            self._push(decision.wake_at, _WAKE, p)
+
+    def _merge(self, p: int, rnd: _Round, t: float, why: str, quorum_at: float | None, held_s: float = 0.0) -> None:
+        del self.rounds[p]
+        sync = self.config.manifest.sync
+        contributions = [c for c, _, _ in rnd.pending.values()]
+        result = merge_contributions(
+            contributions, self.global_state.fragment_params(p), self.global_state.history(p),
+            method=self.policy.method, weighting=self.policy.weighting, caps=self.caps,
+            embedding_names=self.embedding_names, reference_norm=self.norm_ref.get(p),
+        )
+        self.norm_ref.update(p, result.round_median_norm)
+        self.merge_log.append(f"t={t:.2f} fragment {p}: {why}; {result.reason}"
+                              + "".join(f"; {r}" for _, r in result.rejected))
+        if quorum_at is not None:
+            # Time spent holding early contributions is not time waiting for quorum.
+            self.xi_quorum.update(max(0.0, quorum_at - rnd.opened_at - held_s))
+        if result.outer_gradient is None:
+            nbytes = 0  # nothing merged: waiting learners are released with the unchanged fragment
+        else:
+            encoded = encode_named(result.outer_gradient, sync.codec_down)
+            nbytes = len(encoded)
+            # The syncer applies exactly the dequantized bits it broadcasts.
+            self.global_state.apply_outer_gradient(p, decode_named(encoded))
+            self.merges += 1
+            self.last_merge_at[p] = t
+            if self._in_outage(t):
+                self.merges_outage += 1
+        down_s = self.config.link.transfer_s(nbytes)
+        up_s = float(np.mean([arrived - sent for _, arrived, sent in rnd.pending.values()]))
+        self.xi_sync.update(up_s + down_s)
+        msg_round = self.global_state.round(p)
+        contributors = frozenset(name for name, _ in result.accepted)
+        params = self.global_state.fragment_params(p)
+        for st in self.learners:
+            msg = _MergeMsg(p, msg_round, params, nbytes, t + down_s, contributors)
+            if st.down:
+                st.missed.append(msg)
+                continue
+            self.bytes_down += nbytes  # broadcast to every live learner, also after the budget is spent
+            if self.stop_time is not None:
+                continue
+            st.inbox.append(msg)
+            self._push(msg.arrival, _DELIVER, st.index)
+
+
+# ------------------------------------------------------------------------------------------------
+# named scenarios (shared by the CLI and the parity benchmark)
+
+SCENARIOS = ("uniform", "straggler", "outage")
+STRAGGLER_SLOWDOWN = 2.5  # the straggler's step takes this many times longer
+
+
+def scenario_settings(name: str, num_learners: int, steps: int, base_step_s: float = 1.0
+                      ) -> tuple[tuple[float, ...], tuple[Outage, ...]]:
+    """(speeds, outages) of a named scenario; the last learner is the odd one out.
+
+    uniform: equal speeds. straggler: the last learner is 2.5x slower. outage: the last learner is
+    down for the middle third of the nominal run (steps * base_step_s), on whole steps.
+    """
+    if name not in SCENARIOS:
+        raise ValueError(f"scenario {name!r}: must be one of {', '.join(SCENARIOS)}")
+    if name == "uniform" or num_learners < 2 and name == "straggler":
+        return (), ()
+    if name == "straggler":
+        return tuple([1.0] * (num_learners - 1) + [1.0 / STRAGGLER_SLOWDOWN]), ()
+    start = round(steps / 3) * base_step_s
+    end = round(2 * steps / 3) * base_step_s
+    return (), (Outage(num_learners - 1, start, end),)

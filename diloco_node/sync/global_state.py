@@ -1,0 +1,353 @@
+"""The replicated global model: per fragment its parameters Theta_p, Nesterov buffer and round.
+
+Every replica applies the same committed outer gradients in the same order with the same
+elementwise float32 arithmetic (`merge.nesterov_step`), so replicas stay bit-identical; the sha256
+digests prove it. A bounded `FragmentHistory` of past versions lets the syncer rebase
+contributions made against an older round. `snapshot`/`restore` give a plain structure (dicts of
+numpy arrays and round numbers) for checkpoints and joiners.
+
+Pure: no I/O, no clock. Invalid input raises `GlobalStateError` before anything is changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from typing import Any, Mapping
+
+import numpy as np
+
+from diloco_node.sync.fragments import FragmentPlan
+from diloco_node.sync.merge import finite_float32, nesterov_step
+from diloco_node.config.manifest import OuterOptimizer
+
+# How many versions of each fragment (current included) are kept for rebasing. A contribution is
+# made against the version its learner last applied; with one fragment round per period H and
+# overlap tau << H, honest learners are at most a round or two behind. 8 covers learners that
+# missed a few merges while costing 8 copies of the model in memory on the syncer.
+DEFAULT_HISTORY_LEN = 8
+SNAPSHOT_FORMAT = 1
+# Rounds are hashed as signed 64-bit integers (see the digest layout in docs/MERGE.md); a larger one
+# from a snapshot would get into the state and make every later digest fail.
+MAX_ROUND = 2**63 - 1
+_DTYPE = np.dtype("<f4")  # the one dtype of the global state, little-endian so digests agree everywhere
+
+
+class GlobalStateError(ValueError):
+    """An outer gradient, snapshot or request does not fit the global state; nothing was changed."""
+
+
+class FragmentHistory:
+    """A bounded ring of one fragment's past parameter versions, by round (newest = current).
+
+    Stored arrays are read-only, so `version` can hand them out without copying.
+    """
+
+    def __init__(self, fragment: int, capacity: int = DEFAULT_HISTORY_LEN) -> None:
+        if capacity < 1:
+            raise ValueError(f"history capacity {capacity} must be >= 1")
+        self.fragment = fragment
+        self.capacity = capacity
+        self._versions: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
+
+    def record(self, round_: int, params: Mapping[str, np.ndarray]) -> None:
+        """Add the version of `round_` (must be newer than every kept one); evicts the oldest."""
+        if self._versions and round_ <= self.newest_round:
+            raise ValueError(f"fragment {self.fragment}: round {round_} is not newer than {self.newest_round}")
+        frozen = {}
+        for name, arr in params.items():
+            copy = np.array(arr, dtype=_DTYPE, copy=True)
+            copy.setflags(write=False)
+            frozen[name] = copy
+        self._versions[round_] = frozen
+        while len(self._versions) > self.capacity:
+            self._versions.popitem(last=False)
+
+    def version(self, round_: int) -> Mapping[str, np.ndarray] | None:
+        """The fragment's parameters at `round_` (read-only arrays), or None if evicted/unknown."""
+        return self._versions.get(round_)
+
+    @property
+    def newest_round(self) -> int:
+        if not self._versions:
+            raise LookupError(f"fragment {self.fragment}: history is empty")
+        return next(reversed(self._versions))
+
+    @property
+    def oldest_round(self) -> int:
+        if not self._versions:
+            raise LookupError(f"fragment {self.fragment}: history is empty")
+        return next(iter(self._versions))
+
+    def rounds(self) -> tuple[int, ...]:
+        return tuple(self._versions)
+
+    def __len__(self) -> int:
+        return len(self._versions)
+
+
+class GlobalState:
+    """Theta_p, Nesterov buffer and round for every fragment of a plan; digests over exact bytes."""
+
+    def __init__(
+        self,
+        plan: FragmentPlan,
+        initial_params: Mapping[str, np.ndarray],
+        outer: OuterOptimizer,
+        history_len: int = DEFAULT_HISTORY_LEN,
+    ) -> None:
+        self.plan = plan
+        self.outer = outer
+        self.history_len = history_len
+        params = _validated_tensors(plan, initial_params, "initial parameters")
+        self._params: list[dict[str, np.ndarray]] = []
+        self._momentum: list[dict[str, np.ndarray]] = []
+        self._rounds: list[int] = []
+        self._histories: list[FragmentHistory] = []
+        for fragment in plan.fragments:
+            p_params = {n: params[n] for n in fragment.names}
+            self._params.append(p_params)
+            self._momentum.append({n: np.zeros_like(a) for n, a in p_params.items()})
+            self._rounds.append(0)
+            history = FragmentHistory(fragment.index, history_len)
+            history.record(0, p_params)
+            self._histories.append(history)
+
+    # --- reading -----------------------------------------------------------------------------
+
+    @property
+    def num_fragments(self) -> int:
+        return self.plan.num_fragments
+
+    def _shapes(self, p: int) -> dict[str, tuple[int, ...]]:
+        return {n: a.shape for n, a in self._params[p].items()}
+
+    def _check_index(self, p: int) -> None:
+        if not 0 <= p < self.plan.num_fragments:
+            raise GlobalStateError(f"fragment {p} out of range 0..{self.plan.num_fragments - 1}")
+
+    def fragment_params(self, p: int) -> dict[str, np.ndarray]:
+        """Copies of fragment p's current parameters."""
+        self._check_index(p)
+        return {n: a.copy() for n, a in self._params[p].items()}
+
+    def momentum(self, p: int) -> dict[str, np.ndarray]:
+        """Copies of fragment p's Nesterov buffer."""
+        self._check_index(p)
+        return {n: a.copy() for n, a in self._momentum[p].items()}
+
+    def all_params(self) -> dict[str, np.ndarray]:
+        """Copies of the whole global model as one flat dict (e.g. to evaluate it)."""
+        return {n: a.copy() for params in self._params for n, a in params.items()}
+
+    def round(self, p: int) -> int:
+        self._check_index(p)
+        return self._rounds[p]
+
+    def rounds(self) -> tuple[int, ...]:
+        return tuple(self._rounds)
+
+    def history(self, p: int) -> FragmentHistory:
+        self._check_index(p)
+        return self._histories[p]
+
+    def is_finite(self) -> bool:
+        return all(np.all(np.isfinite(a)) for group in (*self._params, *self._momentum) for a in group.values())
+
+    # --- the one transition ------------------------------------------------------------------
+
+    def apply_outer_gradient(self, p: int, outer_gradient: Mapping[str, np.ndarray]) -> str:
+        """One Nesterov step on fragment p; its round += 1. Returns the fragment's new digest.
+
+        Refuses (GlobalStateError, state untouched) a gradient with wrong names, shapes or
+        non-finite values, and a step whose result would not be finite.
+        """
+        self._check_index(p)
+        grads = _validated_fragment_tensors(self._shapes(p), outer_gradient, f"outer gradient for fragment {p}")
+        new_params: dict[str, np.ndarray] = {}
+        new_momentum: dict[str, np.ndarray] = {}
+        for name in sorted(grads):
+            theta, buf = nesterov_step(self._params[p][name], self._momentum[p][name], grads[name],
+                                       self.outer.lr, self.outer.momentum)
+            if not (np.all(np.isfinite(theta)) and np.all(np.isfinite(buf))):
+                raise GlobalStateError(f"outer step on fragment {p} would make {name} non-finite; not applied")
+            new_params[name] = theta
+            new_momentum[name] = buf
+        self._params[p] = new_params
+        self._momentum[p] = new_momentum
+        self._rounds[p] += 1
+        self._histories[p].record(self._rounds[p], new_params)
+        return self.fragment_digest(p)
+
+    # --- digests -----------------------------------------------------------------------------
+
+    def fragment_digest(self, p: int) -> str:
+        """sha256 over the fragment index, its round, then each tensor in sorted name order.
+
+        Tensors are "params/<name>" and "momentum/<name>"; each contributes its name, dtype,
+        shape and raw little-endian float32 bytes, every field length-prefixed (exact layout in
+        docs/MERGE.md) so different splits of the same bytes cannot collide.
+        """
+        self._check_index(p)
+        return _fragment_digest(p, self._rounds[p], self._params[p], self._momentum[p])
+
+    def digest(self) -> str:
+        """sha256 over the number of fragments and every fragment digest in index order."""
+        h = hashlib.sha256(b"diloco-global-state\0")
+        h.update(struct.pack("<q", self.num_fragments))
+        for p in range(self.num_fragments):
+            h.update(bytes.fromhex(self.fragment_digest(p)))
+        return h.hexdigest()
+
+    # --- snapshots ---------------------------------------------------------------------------
+
+    def fragment_snapshot(self, p: int, include_history: bool = False) -> dict[str, Any]:
+        """{"fragment", "round", "params", "momentum"[, "history": {round: params}]} as copies."""
+        self._check_index(p)
+        snap: dict[str, Any] = {
+            "fragment": p,
+            "round": self._rounds[p],
+            "params": self.fragment_params(p),
+            "momentum": self.momentum(p),
+        }
+        if include_history:
+            h = self._histories[p]
+            snap["history"] = {r: {n: a.copy() for n, a in h.version(r).items()}  # type: ignore[union-attr]
+                               for r in h.rounds() if r != self._rounds[p]}
+        return snap
+
+    def snapshot(self, include_history: bool = False) -> dict[str, Any]:
+        """The whole state: {"format", "rounds": [..], "fragments": [fragment_snapshot(p), ...]}.
+
+        History (older versions for rebasing) is optional: a checkpoint of the syncer wants it,
+        a joiner does not need it (contributions against evicted rounds are rejected by reason).
+        """
+        return {
+            "format": SNAPSHOT_FORMAT,
+            "rounds": list(self._rounds),
+            "fragments": [self.fragment_snapshot(p, include_history) for p in range(self.num_fragments)],
+        }
+
+    def restore_fragment(self, snap: Mapping[str, Any], expected_digest: str | None = None) -> str:
+        """Replace one fragment from a fragment snapshot; checks everything (and the digest if
+        given) before changing anything. Returns the fragment digest."""
+        p, round_, params, momentum, history = self._parse_fragment_snapshot(snap)
+        digest = _fragment_digest(p, round_, params, momentum)
+        if expected_digest is not None and digest != expected_digest:
+            raise GlobalStateError(f"fragment {p} snapshot digest {digest[:12]} != expected {expected_digest[:12]}")
+        self._install(p, round_, params, momentum, history)
+        return digest
+
+    def restore(self, snapshot: Mapping[str, Any], expected_digest: str | None = None) -> str:
+        """Replace the whole state from `snapshot()` output; all-or-nothing. Returns digest()."""
+        if not isinstance(snapshot, Mapping) or snapshot.get("format") != SNAPSHOT_FORMAT:
+            raise GlobalStateError(f"snapshot: expected a mapping with format {SNAPSHOT_FORMAT}")
+        fragments = snapshot.get("fragments")
+        if not isinstance(fragments, (list, tuple)) or len(fragments) != self.num_fragments:
+            raise GlobalStateError(f"snapshot: expected {self.num_fragments} fragments")
+        parsed = [self._parse_fragment_snapshot(f) for f in fragments]
+        if sorted(item[0] for item in parsed) != list(range(self.num_fragments)):
+            raise GlobalStateError("snapshot: fragment indexes must be 0..P-1, each once")
+        if expected_digest is not None:
+            trial = self._copy_with(parsed)
+            if trial.digest() != expected_digest:
+                raise GlobalStateError(f"snapshot digest {trial.digest()[:12]} != expected {expected_digest[:12]}")
+        for item in parsed:
+            self._install(*item)
+        return self.digest()
+
+    def _copy_with(self, parsed: list[tuple]) -> "GlobalState":
+        clone = GlobalState.__new__(GlobalState)
+        clone.plan, clone.outer, clone.history_len = self.plan, self.outer, self.history_len
+        clone._params = list(self._params)
+        clone._momentum = list(self._momentum)
+        clone._rounds = list(self._rounds)
+        clone._histories = list(self._histories)
+        for p, round_, params, momentum, _ in parsed:
+            clone._params[p], clone._momentum[p], clone._rounds[p] = params, momentum, round_
+        return clone
+
+    def _parse_fragment_snapshot(self, snap: Any) -> tuple:
+        if not isinstance(snap, Mapping):
+            raise GlobalStateError("fragment snapshot: expected a mapping")
+        p = snap.get("fragment")
+        round_ = snap.get("round")
+        if not isinstance(p, (int, np.integer)) or isinstance(p, bool):
+            raise GlobalStateError("fragment snapshot: 'fragment' must be an integer")
+        p = int(p)
+        self._check_index(p)
+        if not isinstance(round_, (int, np.integer)) or isinstance(round_, bool) or not 0 <= round_ <= MAX_ROUND:
+            raise GlobalStateError(f"fragment {p} snapshot: 'round' must be an integer in [0, {MAX_ROUND}]")
+        round_ = int(round_)
+        params = _validated_fragment_tensors(self._shapes(p), snap.get("params"), f"fragment {p} snapshot params")
+        momentum = _validated_fragment_tensors(self._shapes(p), snap.get("momentum"), f"fragment {p} snapshot momentum")
+        history: dict[int, dict[str, np.ndarray]] = {}
+        raw_history = snap.get("history")
+        if raw_history is None:  # a snapshot without history (what a joiner gets)
+            raw_history = {}
+        if not isinstance(raw_history, Mapping):
+            raise GlobalStateError(f"fragment {p} snapshot: 'history' must be a mapping of round -> params")
+        for r, version in raw_history.items():
+            if not isinstance(r, (int, np.integer)) or not 0 <= int(r) < round_:
+                raise GlobalStateError(f"fragment {p} snapshot: history round {r!r} must be in [0, {round_})")
+            history[int(r)] = _validated_fragment_tensors(self._shapes(p), version, f"fragment {p} history round {r}")
+        return p, round_, params, momentum, history
+
+    def _install(self, p: int, round_: int, params: dict, momentum: dict, history: dict) -> None:
+        self._params[p] = params
+        self._momentum[p] = momentum
+        self._rounds[p] = round_
+        ring = FragmentHistory(p, self.history_len)
+        for r in sorted(history):  # the ring keeps the newest history_len versions
+            ring.record(r, history[r])
+        ring.record(round_, params)
+        self._histories[p] = ring
+
+
+def _validated_tensors(plan: FragmentPlan, tensors: Any, what: str) -> dict[str, np.ndarray]:
+    """Own float32 copies of exactly the plan's tensors, finite; GlobalStateError otherwise."""
+    if not isinstance(tensors, Mapping):
+        raise GlobalStateError(f"{what}: expected a mapping of name -> array")
+    expected = set(plan.names)
+    _check_names(set(tensors), expected, what)
+    return {n: _validated_array(tensors[n], n, None, what) for n in sorted(expected)}
+
+
+def _validated_fragment_tensors(shapes: Mapping[str, tuple[int, ...]], tensors: Any, what: str) -> dict[str, np.ndarray]:
+    """Own float32 copies of exactly the fragment's tensors with the given shapes, finite."""
+    if not isinstance(tensors, Mapping):
+        raise GlobalStateError(f"{what}: expected a mapping of name -> array")
+    _check_names(set(tensors), set(shapes), what)
+    return {n: _validated_array(tensors[n], n, shapes[n], what) for n in sorted(shapes)}
+
+
+def _check_names(got: set, expected: set, what: str) -> None:
+    if got != expected:
+        missing = sorted(expected - got)[:3]
+        extra = sorted(str(n) for n in got - expected)[:3]
+        raise GlobalStateError(f"{what}: tensor names differ (missing {missing}, unexpected {extra})")
+
+
+def _validated_array(value: Any, name: str, shape: tuple | None, what: str) -> np.ndarray:
+    arr, why = finite_float32(value, name, shape)
+    if arr is None:
+        raise GlobalStateError(f"{what}: {why}")
+    return np.array(arr, dtype=_DTYPE, copy=True)
+
+
+def _fragment_digest(p: int, round_: int, params: Mapping[str, np.ndarray], momentum: Mapping[str, np.ndarray]) -> str:
+    h = hashlib.sha256(b"diloco-fragment\0")
+    h.update(struct.pack("<qq", p, round_))
+    named = [(f"params/{n}", a) for n, a in params.items()] + [(f"momentum/{n}", a) for n, a in momentum.items()]
+    for name, arr in sorted(named, key=lambda item: item[0]):
+        data = np.ascontiguousarray(arr, dtype=_DTYPE)
+        for field_bytes in (name.encode(), data.dtype.str.encode()):
+            h.update(struct.pack("<q", len(field_bytes)))
+            h.update(field_bytes)
+        h.update(struct.pack("<q", data.ndim))
+        h.update(struct.pack(f"<{data.ndim}q", *data.shape))
+        raw = data.tobytes()
+        h.update(struct.pack("<q", len(raw)))
+        h.update(raw)
+    return h.hexdigest()

@@ -1,0 +1,489 @@
+"""Merge math for one fragment round: contributions in, one outer gradient out (pure numpy).
+
+A learner sends delta = Theta_p(base) - theta_m,p against the global fragment version it last
+applied. The syncer rebases it onto its current version (Delta_m = (Theta_now - Theta_base) +
+delta), validates it (names, shapes, finite values, counters, norm outliers), weighs it by tokens
+(w = c_tokens^2 / c_steps after capping what a learner may claim), and merges: Radial-Directional
+Averaging for ordinary tensors, a weighted mean for embedding tables. `nesterov_step` is the outer
+optimizer, elementwise float32 so every replica computes the same bits.
+
+No I/O, no clock, no JAX. Every rejection carries a reason naming the learner and what was wrong.
+The choices where the papers are silent are written down in docs/MERGE.md.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Collection, Mapping, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:  # only for annotations; global_state imports this module
+    from diloco_node.sync.global_state import FragmentHistory
+    from diloco_node.config.manifest import SyncSpec
+
+# A contribution whose learner-side delta norm exceeds this many times the reference (the round's
+# median, or the running reference of past rounds) is rejected. Honest learners of one run differ
+# by small factors (shard difficulty, a few more steps); 10x catches diverged or corrupted ones.
+DEFAULT_NORM_OUTLIER_FACTOR = 10.0
+# The round median is a usable reference only with at least this many contributions: with two, one
+# outlier drags the median halfway to itself.
+MIN_CONTRIBUTIONS_FOR_ROUND_MEDIAN = 3
+# Smoothing of the running reference norm (see NormReference): a persistent change of scale is
+# followed within a few rounds, a single spike barely moves it.
+DEFAULT_NORM_REFERENCE_ALPHA = 0.3
+# ... but one round moves it by at most this factor up or down. Without the bound, a lone outlier
+# of 100x (rejected) pulled the reference 30% of the way up and the same outlier passed the next
+# round; with it, that takes 4 rounds of the same scale. 3x keeps liveness: honest norms growing
+# 2.5x per round for as long as they like (e.g. inner learning-rate warm-up) are never rejected.
+DEFAULT_NORM_REFERENCE_MAX_STEP = 3.0
+
+MERGE_METHODS = ("rda", "mean")
+WEIGHTINGS = ("tokens", "uniform")
+
+
+@dataclass(frozen=True, slots=True)
+class Contribution:
+    """One learner's delta for one fragment, relative to the global version `base_round`.
+
+    Counters come from the network and are checked by `merge_contributions` (a bad value is a
+    rejection with a reason, not an exception), so only types are enforced here. Numpy integer
+    counters are stored as Python ints: int64 arithmetic on a huge claim would wrap silently.
+    """
+
+    learner: str
+    fragment: int
+    base_round: int
+    delta: Mapping[str, np.ndarray]
+    c_steps: int
+    c_tokens: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.learner, str) or not self.learner:
+            raise TypeError("Contribution.learner must be a non-empty string")
+        for attr in ("fragment", "base_round", "c_steps", "c_tokens"):
+            value = getattr(self, attr)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+                raise TypeError(f"Contribution.{attr} must be an integer, got {type(value).__name__}")
+            object.__setattr__(self, attr, int(value))
+        if not isinstance(self.delta, Mapping):
+            raise TypeError(f"Contribution.delta must be a mapping of name -> array, got {type(self.delta).__name__}")
+
+
+@dataclass(frozen=True, slots=True)
+class ContributionCaps:
+    """Upper bounds on what a learner may claim: tokens per inner step and steps per contribution."""
+
+    max_tokens_per_step: int
+    max_steps: int
+
+    @classmethod
+    def from_sync_spec(cls, sync: "SyncSpec") -> "ContributionCaps":
+        return cls(max_tokens_per_step=sync.max_tokens_per_step, max_steps=sync.max_steps_per_contribution)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens_per_step < 1 or self.max_steps < 1:
+            raise ValueError(f"caps must be >= 1, got max_tokens_per_step={self.max_tokens_per_step}, max_steps={self.max_steps}")
+
+
+def token_weight(c_tokens: int, c_steps: int, caps: ContributionCaps) -> float:
+    """w = tokens * (tokens / steps) ("quantity x quality") after capping the claim.
+
+    Capped as tokens_per_step' = min(c_tokens / c_steps, max_tokens_per_step) and
+    steps' = min(c_steps, max_steps), so w = tokens_per_step'^2 * steps' <= max_tokens_per_step^2 *
+    max_steps: the weight of an honest learner at the caps. Inflating counters past the caps buys
+    nothing. Raises ValueError for counters that cannot give a weight (merge turns that into a
+    rejection reason).
+    """
+    if c_steps <= 0:
+        raise ValueError(f"c_steps = {c_steps}: no inner steps since its base")
+    if c_tokens < 0:
+        raise ValueError(f"c_tokens = {c_tokens} is negative")
+    # Compare as exact integers: a claim beyond the float range must be capped, not overflow.
+    if _claims_more_tokens_per_step(c_tokens, c_steps, caps):
+        tokens_per_step = float(caps.max_tokens_per_step)
+    else:
+        tokens_per_step = c_tokens / c_steps
+    steps = min(c_steps, caps.max_steps)
+    return tokens_per_step * tokens_per_step * steps
+
+
+def _claims_more_tokens_per_step(c_tokens: int, c_steps: int, caps: ContributionCaps) -> bool:
+    return int(c_tokens) > caps.max_tokens_per_step * int(c_steps)
+
+
+def rebase(
+    delta: Mapping[str, np.ndarray], base_params: Mapping[str, np.ndarray], current_params: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """Outer gradient against the current version: (Theta_now - Theta_base) + delta, float32."""
+    out: dict[str, np.ndarray] = {}
+    with np.errstate(over="ignore", invalid="ignore"):  # merge_contributions rejects non-finite results
+        for name, d in delta.items():
+            moved = np.subtract(current_params[name], base_params[name], dtype=np.float32)
+            out[name] = np.add(moved, d, dtype=np.float32)
+    return out
+
+
+def _check_weights(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+    if len(vectors) == 0:
+        raise ValueError("nothing to merge: no vectors")
+    if len(vectors) != len(weights):
+        raise ValueError(f"{len(vectors)} vectors but {len(weights)} weights")
+    w = np.asarray(weights, dtype=np.float64)
+    if not np.all(np.isfinite(w)) or np.any(w < 0):
+        raise ValueError(f"weights must be finite and >= 0, got {list(weights)}")
+    if w.sum() <= 0:
+        raise ValueError("weights sum to zero")
+    shape = np.shape(vectors[0])
+    for v in vectors[1:]:
+        if np.shape(v) != shape:
+            raise ValueError(f"vectors of different shapes: {shape} and {np.shape(v)}")
+    return w
+
+
+def _norm64(x: np.ndarray) -> float:
+    # numpy's own pairwise sum, not a BLAS dot: BLAS picks a kernel (and summation order) per
+    # CPU, numpy's reduction order is fixed, so norms and the merge are the same bits everywhere.
+    flat = np.asarray(x, dtype=np.float64).ravel()
+    return math.sqrt(float(np.add.reduce(flat * flat)))
+
+
+def rda(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+    """Radial-Directional Averaging of one tensor's outer gradients.
+
+    (sum w|v| / sum w) * unit(sum w unit(v) / sum w), unit(0) = 0. Norms and sums in float64,
+    result float32 in the input shape. One contribution with positive weight is returned as is
+    (RDA of a single vector is that vector; returning it exactly avoids a float round trip).
+    """
+    w = _check_weights(vectors, weights)
+    positive = [i for i in range(len(vectors)) if w[i] > 0]
+    if len(positive) == 1:
+        return np.array(vectors[positive[0]], dtype=np.float32, copy=True)
+    total = float(w.sum())
+    radius = 0.0
+    direction = np.zeros(np.shape(vectors[0]), dtype=np.float64)
+    for i in positive:
+        v = np.asarray(vectors[i], dtype=np.float64)
+        n = _norm64(v)
+        radius += w[i] * n
+        if n > 0.0:
+            direction += (w[i] / n) * v
+    radius /= total
+    direction /= total
+    d_norm = _norm64(direction)
+    if d_norm == 0.0:  # all zero, or directions cancel exactly: no direction to go
+        return np.zeros(np.shape(vectors[0]), dtype=np.float32)
+    return ((radius / d_norm) * direction).astype(np.float32)
+
+
+def weighted_mean(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+    """sum w v / sum w, accumulated in float64, returned float32."""
+    w = _check_weights(vectors, weights)
+    acc = np.zeros(np.shape(vectors[0]), dtype=np.float64)
+    for i, v in enumerate(vectors):
+        if w[i] > 0:
+            acc += w[i] * np.asarray(v, dtype=np.float64)
+    return (acc / float(w.sum())).astype(np.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class MergeResult:
+    """The outcome of one round's merge, with a reason for every decision."""
+
+    outer_gradient: dict[str, np.ndarray] | None  # None when nothing acceptable
+    accepted: tuple[tuple[str, float], ...]  # (learner, weight), sorted by learner
+    rejected: tuple[tuple[str, str], ...]  # (learner, reason)
+    reason: str
+    capped: tuple[tuple[str, str], ...] = ()  # (learner, what was capped): accepted at reduced weight
+    # Round median of the learner-side delta norms of well-formed contributions (None if none):
+    # feed it to NormReference.update so later rounds with 1-2 contributions have a reference.
+    round_median_norm: float | None = None
+    delta_norms: tuple[tuple[str, float], ...] = ()  # (learner, |delta|) of well-formed contributions
+
+
+class NormReference:
+    """A running reference for delta norms (EMA of round medians), one value per fragment.
+
+    Kept by the syncer and passed to `merge_contributions`; `snapshot`/`restore` let a new syncer
+    after failover or a restart carry it on. Updated from the median of every well-formed
+    contribution of a round, accepted or not, so a genuine change of scale is followed within a few
+    rounds instead of rejecting everyone forever (a liveness choice; see docs/MERGE.md). One
+    update changes the reference by at most `max_step` times, so a rejected outlier cannot drag
+    it far enough to pass on its next try.
+    """
+
+    def __init__(self, alpha: float = DEFAULT_NORM_REFERENCE_ALPHA,
+                 max_step: float = DEFAULT_NORM_REFERENCE_MAX_STEP) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha = {alpha} must be in (0, 1]")
+        if not (math.isfinite(max_step) and max_step > 1.0):
+            raise ValueError(f"max_step = {max_step} must be a finite number > 1")
+        self.alpha = alpha
+        self.max_step = max_step
+        self._values: dict[int, float] = {}
+
+    def get(self, fragment: int) -> float | None:
+        return self._values.get(fragment)
+
+    def update(self, fragment: int, round_median_norm: float | None) -> float | None:
+        if round_median_norm is None or not math.isfinite(round_median_norm):
+            return self._values.get(fragment)
+        old = self._values.get(fragment)
+        if old is None:
+            new = round_median_norm
+        else:
+            new = old + self.alpha * (round_median_norm - old)
+            if old > 0.0:  # a zero reference (all-zero deltas so far) has no scale to bound
+                new = min(max(new, old / self.max_step), old * self.max_step)
+        self._values[fragment] = new
+        return new
+
+    def snapshot(self) -> dict[int, float]:
+        return dict(self._values)
+
+    def restore(self, values: Mapping[int, float]) -> None:
+        """Replace every value (all or nothing). A NaN, infinite or negative value is refused: it
+        would switch the outlier check off for good (NaN never leaves an EMA)."""
+        restored = {int(k): float(v) for k, v in values.items()}
+        for fragment, value in sorted(restored.items()):
+            if not (math.isfinite(value) and value >= 0.0):
+                raise ValueError(f"reference norm of fragment {fragment} = {value!r} must be finite and >= 0")
+        self._values = restored
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def _tokens_per_step_text(c_tokens: int, c_steps: int) -> str:
+    try:
+        return _fmt(c_tokens / c_steps)
+    except OverflowError:  # a claim beyond the float range (Python ints are unbounded)
+        return f"> {_fmt(sys.float_info.max)}"
+
+
+def _check_shape_and_values(
+    c: Contribution, current: Mapping[str, np.ndarray]
+) -> tuple[dict[str, np.ndarray] | None, str | None]:
+    """The delta as float32 arrays, or a reason naming what is wrong."""
+    names = set(c.delta)
+    expected = set(current)
+    if names != expected:
+        missing = sorted(expected - names)
+        extra = sorted(str(n) for n in names - expected)  # a peer's names need not even be strings
+        parts = []
+        if missing:
+            parts.append("missing " + ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else ""))
+        if extra:
+            parts.append("unexpected " + ", ".join(extra[:3]) + (" ..." if len(extra) > 3 else ""))
+        return None, "tensor names do not match the fragment: " + "; ".join(parts)
+    out: dict[str, np.ndarray] = {}
+    for name in sorted(names):
+        arr, why = finite_float32(c.delta[name], name, np.shape(current[name]))
+        if arr is None:
+            return None, why
+        out[name] = arr
+    return out, None
+
+
+def finite_float32(value: object, name: str, shape: tuple[int, ...] | None) -> tuple[np.ndarray | None, str]:
+    """`value` as a float32 array (of `shape`, unless None) with finite values, or (None, reason).
+
+    The one check for tensors from outside (a learner's delta, an outer gradient, a snapshot), so
+    the syncer and every replica accept exactly the same inputs. The array may share memory with
+    `value`; copy it before keeping it.
+    """
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError):  # e.g. ragged nested lists
+        return None, f"{name} is not a numeric array"
+    if arr.dtype.kind != "f":
+        return None, f"{name} has dtype {arr.dtype}, expected float32"
+    if shape is not None and arr.shape != shape:
+        return None, f"{name} has shape {arr.shape}, expected {shape}"
+    if not np.all(np.isfinite(arr)):
+        return None, f"non-finite values in {name}"
+    with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf: caught below
+        arr = arr.astype(np.float32, copy=False)
+    if not np.all(np.isfinite(arr)):
+        return None, f"{name} has values beyond the float32 range"
+    return arr, ""
+
+
+def _fragment_norm(tensors: Mapping[str, np.ndarray]) -> float:
+    return math.sqrt(sum(_norm64(t) ** 2 for t in tensors.values()))
+
+
+def merge_contributions(
+    contributions: Sequence[Contribution],
+    current: Mapping[str, np.ndarray],
+    history: "FragmentHistory",
+    *,
+    method: str = "rda",
+    weighting: str = "tokens",
+    caps: ContributionCaps,
+    embedding_names: Collection[str],
+    norm_outlier_factor: float = DEFAULT_NORM_OUTLIER_FACTOR,
+    reference_norm: float | None = None,
+) -> MergeResult:
+    """Rebase, validate, weigh and merge one fragment round's contributions.
+
+    `current` is the syncer's current fragment (version `history.newest_round`), `history` holds
+    older versions for rebasing. Contributions are processed in learner-name order so the result
+    does not depend on arrival order; a second contribution from the same learner is rejected.
+    Norm outliers are judged on the learner-side delta (before rebasing: the rebase term is the
+    syncer's own, trusted data) against factor x the round median (when >= 3 contributions) and
+    factor x `reference_norm` (the running reference, when known).
+    """
+    if method not in MERGE_METHODS:
+        raise ValueError(f"merge method {method!r}: must be one of {', '.join(MERGE_METHODS)}")
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting {weighting!r}: must be one of {', '.join(WEIGHTINGS)}")
+    if not norm_outlier_factor > 1.0:
+        raise ValueError(f"norm_outlier_factor = {norm_outlier_factor} must be > 1")
+    current_round = history.newest_round
+    fragment = history.fragment
+
+    rejected: list[tuple[str, str]] = []
+    capped: list[tuple[str, str]] = []
+
+    def reject(learner: str, why: str) -> None:
+        rejected.append((learner, f"rejected learner {learner}: {why}"))
+
+    # 1. per-contribution checks that need no other contribution
+    candidates: list[tuple[Contribution, dict[str, np.ndarray], float, float]] = []  # (c, delta, weight, |delta|)
+    seen: set[str] = set()
+    for c in sorted(contributions, key=lambda c: c.learner):  # stable: same-learner order kept
+        if c.learner in seen:
+            reject(c.learner, "duplicate contribution in this round")
+            continue
+        seen.add(c.learner)
+        if c.fragment != fragment:
+            reject(c.learner, f"contribution for fragment {c.fragment} in a round of fragment {fragment}")
+            continue
+        if c.base_round > current_round:
+            reject(c.learner, f"base round {c.base_round} is ahead of the current round {current_round}")
+            continue
+        if c.base_round < 0:
+            reject(c.learner, f"base round {c.base_round} is negative")
+            continue
+        try:
+            weight = token_weight(c.c_tokens, c.c_steps, caps) if weighting == "tokens" else _uniform_weight(c)
+        except ValueError as exc:
+            reject(c.learner, str(exc))
+            continue
+        if weight <= 0.0:
+            reject(c.learner, f"weight 0 (c_tokens = {c.c_tokens})")
+            continue
+        notes = []
+        if c.c_steps > caps.max_steps:
+            notes.append(f"c_steps {c.c_steps} capped at {caps.max_steps}")
+        if _claims_more_tokens_per_step(c.c_tokens, c.c_steps, caps):
+            notes.append(f"tokens/step {_tokens_per_step_text(c.c_tokens, c.c_steps)} capped at {caps.max_tokens_per_step}")
+        if notes and weighting == "tokens":
+            capped.append((c.learner, "; ".join(notes)))
+        delta, why = _check_shape_and_values(c, current)
+        if delta is None:
+            reject(c.learner, why or "invalid delta")
+            continue
+        candidates.append((c, delta, weight, _fragment_norm(delta)))
+
+    # 2. norm outliers against the round median and the running reference
+    norms = [n for _, _, _, n in candidates]
+    round_median = float(np.median(norms)) if norms else None
+    limits: list[tuple[float, str]] = []
+    # A zero reference (e.g. most learners sent all-zero deltas) cannot define "too large".
+    if round_median is not None and round_median > 0 and len(norms) >= MIN_CONTRIBUTIONS_FOR_ROUND_MEDIAN:
+        limits.append((round_median, "the round median"))
+    if reference_norm is not None and math.isfinite(reference_norm) and reference_norm > 0:
+        limits.append((reference_norm, "the running reference"))
+    survivors: list[tuple[Contribution, dict[str, np.ndarray], float]] = []
+    for c, delta, weight, n in candidates:
+        over = [(ref, label) for ref, label in limits if n > norm_outlier_factor * ref]
+        if over:
+            ref, label = over[0]
+            reject(c.learner, f"norm {_fmt(n)} is {n / ref:.1f}x {label} {_fmt(ref)} (limit {norm_outlier_factor:g}x)")
+            continue
+        survivors.append((c, delta, weight))
+
+    # 3. rebase stale contributions onto the current version
+    accepted_items: list[tuple[str, dict[str, np.ndarray], float]] = []
+    rebased_count = 0
+    for c, delta, weight in survivors:
+        if c.base_round == current_round:
+            accepted_items.append((c.learner, delta, weight))
+            continue
+        base = history.version(c.base_round)
+        if base is None:
+            reject(c.learner, f"base round {c.base_round} has been evicted (history keeps rounds "
+                              f"{history.oldest_round}..{current_round})")
+            continue
+        rebased = rebase(delta, base, current)
+        if not all(np.all(np.isfinite(t)) for t in rebased.values()):
+            reject(c.learner, f"non-finite values after rebasing from round {c.base_round}")
+            continue
+        accepted_items.append((c.learner, rebased, weight))
+        rebased_count += 1
+
+    delta_norms = tuple((c.learner, n) for c, _, _, n in candidates)
+    rejected_sorted = tuple(sorted(rejected))
+    total = len(contributions)
+    if not accepted_items:
+        if total == 0:
+            reason = f"nothing to merge for fragment {fragment}: no contributions"
+        else:
+            reason = f"nothing to merge for fragment {fragment}: all {total} contribution(s) rejected"
+        return MergeResult(None, (), rejected_sorted, reason, (), round_median, delta_norms)
+
+    # 4. merge tensor by tensor
+    weights = [w for _, _, w in accepted_items]
+    embeddings = set(embedding_names)
+    outer: dict[str, np.ndarray] = {}
+    for name in sorted(current):
+        vectors = [d[name] for _, d, _ in accepted_items]
+        if method == "rda" and name not in embeddings:
+            outer[name] = rda(vectors, weights)
+        else:
+            outer[name] = weighted_mean(vectors, weights)
+    accepted = tuple((learner, w) for learner, _, w in accepted_items)
+    how = f"{method}, {'token-weighted' if weighting == 'tokens' else 'uniform weights'}"
+    reason = (f"merged {len(accepted)} of {total} contribution(s) for fragment {fragment} at round {current_round} "
+              f"({how}): " + ", ".join(f"{learner} w={_fmt(w)}" for learner, w in accepted))
+    if rebased_count:
+        reason += f"; {rebased_count} rebased from older rounds"
+    if rejected_sorted:
+        reason += "; rejected " + ", ".join(learner for learner, _ in rejected_sorted)
+    accepted_names = {learner for learner, _ in accepted}
+    capped_accepted = tuple(item for item in capped if item[0] in accepted_names)
+    if capped_accepted:
+        reason += "; capped " + ", ".join(learner for learner, _ in capped_accepted)
+    return MergeResult(outer, accepted, rejected_sorted, reason, capped_accepted, round_median, delta_norms)
+
+
+def _uniform_weight(c: Contribution) -> float:
+    if c.c_steps <= 0:
+        raise ValueError(f"c_steps = {c.c_steps}: no inner steps since its base")
+    return 1.0
+
+
+def nesterov_step(
+    theta: np.ndarray, buf: np.ndarray, outer_grad: np.ndarray, lr: float, momentum: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """SGD with Nesterov momentum: b <- mu*b + Delta; Theta <- Theta - lr*(Delta + mu*b).
+
+    Elementwise float32 with the constants rounded to float32 first: numpy does not fuse these
+    operations, so every replica gets identical bits from identical inputs. Returns new arrays.
+    """
+    theta32 = np.asarray(theta, dtype=np.float32)
+    buf32 = np.asarray(buf, dtype=np.float32)
+    grad32 = np.asarray(outer_grad, dtype=np.float32)
+    if not theta32.shape == buf32.shape == grad32.shape:
+        raise ValueError(f"shapes differ: theta {theta32.shape}, buffer {buf32.shape}, gradient {grad32.shape}")
+    mu = np.float32(momentum)
+    eta = np.float32(lr)
+    with np.errstate(over="ignore", invalid="ignore"):  # callers check finiteness (GlobalState refuses)
+        new_buf = mu * buf32 + grad32
+        new_theta = theta32 - eta * (grad32 + mu * new_buf)
+    return new_theta.astype(np.float32, copy=False), new_buf.astype(np.float32, copy=False)
