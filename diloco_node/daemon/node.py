@@ -34,6 +34,7 @@ from bootstrap import messages as coord
 from bootstrap.coordinator_node import CoordinatorNode, NodeOptions, PersistentState
 from bootstrap.election import LeaseTiming, Role
 from bootstrap.entries import EntryKind, LogEntry, Snapshot
+from diloco_node.clock import Clock, SystemClock
 from diloco_node.learn import data as data_lib
 from diloco_node.learn import model as model_lib
 from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore, read_checkpoint_file
@@ -58,8 +59,10 @@ from diloco_node.learn.learner_thread import (
 )
 from diloco_node.daemon.notify import BackgroundNotifier
 from diloco_node.sync.replica import CommitPayload, Replica
+from diloco_node.daemon.rounds import RoundDriver
+from diloco_node.daemon.tasks import TaskSet
 from diloco_node.daemon.replica_store import ReplicaStore, ReplicaStoreError, compaction_point
-from diloco_node.sync.syncer import CommitPlan, Syncer
+from diloco_node.sync.syncer import Syncer
 from diloco_node.sync.fragments import is_embedding, plan_fragments, wire_fit_problems
 from diloco_node.learn.inner import InnerLearner
 from diloco_node.sync.merge import Contribution
@@ -84,9 +87,6 @@ STATUS_REFRESH_S = 0.25
 # Coordination messages (votes, appends, probes) give up after this; the next tick retries.
 # Long enough for a log append of a few MB on a slow WAN link, short against a lease.
 COORDINATION_DEADLINE_S = 2.5
-# A contribution upload may take this long before it is dropped (the learner sends again at its
-# next slot, with the steps of both).
-CONTRIBUTION_DEADLINE_S = 60.0
 # Worker threads for codecs, merges and big-frame hashing (they release the GIL); the learner
 # has its own thread. Two is enough on a small host; more only competes with JAX.
 POOL_THREADS = 2
@@ -122,19 +122,21 @@ def run_id_for(secret: bytes) -> str:
 class _Outbox:
     pending: list[Any] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task[None] | None = None
 
 
 class Node:
     """One site's daemon. `await run()` returns the process exit code."""
 
-    def __init__(self, effective: EffectiveConfig, *, environ: dict[str, str] | None = None) -> None:
+    def __init__(self, effective: EffectiveConfig, *, environ: dict[str, str] | None = None,
+                 clock: Clock | None = None) -> None:
+        self.clock: Clock = clock or SystemClock()
+        self.tasks = TaskSet()
         self.effective = effective
         self.cfg = effective.node
         self.node_id = self.cfg.node_id
         self.environ = dict(os.environ if environ is None else environ)
         self.role = coord.MemberRole.WITNESS if self.cfg.role == "witness" else coord.MemberRole.LEARNER
-        self.started = time.monotonic()
+        self.started = self.clock.monotonic()
         self.status = StatusBuilder(self.node_id, "", self.cfg.role, self.started)
         self.metrics = MetricsRegistry()
         self._commits_metric = self.metrics.counter("diloco_daemon_commits_applied_total", "outer commits applied")
@@ -151,6 +153,7 @@ class Node:
         self.replica: Replica | None = None
         self.learner: LearnerThread | None = None
         self.syncer: Syncer | None = None
+        self.rounds: RoundDriver | None = None
         self.manifest: RunManifest | None = None
         self.addresses = peers.AddressBook({self.node_id: self.cfg.advertise})
         self.addresses.learn(self.node_id, self.cfg.advertise, self.cfg.role)
@@ -160,10 +163,6 @@ class Node:
         self._stop = asyncio.Event()
         self._ready = False
         self._ready_reason = "starting"
-        self._tasks: list[asyncio.Task[Any]] = []
-        self._merging = False
-        self._wake_handles: dict[int, asyncio.TimerHandle] = {}
-        self._held_lease = False
         self._loss: float | None = None
         self._diverged_fetching: set[int] = set()
         self._systemd_shape, self._systemd_status_at = "", 0.0
@@ -181,9 +180,8 @@ class Node:
 
     # ------------------------------------------------------------------ helpers
 
-    @staticmethod
-    def now() -> float:
-        return time.monotonic()
+    def now(self) -> float:
+        return self.clock.monotonic()
 
     def _error(self, message: str) -> None:
         log.warning("%s", message)
@@ -248,13 +246,7 @@ class Node:
             self.exit_reason = str(error)
             code = 1
         finally:
-            for task in self._tasks:
-                task.cancel()
-            for outbox in self._outboxes.values():
-                if outbox.task:
-                    outbox.task.cancel()
-            await asyncio.gather(*self._tasks, *(o.task for o in self._outboxes.values() if o.task),
-                                 return_exceptions=True)
+            await self.tasks.close()
             if self.learner is not None and self.learner.is_alive():
                 self.learner.stop()
                 await loop.run_in_executor(None, self.learner.join, 30.0)
@@ -289,11 +281,11 @@ class Node:
             self._held_applies = []
             self._download = FragmentDownload(self.client, self.replica, self._download_peers)
         self._start_coordination()
-        self._tasks.append(asyncio.create_task(self._ticker(), name="coordination-ticker"))
-        self._tasks.append(asyncio.create_task(self._periodic(), name="periodic"))
-        self._tasks.append(asyncio.create_task(run_watchdog(self.notifier, self._live),  # type: ignore[arg-type]
-                                               name="watchdog"))
-        self._tasks.append(asyncio.create_task(watch_loop_lag(self.loop_lag, self.node_id), name="loop-lag"))
+        self._ticker_task = self.tasks.spawn(self._ticker(), name="coordination-ticker")
+        self._periodic_task = self.tasks.spawn(self._periodic(), name="periodic")
+        self.tasks.spawn(run_watchdog(self.notifier, self._live),  # type: ignore[arg-type]
+                                               name="watchdog")
+        self.tasks.spawn(watch_loop_lag(self.loop_lag, self.node_id), name="loop-lag")
         # The learner is built and its step compiled in a worker thread WHILE a joiner announces
         # itself and downloads the global state: the two are independent until training starts.
         preparing = (asyncio.ensure_future(loop.run_in_executor(None, self._prepare_learner, restored))
@@ -302,10 +294,10 @@ class Node:
             await self._announce_to_members()
             download = self._download
             assert download is not None
-            started = time.monotonic()
+            started = self.now()
             await download.run()
             log.info("%s: downloaded the global state (%d bytes) in %.2f s", self.node_id,
-                     download.bytes_received, time.monotonic() - started)
+                     download.bytes_received, self.now() - started)
             self._mark_phase("state downloaded")
             self._finish_download(download)
         elif mode == "restart":
@@ -455,6 +447,11 @@ class Node:
                                      rng=random.Random(os.urandom(16)), applied_index=self.replica.applied_index,
                                      role=self.role, address=self.cfg.advertise, options=options)
         self.store.sync(self._persistent)
+        self.rounds = RoundDriver(
+            node_id=self.node_id, manifest=self.manifest, plan=self.plan, syncer=self.syncer, replica=self.replica,
+            coordination=self.coord, addresses=self.addresses, client=self.client, executor=self.executor,
+            clock=self.clock, tasks=self.tasks, dispatch=self._dispatch, replica_behind=self._replica_behind,
+            report_error=self._error, contributions_sent=self._contrib_metric, merges_proposed=self._merges_metric)
         self.history.start(self.coord, self.replica.applied_index, self.manifest.sync if self.manifest else None)
 
     def _prepare_learner(self, restored: Any) -> LearnerThread:
@@ -521,7 +518,7 @@ class Node:
         while True:
             self._dispatch(self.coord.tick(self.now()))
             self._after_coordination()
-            await asyncio.sleep(TICK_S)
+            await self.clock.sleep(TICK_S)
 
     def _handle(self, message: coord.Message) -> list[coord.Action]:
         return self.coord.handle(message, self.now())
@@ -553,7 +550,7 @@ class Node:
         outbox = self._outboxes.get(to)
         if outbox is None:
             outbox = self._outboxes[to] = _Outbox()
-            outbox.task = asyncio.create_task(self._peer_worker(to, outbox), name=f"outbox-{to}")
+            self.tasks.spawn(self._peer_worker(to, outbox), name=f"outbox-{to}")
         if isinstance(message, (coord.AppendEntries, coord.InstallSnapshot)):
             # A newer replication message supersedes a queued older one (same leader state, later).
             outbox.pending = [m for m in outbox.pending
@@ -760,22 +757,20 @@ class Node:
             self._held_applies = []
         download = self._download = FragmentDownload(self.client, self.replica, self._repair_peers,
                                                      min_commit_index=self._install_floor)
-        task = asyncio.create_task(self._install_state(download), name="snapshot-install")
-        self._tasks.append(task)
-        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+        self.tasks.spawn(self._install_state(download), name="snapshot-install")
 
     async def _install_state(self, download: FragmentDownload) -> None:
-        started = time.monotonic()
+        started = self.now()
         while True:
             try:
                 await download.run()
                 break
             except JoinRefused as error:
                 self._error(f"snapshot install: {error}; retrying in {INSTALL_RETRY_S:.0f} s")
-                await asyncio.sleep(INSTALL_RETRY_S)
+                await self.clock.sleep(INSTALL_RETRY_S)
         log.info("%s: snapshot install: global state downloaded (%d bytes, fragments as of index >= %d) "
                  "in %.2f s", self.node_id, download.bytes_received, download.min_commit_index,
-                 time.monotonic() - started)
+                 self.now() - started)
         self._finish_download(download)
 
     def _finish_download(self, download: FragmentDownload) -> None:
@@ -842,7 +837,7 @@ class Node:
                 self._repairs_done += 1
                 self._diverged_fetching.discard(p)
 
-        self._tasks.append(asyncio.create_task(fetch(), name=f"repair-{p}"))
+        self.tasks.spawn(fetch(), name=f"repair-{p}")
 
     def _repair_peers(self) -> list[str]:
         leader = self.coord.election.leader_id if self.coord else None
@@ -862,143 +857,30 @@ class Node:
 
     def _from_learner_contribution(self, due: DueFragment) -> None:
         """Called in the learner thread: hand over to the loop (never block training)."""
-        self.loop.call_soon_threadsafe(self._spawn_contribution, due)
-
-    def _spawn_contribution(self, due: DueFragment) -> None:
-        task = asyncio.create_task(self._send_contribution(due), name=f"contribution-{due.fragment}")
-        self._tasks.append(task)
-        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
-
-    async def _send_contribution(self, due: DueFragment) -> None:
-        assert self.manifest is not None and self.coord is not None
-        loop = asyncio.get_running_loop()
-        codec = self.manifest.sync.codec_up
-        payload = await loop.run_in_executor(self.executor, lambda: encode_named(due.delta, codec))
-        message = wire.FragmentContribution(due.fragment, self.replica.applied_index, due.base_round,
-                                            due.c_steps, due.c_tokens, codec, self.node_id, payload)
-        leader = self.coord.election.leader_id
-        if leader is None:
-            return  # no lease holder: the next slot carries these steps too
-        self._contrib_metric.inc()
-        if leader == self.node_id:
-            await self._accept_contribution(message, transfer_s=0.0)
-            return
-        url = self.addresses.url(leader)
-        if url is None:
-            return
-        started = time.monotonic()
-        try:
-            await self.client.send(url, message, peer=leader, deadline_s=CONTRIBUTION_DEADLINE_S)
-        except TransportError as error:
-            log.info("%s: contribution for fragment %d not delivered: %s", self.node_id, due.fragment, error)
-        else:
-            log.debug("contribution %d delivered in %.3f s", due.fragment, time.monotonic() - started)
-
-    # ------------------------------------------------------------------ the syncer (lease holder)
+        assert self.rounds is not None
+        self.loop.call_soon_threadsafe(self.rounds.send_contribution, due)
 
     async def _on_contribution(self, message: wire.FragmentContribution, peer: Any) -> None:
-        coordination = self._require_coordination()
+        self._require_coordination()
         self._same_sender(message.learner_id, peer, "FragmentContribution")
-        if not coordination.is_lease_holder(self.now()):
-            leader = coordination.election.leader_id
-            raise RemoteProtocolError(f"{self.node_id} does not hold the lease (lease holder: {leader})", 409)
-        await self._accept_contribution(message, transfer_s=None)
+        assert self.rounds is not None
+        await self.rounds.on_contribution(message)
 
-    async def _accept_contribution(self, message: wire.FragmentContribution, transfer_s: float | None) -> None:
-        assert self.replica is not None and self.syncer is not None
-        if not 0 <= message.fragment < self.plan.num_fragments:
-            raise RemoteProtocolError(f"fragment {message.fragment} does not exist in this run", 400)
-        loop = asyncio.get_running_loop()
-        try:
-            delta = await loop.run_in_executor(self.executor, decode_named, message.payload)
-        except (RemoteProtocolError, ValueError) as error:
-            raise RemoteProtocolError(f"contribution from {message.learner_id}: {error}", 400) from None
-        contribution = Contribution(message.learner_id, message.fragment, message.base_round, delta,
-                                    message.c_steps, message.c_tokens)
-        self.syncer.add(contribution, self.now(), transfer_s)
-        self._evaluate_round(message.fragment)
-
-    def _live_learners(self) -> int:
-        members = self.coord.membership.members
-        return sum(1 for record in members.values()
-                   if record.role is coord.MemberRole.LEARNER
-                   and record.state in (coord.MemberState.ALIVE, coord.MemberState.SUSPECT))
-
-    def _evaluate_round(self, p: int) -> None:
-        coordination = self.coord
-        if coordination is None or self.syncer is None or not coordination.is_lease_holder(self.now()):
-            return
-        decision = self.syncer.decide(p, self.now(), self._live_learners())
-        if decision is None:
-            return
-        if decision.wake_at is not None:
-            handle = self._wake_handles.pop(p, None)
-            if handle is not None:
-                handle.cancel()
-            delay = max(0.0, decision.wake_at - self.now())
-            self._wake_handles[p] = self.loop.call_later(delay, self._evaluate_round, p)
-            return
-        if not decision.merge_now:
-            return
-        # One merge at a time, and only on a state that includes every entry of our own log, so the
-        # round we propose is exactly the next one for this fragment.
-        if (self._merging or coordination.log.applied_index != coordination.log.last_index
-                or self._replacing_state()):
-            self.loop.call_later(TICK_S, self._evaluate_round, p)
-            return
-        rnd = self.syncer.take(p, decision)
-        self._merging = True
-        task = asyncio.create_task(self._merge_and_propose(p, rnd, decision.reason), name=f"merge-{p}")
-        self._tasks.append(task)
-        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
-
-    async def _merge_and_propose(self, p: int, rnd: Any, reason: str) -> None:
-        try:
-            loop = asyncio.get_running_loop()
-            plan: CommitPlan = await loop.run_in_executor(
-                self.executor, self.syncer.plan_commit, p, rnd, self.replica.state, self.replica.digest_after, reason)
-            merged = plan.merged
-            if merged is None:
-                if plan.failed:
-                    self._error(plan.reason)
-                else:
-                    log.info("%s syncer: %s", self.node_id, plan.reason)
-                return
-            log.info("%s syncer: %s", self.node_id, plan.reason)
-            payload = CommitPayload(merged.encoded, tuple(n for n, _ in merged.result.accepted),
-                                    tuple(w for _, w in merged.result.accepted), merged.norm_ref).encode()
-            if merged.round != self.replica.state.round(p) + 1:
-                self._error(f"fragment {p}: state moved during the merge; round dropped")
-                return
-            entry, why, actions = self.coord.propose(self.now(), EntryKind.OUTER_COMMIT, payload,
-                                                     fragment=p, round=merged.round, digest=plan.digest)
-            if entry is None:
-                self._error(f"fragment {p} merge not proposed: {why}")
-                return
-            self.syncer.note_proposed(p, self.now())
-            self._merges_metric.inc()
-            self._dispatch(actions)
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:  # never die unobserved in a task: drop the round, say why
-            log.exception("fragment %d merge failed", p)
-            self._error(f"fragment {p}: merge failed ({type(error).__name__}: {error}); round dropped")
-        finally:
-            self._merging = False
-
-    # ------------------------------------------------------------------ periodic work
+    def _replica_behind(self) -> str:
+        """Why the replica cannot take a merge now ("" when it can): the round proposed must be the
+        next one of its fragment, so the state must include every entry of our own log."""
+        log_ = self.coord.log
+        if log_.applied_index != log_.last_index:
+            return f"replica behind its own log: applied {log_.applied_index} of {log_.last_index}"
+        if self._replacing_state():
+            return "the global state is being replaced (download or snapshot install)"
+        return ""
 
     def _after_coordination(self) -> None:
-        """Lease lost: drop the syncer's open rounds and timers (learners resend at their next slot)."""
-        holder = self.coord is not None and self.coord.is_lease_holder(self.now())
-        if self._held_lease and not holder and self.syncer is not None:
-            self.syncer.reset()
-            for handle in self._wake_handles.values():
-                handle.cancel()
-            self._wake_handles.clear()
-        if holder and not self._held_lease and self.syncer is not None and self.replica is not None:
-            self.syncer.adopt_norm_references(self.replica.norm_refs)
-        self._held_lease = holder
+        if self.rounds is not None:
+            self.rounds.lease_check()
+
+    # ------------------------------------------------------------------ periodic work
 
     async def _periodic(self) -> None:
         next_checkpoint = self.now() + self.cfg.checkpoint_interval_s
@@ -1018,7 +900,7 @@ class Node:
             if now >= next_refresh:
                 next_refresh = now + MEMBER_REFRESH_S
                 await self._refresh_members()
-            await asyncio.sleep(STATUS_REFRESH_S)
+            await self.clock.sleep(STATUS_REFRESH_S)
 
     async def _refresh_members(self) -> None:
         """Learn addresses of members we only know by id (from configuration entries)."""
@@ -1087,10 +969,9 @@ class Node:
         self.status.add_bytes(sent=sent - self._bytes_reported[0], received=received - self._bytes_reported[1])
         self._bytes_reported = (sent, received)
         quorum = QuorumStatus()
-        if self.syncer is not None and coordination.is_lease_holder(now):
-            reasons = "; ".join(f"p{p}: {r}" for p, r in sorted(self.syncer.last_decision.items()))
+        if self.syncer is not None and self.rounds is not None and coordination.is_lease_holder(now):
             quorum = QuorumStatus(have=sum(len(r.pending) for r in self.syncer.rounds.values()),
-                                  need=self.syncer.policy.min_quorum, reason=reasons[:400])
+                                  need=self.syncer.policy.min_quorum, reason=self.rounds.quorum_reason()[:400])
         self.status.set_coordination(
             epoch=coordination.epoch, coordinator=holder if holder else None,
             commit_index=self.replica.applied_index, state_digest=self._state_digest(),
@@ -1203,22 +1084,18 @@ class Node:
             await loop.run_in_executor(None, self.learner.join, 60.0)
             log.info("%s: learner stopped at step %s", self.node_id, self.learner.stopped_at_step)
         coordination = self.coord
-        for task in self._tasks:
-            if task.get_name() == "periodic":
-                task.cancel()  # no periodic checkpoint racing the final one
+        self._periodic_task.cancel()  # no periodic checkpoint racing the final one
         if coordination is not None and set(coordination.log.config.voters) - {self.node_id}:
             self._dispatch(coordination.leave(self.now()))
             deadline = self.now() + coordination.options.leave_timeout_s
             while not coordination.left and self.now() < deadline:
-                await asyncio.sleep(TICK_S)  # the ticker drives the leave to its commit
+                await self.clock.sleep(TICK_S)  # the ticker drives the leave to its commit
             log.info("%s: %s", self.node_id, coordination.last_membership_reason or "left")
             self.history.leave(coordination, coordination.last_membership_reason or "left")
         # Freeze the replica: nothing may be applied between the final checkpoint and exit, so a
         # restart resumes at exactly the index and digest logged below.
         self._frozen = True
-        for task in self._tasks:
-            if task.get_name() == "coordination-ticker":
-                task.cancel()
+        self._ticker_task.cancel()
         await self._checkpoint(final=True)
         self.store.sync(self._persistent)
         log.info("%s: stopped cleanly at index %d digest %s", self.node_id, self.replica.applied_index,

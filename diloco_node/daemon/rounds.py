@@ -1,0 +1,216 @@
+"""The fragment round on the real clock: contributions to and from the network, the lease holder's merges.
+
+Both directions of a round live here:
+- learner -> lease holder: a due fragment's delta is encoded in the codec pool and sent to the
+  current lease holder (or handed to our own syncer when we hold the lease);
+- lease holder: contributions are decoded and added to the sans-IO `Syncer`, whose decisions this
+  module only turns into timers (wake-at) or a merge in the codec pool followed by a log proposal.
+Lease changes reset or seed the syncer. Everything this driver needs is handed to its constructor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any
+
+from bootstrap import messages as coord
+from bootstrap.coordinator_node import CoordinatorNode
+from bootstrap.entries import EntryKind
+from diloco_node.clock import Clock
+from diloco_node.config.manifest import RunManifest
+from diloco_node.daemon import peers
+from diloco_node.daemon.tasks import TaskSet
+from diloco_node.learn.learner_thread import DueFragment
+from diloco_node.ops.status import Counter
+from diloco_node.sync.fragments import FragmentPlan
+from diloco_node.sync.merge import Contribution
+from diloco_node.sync.replica import CommitPayload, Replica
+from diloco_node.sync.syncer import CommitPlan, OpenRound, Syncer
+from diloco_node.transport import PeerClient, TransportError
+from wire import messages as wire
+from wire.codecs import decode_named, encode_named
+from wire.errors import RemoteProtocolError
+
+log = logging.getLogger("diloco_node.daemon")
+
+# A contribution upload may take this long before it is dropped (the learner sends again at its
+# next slot, with the steps of both).
+CONTRIBUTION_DEADLINE_S = 60.0
+# A round held by the node (a merge in flight, the replica behind its own log) is looked at again
+# after this long; the coordination tick has the same resolution.
+HELD_RETRY_S = 0.05
+
+
+class RoundDriver:
+    """The daemon's side of every fragment round; the decisions are the `Syncer`'s."""
+
+    def __init__(self, *, node_id: str, manifest: RunManifest, plan: FragmentPlan, syncer: Syncer,
+                 replica: Replica, coordination: CoordinatorNode, addresses: peers.AddressBook,
+                 client: PeerClient, executor: Executor, clock: Clock, tasks: TaskSet,
+                 dispatch: Callable[[list[coord.Action]], Any], replica_behind: Callable[[], str],
+                 report_error: Callable[[str], None], contributions_sent: Counter,
+                 merges_proposed: Counter) -> None:
+        self.node_id = node_id
+        self.manifest = manifest
+        self.plan = plan
+        self.syncer = syncer
+        self.replica = replica
+        self.coordination = coordination
+        self.addresses = addresses
+        self.client = client
+        self.executor = executor
+        self.clock = clock
+        self.tasks = tasks
+        self.dispatch = dispatch
+        # "" when the replica is one state that includes every entry of our own log, else why not.
+        self.replica_behind = replica_behind
+        self.report_error = report_error
+        self.contributions_sent = contributions_sent
+        self.merges_proposed = merges_proposed
+        self.merging = False
+        self.held_reason: dict[int, str] = {}  # fragment -> why a due merge waits on this node
+        self._wake_handles: dict[int, asyncio.TimerHandle] = {}
+        self._held_lease = False
+
+    # ------------------------------------------------------------------ learner -> network
+
+    def send_contribution(self, due: DueFragment) -> None:
+        """On the loop: send a due fragment in the background (training never waits for it)."""
+        self.tasks.spawn(self._send_contribution(due), name=f"contribution-{due.fragment}")
+
+    async def _send_contribution(self, due: DueFragment) -> None:
+        loop = asyncio.get_running_loop()
+        codec = self.manifest.sync.codec_up
+        payload = await loop.run_in_executor(self.executor, lambda: encode_named(due.delta, codec))
+        message = wire.FragmentContribution(due.fragment, self.replica.applied_index, due.base_round,
+                                            due.c_steps, due.c_tokens, codec, self.node_id, payload)
+        leader = self.coordination.election.leader_id
+        if leader is None:
+            return  # no lease holder: the next slot carries these steps too
+        self.contributions_sent.inc()
+        if leader == self.node_id:
+            await self.accept(message, transfer_s=0.0)
+            return
+        url = self.addresses.url(leader)
+        if url is None:
+            return
+        try:
+            await self.client.send(url, message, peer=leader, deadline_s=CONTRIBUTION_DEADLINE_S)
+        except TransportError as error:
+            log.info("%s: contribution for fragment %d not delivered: %s", self.node_id, due.fragment, error)
+
+    # ------------------------------------------------------------------ the syncer (lease holder)
+
+    async def on_contribution(self, message: wire.FragmentContribution) -> None:
+        """A peer's contribution (its sender already checked against the frame's signer)."""
+        if not self.coordination.is_lease_holder(self.clock.monotonic()):
+            leader = self.coordination.election.leader_id
+            raise RemoteProtocolError(f"{self.node_id} does not hold the lease (lease holder: {leader})", 409)
+        await self.accept(message, transfer_s=None)
+
+    async def accept(self, message: wire.FragmentContribution, transfer_s: float | None) -> None:
+        if not 0 <= message.fragment < self.plan.num_fragments:
+            raise RemoteProtocolError(f"fragment {message.fragment} does not exist in this run", 400)
+        loop = asyncio.get_running_loop()
+        try:
+            delta = await loop.run_in_executor(self.executor, decode_named, message.payload)
+        except (RemoteProtocolError, ValueError) as error:
+            raise RemoteProtocolError(f"contribution from {message.learner_id}: {error}", 400) from None
+        contribution = Contribution(message.learner_id, message.fragment, message.base_round, delta,
+                                    message.c_steps, message.c_tokens)
+        self.syncer.add(contribution, self.clock.monotonic(), transfer_s)
+        self.evaluate(message.fragment)
+
+    def _live_learners(self) -> int:
+        return sum(1 for record in self.coordination.membership.members.values()
+                   if record.role is coord.MemberRole.LEARNER
+                   and record.state in (coord.MemberState.ALIVE, coord.MemberState.SUSPECT))
+
+    def evaluate(self, p: int) -> None:
+        now = self.clock.monotonic()
+        if not self.coordination.is_lease_holder(now):
+            return
+        decision = self.syncer.decide(p, now, self._live_learners())
+        if decision is None:
+            return
+        loop = asyncio.get_running_loop()
+        if decision.wake_at is not None:
+            handle = self._wake_handles.pop(p, None)
+            if handle is not None:
+                handle.cancel()
+            self._wake_handles[p] = loop.call_later(max(0.0, decision.wake_at - now), self.evaluate, p)
+            return
+        if not decision.merge_now:
+            return
+        # One merge at a time, and only on a state that includes every entry of our own log, so the
+        # round we propose is exactly the next one for this fragment.
+        held = "a merge of another fragment is in flight" if self.merging else self.replica_behind()
+        if held:
+            self.held_reason[p] = held
+            loop.call_later(HELD_RETRY_S, self.evaluate, p)
+            return
+        self.held_reason.pop(p, None)
+        rnd = self.syncer.take(p, decision)
+        self.merging = True
+        self.tasks.spawn(self._merge_and_propose(p, rnd, decision.reason), name=f"merge-{p}")
+
+    async def _merge_and_propose(self, p: int, rnd: OpenRound, reason: str) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+            plan: CommitPlan = await loop.run_in_executor(
+                self.executor, self.syncer.plan_commit, p, rnd, self.replica.state, self.replica.digest_after, reason)
+            merged = plan.merged
+            if merged is None:
+                if plan.failed:
+                    self.report_error(plan.reason)
+                else:
+                    log.info("%s syncer: %s", self.node_id, plan.reason)
+                return
+            log.info("%s syncer: %s", self.node_id, plan.reason)
+            payload = CommitPayload(merged.encoded, tuple(n for n, _ in merged.result.accepted),
+                                    tuple(w for _, w in merged.result.accepted), merged.norm_ref).encode()
+            if merged.round != self.replica.state.round(p) + 1:
+                self.report_error(f"fragment {p}: state moved during the merge; round dropped")
+                return
+            entry, why, actions = self.coordination.propose(self.clock.monotonic(), EntryKind.OUTER_COMMIT, payload,
+                                                            fragment=p, round=merged.round, digest=plan.digest)
+            if entry is None:
+                self.report_error(f"fragment {p} merge not proposed: {why}")
+                return
+            self.syncer.note_proposed(p, self.clock.monotonic())
+            self.merges_proposed.inc()
+            self.dispatch(actions)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # never die unobserved in a task: drop the round, say why
+            log.exception("fragment %d merge failed", p)
+            self.report_error(f"fragment {p}: merge failed ({type(error).__name__}: {error}); round dropped")
+        finally:
+            self.merging = False
+
+    # ------------------------------------------------------------------ lease changes
+
+    def lease_check(self) -> None:
+        """After every coordination step: a lost lease drops open rounds and timers (learners resend at
+        their next slot); a gained one continues from the norm references the log committed."""
+        holder = self.coordination.is_lease_holder(self.clock.monotonic())
+        if self._held_lease and not holder:
+            self.syncer.reset()
+            for handle in self._wake_handles.values():
+                handle.cancel()
+            self._wake_handles.clear()
+            self.held_reason.clear()
+        if holder and not self._held_lease:
+            self.syncer.adopt_norm_references(self.replica.norm_refs)
+        self._held_lease = holder
+
+    def quorum_reason(self) -> str:
+        """The syncer's last decision per fragment, and why a due merge waits here, for /status."""
+        parts = []
+        for p, reason in sorted(self.syncer.last_decision.items()):
+            held = self.held_reason.get(p)
+            parts.append(f"p{p}: {reason}" + (f" (held: {held})" if held else ""))
+        return "; ".join(parts)
