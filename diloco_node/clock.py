@@ -8,7 +8,9 @@ directly), and the sans-IO cores take `now` as an argument, so a test can run an
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+from pathlib import Path
 from typing import Protocol
 
 
@@ -53,3 +55,17 @@ class FakeClock:
     async def sleep(self, seconds: float) -> None:
         self.advance(max(0.0, seconds))
         await asyncio.sleep(0)  # still a suspension point, as a real sleep is
+
+
+_IMPORTED_AT = time.monotonic()
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux /proc; elsewhere, since this module was imported)."""
+    try:
+        fields_after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        start_ticks = int(fields_after_name[19])  # field 22, starttime, in clock ticks after boot
+        uptime_s = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime_s - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED_AT

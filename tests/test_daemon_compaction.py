@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,8 +18,9 @@ from bootstrap.replog import LogStore, ReplicatedLog
 from diloco_node.ops.checkpoint import CheckpointStore
 from diloco_node.config.settings import ConfigError
 from diloco_node.daemon import peers
-from diloco_node.daemon.join import FragmentDownload, snapshot_from_wire, snapshot_to_wire
-from diloco_node.daemon.node import Node
+from diloco_node.daemon.join import FragmentDownload
+from diloco_node.daemon.peers import snapshot_from_wire, snapshot_to_wire
+from diloco_node.daemon.persistence import Checkpointer, RestartPlan, restart_plan
 from diloco_node.sync.replica import CommitPayload, Replica
 from diloco_node.daemon.replica_store import ReplicaStore, ReplicaStoreError, compaction_point
 from diloco_node.sync.fragments import plan_fragments
@@ -206,9 +206,11 @@ def test_snapshot_notice_round_trips_through_a_frame_and_old_builds_refuse_it() 
     back = snapshot_from_wire(frame)
     assert back is not None and back.snapshot == message.snapshot and (back.epoch, back.leader_id) == (5, "a")
     assert frame.leader_commit == 720
+    # The one mapping for appends takes it as the snapshot install it stands for.
+    assert peers.append_from_wire(frame) == back
     # A build without snapshot support reads it as an entry of an unknown kind: a clear refusal.
     with pytest.raises(RemoteProtocolError, match="unknown kind 'snapshot'"):
-        peers.append_from_wire(frame)
+        peers.entry_from_wire(frame.entries[0])
     # Ordinary appends are not snapshots.
     plain = peers.to_wire(coord.AppendEntries(5, "a", 0, 0, (LogEntry(1, 1, EntryKind.NOOP),), 0, 1.0),
                           epoch=5, commit_index=0, last_index=1)
@@ -304,53 +306,53 @@ async def test_raising_the_floor_refetches_fragments_already_downloaded() -> Non
 # ---------------------------------------------------------------- restart: checkpoint and log
 
 
-def _restore_with(tmp_path: Path, *, checkpoint_index: int | None, snapshot_index: int, log_len: int,
-                  peers_known: bool) -> SimpleNamespace:
-    """Run Node._restore_checkpoint on a minimal stand-in node (the real method, real stores)."""
-    replica = _replica()
+def test_restart_checkpoint_inside_the_log_replays_it() -> None:
+    plan = restart_plan(checkpoint_index=120, snapshot_index=100, log_last_index=150, has_peers=True)
+    assert plan == RestartPlan(120, 0, "replay the log from the checkpoint at index 120 through 150")
+
+
+def test_restart_without_checkpoint_on_an_uncompacted_log_replays_from_the_start() -> None:
+    plan = restart_plan(checkpoint_index=None, snapshot_index=0, log_last_index=7, has_peers=False)
+    assert plan == RestartPlan(0, 0, "replay the log from the initial state through 7")
+
+
+def test_restart_checkpoint_beyond_the_log_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="checkpoint applied through 200 but the durable log ends at 150"):
+        restart_plan(checkpoint_index=200, snapshot_index=100, log_last_index=150, has_peers=True)
+
+
+def test_restart_checkpoint_older_than_the_compacted_log_installs_from_peers() -> None:
+    plan = restart_plan(checkpoint_index=60, snapshot_index=100, log_last_index=150, has_peers=True)
+    assert (plan.applied_index, plan.install_floor) == (100, 100)
+    assert plan.reason == ("the global state is as of index 60 but the durable log starts after 100: "
+                           "installing the global state from peers")
+
+
+def test_restart_compacted_log_without_checkpoint_or_peers_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="compacted through 100, and there is no peer"):
+        restart_plan(checkpoint_index=None, snapshot_index=100, log_last_index=105, has_peers=False)
+
+
+def test_checkpointer_restores_the_global_state_and_applies_the_restart_plan(tmp_path: Path) -> None:
+    """The real Checkpointer on real stores: a checkpoint inside the log is restored bit for bit."""
+    source = _replica()
     checkpoints = CheckpointStore(tmp_path / "checkpoints")
-    if checkpoint_index is not None:
-        state = replica.state
-        arrays = {}
-        for p in range(replica.plan.num_fragments):
-            arrays.update({f"global/params/{n}": a for n, a in state.fragment_params(p).items()})
-            arrays.update({f"global/momentum/{n}": a for n, a in state.momentum(p).items()})
-        checkpoints.save({"applied_index": checkpoint_index, "rounds": list(state.rounds()),
-                          "state_digest": state.digest()}, arrays)
-    entries = [LogEntry(1, i, EntryKind.NOOP) for i in range(snapshot_index + 1, snapshot_index + log_len + 1)]
-    node = SimpleNamespace(
-        replica=replica, plan=replica.plan, checkpoints=checkpoints, node_id="a",
-        _persistent=_state(entries, Snapshot(snapshot_index, 1, VOTERS) if snapshot_index else None),
-        cfg=SimpleNamespace(bootstrap=()),
-        addresses=peers.AddressBook({"a": "http://a:1", **({"b": "http://b:1"} if peers_known else {})}),
-        _install_floor=0, _consistent_from=0, _held_applies=None)
-    node._need_install_if_compacted = lambda applied, snap: Node._need_install_if_compacted(node, applied, snap)
+    state = source.state
+    arrays = {}
+    for p in range(source.plan.num_fragments):
+        arrays.update({f"global/params/{n}": a for n, a in state.fragment_params(p).items()})
+        arrays.update({f"global/momentum/{n}": a for n, a in state.momentum(p).items()})
+    checkpoints.save({"applied_index": 120, "rounds": list(state.rounds()), "state_digest": state.digest()}, arrays)
+    target = _replica()
+    entries = [LogEntry(1, i, EntryKind.NOOP) for i in range(101, 151)]
+    checkpointer = Checkpointer(node_id="a", checkpoints=checkpoints, store=None, replica=target,  # type: ignore[arg-type]
+                                disk_executor=None, retain_entries=256, report_error=lambda _: None)  # type: ignore[arg-type]
     try:
-        Node._restore_checkpoint(node)
+        plan, learner = checkpointer.restore(_state(entries, Snapshot(100, 1, VOTERS)), has_peers=True)
     finally:
         checkpoints.close()
-    return node
-
-
-def test_restart_checkpoint_inside_the_log_replays_it(tmp_path: Path) -> None:
-    node = _restore_with(tmp_path, checkpoint_index=120, snapshot_index=100, log_len=50, peers_known=True)
-    assert node.replica.applied_index == 120 and node._install_floor == 0 and node._held_applies is None
-
-
-def test_restart_checkpoint_beyond_the_log_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="checkpoint applied through 200 but the durable log ends at 150"):
-        _restore_with(tmp_path, checkpoint_index=200, snapshot_index=100, log_len=50, peers_known=True)
-
-
-def test_restart_checkpoint_older_than_the_compacted_log_installs_from_peers(tmp_path: Path) -> None:
-    node = _restore_with(tmp_path, checkpoint_index=60, snapshot_index=100, log_len=50, peers_known=True)
-    assert node.replica.applied_index == 100 and node._install_floor == 100
-    assert node._consistent_from == 100 and node._held_applies == []
-
-
-def test_restart_compacted_log_without_checkpoint_or_peers_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="compacted through 100, and there is no peer"):
-        _restore_with(tmp_path, checkpoint_index=None, snapshot_index=100, log_len=5, peers_known=False)
+    assert plan.install_floor == 0 and learner is None
+    assert target.applied_index == 120 and target.state.digest() == state.digest()
 
 
 # ---------------------------------------------------------------- /status and /metrics

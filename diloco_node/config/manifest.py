@@ -187,10 +187,17 @@ class RunManifest:
             kwargs[name] = _section_from_dict(name, section_cls, value)
         return cls(**kwargs)
 
+    def canonical_bytes(self) -> bytes:
+        """The one canonical JSON form (sorted keys, no spaces): what peers exchange and digests cover."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+
     def digest(self) -> str:
         """Stable sha256 over the canonical JSON form; equal manifests have equal digests."""
-        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()
+        return hashlib.sha256(self.canonical_bytes()).hexdigest()
+
+    def digest_bytes(self) -> bytes:
+        """The digest as the 32 raw bytes a JoinRequest carries."""
+        return bytes.fromhex(self.digest())
 
     def differences(self, other: "RunManifest") -> list[str]:
         """Human-readable list of `section.key: ours != theirs` (empty when they agree)."""

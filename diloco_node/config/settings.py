@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import ipaddress
 import math
 import os
@@ -754,3 +755,8 @@ def overrides_from_args(args: argparse.Namespace) -> list[Override]:
 def load_config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> EffectiveConfig:
     """`load_config` for a namespace parsed with `add_run_flags` (what `run` and `config show` call)."""
     return load_config(args.config, os.environ if environ is None else environ, overrides_from_args(args))
+
+
+def run_id_for(secret: bytes) -> str:
+    """The run id stamped on every frame: derived from the run secret, so sites agree without config."""
+    return "run-" + hashlib.sha256(b"diloco-node/run-id\0" + secret).hexdigest()[:16]

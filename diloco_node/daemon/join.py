@@ -14,12 +14,8 @@ were downloading (the digest changed), the download restarts for that fragment. 
 carry a floor (`min_commit_index`): fragments served as of an older log index are fetched again,
 from another peer, until each is at least that new.
 
-Snapshot install (`snapshot_to_wire` / `snapshot_from_wire`): when the lease holder's log was
-compacted past what a replica needs, the coordination core sends `InstallSnapshot`. The daemon's
-snapshot carries no state (the global state is this download), only (last_index, last_epoch,
-voters), so it travels as a LogAppend holding one entry of kind "snapshot" at `last_index`; a
-replica that receives it restores the coordination snapshot and downloads the global state with
-that index as the floor. A build that predates it refuses the unknown entry kind (400).
+A snapshot install (peers.py: how `InstallSnapshot` crosses the wire) ends in this same download,
+with the snapshot's index as the floor.
 """
 
 from __future__ import annotations
@@ -30,14 +26,12 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from bootstrap import messages as coord
-from bootstrap.entries import ClusterConfig, Snapshot
 from diloco_node.config.settings import ConfigError, EffectiveConfig
 from diloco_node.sync.replica import Replica
 from diloco_node.config.manifest import RunManifest
 from diloco_node.transport import PeerClient, TransportError
 from wire import messages as wire
-from wire.errors import LocalProtocolError, RemoteProtocolError
+from wire.errors import RemoteProtocolError
 
 # Bytes per SnapshotChunk request: big enough that per-request overhead is noise, small enough
 # that a dropped connection loses little (the download resumes at the offset reached).
@@ -47,8 +41,6 @@ CHUNK_DEADLINE_S = 120.0
 # A peer whose copy of a fragment is older than the download's floor is asked again after this
 # pause (round-robin over the peers): it is usually applying the very entries we need.
 BEHIND_FLOOR_RETRY_S = 0.2
-# The wire kind of the log entry that stands for an InstallSnapshot (see the module docstring).
-SNAPSHOT_ENTRY_KIND = "snapshot"
 
 
 class JoinRefused(Exception):
@@ -57,14 +49,6 @@ class JoinRefused(Exception):
 
 class _PeerBehind(Exception):
     """A peer's copy of a fragment is older than the download's floor: ask another peer."""
-
-
-def manifest_bytes(manifest: RunManifest) -> bytes:
-    return json.dumps(manifest.to_dict(), sort_keys=True, separators=(",", ":")).encode()
-
-
-def manifest_digest(manifest: RunManifest) -> bytes:
-    return bytes.fromhex(manifest.digest())
 
 
 def parse_manifest(data: bytes) -> RunManifest:
@@ -91,7 +75,7 @@ async def negotiate(client: PeerClient, urls: Sequence[str], effective: Effectiv
     errors: list[str] = []
     for url in urls:
         ours = effective.run
-        request = wire.JoinRequest(node_id, advertise, role, manifest_digest(ours))
+        request = wire.JoinRequest(node_id, advertise, role, ours.digest_bytes())
         try:
             membership = await request_membership(client, url, request)
             theirs = parse_manifest(membership.payload)
@@ -100,7 +84,7 @@ async def negotiate(client: PeerClient, urls: Sequence[str], effective: Effectiv
                     effective.manifest_for_join(theirs)
                 except ConfigError as error:
                     raise JoinRefused(str(error)) from None
-                request = wire.JoinRequest(node_id, advertise, role, manifest_digest(theirs))
+                request = wire.JoinRequest(node_id, advertise, role, theirs.digest_bytes())
                 membership = await request_membership(client, url, request)
                 if parse_manifest(membership.payload).digest() != theirs.digest():
                     raise JoinRefused(f"{url}: the run's manifest changed while joining; try again")
@@ -112,34 +96,6 @@ async def negotiate(client: PeerClient, urls: Sequence[str], effective: Effectiv
         except RemoteProtocolError as error:
             errors.append(f"{url}: {error}")
     raise JoinRefused("could not join through any bootstrap peer:\n  " + "\n  ".join(errors))
-
-
-def snapshot_to_wire(message: coord.InstallSnapshot, leader_commit: int) -> wire.LogAppend:
-    """The wire form of an InstallSnapshot: a LogAppend whose single entry is the snapshot point."""
-    snapshot = message.snapshot
-    if snapshot.last_index < 1:
-        raise LocalProtocolError("the initial snapshot (index 0) is never sent")
-    marker = wire.LogEntry(index=snapshot.last_index, epoch=snapshot.last_epoch, kind=SNAPSHOT_ENTRY_KIND,
-                           metadata={"voters": snapshot.config.sorted_voters()}, payload=b"")
-    return wire.LogAppend(message.epoch, message.leader_id, snapshot.last_index - 1, 0, (marker,),
-                          max(leader_commit, snapshot.last_index))
-
-
-def snapshot_from_wire(message: wire.LogAppend) -> coord.InstallSnapshot | None:
-    """The InstallSnapshot a LogAppend stands for, or None when it is an ordinary append."""
-    if not any(entry.kind == SNAPSHOT_ENTRY_KIND for entry in message.entries):
-        return None
-    if len(message.entries) != 1:
-        raise RemoteProtocolError("LogAppend: a snapshot entry must travel alone", 400)
-    marker = message.entries[0]
-    voters = marker.metadata.get("voters")
-    if not isinstance(voters, (list, tuple)) or not all(isinstance(v, str) for v in voters):
-        raise RemoteProtocolError("LogAppend: the snapshot entry carries no voter list", 400)
-    try:
-        snapshot = Snapshot(marker.index, marker.epoch, ClusterConfig.of(voters))
-        return coord.InstallSnapshot(message.epoch, message.leader, snapshot, sent_at=0.0)
-    except LocalProtocolError as error:
-        raise RemoteProtocolError(f"LogAppend: snapshot entry: {error}", 400) from None
 
 
 @dataclass(slots=True)
@@ -187,6 +143,10 @@ class FragmentDownload:
                 return
             for progress in stale:
                 await self._one(progress, attempts)
+
+    async def fetch_fragment(self, p: int, attempts: int) -> None:
+        """Download fragment p alone (a repair after a digest mismatch), trying up to `attempts` times."""
+        await self._one(self.progress[p], attempts)
 
     async def _one(self, progress: FragmentProgress, attempts: int) -> None:
         buffer = bytearray()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 from collections.abc import Callable
 
@@ -81,3 +82,24 @@ class BackgroundNotifier:
             if send is None:
                 return
             send()
+
+
+# systemd STATUS= lines repeat at most this often while nothing but numbers changes.
+STATUS_LINE_EVERY_S = 10.0
+
+
+class StatusLineThrottle:
+    """When to send systemd's STATUS= line: when the kind of state changes (numbers aside), else at
+    most every STATUS_LINE_EVERY_S; the notify socket is a blocking datagram socket, so never a flood."""
+
+    def __init__(self, every_s: float = STATUS_LINE_EVERY_S) -> None:
+        self.every_s = every_s
+        self._shape = ""
+        self._sent_at = float("-inf")
+
+    def due(self, text: str, now: float) -> bool:
+        shape = re.sub(r"\d+", "#", text)
+        if shape == self._shape and now - self._sent_at < self.every_s:
+            return False
+        self._shape, self._sent_at = shape, now
+        return True

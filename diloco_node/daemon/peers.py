@@ -15,8 +15,11 @@ choices are documented in docs/DAEMON.md:
 - A graceful leave (a Ping announcing our own LEFT record) travels as a wire Leave.
 - Pre-votes travel as VoteRequest/VoteReply with `pre_vote` set (part of wire 1.0; see
   docs/WIRE.md, versioning).
-- InstallSnapshot is not converted here: node.py sends it as a LogAppend holding one `snapshot`
-  entry, and the follower then downloads the global state itself (join.py).
+- InstallSnapshot: the daemon's snapshot carries no state (the global state is downloaded
+  fragment by fragment, join.py), only (last_index, last_epoch, voters), so it travels as a
+  LogAppend holding one entry of kind "snapshot" at `last_index`; a replica that receives it
+  restores the coordination snapshot and downloads the global state with that index as the floor.
+  A build that predates it refuses the unknown entry kind (400).
 
 Everything here is pure: no I/O, no clock.
 """
@@ -27,13 +30,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from bootstrap import messages as coord
-from bootstrap.entries import ClusterConfig, EntryKind, LogEntry
+from bootstrap.entries import ClusterConfig, EntryKind, LogEntry, Snapshot
 from wire import messages as wire
 from wire.errors import LocalProtocolError, RemoteProtocolError
 
 # Log entry kinds on the wire are short lowercase names (wire.messages.NAME_PATTERN).
 _KIND_TO_WIRE = {EntryKind.OUTER_COMMIT: "commit", EntryKind.MEMBERSHIP: "membership", EntryKind.NOOP: "noop"}
 _KIND_FROM_WIRE = {name: kind for kind, name in _KIND_TO_WIRE.items()}
+# The wire kind of the log entry that stands for an InstallSnapshot (see the module docstring).
+SNAPSHOT_ENTRY_KIND = "snapshot"
 # Human reasons longer than the wire allows are cut, not refused: they are for people.
 MAX_REASON_CHARS = wire.MAX_REASON_CHARS
 
@@ -87,16 +92,50 @@ def to_wire(message: coord.Message, *, epoch: int, commit_index: int, last_index
         return wire.Heartbeat(epoch, message.sender_id, message.seq, commit_index)
     if isinstance(message, coord.PingAck):
         return wire.HeartbeatAck(epoch, message.sender_id, message.seq, last_index)
-    return None  # PingRequest, InstallSnapshot, JoinRequest/JoinReply (see module docstring)
+    if isinstance(message, coord.InstallSnapshot):
+        return snapshot_to_wire(message, commit_index)
+    return None  # PingRequest, JoinRequest/JoinReply (see module docstring)
 
 
-def append_from_wire(message: wire.LogAppend) -> coord.AppendEntries:
+def append_from_wire(message: wire.LogAppend) -> coord.AppendEntries | coord.InstallSnapshot:
+    """A LogAppend as the coordination message it stands for: entries, or a snapshot install."""
+    install = snapshot_from_wire(message)
+    if install is not None:
+        return install
     try:
         return coord.AppendEntries(message.epoch, message.leader, message.prev_index, message.prev_epoch,
                                    tuple(entry_from_wire(e) for e in message.entries), message.leader_commit,
                                    sent_at=0.0)
     except LocalProtocolError as error:
         raise RemoteProtocolError(f"LogAppend: {error}", 400) from None
+
+
+def snapshot_to_wire(message: coord.InstallSnapshot, leader_commit: int) -> wire.LogAppend:
+    """The wire form of an InstallSnapshot: a LogAppend whose single entry is the snapshot point."""
+    snapshot = message.snapshot
+    if snapshot.last_index < 1:
+        raise LocalProtocolError("the initial snapshot (index 0) is never sent")
+    marker = wire.LogEntry(index=snapshot.last_index, epoch=snapshot.last_epoch, kind=SNAPSHOT_ENTRY_KIND,
+                           metadata={"voters": snapshot.config.sorted_voters()}, payload=b"")
+    return wire.LogAppend(message.epoch, message.leader_id, snapshot.last_index - 1, 0, (marker,),
+                          max(leader_commit, snapshot.last_index))
+
+
+def snapshot_from_wire(message: wire.LogAppend) -> coord.InstallSnapshot | None:
+    """The InstallSnapshot a LogAppend stands for, or None when it is an ordinary append."""
+    if not any(entry.kind == SNAPSHOT_ENTRY_KIND for entry in message.entries):
+        return None
+    if len(message.entries) != 1:
+        raise RemoteProtocolError("LogAppend: a snapshot entry must travel alone", 400)
+    marker = message.entries[0]
+    voters = marker.metadata.get("voters")
+    if not isinstance(voters, (list, tuple)) or not all(isinstance(v, str) for v in voters):
+        raise RemoteProtocolError("LogAppend: the snapshot entry carries no voter list", 400)
+    try:
+        snapshot = Snapshot(marker.index, marker.epoch, ClusterConfig.of(voters))
+        return coord.InstallSnapshot(message.epoch, message.leader, snapshot, sent_at=0.0)
+    except LocalProtocolError as error:
+        raise RemoteProtocolError(f"LogAppend: snapshot entry: {error}", 400) from None
 
 
 def append_response_from_wire(message: wire.LogAck, sent_at: float) -> coord.AppendResponse:

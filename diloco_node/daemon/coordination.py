@@ -1,0 +1,275 @@
+"""The coordination core's I/O: persist, then send; one outbox per peer; replies and peer requests in.
+
+`CoordinatorNode` (bootstrap/) is sans-IO: it takes messages and `now` and returns actions. This
+module is the only place that performs them: after every call into the core the durable state is
+synced to disk *before* any resulting message leaves (replica_store.py); `Send` actions go to a
+per-peer outbox drained by one worker task; `ApplyEntry` and `RestoreSnapshot` go to the state
+keeper (state_transfer.py). It also answers the coordination part of the peer API (votes,
+appends, heartbeats, leaves, joins) and drives the core's timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from bootstrap import messages as coord
+from bootstrap.coordinator_node import CoordinatorNode, PersistentState
+from bootstrap.entries import LogEntry, Snapshot
+from diloco_node.clock import Clock
+from diloco_node.config.manifest import RunManifest
+from diloco_node.daemon import peers
+from diloco_node.daemon.history_hooks import DaemonHistory
+from diloco_node.daemon.replica_store import ReplicaStore
+from diloco_node.daemon.tasks import TaskSet
+from diloco_node.transport import PeerClient, PeerRefused, PeerUnreachable
+from wire import messages as wire
+from wire.errors import LocalProtocolError, RemoteProtocolError
+
+log = logging.getLogger("diloco_node.daemon")
+
+# Coordination timer resolution: heartbeats are every 0.5 s and leases 3 s, so 50 ms of timer
+# slack is small against both.
+TICK_S = 0.05
+# Coordination messages (votes, appends, probes) give up after this; the next tick retries.
+# Long enough for a log append of a few MB on a slow WAN link, short against a lease.
+COORDINATION_DEADLINE_S = 2.5
+
+
+@dataclass(slots=True)
+class _Outbox:
+    pending: list[Any] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class CoordinationIO:
+    """Wires one `CoordinatorNode` to the disk, the peers and the clock."""
+
+    def __init__(self, *, core: CoordinatorNode, persistent: PersistentState, store: ReplicaStore,
+                 history: DaemonHistory, client: PeerClient, addresses: peers.AddressBook, clock: Clock,
+                 tasks: TaskSet, on_apply: Callable[[LogEntry], None],
+                 on_restore_snapshot: Callable[[Snapshot], None], after_step: Callable[[], None],
+                 remember_member: Callable[[str, str, str], None], report_error: Callable[[str], None]) -> None:
+        self.core = core
+        self.node_id = core.node_id
+        self.persistent = persistent
+        self.store = store
+        self.history = history
+        self.client = client
+        self.addresses = addresses
+        self.clock = clock
+        self.tasks = tasks
+        self.on_apply = on_apply
+        self.on_restore_snapshot = on_restore_snapshot
+        self.after_step = after_step  # after every step of the core (the round driver's lease check)
+        self.remember_member = remember_member  # (node id, url, role): learn and persist an address
+        self.report_error = report_error
+        self.frozen = False  # set while stopping: no message is handled, no entry applied
+        self.leader_commit = 0  # highest commit index a lease holder told us
+        self.last_ok: dict[str, float] = {}  # peer -> last successful exchange (monotonic)
+        self._outboxes: dict[str, _Outbox] = {}
+
+    # ------------------------------------------------------------------ core steps
+
+    async def ticker(self) -> None:
+        while True:
+            self.dispatch(self.core.tick(self.clock.monotonic()))
+            self.after_step()
+            await self.clock.sleep(TICK_S)
+
+    def handle(self, message: coord.Message) -> list[coord.Action]:
+        return self.core.handle(message, self.clock.monotonic())
+
+    def dispatch(self, actions: list[coord.Action], *, reply_to: str | None = None,
+                 reply_type: type | None = None) -> coord.Message | None:
+        """Persist, then perform actions; returns (not sends) the reply to `reply_to` if asked for one."""
+        self.store.sync(self.persistent)
+        self.history.observe(self.core)  # after the sync: the history never claims more than the disk
+        reply = None
+        if self.frozen:
+            return None
+        for action in actions:
+            if isinstance(action, coord.Send):
+                if (reply_to is not None and reply is None and action.to == reply_to
+                        and reply_type is not None and isinstance(action.message, reply_type)):
+                    reply = action.message
+                else:
+                    self.send(action.to, action.message)
+            elif isinstance(action, coord.ApplyEntry):
+                self.on_apply(action.entry)
+            elif isinstance(action, coord.RestoreSnapshot):
+                self.on_restore_snapshot(action.snapshot)
+        return reply
+
+    def dispatch_dropping_replies(self, actions: list[coord.Action]) -> None:
+        self.dispatch([a for a in actions if not (isinstance(a, coord.Send) and isinstance(a.message, coord.PingAck))])
+
+    # ------------------------------------------------------------------ messages out
+
+    def send(self, to: str, message: coord.Message) -> None:
+        if to == self.node_id:
+            return
+        outbox = self._outboxes.get(to)
+        if outbox is None:
+            outbox = self._outboxes[to] = _Outbox()
+            self.tasks.spawn(self._peer_worker(to, outbox), name=f"outbox-{to}")
+        if isinstance(message, (coord.AppendEntries, coord.InstallSnapshot)):
+            # A newer replication message supersedes a queued older one (same leader state, later).
+            outbox.pending = [m for m in outbox.pending
+                              if not isinstance(m, (coord.AppendEntries, coord.InstallSnapshot))]
+        outbox.pending.append(message)
+        outbox.wake.set()
+
+    async def _peer_worker(self, peer: str, outbox: _Outbox) -> None:
+        while True:
+            await outbox.wake.wait()
+            outbox.wake.clear()
+            batch, outbox.pending = outbox.pending, []
+            for message in batch:
+                try:
+                    await self._deliver(peer, message)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as error:  # one bad exchange must not stop the worker
+                    log.exception("delivery of %s to %s failed: %s", type(message).__name__, peer, error)
+
+    async def _deliver(self, peer: str, message: coord.Message) -> None:
+        url = self.addresses.url(peer)
+        if url is None:
+            record = self.core.membership.record(peer)
+            url = record.address if record is not None and record.address else None
+        if url is None:
+            return  # learned from a configuration entry before its address: the member refresh fixes it
+        if (isinstance(message, (coord.AppendEntries, coord.InstallSnapshot))
+                and not (message.epoch == self.core.epoch
+                         and self.core.election.may_act_as_leader(self.clock.monotonic()))):
+            # Queued while we led, but our lease ran out before it could leave (the process was
+            # paused, or the link stalled): a follower would take it as the holder being alive and
+            # refuse every candidate for another lease time. Dropping a message is always safe.
+            return
+        out = peers.to_wire(message, epoch=self.core.epoch, commit_index=self.core.log.commit_index,
+                                 last_index=self.core.log.last_index)
+        if out is None:
+            return
+        try:
+            replies = await self.client.send(url, out, peer=peer, deadline_s=COORDINATION_DEADLINE_S)
+        except PeerRefused as error:
+            if error.status not in (503,):
+                self.report_error(f"{peer} refused {type(out).__name__}: {error.status} {error.reason}")
+            return
+        except PeerUnreachable:
+            return
+        self.last_ok[peer] = self.clock.monotonic()
+        for reply in replies:
+            self._on_reply(peer, message, reply)
+
+    def _on_reply(self, peer: str, request: coord.Message, reply: wire.Message) -> None:
+        try:
+            if isinstance(reply, wire.VoteReply) and reply.voter == peer:
+                self.dispatch(self.handle(peers.vote_response_from_wire(reply)))
+            elif (isinstance(reply, wire.LogAck) and reply.follower == peer
+                  and isinstance(request, (coord.AppendEntries, coord.InstallSnapshot))):
+                self.dispatch(self.handle(peers.append_response_from_wire(reply, request.sent_at)))
+            elif isinstance(reply, wire.HeartbeatAck) and reply.follower == peer and isinstance(request, coord.Ping):
+                self.revive(peer)
+                self.dispatch(self.handle(coord.PingAck(request.seq, peer, peer, ())))
+            else:
+                self.report_error(f"unexpected {type(reply).__name__} from {peer} in answer to {type(request).__name__}")
+        except (RemoteProtocolError, LocalProtocolError) as error:
+            self.report_error(f"bad reply from {peer}: {error}")
+        self.after_step()
+
+    def revive(self, peer: str, role: coord.MemberRole | None = None, *, even_if_left: bool = False) -> None:
+        current = self.core.membership.record(peer)
+        if current is not None and current.state is coord.MemberState.LEFT and not even_if_left:
+            return
+        url = self.addresses.url(peer) or (current.address if current else "")
+        role = role or (current.role if current else coord.MemberRole.LEARNER)
+        record = peers.revived_record(current, peer, url, role)
+        if record is not None:
+            self.dispatch_dropping_replies(self.handle(coord.Ping(0, peer, (record,))))
+
+    # ------------------------------------------------------------------ peer requests in
+
+    def check_open(self) -> None:
+        if self.frozen:
+            raise RemoteProtocolError(f"{self.node_id} is stopping", 503)
+
+    def same_sender(self, claimed: str, peer: Any, what: str) -> None:
+        """A message names its sender; it must be the member whose key signed the frame."""
+        if claimed != peer.node_id:
+            raise RemoteProtocolError(f"{what} names {claimed!r} but is signed by {peer.node_id!r}", 400)
+        self.last_ok[peer.node_id] = self.clock.monotonic()
+
+    async def on_vote_request(self, message: wire.VoteRequest, peer: Any) -> wire.Message | None:
+        self.check_open()
+        self.same_sender(message.candidate, peer, "VoteRequest")
+        reply = self.dispatch(self.handle(peers.vote_request_from_wire(message)), reply_to=peer.node_id,
+                              reply_type=coord.VoteResponse)
+        self.after_step()
+        return peers.to_wire(reply, epoch=0, commit_index=0, last_index=0) if reply is not None else None
+
+    async def on_log_append(self, message: wire.LogAppend, peer: Any) -> wire.Message | None:
+        self.check_open()
+        self.same_sender(message.leader, peer, "LogAppend")
+        self.leader_commit = max(self.leader_commit, message.leader_commit)
+        reply = self.dispatch(self.handle(peers.append_from_wire(message)), reply_to=peer.node_id,
+                              reply_type=coord.AppendResponse)
+        self.after_step()
+        if reply is None:
+            return None
+        return peers.to_wire(reply, epoch=self.core.epoch, commit_index=0, last_index=0)
+
+    async def on_heartbeat(self, message: wire.Heartbeat, peer: Any) -> wire.Message | None:
+        self.check_open()
+        self.same_sender(message.leader, peer, "Heartbeat")
+        self.revive(peer.node_id)
+        reply = self.dispatch(self.handle(coord.Ping(message.seq, peer.node_id, ())), reply_to=peer.node_id,
+                              reply_type=coord.PingAck)
+        if reply is None:
+            return None
+        return peers.to_wire(reply, epoch=self.core.epoch, commit_index=self.core.log.commit_index,
+                                  last_index=self.core.log.last_index)
+
+    async def on_leave(self, message: wire.Leave, peer: Any) -> None:
+        self.check_open()
+        self.same_sender(message.node_id, peer, "Leave")
+        record = peers.left_record(self.core.membership.record(peer.node_id))
+        if record is not None:
+            self.dispatch_dropping_replies(self.handle(coord.Ping(0, peer.node_id, (record,))))
+        log.info("%s leaves: %s", peer.node_id, message.reason)
+        return None
+
+    async def on_join_request(self, message: wire.JoinRequest, peer: Any, manifest: RunManifest) -> wire.Message:
+        """A site announces itself: admitted (revived as a member) when its manifest is ours; either
+        way it gets the membership and our manifest, so a joiner can see what it contradicts."""
+        self.check_open()
+        self.same_sender(message.node_id, peer, "JoinRequest")
+        if message.manifest_digest == manifest.digest_bytes():
+            self.remember_member(message.node_id, message.advertise_url, message.role.value)
+            self.revive(message.node_id, peers.role_from_wire(message.role), even_if_left=True)
+            log.info("%s admitted %s (%s, %s)", self.node_id, message.node_id, message.role.value,
+                     message.advertise_url)
+        voters = self.core.log.config.voters
+        members = tuple(wire.Member(node_id, url, wire.Role(self.addresses.role(node_id) or "learner"),
+                                    node_id in voters)
+                        for node_id, url in self.addresses.items())
+        return wire.Membership(self.core.epoch, self.core.log.latest_config_index(), members,
+                               manifest.canonical_bytes())
+
+    # ------------------------------------------------------------------ leaving
+
+    async def leave(self) -> None:
+        """Ask the run to remove us (when others vote) and wait, bounded, for that to commit."""
+        core = self.core
+        if not set(core.log.config.voters) - {self.node_id}:
+            return
+        self.dispatch(core.leave(self.clock.monotonic()))
+        deadline = self.clock.monotonic() + core.options.leave_timeout_s
+        while not core.left and self.clock.monotonic() < deadline:
+            await self.clock.sleep(TICK_S)  # the ticker drives the leave to its commit
+        log.info("%s: %s", self.node_id, core.last_membership_reason or "left")
+        self.history.leave(core, core.last_membership_reason or "left")

@@ -1,0 +1,110 @@
+"""Who this site is in its run: found, join or restart; the run manifest; the members' addresses.
+
+A data directory belongs to one node of one run (`identity.json` in the coordination store): a
+restart reads it back and checks the configuration against it; a founder writes it; a joiner
+negotiates the run's manifest and membership through a bootstrap peer first (join.py). Addresses
+learned from peers are kept here and persisted with the identity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Literal
+
+from bootstrap import messages as coord
+from bootstrap.coordinator_node import PersistentState
+from diloco_node.config.manifest import RunManifest
+from diloco_node.config.settings import ConfigError, EffectiveConfig, check_joiner_manifest
+from diloco_node.daemon import peers
+from diloco_node.daemon.join import negotiate
+from diloco_node.daemon.replica_store import ReplicaStore
+from diloco_node.transport import PeerClient, TransportError
+from wire import messages as wire
+
+log = logging.getLogger("diloco_node.daemon")
+
+# A member announcement (JoinRequest) to one peer gives up after this; the next refresh retries.
+ANNOUNCE_DEADLINE_S = 5.0
+
+StartMode = Literal["found", "join", "restart"]
+
+
+class SiteIdentity:
+    def __init__(self, effective: EffectiveConfig, store: ReplicaStore, client: PeerClient,
+                 role: coord.MemberRole) -> None:
+        self.effective = effective
+        self.node_id = effective.node.node_id
+        self.store = store
+        self.client = client
+        self.role = role
+        self.addresses = peers.AddressBook({self.node_id: effective.node.advertise})
+        self.addresses.learn(self.node_id, effective.node.advertise, effective.node.role)
+        self.manifest: RunManifest | None = None
+        self.bootstrap_url: str | None = None  # the peer a joiner joined through
+
+    async def establish(self) -> tuple[StartMode, PersistentState]:
+        """Restart from our data directory, found a run, or join one; returns the durable state."""
+        cfg = self.effective.node
+        if self.store.exists():
+            identity = self.store.load_identity()
+            if identity.get("node_id") != self.node_id:
+                raise ConfigError(f"data_dir {cfg.data_dir} belongs to node {identity.get('node_id')!r}, "
+                                  f"not {self.node_id!r}")
+            self.manifest = RunManifest.from_dict(identity["manifest"])
+            check_joiner_manifest(self.effective.run, self.manifest, self.effective.explicit_run_keys())
+            for node_id, url in identity.get("addresses", {}).items():
+                self.addresses.learn(node_id, url)
+            return "restart", self.store.load_persistent()
+        if cfg.is_founder:
+            self.manifest = self.effective.run
+            self.save()
+            return "found", PersistentState.founding([self.node_id])
+        urls = [peer.url() for peer in cfg.bootstrap]
+        manifest, membership, via = await negotiate(self.client, urls, self.effective, self.node_id,
+                                                    cfg.advertise, peers.role_to_wire(self.role))
+        self.manifest = manifest
+        self.learn_members(membership)
+        self.bootstrap_url = via
+        self.save()
+        return "join", PersistentState.joining()
+
+    def has_peers(self) -> bool:
+        return bool(self.effective.node.bootstrap) or any(n != self.node_id for n, _ in self.addresses.items())
+
+    def save(self) -> None:
+        assert self.manifest is not None
+        self.store.save_identity({"node_id": self.node_id, "role": self.effective.node.role,
+                                  "manifest": self.manifest.to_dict(), "addresses": self.addresses.to_dict()})
+
+    def remember(self, node_id: str, url: str, role: str | None = None) -> None:
+        if self.addresses.learn(node_id, url, role) and self.manifest is not None:
+            self.save()
+
+    def learn_members(self, membership: wire.Membership) -> None:
+        changed = False
+        for member in membership.members:
+            changed |= self.addresses.learn(member.node_id, member.advertise_url, member.role.value)
+        if changed and self.manifest is not None:
+            self.save()
+
+    async def announce(self) -> None:
+        """Tell every member we know that we are here (joiners, and restarts after a leave)."""
+        assert self.manifest is not None
+        request = wire.JoinRequest(self.node_id, self.effective.node.advertise, peers.role_to_wire(self.role),
+                                   self.manifest.digest_bytes())
+
+        async def one(url: str) -> None:
+            try:
+                for reply in await self.client.send(url, request, deadline_s=ANNOUNCE_DEADLINE_S):
+                    if isinstance(reply, wire.Membership):
+                        self.learn_members(reply)
+            except TransportError as error:
+                log.info("announce to %s failed: %s", url, error)
+
+        await asyncio.gather(*(one(url) for node_id, url in self.addresses.items() if node_id != self.node_id))
+
+    async def refresh_members(self, voters: frozenset[str] | set[str]) -> None:
+        """Learn addresses of members we only know by id (from configuration entries)."""
+        if any(self.addresses.url(v) is None for v in voters):
+            await self.announce()

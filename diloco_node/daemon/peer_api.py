@@ -1,0 +1,66 @@
+"""The peer API's dispatch: each request kind goes to the daemon part that answers it.
+
+The HTTP server (transport/) is listening before the node has built its parts (the state is
+built, or downloaded, while /status already answers). A request that arrives before the part
+that answers it exists gets 503 "still starting", which peers treat as "try later".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from diloco_node.config.manifest import RunManifest
+from diloco_node.daemon.coordination import CoordinationIO
+from diloco_node.daemon.rounds import RoundDriver
+from diloco_node.daemon.state_transfer import StateKeeper
+from diloco_node.transport import PeerServer
+from wire import messages as wire
+from wire.errors import RemoteProtocolError
+
+
+class PeerApi:
+    def __init__(self, node_id: str, coordination: Callable[[], CoordinationIO | None],
+                 keeper: Callable[[], StateKeeper | None], rounds: Callable[[], RoundDriver | None],
+                 manifest: Callable[[], RunManifest | None]) -> None:
+        self.node_id = node_id
+        self._coordination, self._keeper, self._rounds, self._manifest = coordination, keeper, rounds, manifest
+
+    def install(self, server: PeerServer) -> None:
+        for kind, handler in ((wire.MessageKind.VOTE_REQUEST, self.vote), (wire.MessageKind.LOG_APPEND, self.append),
+                              (wire.MessageKind.HEARTBEAT, self.heartbeat), (wire.MessageKind.LEAVE, self.leave),
+                              (wire.MessageKind.JOIN_REQUEST, self.join),
+                              (wire.MessageKind.SNAPSHOT_REQUEST, self.snapshot),
+                              (wire.MessageKind.FRAGMENT_CONTRIBUTION, self.contribution)):
+            server.on_message(kind, handler)
+
+    def _part(self, part: Any) -> Any:
+        if part is None:
+            raise RemoteProtocolError(f"{self.node_id} is still starting", 503)
+        return part
+
+    async def vote(self, message: wire.VoteRequest, peer: Any) -> wire.Message | None:
+        return await self._part(self._coordination()).on_vote_request(message, peer)
+
+    async def append(self, message: wire.LogAppend, peer: Any) -> wire.Message | None:
+        return await self._part(self._coordination()).on_log_append(message, peer)
+
+    async def heartbeat(self, message: wire.Heartbeat, peer: Any) -> wire.Message | None:
+        return await self._part(self._coordination()).on_heartbeat(message, peer)
+
+    async def leave(self, message: wire.Leave, peer: Any) -> None:
+        return await self._part(self._coordination()).on_leave(message, peer)
+
+    async def join(self, message: wire.JoinRequest, peer: Any) -> wire.Message:
+        coordination: CoordinationIO = self._part(self._coordination())
+        return await coordination.on_join_request(message, peer, self._part(self._manifest()))
+
+    async def snapshot(self, message: wire.SnapshotRequest, peer: Any) -> wire.Message:
+        self._part(self._coordination()).check_open()
+        return await self._part(self._keeper()).on_snapshot_request(message)
+
+    async def contribution(self, message: wire.FragmentContribution, peer: Any) -> None:
+        coordination: CoordinationIO = self._part(self._coordination())
+        coordination.check_open()
+        coordination.same_sender(message.learner_id, peer, "FragmentContribution")
+        await self._part(self._rounds()).on_contribution(message)

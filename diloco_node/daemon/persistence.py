@@ -1,0 +1,186 @@
+"""What a site keeps on its own disk between runs: checkpoints, log compaction, and the restart rule.
+
+- `restart_plan` (pure): given the newest good checkpoint's index and the durable log's extent,
+  decide whether a restart replays the log from the checkpoint or must install the global state
+  from peers, or cannot start at all; with the reason.
+- `Checkpointer`: writes checkpoints (global state, the learner's weights and AdamW state, counters,
+  applied index) atomically on the disk thread, restores from the newest good one, and compacts the
+  replicated log below a checkpoint that reads back intact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bootstrap.coordinator_node import CoordinatorNode, PersistentState
+from bootstrap.entries import Snapshot
+from diloco_node.config.settings import ConfigError
+from diloco_node.daemon.replica_store import ReplicaStore, compaction_point
+from diloco_node.learn.learner_thread import (
+    LearnerSnapshot,
+    LearnerThread,
+    snapshot_from_checkpoint,
+    snapshot_meta_and_arrays,
+)
+from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore, read_checkpoint_file
+from diloco_node.sync.replica import Replica
+
+log = logging.getLogger("diloco_node.daemon")
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPlan:
+    """How a restarted node gets a global state. `install_floor` > 0: download it from peers as of
+    that index (the local state is too old for the log); else replay the log from `applied_index`."""
+
+    applied_index: int
+    install_floor: int
+    reason: str
+
+
+def restart_plan(*, checkpoint_index: int | None, snapshot_index: int, log_last_index: int,
+                 has_peers: bool) -> RestartPlan:
+    """The durable log holds the entries after `snapshot_index`; a checkpoint must lie between that
+    point and the log's end for a replay from it to be complete. One older than the point (the
+    newest failed verification and an older one was used, or checkpoints were removed) cannot be
+    replayed: the state is installed from peers, as after a snapshot install. Raises ConfigError
+    when neither works."""
+    applied = checkpoint_index or 0
+    if applied > log_last_index:
+        raise ConfigError(f"checkpoint applied through {applied} but the durable log ends at {log_last_index}; "
+                          "the coordination directory does not belong to this checkpoint")
+    if applied >= snapshot_index:
+        source = f"the checkpoint at index {applied}" if checkpoint_index is not None else "the initial state"
+        return RestartPlan(applied, 0, f"replay the log from {source} through {log_last_index}")
+    if not has_peers:
+        raise ConfigError(f"the global state is as of index {applied} but the durable log was compacted "
+                          f"through {snapshot_index}, and there is no peer to fetch the state from")
+    return RestartPlan(snapshot_index, snapshot_index,
+                       f"the global state is as of index {applied} but the durable log starts after "
+                       f"{snapshot_index}: installing the global state from peers")
+
+
+class Checkpointer:
+    def __init__(self, *, node_id: str, checkpoints: CheckpointStore, store: ReplicaStore, replica: Replica,
+                 disk_executor: Executor, retain_entries: int, report_error: Callable[[str], None]) -> None:
+        self.node_id = node_id
+        self.checkpoints = checkpoints
+        self.store = store
+        self.replica = replica
+        # Checkpoints and compaction write and fsync megabytes: on their own thread, so they never
+        # queue the round's merges, encodes and decodes.
+        self.disk_executor = disk_executor
+        self.retain_entries = retain_entries
+        self.report_error = report_error
+
+    def restore(self, persistent: PersistentState, has_peers: bool) -> tuple[RestartPlan, LearnerSnapshot | None]:
+        """Global state from our newest good checkpoint, checked against the durable log."""
+        snapshot_index = persistent.log.snapshot.last_index
+        log_last = snapshot_index + len(persistent.log.entries)
+        loaded = self.checkpoints.load_latest()
+        learner: LearnerSnapshot | None = None
+        if loaded is None:
+            plan = restart_plan(checkpoint_index=None, snapshot_index=snapshot_index, log_last_index=log_last,
+                                has_peers=has_peers)
+        else:
+            meta, arrays = loaded.checkpoint.meta, loaded.checkpoint.arrays
+            plan = restart_plan(checkpoint_index=int(meta["applied_index"]), snapshot_index=snapshot_index,
+                                log_last_index=log_last, has_peers=has_peers)
+            digest = self._restore_global_state(meta, arrays)
+            log.info("%s: resumed from checkpoint %s at index %d digest %s", self.node_id,
+                     loaded.checkpoint.sequence, int(meta["applied_index"]), digest)
+            if meta.get("learner"):
+                learner = snapshot_from_checkpoint(meta["learner"], arrays)
+        self.replica.applied_index = plan.applied_index
+        if plan.install_floor:
+            log.warning("%s: %s", self.node_id, plan.reason)
+        return plan, learner
+
+    def _restore_global_state(self, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> str:
+        replica = self.replica
+        fragments = []
+        for p, fragment in enumerate(replica.plan.fragments):
+            fragments.append({
+                "fragment": p, "round": int(meta["rounds"][p]),
+                "params": {n: np.array(arrays[f"global/params/{n}"]) for n in fragment.names},
+                "momentum": {n: np.array(arrays[f"global/momentum/{n}"]) for n in fragment.names},
+            })
+        digest = replica.state.restore({"format": 1, "rounds": list(meta["rounds"]), "fragments": fragments},
+                                       expected_digest=meta["state_digest"])
+        # Older checkpoints have none: the next commit of each fragment brings its reference.
+        replica.norm_refs = {int(p): float(v) for p, v in meta.get("norm_refs", {}).items()}
+        return digest
+
+    async def checkpoint(self, learner: LearnerThread | None) -> tuple[Path, int]:
+        """Local weights, AdamW state, counters, applied index and the global state, atomically.
+        Returns (file, applied index). The caller decides whether the state is worth saving."""
+        replica = self.replica
+        state = replica.state
+        meta: dict[str, Any] = {"node_id": self.node_id, "applied_index": replica.applied_index,
+                                "rounds": list(state.rounds()), "state_digest": state.digest(),
+                                "norm_refs": {str(p): v for p, v in sorted(replica.norm_refs.items())}}
+        arrays: dict[str, np.ndarray] = {}
+        for p in range(replica.plan.num_fragments):
+            for n, a in state.fragment_params(p).items():
+                arrays[f"global/params/{n}"] = a
+            for n, a in state.momentum(p).items():
+                arrays[f"global/momentum/{n}"] = a
+        if learner is not None:
+            snap = await asyncio.wrap_future(learner.request_state())
+            learner_meta, learner_arrays = snapshot_meta_and_arrays(snap)
+            meta["learner"] = learner_meta
+            arrays.update(learner_arrays)
+        loop = asyncio.get_running_loop()
+        path = await loop.run_in_executor(self.disk_executor, self.checkpoints.save, meta, arrays)
+        log.info("%s checkpoint %s at index %d", self.node_id, path.name, meta["applied_index"])
+        return path, int(meta["applied_index"])
+
+    async def compact_log(self, coordination: CoordinatorNode, persistent: PersistentState, path: Path,
+                          checkpointed: int, stopping: Callable[[], bool]) -> None:
+        """Compact the log below a checkpoint once the checkpoint reads back intact.
+
+        The new `log.bin` (snapshot header + the kept committed entries) is written on the disk
+        thread while the log keeps growing; the core then drops the prefix and `store.sync` appends
+        the entries added meanwhile and renames the file into place (replica_store.py).
+        """
+        loop = asyncio.get_running_loop()
+        replog = coordination.log
+        # Decided first: most checkpoints cut nothing, and those need not read their file back.
+        through, reason = compaction_point(checkpoint_index=checkpointed, commit_index=replog.commit_index,
+                                           snapshot_index=replog.store.snapshot.last_index,
+                                           retain=self.retain_entries)
+        if through is None:
+            log.debug("%s: %s", self.node_id, reason)
+            return
+        try:
+            checkpoint = await loop.run_in_executor(self.disk_executor, read_checkpoint_file, path)
+            verified = int(checkpoint.meta["applied_index"])
+        except (CheckpointError, KeyError, TypeError, ValueError) as error:
+            self.report_error(f"checkpoint {path.name} did not verify; log not compacted: {error}")
+            return
+        if verified != checkpointed:
+            self.report_error(f"checkpoint {path.name} holds index {verified}, expected {checkpointed}; "
+                              "log not compacted")
+            return
+        epoch = replog.epoch_at(through)
+        assert epoch is not None
+        snapshot = Snapshot(through, epoch, replog.config_at(through))
+        committed = [e for i in range(through + 1, replog.commit_index + 1) if (e := replog.entry_at(i)) is not None]
+        prepared = await loop.run_in_executor(self.disk_executor, self.store.prepare_compaction, snapshot,
+                                              committed)
+        if stopping() or replog.store.snapshot.last_index >= through or replog.applied_index < through:
+            self.store.discard_prepared()  # stopping, or a snapshot was installed meanwhile
+            return
+        before = self.store.log_bytes
+        coordination.compact(through, b"")
+        self.store.sync(persistent, prepared)
+        log.info("%s: log %s; log.bin %d -> %d bytes, first index %d", self.node_id, reason, before,
+                 self.store.log_bytes, self.store.log_first_index)

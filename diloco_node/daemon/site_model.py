@@ -1,0 +1,83 @@
+"""A site's model side, built from the run manifest: data, model, the initial global state, the
+fragment plan, the replica, the syncer, and (on learner sites) the training thread.
+
+Runs off the event loop (JAX initialisation and the corpus take seconds). A learner's model is
+initialised once: its weights are also the run's initial state (the same seed for every site).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from diloco_node.config.manifest import RunManifest
+from diloco_node.config.settings import ConfigError
+from diloco_node.learn import data as data_lib
+from diloco_node.learn import model as model_lib
+from diloco_node.learn.inner import InnerLearner
+from diloco_node.learn.learner_thread import DueFragment, LearnerSnapshot, LearnerThread
+from diloco_node.sync.fragments import FragmentPlan, is_embedding, plan_fragments, wire_fit_problems
+from diloco_node.sync.replica import Replica
+from diloco_node.sync.syncer import Syncer
+from wire.codecs.container import MAX_TENSOR_ELEMENTS
+from wire.limits import MAX_CONTRIBUTION_BYTES, MAX_LOG_APPEND_BYTES
+
+log = logging.getLogger("diloco_node.daemon")
+
+
+@dataclass
+class SiteModel:
+    manifest: RunManifest
+    model_cfg: model_lib.ModelConfig
+    corpus: data_lib.Corpus | None  # None on a witness
+    inner: InnerLearner | None  # the learner's model, None on a witness
+    plan: FragmentPlan
+    replica: Replica
+    syncer: Syncer
+
+
+def build_site_model(manifest: RunManifest, *, learner: bool) -> SiteModel:
+    corpus = data_lib.load_corpus(manifest.data) if learner else None
+    cfg = model_lib.model_config(manifest.model.size, manifest.model.seq_len)
+    vocab = corpus.vocab_size if corpus is not None else cfg.vocab_size
+    if vocab != cfg.vocab_size:
+        cfg = dataclasses.replace(cfg, vocab_size=vocab)
+    inner = InnerLearner(cfg, manifest.inner, manifest.seed) if learner else None
+    if inner is not None:
+        initial = inner.get_flat()
+    else:
+        _, params = model_lib.split_model(model_lib.init_model(cfg, manifest.seed))
+        initial = model_lib.flat_params(params)
+    shapes = {n: a.shape for n, a in initial.items()}
+    sync = manifest.sync
+    plan = plan_fragments(shapes, sync.fragments, sync.period, sync.overlap)
+    too_big = wire_fit_problems(plan, shapes, sync.codec_up, sync.codec_down,
+                                max_contribution_bytes=MAX_CONTRIBUTION_BYTES,
+                                max_log_append_bytes=MAX_LOG_APPEND_BYTES,
+                                max_decoded_elements=MAX_TENSOR_ELEMENTS)
+    if too_big:
+        raise ConfigError("the run's fragments do not fit the wire limits: " + "; ".join(too_big))
+    replica = Replica(plan, initial, manifest.outer)
+    syncer = Syncer(manifest, [n for n in initial if is_embedding(n)])
+    return SiteModel(manifest, cfg, corpus, inner, plan, replica, syncer)
+
+
+def prepare_learner(site: SiteModel, *, node_id: str, base: tuple[Mapping[str, np.ndarray], list[int]],
+                    restored: LearnerSnapshot | None, on_contribution: Callable[[DueFragment], None],
+                    on_progress: Callable[[int, float, int], None], min_step_interval_s: float) -> LearnerThread:
+    """Build the training thread on `base` (global params, rounds) and compile its step (in a worker
+    thread; touches no loop state). A restored learner keeps its own weights and counters."""
+    assert site.corpus is not None and site.inner is not None
+    learner = LearnerThread(
+        node_id=node_id, cfg=site.model_cfg, manifest=site.manifest, plan=site.plan, corpus=site.corpus,
+        global_params=base[0], global_rounds=base[1], on_contribution=on_contribution, on_progress=on_progress,
+        min_step_interval_s=min_step_interval_s, inner=site.inner)
+    if restored is not None:
+        learner.restore(restored)
+    seconds = learner.compile()
+    log.info("%s: training step compiled in %.1f s", node_id, seconds)
+    return learner

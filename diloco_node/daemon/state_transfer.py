@@ -1,0 +1,226 @@
+"""Keeping this site's replica one committed global state: apply, hold, download, install, repair, serve.
+
+- Committed entries are applied in order (`apply`) and each applied fragment is offered to the
+  learner. While the global state is being replaced (a joiner's download, or a snapshot install
+  after the lease holder compacted its log past us) entries are held and applied after it.
+- A fragment whose digest disagrees after an apply is fetched again from a peer (`repair`).
+- Peers download fragments from us (`on_snapshot_request`) only while our state is whole.
+The download itself (chunks, digests, floors, peers) is join.py's `FragmentDownload`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
+
+from bootstrap.entries import EntryKind, LogEntry, Snapshot
+from diloco_node.clock import Clock
+from diloco_node.daemon import peers
+from diloco_node.daemon.history_hooks import DaemonHistory
+from diloco_node.daemon.join import FragmentDownload, JoinRefused
+from diloco_node.daemon.tasks import TaskSet
+from diloco_node.learn.learner_thread import LearnerThread
+from diloco_node.ops.status import Counter
+from diloco_node.sync.replica import Replica
+from diloco_node.transport import PeerClient
+from wire import messages as wire
+from wire.errors import RemoteProtocolError
+
+log = logging.getLogger("diloco_node.daemon")
+
+# A snapshot install whose download failed on every peer (a partition, say) tries again after
+# this pause; the node stays not-ready meanwhile and keeps training on its last state.
+INSTALL_RETRY_S = 2.0
+# Download attempts for one fragment repair before it is reported as failed.
+REPAIR_ATTEMPTS = 10
+
+
+class StateKeeper:
+    def __init__(self, *, node_id: str, replica: Replica, client: PeerClient, addresses: peers.AddressBook,
+                 executor: Executor, clock: Clock, tasks: TaskSet, history: DaemonHistory,
+                 leader_id: Callable[[], str | None], epoch: Callable[[], int],
+                 report_error: Callable[[str], None], commits_applied: Counter) -> None:
+        self.node_id = node_id
+        self.replica = replica
+        self.client = client
+        self.addresses = addresses
+        self.executor = executor
+        self.clock = clock
+        self.tasks = tasks
+        self.history = history
+        self.leader_id = leader_id
+        self.epoch = epoch
+        self.report_error = report_error
+        self.commits_applied = commits_applied
+        self.learner: LearnerThread | None = None  # set when training starts
+        self.bootstrap_url: str | None = None  # a joiner's first choice of download peer
+        self.consistent_from = 0  # applied index from which our replica is one consistent state
+        self.install_floor = 0  # newest snapshot index the state download must reach (0: none)
+        self.held_applies: list[LogEntry] | None = None  # buffered while the state is replaced
+        self.download: FragmentDownload | None = None
+        self.repairs_done = 0  # fragments replaced by a repair (part of the digest cache key)
+        self._repairing: set[int] = set()
+
+    # ------------------------------------------------------------------ questions
+
+    def replacing_state(self) -> bool:
+        """A download (join or snapshot install) is in progress, or its held entries not yet applied."""
+        return self.download is not None or self.replica.applied_index < self.consistent_from
+
+    def state_consistent(self) -> bool:
+        """The replica is one global state as of its applied index (not mid-download or repair)."""
+        return not self.replacing_state() and not self.replica.diverged
+
+    def merge_blocker(self, log_applied: int, log_last: int) -> str:
+        """Why the lease holder cannot merge on this replica now ("" when it can): the round it
+        proposes must be the next one of its fragment, so the state must include every entry of
+        its own log and be one state."""
+        if log_applied != log_last:
+            return f"replica behind its own log: applied {log_applied} of {log_last}"
+        if self.replacing_state():
+            return "the global state is being replaced (download or snapshot install)"
+        return ""
+
+    # ------------------------------------------------------------------ applying commits
+
+    def apply(self, entry: LogEntry) -> None:
+        if self.held_applies is not None:
+            self.held_applies.append(entry)
+            return
+        outcome = self.replica.apply(entry)
+        self.history.applied(entry, self.replica, self.consistent_from, self.epoch())
+        if entry.kind is EntryKind.OUTER_COMMIT:
+            log.info("%s apply %s", self.node_id, outcome.reason)
+            if outcome.applied:
+                self.commits_applied.inc()
+        if outcome.diverged and outcome.fragment is not None:
+            self.report_error(outcome.reason)
+            self.repair(outcome.fragment)
+        if outcome.applied and outcome.fragment is not None:
+            self._offer(outcome.fragment)
+
+    def _offer(self, p: int) -> None:
+        if self.learner is not None:
+            self.learner.offer_fragment(p, self.replica.state.round(p), self.replica.state.fragment_params(p))
+
+    # ------------------------------------------------------------------ replacing the state
+
+    def begin_join(self) -> FragmentDownload:
+        """A joiner: entries that arrive before the download ends are held (set up before coordination
+        starts, so the first entries already find it)."""
+        self.held_applies = []
+        self.download = FragmentDownload(self.client, self.replica, self._join_peers)
+        return self.download
+
+    def plan_install(self, floor: int) -> None:
+        """A restart whose state predates the log's snapshot point: the state is replaced from peers
+        as of `floor` once coordination runs (`start_install`); hold entries from now on."""
+        self.replica.applied_index = floor
+        self.install_floor = floor
+        self.consistent_from = floor
+        self.held_applies = []
+
+    def on_restore_snapshot(self, snapshot: Snapshot) -> None:
+        """The lease holder's log no longer holds what we need: the core adopted its snapshot (our
+        commit and applied index jumped to `snapshot.last_index`). The global state as of at least
+        that index is downloaded from peers; entries committed meanwhile are held and applied after
+        it, exactly as for a joiner."""
+        floor = snapshot.last_index
+        log.info("%s: snapshot through %d (epoch %d) installed from the lease holder; fetching the global "
+                 "state (replica at %d)", self.node_id, floor, snapshot.last_epoch, self.replica.applied_index)
+        if self.held_applies is not None:
+            self.held_applies = [e for e in self.held_applies if e.index > floor]
+        self.start_install(floor)
+
+    def start_install(self, floor: int) -> None:
+        """Download the global state as of `floor` or newer (or raise a running download's floor)."""
+        self.install_floor = max(self.install_floor, floor)
+        self.consistent_from = max(self.consistent_from, floor)
+        self.history.state_replaced()
+        if self.download is not None:  # a join or an earlier install is downloading: it must reach this
+            self.download.raise_floor(floor)
+            return
+        if self.held_applies is None:
+            self.held_applies = []
+        download = self.download = FragmentDownload(self.client, self.replica, self.repair_peers,
+                                                    min_commit_index=self.install_floor)
+        self.tasks.spawn(self._install(download), name="snapshot-install")
+
+    async def _install(self, download: FragmentDownload) -> None:
+        started = self.clock.monotonic()
+        while True:
+            try:
+                await download.run()
+                break
+            except JoinRefused as error:
+                self.report_error(f"snapshot install: {error}; retrying in {INSTALL_RETRY_S:.0f} s")
+                await self.clock.sleep(INSTALL_RETRY_S)
+        log.info("%s: snapshot install: global state downloaded (%d bytes, fragments as of index >= %d) "
+                 "in %.2f s", self.node_id, download.bytes_received, download.min_commit_index,
+                 self.clock.monotonic() - started)
+        self.finish_download(download)
+
+    def finish_download(self, download: FragmentDownload) -> None:
+        """The downloaded state is in place: apply what was held, rebase the learner."""
+        replica = self.replica
+        self.consistent_from = max(self.consistent_from, download.max_commit_index, self.install_floor)
+        if replica.applied_index < self.install_floor:
+            replica.applied_index = self.install_floor
+        held, self.held_applies = self.held_applies or [], None
+        self.download = None
+        self.history.state_replaced()
+        for entry in held:
+            if entry.index > replica.applied_index:
+                self.apply(entry)
+        for p in range(replica.plan.num_fragments):  # rebased on the new global state
+            self._offer(p)
+
+    # ------------------------------------------------------------------ repair
+
+    def repair(self, p: int) -> None:
+        """Fetch fragment p from the lease holder (or any peer) after a digest mismatch or gap."""
+        if p in self._repairing:
+            return
+        self._repairing.add(p)
+        self.tasks.spawn(self._repair(p), name=f"repair-{p}")
+
+    async def _repair(self, p: int) -> None:
+        try:
+            download = FragmentDownload(self.client, self.replica, self.repair_peers)
+            await download.fetch_fragment(p, attempts=REPAIR_ATTEMPTS)
+            log.info("%s repaired fragment %d from a peer", self.node_id, p)
+            self._offer(p)
+        except JoinRefused as error:
+            self.report_error(f"fragment {p} repair failed: {error}")
+        finally:
+            self.repairs_done += 1
+            self._repairing.discard(p)
+
+    def repair_peers(self) -> list[str]:
+        """The lease holder first (it is the most up to date), then every other member."""
+        leader = self.leader_id()
+        urls = [self.addresses.url(leader)] if leader and leader != self.node_id and self.addresses.url(leader) else []
+        return urls + [u for n, u in self.addresses.items() if n != self.node_id and u not in urls]
+
+    def _join_peers(self) -> list[str]:
+        first = self.bootstrap_url
+        others = [url for node_id, url in self.addresses.items() if node_id != self.node_id and url != first]
+        return ([first] if first else []) + others
+
+    # ------------------------------------------------------------------ serving peers
+
+    async def on_snapshot_request(self, message: wire.SnapshotRequest) -> wire.Message:
+        replica = self.replica
+        if self.download is not None:
+            raise RemoteProtocolError(f"{self.node_id} has no complete global state yet", 503)
+        if not 0 <= message.fragment < replica.plan.num_fragments:
+            raise RemoteProtocolError(f"fragment {message.fragment} does not exist", 400)
+        if message.fragment in replica.diverged:
+            raise RemoteProtocolError(f"fragment {message.fragment} is being repaired here", 503)
+        _, data, digest = await asyncio.get_running_loop().run_in_executor(
+            self.executor, replica.fragment_bytes, message.fragment)
+        start = min(message.offset, len(data))
+        part = data[start:start + message.max_length]
+        return wire.SnapshotChunk(message.fragment, replica.applied_index, start, len(data), digest, part)

@@ -1,0 +1,79 @@
+"""Feeding the node's status document: members, bytes, quorum, fragments, digest, log and loop lag.
+
+The document itself (schema, /status, /metrics rendering) is ops/status.py; this module reads the
+daemon's parts every refresh and writes what changed into the builder. The global state's digest
+hashes the whole state, so it is recomputed only when the state changed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bootstrap import messages as coord
+from diloco_node.daemon.coordination import CoordinationIO
+from diloco_node.daemon.loop_monitor import LagWindow
+from diloco_node.daemon.replica_store import ReplicaStore
+from diloco_node.daemon.rounds import RoundDriver
+from diloco_node.daemon.state_transfer import StateKeeper
+from diloco_node.ops.status import FragmentStatus, MemberStatus, QuorumStatus, StatusBuilder
+from diloco_node.transport import PeerClient, PeerServer
+
+# The quorum reason shown on /status is cut to this many characters (one line per fragment).
+MAX_QUORUM_REASON_CHARS = 400
+
+
+class StatusFeed:
+    def __init__(self, *, status: StatusBuilder, coordination: CoordinationIO, keeper: StateKeeper,
+                 rounds: RoundDriver, store: ReplicaStore, client: PeerClient, server: PeerServer,
+                 loop_lag: LagWindow) -> None:
+        self.status = status
+        self.coordination = coordination
+        self.keeper = keeper
+        self.rounds = rounds
+        self.store = store
+        self.client = client
+        self.server = server
+        self.loop_lag = loop_lag
+        self._bytes_reported = (0, 0)  # transport byte totals already added to the status document
+        self._digest_cache: tuple[Any, str] = (None, "")
+
+    def refresh(self, now: float) -> None:
+        core = self.coordination.core
+        replica = self.keeper.replica
+        holder = core.election.leader_id
+        voters = core.log.config.voters
+        members = []
+        for node_id, record in sorted(core.membership.members.items()):
+            heard = self.coordination.last_ok.get(node_id) if node_id != core.node_id else None
+            members.append(MemberStatus(node_id=node_id, url=self.coordination.addresses.url(node_id) or record.address,
+                                        role=record.role.value, alive=record.state is coord.MemberState.ALIVE,
+                                        voter=node_id in voters,
+                                        last_seen_s=None if heard is None else round(now - heard, 3)))
+        sent = self.client.counters.total_sent + self.server.counters.total_sent
+        received = self.client.counters.total_received + self.server.counters.total_received
+        self.status.add_bytes(sent=sent - self._bytes_reported[0], received=received - self._bytes_reported[1])
+        self._bytes_reported = (sent, received)
+        quorum = QuorumStatus()
+        if core.is_lease_holder(now):
+            syncer = self.rounds.syncer
+            quorum = QuorumStatus(have=sum(len(r.pending) for r in syncer.rounds.values()),
+                                  need=syncer.policy.min_quorum,
+                                  reason=self.rounds.quorum_reason()[:MAX_QUORUM_REASON_CHARS])
+        self.status.set_coordination(
+            epoch=core.epoch, coordinator=holder if holder else None,
+            commit_index=replica.applied_index, state_digest=self.state_digest(),
+            members=members, quorum=quorum,
+            fragments=[FragmentStatus(p, r) for p, r in enumerate(replica.state.rounds())])
+        self.status.set_log(first_index=self.store.log_first_index, size_bytes=self.store.log_bytes)
+        self.status.set_loop_lag(worst_s=self.loop_lag.worst_recent_s, stalls=self.loop_lag.stalls)
+
+    def state_digest(self) -> str:
+        """The global state's digest, recomputed only when the state changed (it hashes the whole
+        state: ~1 MB for the tiny model, every refresh otherwise)."""
+        replica = self.keeper.replica
+        key = (replica.applied_index, replica.state.rounds(), self.keeper.repairs_done)
+        if self.keeper.download is not None:  # fragments change under a download: never cached
+            self._digest_cache = (None, replica.state.digest())
+        elif self._digest_cache[0] != key:
+            self._digest_cache = (key, replica.state.digest())
+        return self._digest_cache[1]
