@@ -16,19 +16,12 @@ from diloco_node.testbed.chaos.checker import check_histories
 from diloco_node.daemon.history_hooks import SYNC_BARRIER_PERIODS, DaemonHistory, entry_digest
 from diloco_node.sync.replica import CommitPayload
 from diloco_node.ops.history import HistoryWriter, read_history
+from diloco_node.clock import FakeClock
 
 LEASE = LeaseTiming(lease_s=3.0, heartbeat_interval_s=0.5, election_jitter_s=0.0)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def recorder(tmp_path, node: str, clock: Clock, **kwargs) -> DaemonHistory:
+def recorder(tmp_path, node: str, clock: FakeClock, **kwargs) -> DaemonHistory:
     writer = HistoryWriter(tmp_path / node / "history.jsonl", node, wall_clock=clock, mono_clock=clock)
     return DaemonHistory(writer, mono_clock=clock, **kwargs)
 
@@ -52,7 +45,7 @@ def outer_payload(contributors: tuple[str, ...]) -> bytes:
 
 
 def test_a_single_voter_wins_appends_commits_with_contributors(tmp_path):
-    clock = Clock()
+    clock = FakeClock()
     history = recorder(tmp_path, "n1", clock)
     core = node("n1", ["n1"], clock.now)
     history.start(core, applied_index=0)
@@ -83,7 +76,7 @@ def test_a_single_voter_wins_appends_commits_with_contributors(tmp_path):
 
 
 def test_a_follower_records_its_vote_appends_and_commits_at_the_current_epoch(tmp_path):
-    clock = Clock()
+    clock = FakeClock()
     history = recorder(tmp_path, "n2", clock)
     core = node("n2", ["n1", "n2", "n3"], clock.now)
     history.start(core, applied_index=0)
@@ -105,7 +98,7 @@ def test_a_follower_records_its_vote_appends_and_commits_at_the_current_epoch(tm
 
 
 def test_a_rewritten_index_is_appended_again_and_a_deposed_leader_says_so(tmp_path):
-    clock = Clock()
+    clock = FakeClock()
     history = recorder(tmp_path, "n1", clock)
     core = node("n1", ["n1", "n2", "n3"], clock.now)
     history.start(core, applied_index=0)
@@ -154,7 +147,7 @@ class FakeReplica:
 
 
 def test_applies_skip_inconsistent_stretches_and_mark_the_jump(tmp_path):
-    clock = Clock()
+    clock = FakeClock()
     history = recorder(tmp_path, "j1", clock)
     replica = FakeReplica()
     entries = [LogEntry(1, i, EntryKind.NOOP) for i in range(1, 7)]
@@ -186,7 +179,7 @@ class FakeLearner:
 
 
 def test_steps_are_batched_and_a_synchronous_learner_past_the_barrier_is_waiting(tmp_path):
-    clock = Clock()
+    clock = FakeClock()
     history = recorder(tmp_path, "n1", clock, pace_s=0.05)
     core = node("n1", ["n1"], clock.now)
 
@@ -219,7 +212,7 @@ def test_steps_are_batched_and_a_synchronous_learner_past_the_barrier_is_waiting
 
 
 def test_decoupled_learners_never_wait_and_lifecycle_events_close_the_history(tmp_path):
-    clock = Clock()
+    clock = FakeClock()
     history = recorder(tmp_path, "n1", clock)
     core = node("n1", ["n1"], clock.now)
 

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from diloco_node.clock import FakeClock
 from diloco_node.ops.history import (
     FIELDS,
     HistoryEvent,
@@ -20,16 +21,8 @@ from diloco_node.ops.history import (
 )
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_round_trip_every_field(tmp_path):
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     path = tmp_path / "n1" / "history.jsonl"
     with HistoryWriter(path, "n1", wall_clock=lambda: 1.7e9, mono_clock=clock) as w:
         w.record("start", epoch=0, index=0)
@@ -50,7 +43,7 @@ def test_round_trip_every_field(tmp_path):
 
 
 def test_steps_are_batched_about_once_per_second(tmp_path):
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     path = tmp_path / "history.jsonl"
     w = HistoryWriter(path, "n1", mono_clock=clock, step_batch_s=1.0)
     for _ in range(11):  # 0.25 s apart: a batch closes at 1.0 s and at 2.25 s, one step pending
@@ -144,7 +137,7 @@ def test_concurrent_writers_never_interleave_lines(tmp_path):
 
 
 def test_load_histories_groups_by_node_and_sorts_by_monotonic_time(tmp_path):
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     a = HistoryWriter(tmp_path / "a" / "history.jsonl", "a", mono_clock=clock)
     b = HistoryWriter(tmp_path / "b" / "history.jsonl", "b", mono_clock=clock)
     a.record("start")
@@ -170,7 +163,7 @@ def test_writer_refuses_bad_policy_and_writes_after_close(tmp_path):
 
 
 def test_rotation_bounds_the_files_and_readers_see_every_kept_segment(tmp_path):
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     live = tmp_path / "node" / "history.jsonl"
     padding = "x" * 2000  # ~2.2 KB lines: a segment holds about 30 of them
     w = HistoryWriter(live, "n1", mono_clock=clock, max_bytes=MAX_LINE_BYTES, keep=2, fsync="never")

@@ -1,0 +1,76 @@
+"""The daemon's small pure parts: readiness with its reasons, the systemd status throttle, the task
+set, and the injected clocks."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+import pytest
+
+from diloco_node.clock import FakeClock, SystemClock
+from diloco_node.daemon.notify import StatusLineThrottle
+from diloco_node.daemon.readiness import Readiness, ReadinessFacts, readiness
+from diloco_node.daemon.tasks import TaskSet
+
+CAUGHT_UP = ReadinessFacts(download=None, learner_compiling=False, has_voters=True, applied_index=12,
+                           consistent_from=0, log_applied_index=12, commit_target=12, replacing_state=False,
+                           was_ready=False, role="follower", epoch=3)
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({}, Readiness(True, True, "ready: follower, epoch 3, applied 12")),
+    ({"was_ready": True}, Readiness(True, False, "ready: follower, epoch 3, applied 12")),
+    ({"download": "downloading global state: 1/4 fragments, 10/40 bytes"},
+     Readiness(False, False, "downloading global state: 1/4 fragments, 10/40 bytes")),
+    ({"learner_compiling": True}, Readiness(False, False, "compiling the training step")),
+    ({"has_voters": False}, Readiness(False, False, "waiting for the run's configuration to replicate")),
+    ({"consistent_from": 15}, Readiness(False, False, "replaying the log: applied 12 of 15")),
+    ({"commit_target": 20}, Readiness(False, False, "catching up: applied 12 of 20")),
+    # Once ready, catching up keeps it ready (its state is always one committed state)...
+    ({"was_ready": True, "commit_target": 20}, Readiness(True, False, "ready: follower, epoch 3, applied 12")),
+    # ...but a snapshot install does not: the state is not one state until replayed.
+    ({"was_ready": True, "replacing_state": True, "consistent_from": 15},
+     Readiness(False, False, "installing a snapshot: replaying the log: applied 12 of 15")),
+])
+def test_readiness_and_its_reason(change, expected) -> None:
+    assert readiness(dataclasses.replace(CAUGHT_UP, **change)) == expected
+
+
+def test_status_line_is_sent_when_its_kind_changes_else_at_most_every_interval() -> None:
+    throttle = StatusLineThrottle(every_s=10.0)
+    assert throttle.due("catching up: applied 1 of 9", now=0.0)
+    assert not throttle.due("catching up: applied 2 of 9", now=1.0)  # numbers only
+    assert throttle.due("ready: follower, epoch 1, applied 9", now=2.0)  # a new kind of state
+    assert not throttle.due("ready: follower, epoch 1, applied 10", now=11.9)
+    assert throttle.due("ready: follower, epoch 1, applied 11", now=12.0)
+
+
+async def test_task_set_cancels_what_is_left_and_logs_failures(caplog) -> None:
+    tasks = TaskSet()
+    forever = tasks.spawn(asyncio.Event().wait(), name="forever")
+
+    async def fail() -> None:
+        raise RuntimeError("boom")
+
+    with caplog.at_level(logging.ERROR, logger="diloco_node.daemon"):
+        tasks.spawn(fail(), name="failing")
+        await asyncio.sleep(0.01)
+    assert "task failing failed" in caplog.text and len(tasks) == 1
+    await tasks.close()
+    assert forever.cancelled() and len(tasks) == 0
+
+
+async def test_fake_clock_moves_only_when_told() -> None:
+    clock = FakeClock(5.0)
+    assert clock.monotonic() == clock() == 5.0
+    await clock.sleep(2.5)
+    clock.advance(0.5)
+    assert clock.monotonic() == 8.0
+    with pytest.raises(ValueError, match="cannot go back"):
+        clock.advance(-1.0)
+    system = SystemClock()
+    before = system.monotonic()
+    await system.sleep(0.01)
+    assert system.monotonic() - before >= 0.009
