@@ -231,6 +231,11 @@ class Membership:
                 sends.append(Send(target, Ping(self._seq, self.node_id, updates)))
         return sends
 
+    def probe_next(self, node_id: str, at: float) -> None:
+        """Make `node_id` the next member probed, at time `at` (the round-robin then carries on)."""
+        self._probe_order.append(node_id)  # the order is consumed from its end
+        self._next_probe_at = at
+
     def _indirect_probes(self, probe: _Probe) -> list[Send]:
         helpers = [n for n in self.alive_ids() if n not in (self.node_id, probe.target)
                    and self.members[n].state is MemberState.ALIVE]

@@ -296,7 +296,7 @@ async def test_raising_the_floor_refetches_fragments_already_downloaded() -> Non
     new.apply(_commit(new, 1, 0, 1))
     served = {"http://peer": (old, 0)}
     download = FragmentDownload(_Peers(served), target, lambda: ["http://peer"])
-    await download._one(download.progress[0], attempts=1)  # fragment 0 as of index 0
+    await download.fetch_fragment(0, attempts=1)  # fragment 0 as of index 0
     download.raise_floor(1)  # a snapshot through 1 arrived meanwhile
     served["http://peer"] = (new, 1)
     await download.run()

@@ -91,8 +91,7 @@ def run_probe_cycle(nodes: dict[str, Membership], prober: str, start: float, dro
 def test_indirect_probe_saves_a_member_behind_a_bad_direct_link():
     nodes = cluster("1", "2", "3", "4", "5")
     prober = nodes["1"]
-    prober._probe_order = ["2"]  # probe 2 next
-    prober._next_probe_at = 10.0
+    prober.probe_next("2", at=10.0)
     # Drop the direct ping 1 -> 2 only: helpers still reach 2.
     sent: list[Send] = []
     for step in range(12):
@@ -110,8 +109,7 @@ def test_indirect_probe_saves_a_member_behind_a_bad_direct_link():
 def test_unreachable_member_is_suspected_then_declared_dead():
     nodes = cluster("1", "2", "3")
     prober = nodes["1"]
-    prober._probe_order = ["3"]
-    prober._next_probe_at = 10.0
+    prober.probe_next("3", at=10.0)
     run_probe_cycle(nodes, "1", 10.0, drop_to={"3"})
     assert prober.state_of("3") is MemberState.SUSPECT
     assert prober.last_reason == "3 suspected: no direct or indirect ack within 1.0s"
