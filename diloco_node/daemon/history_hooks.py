@@ -30,8 +30,8 @@ from typing import Any, Protocol
 from bootstrap.coordinator_node import CoordinatorNode
 from bootstrap.election import Role
 from bootstrap.entries import EntryKind, LogEntry
-from diloco_node.sync.replica import CommitPayload
 from diloco_node.ops.history import HISTORY_FILE_NAME, FsyncPolicy, HistoryWriter
+from diloco_node.sync.replica import CommitPayload
 from wire.errors import RemoteProtocolError
 
 # A synchronous learner (quorum K > 1: a merge waits for peers) may run this many sync periods

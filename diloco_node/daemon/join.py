@@ -26,9 +26,9 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from diloco_node.config.manifest import RunManifest
 from diloco_node.config.settings import ConfigError, EffectiveConfig
 from diloco_node.sync.replica import Replica
-from diloco_node.config.manifest import RunManifest
 from diloco_node.transport import PeerClient, TransportError
 from wire import messages as wire
 from wire.errors import RemoteProtocolError

@@ -41,12 +41,12 @@ from diloco_node.daemon.notify import BackgroundNotifier, StatusLineThrottle
 from diloco_node.daemon.peer_api import PeerApi
 from diloco_node.daemon.persistence import Checkpointer
 from diloco_node.daemon.readiness import ReadinessFacts, readiness
-from diloco_node.daemon.replica_store import ReplicaStore, ReplicaStoreError
+from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.daemon.rounds import RoundDriver
 from diloco_node.daemon.site_model import SiteModel, build_site_model, prepare_learner
 from diloco_node.daemon.state_transfer import StateKeeper
 from diloco_node.daemon.status_feed import StatusFeed
-from diloco_node.daemon.tasks import TaskSet
+from diloco_node.daemon.tasks import TaskSet, closed_on_cleanup
 from diloco_node.learn.learner_thread import DueFragment, LearnerThread
 from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore
 from diloco_node.ops.status import MetricsRegistry, StatusBuilder, operator_routes
@@ -153,9 +153,14 @@ class Node:
         app = web.Application(client_max_size=1024 ** 2)
         self.server.install(app)
         app.add_routes(operator_routes(self._status_document, self.metrics, self._live))
+        # Resources live as long as the app; cleanup runs in reverse order of set-up.
+        app.cleanup_ctx.append(closed_on_cleanup(
+            lambda: self.executor.shutdown(wait=False, cancel_futures=True),
+            lambda: self.disk_executor.shutdown(wait=False, cancel_futures=True),
+            self.store.close, self.history.close, checkpoints.close, self.notifier.close))
+        app.cleanup_ctx.append(self.client.cleanup_ctx)  # the peer session
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        await self.client.start()
         code = EXIT_FAILED
         try:
             site = web.TCPSite(runner, self.cfg.listen.host, self.cfg.listen.port)
@@ -176,14 +181,7 @@ class Node:
             if self.learner is not None and self.learner.is_alive():
                 self.learner.stop()
                 await loop.run_in_executor(None, self.learner.join, 30.0)
-            await self.client.close()
             await runner.cleanup()
-            self.executor.shutdown(wait=False, cancel_futures=True)
-            self.disk_executor.shutdown(wait=False, cancel_futures=True)
-            self.store.close()
-            self.history.close()
-            checkpoints.close()
-            self.notifier.close()
         return code
 
     def _on_signal(self, sig: int) -> None:
@@ -343,12 +341,9 @@ class Node:
         if not self.keeper.state_consistent():
             log.info("%s: checkpoint deferred: the global state is being downloaded or repaired", self.node_id)
             return
-        path, index = await self.checkpointer.checkpoint(self.learner)
-        try:
-            await self.checkpointer.compact_log(self.coordination.core, self.coordination.persistent, path, index,
-                                                stopping=lambda: self.coordination.frozen)
-        except (OSError, ReplicaStoreError) as error:  # e.g. a full disk: keep the long log
-            self._error(f"log compaction failed, the log stays as it is: {error}")
+        coordination = self.coordination
+        await self.checkpointer.checkpoint_and_compact(self.learner, coordination.core, coordination.persistent,
+                                                       stopping=lambda: coordination.frozen)
 
     def _update_readiness(self) -> None:
         core, keeper = self.coordination.core, self.keeper

@@ -23,7 +23,7 @@ import numpy as np
 from bootstrap.coordinator_node import CoordinatorNode, PersistentState
 from bootstrap.entries import Snapshot
 from diloco_node.config.settings import ConfigError
-from diloco_node.daemon.replica_store import ReplicaStore, compaction_point
+from diloco_node.daemon.replica_store import ReplicaStore, ReplicaStoreError, compaction_point
 from diloco_node.learn.learner_thread import (
     LearnerSnapshot,
     LearnerThread,
@@ -142,6 +142,15 @@ class Checkpointer:
         path = await loop.run_in_executor(self.disk_executor, self.checkpoints.save, meta, arrays)
         log.info("%s checkpoint %s at index %d", self.node_id, path.name, meta["applied_index"])
         return path, int(meta["applied_index"])
+
+    async def checkpoint_and_compact(self, learner: LearnerThread | None, coordination: CoordinatorNode,
+                                     persistent: PersistentState, stopping: Callable[[], bool]) -> None:
+        """The periodic job: a checkpoint, then the log compacted below it if it reads back intact."""
+        path, index = await self.checkpoint(learner)
+        try:
+            await self.compact_log(coordination, persistent, path, index, stopping)
+        except (OSError, ReplicaStoreError) as error:  # e.g. a full disk: keep the long log
+            self.report_error(f"log compaction failed, the log stays as it is: {error}")
 
     async def compact_log(self, coordination: CoordinatorNode, persistent: PersistentState, path: Path,
                           checkpointed: int, stopping: Callable[[], bool]) -> None:

@@ -1,4 +1,4 @@
-"""The daemon's background tasks, owned in one place.
+"""The daemon's background tasks and long-lived resources, owned in one place.
 
 Every task the node starts goes through `TaskSet.spawn`, which keeps a strong reference until the
 task ends, logs an exception that would otherwise go unobserved, and cancels and awaits whatever is
@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
+
+from aiohttp import web
 
 log = logging.getLogger("diloco_node.daemon")
 
@@ -40,3 +42,12 @@ class TaskSet:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def closed_on_cleanup(*closers: Callable[[], object]) -> Callable[[web.Application], AsyncIterator[None]]:
+    """An aiohttp cleanup context that calls `closers` in order when the app is cleaned up."""
+    async def context(app: web.Application) -> AsyncIterator[None]:
+        yield
+        for close in closers:
+            close()
+    return context
