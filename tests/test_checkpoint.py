@@ -16,9 +16,7 @@ from diloco_node.ops.checkpoint import (
     HEADER_BYTES,
     CheckpointError,
     CheckpointStore,
-    flatten_arrays,
     read_checkpoint_file,
-    unflatten_arrays,
     write_checkpoint_file,
 )
 
@@ -200,13 +198,3 @@ def test_bad_inputs_are_refused_before_writing(tmp_path):
         assert store.sequences() == []
     with pytest.raises(ValueError, match="keep = 1"):
         CheckpointStore(tmp_path, keep=1)
-
-
-def test_flatten_round_trip_and_bad_keys():
-    tree = {"params": {"w": np.ones(2), "inner": {"b": np.zeros(1)}}, "step": np.array(3)}
-    flat = flatten_arrays(tree)
-    assert sorted(flat) == ["params/inner/b", "params/w", "step"]
-    again = unflatten_arrays(flat)
-    assert again["params"]["inner"]["b"].tolist() == [0.0] and int(again["step"]) == 3
-    with pytest.raises(ValueError, match="without '/'"):
-        flatten_arrays({"a/b": np.ones(1)})

@@ -1,18 +1,19 @@
 """GlobalState: Nesterov per fragment, rounds, bounded history, bit-identical replicas, digests,
-snapshots and restore (all-or-nothing, verified by digest)."""
+fragment states out and installed back (all-or-nothing, verified by digest)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import struct
 
 import numpy as np
 import pytest
 
+from diloco_node.config.manifest import OuterOptimizer
 from diloco_node.sync.fragments import plan_fragments
 from diloco_node.sync.global_state import FragmentHistory, GlobalState, GlobalStateError
 from diloco_node.sync.merge import nesterov_step
-from diloco_node.config.manifest import OuterOptimizer
 
 SHAPES = {
     "embed/embedding": (16, 4),
@@ -65,18 +66,18 @@ def test_two_replicas_applying_the_same_gradients_are_bit_identical() -> None:
 def test_digest_changes_with_one_bit_round_or_momentum() -> None:
     a, b = _state(), _state()
     assert a.digest() == b.digest()
-    snap = b.fragment_snapshot(2)
-    name = sorted(snap["params"])[0]
-    flipped = snap["params"][name].copy()
+    frag = b.fragment_state(2)
+    name = sorted(frag.params)[0]
+    flipped = frag.params[name].copy()
     flipped.view(np.uint32)[0] ^= 1  # one bit of one float
-    b.restore_fragment({**snap, "params": {**snap["params"], name: flipped}})
+    b.install_fragment(dataclasses.replace(frag, params={**frag.params, name: flipped}))
     assert a.fragment_digest(2) != b.fragment_digest(2) and a.digest() != b.digest()
     c = _state()
-    c.restore_fragment({**c.fragment_snapshot(2), "round": 7})
+    c.install_fragment(dataclasses.replace(c.fragment_state(2), round=7))
     assert c.fragment_digest(2) != a.fragment_digest(2)
     d = _state()
     mom = d.momentum(2)
-    d.restore_fragment({**d.fragment_snapshot(2), "momentum": {n: m + 1 for n, m in mom.items()}})
+    d.install_fragment(dataclasses.replace(d.fragment_state(2), momentum={n: m + 1 for n, m in mom.items()}))
     assert d.fragment_digest(2) != a.fragment_digest(2)
 
 
@@ -149,14 +150,14 @@ def test_constructor_refuses_missing_tensors_and_bad_fragment_index() -> None:
         _state().round(3)
 
 
-def test_snapshot_restore_round_trip_with_history() -> None:
+def test_fragment_states_install_round_trip_with_history() -> None:
     source = _state()
     for i in range(5):
         source.apply_outer_gradient(i % 3, _grad(source, i % 3, i))
-    snap = source.snapshot(include_history=True)
-    assert snap["rounds"] == [2, 2, 1]
+    states = source.fragment_states(include_history=True)
+    assert [s.round for s in states] == [2, 2, 1]
     target = _state()
-    assert target.restore(snap, expected_digest=source.digest()) == source.digest()
+    assert target.install(states, expected_digest=source.digest()) == source.digest()
     assert target.rounds() == source.rounds()
     assert target.history(0).rounds() == source.history(0).rounds() == (0, 1, 2)
     # both continue identically, including the Nesterov buffer
@@ -164,40 +165,47 @@ def test_snapshot_restore_round_trip_with_history() -> None:
     assert source.apply_outer_gradient(0, grad) == target.apply_outer_gradient(0, grad)
 
 
-def test_snapshot_without_history_keeps_only_the_current_version() -> None:
+def test_states_without_history_keep_only_the_current_version() -> None:
     source = _state()
     source.apply_outer_gradient(0, _grad(source, 0, 1))
     target = _state()
-    target.restore(source.snapshot())
+    target.install(source.fragment_states())
     assert target.history(0).rounds() == (1,)
     assert target.digest() == source.digest()
 
 
-def test_restore_is_all_or_nothing_and_checks_the_digest() -> None:
+def test_install_is_all_or_nothing_and_checks_the_digest() -> None:
     source, target = _state(), _state()
     source.apply_outer_gradient(2, _grad(source, 2, 0))
     before = target.digest()
-    with pytest.raises(GlobalStateError, match="snapshot digest .* != expected"):
-        target.restore(source.snapshot(), expected_digest="0" * 64)
+    with pytest.raises(GlobalStateError, match="state digest .* != expected"):
+        target.install(source.fragment_states(), expected_digest="0" * 64)
     assert target.digest() == before
-    broken = source.snapshot()
-    broken["fragments"][2]["params"] = {n: np.full_like(a, np.inf) for n, a in broken["fragments"][2]["params"].items()}
-    with pytest.raises(GlobalStateError, match="fragment 2 snapshot params: non-finite values"):
-        target.restore(broken)
+    broken = source.fragment_states()
+    broken[2] = dataclasses.replace(broken[2], params={n: np.full_like(a, np.inf) for n, a in broken[2].params.items()})
+    with pytest.raises(GlobalStateError, match="fragment 2 state params: non-finite values"):
+        target.install(broken)
     assert target.digest() == before
-    with pytest.raises(GlobalStateError, match="expected a mapping with format 1"):
-        target.restore({"format": 99})
-    frag = source.fragment_snapshot(2)
-    with pytest.raises(GlobalStateError, match="fragment 2 snapshot digest"):
-        target.restore_fragment(frag, expected_digest="ab" * 32)
-    assert target.restore_fragment(frag, expected_digest=source.fragment_digest(2)) == source.fragment_digest(2)
+    frag = source.fragment_state(2)
+    with pytest.raises(GlobalStateError, match="fragment 2 state digest"):
+        target.install_fragment(frag, expected_digest="ab" * 32)
+    assert target.install_fragment(frag, expected_digest=source.fragment_digest(2)) == source.fragment_digest(2)
     assert target.digest() == source.digest()
 
 
-def test_snapshot_arrays_are_copies() -> None:
+def test_the_plain_form_persistence_still_passes_restores_the_same_state() -> None:
+    """`restore` stays until daemon/persistence.py calls Replica.restore_checkpoint."""
+    source, target = _state(), _state()
+    source.apply_outer_gradient(1, _grad(source, 1, 0))
+    plain = {"format": 1, "rounds": list(source.rounds()), "fragments": [
+        {"fragment": p, "round": source.round(p), "params": source.fragment_params(p), "momentum": source.momentum(p)}
+        for p in range(3)]}
+    assert target.restore(plain, expected_digest=source.digest()) == source.digest()
+
+
+def test_fragment_state_arrays_are_copies() -> None:
     state = _state()
-    snap = state.snapshot()
-    for arr in snap["fragments"][0]["params"].values():
+    for arr in state.fragment_state(0, include_history=True).params.values():
         arr[...] = 0
     assert state.digest() == _state().digest()
 
@@ -207,12 +215,12 @@ def test_a_round_the_digest_cannot_encode_is_refused_and_changes_nothing(bad_rou
     # the digest packs the round as int64: a larger one must not get into the state
     source, target = _state(), _state()
     before = target.digest()
-    snap = source.snapshot()
-    snap["fragments"][1]["round"] = bad_round
-    with pytest.raises(GlobalStateError, match=f"fragment 1 snapshot: 'round' must be an integer in \\[0, {2**63 - 1}\\]"):
-        target.restore(snap)
+    states = source.fragment_states()
+    states[1] = dataclasses.replace(states[1], round=bad_round)
+    with pytest.raises(GlobalStateError, match=f"fragment 1 state: 'round' must be an integer in \\[0, {2**63 - 1}\\]"):
+        target.install(states)
     with pytest.raises(GlobalStateError, match="'round' must be an integer in"):
-        target.restore_fragment(snap["fragments"][1])
+        target.install_fragment(states[1])
     assert target.digest() == before
 
 
@@ -230,32 +238,38 @@ def test_malformed_arrays_are_a_global_state_error(value, message) -> None:
     assert state.rounds() == (0, 0, 0)
 
 
-def _snapshot_with(change):
-    snap = _state().snapshot(include_history=True)
-    change(snap)
-    return snap
+def _states_with(change):
+    states = _state().fragment_states(include_history=True)
+    change(states)
+    return states
+
+
+def _replace_first(**changes):
+    def change(states):
+        states[0] = dataclasses.replace(states[0], **changes)
+    return change
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda s: s["fragments"].pop(), "snapshot: expected 3 fragments"),
-        (lambda s: s["fragments"].__setitem__(2, s["fragments"][1]), "fragment indexes must be 0..P-1, each once"),
-        (lambda s: s["fragments"].__setitem__(0, [1, 2]), "fragment snapshot: expected a mapping"),
-        (lambda s: s["fragments"][0].__setitem__("fragment", "0"), "'fragment' must be an integer"),
-        (lambda s: s["fragments"][0].__setitem__("fragment", 3), "fragment 3 out of range"),
-        (lambda s: s["fragments"][0].__setitem__("round", -1), "fragment 0 snapshot: 'round' must be an integer in"),
-        (lambda s: s["fragments"][0].__setitem__("params", None), "fragment 0 snapshot params: expected a mapping"),
-        (lambda s: s["fragments"][0].__setitem__("history", [1]), "'history' must be a mapping of round -> params"),
-        (lambda s: s["fragments"][0].__setitem__("history", np.zeros(3)), "'history' must be a mapping"),
-        (lambda s: s["fragments"][0].__setitem__("history", {0: s["fragments"][0]["params"]}),
+        (lambda s: s.pop(), "state: expected 3 fragments, got 2"),
+        (lambda s: s.__setitem__(2, s[1]), "fragment indexes must be 0..P-1, each once"),
+        (lambda s: s.__setitem__(0, {"fragment": 0}), "expected a FragmentState, got dict"),
+        (_replace_first(fragment="0"), "'fragment' must be an integer"),
+        (_replace_first(fragment=3), "fragment 3 out of range"),
+        (_replace_first(round=-1), "fragment 0 state: 'round' must be an integer in"),
+        (_replace_first(params=None), "fragment 0 state params: expected a mapping"),
+        (_replace_first(history=[1]), "'history' must be a mapping of round -> params"),
+        (_replace_first(history={True: {}}), "history round True must be in"),
+        (lambda s: s.__setitem__(0, dataclasses.replace(s[0], history={0: s[0].params})),
          "history round 0 must be in \\[0, 0\\)"),  # a history round must be older than the current one
     ],
 )
-def test_malformed_snapshots_are_refused_and_change_nothing(change, message) -> None:
+def test_malformed_states_are_refused_and_change_nothing(change, message) -> None:
     target = _state()
     target.apply_outer_gradient(0, _grad(target, 0, 0))
     before = target.digest()
     with pytest.raises(GlobalStateError, match=message):
-        target.restore(_snapshot_with(change))
+        target.install(_states_with(change))
     assert target.digest() == before and target.rounds() == (1, 0, 0)

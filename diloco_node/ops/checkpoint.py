@@ -13,6 +13,10 @@ into place and the directory fsynced, so a crash at any moment leaves either the
 checkpoints or the old set plus one complete new file. Loading verifies magic, version, length
 and checksum and raises `CheckpointError` naming the file; `load_latest` falls back to the
 previous good checkpoint and quarantines a bad one as `*.corrupt` (kept for inspection).
+
+This module knows files, not their contents: array names and metadata keys are the callers'. The
+global state's ("global/...", with "rounds", "state_digest", "norm_refs") come from
+`sync/state_codec.py`, the learner's ("learner/...") from `learn/learner_thread.py`.
 """
 
 from __future__ import annotations
@@ -324,29 +328,3 @@ class CheckpointStore:
             suffix += 1
         os.replace(path, target)
         _fsync_dir(self.directory)
-
-
-def flatten_arrays(tree: Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
-    """Nested mappings of arrays -> flat {"a/b/c": array}; keys must not contain '/'."""
-    flat: dict[str, np.ndarray] = {}
-    for key, value in tree.items():
-        if not isinstance(key, str) or "/" in key or not key:
-            raise ValueError(f"key {key!r} under {prefix or '/'}: must be a non-empty string without '/'")
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            flat.update(flatten_arrays(value, name + "/"))
-        else:
-            flat[name] = np.asarray(value)
-    return flat
-
-
-def unflatten_arrays(flat: Mapping[str, np.ndarray]) -> dict[str, Any]:
-    """Inverse of `flatten_arrays`."""
-    tree: dict[str, Any] = {}
-    for name, array in flat.items():
-        node = tree
-        *parents, leaf = name.split("/")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = array
-    return tree

@@ -3,8 +3,9 @@
 Every replica applies the same committed outer gradients in the same order with the same
 elementwise float32 arithmetic (`merge.nesterov_step`), so replicas stay bit-identical; the sha256
 digests prove it. A bounded `FragmentHistory` of past versions lets the syncer rebase
-contributions made against an older round. `snapshot`/`restore` give a plain structure (dicts of
-numpy arrays and round numbers) for checkpoints and joiners.
+contributions made against an older round. `fragment_state`/`install` hand fragments out and take
+them in as `state_codec.FragmentState` values: the one form behind checkpoints, state downloads and
+the digest's tensor names.
 
 Pure: no I/O, no clock. Invalid input raises `GlobalStateError` before anything is changed.
 """
@@ -14,28 +15,29 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from typing import Any, Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
+from diloco_node.config.manifest import OuterOptimizer
 from diloco_node.sync.fragments import FragmentPlan
 from diloco_node.sync.merge import finite_float32, nesterov_step
-from diloco_node.config.manifest import OuterOptimizer
+from diloco_node.sync.state_codec import FragmentState, current_arrays
 
 # How many versions of each fragment (current included) are kept for rebasing. A contribution is
 # made against the version its learner last applied; with one fragment round per period H and
 # overlap tau << H, honest learners are at most a round or two behind. 8 covers learners that
 # missed a few merges while costing 8 copies of the model in memory on the syncer.
 DEFAULT_HISTORY_LEN = 8
-SNAPSHOT_FORMAT = 1
 # Rounds are hashed as signed 64-bit integers (see the digest layout in docs/MERGE.md); a larger one
-# from a snapshot would get into the state and make every later digest fail.
+# from a serialized state would get into the state and make every later digest fail.
 MAX_ROUND = 2**63 - 1
 _DTYPE = np.dtype("<f4")  # the one dtype of the global state, little-endian so digests agree everywhere
 
 
 class GlobalStateError(ValueError):
-    """An outer gradient, snapshot or request does not fit the global state; nothing was changed."""
+    """An outer gradient, installed state or request does not fit the global state; nothing was changed."""
 
 
 class FragmentHistory:
@@ -200,64 +202,59 @@ class GlobalState:
             h.update(bytes.fromhex(self.fragment_digest(p)))
         return h.hexdigest()
 
-    # --- snapshots ---------------------------------------------------------------------------
+    # --- serialization (names and forms: state_codec.py) -----------------------------------
 
-    def fragment_snapshot(self, p: int, include_history: bool = False) -> dict[str, Any]:
-        """{"fragment", "round", "params", "momentum"[, "history": {round: params}]} as copies."""
-        self._check_index(p)
-        snap: dict[str, Any] = {
-            "fragment": p,
-            "round": self._rounds[p],
-            "params": self.fragment_params(p),
-            "momentum": self.momentum(p),
-        }
-        if include_history:
-            h = self._histories[p]
-            snap["history"] = {r: {n: a.copy() for n, a in h.version(r).items()}  # type: ignore[union-attr]
-                               for r in h.rounds() if r != self._rounds[p]}
-        return snap
+    def fragment_state(self, p: int, include_history: bool = False) -> FragmentState:
+        """Fragment p as a `FragmentState` of copies (without the norm reference: the replica's).
 
-    def snapshot(self, include_history: bool = False) -> dict[str, Any]:
-        """The whole state: {"format", "rounds": [..], "fragments": [fragment_snapshot(p), ...]}.
-
-        History (older versions for rebasing) is optional: a checkpoint of the syncer wants it,
-        a joiner does not need it (contributions against evicted rounds are rejected by reason).
+        History (older versions for rebasing) is optional: a syncer's state wants it, a joiner does
+        not need it (contributions against evicted rounds are rejected by reason).
         """
-        return {
-            "format": SNAPSHOT_FORMAT,
-            "rounds": list(self._rounds),
-            "fragments": [self.fragment_snapshot(p, include_history) for p in range(self.num_fragments)],
-        }
+        self._check_index(p)
+        history: dict[int, dict[str, np.ndarray]] = {}
+        if include_history:
+            ring = self._histories[p]
+            history = {r: {n: a.copy() for n, a in ring.version(r).items()}  # type: ignore[union-attr]
+                       for r in ring.rounds() if r != self._rounds[p]}
+        return FragmentState(p, self._rounds[p], self.fragment_params(p), self.momentum(p), history)
 
-    def restore_fragment(self, snap: Mapping[str, Any], expected_digest: str | None = None) -> str:
-        """Replace one fragment from a fragment snapshot; checks everything (and the digest if
-        given) before changing anything. Returns the fragment digest."""
-        p, round_, params, momentum, history = self._parse_fragment_snapshot(snap)
+    def fragment_states(self, include_history: bool = False) -> list[FragmentState]:
+        """`fragment_state` of every fragment, in index order."""
+        return [self.fragment_state(p, include_history) for p in range(self.num_fragments)]
+
+    def install_fragment(self, state: FragmentState, expected_digest: str | None = None) -> str:
+        """Replace one fragment; checks everything (and the digest if given) before changing
+        anything. Returns the fragment digest."""
+        p, round_, params, momentum, history = self._validated_state(state)
         digest = _fragment_digest(p, round_, params, momentum)
         if expected_digest is not None and digest != expected_digest:
-            raise GlobalStateError(f"fragment {p} snapshot digest {digest[:12]} != expected {expected_digest[:12]}")
+            raise GlobalStateError(f"fragment {p} state digest {digest[:12]} != expected {expected_digest[:12]}")
         self._install(p, round_, params, momentum, history)
         return digest
 
-    def restore(self, snapshot: Mapping[str, Any], expected_digest: str | None = None) -> str:
-        """Replace the whole state from `snapshot()` output; all-or-nothing. Returns digest()."""
-        if not isinstance(snapshot, Mapping) or snapshot.get("format") != SNAPSHOT_FORMAT:
-            raise GlobalStateError(f"snapshot: expected a mapping with format {SNAPSHOT_FORMAT}")
-        fragments = snapshot.get("fragments")
-        if not isinstance(fragments, (list, tuple)) or len(fragments) != self.num_fragments:
-            raise GlobalStateError(f"snapshot: expected {self.num_fragments} fragments")
-        parsed = [self._parse_fragment_snapshot(f) for f in fragments]
+    def install(self, states: Sequence[FragmentState], expected_digest: str | None = None) -> str:
+        """Replace the whole state, one `FragmentState` per fragment; all-or-nothing. Returns digest()."""
+        if len(states) != self.num_fragments:
+            raise GlobalStateError(f"state: expected {self.num_fragments} fragments, got {len(states)}")
+        parsed = [self._validated_state(s) for s in states]
         if sorted(item[0] for item in parsed) != list(range(self.num_fragments)):
-            raise GlobalStateError("snapshot: fragment indexes must be 0..P-1, each once")
+            raise GlobalStateError("state: fragment indexes must be 0..P-1, each once")
         if expected_digest is not None:
             trial = self._copy_with(parsed)
             if trial.digest() != expected_digest:
-                raise GlobalStateError(f"snapshot digest {trial.digest()[:12]} != expected {expected_digest[:12]}")
+                raise GlobalStateError(f"state digest {trial.digest()[:12]} != expected {expected_digest[:12]}")
         for item in parsed:
             self._install(*item)
         return self.digest()
 
-    def _copy_with(self, parsed: list[tuple]) -> "GlobalState":
+    def restore(self, snapshot: Mapping[str, Any], expected_digest: str | None = None) -> str:
+        """The old plain form {"fragments": [{"fragment", "round", "params", "momentum"}, ...]},
+        kept only for daemon/persistence.py until it calls `Replica.restore_checkpoint`."""
+        fragments = snapshot["fragments"]
+        return self.install([FragmentState(f["fragment"], f["round"], f["params"], f["momentum"]) for f in fragments],
+                            expected_digest)
+
+    def _copy_with(self, parsed: list[tuple]) -> GlobalState:
         clone = GlobalState.__new__(GlobalState)
         clone.plan, clone.outer, clone.history_len = self.plan, self.outer, self.history_len
         clone._params = list(self._params)
@@ -268,29 +265,27 @@ class GlobalState:
             clone._params[p], clone._momentum[p], clone._rounds[p] = params, momentum, round_
         return clone
 
-    def _parse_fragment_snapshot(self, snap: Any) -> tuple:
-        if not isinstance(snap, Mapping):
-            raise GlobalStateError("fragment snapshot: expected a mapping")
-        p = snap.get("fragment")
-        round_ = snap.get("round")
+    def _validated_state(self, state: Any) -> tuple:
+        """(p, round, params, momentum, history) as own float32 copies, or GlobalStateError."""
+        if not isinstance(state, FragmentState):
+            raise GlobalStateError(f"expected a FragmentState, got {type(state).__name__}")
+        p = state.fragment
         if not isinstance(p, (int, np.integer)) or isinstance(p, bool):
-            raise GlobalStateError("fragment snapshot: 'fragment' must be an integer")
+            raise GlobalStateError("fragment state: 'fragment' must be an integer")
         p = int(p)
         self._check_index(p)
+        round_ = state.round
         if not isinstance(round_, (int, np.integer)) or isinstance(round_, bool) or not 0 <= round_ <= MAX_ROUND:
-            raise GlobalStateError(f"fragment {p} snapshot: 'round' must be an integer in [0, {MAX_ROUND}]")
+            raise GlobalStateError(f"fragment {p} state: 'round' must be an integer in [0, {MAX_ROUND}]")
         round_ = int(round_)
-        params = _validated_fragment_tensors(self._shapes(p), snap.get("params"), f"fragment {p} snapshot params")
-        momentum = _validated_fragment_tensors(self._shapes(p), snap.get("momentum"), f"fragment {p} snapshot momentum")
+        params = _validated_fragment_tensors(self._shapes(p), state.params, f"fragment {p} state params")
+        momentum = _validated_fragment_tensors(self._shapes(p), state.momentum, f"fragment {p} state momentum")
+        if not isinstance(state.history, Mapping):
+            raise GlobalStateError(f"fragment {p} state: 'history' must be a mapping of round -> params")
         history: dict[int, dict[str, np.ndarray]] = {}
-        raw_history = snap.get("history")
-        if raw_history is None:  # a snapshot without history (what a joiner gets)
-            raw_history = {}
-        if not isinstance(raw_history, Mapping):
-            raise GlobalStateError(f"fragment {p} snapshot: 'history' must be a mapping of round -> params")
-        for r, version in raw_history.items():
-            if not isinstance(r, (int, np.integer)) or not 0 <= int(r) < round_:
-                raise GlobalStateError(f"fragment {p} snapshot: history round {r!r} must be in [0, {round_})")
+        for r, version in state.history.items():
+            if not isinstance(r, (int, np.integer)) or isinstance(r, bool) or not 0 <= int(r) < round_:
+                raise GlobalStateError(f"fragment {p} state: history round {r!r} must be in [0, {round_})")
             history[int(r)] = _validated_fragment_tensors(self._shapes(p), version, f"fragment {p} history round {r}")
         return p, round_, params, momentum, history
 
@@ -339,8 +334,7 @@ def _validated_array(value: Any, name: str, shape: tuple | None, what: str) -> n
 def _fragment_digest(p: int, round_: int, params: Mapping[str, np.ndarray], momentum: Mapping[str, np.ndarray]) -> str:
     h = hashlib.sha256(b"diloco-fragment\0")
     h.update(struct.pack("<qq", p, round_))
-    named = [(f"params/{n}", a) for n, a in params.items()] + [(f"momentum/{n}", a) for n, a in momentum.items()]
-    for name, arr in sorted(named, key=lambda item: item[0]):
+    for name, arr in sorted(current_arrays(params, momentum).items(), key=lambda item: item[0]):
         data = np.ascontiguousarray(arr, dtype=_DTYPE)
         for field_bytes in (name.encode(), data.dtype.str.encode()):
             h.update(struct.pack("<q", len(field_bytes)))

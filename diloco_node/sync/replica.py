@@ -1,4 +1,5 @@
-"""The node's replica of the global model: applying committed outer steps, digests, fragment bytes.
+"""The node's replica of the global model: applying committed outer steps, digests, and the
+replicated state (global state plus norm references) in and out through `state_codec`.
 
 A commit entry's payload is a small msgpack map: the encoded merged outer gradient (codec_down
 bytes, decoded identically everywhere) plus who contributed with which weight, and the syncer's
@@ -14,6 +15,7 @@ No I/O and no clock here.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
@@ -24,15 +26,22 @@ import msgpack
 import numpy as np
 
 from bootstrap.entries import EntryKind, LogEntry
+from diloco_node.config.manifest import OuterOptimizer
 from diloco_node.sync.fragments import FragmentPlan
 from diloco_node.sync.global_state import GlobalState, GlobalStateError
-from diloco_node.config.manifest import OuterOptimizer
+from diloco_node.sync.state_codec import (
+    FragmentState,
+    StateCodecError,
+    decode_fragment,
+    encode_fragment,
+    from_checkpoint,
+    to_checkpoint,
+)
 from wire.codecs import decode_named
 from wire.errors import RemoteProtocolError
 
 # A commit payload's msgpack map is a few names and numbers around the delta bytes.
 MAX_COMMIT_METADATA_BYTES = 1 << 20
-FRAGMENT_BYTES_FORMAT = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +106,7 @@ class Replica:
 
     def digest_after(self, p: int, outer_gradient: Mapping[str, np.ndarray]) -> str:
         """The digest fragment p will have once this gradient is applied (state untouched)."""
-        self._scratch.restore_fragment(self.state.fragment_snapshot(p))
+        self._scratch.install_fragment(self.state.fragment_state(p))
         return self._scratch.apply_outer_gradient(p, outer_gradient)
 
     # ---- applying committed entries ---------------------------------------------------------
@@ -138,47 +147,56 @@ class Replica:
         return ApplyOutcome(True, p, f"fragment {p} -> round {round_} from {len(payload.contributors)} "
                                      f"contributor(s), digest {digest[:12]}")
 
-    # ---- fragment bytes for joiners and repair ------------------------------------------------
+    # ---- the replicated state out and in (names and forms: state_codec.py) -----------------
+
+    def fragment_state(self, p: int) -> FragmentState:
+        """Fragment p's replicated state: the global state's part plus the norm reference."""
+        return dataclasses.replace(self.state.fragment_state(p), norm_ref=self.norm_refs.get(p))
+
+    def install_states(self, states: Sequence[FragmentState], expected_digest: str | None = None) -> str:
+        """Replace the whole replicated state (all-or-nothing, GlobalStateError); returns its digest."""
+        digest = self.state.install(states, expected_digest)
+        self.norm_refs = {s.fragment: s.norm_ref for s in states if s.norm_ref is not None}
+        self._bytes_cache.clear()
+        return digest
 
     def fragment_bytes(self, p: int) -> tuple[int, bytes, bytes]:
-        """(round, serialized fragment state, sha256) of fragment p as it is now (cached per round)."""
+        """(round, download bytes, sha256) of fragment p as it is now (cached per round)."""
         round_ = self.state.round(p)
         cached = self._bytes_cache.get(p)
         if cached is not None and cached[0] == round_:
             return cached
-        snap = self.state.fragment_snapshot(p)
-        data = msgpack.packb({
-            "format": FRAGMENT_BYTES_FORMAT, "fragment": p, "round": round_,
-            "params": _pack_tensors(snap["params"]), "momentum": _pack_tensors(snap["momentum"]),
-        }, use_bin_type=True)
+        data = encode_fragment(self.fragment_state(p))
         result = (round_, data, hashlib.sha256(data).digest())
         self._bytes_cache[p] = result
         return result
 
     def install_fragment_bytes(self, p: int, data: bytes) -> str:
-        """Replace fragment p from peer bytes (checked fully before anything changes)."""
+        """Replace fragment p from a peer's download bytes (checked fully before anything changes)."""
         try:
-            raw = msgpack.unpackb(data, raw=False)
-            if raw.get("format") != FRAGMENT_BYTES_FORMAT or raw.get("fragment") != p:
-                raise ValueError(f"not fragment {p} in format {FRAGMENT_BYTES_FORMAT}")
-            snap = {"fragment": p, "round": int(raw["round"]),
-                    "params": _unpack_tensors(raw["params"]), "momentum": _unpack_tensors(raw["momentum"])}
-        except (ValueError, KeyError, TypeError, msgpack.UnpackException) as error:
+            state = decode_fragment(data)
+        except StateCodecError as error:
             raise RemoteProtocolError(f"fragment {p} bytes are malformed: {error}", 400) from None
+        if state.fragment != p:
+            raise RemoteProtocolError(f"fragment {p} bytes hold fragment {state.fragment}", 400)
         try:
-            digest = self.state.restore_fragment(snap)
+            digest = self.state.install_fragment(state)
         except GlobalStateError as error:
             raise RemoteProtocolError(f"fragment {p} does not fit this run: {error}", 400) from None
+        if state.norm_ref is None:
+            self.norm_refs.pop(p, None)
+        else:
+            self.norm_refs[p] = state.norm_ref
+        self._bytes_cache.pop(p, None)
         self.diverged.discard(p)
         return digest
 
+    def checkpoint_entries(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """(metadata, arrays) of the replicated state for a checkpoint (the caller adds its own)."""
+        return to_checkpoint([self.fragment_state(p) for p in range(self.plan.num_fragments)], self.state.digest())
 
-def _pack_tensors(tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
-    return {name: [list(arr.shape), np.ascontiguousarray(arr, dtype="<f4").tobytes()] for name, arr in tensors.items()}
-
-
-def _unpack_tensors(packed: Mapping[str, Sequence[Any]]) -> dict[str, np.ndarray]:
-    out = {}
-    for name, (shape, data) in packed.items():
-        out[name] = np.frombuffer(data, dtype="<f4").reshape(tuple(int(s) for s in shape)).copy()
-    return out
+    def restore_checkpoint(self, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> str:
+        """Replace the replicated state from a checkpoint's metadata and arrays, verified against
+        the digest it promises; StateCodecError or GlobalStateError (nothing changed) otherwise."""
+        states, digest = from_checkpoint(meta, arrays, self.plan)
+        return self.install_states(states, expected_digest=digest)

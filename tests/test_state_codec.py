@@ -1,0 +1,164 @@
+"""The one serialization of the replicated global state (sync/state_codec.py): named arrays, the
+download bytes a peer serves, and checkpoint entries, each round-tripped through the replica."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from diloco_node.config.manifest import OuterOptimizer
+from diloco_node.ops.checkpoint import CheckpointStore, read_checkpoint_file
+from diloco_node.sync.fragments import plan_fragments
+from diloco_node.sync.global_state import GlobalStateError
+from diloco_node.sync.replica import Replica
+from diloco_node.sync.state_codec import (
+    FRAGMENT_BYTES_FORMAT,
+    FragmentState,
+    StateCodecError,
+    decode_fragment,
+    encode_fragment,
+    fragment_arrays,
+    from_checkpoint,
+    from_fragment_arrays,
+    params_from_checkpoint,
+    to_checkpoint,
+)
+from wire.errors import RemoteProtocolError
+
+SHAPES = {"embed/embedding": (16, 4), "blocks/0/w": (4, 4), "blocks/0/b": (4,), "head/kernel": (4, 16)}
+PLAN = plan_fragments(SHAPES, 3, 6, 1)
+OUTER = OuterOptimizer(lr=0.7, momentum=0.9)
+
+
+def _replica(steps: int = 0) -> Replica:
+    """A replica whose fragments took `steps` outer steps in turn, with a norm reference on fragment 1."""
+    rng = np.random.default_rng(0)
+    replica = Replica(PLAN, {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}, OUTER)
+    for i in range(steps):
+        p = i % PLAN.num_fragments
+        grad = {n: (0.1 * rng.standard_normal(a.shape)).astype(np.float32)
+                for n, a in replica.state.fragment_params(p).items()}
+        replica.state.apply_outer_gradient(p, grad)
+    replica.norm_refs[1] = 0.25
+    return replica
+
+
+def _same(a: FragmentState, b: FragmentState) -> bool:
+    left, right = fragment_arrays(a), fragment_arrays(b)
+    return ((a.fragment, a.round, a.norm_ref) == (b.fragment, b.round, b.norm_ref) and left.keys() == right.keys()
+            and all(left[n].tobytes() == right[n].tobytes() and left[n].shape == right[n].shape for n in left))
+
+
+def test_named_arrays_round_trip_with_history_and_tensor_names_holding_slashes() -> None:
+    source = _replica(steps=7)
+    state = dataclasses.replace(source.state.fragment_state(2, include_history=True), norm_ref=1.5)
+    named = fragment_arrays(state)
+    assert "params/blocks/0/w" in named and "momentum/blocks/0/b" in named and "history/1/blocks/0/w" in named
+    assert _same(from_fragment_arrays(2, state.round, named, 1.5), state)
+
+
+@pytest.mark.parametrize("name", ["weights/x", "history/x/blocks/0/w", "history/3", "params/"])
+def test_an_array_name_of_no_known_kind_is_refused(name: str) -> None:
+    with pytest.raises(StateCodecError, match="array"):
+        from_fragment_arrays(0, 1, {name: np.zeros(1, np.float32)})
+
+
+def test_download_bytes_carry_the_fragment_and_its_norm_reference() -> None:
+    source, joiner = _replica(steps=5), _replica()
+    joiner.norm_refs[0] = 9.0  # a reference the source does not have: replaced by none
+    for p in range(PLAN.num_fragments):
+        round_, data, _ = source.fragment_bytes(p)
+        assert round_ == source.state.round(p)
+        assert joiner.install_fragment_bytes(p, data) == source.state.fragment_digest(p)
+    assert joiner.state.digest() == source.state.digest()
+    assert joiner.norm_refs == {1: 0.25}
+    assert _same(decode_fragment(source.fragment_bytes(1)[1]), source.fragment_state(1))
+
+
+def test_download_bytes_follow_an_install_of_the_same_round() -> None:
+    """The per-round cache must not serve what a repair just replaced."""
+    served, other = _replica(), _replica(steps=3)
+    stale = served.fragment_bytes(0)[1]
+    served.install_fragment_bytes(0, other.fragment_bytes(0)[1])
+    assert served.fragment_bytes(0)[1] != stale
+
+
+def _packed(**changes: object) -> bytes:
+    fields = msgpack.unpackb(encode_fragment(_replica().fragment_state(1)), raw=False)
+    fields.update(changes)
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    (b"\xc1", "not msgpack"),
+    (msgpack.packb([1, 2]), f"not a map in format {FRAGMENT_BYTES_FORMAT}"),
+    (_packed(format=1), f"not a map in format {FRAGMENT_BYTES_FORMAT}"),
+    (_packed(round="3"), "'round' must be an integer"),
+    (_packed(arrays=[]), "'arrays' must be a map"),
+    (_packed(arrays={"params/blocks/0/w": [[4, 4], b"\x00" * 60]}), "60 bytes do not hold shape \\[4, 4\\]"),
+    (_packed(arrays={"params/blocks/0/w": [[-4, -4], b"\x00" * 64]}), "do not hold shape"),
+    (_packed(arrays={"params/blocks/0/w": b"x"}), "is not \\[shape, bytes\\]"),
+    (_packed(norm_ref=float("nan")), "norm_ref = nan must be finite and >= 0"),
+    (_packed(norm_ref="big"), "norm_ref must be a number"),
+])
+def test_malformed_download_bytes_are_refused(data: bytes, message: str) -> None:
+    with pytest.raises(StateCodecError, match=message):
+        decode_fragment(data)
+
+
+def test_a_peers_bytes_that_do_not_fit_change_nothing() -> None:
+    replica = _replica()
+    before = replica.state.digest()
+    with pytest.raises(RemoteProtocolError, match="fragment 0 bytes are malformed"):
+        replica.install_fragment_bytes(0, b"\x01\x02")
+    with pytest.raises(RemoteProtocolError, match="fragment 1 bytes hold fragment 0"):
+        replica.install_fragment_bytes(1, replica.fragment_bytes(0)[1])
+    wrong_shape = dataclasses.replace(replica.fragment_state(1), params={n: np.zeros(3, np.float32) for n in
+                                                                          replica.state.fragment_params(1)})
+    with pytest.raises(RemoteProtocolError, match="fragment 1 does not fit this run: .* has shape"):
+        replica.install_fragment_bytes(1, encode_fragment(wrong_shape))
+    assert replica.state.digest() == before and replica.norm_refs == {1: 0.25}
+
+
+def test_checkpoint_entries_round_trip_through_a_checkpoint_file(tmp_path: Path) -> None:
+    source = _replica(steps=4)
+    meta, arrays = source.checkpoint_entries()
+    assert meta["rounds"] == list(source.state.rounds()) and meta["norm_refs"] == {"1": 0.25}
+    learner = {"learner/params/x": np.ones(2, np.float32)}  # other arrays beside the global state's
+    with CheckpointStore(tmp_path) as store:
+        path = store.save({"applied_index": 7, **meta}, {**arrays, **learner})
+    loaded = read_checkpoint_file(path)
+    target = _replica()
+    target.norm_refs = {0: 3.0}
+    assert target.restore_checkpoint(loaded.meta, loaded.arrays) == source.state.digest()
+    assert target.norm_refs == {1: 0.25}
+    assert target.fragment_bytes(2) == source.fragment_bytes(2)
+    assert params_from_checkpoint(loaded.arrays).keys() == set(SHAPES)
+
+
+def test_a_checkpoint_that_does_not_match_its_digest_or_plan_is_refused() -> None:
+    source, target = _replica(steps=2), _replica()
+    meta, arrays = source.checkpoint_entries()
+    before = target.state.digest()
+    with pytest.raises(GlobalStateError, match="state digest .* != expected"):
+        target.restore_checkpoint({**meta, "state_digest": "0" * 64}, arrays)
+    with pytest.raises(StateCodecError, match="2 fragment rounds, the plan has 3"):
+        target.restore_checkpoint({**meta, "rounds": meta["rounds"][:2]}, arrays)
+    with pytest.raises(StateCodecError, match="global state metadata is malformed"):
+        target.restore_checkpoint({"rounds": meta["rounds"]}, arrays)
+    with pytest.raises(StateCodecError, match="'global/params/other'.*is not in the fragment plan"):
+        target.restore_checkpoint(meta, {**arrays, "global/params/other": np.zeros(1, np.float32)})
+    assert target.state.digest() == before
+
+
+def test_checkpoint_keeps_history_when_the_states_carry_it() -> None:
+    source = _replica(steps=6)
+    states = source.state.fragment_states(include_history=True)
+    meta, arrays = to_checkpoint(states, source.state.digest())
+    back, digest = from_checkpoint(meta, arrays, PLAN)
+    assert digest == source.state.digest()
+    assert all(_same(a, b) for a, b in zip(back, states, strict=True))
