@@ -1,7 +1,7 @@
 """Fuzz the wire frame layer at scale and measure its streaming throughput and memory.
 
 A direct, seeded loop (no hypothesis, so 100k+ examples run in minutes) over the same properties as
-tests/test_wire_frames.py: round trips of random messages of every kind, whole-buffer decoding equal
+tests/test_wire_frames.py, with the same valid messages (`wire.examples`): round trips of every kind, whole-buffer decoding equal
 to random-split and byte-at-a-time decoding, damaged frames (flips, cuts, insertions, deletions),
 random bytes, and correctly MAC'd frames with arbitrary header maps. Any exception other than
 RemoteProtocolError out of the decoder is a bug: it is printed and the exit status is 1.
@@ -22,7 +22,6 @@ import collections
 import hashlib
 import random
 import resource
-import string
 import sys
 import time
 import traceback
@@ -33,44 +32,19 @@ import msgpack
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from wire.auth import AuthContext, FrameVerifier, compute_mac, derive_frame_key  # noqa: E402
-from wire.errors import RemoteProtocolError  # noqa: E402
+from wire.examples import DecodedStream, ExampleMessages, decode_stream  # noqa: E402
 from wire.frames import (  # noqa: E402
-    CLOSED,
     FIXED_HEADER,
     MAGIC,
     NEED_DATA,
     WIRE_MAJOR,
     FrameDecoder,
     FrameEnd,
-    FrameHeader,
     PayloadChunk,
-    Received,
     encode_frame,
     encode_frame_head,
 )
-from wire.limits import DEFAULT_LIMITS, Limits  # noqa: E402
-from wire.messages import (  # noqa: E402
-    MESSAGE_TYPES,
-    CommitNotice,
-    FragmentContribution,
-    Heartbeat,
-    HeartbeatAck,
-    JoinRequest,
-    Leave,
-    LogAck,
-    LogAppend,
-    LogEntry,
-    LogReadReply,
-    LogReadRequest,
-    Member,
-    Membership,
-    MessageKind,
-    Role,
-    SnapshotChunk,
-    SnapshotRequest,
-    VoteReply,
-    VoteRequest,
-)
+from wire.messages import MESSAGE_TYPES, FragmentContribution, Message, MessageKind  # noqa: E402
 
 RUN = "run-fuzz"
 KEY = derive_frame_key(b"f" * 32)
@@ -80,91 +54,14 @@ STREAMABLE = [kind for kind, cls in MESSAGE_TYPES.items() if cls.STREAMABLE]
 
 
 class Fuzzer:
+    """Seeded damage and garbage around the valid messages of `wire.examples`."""
+
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
+        self.examples = ExampleMessages(self.rng)
         self.nonce = 0
 
-    # -- random values ------------------------------------------------------------------------
-
-    def uint(self) -> int:
-        return self.rng.choice((self.rng.randrange(1000), self.rng.randrange(2**63)))
-
-    def node_id(self) -> str:
-        rest = "".join(self.rng.choices(string.ascii_letters + string.digits + "._:@-", k=self.rng.randrange(20)))
-        return self.rng.choice(string.ascii_letters) + rest
-
-    def name(self) -> str:
-        return self.rng.choice(string.ascii_lowercase) + "".join(
-            self.rng.choices(string.ascii_lowercase + string.digits + "._-", k=self.rng.randrange(12)))
-
-    def blob(self, limit: int = 300) -> bytes:
-        return self.rng.randbytes(self.rng.randrange(limit))
-
-    def text(self) -> str:
-        return "".join(chr(self.rng.choice((self.rng.randrange(32, 127), self.rng.randrange(0xA0, 0xD7FF))))
-                       for _ in range(self.rng.randrange(30)))
-
-    def url(self) -> str:
-        return f"http://{self.node_id()}:{self.rng.randrange(1, 65536)}"
-
-    def meta_value(self, depth: int = 0) -> object:
-        choice = self.rng.randrange(9 if depth < 2 else 7)
-        options = [lambda: None, lambda: self.rng.random() < 0.5, lambda: self.rng.randrange(-(2**63), 2**63),
-                   lambda: self.rng.uniform(-1e9, 1e9), self.text, lambda: self.blob(20),
-                   lambda: self.rng.randrange(100),
-                   lambda: tuple(self.meta_value(depth + 1) for _ in range(self.rng.randrange(4))),
-                   lambda: {self.text(): self.meta_value(depth + 1) for _ in range(self.rng.randrange(4))}]
-        return options[choice]()
-
-    def metadata(self) -> dict:
-        return {self.text(): self.meta_value() for _ in range(self.rng.randrange(5))}
-
-    def entries(self, first: int, max_epoch: int) -> tuple[LogEntry, ...]:
-        return tuple(LogEntry(index=first + i, epoch=self.rng.randint(0, max_epoch), kind=self.name(),
-                              metadata=self.metadata(), payload=self.blob())
-                     for i in range(self.rng.randrange(4)))
-
-    def message(self, kind: MessageKind):  # noqa: C901 - one branch per kind, on purpose
-        u, r = self.uint, self.rng
-        if kind is MessageKind.FRAGMENT_CONTRIBUTION:
-            return FragmentContribution(u(), u(), u(), u(), u(), self.name(), self.node_id(), self.blob())
-        if kind is MessageKind.LOG_APPEND:
-            epoch, prev = r.randrange(2**40), r.randrange(2**40)
-            return LogAppend(epoch, self.node_id(), prev, u(), self.entries(prev + 1, epoch), u())
-        if kind is MessageKind.LOG_ACK:
-            return LogAck(u(), self.node_id(), u(), r.random() < 0.5)
-        if kind is MessageKind.COMMIT_NOTICE:
-            return CommitNotice(u(), self.node_id(), u())
-        if kind is MessageKind.VOTE_REQUEST:
-            return VoteRequest(u(), self.node_id(), u(), u())
-        if kind is MessageKind.VOTE_REPLY:
-            return VoteReply(u(), self.node_id(), r.random() < 0.5, self.text())
-        if kind is MessageKind.HEARTBEAT:
-            return Heartbeat(u(), self.node_id(), u(), u())
-        if kind is MessageKind.HEARTBEAT_ACK:
-            return HeartbeatAck(u(), self.node_id(), u(), u())
-        if kind is MessageKind.JOIN_REQUEST:
-            return JoinRequest(self.node_id(), self.url(), r.choice(list(Role)), r.randbytes(32))
-        if kind is MessageKind.MEMBERSHIP:
-            members = {m.node_id: m for m in (Member(self.node_id(), self.url(), r.choice(list(Role)), r.random() < 0.5)
-                                              for _ in range(r.randrange(5)))}
-            return Membership(u(), u(), tuple(members.values()), self.blob())
-        if kind is MessageKind.SNAPSHOT_REQUEST:
-            return SnapshotRequest(u(), u(), r.randrange(1, 2**63))
-        if kind is MessageKind.SNAPSHOT_CHUNK:
-            payload, offset = self.blob(), r.randrange(2**40)
-            return SnapshotChunk(u(), u(), offset, offset + len(payload) + r.randrange(1000), r.randbytes(32), payload)
-        if kind is MessageKind.LOG_READ_REQUEST:
-            return LogReadRequest(u(), r.randint(1, 1024))
-        if kind is MessageKind.LOG_READ_REPLY:
-            first = r.randrange(2**40)
-            entries = self.entries(first, r.randrange(2**40))
-            return LogReadReply((entries[-1].index if entries else first) + r.randrange(10), first, entries)
-        if kind is MessageKind.LEAVE:
-            return Leave(self.node_id(), self.text())
-        raise AssertionError(kind)
-
-    def frame(self, message) -> bytes:
+    def frame(self, message: Message) -> bytes:
         self.nonce += 1
         return encode_frame(message, AUTH, now_unix=NOW, nonce=self.nonce.to_bytes(16, "big"))
 
@@ -191,14 +88,14 @@ class Fuzzer:
     def garbage_value(self, depth: int = 0) -> object:
         choice = self.rng.randrange(9 if depth < 2 else 7)
         options = [lambda: None, lambda: True, lambda: self.rng.randrange(-(2**63), 2**64), lambda: float("nan"),
-                   self.text, lambda: self.blob(40), lambda: self.rng.uniform(-1e300, 1e300),
+                   self.examples.text, lambda: self.examples.blob(40), lambda: self.rng.uniform(-1e300, 1e300),
                    lambda: [self.garbage_value(depth + 1) for _ in range(self.rng.randrange(4))],
-                   lambda: {self.rng.choice((self.text(), self.blob(4))): self.garbage_value(depth + 1)
+                   lambda: {self.rng.choice((self.examples.text(), self.examples.blob(4))): self.garbage_value(depth + 1)
                             for _ in range(self.rng.randrange(4))}]
         return options[choice]()
 
     def authenticated_garbage(self) -> bytes:
-        base = self.message(self.rng.choice(list(MessageKind)))
+        base = self.examples.message()
         fields, payload = base.to_wire()
         for key in list(fields):
             roll = self.rng.randrange(6)
@@ -207,7 +104,7 @@ class Fuzzer:
             elif roll == 5:
                 fields[key] = self.garbage_value()
         if self.rng.random() < 0.3:
-            payload = self.blob(64)
+            payload = self.examples.blob(64)
         self.nonce += 1
         header_map = {"run": RUN, "from": "site-a", "ts": round(NOW * 1000), "nonce": self.nonce.to_bytes(16, "big"),
                       "pd": hashlib.sha256(payload).digest(), "m": fields}
@@ -219,55 +116,27 @@ class Fuzzer:
         return fixed + map_bytes + compute_mac(KEY, fixed + map_bytes) + payload
 
 
-def decode(chunks, *, stream: bool, limits: Limits = DEFAULT_LIMITS):
-    """(events with payload chunks coalesced, status or None)."""
-    decoder = FrameDecoder(FrameVerifier(RUN, KEY, limits), limits, stream_kinds=STREAMABLE if stream else ())
-    events: list = []
-    try:
-        for chunk in [*(c for c in chunks if c), b""]:
-            decoder.receive_data(chunk)
-            while (event := decoder.next_event(now_unix=NOW)) not in (NEED_DATA, CLOSED):
-                if isinstance(event, PayloadChunk) and events and isinstance(events[-1], PayloadChunk):
-                    events[-1] = PayloadChunk(events[-1].data + event.data)
-                else:
-                    events.append(event)
-        return events, None
-    except RemoteProtocolError as error:
-        return events, error.status_hint
-
-
-def messages(events) -> list:
-    out, head, parts = [], None, []
-    for event in events:
-        if isinstance(event, Received):
-            out.append(event.message)
-        elif isinstance(event, FrameHeader):
-            head, parts = event.head, []
-        elif isinstance(event, PayloadChunk):
-            parts.append(event.data)
-        elif isinstance(event, FrameEnd):
-            out.append(type(head).from_wire(head.to_wire()[0], b"".join(parts)))
-    return out
+def decode(chunks: list[bytes], *, stream: bool) -> DecodedStream:
+    return decode_stream(chunks, FrameVerifier(RUN, KEY), now_unix=NOW, stream_kinds=STREAMABLE if stream else ())
 
 
 def fuzz(examples: int, seed: int) -> int:
     fuzzer = Fuzzer(seed)
     counts: collections.Counter[str] = collections.Counter()
     bugs = 0
-    kinds = list(MessageKind)
     started = time.perf_counter()
     for i in range(examples):
         mode = ("round-trip", "damaged", "random-bytes", "authenticated-garbage")[i % 4]
         stream = fuzzer.rng.random() < 0.5
         try:
             if mode == "round-trip":
-                sent = [fuzzer.message(fuzzer.rng.choice(kinds)) for _ in range(fuzzer.rng.randint(1, 3))]
+                sent = [fuzzer.examples.message() for _ in range(fuzzer.rng.randint(1, 3))]
                 data = b"".join(fuzzer.frame(m) for m in sent)
                 whole = decode([data], stream=stream)
-                assert whole[1] is None and messages(whole[0]) == sent, f"round trip failed: {whole[1]}"
+                assert whole.status is None and whole.messages() == sent, f"round trip failed: {whole.status}"
             else:
                 if mode == "damaged":
-                    sent = [fuzzer.message(fuzzer.rng.choice(kinds)) for _ in range(fuzzer.rng.randint(1, 2))]
+                    sent = [fuzzer.examples.message() for _ in range(fuzzer.rng.randint(1, 2))]
                     data = fuzzer.damaged(b"".join(fuzzer.frame(m) for m in sent))
                 elif mode == "random-bytes":
                     data = fuzzer.rng.randbytes(fuzzer.rng.randrange(200))
@@ -279,7 +148,7 @@ def fuzz(examples: int, seed: int) -> int:
                 whole = decode([data], stream=stream)
                 if mode == "damaged":
                     # Caught or harmless: whatever decodes is an undamaged prefix of what was sent.
-                    decoded = messages(whole[0])
+                    decoded = whole.messages()
                     assert decoded == sent[:len(decoded)], "a damaged stream decoded to different messages"
             split = decode(fuzzer.splits(data), stream=stream)
             assert split == whole, "random split decodes differently from the whole buffer"
@@ -287,7 +156,7 @@ def fuzz(examples: int, seed: int) -> int:
                 single = decode([data[j:j + 1] for j in range(len(data))], stream=stream)
                 assert single == whole, "byte-at-a-time decodes differently from the whole buffer"
                 counts["byte-at-a-time checks"] += 1
-            counts[f"{mode}: {'ok' if whole[1] is None else whole[1]}"] += 1
+            counts[f"{mode}: {'ok' if whole.status is None else whole.status}"] += 1
         except Exception:  # noqa: BLE001 - a bug report, not error handling
             bugs += 1
             print(f"BUG in example {i} ({mode}, seed {seed}):", file=sys.stderr)

@@ -1,7 +1,8 @@
 """Frames and messages: round trips for every kind, a total incremental decoder, size limits, versioning.
 
-The fuzz-style properties run FUZZ_EXAMPLES examples each (2,000 by default; benchmarks/wire_fuzz.py
-runs a direct loop at 100k+).
+Valid messages come from `wire.examples`, the generator benchmarks/wire_fuzz.py uses too. The
+fuzz-style properties run FUZZ_EXAMPLES examples each (2,000 by default; benchmarks/wire_fuzz.py runs
+a direct loop at 100k+).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dataclasses
 import hashlib
 import itertools
 import os
+import random
 import struct
 
 import msgpack
@@ -19,8 +21,8 @@ from hypothesis import strategies as st
 
 from wire.auth import AuthContext, FrameVerifier, compute_mac, derive_frame_key
 from wire.errors import LocalProtocolError, RemoteProtocolError
+from wire.examples import DecodedStream, ExampleMessages, decode_stream
 from wire.frames import (
-    CLOSED,
     FIXED_HEADER,
     FIXED_HEADER_BYTES,
     MAGIC,
@@ -37,15 +39,10 @@ from wire.frames import (
 )
 from wire.limits import DEFAULT_LIMITS, Limits
 from wire.messages import (
-    DIGEST_BYTES,
-    MAX_NODE_ID_CHARS,
     MESSAGE_TYPES,
-    U63_MAX,
     CommitNotice,
     FragmentContribution,
     FrozenMap,
-    Heartbeat,
-    HeartbeatAck,
     JoinRequest,
     Leave,
     LogAck,
@@ -58,8 +55,6 @@ from wire.messages import (
     MessageKind,
     Role,
     SnapshotChunk,
-    SnapshotRequest,
-    VoteReply,
     VoteRequest,
 )
 
@@ -106,135 +101,28 @@ def auth_map(message_fields: object, payload: bytes = b"", **overrides: object) 
     return header_map
 
 
-def run_decoder(chunks, *, limits: Limits = DEFAULT_LIMITS, stream_kinds=(), now: float = NOW):
-    """Feed chunks then end-of-stream; return (events with payload chunks coalesced, error status or None)."""
-    decoder = FrameDecoder(verifier(limits), limits, stream_kinds=stream_kinds)
-    events: list = []
-    try:
-        for chunk in [*(c for c in chunks if c), b""]:
-            decoder.receive_data(chunk)
-            while (event := decoder.next_event(now_unix=now)) not in (NEED_DATA, CLOSED):
-                events.append(event)
-        return coalesce(events), None, event
-    except RemoteProtocolError as error:
-        return coalesce(events), error.status_hint, None
-
-
-def coalesce(events: list) -> list:
-    out: list = []
-    for event in events:
-        if isinstance(event, PayloadChunk) and out and isinstance(out[-1], PayloadChunk):
-            out[-1] = PayloadChunk(out[-1].data + event.data)
-        else:
-            out.append(event)
-    return out
-
-
-def messages_of(events: list) -> list:
-    """Reassemble streamed frames into whole messages so both decoding modes compare equal."""
-    out, head, parts = [], None, []
-    for event in events:
-        if isinstance(event, Received):
-            out.append(event.message)
-        elif isinstance(event, FrameHeader):
-            head, parts = event.head, []
-        elif isinstance(event, PayloadChunk):
-            parts.append(event.data)
-        elif isinstance(event, FrameEnd):
-            out.append(dataclasses.replace(head, payload=b"".join(parts)))
-    return out
+def run_decoder(chunks, *, limits: Limits = DEFAULT_LIMITS, stream_kinds=(), now: float = NOW) -> DecodedStream:
+    return decode_stream(chunks, verifier(limits), now_unix=now, limits=limits, stream_kinds=stream_kinds)
 
 
 # ---------------------------------------------------------------------------------------------
-# Strategies: one per message kind
+# Valid messages: wire.examples, drawn from a hypothesis-controlled Random (so failures shrink)
 # ---------------------------------------------------------------------------------------------
 
-_ID_FIRST = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
-_ID_REST = _ID_FIRST + "._:@-"
-node_ids = st.builds(lambda a, b: a + b, st.sampled_from(_ID_FIRST),
-                     st.text(_ID_REST, max_size=MAX_NODE_ID_CHARS - 1))
-names = st.builds(lambda a, b: a + b, st.sampled_from("abcdefghijklmnopqrstuvwxyz0123456789"),
-                  st.text("abcdefghijklmnopqrstuvwxyz0123456789._-", max_size=31))
-uints = st.one_of(st.integers(0, 1000), st.integers(0, U63_MAX))
-small_uints = st.integers(0, 2**40)
-payloads = st.binary(max_size=300)
-digests = st.binary(min_size=DIGEST_BYTES, max_size=DIGEST_BYTES)
-urls = st.builds(lambda host, port: f"http://{host}:{port}", node_ids, st.integers(1, 65535))
-reasons = st.text(max_size=80)
-roles = st.sampled_from(list(Role))
-metadata_values = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1),
-              st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20), st.binary(max_size=20)),
-    lambda children: st.one_of(st.lists(children, max_size=4).map(tuple),
-                               st.dictionaries(st.text(max_size=8), children, max_size=4)),
-    max_leaves=12,
-)
-metadata = st.dictionaries(st.text(max_size=10), metadata_values, max_size=5)
+
+def messages_of_kind(kind: MessageKind | None = None):
+    """A strategy for valid messages of `kind` (any kind when None)."""
+    return st.randoms(use_true_random=False).map(lambda rng: ExampleMessages(rng).message(kind))
 
 
-@st.composite
-def entry_runs(draw, *, first_index: int, max_epoch: int):
-    count = draw(st.integers(0, 4))
-    return tuple(LogEntry(index=first_index + i, epoch=draw(st.integers(0, max_epoch)), kind=draw(names),
-                          metadata=draw(metadata), payload=draw(payloads)) for i in range(count))
-
-
-@st.composite
-def log_appends(draw):
-    epoch = draw(small_uints)
-    prev_index = draw(small_uints)
-    return LogAppend(epoch=epoch, leader=draw(node_ids), prev_index=prev_index, prev_epoch=draw(small_uints),
-                     entries=draw(entry_runs(first_index=prev_index + 1, max_epoch=epoch)),
-                     leader_commit=draw(small_uints))
-
-
-@st.composite
-def log_read_replies(draw):
-    first = draw(small_uints)
-    entries = draw(entry_runs(first_index=first, max_epoch=draw(small_uints)))
-    commit = draw(st.integers(entries[-1].index if entries else 0, 2**41))
-    return LogReadReply(commit_index=commit, first_index=first, entries=entries)
-
-
-@st.composite
-def snapshot_chunks(draw):
-    payload = draw(payloads)
-    offset = draw(small_uints)
-    return SnapshotChunk(fragment=draw(uints), commit_index=draw(uints), offset=offset,
-                         total=offset + len(payload) + draw(small_uints), digest=draw(digests), payload=payload)
-
-
-members = st.builds(Member, node_id=node_ids, advertise_url=urls, role=roles, voter=st.booleans())
-
-STRATEGIES = {
-    MessageKind.FRAGMENT_CONTRIBUTION: st.builds(
-        FragmentContribution, fragment=uints, base_index=uints, base_round=uints, c_steps=uints, c_tokens=uints,
-        codec=names, learner_id=node_ids, payload=payloads),
-    MessageKind.LOG_APPEND: log_appends(),
-    MessageKind.LOG_ACK: st.builds(LogAck, epoch=uints, follower=node_ids, index=uints, success=st.booleans()),
-    MessageKind.COMMIT_NOTICE: st.builds(CommitNotice, epoch=uints, leader=node_ids, commit_index=uints),
-    MessageKind.VOTE_REQUEST: st.builds(VoteRequest, epoch=uints, candidate=node_ids, last_log_epoch=uints,
-                                        last_log_index=uints),
-    MessageKind.VOTE_REPLY: st.builds(VoteReply, epoch=uints, voter=node_ids, granted=st.booleans(), reason=reasons),
-    MessageKind.HEARTBEAT: st.builds(Heartbeat, epoch=uints, leader=node_ids, seq=uints, commit_index=uints),
-    MessageKind.HEARTBEAT_ACK: st.builds(HeartbeatAck, epoch=uints, follower=node_ids, seq=uints, match_index=uints),
-    MessageKind.JOIN_REQUEST: st.builds(JoinRequest, node_id=node_ids, advertise_url=urls, role=roles,
-                                        manifest_digest=digests),
-    MessageKind.MEMBERSHIP: st.builds(
-        Membership, epoch=uints, config_index=uints,
-        members=st.lists(members, max_size=5, unique_by=lambda m: m.node_id).map(tuple), payload=payloads),
-    MessageKind.SNAPSHOT_REQUEST: st.builds(SnapshotRequest, fragment=uints, offset=uints, max_length=st.integers(1, U63_MAX)),
-    MessageKind.SNAPSHOT_CHUNK: snapshot_chunks(),
-    MessageKind.LOG_READ_REQUEST: st.builds(LogReadRequest, from_index=uints, max_entries=st.integers(1, 1024)),
-    MessageKind.LOG_READ_REPLY: log_read_replies(),
-    MessageKind.LEAVE: st.builds(Leave, node_id=node_ids, reason=reasons),
-}
-any_message = st.one_of(*STRATEGIES.values())
-
-
-def test_every_kind_has_a_strategy_and_a_unique_class():
-    assert set(STRATEGIES) == set(MessageKind)
-    assert {cls.KIND for cls in MESSAGE_TYPES.values()} == set(MessageKind)
+@pytest.mark.parametrize("cls", list(MESSAGE_TYPES.values()), ids=lambda cls: cls.__name__)
+def test_the_example_generator_builds_every_message_class(cls):
+    """Every class in wire.messages has valid examples, and a run of draws covers each kind."""
+    examples = ExampleMessages(random.Random(cls.KIND))
+    drawn = [examples.message(cls.KIND) for _ in range(20)]
+    assert all(type(m) is cls for m in drawn)
+    assert len(set(drawn)) > 1  # random fields, not one fixed message
+    assert cls in {type(examples.message()) for _ in range(400)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,7 +134,7 @@ def test_every_kind_has_a_strategy_and_a_unique_class():
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_round_trip_every_kind(kind, data):
-    message = data.draw(STRATEGIES[kind])
+    message = data.draw(messages_of_kind(kind))
     received = decode_frame(frame(message), verifier(), now_unix=NOW + 1)
     assert received.message == message
     assert type(received.message) is type(message)
@@ -258,14 +146,14 @@ def test_round_trip_every_kind(kind, data):
 @quick
 @given(data=st.data(), chunk=st.integers(1, 64))
 def test_streamed_round_trip(kind, data, chunk):
-    message = data.draw(STRATEGIES[kind])
+    message = data.draw(messages_of_kind(kind))
     limits = Limits(max_payload_chunk_bytes=chunk)
-    events, status, _ = run_decoder([frame(message)], limits=limits, stream_kinds=[kind])
-    assert status is None
-    assert isinstance(events[0], FrameHeader)
-    assert events[0].head == message.without_payload()
-    assert events[0].payload_length == len(message.payload)
-    assert messages_of(events) == [message]
+    decoded = run_decoder([frame(message)], limits=limits, stream_kinds=[kind])
+    assert decoded.status is None and decoded.closed
+    assert isinstance(decoded.events[0], FrameHeader)
+    assert decoded.events[0].head == message.without_payload()
+    assert decoded.events[0].payload_length == len(message.payload)
+    assert decoded.messages() == [message]
     # Chunk events never exceed the configured size.
     decoder = FrameDecoder(verifier(limits), limits, stream_kinds=[kind])
     decoder.receive_data(frame(message))
@@ -294,9 +182,9 @@ def test_streamed_payload_that_does_not_match_its_digest_is_refused_at_the_end()
     message = SnapshotChunk(fragment=0, commit_index=1, offset=0, total=100, digest=bytes(32), payload=b"")
     head = encode_frame_head(message, AUTH, now_unix=NOW, nonce=fresh_nonce(), payload_length=100,
                              payload_sha256=hashlib.sha256(b"y" * 100).digest())
-    events, status, _ = run_decoder([head + payload], stream_kinds=[MessageKind.SNAPSHOT_CHUNK])
-    assert status == 401
-    assert isinstance(events[0], FrameHeader) and events[-1] == PayloadChunk(payload)
+    decoded = run_decoder([head + payload], stream_kinds=[MessageKind.SNAPSHOT_CHUNK])
+    assert decoded.status == 401
+    assert isinstance(decoded.events[0], FrameHeader) and decoded.events[-1] == PayloadChunk(payload)
 
 
 def test_streamed_head_refused_when_declared_length_cannot_fit():
@@ -305,8 +193,8 @@ def test_streamed_head_refused_when_declared_length_cannot_fit():
         encode_frame_head(message, AUTH, now_unix=NOW, nonce=fresh_nonce(), payload_length=11,
                           payload_sha256=bytes(32))
     raw = signed_raw(MessageKind.SNAPSHOT_CHUNK, auth_map(message.to_wire()[0], b"z" * 11), b"z" * 11)
-    events, status, _ = run_decoder([raw], stream_kinds=[MessageKind.SNAPSHOT_CHUNK])
-    assert (events, status) == ([], 400)
+    decoded = run_decoder([raw], stream_kinds=[MessageKind.SNAPSHOT_CHUNK])
+    assert (decoded.events, decoded.status) == ((), 400)
 
 
 def test_streaming_only_for_single_payload_kinds():
@@ -318,34 +206,11 @@ def test_streaming_only_for_single_payload_kinds():
 # The total decoder
 # ---------------------------------------------------------------------------------------------
 
-# A fixed pool of valid messages (every kind, with payloads and metadata) keeps the 2,000-example
-# fuzz properties fast: hypothesis spends its budget on damage and splits, not on building messages.
-_ENTRIES = (LogEntry(index=8, epoch=3, kind="commit", payload=b"delta" * 7,
-                     metadata={"fragment": 2, "round": 11, "contributors": ["site-a", "site-b"],
-                               "weights": [0.25, 0.75], "digest": bytes(range(32))}),
-            LogEntry(index=9, epoch=3, kind="membership", metadata={"add": "site-d"}, payload=b""))
-POOL_MESSAGES = [
-    FragmentContribution(fragment=2, base_index=7, base_round=10, c_steps=24, c_tokens=98_304, codec="int4-zstd",
-                         learner_id="site-b", payload=bytes(range(0, 256, 4))),
-    LogAppend(epoch=3, leader="site-a", prev_index=7, prev_epoch=2, entries=_ENTRIES, leader_commit=7),
-    LogAck(epoch=3, follower="site-b", index=9, success=True),
-    CommitNotice(epoch=3, leader="site-a", commit_index=9),
-    VoteRequest(epoch=4, candidate="site-c", last_log_epoch=3, last_log_index=9),
-    VoteReply(epoch=4, voter="site-b", granted=False, reason="heard from lease holder site-a 0.4 s ago"),
-    Heartbeat(epoch=3, leader="site-a", seq=1234, commit_index=9),
-    HeartbeatAck(epoch=3, follower="site-c", seq=1234, match_index=9),
-    JoinRequest(node_id="site-d", advertise_url="http://10.0.0.4:8470", role=Role.LEARNER,
-                manifest_digest=hashlib.sha256(b"manifest").digest()),
-    Membership(epoch=3, config_index=9, payload=b'{"model": "tiny"}', members=(
-        Member("site-a", "http://10.0.0.1:8470", Role.LEARNER, True),
-        Member("w1", "http://10.0.0.9:8470", Role.WITNESS, True))),
-    SnapshotRequest(fragment=2, offset=4096, max_length=1 << 20),
-    SnapshotChunk(fragment=2, commit_index=9, offset=4096, total=10_000, digest=bytes(32), payload=b"\x00\xff" * 20),
-    LogReadRequest(from_index=8, max_entries=64),
-    LogReadReply(commit_index=9, first_index=1, entries=_ENTRIES),
-    Leave(node_id="site-b", reason="SIGTERM"),
-]
-assert {m.KIND for m in POOL_MESSAGES} == set(MessageKind)
+# A fixed pool of valid messages (two of every kind, from the one example generator) keeps the
+# 2,000-example fuzz properties fast: hypothesis spends its budget on damage and splits, not on
+# building messages.
+_POOL_EXAMPLES = ExampleMessages(random.Random(20240601))
+POOL_MESSAGES = [_POOL_EXAMPLES.message(kind) for kind in MessageKind for _ in range(2)]
 POOL_FRAMES = [frame(m) for m in POOL_MESSAGES]
 frame_streams = st.lists(st.integers(0, len(POOL_FRAMES) - 1), min_size=1, max_size=3, unique=True).map(
     lambda picks: b"".join(POOL_FRAMES[i] for i in picks))
@@ -405,19 +270,18 @@ def authenticated_garbage(draw):
 @given(data=st.one_of(hostile_bytes(), authenticated_garbage()), stream=st.booleans())
 def test_decoder_is_total(data, stream):
     """Any bytes give events or RemoteProtocolError; nothing else escapes."""
-    events, status, end = run_decoder([data], stream_kinds=STREAMABLE_KINDS if stream else ())
-    assert status in (None, 400, 401, 409, 413, 426)
-    assert all(isinstance(e, (Received, FrameHeader, PayloadChunk, FrameEnd)) for e in events)
-    if status is None:
-        assert end is CLOSED
+    decoded = run_decoder([data], stream_kinds=STREAMABLE_KINDS if stream else ())
+    assert decoded.status in (None, 400, 401, 409, 413, 426)
+    assert all(isinstance(e, (Received, FrameHeader, PayloadChunk, FrameEnd)) for e in decoded.events)
+    assert decoded.closed == (decoded.status is None)
 
 
 @fuzz
 @given(data=st.one_of(frame_streams, hostile_bytes(), authenticated_garbage()), stream=st.booleans())
 def test_byte_at_a_time_equals_whole_buffer(data, stream):
     kinds = STREAMABLE_KINDS if stream else ()
-    whole = run_decoder([data], stream_kinds=kinds)[:2]
-    single = run_decoder([data[i:i + 1] for i in range(len(data))], stream_kinds=kinds)[:2]
+    whole = run_decoder([data], stream_kinds=kinds)
+    single = run_decoder([data[i:i + 1] for i in range(len(data))], stream_kinds=kinds)
     assert single == whole
 
 
@@ -428,7 +292,7 @@ def test_random_chunk_splits_equal_whole(data, cuts, stream):
     kinds = STREAMABLE_KINDS if stream else ()
     points = sorted({min(c, len(data)) for c in cuts})
     chunks = [data[a:b] for a, b in zip([0, *points], [*points, len(data)])]
-    assert run_decoder(chunks, stream_kinds=kinds)[:2] == run_decoder([data], stream_kinds=kinds)[:2]
+    assert run_decoder(chunks, stream_kinds=kinds) == run_decoder([data], stream_kinds=kinds)
 
 
 @fuzz
@@ -436,22 +300,22 @@ def test_random_chunk_splits_equal_whole(data, cuts, stream):
 def test_a_flipped_byte_anywhere_is_caught_or_harmless(pick, where, mask):
     encoded = bytearray(POOL_FRAMES[pick])
     encoded[int(where * len(encoded))] ^= mask
-    events, status, _ = run_decoder([bytes(encoded)])
-    if status is None:
-        assert messages_of(events) == [POOL_MESSAGES[pick]]
+    decoded = run_decoder([bytes(encoded)])
+    if decoded.status is None:
+        assert decoded.messages() == [POOL_MESSAGES[pick]]
     else:
         # 409: the flip changed the run id, which is checked (for a clear answer to a misconfigured
         # node) before the MAC; the frame is refused either way.
-        assert status in (400, 401, 409, 413, 426)
+        assert decoded.status in (400, 401, 409, 413, 426)
 
 
 def test_clean_end_between_frames_and_truncation_inside_one():
     encoded = frame(LogAck(epoch=2, follower="b", index=7, success=True))
-    events, status, end = run_decoder([encoded])
-    assert status is None and end is CLOSED and len(events) == 1
+    decoded = run_decoder([encoded])
+    assert decoded.status is None and decoded.closed and len(decoded.events) == 1
     for cut in (1, FIXED_HEADER_BYTES, len(encoded) - 1):
-        events, status, _ = run_decoder([encoded[:cut]])
-        assert (events, status) == ([], 400)
+        decoded = run_decoder([encoded[:cut]])
+        assert (decoded.events, decoded.status) == ((), 400)
 
 
 def test_truncation_message_names_the_place():
@@ -587,8 +451,8 @@ def test_per_instance_payload_limit():
     limits = DEFAULT_LIMITS.with_max_payload(MessageKind.SNAPSHOT_CHUNK, 10)
     ok = SnapshotChunk(fragment=0, commit_index=1, offset=0, total=20, digest=bytes(32), payload=b"a" * 10)
     big = dataclasses.replace(ok, payload=b"a" * 11)
-    assert run_decoder([frame(ok)], limits=limits)[1] is None
-    assert run_decoder([frame(big)], limits=limits)[1] == 413
+    assert run_decoder([frame(ok)], limits=limits).status is None
+    assert run_decoder([frame(big)], limits=limits).status == 413
 
 
 def test_limits_refuse_nonsense():
