@@ -47,8 +47,10 @@ from diloco_node.learn import model as model_lib
 from diloco_node.sync.fragments import FragmentPlan, is_embedding, plan_fragments
 from diloco_node.sync.global_state import GlobalState
 from diloco_node.learn.inner import InnerLearner, StackedLearners
-from diloco_node.sync.merge import Contribution, ContributionCaps, NormReference, merge_contributions
-from diloco_node.sync.quorum import DEFAULT_MIN_ROUND_INTERVAL_FACTOR, Ema, QuorumPolicy, TimingEstimates, decide_round
+from diloco_node.sync.merge import Contribution
+from diloco_node.sync.quorum import DEFAULT_MIN_ROUND_INTERVAL_FACTOR
+from diloco_node.sync import apply as apply_lib
+from diloco_node.sync.syncer import MERGE, WAKE, OpenRound, Syncer, SyncerOptions
 from diloco_node.config.manifest import RunManifest
 from wire.codecs import decode_named, encode_named
 
@@ -102,10 +104,6 @@ class RunnerConfig:
     final_sync: bool = True
     # decoupled: rho of the per-fragment round rate limit (quorum.py); 0 disables it
     min_round_interval_factor: float = DEFAULT_MIN_ROUND_INTERVAL_FACTOR
-    # Not the paper's rule (it overwrites): when a merge with this learner's contribution is
-    # applied, keep the local progress made on the fragment since that contribution was sent,
-    # theta_p <- Theta_p + (theta_p,now - theta_p,at send), instead of discarding those steps.
-    keep_inflight_progress: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -311,21 +309,30 @@ class _DataParallel:
 
 @dataclass(frozen=True)
 class _ModePolicy:
-    fragments: int
-    overlap: int
+    manifest: RunManifest  # the run's manifest with the mode's fragments, overlap, merge and weighting
     blocking: bool  # learners wait for a sent fragment's merge by step n + overlap
-    all_live: bool  # K = every live member of the round (synchronous)
-    method: str
-    weighting: str
+    synchronous: bool  # K = every live member of the round (the Syncer's synchronous option)
+
+    @property
+    def fragments(self) -> int:
+        return self.manifest.sync.fragments
+
+    @property
+    def overlap(self) -> int:
+        return self.manifest.sync.overlap
 
 
 def _mode_policy(config: RunnerConfig) -> _ModePolicy:
-    sync = config.manifest.sync
+    """A mode is a manifest plus two switches: the baselines merge with a plain mean of uniform
+    weights, DiLoCo over the whole model (P = 1) with no overlap."""
+    manifest, sync = config.manifest, config.manifest.sync
     if config.mode == "diloco":
-        return _ModePolicy(1, 0, True, True, "mean", "uniform")
+        synchronous = dataclasses.replace(sync, fragments=1, overlap=0, merge="mean", weighting="uniform")
+        return _ModePolicy(dataclasses.replace(manifest, sync=synchronous), True, True)
     if config.mode == "streaming":
-        return _ModePolicy(sync.fragments, sync.overlap, True, True, "mean", "uniform")
-    return _ModePolicy(sync.fragments, sync.overlap, False, False, sync.merge, sync.weighting)
+        synchronous = dataclasses.replace(sync, merge="mean", weighting="uniform")
+        return _ModePolicy(dataclasses.replace(manifest, sync=synchronous), True, True)
+    return _ModePolicy(manifest, False, False)
 
 
 @dataclass
@@ -335,7 +342,8 @@ class _MergeMsg:
     params: dict[str, np.ndarray]  # Theta_p after the merge (the learner's replica computes the same bits)
     nbytes: int  # encoded merged outer gradient: what crosses the link
     arrival: float
-    contributors: frozenset[str] = frozenset()  # learners whose contribution this merge accepted
+    # learners whose contribution this merge accepted; None: applied as a downloaded state
+    contributors: frozenset[str] | None = frozenset()
 
 
 @dataclass
@@ -355,20 +363,10 @@ class _LearnerState:
     base_params: list[dict[str, np.ndarray]] = field(default_factory=list)
     awaiting: dict[int, int] = field(default_factory=dict)  # fragment -> last step allowed before its merge
     sent_step: dict[int, int] = field(default_factory=dict)  # fragment -> sync_step of its last send
-    # fragment -> (local fragment, c_steps, c_tokens) at its last send (keep_inflight_progress only)
-    sent_local: dict[int, tuple[dict[str, np.ndarray], int, int]] = field(default_factory=dict)
     inbox: list[_MergeMsg] = field(default_factory=list)
     missed: list[_MergeMsg] = field(default_factory=list)
     compute_s: float = 0.0
     idle_s: float = 0.0
-
-
-@dataclass
-class _Round:
-    opened_at: float
-    members: frozenset[str]
-    first_sent_at: float
-    pending: dict[str, tuple[Contribution, float, float]] = field(default_factory=dict)  # (c, arrived, sent)
 
 
 _STEP, _ARRIVE, _WAKE, _DELIVER, _DOWN, _UP = range(6)
@@ -380,20 +378,18 @@ class _FragmentSync:
     def __init__(self, config: RunnerConfig, setup: _Setup, on_progress):
         self.config, self.setup, self.on_progress = config, setup, on_progress
         self.policy = _mode_policy(config)
-        sync = config.manifest.sync
-        period = max(sync.period, self.policy.fragments)
+        sync = self.policy.manifest.sync
         shapes = {n: a.shape for n, a in setup.initial.items()}
-        self.plan: FragmentPlan = plan_fragments(shapes, self.policy.fragments, period, self.policy.overlap)
-        self.period = period
+        self.plan: FragmentPlan = plan_fragments(shapes, sync.fragments, sync.period, sync.overlap)
         self.global_state = GlobalState(self.plan, setup.initial, config.manifest.outer)
-        self.caps = ContributionCaps(sync.max_tokens_per_step, sync.max_steps_per_contribution)
-        self.embedding_names = [n for n in setup.initial if is_embedding(n)]
-        self.norm_ref = NormReference()
-        # Decoupled: rounds of a fragment are rate-limited to its period (QuorumPolicy's rho), so a
-        # straggler's out-of-phase contribution joins the next on-time round instead of merging alone.
-        self.quorum = QuorumPolicy(sync.min_quorum, sync.grace_gamma, sync.grace_cap_s, self.policy.overlap,
-                                   period_steps=period, min_round_interval_factor=config.min_round_interval_factor)
-        self.last_merge_at: dict[int, float] = {}  # fragment -> time of its last outer step
+        self.apply_rule = apply_lib.ApplyRule.from_sync_spec(sync)
+        # The same Syncer the daemon's lease holder runs; the mode is its options. Decoupled rounds
+        # of a fragment are rate-limited to its period (rho), so a straggler's out-of-phase
+        # contribution joins the next on-time round instead of merging alone.
+        options = SyncerOptions(synchronous=self.policy.synchronous,
+                                min_round_interval_factor=config.min_round_interval_factor,
+                                download_s=config.link.transfer_s)
+        self.syncer = Syncer(self.policy.manifest, [n for n in setup.initial if is_embedding(n)], options)
         M = config.num_learners
         self.learners = [_LearnerState(m, f"learner-{m}", config.base_step_s / config.speed(m)) for m in range(M)]
         self._by_name = {st.name: st for st in self.learners}
@@ -403,7 +399,6 @@ class _FragmentSync:
             st.base_round = [0] * P
             st.base_params = [self.global_state.fragment_params(p) for p in range(P)]
         self.stack = StackedLearners(setup.cfg, _inner_for(config), M, config.manifest.seed, setup.initial)
-        self.rounds: dict[int, _Round] = {}
         self.events: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self.bytes_up = self.bytes_down = 0
@@ -413,13 +408,11 @@ class _FragmentSync:
         self.now = 0.0
         self.stop_time: float | None = None
         self.merge_log: list[str] = []
-        # Timing estimates for the grace window. The syncer primes them from what it knows before
-        # the first round: step times from progress reports, sync time from a link probe.
-        self.xi_step, self.xi_quorum, self.xi_sync = Ema(), Ema(), Ema()
-        self.xi_step.update(config.base_step_s / max(config.speed(m) for m in range(M)))
-        self.xi_quorum.update(0.0)
+        # Timing estimates for the grace window, known before the first round: step times from
+        # progress reports, the sync time from a link probe (one fragment up and down).
         probe = len(encode_named(self.global_state.fragment_params(0), sync.codec_up))
-        self.xi_sync.update(2 * config.link.transfer_s(probe))
+        self.syncer.prime(step_s=config.base_step_s / max(config.speed(m) for m in range(M)), quorum_s=0.0,
+                          sync_s=2 * config.link.transfer_s(probe))
         self._zero_batch = np.zeros((config.manifest.inner.batch_size, config.manifest.model.seq_len), np.int32)
         self._losses: list[tuple[np.ndarray, object]] = []
         self.curve: list[tuple[float, int, float]] = []
@@ -580,44 +573,23 @@ class _FragmentSync:
         for msg in sorted(ready, key=lambda m: (m.fragment, m.round)):
             self._apply_merge(st, msg)
 
-    def _apply_merge(self, st: _LearnerState, msg: _MergeMsg, overwrite: bool = False) -> None:
+    def _apply_merge(self, st: _LearnerState, msg: _MergeMsg) -> None:
+        """The learner takes a committed fragment by the run's apply rule (sync/apply.py), the
+        rule the daemon's learner thread runs."""
         p = msg.fragment
         st.awaiting.pop(p, None)  # the round it waited for is closed (merged, or nothing acceptable)
         if msg.round <= st.base_round[p]:
             return
-        sync = self.config.manifest.sync
-        if not overwrite and st.name not in msg.contributors and st.c_steps[p] > 0:
-            # A merge without this learner's pending work (e.g. a straggler's lone round): take the
-            # global change on top of the local model and keep the unsent progress and counters.
-            local = self.stack.get_flat(st.index, msg.params)
-            base = st.base_params[p]
-            self.stack.set_flat(st.index, {n: (local[n] + (v - base[n])).astype(np.float32) for n, v in msg.params.items()})
-            st.base_round[p] = msg.round
-            st.base_params[p] = msg.params
-            return
-        sent = st.sent_local.pop(p, None)
-        if self.config.keep_inflight_progress and not overwrite and sent is not None and st.name in msg.contributors:
-            # Steps taken since the send are not in the merge: carry them over, counters included.
-            at_send, steps_at_send, tokens_at_send = sent
-            local = self.stack.get_flat(st.index, msg.params)
-            self.stack.set_flat(st.index, {n: (v + (local[n] - at_send[n])).astype(np.float32)
-                                           for n, v in msg.params.items()})
-            st.base_round[p] = msg.round
-            st.base_params[p] = msg.params
-            st.c_steps[p] = max(0, st.c_steps[p] - steps_at_send)
-            st.c_tokens[p] = max(0, st.c_tokens[p] - tokens_at_send)
-            return
-        if sync.apply == "mix" and not overwrite:
-            local = self.stack.get_flat(st.index, msg.params)
-            new = {n: (sync.mix_alpha * local[n] + (1 - sync.mix_alpha) * v).astype(np.float32)
-                   for n, v in msg.params.items()}
+        counters = apply_lib.Counters(st.c_steps[p], st.c_tokens[p])
+        step = apply_lib.choose_step(self.apply_rule, st.name, msg.contributors, counters)
+        if step.action == apply_lib.TAKE_MERGED:
+            self.stack.set_flat(st.index, msg.params)
         else:
-            new = msg.params
-        self.stack.set_flat(st.index, new)
+            local = self.stack.get_flat(st.index, msg.params)
+            self.stack.set_flat(st.index, apply_lib.new_local(step, self.apply_rule, local, st.base_params[p], msg.params))
         st.base_round[p] = msg.round
         st.base_params[p] = msg.params
-        st.c_steps[p] = 0
-        st.c_tokens[p] = 0
+        st.c_steps[p], st.c_tokens[p] = step.counters.c_steps, step.counters.c_tokens
 
     def _send(self, st: _LearnerState, p: int, t: float) -> None:
         sync = self.config.manifest.sync
@@ -628,8 +600,6 @@ class _FragmentSync:
         self.bytes_up += len(payload)
         contribution = Contribution(st.name, p, st.base_round[p], decode_named(payload), st.c_steps[p], st.c_tokens[p])
         st.sent_step[p] = st.sync_step
-        if self.config.keep_inflight_progress:
-            st.sent_local[p] = (local, st.c_steps[p], st.c_tokens[p])
         if self.policy.blocking:
             st.awaiting[p] = st.sync_step + self.policy.overlap
         self._push(t + self.config.link.transfer_s(len(payload)), _ARRIVE, (contribution, t))
@@ -662,19 +632,19 @@ class _FragmentSync:
         # Merges in flight to it are lost with it; it will fetch them on rejoin.
         st.missed.extend(st.inbox)
         st.inbox = []
-        for p in list(self.rounds):
+        for p in list(self.syncer.rounds):
             self._evaluate_round(p, t)
 
     def _come_up(self, st: _LearnerState, t: float) -> None:
         st.down = False
-        # Every missed merge is downloaded and applied in order; counters restart.
+        # Every missed merge is downloaded and applied in order, as a downloaded state (the work
+        # of the interrupted learner is no base to build on); counters restart.
         for msg in sorted(st.missed, key=lambda m: (m.fragment, m.round)):
             self.bytes_down += msg.nbytes
-            self._apply_merge(st, msg, overwrite=True)
+            self._apply_merge(st, dataclasses.replace(msg, contributors=None))
             self.missed_merges_applied += 1
         st.missed = []
         st.awaiting.clear()
-        st.sent_local.clear()
         for p in range(self.plan.num_fragments):
             st.c_steps[p] = st.c_tokens[p] = 0
         if self.stop_time is not None:
@@ -692,72 +662,41 @@ class _FragmentSync:
 
     def _arrive(self, payload: tuple[Contribution, float], t: float) -> None:
         contribution, sent_at = payload
-        p = contribution.fragment
-        rnd = self.rounds.get(p)
-        if rnd is None:
-            # Members: learners live and on the schedule when the first contribution was sent.
-            members = {st.name for st in self.learners
-                       if not st.down and not st.joining and st.active_since < sent_at + TIME_EPS}
-            rnd = self.rounds[p] = _Round(opened_at=t, first_sent_at=sent_at,
-                                          members=frozenset(members | {contribution.learner}))
-        # A newer contribution from the same learner supersedes its older one (it includes its steps).
-        rnd.pending[contribution.learner] = (contribution, t, sent_at)
-        self.xi_step.update(self._by_name[contribution.learner].step_s)
-        self._evaluate_round(p, t)
+        # Members of a round it opens: learners live and on the schedule when it was sent
+        # (used by the synchronous modes, whose K is every live member).
+        members = {st.name for st in self.learners
+                   if not st.down and not st.joining and st.active_since < sent_at + TIME_EPS}
+        self.syncer.add(contribution, t, t - sent_at, step_s=self._by_name[contribution.learner].step_s,
+                        members=members)
+        self._evaluate_round(contribution.fragment, t)
 
     def _evaluate_round(self, p: int, t: float) -> None:
-        rnd = self.rounds.get(p)
-        if rnd is None:
+        decision = self.syncer.decide(p, t, self._live())
+        if decision is None:
             return
-        arrivals = {name: at for name, (_, at, _) in rnd.pending.items()}
-        live = self._live()
-        if self.policy.all_live:
-            members_live = len(rnd.members & live | set(arrivals))
-            # K = M already aligns rounds: no rate limit.
-            policy = QuorumPolicy(max(1, members_live), 0.0, 0.0, self.policy.overlap, min_round_interval_factor=0.0)
-            live_count = members_live
-        else:
-            policy = self.quorum
-            live_count = len(live | set(arrivals))
-        estimates = TimingEstimates(self.xi_step.value, self.xi_quorum.value, self.xi_sync.value)
-        decision = decide_round(t, rnd.opened_at, arrivals, live_count, policy, estimates,
-                                last_merge_at=self.last_merge_at.get(p))
-        if decision.merge_now:
-            self._merge(p, rnd, t, decision.reason, decision.quorum_at, decision.held_s)
-        elif decision.wake_at is not None:
+        if decision.action == MERGE:
+            self._merge(p, t, decision.reason, self.syncer.take(p, decision))
+        elif decision.action == WAKE:
             self._push(decision.wake_at, _WAKE, p)
 
-    def _merge(self, p: int, rnd: _Round, t: float, why: str, quorum_at: float | None, held_s: float = 0.0) -> None:
-        del self.rounds[p]
-        sync = self.config.manifest.sync
-        contributions = [c for c, _, _ in rnd.pending.values()]
-        result = merge_contributions(
-            contributions, self.global_state.fragment_params(p), self.global_state.history(p),
-            method=self.policy.method, weighting=self.policy.weighting, caps=self.caps,
-            embedding_names=self.embedding_names, reference_norm=self.norm_ref.get(p),
-        )
-        self.norm_ref.update(p, result.round_median_norm)
-        self.merge_log.append(f"t={t:.2f} fragment {p}: {why}; {result.reason}"
-                              + "".join(f"; {r}" for _, r in result.rejected))
-        if quorum_at is not None:
-            # Time spent holding early contributions is not time waiting for quorum.
-            self.xi_quorum.update(max(0.0, quorum_at - rnd.opened_at - held_s))
-        if result.outer_gradient is None:
+    def _merge(self, p: int, t: float, why: str, rnd: OpenRound) -> None:
+        plan = self.syncer.plan_commit(p, rnd, self.global_state, None, why)
+        self.merge_log.append(f"t={t:.2f} {plan.reason}")
+        merged = plan.merged
+        if merged is None:
             nbytes = 0  # nothing merged: waiting learners are released with the unchanged fragment
+            contributors: frozenset[str] = frozenset()
         else:
-            encoded = encode_named(result.outer_gradient, sync.codec_down)
-            nbytes = len(encoded)
+            nbytes = len(merged.encoded)
             # The syncer applies exactly the dequantized bits it broadcasts.
-            self.global_state.apply_outer_gradient(p, decode_named(encoded))
+            self.global_state.apply_outer_gradient(p, merged.outer_gradient)
+            self.syncer.note_proposed(p, t)
             self.merges += 1
-            self.last_merge_at[p] = t
             if self._in_outage(t):
                 self.merges_outage += 1
+            contributors = frozenset(merged.contributors)
         down_s = self.config.link.transfer_s(nbytes)
-        up_s = float(np.mean([arrived - sent for _, arrived, sent in rnd.pending.values()]))
-        self.xi_sync.update(up_s + down_s)
         msg_round = self.global_state.round(p)
-        contributors = frozenset(name for name, _ in result.accepted)
         params = self.global_state.fragment_params(p)
         for st in self.learners:
             msg = _MergeMsg(p, msg_round, params, nbytes, t + down_s, contributors)
