@@ -392,7 +392,6 @@ class _FragmentSync:
         self.syncer = Syncer(self.policy.manifest, [n for n in setup.initial if is_embedding(n)], options)
         M = config.num_learners
         self.learners = [_LearnerState(m, f"learner-{m}", config.base_step_s / config.speed(m)) for m in range(M)]
-        self._by_name = {st.name: st for st in self.learners}
         P = self.plan.num_fragments
         for st in self.learners:
             st.c_steps, st.c_tokens = [0] * P, [0] * P
@@ -666,8 +665,7 @@ class _FragmentSync:
         # (used by the synchronous modes, whose K is every live member).
         members = {st.name for st in self.learners
                    if not st.down and not st.joining and st.active_since < sent_at + TIME_EPS}
-        self.syncer.add(contribution, t, t - sent_at, step_s=self._by_name[contribution.learner].step_s,
-                        members=members)
+        self.syncer.add(contribution, t, t - sent_at, members=members)
         self._evaluate_round(contribution.fragment, t)
 
     def _evaluate_round(self, p: int, t: float) -> None:

@@ -14,9 +14,10 @@ What differs between run modes is an input, not a second implementation:
   first contribution), no grace window, no rate limit;
 - merge method and weighting come from the manifest the caller passes (plain mean, uniform
   weights for the baselines);
-- timing estimates: a caller that knows a learner's step time passes it with the contribution,
-  else it is inferred from the learner's arrivals; `prime` seeds the estimates before the first
-  round; upload times passed with contributions plus `download_s` (a link model) give the sync time.
+- timing estimates: the step time is inferred from the interval between a learner's pushes of a
+  fragment (one period of its steps); `prime` seeds the estimates before the first round (the
+  runner knows its learners' step times and its link); upload times passed with contributions
+  plus `download_s` (a link model, when the caller has one) give the sync time.
 
 No I/O and no clock: callers pass `now`; the daemon runs `plan_commit` in its thread pool.
 """
@@ -148,13 +149,12 @@ class Syncer:
         self.xi_sync.update(sync_s)
 
     def add(self, contribution: Contribution, now: float, transfer_s: float | None = None, *,
-            step_s: float | None = None, members: Collection[str] = ()) -> None:
+            members: Collection[str] = ()) -> None:
         """A contribution arrived; a newer one from the same learner replaces its older one (it
         includes its steps).
 
-        transfer_s: its upload time when known; step_s: the learner's step time when known (else
-        inferred from the interval between its pushes of this fragment); members: who a round
-        opened by this contribution waits for in synchronous mode (the contributor is added)."""
+        transfer_s: its upload time when known; members: who a round opened by this contribution
+        waits for in synchronous mode (the contributor is added)."""
         p = contribution.fragment
         rnd = self.rounds.get(p)
         if rnd is None:
@@ -165,13 +165,10 @@ class Syncer:
         else:
             rnd.upload_s.pop(contribution.learner, None)
         key = (contribution.learner, p)
-        if step_s is not None:
-            self.xi_step.update(step_s)
-        else:
-            then = self._last_arrival.get(key)
-            if then is not None and contribution.c_steps > 0 and now > then:
-                # Time between this learner's slots for p over the period's steps: its step time.
-                self.xi_step.update((now - then) / self.manifest.sync.period)
+        then = self._last_arrival.get(key)
+        if then is not None and contribution.c_steps > 0 and now > then:
+            # Time between this learner's slots for p over the period's steps: its step time.
+            self.xi_step.update((now - then) / self.manifest.sync.period)
         self._last_arrival[key] = now
 
     def note_proposed(self, p: int, now: float) -> None:
@@ -197,7 +194,9 @@ class Syncer:
         """Merge now, wake at a time, wait, or hold; None when fragment p has no open round.
 
         live_learners: the names of the learners alive now (contributors are counted live as
-        well), or just how many there are (a decoupled caller without names). held_by: why the
+        well), or just how many there are (a decoupled caller without names). A learner missing
+        from the names has its last push forgotten, so the gap of an outage is not taken for a
+        step time when it pushes again. held_by: why the
         caller cannot merge now ("" if it can), e.g. a merge in flight or a replica behind its
         log; a due round is then HELD with that reason, and the caller asks again later.
         """
@@ -212,6 +211,8 @@ class Syncer:
             live_count = live_learners
         else:
             live = set(live_learners)
+            for key in [key for key in self._last_arrival if key[0] not in live]:
+                del self._last_arrival[key]
             live_count = len(rnd.members & live | set(arrivals)) if self.options.synchronous \
                 else len(live | set(arrivals))
         if self.options.synchronous:
