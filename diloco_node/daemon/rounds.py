@@ -74,6 +74,7 @@ class RoundDriver:
         self.merging = False
         self._wake_handles: dict[int, asyncio.TimerHandle] = {}
         self._held_lease = False
+        self._live_seen: frozenset[str] = frozenset()  # the live learners at the last coordination step
 
     # ------------------------------------------------------------------ learner -> network
 
@@ -195,7 +196,9 @@ class RoundDriver:
 
     def lease_check(self) -> None:
         """After every coordination step: a lost lease drops open rounds and timers (learners resend at
-        their next slot); a gained one continues from the norm references the log committed."""
+        their next slot); a gained one continues from the norm references the log committed; a change
+        of the live learners is news for every open round (one waiting for a learner that died can
+        merge now), as the syncer's WAIT answer expects."""
         holder = self.coordination.is_lease_holder(self.clock.monotonic())
         if self._held_lease and not holder:
             self.syncer.reset()
@@ -205,6 +208,11 @@ class RoundDriver:
         if holder and not self._held_lease:
             self.syncer.adopt_norm_references(self.replica.norm_refs)
         self._held_lease = holder
+        live = self._live_learners()
+        if holder and live != self._live_seen:
+            for p in list(self.syncer.rounds):
+                self.evaluate(p)
+        self._live_seen = live
 
     def quorum_reason(self) -> str:
         """The syncer's last decision per fragment (a held one says why), for /status."""

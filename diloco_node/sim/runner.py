@@ -392,6 +392,7 @@ class _FragmentSync:
         self.syncer = Syncer(self.policy.manifest, [n for n in setup.initial if is_embedding(n)], options)
         M = config.num_learners
         self.learners = [_LearnerState(m, f"learner-{m}", config.base_step_s / config.speed(m)) for m in range(M)]
+        self._learner_by_name = {st.name: st for st in self.learners}
         P = self.plan.num_fragments
         for st in self.learners:
             st.c_steps, st.c_tokens = [0] * P, [0] * P
@@ -399,6 +400,7 @@ class _FragmentSync:
             st.base_params = [self.global_state.fragment_params(p) for p in range(P)]
         self.stack = StackedLearners(setup.cfg, _inner_for(config), M, config.manifest.seed, setup.initial)
         self.events: list[tuple[float, int, int, object]] = []
+        self._wake_at: dict[int, float] = {}  # fragment -> when its round's current timer fires
         self._seq = 0
         self.bytes_up = self.bytes_down = 0
         self.merges = self.merges_outage = 0
@@ -441,26 +443,7 @@ class _FragmentSync:
                 self._start_step(st, 0.0)
             else:
                 st.down = True
-        while self.events:
-            t, _, _, (kind, payload) = heapq.heappop(self.events)
-            self.now = t
-            if kind == _STEP:
-                group = [payload]
-                while self.events and self.events[0][1] == _STEP and abs(self.events[0][0] - t) <= TIME_EPS:
-                    group.append(heapq.heappop(self.events)[3][1])
-                self._steps_done(sorted(group), t)
-            elif kind == _ARRIVE:
-                self._arrive(payload, t)
-            elif kind == _WAKE:
-                self._evaluate_round(payload, t)
-            elif kind == _DELIVER:
-                st = self.learners[payload]
-                if st.blocked_since is not None and not st.down:
-                    self._boundary(st, t, stepped=False)
-            elif kind == _DOWN:
-                self._go_down(self.learners[payload], t)
-            elif kind == _UP:
-                self._come_up(self.learners[payload], t)
+        self._drain()
         self._flush_losses()
         eval_end = _evaluate(self.setup, self.global_state.all_params(), evaluate, template)
         compute = sum(st.compute_s for st in self.learners)
@@ -474,6 +457,31 @@ class _FragmentSync:
             wall_s=0.0, data_parallel_bytes_equivalent=dp_equiv, merge_log=self.merge_log, loss_curve=self.curve,
             missed_merges_applied=self.missed_merges_applied,
         )
+
+    def _drain(self) -> None:
+        """Process events in virtual-time order until none is left."""
+        while self.events:
+            t, _, _, (kind, payload) = heapq.heappop(self.events)
+            self.now = t
+            if kind == _STEP:
+                group = [payload]
+                while self.events and self.events[0][1] == _STEP and abs(self.events[0][0] - t) <= TIME_EPS:
+                    group.append(heapq.heappop(self.events)[3][1])
+                self._steps_done(sorted(group), t)
+            elif kind == _ARRIVE:
+                self._arrive(payload, t)
+            elif kind == _WAKE:
+                if self._wake_at.get(payload) == t:  # a later answer replaced this timer
+                    del self._wake_at[payload]
+                    self._evaluate_round(payload, t)
+            elif kind == _DELIVER:
+                st = self.learners[payload]
+                if st.blocked_since is not None and not st.down:
+                    self._boundary(st, t, stepped=False)
+            elif kind == _DOWN:
+                self._go_down(self.learners[payload], t)
+            elif kind == _UP:
+                self._come_up(self.learners[payload], t)
 
     # --- learners ---
 
@@ -665,7 +673,9 @@ class _FragmentSync:
         # (used by the synchronous modes, whose K is every live member).
         members = {st.name for st in self.learners
                    if not st.down and not st.joining and st.active_since < sent_at + TIME_EPS}
-        self.syncer.add(contribution, t, t - sent_at, members=members)
+        # The runner knows each learner's step time (what progress reports would tell a syncer).
+        self.syncer.add(contribution, t, t - sent_at, step_s=self._learner_by_name[contribution.learner].step_s,
+                        members=members)
         self._evaluate_round(contribution.fragment, t)
 
     def _evaluate_round(self, p: int, t: float) -> None:
@@ -675,6 +685,8 @@ class _FragmentSync:
         if decision.action == MERGE:
             self._merge(p, t, decision.reason, self.syncer.take(p, decision))
         elif decision.action == WAKE:
+            # One timer per fragment, as the daemon keeps: the newest answer replaces the older.
+            self._wake_at[p] = decision.wake_at
             self._push(decision.wake_at, _WAKE, p)
 
     def _merge(self, p: int, t: float, why: str, rnd: OpenRound) -> None:
