@@ -5,8 +5,11 @@ learners live in one process: their parameters are stacked and stepped by one vm
 AdamW call per clock tick (`inner.StackedLearners`), masked for learners that are mid-step or
 down. Time is virtual: learner m's step takes `base_step_s / speed_m`; a transfer of n bytes takes
 `latency_s + n / bandwidth`. Every exchange is really encoded with `wire.codecs`, so byte counts
-are actual payload lengths, and merged with the merge helper's modules (`merge`,
-`global_state`, `quorum`, `fragments`): the runner composes them and adds no merge math.
+are actual payload lengths. The fragment round is the daemon's: contributions go to the same
+`sync.syncer.Syncer` the lease holder runs (decisions, merge, commit payload), driven here on the
+virtual clock; the mode is a Syncer option (synchronous or not) plus the mode's manifest. Learners
+take merges by the daemon's apply rule (`sync.apply`, `sync/apply.py`). The runner adds no round
+logic and no merge math of its own: it schedules events, moves bytes and counts.
 
 Modes (see `MODES`):
 - `data_parallel`: one model, gradients all-reduced every step (global batch = every live
@@ -18,10 +21,12 @@ Modes (see `MODES`):
   (K = M) and applied before step n + tau + 1 starts, otherwise the learner blocks; plain mean.
 - `decoupled`: Decoupled DiLoCo: K from the manifest (default 1) plus the adaptive grace window,
   token weights, RDA; learners never block, merges are applied at the next step boundary.
+The synchronous modes' K is every live member of the round: the learners live and on the
+schedule when its first contribution was sent (passed to the Syncer with each contribution).
 
 Outages: a learner that is down does not compute (a step in progress is lost). On rejoin it
-downloads every merge it missed (bytes counted), takes the newest global fragments and resets its
-counters. The synchronous baselines are *elastic*: they carry on with the live learners (failure
+downloads every merge it missed (bytes counted) and applies them as a downloaded state (the
+merged fragments taken as they are), which resets its counters. The synchronous baselines are *elastic*: they carry on with the live learners (failure
 detection is assumed instant, which favours them) and a rejoining learner joins at the next
 round. Idle time = time a live learner spends blocked (on slower peers or on the network);
 `idle_fraction` = idle / (idle + compute) over all learners.
