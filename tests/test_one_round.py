@@ -224,10 +224,10 @@ def test_runner_and_daemon_make_the_same_rounds_payloads_and_learner_states(corp
     actions = [(t, p, action) for t, p, action, _, _ in runner_decisions if action == "merge"]
     assert [(p, round(t, 2)) for t, p, _ in actions] == [(0, 9.0), (1, 13.0), (0, 16.2)]
     held = [(round(t, 2), reason) for t, _, _, reason, _ in runner_decisions if reason.startswith("holding")]
-    assert held == [(10.05, "holding: this fragment merged 1.1 s ago; at most one round per 0.7 x 8 x 1 s = 5.6 s, "
-                             "1 early contribution held for the next on-time ones (until t=17.00 at the latest)"),
-                    (13.0, "holding: this fragment merged 4.0 s ago; at most one round per 0.7 x 8 x 1 s = 5.6 s, "
-                           "1 early contribution held for the next on-time ones (until t=17.00 at the latest)")]
+    limit = ("at most one round per 0.7 x 8 x 1 s = 5.6 s, 1 early contribution held for the next on-time "
+             "ones (until t=17.00 at the latest)")
+    assert held == [(10.05, f"holding: this fragment merged 1.1 s ago; {limit}"),
+                    (13.0, f"holding: this fragment merged 4.0 s ago; {limit}")]
     assert runner_decisions[-1][3] == "merging: all 2 live learners arrived, including 1 early contribution"
     assert daemon_plans == runner_plans and len(runner_plans) == 3
     assert [c for _, _, _, c in coordination.committed] == [("learner-0", "learner-1"), ("learner-0",),

@@ -68,7 +68,7 @@ class ApplyRule:
             raise ValueError(f"mix_alpha = {self.mix_alpha}: must be in [0, 1]")
 
     @classmethod
-    def from_sync_spec(cls, sync: "SyncSpec") -> "ApplyRule":
+    def from_sync_spec(cls, sync: SyncSpec) -> ApplyRule:
         return cls(sync.apply, sync.mix_alpha)
 
 

@@ -32,7 +32,13 @@ import numpy as np
 
 from diloco_node.config.manifest import RunManifest
 from diloco_node.sync.global_state import GlobalState
-from diloco_node.sync.merge import Contribution, ContributionCaps, MergeResult, NormReference, merge_contributions
+from diloco_node.sync.merge import (
+    Contribution,
+    ContributionCaps,
+    MergeResult,
+    NormReference,
+    merge_contributions,
+)
 from diloco_node.sync.quorum import (
     DEFAULT_MIN_ROUND_INTERVAL_FACTOR,
     Ema,
