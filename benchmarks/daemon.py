@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,10 +34,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diloco_node.testbed.local_cluster import DEFAULT_RUN_FLAGS, Cluster, child_env, free_port  # noqa: E402
+from diloco_node.testbed.launcher import DEFAULT_SETTINGS, LinkShape, Site
+from diloco_node.testbed.local_cluster import Cluster
 
 STARTUP_S = 240.0
-BATCH_TOKENS = 4 * 32  # DEFAULT_RUN_FLAGS: batch 4 x seq 32
+BATCH_TOKENS = 4 * 32  # DEFAULT_SETTINGS: batch 4 x seq 32
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -55,14 +55,13 @@ def step_time_from(doc: dict) -> float | None:
 
 def bench_inprocess_step(steps: int = 200) -> float:
     os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+    from diloco_node.config.settings import load_config
     from diloco_node.learn import data as data_lib
     from diloco_node.learn import model as model_lib
-    from diloco_node.config.settings import load_config
     from diloco_node.learn.inner import InnerLearner
 
-    flags = {DEFAULT_RUN_FLAGS[i + 1].split("=")[0]: DEFAULT_RUN_FLAGS[i + 1].split("=")[1]
-             for i in range(0, len(DEFAULT_RUN_FLAGS), 2) if DEFAULT_RUN_FLAGS[i + 1].startswith("run.")}
-    manifest = load_config(None, {}, flags).run
+    overrides = dict(setting.split("=", 1) for setting in DEFAULT_SETTINGS if setting.startswith("run."))
+    manifest = load_config(None, {}, overrides).run
     corpus = data_lib.load_corpus(manifest.data)
     cfg = model_lib.model_config(manifest.model.size, manifest.model.seq_len)
     learner = InnerLearner(cfg, manifest.inner, manifest.seed)
@@ -75,13 +74,13 @@ def bench_inprocess_step(steps: int = 200) -> float:
     return (time.perf_counter() - started) / steps
 
 
-def learner_clock(site) -> tuple[int, float, float]:
+def learner_clock(site: Site) -> tuple[int, float, float]:
     """(steps, compute seconds, sync seconds) of a site's training thread, from /status and /metrics."""
     doc = site.status()
     with urllib.request.urlopen(site.url + "/metrics", timeout=2.0) as response:
         text = response.read().decode()
     values = {m.group(1): float(m.group(2)) for m in
-              re.finditer(r"^diloco_daemon_learner_(compute|sync)_seconds(?:\{[^}]*\})? ([0-9.e+-]+)$", text, re.M)}
+              re.finditer(r"^diloco_daemon_learner_(compute|sync)_seconds(?:\{[^}]*\})? ([0-9.e+-]+)$", text, re.MULTILINE)}
     return doc["learner"]["step"], values.get("compute", 0.0), values.get("sync", 0.0)
 
 
@@ -90,9 +89,9 @@ def cpu_seconds(cluster: Cluster) -> dict[str, float]:
     ticks = os.sysconf("SC_CLK_TCK")
     out = {}
     for node_id, site in cluster.sites.items():
-        if site.running and site.proc is not None:
+        if site.pid is not None:
             try:
-                fields = Path(f"/proc/{site.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                fields = Path(f"/proc/{site.pid}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
             out[node_id] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
@@ -124,40 +123,37 @@ def measure_step(cluster: Cluster, name: str, label: str, window_s: float = 35.0
     return out
 
 
-def pin(site, cores: set[int] | None) -> None:
+def pin(site: Site, cores: set[int] | None) -> None:
     """Bind a freshly spawned site to `cores` (before its interpreter starts threads, which inherit)."""
-    if cores is not None and site.proc is not None:
-        os.sched_setaffinity(site.proc.pid, cores)
+    if cores is not None and site.pid is not None:
+        os.sched_setaffinity(site.pid, cores)
 
 
-def bench_isolated_sync(root: Path, run_flags: tuple[str, ...] = DEFAULT_RUN_FLAGS, pin_cores: bool = False) -> dict:
+def bench_isolated_sync(root: Path, settings: tuple[str, ...] = DEFAULT_SETTINGS, pin_cores: bool = False) -> dict:
     """Site a alone (no peers), then syncing with peers that leave the CPU to it: 2 witnesses, then
     2 slow learners too; back to back in one run, so machine load drifts as little as possible.
     `pin_cores`: site a on core 0 and every peer on core 1, so the peers' own work cannot slow
     site a's XLA threads and what remains is site a's own cost of syncing."""
-    cluster = Cluster.create(root)
     own, others = ({0}, {1}) if pin_cores else (None, None)
     out: dict = {"pinned_cores": pin_cores}
-    try:
-        a = cluster.add("a", env={"DILOCO_X_MIN_STEP_S": "0"}, run_flags=run_flags)
+    with Cluster.create(root) as cluster:
+        a = cluster.add("a", env={"DILOCO_X_MIN_STEP_S": "0"}, settings=settings)
         pin(a, own)
         wait_ready(cluster, {"a"})
         out["step_single_site"] = measure_step(cluster, "a", "single-site daemon (no peers)")
         for w in ("w1", "w2"):
-            pin(cluster.add(w, bootstrap=a, extra=["--role", "witness"], run_flags=run_flags), others)
+            pin(cluster.add(w, bootstrap=a, role="witness", settings=settings), others)
         wait_ready(cluster, {"a", "w1", "w2"})
         cluster.wait_for("3 voters", lambda s: len(s["a"].get("members", [])) == 3
                          and all(m.get("voter") for m in s["a"]["members"]), 60)
         out["step_with_2_witnesses"] = measure_step(cluster, "a", "site a + 2 witnesses")
         slow = {"DILOCO_X_MIN_STEP_S": "1.0"}
-        pin(cluster.add("s1", bootstrap=a, env=slow, run_flags=run_flags), others)
-        pin(cluster.add("s2", bootstrap=a, env=slow, run_flags=run_flags), others)
+        pin(cluster.add("s1", bootstrap=a, env=slow, settings=settings), others)
+        pin(cluster.add("s2", bootstrap=a, env=slow, settings=settings), others)
         wait_ready(cluster, {"a", "s1", "s2"})
         out["step_with_2_witnesses_2_slow_learners"] = measure_step(cluster, "a",
                                                                       "site a + 2 witnesses + 2 learners at 1 step/s")
         out["commit_index_end"] = cluster.poll()["a"]["commit_index"]
-    finally:
-        cluster.close()
     return out
 
 
@@ -174,7 +170,7 @@ def timeline_from_log(text: str) -> dict[str, float]:
 
 def bench_join(cluster: Cluster, name: str, bootstrap: str, bandwidth_mbit: float, env: dict[str, str]) -> dict:
     started = time.monotonic()
-    site = cluster.add(name, extra=["--bootstrap", bootstrap], env=env)
+    site = cluster.add(name, bootstrap=bootstrap, env=env)
     training_s = ready_s = None
     while time.monotonic() - started < STARTUP_S and (training_s is None or ready_s is None):
         doc = site.status(timeout=1.0)
@@ -220,9 +216,9 @@ def main() -> int:
     print(f"in-process step: {results['step_s_inprocess'] * 1000:.1f} ms", flush=True)
 
     root = Path(tempfile.mkdtemp(prefix="diloco-bench-"))
-    step_flags = DEFAULT_RUN_FLAGS + tuple(flag for value in args.set_values for flag in ("--set", value))
-    results["step_run_flags"] = list(step_flags)
-    results.update(bench_isolated_sync(root / "isolated", step_flags, args.pin_cores))
+    step_settings = (*DEFAULT_SETTINGS, *args.set_values)
+    results["step_settings"] = list(step_settings)
+    results.update(bench_isolated_sync(root / "isolated", step_settings, args.pin_cores))
     alone, synced = results.get("step_single_site", {}), results.get("step_with_2_witnesses", {})
     if alone.get("step_s") and synced.get("step_s"):
         results["sync_overhead_vs_no_peers"] = {
@@ -234,9 +230,7 @@ def main() -> int:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
         print(json.dumps(results.get("sync_overhead_vs_no_peers")), flush=True)
         return 0
-    cluster = Cluster.create(root / "main")
-    link: subprocess.Popen[bytes] | None = None
-    try:
+    with Cluster.create(root / "main") as cluster:
         unpaced = {"DILOCO_X_MIN_STEP_S": "0"}
         a = cluster.add("a", env=unpaced)
         wait_ready(cluster, {"a"})
@@ -259,10 +253,9 @@ def main() -> int:
             victim.kill()
             killed = time.monotonic()
             survivors = [n for n in ("a", "b", "c") if n != leader]
-            cluster.wait_for("next commit", lambda s: len({s[n].get("coordinator") for n in survivors if n in s}
-                                                          - {None, leader}) == 1
-                             and max(s[n]["commit_index"] for n in survivors if n in s) > before, 120,
-                             interval=0.05)
+            cluster.wait_for("next commit", lambda s, survivors=survivors, leader=leader, before=before: len(
+                {s[n].get("coordinator") for n in survivors if n in s} - {None, leader}) == 1
+                and max(s[n]["commit_index"] for n in survivors if n in s) > before, 120, interval=0.05)
             failovers.append(time.monotonic() - killed)
             print(f"failover trial {trial}: {failovers[-1]:.2f} s", flush=True)
             victim.start()
@@ -271,23 +264,14 @@ def main() -> int:
                                  "p99": percentile(failovers, 0.99)}
 
         # Join through an emulated WAN link in front of site a.
-        public = free_port()
-        link = subprocess.Popen([sys.executable, "-m", "diloco_node.testbed.linkemu", "--listen", f"127.0.0.1:{public}",
-                                 "--upstream", cluster.sites["a"].address, "--bandwidth-mbit", str(args.bandwidth_mbit),
-                                 "--latency-ms", str(args.latency_ms)], env=child_env(), stdout=subprocess.DEVNULL)
-        time.sleep(1.0)
+        link = LinkShape(bandwidth_mbit=args.bandwidth_mbit, latency_ms=args.latency_ms)
+        bootstrap = cluster.link_to("a", link)
         results["log_entries_at_join"] = max(d["commit_index"] for d in cluster.poll().values())
-        bootstrap = f"127.0.0.1:{public}"
         results["join_warm_cache"] = bench_join(cluster, "d", bootstrap, args.bandwidth_mbit, {})
         cold = str(root / "cold-jax-cache")
         results["join_cold_cache"] = bench_join(cluster, "e", bootstrap, args.bandwidth_mbit,
                                                 {"JAX_COMPILATION_CACHE_DIR": cold})
         results["join_link"] = {"bandwidth_mbit": args.bandwidth_mbit, "latency_ms": args.latency_ms}
-    finally:
-        cluster.close()
-        if link is not None:
-            link.kill()
-            link.wait(10)
     Path(args.json).write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
     return 0

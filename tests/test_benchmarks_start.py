@@ -24,6 +24,7 @@ def test_no_benchmark_is_named_like_a_package():
     assert not [p.name for p in BENCHMARKS if p.stem in packages]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("script", BENCHMARKS, ids=lambda p: p.name)
 def test_benchmark_prints_usage(script: Path):
     done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)

@@ -174,6 +174,7 @@ def _grandchild(tmp_path: Path, name: str) -> int:
     return int(path.read_text())
 
 
+@pytest.mark.integration
 def test_kill_takes_the_whole_group_and_reaps(tmp_path):
     with Supervisor(terminate_grace_s=2) as sup:
         pid = sup.start(_spec(tmp_path, "a"))
@@ -185,6 +186,7 @@ def test_kill_takes_the_whole_group_and_reaps(tmp_path):
         assert _wait_for(lambda: _gone(grandchild))
 
 
+@pytest.mark.integration
 def test_stop_freezes_and_cont_resumes(tmp_path):
     with Supervisor(terminate_grace_s=2) as sup:
         pid = sup.start(_spec(tmp_path, "a"))
@@ -199,6 +201,7 @@ def test_stop_freezes_and_cont_resumes(tmp_path):
         assert not sup.stopped("a")
 
 
+@pytest.mark.integration
 def test_restart_gives_a_new_process_and_the_old_one_is_gone(tmp_path):
     with Supervisor(terminate_grace_s=2) as sup:
         first = sup.start(_spec(tmp_path, "a"))
@@ -211,6 +214,7 @@ def test_restart_gives_a_new_process_and_the_old_one_is_gone(tmp_path):
     assert all(_gone(pid) for pid in (first, second, third))
 
 
+@pytest.mark.integration
 def test_slow_duty_cycles_and_unslow_stops_it(tmp_path):
     with Supervisor(terminate_grace_s=2, slow_period_s=0.1) as sup:
         pid = sup.start(_spec(tmp_path, "a"))
@@ -230,6 +234,7 @@ def test_slow_duty_cycles_and_unslow_stops_it(tmp_path):
         assert "T" not in states
 
 
+@pytest.mark.integration
 def test_stop_wins_over_a_running_slow_cycle(tmp_path):
     with Supervisor(terminate_grace_s=2, slow_period_s=0.05) as sup:
         pid = sup.start(_spec(tmp_path, "a"))
@@ -242,6 +247,7 @@ def test_stop_wins_over_a_running_slow_cycle(tmp_path):
         sup.cont("a")
 
 
+@pytest.mark.integration
 def test_terminate_is_graceful_then_forceful(tmp_path):
     with Supervisor(terminate_grace_s=2) as sup:
         sup.start(_spec(tmp_path, "polite"))
@@ -254,6 +260,7 @@ def test_terminate_is_graceful_then_forceful(tmp_path):
         assert time.monotonic() - started < 5
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("interrupt", [RuntimeError, KeyboardInterrupt])
 def test_leaving_the_block_by_an_exception_reaps_everything(tmp_path, interrupt):
     pids: list[int] = []
@@ -270,6 +277,7 @@ def test_leaving_the_block_by_an_exception_reaps_everything(tmp_path, interrupt)
     assert _wait_for(lambda: all(_gone(pid) for pid in grandchildren))
 
 
+@pytest.mark.integration
 def test_misuse_is_refused_by_name(tmp_path):
     with Supervisor(terminate_grace_s=1) as sup:
         sup.start(_spec(tmp_path, "a"))
@@ -289,6 +297,7 @@ def test_misuse_is_refused_by_name(tmp_path):
 # the harness end to end, with stand-in nodes (real processes, no daemon)
 
 
+@pytest.mark.integration
 def test_harness_end_to_end_with_standins(tmp_path):
     config = standin_config(ChaosConfig(
         workdir=tmp_path, seed=3, duration_s=12, faults=3, lease_s=0.5, heartbeat_s=0.1,
@@ -335,6 +344,7 @@ def test_harness_end_to_end_with_standins(tmp_path):
 # the real daemon
 
 
+@pytest.mark.integration
 def test_short_chaos_against_the_real_daemon(tmp_path):
     """About a minute: a coordinator kill, a coordinator SIGSTOP past the lease and two more
     faults on three real daemons. Fails (never skips) when the daemon is missing or not ready."""
@@ -375,6 +385,7 @@ def test_targets_are_judged_only_where_they_apply(tmp_path):
     assert targets["failover_gap"]["ok"] is False
 
 
+@pytest.mark.integration
 def test_a_cluster_that_never_gets_ready_fails_with_the_reason(tmp_path):
     class Broken(StandinLauncher):
         def argv(self, slot, bootstrap):

@@ -155,6 +155,7 @@ def test_each_daemon_sends_from_its_own_loopback_address(tmp_path):
     assert argv[argv.index("--listen") + 1] == "127.0.0.1:4000"  # /status is polled here, not via the link
 
 
+@pytest.mark.integration
 def test_harness_partitions_the_holder_with_a_follower_and_heals(tmp_path):
     """Five stand-ins (they do not network, so this exercises the engine's bookkeeping, not the
     protocol): the holder and one follower are cut off from the other three, then healed."""

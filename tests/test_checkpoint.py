@@ -150,6 +150,7 @@ def test_failure_during_write_leaves_previous_checkpoints_intact(tmp_path, monke
         assert store.load_latest().checkpoint.meta == {"step": 1}
 
 
+@pytest.mark.integration
 def test_sigkill_during_a_save_loop_always_leaves_a_loadable_checkpoint(tmp_path):
     """A real crash: a child process saves in a loop and is SIGKILLed at an arbitrary moment."""
     script = textwrap.dedent(

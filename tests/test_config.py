@@ -348,6 +348,7 @@ def test_example_joiners_agree_with_the_founder():
     assert load_config(EXAMPLES / "sites" / "site-c.toml", {}, {}).explicit_run_keys() == {"model.size", "sync.codec_up"}
 
 
+@pytest.mark.integration
 def test_local_cluster_script_commands_are_valid_run_flags(tmp_path):
     environ = {"PATH": os.environ["PATH"], "CLUSTER_DIR": str(tmp_path), "BASE_PORT": "7401",
                "NODE_CMD": "diloco-node"}
@@ -387,6 +388,7 @@ def test_operations_doc_lists_every_key_and_variable():
     assert missing == []
 
 
+@pytest.mark.integration
 def test_config_command_does_not_import_jax():
     code = ("import sys; from diloco_node import cli; rc = cli.main(['config', 'show', '--json']); "
             "assert 'jax' not in sys.modules, 'jax imported'; "

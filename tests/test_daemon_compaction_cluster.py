@@ -1,7 +1,9 @@
 """Real `diloco-node run` processes with a small log tail: compaction, snapshot install, join after it.
 
 One 3-site run (a founds, b and c join) with `log_retain_entries=16` and a checkpoint every 3 s,
-shared by the tests of this module in file order: the logs compact and stay bounded; a follower
+shared by the tests of this module, none of which relies on another having run (each waits for
+the founders to be running and ready, restarting one a failed test left down, and for what it
+needs, compaction included): the logs compact and stay bounded; a follower
 SIGSTOPped until the lease holder compacted past it comes back by snapshot install; a follower
 SIGKILLed until then restarts and does the same; a fourth site joins after compaction. Every
 site must agree on the state digest at every index any two of them reported, and the chaos
@@ -21,30 +23,41 @@ from pathlib import Path
 
 import pytest
 
-from diloco_node.testbed.chaos.checker import check_histories
-from diloco_node.testbed.local_cluster import DEFAULT_RUN_FLAGS, Cluster
 from diloco_node.ops.history import load_histories
+from diloco_node.testbed.chaos.checker import check_histories
+from diloco_node.testbed.launcher import DEFAULT_SETTINGS, Site
+from diloco_node.testbed.local_cluster import Cluster
 
-pytestmark = [pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
 STARTUP_S = 150.0  # several JAX processes compiling at once on two shared cores
 RETAIN = 16
-FLAGS = (*DEFAULT_RUN_FLAGS, "--set", f"log_retain_entries={RETAIN}")
+SETTINGS = (*DEFAULT_SETTINGS, f"log_retain_entries={RETAIN}")
+FOUNDERS = {"a", "b", "c"}
 MEASURED: dict[str, object] = {}  # figures printed at the end (the report quotes them)
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
-    c = Cluster.create(tmp_path_factory.mktemp("compaction"))
-    try:
-        a = c.add("a", run_flags=FLAGS)
+def shared_run(tmp_path_factory: pytest.TempPathFactory):
+    with Cluster.create(tmp_path_factory.mktemp("compaction")) as c:
+        a = c.add("a", settings=SETTINGS)
         c.wait_for("a ready", lambda s: s.get("a", {}).get("ready", False), STARTUP_S)
-        c.add("b", bootstrap=a, run_flags=FLAGS)
-        c.add("c", bootstrap=a, run_flags=FLAGS)
+        c.add("b", bootstrap=a, settings=SETTINGS)
+        c.add("c", bootstrap=a, settings=SETTINGS)
         yield c
-    finally:
-        c.close()
-        print("\nmeasured:", json.dumps(MEASURED, indent=1))
+    print("\nmeasured:", json.dumps(MEASURED, indent=1))
+
+
+@pytest.fixture
+def cluster(shared_run: Cluster) -> Cluster:
+    """The shared run with every site it holds running (restarted if a failed test left it down,
+    continued if it left it stopped) and ready."""
+    for site in shared_run.sites.values():
+        site.signal(signal.SIGCONT)
+        if not site.running:
+            site.start()
+    shared_run.wait_for("every site ready", _ready(set(shared_run.sites)), STARTUP_S)
+    return shared_run
 
 
 def _ready(names: set[str]):
@@ -78,7 +91,7 @@ def _snapshot_applies(site_dir: Path) -> list[dict]:
     return [e for e in events if e.get("kind") == "apply" and (e.get("detail") or {}).get("snapshot")]
 
 
-def _wait_for_log(site, needle: str, after: int, timeout: float) -> str:
+def _wait_for_log(site: Site, needle: str, after: int, timeout: float) -> str:
     """Poll a site's log until `needle` appears more than `after` times; returns the log text."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -91,8 +104,6 @@ def _wait_for_log(site, needle: str, after: int, timeout: float) -> str:
 
 @pytest.mark.slow
 def test_logs_compact_and_stay_bounded(cluster: Cluster) -> None:
-    cluster.wait_for("a, b, c ready", _ready({"a", "b", "c"}), STARTUP_S)
-
     def compacted_everywhere(s: dict) -> bool:
         return {"a", "b", "c"} <= set(s) and all(s[n].get("log_first_index", 1) > 1 for n in ("a", "b", "c"))
 
@@ -122,7 +133,6 @@ def test_logs_compact_and_stay_bounded(cluster: Cluster) -> None:
 
 
 def test_stopped_follower_returns_by_snapshot_install(cluster: Cluster) -> None:
-    cluster.wait_for("a, b, c ready", _ready({"a", "b", "c"}), STARTUP_S)
     leader, follower = _leader_and_follower(cluster)
     site = cluster.sites[follower]
     installs = site.log_text().count("installed from the lease holder")
@@ -165,9 +175,9 @@ def test_killed_follower_restarts_behind_the_compaction_point(cluster: Cluster) 
 
 @pytest.mark.slow
 def test_fourth_site_joins_after_compaction(cluster: Cluster) -> None:
-    statuses = cluster.poll()
-    assert all(d.get("log_first_index", 1) > 1 for d in statuses.values())
-    d = cluster.add("d", bootstrap=cluster.sites["b"], run_flags=FLAGS)
+    cluster.wait_for("every site compacted its log", lambda s: FOUNDERS <= set(s)
+                     and all(s[n].get("log_first_index", 1) > 1 for n in FOUNDERS), 120)
+    d = cluster.add("d", bootstrap=cluster.sites["b"], settings=SETTINGS)
     cluster.wait_for("d ready", _ready({"a", "b", "c", "d"}), STARTUP_S)
     text = d.log_text()
     assert "downloaded the global state" in text and "installed from the lease holder" in text, text[-3000:]

@@ -270,6 +270,7 @@ def test_cli_without_matplotlib_still_writes_json_and_says_so(tmp_path, monkeypa
     assert json.loads((tmp_path / "g.json").read_text())["results"]
 
 
+@pytest.mark.integration
 def test_simulate_and_bandwidth_do_not_import_jax(tmp_path):
     code = (
         "import sys; from diloco_node import cli; "

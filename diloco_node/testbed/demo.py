@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,16 +24,15 @@ from pathlib import Path
 
 import numpy as np
 
-from diloco_node.testbed.local_cluster import DEFAULT_RUN_FLAGS, Cluster, Site, child_env, free_port
-from diloco_node.testbed.local_cluster import REPO
+from diloco_node.testbed.launcher import DEFAULT_SETTINGS, LinkShape, Site
+from diloco_node.testbed.local_cluster import Cluster
 
 SITES = ("a", "b", "c", "d")
 STARTUP_S = 240.0  # four JAX processes compiling at once on two cores
 EVAL_BATCHES = 8
 EVAL_BATCH_SIZE = 16
-DEMO_RUN_FLAGS = (*DEFAULT_RUN_FLAGS, "--set", "run.inner.batch_size=8", "--set", "run.sync.period=16",
-                  "--set", "run.sync.fragments=4", "--set", "run.inner.warmup_steps=20",
-                  "--set", "checkpoint_interval_s=5")
+DEMO_SETTINGS = (*DEFAULT_SETTINGS, "run.inner.batch_size=8", "run.sync.period=16", "run.sync.fragments=4",
+                 "run.inner.warmup_steps=20", "checkpoint_interval_s=5")
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str = "cluster-demo") -> None:
@@ -71,15 +69,14 @@ def _watch(cluster: Cluster, seconds: float, t0: float, every: float = 3.0) -> d
     return statuses
 
 
-def _evaluate(checkpoint_dir: Path, manifest_flags: tuple[str, ...]) -> tuple[float, float, int]:
+def _evaluate(checkpoint_dir: Path, settings: tuple[str, ...]) -> tuple[float, float, int]:
     """(eval loss of the initial model, of the final global model, parameter count)."""
+    from diloco_node.config.settings import load_config
     from diloco_node.learn import data as data_lib
     from diloco_node.learn import model as model_lib
     from diloco_node.ops.checkpoint import CheckpointStore
-    from diloco_node.config.settings import load_config
 
-    overrides = {manifest_flags[i + 1].split("=", 1)[0]: manifest_flags[i + 1].split("=", 1)[1]
-                 for i in range(0, len(manifest_flags), 2) if manifest_flags[i + 1].startswith("run.")}
+    overrides = dict(setting.split("=", 1) for setting in settings if setting.startswith("run."))
     manifest = load_config(None, {}, overrides).run
     corpus = data_lib.load_corpus(manifest.data)
     cfg = model_lib.model_config(manifest.model.size, manifest.model.seq_len)
@@ -100,86 +97,78 @@ def _evaluate(checkpoint_dir: Path, manifest_flags: tuple[str, ...]) -> tuple[fl
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    root = Path(tempfile.mkdtemp(prefix="diloco-demo-"))
-    cluster = Cluster.create(root)
-    links: list[subprocess.Popen[bytes]] = []
+    """The demo; every site and link is killed on the way out. The run directory (logs and
+    checkpoints, a few MB) is kept for inspection; its path is printed."""
     t0 = time.monotonic()
-    try:
-        print(f"demo: 4 sites, each behind a {args.bandwidth_mbit:g} Mbit/s, {args.latency_ms:g} ms link; "
-              f"logs in {root}", flush=True)
-        sites: dict[str, Site] = {}
-        for node_id in SITES:
-            port, public = free_port(), free_port()
-            links.append(subprocess.Popen(
-                [sys.executable, "-m", "diloco_node.testbed.linkemu", "--listen", f"127.0.0.1:{public}",
-                 "--upstream", f"127.0.0.1:{port}", "--bandwidth-mbit", str(args.bandwidth_mbit),
-                 "--latency-ms", str(args.latency_ms)],
-                stdout=subprocess.DEVNULL, stderr=open(root / f"link-{node_id}.log", "wb"), env=child_env(), cwd=REPO))
-            sites[node_id] = cluster.add(node_id, bootstrap=sites.get("a"), port=port, public_port=public,
-                                         run_flags=DEMO_RUN_FLAGS, start=node_id == "a")
-            if node_id == "a":
-                cluster.wait_for("site a ready", lambda s: s.get("a", {}).get("ready", False), STARTUP_S)
-                print(f"[{time.monotonic() - t0:6.1f}s] a founded the run", flush=True)
-        for node_id in SITES[1:]:
-            sites[node_id].start()
-        cluster.wait_for("all four sites ready", lambda s: all(s.get(n, {}).get("ready") for n in SITES), STARTUP_S)
-        print(f"[{time.monotonic() - t0:6.1f}s] all four sites joined and ready", flush=True)
+    with Cluster.create(Path(tempfile.mkdtemp(prefix="diloco-demo-"))) as cluster:
+        try:
+            return _run_sites(cluster, args, t0)
+        except (DemoFailed, AssertionError) as error:
+            print(f"demo FAILED: {error}", file=sys.stderr, flush=True)
+            return 1
 
-        statuses = _watch(cluster, args.train_s / 2, t0)
-        leader = cluster.coordinator(statuses)
-        if leader is None:
-            raise DemoFailed("no single coordinator before the kill")
-        before = max(d["commit_index"] for d in statuses.values())
-        print(f"[{time.monotonic() - t0:6.1f}s] SIGKILL coordinator {leader} at commit #{before}", flush=True)
-        sites[leader].kill()
-        killed_at = time.monotonic()
-        survivors = [n for n in SITES if n != leader]
-        cluster.wait_for("a new coordinator committing", lambda s: len({s[n].get("coordinator") for n in survivors
-                                                                        if n in s} - {None, leader}) == 1
-                         and max(s[n]["commit_index"] for n in survivors if n in s) > before, 90)
-        failover_s = time.monotonic() - killed_at
-        print(f"[{time.monotonic() - t0:6.1f}s] failover: new coordinator commits {failover_s:.1f} s after the kill; "
-              f"restarting {leader} from its checkpoint", flush=True)
-        sites[leader].start()
-        cluster.wait_for(f"{leader} back and ready", lambda s: s.get(leader, {}).get("ready", False), STARTUP_S)
-        statuses = _watch(cluster, args.train_s / 2, t0)
-        conflicts = cluster.conflicting_indices()
-        if conflicts:
-            raise DemoFailed(f"sites reported different state digests at indices {sorted(conflicts)[:5]}")
-        shared = cluster.shared_indices()
-        if shared == 0:
-            raise DemoFailed("no commit index was reported by two sites: the digest check compared nothing")
-        steps = sum(d["learner"]["step"] for d in statuses.values())
-        commits = max(d["commit_index"] for d in statuses.values())
-        sent = sum(d["bytes"]["sent"] for d in statuses.values())
-        for site in sites.values():
-            site.signal(signal.SIGTERM)
-        codes = {n: site.wait(90) for n, site in sites.items()}
-        if any(code != 0 for code in codes.values()):
-            raise DemoFailed(f"not every site stopped cleanly on SIGTERM: exit codes {codes}")
-        loss_start, loss_end, n_params = _evaluate(sites["a"].data_dir / "checkpoints", DEMO_RUN_FLAGS)
-        dp_bytes = steps * 2 * 4 * n_params  # every step, each learner sends and receives an fp32 gradient
-        print("\nsummary", flush=True)
-        print(f"  eval loss of the global model: start {loss_start:.3f} -> end {loss_end:.3f}")
-        print(f"  commits: {commits}; failovers: 1 ({failover_s:.1f} s from SIGKILL to the next commit)")
-        print(f"  state digests: every site agreed at each of the {shared} commit indices two or more sites reported")
-        print(f"  learner steps (all sites): {steps}; model parameters: {n_params}")
-        print(f"  bytes sent between sites (all traffic, incl. coordination): {sent / 1e6:.2f} MB; "
-              f"data-parallel for the same steps: {dp_bytes / 1e6:.1f} MB ({dp_bytes / max(sent, 1):.0f}x more)")
-        print(f"  wall time: {time.monotonic() - t0:.0f} s; logs and checkpoints: {root}")
-        if not loss_end < loss_start:
-            raise DemoFailed(f"the global model did not improve: eval loss {loss_start:.3f} -> {loss_end:.3f}")
-        return 0
-    except (DemoFailed, AssertionError) as error:
-        print(f"demo FAILED: {error}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        cluster.close()
-        for link in links:
-            link.kill()
-        for link in links:
-            link.wait(10)
-        # The run directory (logs, checkpoints: a few MB) is kept for inspection; its path was printed.
+
+def _run_sites(cluster: Cluster, args: argparse.Namespace, t0: float) -> int:
+    print(f"demo: 4 sites, each behind a {args.bandwidth_mbit:g} Mbit/s, {args.latency_ms:g} ms link; "
+          f"logs in {cluster.root}", flush=True)
+    sites: dict[str, Site] = {}
+    for node_id in SITES:
+        link = LinkShape(bandwidth_mbit=args.bandwidth_mbit, latency_ms=args.latency_ms)
+        sites[node_id] = cluster.add(node_id, bootstrap=sites.get("a"), settings=DEMO_SETTINGS, link=link,
+                                     start=node_id == "a")
+        if node_id == "a":
+            cluster.wait_for("site a ready", lambda s: s.get("a", {}).get("ready", False), STARTUP_S)
+            print(f"[{time.monotonic() - t0:6.1f}s] a founded the run", flush=True)
+    for node_id in SITES[1:]:
+        sites[node_id].start()
+    cluster.wait_for("all four sites ready", lambda s: all(s.get(n, {}).get("ready") for n in SITES), STARTUP_S)
+    print(f"[{time.monotonic() - t0:6.1f}s] all four sites joined and ready", flush=True)
+
+    statuses = _watch(cluster, args.train_s / 2, t0)
+    leader = cluster.coordinator(statuses)
+    if leader is None:
+        raise DemoFailed("no single coordinator before the kill")
+    before = max(d["commit_index"] for d in statuses.values())
+    print(f"[{time.monotonic() - t0:6.1f}s] SIGKILL coordinator {leader} at commit #{before}", flush=True)
+    sites[leader].kill()
+    killed_at = time.monotonic()
+    survivors = [n for n in SITES if n != leader]
+    cluster.wait_for("a new coordinator committing", lambda s: len({s[n].get("coordinator") for n in survivors
+                                                                    if n in s} - {None, leader}) == 1
+                     and max(s[n]["commit_index"] for n in survivors if n in s) > before, 90)
+    failover_s = time.monotonic() - killed_at
+    print(f"[{time.monotonic() - t0:6.1f}s] failover: new coordinator commits {failover_s:.1f} s after the kill; "
+          f"restarting {leader} from its checkpoint", flush=True)
+    sites[leader].start()
+    cluster.wait_for(f"{leader} back and ready", lambda s: s.get(leader, {}).get("ready", False), STARTUP_S)
+    statuses = _watch(cluster, args.train_s / 2, t0)
+    conflicts = cluster.conflicting_indices()
+    if conflicts:
+        raise DemoFailed(f"sites reported different state digests at indices {sorted(conflicts)[:5]}")
+    shared = cluster.shared_indices()
+    if shared == 0:
+        raise DemoFailed("no commit index was reported by two sites: the digest check compared nothing")
+    steps = sum(d["learner"]["step"] for d in statuses.values())
+    commits = max(d["commit_index"] for d in statuses.values())
+    sent = sum(d["bytes"]["sent"] for d in statuses.values())
+    for site in sites.values():
+        site.signal(signal.SIGTERM)
+    codes = {n: site.wait(90) for n, site in sites.items()}
+    if any(code != 0 for code in codes.values()):
+        raise DemoFailed(f"not every site stopped cleanly on SIGTERM: exit codes {codes}")
+    loss_start, loss_end, n_params = _evaluate(sites["a"].data_dir / "checkpoints", DEMO_SETTINGS)
+    dp_bytes = steps * 2 * 4 * n_params  # every step, each learner sends and receives an fp32 gradient
+    print("\nsummary", flush=True)
+    print(f"  eval loss of the global model: start {loss_start:.3f} -> end {loss_end:.3f}")
+    print(f"  commits: {commits}; failovers: 1 ({failover_s:.1f} s from SIGKILL to the next commit)")
+    print(f"  state digests: every site agreed at each of the {shared} commit indices two or more sites reported")
+    print(f"  learner steps (all sites): {steps}; model parameters: {n_params}")
+    print(f"  bytes sent between sites (all traffic, incl. coordination): {sent / 1e6:.2f} MB; "
+          f"data-parallel for the same steps: {dp_bytes / 1e6:.1f} MB ({dp_bytes / max(sent, 1):.0f}x more)")
+    print(f"  wall time: {time.monotonic() - t0:.0f} s; logs and checkpoints: {cluster.root}")
+    if not loss_end < loss_start:
+        raise DemoFailed(f"the global model did not improve: eval loss {loss_start:.3f} -> {loss_end:.3f}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:

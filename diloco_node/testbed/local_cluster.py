@@ -1,119 +1,31 @@
-"""A local cluster of real `diloco-node run` processes on 127.0.0.1 (integration tests, the demo, benchmarks).
+"""A local cluster of real `diloco-node run` sites on 127.0.0.1, and what they report.
 
-Each site is a subprocess (`sys.executable -m diloco_node run ...`) with a free port, its own data
-directory and log file. JAX in the children is kept to one thread and a shared persistent
-compilation cache, so several nodes fit on two cores. `Cluster.close()` kills every process it
-started (SIGKILL, then waits), whatever state the test left them in.
+Integration tests, the demo and the daemon benchmarks add sites to a `Cluster` (each launched by
+`testbed.launcher`: free port, its own data directory and log under the cluster's root, one run
+secret for all) and watch them through `/status`: `poll` records every (commit index, state
+digest) pair any site reports, so a test can ask whether two sites ever disagreed. `Cluster` is a
+context manager; `close()` SIGKILLs and reaps every process it started, links included, whatever
+state the caller left them in.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
+import contextlib
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
-REPO = Path(__file__).resolve().parents[2]  # the checkout: children import this very tree
-# Small and fast: two fragments, a sync slot every 4 steps, tiny batches. Steps are paced so a
-# few JAX processes share two cores without starving the event loops.
-DEFAULT_RUN_FLAGS = (
-    "--set", "run.model.size=tiny", "--set", "run.model.seq_len=32", "--set", "run.inner.batch_size=4",
-    "--set", "run.sync.fragments=2", "--set", "run.sync.period=8",
-    "--set", "checkpoint_interval_s=3",
+from diloco_node.testbed.launcher import (
+    DEFAULT_SETTINGS,
+    ChildProcess,
+    LinkShape,
+    Site,
+    SiteSpec,
+    start_link,
+    write_secret,
 )
-JAX_CACHE = os.environ.get("DILOCO_X_TEST_JAX_CACHE", "/tmp/diloco-node-test-jax-cache")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
-    env.update({
-        "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
-        "JAX_PLATFORMS": "cpu",
-        "JAX_COMPILATION_CACHE_DIR": JAX_CACHE,
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "OMP_NUM_THREADS": "1",
-        "DILOCO_X_MIN_STEP_S": "0.05",
-        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    })
-    env.update(extra or {})
-    return env
-
-
-@dataclass
-class Site:
-    node_id: str
-    port: int
-    data_dir: Path
-    log_path: Path
-    args: list[str]
-    env: dict[str, str]
-    proc: subprocess.Popen[bytes] | None = None
-    starts: int = 0
-    public_port: int | None = None  # where peers reach it (a link emulator in front), if not `port`
-
-    @property
-    def url(self) -> str:
-        """Direct URL (operator routes are read here, not through an emulated link)."""
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def address(self) -> str:
-        """HOST:PORT peers use (bootstrap address)."""
-        return f"127.0.0.1:{self.public_port or self.port}"
-
-    def start(self) -> None:
-        self.starts += 1
-        log = open(self.log_path, "ab")
-        log.write(f"\n===== start {self.starts} =====\n".encode())
-        log.flush()
-        self.proc = subprocess.Popen([sys.executable, "-m", "diloco_node", "run", *self.args], stdout=log,
-                                     stderr=subprocess.STDOUT, env=self.env, cwd=REPO)
-        log.close()
-
-    def signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-
-    def kill(self) -> None:
-        self.signal(signal.SIGKILL)
-        self.wait(10)
-
-    def wait(self, timeout: float) -> int | None:
-        if self.proc is None:
-            return None
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def status(self, timeout: float = 2.0) -> dict[str, Any] | None:
-        try:
-            with urllib.request.urlopen(self.url + "/status", timeout=timeout) as response:
-                return json.loads(response.read())
-        except (urllib.error.URLError, OSError, ValueError):
-            return None
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
 @dataclass
@@ -124,44 +36,58 @@ class Cluster:
     # Every (commit_index -> state_digest) any site ever reported: one digest per index, ever.
     history: dict[int, set[str]] = field(default_factory=dict)  # commit index -> digests reported there
     reporters: dict[int, set[str]] = field(default_factory=dict)  # commit index -> sites that reported it
+    extra_links: list[ChildProcess] = field(default_factory=list)  # started by `link_to`
 
     @classmethod
     def create(cls, root: Path) -> Cluster:
         root.mkdir(parents=True, exist_ok=True)
-        secret = root / "secret"
-        secret.write_bytes(os.urandom(48).hex().encode())
-        secret.chmod(0o600)
-        return cls(root, secret)
+        return cls(root, write_secret(root / "secret"))
 
-    def add(self, node_id: str, *, bootstrap: Site | None = None, extra: Sequence[str] = (),
-            secret_file: Path | None = None, env: dict[str, str] | None = None, start: bool = True,
-            port: int | None = None, public_port: int | None = None,
-            run_flags: Sequence[str] = DEFAULT_RUN_FLAGS) -> Site:
-        port = port or free_port()
-        data_dir = self.root / node_id
-        args = ["--node-id", node_id, "--listen", f"127.0.0.1:{port}", "--data-dir", str(data_dir),
-                "--secret-file", str(secret_file or self.secret_file), *run_flags, *extra]
-        if public_port is not None:
-            args += ["--advertise", f"http://127.0.0.1:{public_port}"]
-        if bootstrap is not None:
-            args += ["--bootstrap", bootstrap.address]
-        site = Site(node_id, port, data_dir, self.root / f"{node_id}.log", args, child_env(env),
-                    public_port=public_port)
+    def spec(self, node_id: str, *, bootstrap: Site | str | None = None, settings: Sequence[str] = DEFAULT_SETTINGS,
+             secret_file: Path | None = None, env: Mapping[str, str] | None = None, role: str | None = None,
+             link: LinkShape | None = None, extra: Sequence[str] = ()) -> SiteSpec:
+        """The spec of a site of this cluster: data under `root/node_id`, log `root/node_id.log`;
+        `bootstrap` is a site (its peer address) or HOST:PORT."""
+        peer = bootstrap.address if isinstance(bootstrap, Site) else bootstrap
+        return SiteSpec(node_id, self.root / node_id, self.root / f"{node_id}.log", secret_file or self.secret_file,
+                        settings=tuple(settings), role=role, bootstrap=peer, link=link, extra_args=tuple(extra),
+                        env=dict(env or {}))
+
+    def add(self, node_id: str, *, bootstrap: Site | str | None = None, settings: Sequence[str] = DEFAULT_SETTINGS,
+            secret_file: Path | None = None, env: Mapping[str, str] | None = None, role: str | None = None,
+            link: LinkShape | None = None, extra: Sequence[str] = (), start: bool = True) -> Site:
+        """A site of this cluster (see `spec`), started unless `start` is False."""
+        site = Site(self.spec(node_id, bootstrap=bootstrap, settings=settings, secret_file=secret_file, env=env,
+                              role=role, link=link, extra=extra))
         self.sites[node_id] = site
         if start:
             site.start()
         return site
 
+    def link_to(self, node_id: str, shape: LinkShape) -> str:
+        """One more emulated link in front of a running site (a joiner's view of it, say); its
+        HOST:PORT. Closed with the cluster."""
+        link = start_link(shape, self.sites[node_id].spec.port, self.root / f"link-{shape.port}-{node_id}.log")
+        self.extra_links.append(link)
+        return f"127.0.0.1:{shape.port}"
+
+    def remove(self, node_id: str) -> None:
+        """Kill a site and forget it (a site that was meant to fail, say)."""
+        self.sites.pop(node_id).close()
+
     def close(self) -> None:
-        for site in self.sites.values():
-            if site.proc is not None and site.proc.poll() is None:
-                site.proc.kill()
-        for site in self.sites.values():
-            if site.proc is not None:
-                try:
-                    site.proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    pass
+        # Every site is closed even if one cannot be reaped; the first such error is raised after.
+        with contextlib.ExitStack() as stack:
+            for site in self.sites.values():
+                stack.callback(site.close)
+            for link in self.extra_links:
+                stack.callback(link.kill)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ---- observation ----------------------------------------------------------------------
 

@@ -26,8 +26,6 @@ import bisect
 import json
 import os
 import random
-import secrets
-import socket
 import statistics
 import sys
 import time
@@ -36,8 +34,24 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from diloco_node.testbed.chaos.checker import Violation, check_histories, final_states_from
-from diloco_node.testbed.chaos.metrics import ModeMetrics, commit_times, lease_holder_at, measure
+from diloco_node.ops.history import (
+    HISTORY_FILE_NAME,
+    HistoryEvent,
+    HistoryWriter,
+    load_histories,
+    read_history,
+)
+from diloco_node.testbed.chaos.checker import (
+    Violation,
+    check_histories,
+    final_states_from,
+)
+from diloco_node.testbed.chaos.metrics import (
+    ModeMetrics,
+    commit_times,
+    lease_holder_at,
+    measure,
+)
 from diloco_node.testbed.chaos.schedule import (
     COORDINATOR,
     FOLLOWER,
@@ -48,8 +62,12 @@ from diloco_node.testbed.chaos.schedule import (
     generate,
     one_learner_down,
 )
-from diloco_node.testbed.chaos.supervisor import ProcessSpec, Supervisor, SupervisorError
-from diloco_node.ops.history import HISTORY_FILE_NAME, HistoryEvent, HistoryWriter, load_histories, read_history
+from diloco_node.testbed.chaos.supervisor import (
+    ProcessSpec,
+    Supervisor,
+    SupervisorError,
+)
+from diloco_node.testbed.launcher import SiteSpec, free_port, node_env, write_secret
 from diloco_node.testbed.linkemu import LinkEmulator
 
 NEMESIS = "nemesis"
@@ -225,20 +243,11 @@ total_steps = 1000000
 fragments = 2
 period = 8
 """
-# Children: one thread per JAX process (several share two cores), a persistent compilation cache
-# so a restarted node is ready sooner, and the repository on the path.
-DAEMON_ENV = {
-    "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
-    "JAX_PLATFORMS": "cpu",
-    "OMP_NUM_THREADS": "1",
-    "JAX_COMPILATION_CACHE_DIR": "/tmp/diloco-node-chaos-jax-cache",
-    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-}
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class DaemonLauncher:
-    """The real thing: `python -m diloco_node run ...` per node, status from `GET /status`."""
+    """The real thing: each node a `launcher.SiteSpec` (`python -m diloco_node run ...`) behind
+    the harness's in-process link emulator, status from `GET /status`."""
 
     name = "daemon"
     # How old a /status answer may be: the daemon refreshes the document every 0.25 s
@@ -254,9 +263,7 @@ class DaemonLauncher:
 
     def prepare(self, mode_dir: Path, min_quorum: int, lease_s: float, heartbeat_s: float, seed: int) -> None:
         mode_dir.mkdir(parents=True, exist_ok=True)
-        self._secret = mode_dir / "run.secret"
-        self._secret.write_text(secrets.token_hex(32) + "\n")
-        self._secret.chmod(0o600)
+        self._secret = write_secret(mode_dir / "run.secret")
         self._config = mode_dir / "node.toml"
         text = self.config_template.read_text() if self.config_template else DAEMON_CONFIG.format(seed=seed)
         self._config.write_text(text)
@@ -272,27 +279,17 @@ class DaemonLauncher:
         except ConfigError as exc:
             raise HarnessError(f"chaos node config {self._config}: {exc}") from None
 
-    def argv(self, slot: NodeSlot, bootstrap: str | None) -> list[str]:
+    def spec(self, slot: NodeSlot, bootstrap: str | None) -> SiteSpec:
         assert self._config is not None and self._secret is not None, "prepare() first"
-        argv = [sys.executable, "-m", "diloco_node", "run", "--config", str(self._config),
-                "--node-id", slot.node_id, "--listen", f"127.0.0.1:{slot.port}",
-                "--advertise", f"http://{slot.link}", "--data-dir", str(slot.data_dir),
-                "--secret-file", str(self._secret), "--role", slot.role, "--source-address", slot.source]
-        for override in self._overrides:
-            argv += ["--set", override]
-        if bootstrap is not None:
-            argv += ["--bootstrap", bootstrap]
-        return argv
+        return SiteSpec(slot.node_id, slot.data_dir, slot.log_path, self._secret, port=slot.port,
+                        settings=tuple(self._overrides), config_file=self._config, role=slot.role,
+                        bootstrap=bootstrap, advertise=slot.link, source_address=slot.source)
+
+    def argv(self, slot: NodeSlot, bootstrap: str | None) -> list[str]:
+        return self.spec(slot, bootstrap).argv()
 
     def env(self) -> dict[str, str] | None:
-        # Our own DILOCO_* settings would reconfigure every node; DILOCO_X_* are tooling knobs
-        # (e.g. DILOCO_X_MIN_STEP_S pacing learner steps) and pass through.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_") or k.startswith("DILOCO_X_")}
-        env.update(DAEMON_ENV)
-        # Pace learner steps (the daemon reads this) so three learners leave the event loops CPU.
-        env.setdefault("DILOCO_X_MIN_STEP_S", "0.05")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-        return env
+        return node_env()
 
     async def probe(self, slot: NodeSlot, since: float) -> NodeProbe:
         import aiohttp
@@ -304,7 +301,7 @@ class DaemonLauncher:
         try:
             async with self._session.get(f"http://127.0.0.1:{slot.port}/status") as response:
                 doc = StatusDocument.from_dict(await response.json())
-        except (aiohttp.ClientError, asyncio.TimeoutError, StatusFormatError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, StatusFormatError, ValueError) as exc:
             return NodeProbe(False, f"/status: {type(exc).__name__}: {exc}")
         return NodeProbe(doc.ready, doc.ready_reason or ("ready" if doc.ready else "not ready"),
                          doc.commit_index, doc.state_digest, doc.coordinator)
@@ -389,12 +386,6 @@ class ModeResult:
 # One mode
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def source_address(node_number: int) -> str:
     """The loopback IP node `node_number` (1-based) sends from."""
     return f"127.0.0.{SOURCE_HOST_BASE + node_number}"
@@ -452,7 +443,7 @@ class ModeRun:
     async def _main(self, sup: Supervisor, nemesis: HistoryWriter) -> tuple[float, float]:
         try:
             for number, node in enumerate(self.config.node_ids + self.config.joiner_ids, start=1):
-                link = LinkEmulator("127.0.0.1", _free_port(), seed=self.config.seed)
+                link = LinkEmulator("127.0.0.1", free_port(), seed=self.config.seed)
                 await link.start()
                 self.links[node] = link
                 founder = node in self.config.node_ids

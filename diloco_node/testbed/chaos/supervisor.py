@@ -1,8 +1,10 @@
 """Process lifecycle for chaos runs: start, SIGKILL, SIGSTOP/SIGCONT, restart, slow down, and
 always reap.
 
-Every child starts in its own session, so it leads its own process group and each signal goes to
-the whole group (a daemon's helper processes die with it). `Supervisor` is a context manager:
+Every child is a `testbed.launcher.ChildProcess`: its own session, so it leads its own process
+group and each signal goes to the whole group (a daemon's helper processes die with it). What the
+supervisor adds is processes by name, SIGSTOP that a slow-down cycle respects, restart from the
+same spec, and closing all at once. `Supervisor` is a context manager:
 leaving it, normally or by an exception or KeyboardInterrupt, continues stopped groups, sends
 SIGTERM, waits a grace period, SIGKILLs what is left and reaps every child. No process it
 started outlives it.
@@ -14,15 +16,15 @@ so peers see a slow node, not a dead one.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
+
+from diloco_node.testbed.launcher import ChildProcess, LaunchError
 
 # How long a child may take to exit after SIGTERM before it is SIGKILLed: a daemon flushes a
 # checkpoint on SIGTERM, which takes well under this on the tiny models chaos runs use.
@@ -48,7 +50,7 @@ class ProcessSpec:
 @dataclass(slots=True)
 class _Managed:
     spec: ProcessSpec
-    popen: subprocess.Popen[bytes]
+    process: ChildProcess
     stopped: bool = False  # by stop(); the throttle must not continue it
     throttle: _Throttle | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -66,33 +68,21 @@ class _Throttle(threading.Thread):
 
     def run(self) -> None:
         while not self.done.is_set():
-            with self.managed.lock:
-                if not self.managed.stopped:
-                    _signal_if_unreaped(self.managed.popen, signal.SIGSTOP)
+            self._signal_unless_stopped(signal.SIGSTOP)
             if self.done.wait(self.period_s * (1 - self.fraction)):
                 break
-            with self.managed.lock:
-                if not self.managed.stopped:
-                    _signal_if_unreaped(self.managed.popen, signal.SIGCONT)
+            self._signal_unless_stopped(signal.SIGCONT)
             self.done.wait(self.period_s * self.fraction)
+        self._signal_unless_stopped(signal.SIGCONT)
+
+    def _signal_unless_stopped(self, sig: signal.Signals) -> None:
         with self.managed.lock:
             if not self.managed.stopped:
-                _signal_if_unreaped(self.managed.popen, signal.SIGCONT)
-
-
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)  # the child leads its own group: pgid == pid
-
-
-def _signal_if_unreaped(popen: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    """Signal the group only while its leader is unreaped: a reaped pid may be reused."""
-    if popen.poll() is None:
-        _signal_group(popen.pid, sig)
+                self.managed.process.signal(sig)
 
 
 class Supervisor:
-    """Owns child processes by name. Use as a context manager, or call `close()`."""
+    """Owns child processes (`launcher.ChildProcess`) by name. Use as a context manager, or call `close()`."""
 
     def __init__(self, terminate_grace_s: float = TERMINATE_GRACE_S, slow_period_s: float = SLOW_PERIOD_S) -> None:
         self.terminate_grace_s = terminate_grace_s
@@ -108,19 +98,19 @@ class Supervisor:
 
     def alive(self, name: str) -> bool:
         managed = self._procs.get(name)
-        return managed is not None and managed.popen.poll() is None
+        return managed is not None and managed.process.running
 
     def stopped(self, name: str) -> bool:
         managed = self._procs.get(name)
-        return managed is not None and managed.stopped and managed.popen.poll() is None
+        return managed is not None and managed.stopped and managed.process.running
 
     def pid(self, name: str) -> int | None:
         managed = self._procs.get(name)
-        return managed.popen.pid if managed is not None and managed.popen.poll() is None else None
+        return None if managed is None else managed.process.pid
 
     def returncode(self, name: str) -> int | None:
         managed = self._procs.get(name)
-        return None if managed is None else managed.popen.poll()
+        return None if managed is None else managed.process.returncode
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -131,26 +121,18 @@ class Supervisor:
         old = self._procs.pop(spec.name, None)
         if old is not None:
             self._reap(old)
-        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(spec.log_path, "ab") as log:
-            log.write(f"--- start {spec.name} at {time.strftime('%H:%M:%S')}: {' '.join(spec.argv)}\n".encode())
-            log.flush()
-            popen = subprocess.Popen(
-                list(spec.argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=None if spec.env is None else dict(spec.env), cwd=spec.cwd,
-                start_new_session=True,  # own process group: signals reach its children too
-            )
-        self._procs[spec.name] = _Managed(spec, popen)
+        process = ChildProcess(spec.name, spec.argv, spec.log_path, spec.env, spec.cwd)
+        pid = process.start()
+        self._procs[spec.name] = _Managed(spec, process)
         self._specs[spec.name] = spec
-        self.started_pids.append(popen.pid)
-        return popen.pid
+        self.started_pids.append(pid)
+        return pid
 
     def kill(self, name: str) -> None:
         """SIGKILL the process group and reap it (a no-op on a process that already exited)."""
         managed = self._get(name)
         self._end_throttle(managed)
         with managed.lock:
-            _signal_if_unreaped(managed.popen, signal.SIGKILL)
             managed.stopped = False
         self._reap(managed)
 
@@ -159,14 +141,14 @@ class Supervisor:
         managed = self._running(name)
         with managed.lock:
             managed.stopped = True
-            _signal_group(managed.popen.pid, signal.SIGSTOP)
+            managed.process.signal(signal.SIGSTOP)
 
     def cont(self, name: str) -> None:
         """SIGCONT after `stop` (a slowed process goes back to its duty cycle)."""
         managed = self._running(name)
         with managed.lock:
             managed.stopped = False
-            _signal_group(managed.popen.pid, signal.SIGCONT)
+            managed.process.signal(signal.SIGCONT)
 
     def restart(self, name: str) -> int:
         """SIGKILL (if running) and start again with the same spec."""
@@ -195,40 +177,27 @@ class Supervisor:
         """SIGTERM, wait up to `grace_s`, then SIGKILL; reaps and returns the exit code."""
         managed = self._get(name)
         self._end_throttle(managed)
-        if managed.popen.poll() is None:
-            with managed.lock:
-                managed.stopped = False
-                _signal_group(managed.popen.pid, signal.SIGTERM)
-                _signal_group(managed.popen.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-            try:
-                managed.popen.wait(self.terminate_grace_s if grace_s is None else grace_s)
-            except subprocess.TimeoutExpired:
-                _signal_if_unreaped(managed.popen, signal.SIGKILL)
+        with managed.lock:
+            managed.stopped = False
+            managed.process.send_terminate()
+        managed.process.wait(self.terminate_grace_s if grace_s is None else grace_s)
         self._reap(managed)
-        return managed.popen.returncode
+        return managed.process.returncode
 
     def close(self) -> None:
         """Terminate every process (all at once, then wait); SIGKILL stragglers; reap all."""
-        managed_all = [m for m in self._procs.values() if m.popen.poll() is None]
         for managed in self._procs.values():
             self._end_throttle(managed)
-        for managed in managed_all:
-            self._end_throttle(managed)
-            if managed.popen.poll() is None:
-                _signal_group(managed.popen.pid, signal.SIGTERM)
-                _signal_group(managed.popen.pid, signal.SIGCONT)
+        running = [m for m in self._procs.values() if m.process.running]
+        for managed in running:
+            managed.process.send_terminate()
         deadline = time.monotonic() + self.terminate_grace_s
-        for managed in managed_all:
-            try:
-                managed.popen.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for managed in managed_all:
-            # The group's other members keep its id reserved, so this reaches only leftovers.
-            _signal_group(managed.popen.pid, signal.SIGKILL)
+        for managed in running:
+            managed.process.wait(max(0.0, deadline - time.monotonic()))
+        for managed in running:
             self._reap(managed)
 
-    def __enter__(self) -> Supervisor:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -244,8 +213,8 @@ class Supervisor:
 
     def _running(self, name: str) -> _Managed:
         managed = self._get(name)
-        if managed.popen.poll() is not None:
-            raise SupervisorError(f"{name} is not running (exit code {managed.popen.returncode})")
+        if not managed.process.running:
+            raise SupervisorError(f"{name} is not running (exit code {managed.process.returncode})")
         return managed
 
     @staticmethod
@@ -257,9 +226,8 @@ class Supervisor:
 
     @staticmethod
     def _reap(managed: _Managed) -> None:
-        # SIGKILL cannot be ignored; if wait still times out the kernel is stuck, and hanging
-        # here forever would hide it.
+        """SIGKILL whatever is left of the group and reap its leader."""
         try:
-            managed.popen.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            raise SupervisorError(f"{managed.spec.name} (pid {managed.popen.pid}) did not die after SIGKILL") from None
+            managed.process.kill()
+        except LaunchError as exc:
+            raise SupervisorError(str(exc)) from None
