@@ -230,7 +230,7 @@ class SiteSpec:
         return node_env(self.env)
 
 
-def link_argv(shape: LinkShape, upstream_port: int) -> list[str]:
+def _link_argv(shape: LinkShape, upstream_port: int) -> list[str]:
     argv = [sys.executable, "-m", "diloco_node.testbed.linkemu", "--listen", f"127.0.0.1:{shape.port}",
             "--upstream", f"127.0.0.1:{upstream_port}", "--latency-ms", str(shape.latency_ms)]
     if shape.bandwidth_mbit is not None:
@@ -240,7 +240,7 @@ def link_argv(shape: LinkShape, upstream_port: int) -> list[str]:
 
 def start_link(shape: LinkShape, upstream_port: int, log_path: Path) -> ChildProcess:
     """An emulated link process forwarding `shape.port` to `upstream_port`, listening when this returns."""
-    link = ChildProcess(f"link:{shape.port}", link_argv(shape, upstream_port), log_path, node_env())
+    link = ChildProcess(f"link:{shape.port}", _link_argv(shape, upstream_port), log_path, node_env())
     link.start()
     deadline = time.monotonic() + LINK_LISTEN_TIMEOUT_S
     while True:
@@ -262,11 +262,25 @@ class Site:
         self.process = ChildProcess(spec.node_id, spec.argv(), spec.log_path, spec.child_env())
         self.link: ChildProcess | None = None
 
-    node_id = property(lambda self: self.spec.node_id)
-    data_dir = property(lambda self: self.spec.data_dir)
-    log_path = property(lambda self: self.spec.log_path)
-    url = property(lambda self: self.spec.url)
-    address = property(lambda self: self.spec.address)
+    @property
+    def node_id(self) -> str:
+        return self.spec.node_id
+
+    @property
+    def data_dir(self) -> Path:
+        return self.spec.data_dir
+
+    @property
+    def log_path(self) -> Path:
+        return self.spec.log_path
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def address(self) -> str:
+        return self.spec.address
 
     @property
     def running(self) -> bool:
@@ -275,10 +289,6 @@ class Site:
     @property
     def pid(self) -> int | None:
         return self.process.pid
-
-    @property
-    def starts(self) -> int:
-        return self.process.starts
 
     def start(self) -> Site:
         shape = self.spec.link

@@ -23,6 +23,7 @@ from diloco_node.testbed.launcher import (
     LinkShape,
     Site,
     SiteSpec,
+    launch_site,
     start_link,
     write_secret,
 )
@@ -57,11 +58,10 @@ class Cluster:
             secret_file: Path | None = None, env: Mapping[str, str] | None = None, role: str | None = None,
             link: LinkShape | None = None, extra: Sequence[str] = (), start: bool = True) -> Site:
         """A site of this cluster (see `spec`), started unless `start` is False."""
-        site = Site(self.spec(node_id, bootstrap=bootstrap, settings=settings, secret_file=secret_file, env=env,
-                              role=role, link=link, extra=extra))
+        spec = self.spec(node_id, bootstrap=bootstrap, settings=settings, secret_file=secret_file, env=env,
+                         role=role, link=link, extra=extra)
+        site = launch_site(spec) if start else Site(spec)
         self.sites[node_id] = site
-        if start:
-            site.start()
         return site
 
     def link_to(self, node_id: str, shape: LinkShape) -> str:
