@@ -1,5 +1,4 @@
-"""The runner's learners take merges by the shared apply rule (sync/apply.py), and the parity
-benchmark's manifest overrides (--set), which select that rule (sync.apply)."""
+"""Runner option keep_inflight_progress and the parity benchmark's manifest overrides (--set)."""
 
 import os
 import sys
@@ -23,21 +22,24 @@ def corpus():
     return data_lib.Corpus(full.train[:200_000], full.eval[:20_000], 256, "stdlib slice")
 
 
-def _sync(corpus, apply: str) -> runner._FragmentSync:
+def _sync(corpus, keep: bool) -> runner._FragmentSync:
     manifest = RunManifest(
         model=ModelSpec("tiny", 16),
         inner=InnerOptimizer(batch_size=2, lr_peak=3e-3, warmup_steps=2, total_steps=STEPS),
-        sync=SyncSpec(fragments=2, period=8, overlap=2, min_quorum=1, apply=apply),
+        sync=SyncSpec(fragments=2, period=8, overlap=2, min_quorum=1),
     )
-    config = runner.RunnerConfig(manifest, "decoupled", 2, STEPS, eval_batches=1, eval_batch_size=2)
+    config = runner.RunnerConfig(manifest, "decoupled", 2, STEPS, eval_batches=1, eval_batch_size=2,
+                                 keep_inflight_progress=keep)
     return runner._FragmentSync(config, runner._setup(config, corpus), None)
 
 
-def _step_then_merge(sync: runner._FragmentSync, contributors):
-    """Learner 0 takes 5 steps on fragment 1 (simulated: +0.25 on every value), then the merge of
-    fragment 1 (Theta + 1) is applied."""
+def _send_then_step_then_merge(sync: runner._FragmentSync, contributors: frozenset[str]):
+    """Learner 0 sends fragment 1 after 3 steps, takes 2 more steps (simulated: +0.25 on every value),
+    then the merge of fragment 1 (Theta + 1) is applied."""
     st = sync.learners[0]
     names = sync.plan.fragments[1].names
+    st.c_steps[1], st.c_tokens[1] = 3, 96
+    sync._send(st, 1, 0.0)
     local = sync.stack.get_flat(0, names)
     sync.stack.set_flat(0, {n: v + np.float32(0.25) for n, v in local.items()})
     st.c_steps[1], st.c_tokens[1] = 5, 160
@@ -46,22 +48,16 @@ def _step_then_merge(sync: runner._FragmentSync, contributors):
     return st, theta, sync.stack.get_flat(0, names)
 
 
-def test_overwrite_takes_the_merged_fragment_and_resets_counters_even_without_my_contribution(corpus):
-    st, theta, after = _step_then_merge(_sync(corpus, "overwrite"), frozenset({"learner-1"}))
-    for name, value in theta.items():
-        np.testing.assert_array_equal(after[name], value)
-    assert (st.c_steps[1], st.c_tokens[1], st.base_round[1]) == (0, 0, 1)
-
-
-def test_rebase_keeps_unsent_progress_and_counters_when_the_merge_lacks_my_contribution(corpus):
-    st, theta, after = _step_then_merge(_sync(corpus, "rebase"), frozenset({"learner-1"}))
+def test_keep_inflight_progress_carries_the_steps_since_the_send_and_their_counters(corpus):
+    st, theta, after = _send_then_step_then_merge(_sync(corpus, keep=True), frozenset({"learner-0"}))
     for name, value in theta.items():
         np.testing.assert_allclose(after[name], value + np.float32(0.25), rtol=0, atol=1e-6)
-    assert (st.c_steps[1], st.c_tokens[1], st.base_round[1]) == (5, 160, 1)
+    assert (st.c_steps[1], st.c_tokens[1]) == (2, 64)
+    assert st.base_round[1] == 1
 
 
-def test_rebase_overwrites_when_my_contribution_is_in_the_merge(corpus):
-    st, theta, after = _step_then_merge(_sync(corpus, "rebase"), frozenset({"learner-0"}))
+def test_default_overwrites_with_the_merged_fragment_and_resets_counters(corpus):
+    st, theta, after = _send_then_step_then_merge(_sync(corpus, keep=False), frozenset({"learner-0"}))
     for name, value in theta.items():
         np.testing.assert_array_equal(after[name], value)
     assert (st.c_steps[1], st.c_tokens[1]) == (0, 0)
@@ -72,7 +68,6 @@ def test_parity_overrides_parse_json_values_and_reject_unknown_keys():
     assert overrides == {"outer": {"lr": 0.9}, "sync": {"merge": "mean"}, "inner": {"warmup_steps": 60}}
     manifest = parity.with_overrides(parity.default_manifest(600, 0), overrides)
     assert (manifest.outer.lr, manifest.sync.merge, manifest.inner.warmup_steps) == (0.9, "mean", 60)
-    assert parity.with_overrides(manifest, parity.parse_overrides(["sync.apply=rebase"])).sync.apply == "rebase"
     with pytest.raises(ConfigError, match="unknown key"):
         parity.with_overrides(manifest, parity.parse_overrides(["outer.lrx=1"]))
     with pytest.raises(ConfigError, match="section.key=value"):

@@ -2,8 +2,6 @@
 
 import json
 
-import pytest
-
 from diloco_node import cli
 
 
@@ -29,15 +27,3 @@ def test_a_short_decoupled_run_learns_merges_and_writes_json(tmp_path):
     assert result["merges"] > 0
     assert result["eval_loss"] < result["eval_loss_start"] - 0.5  # from ~ln(256) = 5.5 nats/byte
     assert report["manifest"]["sync"]["period"] == 16
-
-
-def test_the_apply_rule_is_chosen_on_the_command_line_and_an_unknown_one_refused(tmp_path, capsys):
-    out = tmp_path / "result.json"
-    rc = cli.main(["train", "--steps", "24", "--batch-size", "2", "--seq-len", "16", "--period", "8",
-                   "--fragments", "2", "--log-every", "0", "--apply", "rebase", "--json", str(out)])
-    assert rc == 0
-    assert json.loads(out.read_text())["manifest"]["sync"]["apply"] == "rebase"
-    with pytest.raises(SystemExit) as refused:  # argparse refuses a choice it does not list
-        cli.main(["train", "--steps", "24", "--apply", "keep"])
-    assert refused.value.code == 2
-    assert "invalid choice: 'keep'" in capsys.readouterr().err

@@ -22,8 +22,8 @@ import time
 import tomllib
 from typing import Any
 
-from diloco_node.config.manifest import (APPLY_MODES, CODEC_NAMES, MODEL_SIZES, ConfigError, DataSpec, InnerOptimizer,
-                                    ModelSpec, OuterOptimizer, RunManifest, SyncSpec)
+from diloco_node.config.manifest import (CODEC_NAMES, MODEL_SIZES, ConfigError, DataSpec, InnerOptimizer, ModelSpec,
+                                    OuterOptimizer, RunManifest, SyncSpec)
 
 DEFAULT_STEPS = 300  # about a minute of compute on two idle cores for M = 4 tiny learners
 
@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     sync.add_argument("--codec-down", choices=CODEC_NAMES)
     sync.add_argument("--merge", choices=("rda", "mean"))
     sync.add_argument("--weighting", choices=("tokens", "uniform"))
-    sync.add_argument("--apply", choices=APPLY_MODES, help="how a learner takes a committed fragment (sync/apply.py)")
+    sync.add_argument("--apply", choices=("overwrite", "mix"))
     sync.add_argument("--mix-alpha", type=float)
 
 

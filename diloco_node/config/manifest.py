@@ -21,7 +21,7 @@ MODEL_SIZES = ("tiny", "small", "medium")
 CODEC_NAMES = ("fp32", "bf16", "int8", "int4", "e3m0")
 MERGE_METHODS = ("mean", "rda")
 WEIGHTINGS = ("uniform", "tokens")
-APPLY_MODES = ("overwrite", "rebase", "mix")  # sync/apply.py: how a learner takes a committed fragment
+APPLY_MODES = ("overwrite", "mix")
 
 
 class ConfigError(ValueError):

@@ -4,8 +4,7 @@ Both directions of a round live here:
 - learner -> lease holder: a due fragment's delta is encoded in the codec pool and sent to the
   current lease holder (or handed to our own syncer when we hold the lease);
 - lease holder: contributions are decoded and added to the sans-IO `Syncer`, whose decisions this
-  module only turns into timers (wake-at, held) or its merge plan, run in the codec pool, into a
-  log proposal of the plan's commit payload.
+  module only turns into timers (wake-at) or a merge in the codec pool followed by a log proposal.
 Lease changes reset or seed the syncer. Everything this driver needs is handed to its constructor.
 """
 
@@ -28,8 +27,8 @@ from diloco_node.learn.learner_thread import DueFragment
 from diloco_node.ops.status import Counter
 from diloco_node.sync.fragments import FragmentPlan
 from diloco_node.sync.merge import Contribution
-from diloco_node.sync.replica import Replica
-from diloco_node.sync.syncer import HELD, MERGE, WAKE, CommitPlan, OpenRound, Syncer
+from diloco_node.sync.replica import CommitPayload, Replica
+from diloco_node.sync.syncer import CommitPlan, OpenRound, Syncer
 from diloco_node.transport import PeerClient, TransportError
 from wire import messages as wire
 from wire.codecs import decode_named, encode_named
@@ -40,8 +39,8 @@ log = logging.getLogger("diloco_node.daemon")
 # A contribution upload may take this long before it is dropped (the learner sends again at its
 # next slot, with the steps of both).
 CONTRIBUTION_DEADLINE_S = 60.0
-# A round the syncer held for this node (a merge in flight, the replica behind its own log) is
-# looked at again after this long; the coordination tick has the same resolution.
+# A round held by the node (a merge in flight, the replica behind its own log) is looked at again
+# after this long; the coordination tick has the same resolution.
 HELD_RETRY_S = 0.05
 
 
@@ -72,9 +71,9 @@ class RoundDriver:
         self.contributions_sent = contributions_sent
         self.merges_proposed = merges_proposed
         self.merging = False
+        self.held_reason: dict[int, str] = {}  # fragment -> why a due merge waits on this node
         self._wake_handles: dict[int, asyncio.TimerHandle] = {}
         self._held_lease = False
-        self._live_seen: frozenset[str] = frozenset()  # the live learners at the last coordination step
 
     # ------------------------------------------------------------------ learner -> network
 
@@ -125,40 +124,38 @@ class RoundDriver:
         self.syncer.add(contribution, self.clock.monotonic(), transfer_s)
         self.evaluate(message.fragment)
 
-    def _live_learners(self) -> frozenset[str]:
-        return frozenset(node_id for node_id, record in self.coordination.membership.members.items()
-                         if record.role is coord.MemberRole.LEARNER
-                         and record.state in (coord.MemberState.ALIVE, coord.MemberState.SUSPECT))
-
-    def _held_by(self) -> str:
-        """Why this node cannot merge now ("" if it can): one merge at a time, and only on a state
-        that includes every entry of our own log, so the round we propose is the next one."""
-        return "a merge of another fragment is in flight" if self.merging else self.replica_behind()
+    def _live_learners(self) -> int:
+        return sum(1 for record in self.coordination.membership.members.values()
+                   if record.role is coord.MemberRole.LEARNER
+                   and record.state in (coord.MemberState.ALIVE, coord.MemberState.SUSPECT))
 
     def evaluate(self, p: int) -> None:
-        """Ask the syncer about fragment p's round and carry out its answer."""
         now = self.clock.monotonic()
         if not self.coordination.is_lease_holder(now):
             return
-        decision = self.syncer.decide(p, now, self._live_learners(), held_by=self._held_by())
+        decision = self.syncer.decide(p, now, self._live_learners())
         if decision is None:
             return
-        if decision.action == WAKE:
-            self._wake(p, decision.wake_at - now)
-        elif decision.action == HELD:
-            self._wake(p, HELD_RETRY_S)
-        elif decision.action == MERGE:
-            rnd = self.syncer.take(p, decision)
-            self.merging = True
-            self.tasks.spawn(self._merge_and_propose(p, rnd, decision.reason), name=f"merge-{p}")
-
-    def _wake(self, p: int, delay_s: float) -> None:
-        """One timer per fragment: a newer answer replaces the older timer."""
-        handle = self._wake_handles.pop(p, None)
-        if handle is not None:
-            handle.cancel()
         loop = asyncio.get_running_loop()
-        self._wake_handles[p] = loop.call_later(max(0.0, delay_s), self.evaluate, p)
+        if decision.wake_at is not None:
+            handle = self._wake_handles.pop(p, None)
+            if handle is not None:
+                handle.cancel()
+            self._wake_handles[p] = loop.call_later(max(0.0, decision.wake_at - now), self.evaluate, p)
+            return
+        if not decision.merge_now:
+            return
+        # One merge at a time, and only on a state that includes every entry of our own log, so the
+        # round we propose is exactly the next one for this fragment.
+        held = "a merge of another fragment is in flight" if self.merging else self.replica_behind()
+        if held:
+            self.held_reason[p] = held
+            loop.call_later(HELD_RETRY_S, self.evaluate, p)
+            return
+        self.held_reason.pop(p, None)
+        rnd = self.syncer.take(p, decision)
+        self.merging = True
+        self.tasks.spawn(self._merge_and_propose(p, rnd, decision.reason), name=f"merge-{p}")
 
     async def _merge_and_propose(self, p: int, rnd: OpenRound, reason: str) -> None:
         try:
@@ -173,10 +170,12 @@ class RoundDriver:
                     log.info("%s syncer: %s", self.node_id, plan.reason)
                 return
             log.info("%s syncer: %s", self.node_id, plan.reason)
+            payload = CommitPayload(merged.encoded, tuple(n for n, _ in merged.result.accepted),
+                                    tuple(w for _, w in merged.result.accepted), merged.norm_ref).encode()
             if merged.round != self.replica.state.round(p) + 1:
                 self.report_error(f"fragment {p}: state moved during the merge; round dropped")
                 return
-            entry, why, actions = self.coordination.propose(self.clock.monotonic(), EntryKind.OUTER_COMMIT, plan.payload,
+            entry, why, actions = self.coordination.propose(self.clock.monotonic(), EntryKind.OUTER_COMMIT, payload,
                                                             fragment=p, round=merged.round, digest=plan.digest)
             if entry is None:
                 self.report_error(f"fragment {p} merge not proposed: {why}")
@@ -196,24 +195,22 @@ class RoundDriver:
 
     def lease_check(self) -> None:
         """After every coordination step: a lost lease drops open rounds and timers (learners resend at
-        their next slot); a gained one continues from the norm references the log committed; a change
-        of the live learners is news for every open round (one waiting for a learner that died can
-        merge now), as the syncer's WAIT answer expects."""
+        their next slot); a gained one continues from the norm references the log committed."""
         holder = self.coordination.is_lease_holder(self.clock.monotonic())
         if self._held_lease and not holder:
             self.syncer.reset()
             for handle in self._wake_handles.values():
                 handle.cancel()
             self._wake_handles.clear()
+            self.held_reason.clear()
         if holder and not self._held_lease:
             self.syncer.adopt_norm_references(self.replica.norm_refs)
         self._held_lease = holder
-        live = self._live_learners()
-        if holder and live != self._live_seen:
-            for p in list(self.syncer.rounds):
-                self.evaluate(p)
-        self._live_seen = live
 
     def quorum_reason(self) -> str:
-        """The syncer's last decision per fragment (a held one says why), for /status."""
-        return "; ".join(f"p{p}: {reason}" for p, reason in sorted(self.syncer.last_decision.items()))
+        """The syncer's last decision per fragment, and why a due merge waits here, for /status."""
+        parts = []
+        for p, reason in sorted(self.syncer.last_decision.items()):
+            held = self.held_reason.get(p)
+            parts.append(f"p{p}: {reason}" + (f" (held: {held})" if held else ""))
+        return "; ".join(parts)

@@ -1,9 +1,8 @@
 """The learner: local AdamW training in ONE dedicated thread that never waits on the network.
 
 The event loop talks to it only through thread-safe hand-offs:
-- `offer_fragment(p, round, params, contributors)`: a newly committed global fragment; taken at the
-  next step boundary (the newest round wins) by the run's apply rule (`sync/apply.py`, the rule
-  the runner's learners use too), which needs the learners whose work the commit merged;
+- `offer_fragment(p, round, params)`: a newly committed global fragment; taken at the next step
+  boundary (the newest round wins), written over the local fragment, its counters reset;
 - `request_state()`: a future filled at the next step boundary with a consistent copy of the
   learner's state (for checkpoints);
 - `stop()`: finish the current step and exit.
@@ -13,7 +12,6 @@ p is due, `on_progress` after each step); the node marshals them onto the loop.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import threading
@@ -28,7 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco_node.learn import data as data_lib
-from diloco_node.sync import apply as apply_lib
 from diloco_node.sync.fragments import FragmentPlan
 from diloco_node.learn.inner import InnerLearner
 from diloco_node.learn.model import ModelConfig
@@ -60,25 +57,6 @@ class LearnerSnapshot:
     c_tokens: list[int]
 
 
-@dataclass(frozen=True, slots=True)
-class _Offer:
-    """A committed fragment waiting for the next step boundary."""
-
-    round: int
-    params: dict[str, np.ndarray]
-    on_device: dict[str, jax.Array]  # copies made on the offering thread (the boundary's fast path)
-    # Learners merged into the offered round and into every offer it replaced (None: not known).
-    contributors: frozenset[str] | None
-
-
-def _merge_contributors(older: frozenset[str] | None, newer: frozenset[str] | None) -> frozenset[str] | None:
-    """Contributors of two offers collapsed into one: a learner whose work is in either round is in
-    the state it takes; unknown (a downloaded fragment) stays unknown."""
-    if older is None or newer is None:
-        return None
-    return older | newer
-
-
 def learner_index(node_id: str) -> int:
     """A stable per-site stream index for the batch sampler (different sites, different batches)."""
     return int.from_bytes(hashlib.sha256(node_id.encode()).digest()[:4], "little")
@@ -101,10 +79,8 @@ class LearnerThread(threading.Thread):
         inner: InnerLearner | None = None,
     ) -> None:
         super().__init__(name=f"learner-{node_id}", daemon=True)
-        self.node_id = node_id  # the learner's name in contributions and commits
         self.plan = plan
         self.manifest = manifest
-        self._apply_rule = apply_lib.ApplyRule.from_sync_spec(manifest.sync)
         if inner is None:
             inner = InnerLearner(cfg, manifest.inner, manifest.seed, global_params)
         else:  # built earlier by the node (its initial weights seeded the replica): take the state
@@ -124,7 +100,7 @@ class LearnerThread(threading.Thread):
         self._on_progress = on_progress
         self._min_step_interval_s = min_step_interval_s
         self._lock = threading.Lock()
-        self._offers: dict[int, _Offer] = {}
+        self._offers: dict[int, tuple[int, dict[str, np.ndarray], dict[str, jax.Array]]] = {}
         self._state_requests: list[Future[LearnerSnapshot]] = []
         self._stop_requested = threading.Event()
         self._go = threading.Event()
@@ -178,23 +154,13 @@ class LearnerThread(threading.Thread):
 
     # ---- thread-safe hand-offs ----------------------------------------------------------------
 
-    def offer_fragment(self, p: int, round_: int, params: dict[str, np.ndarray],
-                       contributors: Iterable[str] | None = None) -> None:
-        """Fragment p reached `round_` with `params`; `contributors`: the learners the commit merged
-        (from its CommitPayload), None when not known (a downloaded or repaired fragment, which is
-        then taken as is). Offers not yet taken collapse into the newest round with the union of
-        their contributors, so "my work is in it" covers every round since the last boundary."""
-        named = None if contributors is None else frozenset(contributors)
+    def offer_fragment(self, p: int, round_: int, params: dict[str, np.ndarray]) -> None:
         # Device copies are made here, on the caller's thread, not at the training thread's boundary.
         on_device = {n: jnp.asarray(v, dtype=jnp.float32) for n, v in params.items()}
         with self._lock:
             current = self._offers.get(p)
-            if current is None:
-                self._offers[p] = _Offer(round_, params, on_device, named)
-            elif current.round < round_:
-                self._offers[p] = _Offer(round_, params, on_device, _merge_contributors(current.contributors, named))
-            else:  # an older round offered late: the newer state already includes its work
-                self._offers[p] = dataclasses.replace(current, contributors=_merge_contributors(current.contributors, named))
+            if current is None or current[0] < round_:
+                self._offers[p] = (round_, params, on_device)
 
     def request_state(self) -> Future[LearnerSnapshot]:
         future: Future[LearnerSnapshot] = Future()
@@ -254,24 +220,22 @@ class LearnerThread(threading.Thread):
     def _boundary(self) -> None:
         with self._lock:
             offers, self._offers = self._offers, {}
-        taken = {p: offer for p, offer in offers.items() if offer.round > self.base_rounds[p]}
+        taken = {p: offer for p, offer in offers.items() if offer[0] > self.base_rounds[p]}
         if taken:
             # One write of all newly committed fragments, straight into the parameter leaves:
             # this runs on the training thread, so it avoids the generic (slower) tree rebuild.
-            incoming: dict[str, Any] = {}
-            for p, offer in taken.items():
-                counters = apply_lib.Counters(self.c_steps[p], self.c_tokens[p])
-                step = apply_lib.choose_step(self._apply_rule, self.node_id, offer.contributors, counters)
-                if step.action == apply_lib.TAKE_MERGED:
-                    incoming.update(offer.on_device)  # the fast path: no host round trip
-                else:
-                    local = self._read_params(offer.params)
-                    incoming.update(apply_lib.new_local(step, self._apply_rule, local, self._base_params[p],
-                                                        offer.params))
-                self.base_rounds[p] = offer.round
-                self._base_params[p] = offer.params
-                self.c_steps[p], self.c_tokens[p] = step.counters.c_steps, step.counters.c_tokens
+            incoming: dict[str, Any] = {n: v for _, _, on_device in taken.values() for n, v in on_device.items()}
+            if self.manifest.sync.apply == "mix":
+                alpha = self.manifest.sync.mix_alpha
+                local = self._read_params(incoming)
+                incoming = {n: (alpha * local[n] + (1 - alpha) * np.asarray(v)).astype(np.float32)
+                            for n, v in incoming.items()}
             self._write_params(incoming)
+            for p, (round_, params, _) in taken.items():
+                self.base_rounds[p] = round_
+                self._base_params[p] = params
+                self.c_steps[p] = 0
+                self.c_tokens[p] = 0
         self._answer_state_requests()
 
     def _read_params(self, names: Iterable[str]) -> dict[str, np.ndarray]:

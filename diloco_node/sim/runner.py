@@ -5,11 +5,8 @@ learners live in one process: their parameters are stacked and stepped by one vm
 AdamW call per clock tick (`inner.StackedLearners`), masked for learners that are mid-step or
 down. Time is virtual: learner m's step takes `base_step_s / speed_m`; a transfer of n bytes takes
 `latency_s + n / bandwidth`. Every exchange is really encoded with `wire.codecs`, so byte counts
-are actual payload lengths. The fragment round is the daemon's: contributions go to the same
-`sync.syncer.Syncer` the lease holder runs (decisions, merge, commit payload), driven here on the
-virtual clock; the mode is a Syncer option (synchronous or not) plus the mode's manifest. Learners
-take merges by the daemon's apply rule (`sync.apply`, `sync/apply.py`). The runner adds no round
-logic and no merge math of its own: it schedules events, moves bytes and counts.
+are actual payload lengths, and merged with the merge helper's modules (`merge`,
+`global_state`, `quorum`, `fragments`): the runner composes them and adds no merge math.
 
 Modes (see `MODES`):
 - `data_parallel`: one model, gradients all-reduced every step (global batch = every live
@@ -21,12 +18,10 @@ Modes (see `MODES`):
   (K = M) and applied before step n + tau + 1 starts, otherwise the learner blocks; plain mean.
 - `decoupled`: Decoupled DiLoCo: K from the manifest (default 1) plus the adaptive grace window,
   token weights, RDA; learners never block, merges are applied at the next step boundary.
-The synchronous modes' K is every live member of the round: the learners live and on the
-schedule when its first contribution was sent (passed to the Syncer with each contribution).
 
 Outages: a learner that is down does not compute (a step in progress is lost). On rejoin it
-downloads every merge it missed (bytes counted) and applies them as a downloaded state (the
-merged fragments taken as they are), which resets its counters. The synchronous baselines are *elastic*: they carry on with the live learners (failure
+downloads every merge it missed (bytes counted), takes the newest global fragments and resets its
+counters. The synchronous baselines are *elastic*: they carry on with the live learners (failure
 detection is assumed instant, which favours them) and a rejoining learner joins at the next
 round. Idle time = time a live learner spends blocked (on slower peers or on the network);
 `idle_fraction` = idle / (idle + compute) over all learners.
@@ -52,10 +47,8 @@ from diloco_node.learn import model as model_lib
 from diloco_node.sync.fragments import FragmentPlan, is_embedding, plan_fragments
 from diloco_node.sync.global_state import GlobalState
 from diloco_node.learn.inner import InnerLearner, StackedLearners
-from diloco_node.sync.merge import Contribution
-from diloco_node.sync.quorum import DEFAULT_MIN_ROUND_INTERVAL_FACTOR
-from diloco_node.sync import apply as apply_lib
-from diloco_node.sync.syncer import MERGE, WAKE, OpenRound, Syncer, SyncerOptions
+from diloco_node.sync.merge import Contribution, ContributionCaps, NormReference, merge_contributions
+from diloco_node.sync.quorum import DEFAULT_MIN_ROUND_INTERVAL_FACTOR, Ema, QuorumPolicy, TimingEstimates, decide_round
 from diloco_node.config.manifest import RunManifest
 from wire.codecs import decode_named, encode_named
 
@@ -109,6 +102,10 @@ class RunnerConfig:
     final_sync: bool = True
     # decoupled: rho of the per-fragment round rate limit (quorum.py); 0 disables it
     min_round_interval_factor: float = DEFAULT_MIN_ROUND_INTERVAL_FACTOR
+    # Not the paper's rule (it overwrites): when a merge with this learner's contribution is
+    # applied, keep the local progress made on the fragment since that contribution was sent,
+    # theta_p <- Theta_p + (theta_p,now - theta_p,at send), instead of discarding those steps.
+    keep_inflight_progress: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -314,30 +311,21 @@ class _DataParallel:
 
 @dataclass(frozen=True)
 class _ModePolicy:
-    manifest: RunManifest  # the run's manifest with the mode's fragments, overlap, merge and weighting
+    fragments: int
+    overlap: int
     blocking: bool  # learners wait for a sent fragment's merge by step n + overlap
-    synchronous: bool  # K = every live member of the round (the Syncer's synchronous option)
-
-    @property
-    def fragments(self) -> int:
-        return self.manifest.sync.fragments
-
-    @property
-    def overlap(self) -> int:
-        return self.manifest.sync.overlap
+    all_live: bool  # K = every live member of the round (synchronous)
+    method: str
+    weighting: str
 
 
 def _mode_policy(config: RunnerConfig) -> _ModePolicy:
-    """A mode is a manifest plus two switches: the baselines merge with a plain mean of uniform
-    weights, DiLoCo over the whole model (P = 1) with no overlap."""
-    manifest, sync = config.manifest, config.manifest.sync
+    sync = config.manifest.sync
     if config.mode == "diloco":
-        synchronous = dataclasses.replace(sync, fragments=1, overlap=0, merge="mean", weighting="uniform")
-        return _ModePolicy(dataclasses.replace(manifest, sync=synchronous), True, True)
+        return _ModePolicy(1, 0, True, True, "mean", "uniform")
     if config.mode == "streaming":
-        synchronous = dataclasses.replace(sync, merge="mean", weighting="uniform")
-        return _ModePolicy(dataclasses.replace(manifest, sync=synchronous), True, True)
-    return _ModePolicy(manifest, False, False)
+        return _ModePolicy(sync.fragments, sync.overlap, True, True, "mean", "uniform")
+    return _ModePolicy(sync.fragments, sync.overlap, False, False, sync.merge, sync.weighting)
 
 
 @dataclass
@@ -347,8 +335,7 @@ class _MergeMsg:
     params: dict[str, np.ndarray]  # Theta_p after the merge (the learner's replica computes the same bits)
     nbytes: int  # encoded merged outer gradient: what crosses the link
     arrival: float
-    # learners whose contribution this merge accepted; None: applied as a downloaded state
-    contributors: frozenset[str] | None = frozenset()
+    contributors: frozenset[str] = frozenset()  # learners whose contribution this merge accepted
 
 
 @dataclass
@@ -368,10 +355,20 @@ class _LearnerState:
     base_params: list[dict[str, np.ndarray]] = field(default_factory=list)
     awaiting: dict[int, int] = field(default_factory=dict)  # fragment -> last step allowed before its merge
     sent_step: dict[int, int] = field(default_factory=dict)  # fragment -> sync_step of its last send
+    # fragment -> (local fragment, c_steps, c_tokens) at its last send (keep_inflight_progress only)
+    sent_local: dict[int, tuple[dict[str, np.ndarray], int, int]] = field(default_factory=dict)
     inbox: list[_MergeMsg] = field(default_factory=list)
     missed: list[_MergeMsg] = field(default_factory=list)
     compute_s: float = 0.0
     idle_s: float = 0.0
+
+
+@dataclass
+class _Round:
+    opened_at: float
+    members: frozenset[str]
+    first_sent_at: float
+    pending: dict[str, tuple[Contribution, float, float]] = field(default_factory=dict)  # (c, arrived, sent)
 
 
 _STEP, _ARRIVE, _WAKE, _DELIVER, _DOWN, _UP = range(6)
@@ -383,29 +380,31 @@ class _FragmentSync:
     def __init__(self, config: RunnerConfig, setup: _Setup, on_progress):
         self.config, self.setup, self.on_progress = config, setup, on_progress
         self.policy = _mode_policy(config)
-        sync = self.policy.manifest.sync
+        sync = config.manifest.sync
+        period = max(sync.period, self.policy.fragments)
         shapes = {n: a.shape for n, a in setup.initial.items()}
-        self.plan: FragmentPlan = plan_fragments(shapes, sync.fragments, sync.period, sync.overlap)
+        self.plan: FragmentPlan = plan_fragments(shapes, self.policy.fragments, period, self.policy.overlap)
+        self.period = period
         self.global_state = GlobalState(self.plan, setup.initial, config.manifest.outer)
-        self.apply_rule = apply_lib.ApplyRule.from_sync_spec(sync)
-        # The same Syncer the daemon's lease holder runs; the mode is its options. Decoupled rounds
-        # of a fragment are rate-limited to its period (rho), so a straggler's out-of-phase
-        # contribution joins the next on-time round instead of merging alone.
-        options = SyncerOptions(synchronous=self.policy.synchronous,
-                                min_round_interval_factor=config.min_round_interval_factor,
-                                download_s=config.link.transfer_s)
-        self.syncer = Syncer(self.policy.manifest, [n for n in setup.initial if is_embedding(n)], options)
+        self.caps = ContributionCaps(sync.max_tokens_per_step, sync.max_steps_per_contribution)
+        self.embedding_names = [n for n in setup.initial if is_embedding(n)]
+        self.norm_ref = NormReference()
+        # Decoupled: rounds of a fragment are rate-limited to its period (QuorumPolicy's rho), so a
+        # straggler's out-of-phase contribution joins the next on-time round instead of merging alone.
+        self.quorum = QuorumPolicy(sync.min_quorum, sync.grace_gamma, sync.grace_cap_s, self.policy.overlap,
+                                   period_steps=period, min_round_interval_factor=config.min_round_interval_factor)
+        self.last_merge_at: dict[int, float] = {}  # fragment -> time of its last outer step
         M = config.num_learners
         self.learners = [_LearnerState(m, f"learner-{m}", config.base_step_s / config.speed(m)) for m in range(M)]
-        self._learner_by_name = {st.name: st for st in self.learners}
+        self._by_name = {st.name: st for st in self.learners}
         P = self.plan.num_fragments
         for st in self.learners:
             st.c_steps, st.c_tokens = [0] * P, [0] * P
             st.base_round = [0] * P
             st.base_params = [self.global_state.fragment_params(p) for p in range(P)]
         self.stack = StackedLearners(setup.cfg, _inner_for(config), M, config.manifest.seed, setup.initial)
+        self.rounds: dict[int, _Round] = {}
         self.events: list[tuple[float, int, int, object]] = []
-        self._wake_at: dict[int, float] = {}  # fragment -> when its round's current timer fires
         self._seq = 0
         self.bytes_up = self.bytes_down = 0
         self.merges = self.merges_outage = 0
@@ -414,11 +413,13 @@ class _FragmentSync:
         self.now = 0.0
         self.stop_time: float | None = None
         self.merge_log: list[str] = []
-        # Timing estimates for the grace window, known before the first round: step times from
-        # progress reports, the sync time from a link probe (one fragment up and down).
+        # Timing estimates for the grace window. The syncer primes them from what it knows before
+        # the first round: step times from progress reports, sync time from a link probe.
+        self.xi_step, self.xi_quorum, self.xi_sync = Ema(), Ema(), Ema()
+        self.xi_step.update(config.base_step_s / max(config.speed(m) for m in range(M)))
+        self.xi_quorum.update(0.0)
         probe = len(encode_named(self.global_state.fragment_params(0), sync.codec_up))
-        self.syncer.prime(step_s=config.base_step_s / max(config.speed(m) for m in range(M)), quorum_s=0.0,
-                          sync_s=2 * config.link.transfer_s(probe))
+        self.xi_sync.update(2 * config.link.transfer_s(probe))
         self._zero_batch = np.zeros((config.manifest.inner.batch_size, config.manifest.model.seq_len), np.int32)
         self._losses: list[tuple[np.ndarray, object]] = []
         self.curve: list[tuple[float, int, float]] = []
@@ -448,7 +449,26 @@ class _FragmentSync:
                 self._start_step(st, 0.0)
             else:
                 st.down = True
-        self._drain()
+        while self.events:
+            t, _, _, (kind, payload) = heapq.heappop(self.events)
+            self.now = t
+            if kind == _STEP:
+                group = [payload]
+                while self.events and self.events[0][1] == _STEP and abs(self.events[0][0] - t) <= TIME_EPS:
+                    group.append(heapq.heappop(self.events)[3][1])
+                self._steps_done(sorted(group), t)
+            elif kind == _ARRIVE:
+                self._arrive(payload, t)
+            elif kind == _WAKE:
+                self._evaluate_round(payload, t)
+            elif kind == _DELIVER:
+                st = self.learners[payload]
+                if st.blocked_since is not None and not st.down:
+                    self._boundary(st, t, stepped=False)
+            elif kind == _DOWN:
+                self._go_down(self.learners[payload], t)
+            elif kind == _UP:
+                self._come_up(self.learners[payload], t)
         self._flush_losses()
         eval_end = _evaluate(self.setup, self.global_state.all_params(), evaluate, template)
         compute = sum(st.compute_s for st in self.learners)
@@ -462,31 +482,6 @@ class _FragmentSync:
             wall_s=0.0, data_parallel_bytes_equivalent=dp_equiv, merge_log=self.merge_log, loss_curve=self.curve,
             missed_merges_applied=self.missed_merges_applied,
         )
-
-    def _drain(self) -> None:
-        """Process events in virtual-time order until none is left."""
-        while self.events:
-            t, _, _, (kind, payload) = heapq.heappop(self.events)
-            self.now = t
-            if kind == _STEP:
-                group = [payload]
-                while self.events and self.events[0][1] == _STEP and abs(self.events[0][0] - t) <= TIME_EPS:
-                    group.append(heapq.heappop(self.events)[3][1])
-                self._steps_done(sorted(group), t)
-            elif kind == _ARRIVE:
-                self._arrive(payload, t)
-            elif kind == _WAKE:
-                if self._wake_at.get(payload) == t:  # a later answer replaced this timer
-                    del self._wake_at[payload]
-                    self._evaluate_round(payload, t)
-            elif kind == _DELIVER:
-                st = self.learners[payload]
-                if st.blocked_since is not None and not st.down:
-                    self._boundary(st, t, stepped=False)
-            elif kind == _DOWN:
-                self._go_down(self.learners[payload], t)
-            elif kind == _UP:
-                self._come_up(self.learners[payload], t)
 
     # --- learners ---
 
@@ -585,23 +580,44 @@ class _FragmentSync:
         for msg in sorted(ready, key=lambda m: (m.fragment, m.round)):
             self._apply_merge(st, msg)
 
-    def _apply_merge(self, st: _LearnerState, msg: _MergeMsg) -> None:
-        """The learner takes a committed fragment by the run's apply rule (sync/apply.py), the
-        rule the daemon's learner thread runs."""
+    def _apply_merge(self, st: _LearnerState, msg: _MergeMsg, overwrite: bool = False) -> None:
         p = msg.fragment
         st.awaiting.pop(p, None)  # the round it waited for is closed (merged, or nothing acceptable)
         if msg.round <= st.base_round[p]:
             return
-        counters = apply_lib.Counters(st.c_steps[p], st.c_tokens[p])
-        step = apply_lib.choose_step(self.apply_rule, st.name, msg.contributors, counters)
-        if step.action == apply_lib.TAKE_MERGED:
-            self.stack.set_flat(st.index, msg.params)
-        else:
+        sync = self.config.manifest.sync
+        if not overwrite and st.name not in msg.contributors and st.c_steps[p] > 0:
+            # A merge without this learner's pending work (e.g. a straggler's lone round): take the
+            # global change on top of the local model and keep the unsent progress and counters.
             local = self.stack.get_flat(st.index, msg.params)
-            self.stack.set_flat(st.index, apply_lib.new_local(step, self.apply_rule, local, st.base_params[p], msg.params))
+            base = st.base_params[p]
+            self.stack.set_flat(st.index, {n: (local[n] + (v - base[n])).astype(np.float32) for n, v in msg.params.items()})
+            st.base_round[p] = msg.round
+            st.base_params[p] = msg.params
+            return
+        sent = st.sent_local.pop(p, None)
+        if self.config.keep_inflight_progress and not overwrite and sent is not None and st.name in msg.contributors:
+            # Steps taken since the send are not in the merge: carry them over, counters included.
+            at_send, steps_at_send, tokens_at_send = sent
+            local = self.stack.get_flat(st.index, msg.params)
+            self.stack.set_flat(st.index, {n: (v + (local[n] - at_send[n])).astype(np.float32)
+                                           for n, v in msg.params.items()})
+            st.base_round[p] = msg.round
+            st.base_params[p] = msg.params
+            st.c_steps[p] = max(0, st.c_steps[p] - steps_at_send)
+            st.c_tokens[p] = max(0, st.c_tokens[p] - tokens_at_send)
+            return
+        if sync.apply == "mix" and not overwrite:
+            local = self.stack.get_flat(st.index, msg.params)
+            new = {n: (sync.mix_alpha * local[n] + (1 - sync.mix_alpha) * v).astype(np.float32)
+                   for n, v in msg.params.items()}
+        else:
+            new = msg.params
+        self.stack.set_flat(st.index, new)
         st.base_round[p] = msg.round
         st.base_params[p] = msg.params
-        st.c_steps[p], st.c_tokens[p] = step.counters.c_steps, step.counters.c_tokens
+        st.c_steps[p] = 0
+        st.c_tokens[p] = 0
 
     def _send(self, st: _LearnerState, p: int, t: float) -> None:
         sync = self.config.manifest.sync
@@ -612,6 +628,8 @@ class _FragmentSync:
         self.bytes_up += len(payload)
         contribution = Contribution(st.name, p, st.base_round[p], decode_named(payload), st.c_steps[p], st.c_tokens[p])
         st.sent_step[p] = st.sync_step
+        if self.config.keep_inflight_progress:
+            st.sent_local[p] = (local, st.c_steps[p], st.c_tokens[p])
         if self.policy.blocking:
             st.awaiting[p] = st.sync_step + self.policy.overlap
         self._push(t + self.config.link.transfer_s(len(payload)), _ARRIVE, (contribution, t))
@@ -644,19 +662,19 @@ class _FragmentSync:
         # Merges in flight to it are lost with it; it will fetch them on rejoin.
         st.missed.extend(st.inbox)
         st.inbox = []
-        for p in list(self.syncer.rounds):
+        for p in list(self.rounds):
             self._evaluate_round(p, t)
 
     def _come_up(self, st: _LearnerState, t: float) -> None:
         st.down = False
-        # Every missed merge is downloaded and applied in order, as a downloaded state (the work
-        # of the interrupted learner is no base to build on); counters restart.
+        # Every missed merge is downloaded and applied in order; counters restart.
         for msg in sorted(st.missed, key=lambda m: (m.fragment, m.round)):
             self.bytes_down += msg.nbytes
-            self._apply_merge(st, dataclasses.replace(msg, contributors=None))
+            self._apply_merge(st, msg, overwrite=True)
             self.missed_merges_applied += 1
         st.missed = []
         st.awaiting.clear()
+        st.sent_local.clear()
         for p in range(self.plan.num_fragments):
             st.c_steps[p] = st.c_tokens[p] = 0
         if self.stop_time is not None:
@@ -674,44 +692,72 @@ class _FragmentSync:
 
     def _arrive(self, payload: tuple[Contribution, float], t: float) -> None:
         contribution, sent_at = payload
-        # Members of a round it opens: learners live and on the schedule when it was sent
-        # (used by the synchronous modes, whose K is every live member).
-        members = {st.name for st in self.learners
-                   if not st.down and not st.joining and st.active_since < sent_at + TIME_EPS}
-        # The runner knows each learner's step time (what progress reports would tell a syncer).
-        self.syncer.add(contribution, t, t - sent_at, step_s=self._learner_by_name[contribution.learner].step_s,
-                        members=members)
-        self._evaluate_round(contribution.fragment, t)
+        p = contribution.fragment
+        rnd = self.rounds.get(p)
+        if rnd is None:
+            # Members: learners live and on the schedule when the first contribution was sent.
+            members = {st.name for st in self.learners
+                       if not st.down and not st.joining and st.active_since < sent_at + TIME_EPS}
+            rnd = self.rounds[p] = _Round(opened_at=t, first_sent_at=sent_at,
+                                          members=frozenset(members | {contribution.learner}))
+        # A newer contribution from the same learner supersedes its older one (it includes its steps).
+        rnd.pending[contribution.learner] = (contribution, t, sent_at)
+        self.xi_step.update(self._by_name[contribution.learner].step_s)
+        self._evaluate_round(p, t)
 
     def _evaluate_round(self, p: int, t: float) -> None:
-        decision = self.syncer.decide(p, t, self._live())
-        if decision is None:
+        rnd = self.rounds.get(p)
+        if rnd is None:
             return
-        if decision.action == MERGE:
-            self._merge(p, t, decision.reason, self.syncer.take(p, decision))
-        elif decision.action == WAKE:
-            # One timer per fragment, as the daemon keeps: the newest answer replaces the older.
-            self._wake_at[p] = decision.wake_at
+        arrivals = {name: at for name, (_, at, _) in rnd.pending.items()}
+        live = self._live()
+        if self.policy.all_live:
+            members_live = len(rnd.members & live | set(arrivals))
+            # K = M already aligns rounds: no rate limit.
+            policy = QuorumPolicy(max(1, members_live), 0.0, 0.0, self.policy.overlap, min_round_interval_factor=0.0)
+            live_count = members_live
+        else:
+            policy = self.quorum
+            live_count = len(live | set(arrivals))
+        estimates = TimingEstimates(self.xi_step.value, self.xi_quorum.value, self.xi_sync.value)
+        decision = decide_round(t, rnd.opened_at, arrivals, live_count, policy, estimates,
+                                last_merge_at=self.last_merge_at.get(p))
+        if decision.merge_now:
+            self._merge(p, rnd, t, decision.reason, decision.quorum_at, decision.held_s)
+        elif decision.wake_at is not None:
             self._push(decision.wake_at, _WAKE, p)
 
-    def _merge(self, p: int, t: float, why: str, rnd: OpenRound) -> None:
-        plan = self.syncer.plan_commit(p, rnd, self.global_state, None, why)
-        self.merge_log.append(f"t={t:.2f} {plan.reason}")
-        merged = plan.merged
-        if merged is None:
+    def _merge(self, p: int, rnd: _Round, t: float, why: str, quorum_at: float | None, held_s: float = 0.0) -> None:
+        del self.rounds[p]
+        sync = self.config.manifest.sync
+        contributions = [c for c, _, _ in rnd.pending.values()]
+        result = merge_contributions(
+            contributions, self.global_state.fragment_params(p), self.global_state.history(p),
+            method=self.policy.method, weighting=self.policy.weighting, caps=self.caps,
+            embedding_names=self.embedding_names, reference_norm=self.norm_ref.get(p),
+        )
+        self.norm_ref.update(p, result.round_median_norm)
+        self.merge_log.append(f"t={t:.2f} fragment {p}: {why}; {result.reason}"
+                              + "".join(f"; {r}" for _, r in result.rejected))
+        if quorum_at is not None:
+            # Time spent holding early contributions is not time waiting for quorum.
+            self.xi_quorum.update(max(0.0, quorum_at - rnd.opened_at - held_s))
+        if result.outer_gradient is None:
             nbytes = 0  # nothing merged: waiting learners are released with the unchanged fragment
-            contributors: frozenset[str] = frozenset()
         else:
-            nbytes = len(merged.encoded)
+            encoded = encode_named(result.outer_gradient, sync.codec_down)
+            nbytes = len(encoded)
             # The syncer applies exactly the dequantized bits it broadcasts.
-            self.global_state.apply_outer_gradient(p, merged.outer_gradient)
-            self.syncer.note_proposed(p, t)
+            self.global_state.apply_outer_gradient(p, decode_named(encoded))
             self.merges += 1
+            self.last_merge_at[p] = t
             if self._in_outage(t):
                 self.merges_outage += 1
-            contributors = frozenset(merged.contributors)
         down_s = self.config.link.transfer_s(nbytes)
+        up_s = float(np.mean([arrived - sent for _, arrived, sent in rnd.pending.values()]))
+        self.xi_sync.update(up_s + down_s)
         msg_round = self.global_state.round(p)
+        contributors = frozenset(name for name, _ in result.accepted)
         params = self.global_state.fragment_params(p)
         for st in self.learners:
             msg = _MergeMsg(p, msg_round, params, nbytes, t + down_s, contributors)
