@@ -73,7 +73,7 @@ def benchmark_manifest(steps: int, seed: int) -> RunManifest:
 
 def run_all(steps: int, modes: list[str], scenarios: list[str], seed: int, verbose: bool = True,
             min_round_interval_factor: float = runner.DEFAULT_MIN_ROUND_INTERVAL_FACTOR,
-            overrides: dict[str, dict[str, object]] | None = None, keep_inflight_progress: bool = False,
+            overrides: dict[str, dict[str, object]] | None = None,
             dp_overrides: dict[str, dict[str, object]] | None = None) -> dict:
     """`overrides` change the manifest of the fragment modes (diloco, streaming, decoupled),
     `dp_overrides` that of data_parallel, so a learner-side setting never moves the baseline."""
@@ -87,8 +87,7 @@ def run_all(steps: int, modes: list[str], scenarios: list[str], seed: int, verbo
         for mode in modes:
             config = runner.RunnerConfig(dp_manifest if mode == "data_parallel" else manifest, mode,
                                          NUM_LEARNERS, steps, speeds=speeds, outages=outages,
-                                         min_round_interval_factor=min_round_interval_factor,
-                                         keep_inflight_progress=keep_inflight_progress)
+                                         min_round_interval_factor=min_round_interval_factor)
             result = runner.run(config, corpus)
             row = {
                 "mode": mode, "scenario": scenario, "eval_loss": round(result.eval_loss, 4),
@@ -105,8 +104,7 @@ def run_all(steps: int, modes: list[str], scenarios: list[str], seed: int, verbo
     config = {"num_learners": NUM_LEARNERS, "steps_per_learner": steps, "seed": seed,
               "manifest": manifest.to_dict(), "data_parallel_manifest": dp_manifest.to_dict(), "base_step_s": 1.0,
               "link": dataclasses.asdict(runner.LinkModel()), "straggler_slowdown": runner.STRAGGLER_SLOWDOWN,
-              "corpus": corpus.description, "min_round_interval_factor": min_round_interval_factor,
-              "keep_inflight_progress": keep_inflight_progress}
+              "corpus": corpus.description, "min_round_interval_factor": min_round_interval_factor}
     return {"results": results, "config": config}
 
 
@@ -151,9 +149,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="override a manifest value of the fragment modes, e.g. outer.lr=0.9 (repeatable)")
     parser.add_argument("--dp-set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="dp_overrides",
                         help="override a manifest value of data_parallel only, e.g. inner.lr_peak=0.006")
-    parser.add_argument("--keep-inflight-progress", action="store_true",
-                        help="fragment modes: a learner applying a merge keeps the steps it took since its send "
-                             "(not the paper's overwrite)")
     args = parser.parse_args(argv)
     steps = args.steps or (QUICK_STEPS if args.quick else FULL_STEPS)
     try:
@@ -166,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     report = run_all(steps, args.modes.split(","), args.scenarios.split(","), args.seed,
                      min_round_interval_factor=args.min_round_interval_factor,
-                     overrides=overrides, dp_overrides=dp_overrides,
-                     keep_inflight_progress=args.keep_inflight_progress)
+                     overrides=overrides, dp_overrides=dp_overrides)
     report["config"]["total_wall_s"] = round(time.perf_counter() - started, 1)
     for line in summary(report):
         print(line)

@@ -8,10 +8,17 @@ directly), and the sans-IO cores take `now` as an argument, so a test can run an
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
+
+
+class Timer(Protocol):
+    def cancel(self) -> None: ...
 
 
 class Clock(Protocol):
@@ -21,9 +28,12 @@ class Clock(Protocol):
     async def sleep(self, seconds: float) -> None:
         """Suspend the calling task for `seconds` of this clock's time."""
 
+    def call_at(self, when: float, callback: Callable[[], object]) -> Timer:
+        """Run `callback` (on the event loop) once this clock reads `when` or later."""
+
 
 class SystemClock:
-    """The host's monotonic clock and asyncio's sleep."""
+    """The host's monotonic clock, asyncio's sleep and the running loop's timers."""
 
     def monotonic(self) -> float:
         return time.monotonic()
@@ -31,15 +41,29 @@ class SystemClock:
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
 
+    def call_at(self, when: float, callback: Callable[[], object]) -> Timer:
+        return asyncio.get_running_loop().call_later(max(0.0, when - time.monotonic()), callback)
+
+
+class _FakeTimer:
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
 
 class FakeClock:
-    """A clock that moves only when told: `advance(s)`, or a `sleep(s)` (which advances by s).
+    """A clock that moves only when told: `advance(s)`, or a `sleep(s)` (which advances by s);
+    timers set with `call_at` run as `advance` passes their time.
 
     Calling the instance returns the time, so it also serves where a plain `() -> float` is wanted.
     """
 
     def __init__(self, start: float = 1000.0) -> None:
         self.now = start
+        self._timers: list[tuple[float, int, _FakeTimer, Callable[[], object]]] = []
+        self._order = itertools.count()
 
     def __call__(self) -> float:
         return self.now
@@ -48,9 +72,28 @@ class FakeClock:
         return self.now
 
     def advance(self, seconds: float) -> None:
+        """Move time on, running every timer that falls due on the way, in time order, each with
+        the clock reading its due time."""
         if seconds < 0:
             raise ValueError(f"a monotonic clock cannot go back ({seconds} s)")
-        self.now += seconds
+        end = self.now + seconds
+        while self._timers and self._timers[0][0] <= end:
+            when, _, timer, callback = heapq.heappop(self._timers)
+            self.now = max(self.now, when)
+            if not timer.cancelled:
+                callback()
+        self.now = end
+
+    def next_due(self) -> float | None:
+        """When the earliest pending timer falls due (None when none is pending)."""
+        while self._timers and self._timers[0][2].cancelled:
+            heapq.heappop(self._timers)
+        return self._timers[0][0] if self._timers else None
+
+    def call_at(self, when: float, callback: Callable[[], object]) -> Timer:
+        timer = _FakeTimer()
+        heapq.heappush(self._timers, (when, next(self._order), timer, callback))
+        return timer
 
     async def sleep(self, seconds: float) -> None:
         self.advance(max(0.0, seconds))

@@ -89,6 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     sync.add_argument("--weighting", choices=("tokens", "uniform"))
     sync.add_argument("--apply", choices=("overwrite", "mix"))
     sync.add_argument("--mix-alpha", type=float)
+    sync.add_argument("--keep-unmerged", action=argparse.BooleanOptionalAction, default=None,
+                      help="a merge without a learner's contribution keeps its unsent progress (default: on)")
 
 
 def _load_manifest_file(path: str) -> RunManifest:
@@ -129,7 +131,8 @@ def build_manifest(args: argparse.Namespace) -> RunManifest:
         sync=_override(manifest.sync, fragments=args.fragments, period=args.period, overlap=args.overlap,
                        min_quorum=args.min_quorum, grace_gamma=args.grace_gamma, grace_cap_s=args.grace_cap_s,
                        codec_up=args.codec_up, codec_down=args.codec_down, merge=args.merge,
-                       weighting=args.weighting, apply=args.apply, mix_alpha=args.mix_alpha),
+                       weighting=args.weighting, apply=args.apply, mix_alpha=args.mix_alpha,
+                       keep_unmerged=args.keep_unmerged),
         seed=manifest.seed if args.config else args.seed,
     )
 

@@ -133,6 +133,9 @@ class SyncSpec:
     weighting: str = "tokens"
     apply: str = "overwrite"
     mix_alpha: float = 0.5
+    # A merge that lacks this learner's contribution: keep its unsent progress on top of the merge
+    # (and its counters) instead of discarding it (sync/apply.py; measured in docs/PARITY.md).
+    keep_unmerged: bool = True
     max_tokens_per_step: int = 1 << 20
     max_steps_per_contribution: int = 1 << 16
 

@@ -19,7 +19,7 @@ from typing import Any
 from bootstrap import messages as coord
 from bootstrap.coordinator_node import CoordinatorNode
 from bootstrap.entries import EntryKind
-from diloco_node.clock import Clock
+from diloco_node.clock import Clock, Timer
 from diloco_node.config.manifest import RunManifest
 from diloco_node.daemon import peers
 from diloco_node.daemon.tasks import TaskSet
@@ -27,7 +27,7 @@ from diloco_node.learn.learner_thread import DueFragment
 from diloco_node.ops.status import Counter
 from diloco_node.sync.fragments import FragmentPlan
 from diloco_node.sync.merge import Contribution
-from diloco_node.sync.replica import CommitPayload, Replica
+from diloco_node.sync.replica import Replica
 from diloco_node.sync.syncer import CommitPlan, OpenRound, Syncer
 from diloco_node.transport import PeerClient, TransportError
 from wire import messages as wire
@@ -39,9 +39,6 @@ log = logging.getLogger("diloco_node.daemon")
 # A contribution upload may take this long before it is dropped (the learner sends again at its
 # next slot, with the steps of both).
 CONTRIBUTION_DEADLINE_S = 60.0
-# A round held by the node (a merge in flight, the replica behind its own log) is looked at again
-# after this long; the coordination tick has the same resolution.
-HELD_RETRY_S = 0.05
 
 
 class RoundDriver:
@@ -71,8 +68,7 @@ class RoundDriver:
         self.contributions_sent = contributions_sent
         self.merges_proposed = merges_proposed
         self.merging = False
-        self.held_reason: dict[int, str] = {}  # fragment -> why a due merge waits on this node
-        self._wake_handles: dict[int, asyncio.TimerHandle] = {}
+        self._wake_timers: dict[int, Timer] = {}
         self._held_lease = False
 
     # ------------------------------------------------------------------ learner -> network
@@ -121,38 +117,33 @@ class RoundDriver:
             raise RemoteProtocolError(f"contribution from {message.learner_id}: {error}", 400) from None
         contribution = Contribution(message.learner_id, message.fragment, message.base_round, delta,
                                     message.c_steps, message.c_tokens)
-        self.syncer.add(contribution, self.clock.monotonic(), transfer_s)
+        self.syncer.add(contribution, self.clock.monotonic(), transfer_s=transfer_s)
         self.evaluate(message.fragment)
 
-    def _live_learners(self) -> int:
-        return sum(1 for record in self.coordination.membership.members.values()
-                   if record.role is coord.MemberRole.LEARNER
-                   and record.state in (coord.MemberState.ALIVE, coord.MemberState.SUSPECT))
+    def _live_learners(self) -> list[str]:
+        return [node_id for node_id, record in self.coordination.membership.members.items()
+                if record.role is coord.MemberRole.LEARNER
+                and record.state in (coord.MemberState.ALIVE, coord.MemberState.SUSPECT)]
 
     def evaluate(self, p: int) -> None:
+        """Ask the syncer about fragment p's round; a wake-at answer becomes a timer, a merge a task."""
         now = self.clock.monotonic()
         if not self.coordination.is_lease_holder(now):
             return
-        decision = self.syncer.decide(p, now, self._live_learners())
+        # One merge at a time, and only on a state that includes every entry of our own log, so the
+        # round we propose is exactly the next one for this fragment.
+        blocked = "a merge of another fragment is in flight" if self.merging else self.replica_behind()
+        decision = self.syncer.decide(p, now, self._live_learners(), blocked=blocked)
         if decision is None:
             return
-        loop = asyncio.get_running_loop()
         if decision.wake_at is not None:
-            handle = self._wake_handles.pop(p, None)
-            if handle is not None:
-                handle.cancel()
-            self._wake_handles[p] = loop.call_later(max(0.0, decision.wake_at - now), self.evaluate, p)
+            timer = self._wake_timers.pop(p, None)
+            if timer is not None:
+                timer.cancel()
+            self._wake_timers[p] = self.clock.call_at(decision.wake_at, lambda: self.evaluate(p))
             return
         if not decision.merge_now:
             return
-        # One merge at a time, and only on a state that includes every entry of our own log, so the
-        # round we propose is exactly the next one for this fragment.
-        held = "a merge of another fragment is in flight" if self.merging else self.replica_behind()
-        if held:
-            self.held_reason[p] = held
-            loop.call_later(HELD_RETRY_S, self.evaluate, p)
-            return
-        self.held_reason.pop(p, None)
         rnd = self.syncer.take(p, decision)
         self.merging = True
         self.tasks.spawn(self._merge_and_propose(p, rnd, decision.reason), name=f"merge-{p}")
@@ -162,20 +153,19 @@ class RoundDriver:
             loop = asyncio.get_running_loop()
             plan: CommitPlan = await loop.run_in_executor(
                 self.executor, self.syncer.plan_commit, p, rnd, self.replica.state, self.replica.digest_after, reason)
-            merged = plan.merged
-            if merged is None:
+            if not plan.proposes:
                 if plan.failed:
                     self.report_error(plan.reason)
                 else:
                     log.info("%s syncer: %s", self.node_id, plan.reason)
                 return
             log.info("%s syncer: %s", self.node_id, plan.reason)
-            payload = CommitPayload(merged.encoded, tuple(n for n, _ in merged.result.accepted),
-                                    tuple(w for _, w in merged.result.accepted), merged.norm_ref).encode()
+            merged = plan.merged
+            assert merged is not None
             if merged.round != self.replica.state.round(p) + 1:
                 self.report_error(f"fragment {p}: state moved during the merge; round dropped")
                 return
-            entry, why, actions = self.coordination.propose(self.clock.monotonic(), EntryKind.OUTER_COMMIT, payload,
+            entry, why, actions = self.coordination.propose(self.clock.monotonic(), EntryKind.OUTER_COMMIT, plan.payload,
                                                             fragment=p, round=merged.round, digest=plan.digest)
             if entry is None:
                 self.report_error(f"fragment {p} merge not proposed: {why}")
@@ -198,19 +188,14 @@ class RoundDriver:
         their next slot); a gained one continues from the norm references the log committed."""
         holder = self.coordination.is_lease_holder(self.clock.monotonic())
         if self._held_lease and not holder:
-            self.syncer.reset()
-            for handle in self._wake_handles.values():
-                handle.cancel()
-            self._wake_handles.clear()
-            self.held_reason.clear()
+            self.syncer.lease_lost()
+            for timer in self._wake_timers.values():
+                timer.cancel()
+            self._wake_timers.clear()
         if holder and not self._held_lease:
-            self.syncer.adopt_norm_references(self.replica.norm_refs)
+            self.syncer.lease_gained(self.replica.norm_refs)
         self._held_lease = holder
 
     def quorum_reason(self) -> str:
-        """The syncer's last decision per fragment, and why a due merge waits here, for /status."""
-        parts = []
-        for p, reason in sorted(self.syncer.last_decision.items()):
-            held = self.held_reason.get(p)
-            parts.append(f"p{p}: {reason}" + (f" (held: {held})" if held else ""))
-        return "; ".join(parts)
+        """The syncer's last decision per fragment (held ones say why), for /status."""
+        return "; ".join(f"p{p}: {reason}" for p, reason in sorted(self.syncer.last_decision.items()))

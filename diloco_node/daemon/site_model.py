@@ -62,7 +62,7 @@ def build_site_model(manifest: RunManifest, *, learner: bool) -> SiteModel:
     if too_big:
         raise ConfigError("the run's fragments do not fit the wire limits: " + "; ".join(too_big))
     replica = Replica(plan, initial, manifest.outer)
-    syncer = Syncer(manifest, [n for n in initial if is_embedding(n)])
+    syncer = Syncer(manifest, plan, [n for n in initial if is_embedding(n)])
     return SiteModel(manifest, cfg, corpus, inner, plan, replica, syncer)
 
 

@@ -99,11 +99,14 @@ class StateKeeper:
             self.report_error(outcome.reason)
             self.repair(outcome.fragment)
         if outcome.applied and outcome.fragment is not None:
-            self._offer(outcome.fragment)
+            self._offer(outcome.fragment, outcome.contributors)
 
-    def _offer(self, p: int) -> None:
+    def _offer(self, p: int, contributors: tuple[str, ...] = ()) -> None:
+        """Hand the current fragment p to the learner; `contributors` of the commit that made it
+        (none for a downloaded or repaired fragment: the learner keeps its unsent work on top)."""
         if self.learner is not None:
-            self.learner.offer_fragment(p, self.replica.state.round(p), self.replica.state.fragment_params(p))
+            self.learner.offer_fragment(p, self.replica.state.round(p), self.replica.state.fragment_params(p),
+                                        contributors)
 
     # ------------------------------------------------------------------ replacing the state
 

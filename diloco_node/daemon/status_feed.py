@@ -56,8 +56,7 @@ class StatusFeed:
         quorum = QuorumStatus()
         if core.is_lease_holder(now):
             syncer = self.rounds.syncer
-            quorum = QuorumStatus(have=sum(len(r.pending) for r in syncer.rounds.values()),
-                                  need=syncer.policy.min_quorum,
+            quorum = QuorumStatus(have=syncer.waiting_contributions(), need=syncer.policy.min_quorum,
                                   reason=self.rounds.quorum_reason()[:MAX_QUORUM_REASON_CHARS])
         self.status.set_coordination(
             epoch=core.epoch, coordinator=holder if holder else None,

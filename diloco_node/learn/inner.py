@@ -111,6 +111,14 @@ class InnerLearner:
         self.tokens += int(np.size(targets_BxL))
         return loss
 
+    def compile_step(self, inputs_BxL: np.ndarray, targets_BxL: np.ndarray) -> None:
+        """Compile the jitted step by running it once on throw-away copies (the state is untouched:
+        the step donates its inputs, so it must not see the real buffers)."""
+        params = jax.tree.map(jnp.copy, self.params)
+        opt_state = jax.tree.map(jnp.copy, self.opt_state)
+        _, _, loss = self._step(params, opt_state, inputs_BxL, targets_BxL)
+        jax.block_until_ready(loss)
+
     def get_flat(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         flat = model_lib.flat_params(self.params)
         return flat if names is None else {name: flat[name] for name in names}

@@ -1,8 +1,9 @@
 """The learner: local AdamW training in ONE dedicated thread that never waits on the network.
 
 The event loop talks to it only through thread-safe hand-offs:
-- `offer_fragment(p, round, params)`: a newly committed global fragment; taken at the next step
-  boundary (the newest round wins), written over the local fragment, its counters reset;
+- `offer_fragment(p, round, params, contributors)`: a newly committed global fragment; taken at the
+  next step boundary (the newest round wins) by the run's apply rule (`sync/apply.py`), which
+  needs to know whether any merge since the learner's base included its contribution;
 - `request_state()`: a future filled at the next step boundary with a consistent copy of the
   learner's state (for checkpoints);
 - `stop()`: finish the current step and exit.
@@ -16,7 +17,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco_node.learn import data as data_lib
+from diloco_node.sync.apply import ApplyRule, FragmentCounters, apply_merge
 from diloco_node.sync.fragments import FragmentPlan
 from diloco_node.learn.inner import InnerLearner
 from diloco_node.learn.model import ModelConfig
@@ -57,6 +59,21 @@ class LearnerSnapshot:
     c_tokens: list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class _Offer:
+    """The newest committed version of a fragment, not yet taken by the training thread."""
+
+    round: int
+    params: dict[str, np.ndarray]
+    on_device: dict[str, jax.Array]
+    # (round, contributors) of every offer since the last boundary: whether this learner's work is
+    # in the merge depends on every round after its base, not only the newest.
+    contributors_by_round: tuple[tuple[int, frozenset[str]], ...]
+
+    def contributors_after(self, base_round: int) -> frozenset[str]:
+        return frozenset().union(*(c for r, c in self.contributors_by_round if r > base_round))
+
+
 def learner_index(node_id: str) -> int:
     """A stable per-site stream index for the batch sampler (different sites, different batches)."""
     return int.from_bytes(hashlib.sha256(node_id.encode()).digest()[:4], "little")
@@ -79,6 +96,7 @@ class LearnerThread(threading.Thread):
         inner: InnerLearner | None = None,
     ) -> None:
         super().__init__(name=f"learner-{node_id}", daemon=True)
+        self.node_id = node_id  # the learner's name in commits' contributor lists
         self.plan = plan
         self.manifest = manifest
         if inner is None:
@@ -99,8 +117,9 @@ class LearnerThread(threading.Thread):
         self._on_contribution = on_contribution
         self._on_progress = on_progress
         self._min_step_interval_s = min_step_interval_s
+        self._apply_rule = ApplyRule.from_sync_spec(manifest.sync)
         self._lock = threading.Lock()
-        self._offers: dict[int, tuple[int, dict[str, np.ndarray], dict[str, jax.Array]]] = {}
+        self._offers: dict[int, _Offer] = {}
         self._state_requests: list[Future[LearnerSnapshot]] = []
         self._stop_requested = threading.Event()
         self._go = threading.Event()
@@ -117,14 +136,9 @@ class LearnerThread(threading.Thread):
     # ---- set-up -----------------------------------------------------------------------------
 
     def compile(self) -> float:
-        """Compile the jitted step on throw-away copies (the node reports ready only after this)."""
+        """Compile the jitted step (the node reports ready only after this); returns seconds."""
         started = time.perf_counter()
-        inner = self._inner
-        params = jax.tree.map(jnp.copy, inner.params)
-        opt_state = jax.tree.map(jnp.copy, inner.opt_state)
-        x, y = self._sampler.next()
-        _, _, loss = inner._step(params, opt_state, x, y)  # the same jitted callable: fills its cache
-        jax.block_until_ready(loss)
+        self._inner.compile_step(*self._sampler.next())
         return time.perf_counter() - started
 
     def restore(self, snap: LearnerSnapshot) -> None:
@@ -154,13 +168,17 @@ class LearnerThread(threading.Thread):
 
     # ---- thread-safe hand-offs ----------------------------------------------------------------
 
-    def offer_fragment(self, p: int, round_: int, params: dict[str, np.ndarray]) -> None:
+    def offer_fragment(self, p: int, round_: int, params: dict[str, np.ndarray],
+                       contributors: Collection[str] = ()) -> None:
+        """A committed version of fragment p; `contributors`: whose contributions its merge accepted
+        (empty for a state that was downloaded or repaired rather than merged)."""
         # Device copies are made here, on the caller's thread, not at the training thread's boundary.
         on_device = {n: jnp.asarray(v, dtype=jnp.float32) for n, v in params.items()}
         with self._lock:
             current = self._offers.get(p)
-            if current is None or current[0] < round_:
-                self._offers[p] = (round_, params, on_device)
+            if current is None or current.round < round_:
+                earlier = current.contributors_by_round if current is not None else ()
+                self._offers[p] = _Offer(round_, params, on_device, earlier + ((round_, frozenset(contributors)),))
 
     def request_state(self) -> Future[LearnerSnapshot]:
         future: Future[LearnerSnapshot] = Future()
@@ -218,25 +236,37 @@ class LearnerThread(threading.Thread):
             self._answer_state_requests()
 
     def _boundary(self) -> None:
+        self.take_offers()
+        self._answer_state_requests()
+
+    def take_offers(self) -> None:
+        """Apply the fragments offered since the last step boundary, by the run's apply rule. The
+        training thread calls this at every boundary; call it directly only while it is not running."""
         with self._lock:
             offers, self._offers = self._offers, {}
-        taken = {p: offer for p, offer in offers.items() if offer[0] > self.base_rounds[p]}
+        taken = {p: offer for p, offer in offers.items() if offer.round > self.base_rounds[p]}
         if taken:
-            # One write of all newly committed fragments, straight into the parameter leaves:
-            # this runs on the training thread, so it avoids the generic (slower) tree rebuild.
-            incoming: dict[str, Any] = {n: v for _, _, on_device in taken.values() for n, v in on_device.items()}
-            if self.manifest.sync.apply == "mix":
-                alpha = self.manifest.sync.mix_alpha
-                local = self._read_params(incoming)
-                incoming = {n: (alpha * local[n] + (1 - alpha) * np.asarray(v)).astype(np.float32)
-                            for n, v in incoming.items()}
+            rule = self._apply_rule
+            # Fast path (overwrite, the common case): one write of the device copies made when the
+            # fragments were offered, straight into the parameter leaves. Anything else (mix, or a
+            # merge without our unsent work) goes through the apply rule on host copies.
+            incoming: dict[str, Any] = {}
+            for p, offer in taken.items():
+                counters = FragmentCounters(self.c_steps[p], self.c_tokens[p])
+                contributors = offer.contributors_after(self.base_rounds[p])
+                keeps_local = rule.keep_unmerged and self.node_id not in contributors and counters.c_steps > 0
+                if rule.mode == "overwrite" and not keeps_local:
+                    incoming.update(offer.on_device)
+                    counters = FragmentCounters()
+                else:
+                    local = self._read_params(offer.params)
+                    new, counters = apply_merge(local, self._base_params[p], offer.params, contributors, counters,
+                                                learner=self.node_id, rule=rule)
+                    incoming.update(new)
+                self.base_rounds[p] = offer.round
+                self._base_params[p] = offer.params
+                self.c_steps[p], self.c_tokens[p] = counters.c_steps, counters.c_tokens
             self._write_params(incoming)
-            for p, (round_, params, _) in taken.items():
-                self.base_rounds[p] = round_
-                self._base_params[p] = params
-                self.c_steps[p] = 0
-                self.c_tokens[p] = 0
-        self._answer_state_requests()
 
     def _read_params(self, names: Iterable[str]) -> dict[str, np.ndarray]:
         """Host copies of the named local tensors (only those: a due fragment needs its own)."""

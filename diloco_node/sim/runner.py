@@ -5,8 +5,10 @@ learners live in one process: their parameters are stacked and stepped by one vm
 AdamW call per clock tick (`inner.StackedLearners`), masked for learners that are mid-step or
 down. Time is virtual: learner m's step takes `base_step_s / speed_m`; a transfer of n bytes takes
 `latency_s + n / bandwidth`. Every exchange is really encoded with `wire.codecs`, so byte counts
-are actual payload lengths, and merged with the merge helper's modules (`merge`,
-`global_state`, `quorum`, `fragments`): the runner composes them and adds no merge math.
+are actual payload lengths. The fragment round is the daemon's own `sync.Syncer` (quorum, grace,
+rate limit, merge, commit payload), the global state is a `sync.Replica` that applies the same
+commit payloads a daemon's log carries, and learners take merges by the daemon's apply rule
+(`sync.apply`): the runner adds only the virtual clock, the links and the learners' schedule.
 
 Modes (see `MODES`):
 - `data_parallel`: one model, gradients all-reduced every step (global batch = every live
@@ -38,18 +40,21 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable, Collection
 
 import numpy as np
 
 from diloco_node.learn import data as data_lib
 from diloco_node.learn import model as model_lib
-from diloco_node.sync.fragments import FragmentPlan, is_embedding, plan_fragments
-from diloco_node.sync.global_state import GlobalState
-from diloco_node.learn.inner import InnerLearner, StackedLearners
-from diloco_node.sync.merge import Contribution, ContributionCaps, NormReference, merge_contributions
-from diloco_node.sync.quorum import DEFAULT_MIN_ROUND_INTERVAL_FACTOR, Ema, QuorumPolicy, TimingEstimates, decide_round
+from bootstrap.entries import EntryKind, LogEntry
 from diloco_node.config.manifest import RunManifest
+from diloco_node.learn.inner import InnerLearner, StackedLearners
+from diloco_node.sync.apply import ApplyRule, FragmentCounters, apply_merge
+from diloco_node.sync.fragments import FragmentPlan, is_embedding, plan_fragments
+from diloco_node.sync.merge import Contribution
+from diloco_node.sync.quorum import DEFAULT_MIN_ROUND_INTERVAL_FACTOR, QuorumPolicy, RoundDecision
+from diloco_node.sync.replica import Replica
+from diloco_node.sync.syncer import CommitPlan, RoundRules, Syncer
 from wire.codecs import decode_named, encode_named
 
 MODES = ("data_parallel", "diloco", "streaming", "decoupled")
@@ -102,10 +107,6 @@ class RunnerConfig:
     final_sync: bool = True
     # decoupled: rho of the per-fragment round rate limit (quorum.py); 0 disables it
     min_round_interval_factor: float = DEFAULT_MIN_ROUND_INTERVAL_FACTOR
-    # Not the paper's rule (it overwrites): when a merge with this learner's contribution is
-    # applied, keep the local progress made on the fragment since that contribution was sent,
-    # theta_p <- Theta_p + (theta_p,now - theta_p,at send), instead of discarding those steps.
-    keep_inflight_progress: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -328,6 +329,21 @@ def _mode_policy(config: RunnerConfig) -> _ModePolicy:
     return _ModePolicy(sync.fragments, sync.overlap, False, False, sync.merge, sync.weighting)
 
 
+def round_rules(config: RunnerConfig, period: int) -> RoundRules:
+    """The syncer's rules for a mode: the manifest's (decoupled, exactly what a daemon builds from
+    it when rho is the default) or the synchronous baselines' (K = every live member, plain mean)."""
+    policy = _mode_policy(config)
+    if policy.all_live:  # K = M already aligns rounds: no rate limit
+        quorum = QuorumPolicy(1, 0.0, 0.0, policy.overlap, period_steps=period, min_round_interval_factor=0.0)
+    else:
+        # Rounds of a fragment are rate-limited to its period (QuorumPolicy's rho), so a straggler's
+        # out-of-phase contribution joins the next on-time round instead of merging alone.
+        sync = config.manifest.sync
+        quorum = QuorumPolicy(sync.min_quorum, sync.grace_gamma, sync.grace_cap_s, policy.overlap,
+                              period_steps=period, min_round_interval_factor=config.min_round_interval_factor)
+    return RoundRules(quorum, policy.method, policy.weighting, synchronous=policy.all_live)
+
+
 @dataclass
 class _MergeMsg:
     fragment: int
@@ -355,20 +371,10 @@ class _LearnerState:
     base_params: list[dict[str, np.ndarray]] = field(default_factory=list)
     awaiting: dict[int, int] = field(default_factory=dict)  # fragment -> last step allowed before its merge
     sent_step: dict[int, int] = field(default_factory=dict)  # fragment -> sync_step of its last send
-    # fragment -> (local fragment, c_steps, c_tokens) at its last send (keep_inflight_progress only)
-    sent_local: dict[int, tuple[dict[str, np.ndarray], int, int]] = field(default_factory=dict)
     inbox: list[_MergeMsg] = field(default_factory=list)
     missed: list[_MergeMsg] = field(default_factory=list)
     compute_s: float = 0.0
     idle_s: float = 0.0
-
-
-@dataclass
-class _Round:
-    opened_at: float
-    members: frozenset[str]
-    first_sent_at: float
-    pending: dict[str, tuple[Contribution, float, float]] = field(default_factory=dict)  # (c, arrived, sent)
 
 
 _STEP, _ARRIVE, _WAKE, _DELIVER, _DOWN, _UP = range(6)
@@ -385,25 +391,21 @@ class _FragmentSync:
         shapes = {n: a.shape for n, a in setup.initial.items()}
         self.plan: FragmentPlan = plan_fragments(shapes, self.policy.fragments, period, self.policy.overlap)
         self.period = period
-        self.global_state = GlobalState(self.plan, setup.initial, config.manifest.outer)
-        self.caps = ContributionCaps(sync.max_tokens_per_step, sync.max_steps_per_contribution)
-        self.embedding_names = [n for n in setup.initial if is_embedding(n)]
-        self.norm_ref = NormReference()
-        # Decoupled: rounds of a fragment are rate-limited to its period (QuorumPolicy's rho), so a
-        # straggler's out-of-phase contribution joins the next on-time round instead of merging alone.
-        self.quorum = QuorumPolicy(sync.min_quorum, sync.grace_gamma, sync.grace_cap_s, self.policy.overlap,
-                                   period_steps=period, min_round_interval_factor=config.min_round_interval_factor)
-        self.last_merge_at: dict[int, float] = {}  # fragment -> time of its last outer step
+        # The global state is a replica: merges reach it as the commit payloads a daemon's log carries.
+        self.replica = Replica(self.plan, setup.initial, config.manifest.outer)
+        self.global_state = self.replica.state
+        rules = round_rules(config, period)
+        self.syncer = Syncer(config.manifest, self.plan, [n for n in setup.initial if is_embedding(n)], rules)
+        self.rounds = VirtualRounds(self.syncer, self.replica)
+        self.apply_rule = ApplyRule.from_sync_spec(sync)
         M = config.num_learners
         self.learners = [_LearnerState(m, f"learner-{m}", config.base_step_s / config.speed(m)) for m in range(M)]
-        self._by_name = {st.name: st for st in self.learners}
         P = self.plan.num_fragments
         for st in self.learners:
             st.c_steps, st.c_tokens = [0] * P, [0] * P
             st.base_round = [0] * P
             st.base_params = [self.global_state.fragment_params(p) for p in range(P)]
         self.stack = StackedLearners(setup.cfg, _inner_for(config), M, config.manifest.seed, setup.initial)
-        self.rounds: dict[int, _Round] = {}
         self.events: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self.bytes_up = self.bytes_down = 0
@@ -413,13 +415,11 @@ class _FragmentSync:
         self.now = 0.0
         self.stop_time: float | None = None
         self.merge_log: list[str] = []
-        # Timing estimates for the grace window. The syncer primes them from what it knows before
-        # the first round: step times from progress reports, sync time from a link probe.
-        self.xi_step, self.xi_quorum, self.xi_sync = Ema(), Ema(), Ema()
-        self.xi_step.update(config.base_step_s / max(config.speed(m) for m in range(M)))
-        self.xi_quorum.update(0.0)
+        # Timing estimates for the grace window, primed from what a syncer knows before the first
+        # round: the fastest step time (progress reports), the sync time (a link probe).
         probe = len(encode_named(self.global_state.fragment_params(0), sync.codec_up))
-        self.xi_sync.update(2 * config.link.transfer_s(probe))
+        self.syncer.prime(step_s=config.base_step_s / max(config.speed(m) for m in range(M)), quorum_s=0.0,
+                          sync_s=2 * config.link.transfer_s(probe))
         self._zero_batch = np.zeros((config.manifest.inner.batch_size, config.manifest.model.seq_len), np.int32)
         self._losses: list[tuple[np.ndarray, object]] = []
         self.curve: list[tuple[float, int, float]] = []
@@ -580,44 +580,24 @@ class _FragmentSync:
         for msg in sorted(ready, key=lambda m: (m.fragment, m.round)):
             self._apply_merge(st, msg)
 
-    def _apply_merge(self, st: _LearnerState, msg: _MergeMsg, overwrite: bool = False) -> None:
+    def _apply_merge(self, st: _LearnerState, msg: _MergeMsg, adopt: bool = False) -> None:
+        """A merged fragment reaches learner `st`: the apply rule, or (`adopt`, back from an outage)
+        the global fragment as it is, counters reset."""
         p = msg.fragment
         st.awaiting.pop(p, None)  # the round it waited for is closed (merged, or nothing acceptable)
         if msg.round <= st.base_round[p]:
             return
-        sync = self.config.manifest.sync
-        if not overwrite and st.name not in msg.contributors and st.c_steps[p] > 0:
-            # A merge without this learner's pending work (e.g. a straggler's lone round): take the
-            # global change on top of the local model and keep the unsent progress and counters.
-            local = self.stack.get_flat(st.index, msg.params)
-            base = st.base_params[p]
-            self.stack.set_flat(st.index, {n: (local[n] + (v - base[n])).astype(np.float32) for n, v in msg.params.items()})
-            st.base_round[p] = msg.round
-            st.base_params[p] = msg.params
-            return
-        sent = st.sent_local.pop(p, None)
-        if self.config.keep_inflight_progress and not overwrite and sent is not None and st.name in msg.contributors:
-            # Steps taken since the send are not in the merge: carry them over, counters included.
-            at_send, steps_at_send, tokens_at_send = sent
-            local = self.stack.get_flat(st.index, msg.params)
-            self.stack.set_flat(st.index, {n: (v + (local[n] - at_send[n])).astype(np.float32)
-                                           for n, v in msg.params.items()})
-            st.base_round[p] = msg.round
-            st.base_params[p] = msg.params
-            st.c_steps[p] = max(0, st.c_steps[p] - steps_at_send)
-            st.c_tokens[p] = max(0, st.c_tokens[p] - tokens_at_send)
-            return
-        if sync.apply == "mix" and not overwrite:
-            local = self.stack.get_flat(st.index, msg.params)
-            new = {n: (sync.mix_alpha * local[n] + (1 - sync.mix_alpha) * v).astype(np.float32)
-                   for n, v in msg.params.items()}
+        if adopt:
+            new, counters = msg.params, FragmentCounters()
         else:
-            new = msg.params
+            local = self.stack.get_flat(st.index, msg.params)
+            new, counters = apply_merge(local, st.base_params[p], msg.params, msg.contributors,
+                                        FragmentCounters(st.c_steps[p], st.c_tokens[p]), learner=st.name,
+                                        rule=self.apply_rule)
         self.stack.set_flat(st.index, new)
         st.base_round[p] = msg.round
         st.base_params[p] = msg.params
-        st.c_steps[p] = 0
-        st.c_tokens[p] = 0
+        st.c_steps[p], st.c_tokens[p] = counters.c_steps, counters.c_tokens
 
     def _send(self, st: _LearnerState, p: int, t: float) -> None:
         sync = self.config.manifest.sync
@@ -628,8 +608,6 @@ class _FragmentSync:
         self.bytes_up += len(payload)
         contribution = Contribution(st.name, p, st.base_round[p], decode_named(payload), st.c_steps[p], st.c_tokens[p])
         st.sent_step[p] = st.sync_step
-        if self.config.keep_inflight_progress:
-            st.sent_local[p] = (local, st.c_steps[p], st.c_tokens[p])
         if self.policy.blocking:
             st.awaiting[p] = st.sync_step + self.policy.overlap
         self._push(t + self.config.link.transfer_s(len(payload)), _ARRIVE, (contribution, t))
@@ -662,7 +640,7 @@ class _FragmentSync:
         # Merges in flight to it are lost with it; it will fetch them on rejoin.
         st.missed.extend(st.inbox)
         st.inbox = []
-        for p in list(self.rounds):
+        for p in list(self.syncer.rounds):
             self._evaluate_round(p, t)
 
     def _come_up(self, st: _LearnerState, t: float) -> None:
@@ -670,11 +648,10 @@ class _FragmentSync:
         # Every missed merge is downloaded and applied in order; counters restart.
         for msg in sorted(st.missed, key=lambda m: (m.fragment, m.round)):
             self.bytes_down += msg.nbytes
-            self._apply_merge(st, msg, overwrite=True)
+            self._apply_merge(st, msg, adopt=True)
             self.missed_merges_applied += 1
         st.missed = []
         st.awaiting.clear()
-        st.sent_local.clear()
         for p in range(self.plan.num_fragments):
             st.c_steps[p] = st.c_tokens[p] = 0
         if self.stop_time is not None:
@@ -692,72 +669,39 @@ class _FragmentSync:
 
     def _arrive(self, payload: tuple[Contribution, float], t: float) -> None:
         contribution, sent_at = payload
-        p = contribution.fragment
-        rnd = self.rounds.get(p)
-        if rnd is None:
-            # Members: learners live and on the schedule when the first contribution was sent.
-            members = {st.name for st in self.learners
-                       if not st.down and not st.joining and st.active_since < sent_at + TIME_EPS}
-            rnd = self.rounds[p] = _Round(opened_at=t, first_sent_at=sent_at,
-                                          members=frozenset(members | {contribution.learner}))
-        # A newer contribution from the same learner supersedes its older one (it includes its steps).
-        rnd.pending[contribution.learner] = (contribution, t, sent_at)
-        self.xi_step.update(self._by_name[contribution.learner].step_s)
-        self._evaluate_round(p, t)
+        # A round's members (synchronous rules): learners live and on the schedule when its first
+        # contribution was sent.
+        members = [st.name for st in self.learners
+                   if not st.down and not st.joining and st.active_since < sent_at + TIME_EPS]
+        self._on_round(contribution.fragment, t, self.rounds.arrive(
+            contribution, t, transfer_s=t - sent_at, members=members, live=self._live()))
 
     def _evaluate_round(self, p: int, t: float) -> None:
-        rnd = self.rounds.get(p)
-        if rnd is None:
-            return
-        arrivals = {name: at for name, (_, at, _) in rnd.pending.items()}
-        live = self._live()
-        if self.policy.all_live:
-            members_live = len(rnd.members & live | set(arrivals))
-            # K = M already aligns rounds: no rate limit.
-            policy = QuorumPolicy(max(1, members_live), 0.0, 0.0, self.policy.overlap, min_round_interval_factor=0.0)
-            live_count = members_live
-        else:
-            policy = self.quorum
-            live_count = len(live | set(arrivals))
-        estimates = TimingEstimates(self.xi_step.value, self.xi_quorum.value, self.xi_sync.value)
-        decision = decide_round(t, rnd.opened_at, arrivals, live_count, policy, estimates,
-                                last_merge_at=self.last_merge_at.get(p))
-        if decision.merge_now:
-            self._merge(p, rnd, t, decision.reason, decision.quorum_at, decision.held_s)
-        elif decision.wake_at is not None:
-            self._push(decision.wake_at, _WAKE, p)
+        self._on_round(p, t, self.rounds.evaluate(p, t, self._live()))
 
-    def _merge(self, p: int, rnd: _Round, t: float, why: str, quorum_at: float | None, held_s: float = 0.0) -> None:
-        del self.rounds[p]
-        sync = self.config.manifest.sync
-        contributions = [c for c, _, _ in rnd.pending.values()]
-        result = merge_contributions(
-            contributions, self.global_state.fragment_params(p), self.global_state.history(p),
-            method=self.policy.method, weighting=self.policy.weighting, caps=self.caps,
-            embedding_names=self.embedding_names, reference_norm=self.norm_ref.get(p),
-        )
-        self.norm_ref.update(p, result.round_median_norm)
-        self.merge_log.append(f"t={t:.2f} fragment {p}: {why}; {result.reason}"
-                              + "".join(f"; {r}" for _, r in result.rejected))
-        if quorum_at is not None:
-            # Time spent holding early contributions is not time waiting for quorum.
-            self.xi_quorum.update(max(0.0, quorum_at - rnd.opened_at - held_s))
-        if result.outer_gradient is None:
-            nbytes = 0  # nothing merged: waiting learners are released with the unchanged fragment
-        else:
-            encoded = encode_named(result.outer_gradient, sync.codec_down)
-            nbytes = len(encoded)
-            # The syncer applies exactly the dequantized bits it broadcasts.
-            self.global_state.apply_outer_gradient(p, decode_named(encoded))
+    def _on_round(self, p: int, t: float, outcome: RoundOutcome | None) -> None:
+        if outcome is None:
+            return
+        if outcome.plan is not None:
+            self._broadcast(p, t, outcome.plan)
+        elif outcome.decision.wake_at is not None:
+            self._push(outcome.decision.wake_at, _WAKE, p)
+
+    def _broadcast(self, p: int, t: float, plan: CommitPlan) -> None:
+        """A round was merged (or found nothing to merge): every learner hears of it."""
+        merged = plan.merged
+        rejected = merged.result.rejected if merged is not None else ()
+        self.merge_log.append(f"t={t:.2f} {plan.reason}" + "".join(f"; {r}" for _, r in rejected))
+        nbytes = 0  # nothing merged: waiting learners are released with the unchanged fragment
+        if plan.proposes:
+            assert merged is not None
+            nbytes = len(merged.encoded)
             self.merges += 1
-            self.last_merge_at[p] = t
             if self._in_outage(t):
                 self.merges_outage += 1
         down_s = self.config.link.transfer_s(nbytes)
-        up_s = float(np.mean([arrived - sent for _, arrived, sent in rnd.pending.values()]))
-        self.xi_sync.update(up_s + down_s)
         msg_round = self.global_state.round(p)
-        contributors = frozenset(name for name, _ in result.accepted)
+        contributors = frozenset(merged.contributors) if merged is not None else frozenset()
         params = self.global_state.fragment_params(p)
         for st in self.learners:
             msg = _MergeMsg(p, msg_round, params, nbytes, t + down_s, contributors)
@@ -769,6 +713,49 @@ class _FragmentSync:
                 continue
             st.inbox.append(msg)
             self._push(msg.arrival, _DELIVER, st.index)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundOutcome:
+    """The syncer's decision on a round, and what it merged when it merged (`plan`)."""
+
+    decision: RoundDecision
+    plan: CommitPlan | None
+
+
+class VirtualRounds:
+    """The runner's side of every fragment round: the daemon's `Syncer` on the virtual clock, and a
+    `Replica` that applies the commit payload a daemon's log would carry. It mirrors
+    `daemon/rounds.py`'s RoundDriver with the network and the replicated log taken out."""
+
+    def __init__(self, syncer: Syncer, replica: Replica) -> None:
+        self.syncer = syncer
+        self.replica = replica
+        self._next_index = 1
+
+    def arrive(self, contribution: Contribution, t: float, *, transfer_s: float, members: Collection[str],
+               live: Collection[str]) -> RoundOutcome | None:
+        self.syncer.add(contribution, t, transfer_s=transfer_s, members=members)
+        return self.evaluate(contribution.fragment, t, live)
+
+    def evaluate(self, p: int, t: float, live: Collection[str]) -> RoundOutcome | None:
+        decision = self.syncer.decide(p, t, live)
+        if decision is None:
+            return None
+        if not decision.merge_now:
+            return RoundOutcome(decision, None)
+        rnd = self.syncer.take(p, decision)
+        plan = self.syncer.plan_commit(p, rnd, self.replica.state, None, decision.reason)
+        if plan.proposes:
+            assert plan.merged is not None
+            entry = LogEntry(1, self._next_index, EntryKind.OUTER_COMMIT, plan.payload, fragment=p,
+                             round=plan.merged.round)
+            self._next_index += 1
+            outcome = self.replica.apply(entry)
+            if not outcome.applied:
+                raise RuntimeError(f"the runner's replica refused its own commit: {outcome.reason}")
+            self.syncer.note_proposed(p, t)
+        return RoundOutcome(decision, plan)
 
 
 # ------------------------------------------------------------------------------------------------

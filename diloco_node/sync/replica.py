@@ -85,6 +85,7 @@ class ApplyOutcome:
     fragment: int | None
     reason: str
     diverged: bool = False  # the fragment must be fetched from a peer
+    contributors: tuple[str, ...] = ()  # whose contributions the applied commit merged
 
 
 class Replica:
@@ -145,7 +146,7 @@ class Replica:
         if payload.norm_ref is not None:
             self.norm_refs[p] = payload.norm_ref
         return ApplyOutcome(True, p, f"fragment {p} -> round {round_} from {len(payload.contributors)} "
-                                     f"contributor(s), digest {digest[:12]}")
+                                     f"contributor(s), digest {digest[:12]}", contributors=payload.contributors)
 
     # ---- the replicated state out and in (names and forms: state_codec.py) -----------------
 

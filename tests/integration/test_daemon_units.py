@@ -198,11 +198,11 @@ def _syncer_with(replica: Replica, value: float) -> tuple:
     from diloco_node.sync.merge import Contribution
     from diloco_node.config.manifest import RunManifest
 
-    syncer = Syncer(RunManifest(), [])
+    syncer = Syncer(RunManifest(), replica.plan, [])
     names = replica.plan.fragments[0].names
     delta = {n: np.full(replica.state.fragment_params(0)[n].shape, value, np.float32) for n in names}
     rnd = OpenRound(opened_at=0.0)
-    rnd.pending["a"] = (Contribution("a", 0, 0, delta, 8, 1024), 0.0)
+    rnd.pending["a"] = (Contribution("a", 0, 0, delta, 8, 1024), 0.0, None)
     return syncer, rnd
 
 
@@ -270,27 +270,34 @@ def test_learner_reads_and_writes_parameter_leaves_by_the_models_names() -> None
 def test_syncer_holds_an_out_of_phase_push_until_the_fragments_next_round() -> None:
     """The daemon's syncer applies the same per-fragment round rate limit as the runner."""
     from diloco_node.sync.merge import Contribution
+    from diloco_node.sync.syncer import HELD_RETRY_S
 
     replica = _replica()
     syncer, _ = _syncer_with(replica, 0.01)
     syncer.rounds.clear()
     period = syncer.manifest.sync.period
-    syncer.xi_step.update(0.25)  # seconds per learner step: a period is period * 0.25 s
+    syncer.prime(step_s=0.25)  # seconds per learner step: a period is period * 0.25 s
     delta = {name: np.full(arr.shape, 0.01, np.float32) for name, arr in replica.state.fragment_params(0).items()}
+    four = ["fast", "slow", "c", "d"]
     # No merge yet: a lone contribution with K = 1 and no grace estimates merges at once.
-    syncer.add(Contribution("slow", 0, 0, delta, 8, 1024), now=100.0)
-    first = syncer.decide(0, 100.0, live_learners=4)
+    syncer.add(Contribution("fast", 0, 0, delta, 8, 1024), now=100.0)
+    first = syncer.decide(0, 100.0, four)
     assert first is not None and first.merge_now, first.reason
     syncer.take(0, first)
     syncer.note_proposed(0, 100.0)
-    # The same learner pushes again soon after that merge: held for the next on-time round.
+    # Another learner's push soon after that merge, out of phase: held for the next on-time round.
     syncer.add(Contribution("slow", 0, 0, delta, 8, 1024), now=101.0)
-    held = syncer.decide(0, 101.0, live_learners=4)
+    held = syncer.decide(0, 101.0, four)
     assert held is not None and not held.merge_now
     assert held.reason.startswith("holding"), held.reason
     assert held.wake_at is not None and held.wake_at >= 100.0 + 0.5 * period * 0.25
+    # A merge the node cannot take now is held with the node's reason, and looked at again soon.
+    busy = syncer.decide(0, 100.0 + period * 0.25, four, blocked="replica behind its own log: applied 4 of 5")
+    assert busy is not None and not busy.merge_now and busy.wake_at == 100.0 + period * 0.25 + HELD_RETRY_S
+    assert busy.reason.startswith("held: replica behind its own log: applied 4 of 5 (due: merging"), busy.reason
+    assert syncer.last_decision[0] == busy.reason  # what /status shows for the fragment
     # Losing the lease forgets the schedule: the next holder starts without a last merge time.
-    syncer.reset()
+    syncer.lease_lost()
     assert syncer.last_merge_at == {} and syncer.rounds == {}
 
 
@@ -302,15 +309,15 @@ def test_the_norm_reference_travels_in_commits_so_a_new_holder_keeps_checking_ou
     plan = syncer.plan_commit(0, rnd, holder_replica.state, holder_replica.digest_after, "quorum reached")
     assert plan.merged is not None and plan.merged.norm_ref is not None
     assert plan.merged.norm_ref == syncer.norm_ref.get(0) > 0.0
-    payload = CommitPayload(plan.merged.encoded, ("a",), (1.0,), plan.merged.norm_ref).encode()
-    entry = LogEntry(1, 1, EntryKind.OUTER_COMMIT, payload, fragment=0, round=1, digest=plan.digest)
+    assert CommitPayload.decode(plan.payload).norm_ref == plan.merged.norm_ref
+    entry = LogEntry(1, 1, EntryKind.OUTER_COMMIT, plan.payload, fragment=0, round=1, digest=plan.digest)
     follower = _replica()
     assert follower.apply(entry).applied
     assert follower.norm_refs == {0: plan.merged.norm_ref}
     # The follower wins the lease after a failover: its fresh syncer checks from round one.
     new_syncer, _ = _syncer_with(follower, 0.01)
     assert new_syncer.norm_ref.get(0) is None
-    new_syncer.adopt_norm_references(follower.norm_refs)
+    new_syncer.lease_gained(follower.norm_refs)
     assert new_syncer.norm_ref.get(0) == plan.merged.norm_ref
     # Payloads from before the field decode without it; a poisoned reference is the peer's error.
     assert CommitPayload.decode(CommitPayload(b"x", ("a",), (1.0,)).encode()).norm_ref is None

@@ -1,0 +1,51 @@
+"""The learner's apply rule (sync/apply.py): every branch, with exact arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from diloco_node.config.manifest import SyncSpec
+from diloco_node.sync.apply import ApplyRule, FragmentCounters, apply_merge
+
+BASE = {"w": np.array([1.0, 2.0], np.float32)}
+MERGED = {"w": np.array([1.5, 1.0], np.float32)}  # the run moved by (+0.5, -1.0) since BASE
+LOCAL = {"w": np.array([0.75, 2.5], np.float32)}  # this learner's unsent drift: (-0.25, +0.5)
+COUNTERS = FragmentCounters(c_steps=7, c_tokens=700)
+
+
+def test_a_merge_with_our_contribution_overwrites_and_resets_the_counters() -> None:
+    new, counters = apply_merge(LOCAL, BASE, MERGED, {"me", "b"}, COUNTERS, learner="me", rule=ApplyRule())
+    np.testing.assert_array_equal(new["w"], MERGED["w"])
+    assert counters == FragmentCounters(0, 0)
+
+
+def test_a_merge_without_our_unsent_work_keeps_it_on_top_and_keeps_the_counters() -> None:
+    new, counters = apply_merge(LOCAL, BASE, MERGED, {"b"}, COUNTERS, learner="me", rule=ApplyRule())
+    np.testing.assert_array_equal(new["w"], np.array([1.25, 1.5], np.float32))  # merged + our drift
+    assert counters == COUNTERS
+
+
+def test_with_keep_unmerged_off_a_merge_without_us_discards_our_work() -> None:
+    rule = ApplyRule(keep_unmerged=False)
+    new, counters = apply_merge(LOCAL, BASE, MERGED, {"b"}, COUNTERS, learner="me", rule=rule)
+    np.testing.assert_array_equal(new["w"], MERGED["w"])
+    assert counters == FragmentCounters(0, 0)
+
+
+def test_nothing_unsent_means_nothing_to_keep() -> None:
+    new, counters = apply_merge(BASE, BASE, MERGED, set(), FragmentCounters(0, 0), learner="me", rule=ApplyRule())
+    np.testing.assert_array_equal(new["w"], MERGED["w"])
+    assert counters == FragmentCounters(0, 0)
+
+
+def test_mix_blends_local_and_merged_when_our_work_is_in() -> None:
+    rule = ApplyRule(mode="mix", mix_alpha=0.25)
+    new, counters = apply_merge(LOCAL, BASE, MERGED, {"me"}, COUNTERS, learner="me", rule=rule)
+    np.testing.assert_allclose(new["w"], 0.25 * LOCAL["w"] + 0.75 * MERGED["w"], rtol=0, atol=1e-7)
+    assert new["w"].dtype == np.float32 and counters == FragmentCounters(0, 0)
+
+
+def test_the_rule_comes_from_the_run_manifest() -> None:
+    assert ApplyRule.from_sync_spec(SyncSpec()) == ApplyRule("overwrite", 0.5, True)
+    assert ApplyRule.from_sync_spec(SyncSpec(apply="mix", mix_alpha=0.3, keep_unmerged=False)) == \
+        ApplyRule("mix", 0.3, False)

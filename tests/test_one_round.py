@@ -1,0 +1,226 @@
+"""One algorithm: the runner's round logic and the daemon's round logic, fed the same scripted
+arrivals, make identical merge decisions, identical commit payloads and identical learner states.
+
+- Runner side: `sim.runner.VirtualRounds` (what every runner mode drives on its virtual clock),
+  with the rules `runner.round_rules` builds for the decoupled mode.
+- Daemon side: `daemon.rounds.RoundDriver` (what a lease holder runs), on a `FakeClock` whose
+  timers are the driver's wake-ups, with an in-line executor and a stand-in coordination core
+  whose `propose` commits at once (the log itself is tested elsewhere).
+- Learners: the runner's learners apply merges with `sync.apply.apply_merge`; the daemon's
+  `LearnerThread` takes the same merges through `offer_fragment` + `take_offers`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from concurrent.futures import Executor, Future
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from bootstrap import messages as coord
+from bootstrap.entries import LogEntry
+from diloco_node.clock import FakeClock
+from diloco_node.config.manifest import InnerOptimizer, ModelSpec, RunManifest, SyncSpec
+from diloco_node.daemon.peers import AddressBook
+from diloco_node.daemon.rounds import RoundDriver
+from diloco_node.daemon.tasks import TaskSet
+from diloco_node.learn import data as data_lib
+from diloco_node.learn import model as model_lib
+from diloco_node.learn.learner_thread import LearnerThread
+from diloco_node.sim import runner
+from diloco_node.sync.apply import ApplyRule, FragmentCounters, apply_merge
+from diloco_node.sync.fragments import is_embedding, plan_fragments
+from diloco_node.sync.merge import Contribution
+from diloco_node.sync.replica import Replica
+from diloco_node.sync.syncer import Syncer
+from wire import messages as wire
+from wire.codecs import decode_named, encode_named
+
+LEARNERS = ("a", "b", "c")
+MANIFEST = RunManifest(model=ModelSpec("tiny", 16),
+                       inner=InnerOptimizer(batch_size=2, warmup_steps=2, total_steps=64),
+                       sync=SyncSpec(fragments=2, period=8, overlap=2, min_quorum=2, grace_gamma=0.5,
+                                     grace_cap_s=5.0))
+PRIMED = {"step_s": 1.0, "quorum_s": 0.0, "sync_s": 0.2}
+START = 1000.0
+# (time after START, learner, fragment, c_steps): two learners reach quorum K = 2 and the grace
+# window waits for the third; the third misses it; the next round of fragment 0 comes a period
+# later, and a push right after a merge is held by the round rate limit.
+SCRIPT = (
+    (0.0, "a", 0, 8), (0.3, "b", 0, 8), (1.0, "a", 1, 8), (1.2, "c", 1, 8), (2.5, "c", 0, 8),
+    (8.0, "a", 0, 8), (8.1, "b", 0, 8), (8.2, "c", 0, 16), (9.0, "b", 1, 8), (12.0, "b", 1, 4),
+)
+TRANSFER_S = 0.1
+
+
+class InlineExecutor(Executor):
+    """Runs work at once on the caller's thread: the order of events is the script's alone."""
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
+        future: Future = Future()
+        future.set_result(fn(*args, **kwargs))
+        return future
+
+
+class _Counter:
+    def inc(self, amount: float = 1.0) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def initial() -> dict[str, np.ndarray]:
+    cfg = model_lib.model_config("tiny", 16)
+    _, params = model_lib.split_model(model_lib.init_model(cfg, 0))
+    return model_lib.flat_params(params)
+
+
+def _plan(initial):
+    sync = MANIFEST.sync
+    return plan_fragments({n: a.shape for n, a in initial.items()}, sync.fragments, sync.period, sync.overlap)
+
+
+def _delta(initial, plan, learner: str, p: int, t: float) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng([LEARNERS.index(learner), p, int(t * 10)])
+    return {n: (0.01 * rng.standard_normal(initial[n].shape)).astype(np.float32) for n in plan.fragments[p].names}
+
+
+def _contribution(initial, plan, learner: str, p: int, c_steps: int, t: float) -> tuple[Contribution, bytes]:
+    # Both sides receive what crossed the wire: the int4 payload, decoded.
+    payload = encode_named(_delta(initial, plan, learner, p, t), MANIFEST.sync.codec_up)
+    return Contribution(learner, p, 0, decode_named(payload), c_steps, c_steps * 32), payload
+
+
+def run_runner_side(initial) -> tuple[list[tuple[float, int, str, bytes]], dict[int, str]]:
+    plan = _plan(initial)
+    config = runner.RunnerConfig(MANIFEST, "decoupled", len(LEARNERS), 64)
+    rules = runner.round_rules(config, plan.period)
+    syncer = Syncer(MANIFEST, plan, [n for n in initial if is_embedding(n)], rules)
+    syncer.prime(**PRIMED)
+    rounds = runner.VirtualRounds(syncer, Replica(plan, initial, MANIFEST.outer))
+    merges: list[tuple[float, int, str, bytes]] = []
+    wakes: list[tuple[float, int]] = []
+
+    def handle(outcome, p: int, t: float) -> None:
+        if outcome is None:
+            return
+        if outcome.plan is not None and outcome.plan.proposes:
+            merges.append((t, p, outcome.plan.reason, outcome.plan.payload))
+        elif outcome.decision.wake_at is not None:
+            wakes.append((outcome.decision.wake_at, p))
+
+    for offset, learner, p, c_steps in SCRIPT:
+        t = START + offset
+        while wakes and min(wakes)[0] <= t:  # the virtual clock's wake-ups due before this arrival
+            wake_at, q = min(wakes)
+            wakes.remove((wake_at, q))
+            handle(rounds.evaluate(q, wake_at, LEARNERS), q, wake_at)
+        contribution, _ = _contribution(initial, plan, learner, p, c_steps, offset)
+        handle(rounds.arrive(contribution, t, transfer_s=TRANSFER_S, members=LEARNERS, live=LEARNERS), p, t)
+    while wakes:
+        wake_at, q = min(wakes)
+        wakes.remove((wake_at, q))
+        handle(rounds.evaluate(q, wake_at, LEARNERS), q, wake_at)
+    return merges, dict(syncer.last_decision)
+
+
+async def run_daemon_side(initial) -> tuple[list[tuple[float, int, str, bytes]], dict[int, str]]:
+    plan = _plan(initial)
+    clock = FakeClock(START)
+    replica = Replica(plan, initial, MANIFEST.outer)
+    syncer = Syncer(MANIFEST, plan, [n for n in initial if is_embedding(n)])
+    syncer.prime(**PRIMED)
+    merges: list[tuple[float, int, str, bytes]] = []
+    index = iter(range(1, 1000))
+
+    def propose(now, kind, payload, *, fragment, round, digest):  # commits at once
+        entry = LogEntry(1, next(index), kind, payload, fragment=fragment, round=round, digest=digest)
+        assert replica.apply(entry).applied
+        merges.append((now, fragment, syncer.last_merge_reason, payload))
+        return entry, "", []
+
+    members = {name: SimpleNamespace(role=coord.MemberRole.LEARNER, state=coord.MemberState.ALIVE)
+               for name in LEARNERS}
+    core = SimpleNamespace(is_lease_holder=lambda now: True, propose=propose,
+                           election=SimpleNamespace(leader_id="a"), membership=SimpleNamespace(members=members))
+    tasks = TaskSet()
+    driver = RoundDriver(node_id="a", manifest=MANIFEST, plan=plan, syncer=syncer, replica=replica,
+                         coordination=core, addresses=AddressBook(), client=None, executor=InlineExecutor(),
+                         clock=clock, tasks=tasks, dispatch=lambda actions: None, replica_behind=lambda: "",
+                         report_error=pytest.fail, contributions_sent=_Counter(), merges_proposed=_Counter())
+
+    async def settle() -> None:
+        while len(tasks):  # merge tasks: their executor work is in-line, they end in a few loop turns
+            await asyncio.sleep(0)
+
+    async def advance_to(t: float) -> None:
+        """Run the driver's wake-ups due by t, each merge finishing before time moves on (the
+        runner's merges take no virtual time either)."""
+        while (due := clock.next_due()) is not None and due <= t:
+            clock.advance(due - clock.monotonic())
+            await settle()
+        clock.advance(t - clock.monotonic())
+
+    for offset, learner, p, c_steps in SCRIPT:
+        await advance_to(START + offset)
+        _, payload = _contribution(initial, plan, learner, p, c_steps, offset)
+        message = wire.FragmentContribution(p, 0, 0, c_steps, c_steps * 32, MANIFEST.sync.codec_up, learner, payload)
+        await driver.accept(message, transfer_s=TRANSFER_S)
+        await settle()
+    await advance_to(START + 60.0)
+    await tasks.close()
+    return merges, dict(syncer.last_decision)
+
+
+async def test_runner_and_daemon_make_the_same_decisions_and_commit_payloads(initial) -> None:
+    ours, our_last = run_runner_side(initial)
+    theirs, their_last = await run_daemon_side(initial)
+    assert len(ours) == 3  # the script exercises grace, a late straggler and the rate limit
+    assert [(round(t, 9), p, reason) for t, p, reason, _ in ours] == \
+        [(round(t, 9), p, reason) for t, p, reason, _ in theirs]
+    assert [payload for *_, payload in ours] == [payload for *_, payload in theirs]
+    reasons = " | ".join(reason for _, _, reason, _ in ours)
+    assert re.search(r"grace window of \d\.\d\d s expired with 2 of 3", reasons) and "including 1 early contribution" in reasons
+    # The last round of fragment 1 (one learner, K = 2) is still open, for the same reason on both sides.
+    assert our_last == their_last and our_last[1].startswith("waiting: 1 of 2 needed contributions")
+
+
+def test_runner_rules_for_decoupled_are_the_manifests(initial) -> None:
+    config = runner.RunnerConfig(MANIFEST, "decoupled", 3, 64)
+    assert runner.round_rules(config, MANIFEST.sync.period) == Syncer(MANIFEST, _plan(initial), []).rules
+
+
+def test_runner_learner_and_daemon_learner_thread_take_a_merge_alike(initial) -> None:
+    """The same merged fragment, contributors and counters: the runner's rule and the training
+    thread's boundary give the same local model and counters (with and without our contribution)."""
+    plan = _plan(initial)
+    corpus = data_lib.Corpus(np.arange(4096, dtype=np.uint8) % 251, np.arange(512, dtype=np.uint8), 256, "bytes")
+    p = 1
+    names = plan.fragments[p].names
+    merged = {n: initial[n] + np.float32(0.5) for n in names}
+    for contributors in (("b",), ("a", "b")):
+        thread = LearnerThread(node_id="a", cfg=model_lib.model_config("tiny", 16), manifest=MANIFEST, plan=plan,
+                               corpus=corpus, global_params=initial, global_rounds=[0, 0],
+                               on_contribution=lambda due: None, on_progress=lambda *a: None)
+        drift = {n: initial[n] - np.float32(0.25) for n in names}  # the learner's unsent progress
+        local = {**initial, **drift}
+        thread.restore(_snapshot(thread, local))
+        thread.offer_fragment(p, 1, merged, contributors)
+        thread.take_offers()
+        state = thread.request_state().result(timeout=10)
+        expected, counters = apply_merge(drift, {n: initial[n] for n in names}, merged, contributors,
+                                         FragmentCounters(6, 192), learner="a",
+                                         rule=ApplyRule.from_sync_spec(MANIFEST.sync))
+        for n in names:
+            np.testing.assert_array_equal(state.params[n], expected[n])
+        assert (state.c_steps[p], state.c_tokens[p]) == (counters.c_steps, counters.c_tokens)
+        assert state.base_rounds[p] == 1
+
+
+def _snapshot(thread: LearnerThread, params: dict[str, np.ndarray]):
+    """A checkpointed learner state with these weights and 6 unsent steps on every fragment."""
+    state = thread.request_state().result(timeout=10)
+    return type(state)(state.step, state.tokens, params, state.opt_leaves, state.base_rounds,
+                       [6] * len(state.c_steps), [192] * len(state.c_tokens))
