@@ -13,27 +13,29 @@ LOCAL = {"w": np.array([0.75, 2.5], np.float32)}  # this learner's unsent drift:
 COUNTERS = FragmentCounters(c_steps=7, c_tokens=700)
 
 
+KEEP = ApplyRule(keep_unmerged=True)
+
+
 def test_a_merge_with_our_contribution_overwrites_and_resets_the_counters() -> None:
-    new, counters = apply_merge(LOCAL, BASE, MERGED, {"me", "b"}, COUNTERS, learner="me", rule=ApplyRule())
+    new, counters = apply_merge(LOCAL, BASE, MERGED, {"me", "b"}, COUNTERS, learner="me", rule=KEEP)
     np.testing.assert_array_equal(new["w"], MERGED["w"])
     assert counters == FragmentCounters(0, 0)
 
 
-def test_a_merge_without_our_unsent_work_keeps_it_on_top_and_keeps_the_counters() -> None:
-    new, counters = apply_merge(LOCAL, BASE, MERGED, {"b"}, COUNTERS, learner="me", rule=ApplyRule())
+def test_keep_unmerged_takes_a_merge_without_our_unsent_work_on_top_of_it_and_keeps_the_counters() -> None:
+    new, counters = apply_merge(LOCAL, BASE, MERGED, {"b"}, COUNTERS, learner="me", rule=KEEP)
     np.testing.assert_array_equal(new["w"], np.array([1.25, 1.5], np.float32))  # merged + our drift
     assert counters == COUNTERS
 
 
-def test_with_keep_unmerged_off_a_merge_without_us_discards_our_work() -> None:
-    rule = ApplyRule(keep_unmerged=False)
-    new, counters = apply_merge(LOCAL, BASE, MERGED, {"b"}, COUNTERS, learner="me", rule=rule)
+def test_by_default_a_merge_without_us_overwrites_our_unsent_work() -> None:
+    new, counters = apply_merge(LOCAL, BASE, MERGED, {"b"}, COUNTERS, learner="me", rule=ApplyRule())
     np.testing.assert_array_equal(new["w"], MERGED["w"])
     assert counters == FragmentCounters(0, 0)
 
 
 def test_nothing_unsent_means_nothing_to_keep() -> None:
-    new, counters = apply_merge(BASE, BASE, MERGED, set(), FragmentCounters(0, 0), learner="me", rule=ApplyRule())
+    new, counters = apply_merge(BASE, BASE, MERGED, set(), FragmentCounters(0, 0), learner="me", rule=KEEP)
     np.testing.assert_array_equal(new["w"], MERGED["w"])
     assert counters == FragmentCounters(0, 0)
 
@@ -46,6 +48,6 @@ def test_mix_blends_local_and_merged_when_our_work_is_in() -> None:
 
 
 def test_the_rule_comes_from_the_run_manifest() -> None:
-    assert ApplyRule.from_sync_spec(SyncSpec()) == ApplyRule("overwrite", 0.5, True)
-    assert ApplyRule.from_sync_spec(SyncSpec(apply="mix", mix_alpha=0.3, keep_unmerged=False)) == \
-        ApplyRule("mix", 0.3, False)
+    assert ApplyRule.from_sync_spec(SyncSpec()) == ApplyRule("overwrite", 0.5, False)
+    assert ApplyRule.from_sync_spec(SyncSpec(apply="mix", mix_alpha=0.3, keep_unmerged=True)) == \
+        ApplyRule("mix", 0.3, True)

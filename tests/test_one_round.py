@@ -13,6 +13,7 @@ arrivals, make identical merge decisions, identical commit payloads and identica
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 from concurrent.futures import Executor, Future
 from types import SimpleNamespace
@@ -192,16 +193,19 @@ def test_runner_rules_for_decoupled_are_the_manifests(initial) -> None:
     assert runner.round_rules(config, MANIFEST.sync.period) == Syncer(MANIFEST, _plan(initial), []).rules
 
 
-def test_runner_learner_and_daemon_learner_thread_take_a_merge_alike(initial) -> None:
+@pytest.mark.parametrize("keep_unmerged", [False, True])
+def test_runner_learner_and_daemon_learner_thread_take_a_merge_alike(initial, keep_unmerged: bool) -> None:
     """The same merged fragment, contributors and counters: the runner's rule and the training
-    thread's boundary give the same local model and counters (with and without our contribution)."""
+    thread's boundary give the same local model and counters (with and without our contribution,
+    under both settings of the rule)."""
+    manifest = dataclasses.replace(MANIFEST, sync=dataclasses.replace(MANIFEST.sync, keep_unmerged=keep_unmerged))
     plan = _plan(initial)
     corpus = data_lib.Corpus(np.arange(4096, dtype=np.uint8) % 251, np.arange(512, dtype=np.uint8), 256, "bytes")
     p = 1
     names = plan.fragments[p].names
     merged = {n: initial[n] + np.float32(0.5) for n in names}
     for contributors in (("b",), ("a", "b")):
-        thread = LearnerThread(node_id="a", cfg=model_lib.model_config("tiny", 16), manifest=MANIFEST, plan=plan,
+        thread = LearnerThread(node_id="a", cfg=model_lib.model_config("tiny", 16), manifest=manifest, plan=plan,
                                corpus=corpus, global_params=initial, global_rounds=[0, 0],
                                on_contribution=lambda due: None, on_progress=lambda *a: None)
         drift = {n: initial[n] - np.float32(0.25) for n in names}  # the learner's unsent progress
@@ -212,7 +216,7 @@ def test_runner_learner_and_daemon_learner_thread_take_a_merge_alike(initial) ->
         state = thread.request_state().result(timeout=10)
         expected, counters = apply_merge(drift, {n: initial[n] for n in names}, merged, contributors,
                                          FragmentCounters(6, 192), learner="a",
-                                         rule=ApplyRule.from_sync_spec(MANIFEST.sync))
+                                         rule=ApplyRule.from_sync_spec(manifest.sync))
         for n in names:
             np.testing.assert_array_equal(state.params[n], expected[n])
         assert (state.c_steps[p], state.c_tokens[p]) == (counters.c_steps, counters.c_tokens)

@@ -45,7 +45,7 @@ ZERO = FragmentCounters()
 class ApplyRule:
     mode: str = "overwrite"  # or "mix"
     mix_alpha: float = 0.5
-    keep_unmerged: bool = True
+    keep_unmerged: bool = False
 
     @classmethod
     def from_sync_spec(cls, sync: SyncSpec) -> ApplyRule:
