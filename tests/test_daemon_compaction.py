@@ -336,13 +336,11 @@ def test_restart_compacted_log_without_checkpoint_or_peers_is_a_clear_error() ->
 def test_checkpointer_restores_the_global_state_and_applies_the_restart_plan(tmp_path: Path) -> None:
     """The real Checkpointer on real stores: a checkpoint inside the log is restored bit for bit."""
     source = _replica()
+    source.apply(_commit(source, 1, 0, 1))  # something to restore beyond the initial state
     checkpoints = CheckpointStore(tmp_path / "checkpoints")
+    meta, arrays = source.checkpoint_entries()
+    checkpoints.save({"applied_index": 120, **meta}, arrays)
     state = source.state
-    arrays = {}
-    for p in range(source.plan.num_fragments):
-        arrays.update({f"global/params/{n}": a for n, a in state.fragment_params(p).items()})
-        arrays.update({f"global/momentum/{n}": a for n, a in state.momentum(p).items()})
-    checkpoints.save({"applied_index": 120, "rounds": list(state.rounds()), "state_digest": state.digest()}, arrays)
     target = _replica()
     entries = [LogEntry(1, i, EntryKind.NOOP) for i in range(101, 151)]
     checkpointer = Checkpointer(node_id="a", checkpoints=checkpoints, store=None, replica=target,  # type: ignore[arg-type]

@@ -193,16 +193,6 @@ def test_install_is_all_or_nothing_and_checks_the_digest() -> None:
     assert target.digest() == source.digest()
 
 
-def test_the_plain_form_persistence_still_passes_restores_the_same_state() -> None:
-    """`restore` stays until daemon/persistence.py calls Replica.restore_checkpoint."""
-    source, target = _state(), _state()
-    source.apply_outer_gradient(1, _grad(source, 1, 0))
-    plain = {"format": 1, "rounds": list(source.rounds()), "fragments": [
-        {"fragment": p, "round": source.round(p), "params": source.fragment_params(p), "momentum": source.momentum(p)}
-        for p in range(3)]}
-    assert target.restore(plain, expected_digest=source.digest()) == source.digest()
-
-
 def test_fragment_state_arrays_are_copies() -> None:
     state = _state()
     for arr in state.fragment_state(0, include_history=True).params.values():

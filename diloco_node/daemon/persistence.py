@@ -105,34 +105,15 @@ class Checkpointer:
         return plan, learner
 
     def _restore_global_state(self, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> str:
-        replica = self.replica
-        fragments = []
-        for p, fragment in enumerate(replica.plan.fragments):
-            fragments.append({
-                "fragment": p, "round": int(meta["rounds"][p]),
-                "params": {n: np.array(arrays[f"global/params/{n}"]) for n in fragment.names},
-                "momentum": {n: np.array(arrays[f"global/momentum/{n}"]) for n in fragment.names},
-            })
-        digest = replica.state.restore({"format": 1, "rounds": list(meta["rounds"]), "fragments": fragments},
-                                       expected_digest=meta["state_digest"])
-        # Older checkpoints have none: the next commit of each fragment brings its reference.
-        replica.norm_refs = {int(p): float(v) for p, v in meta.get("norm_refs", {}).items()}
-        return digest
+        """The replicated state (norm references included), verified against the checkpoint's digest."""
+        return self.replica.restore_checkpoint(meta, arrays)
 
     async def checkpoint(self, learner: LearnerThread | None) -> tuple[Path, int]:
         """Local weights, AdamW state, counters, applied index and the global state, atomically.
         Returns (file, applied index). The caller decides whether the state is worth saving."""
         replica = self.replica
-        state = replica.state
-        meta: dict[str, Any] = {"node_id": self.node_id, "applied_index": replica.applied_index,
-                                "rounds": list(state.rounds()), "state_digest": state.digest(),
-                                "norm_refs": {str(p): v for p, v in sorted(replica.norm_refs.items())}}
-        arrays: dict[str, np.ndarray] = {}
-        for p in range(replica.plan.num_fragments):
-            for n, a in state.fragment_params(p).items():
-                arrays[f"global/params/{n}"] = a
-            for n, a in state.momentum(p).items():
-                arrays[f"global/momentum/{n}"] = a
+        global_meta, arrays = replica.checkpoint_entries()
+        meta: dict[str, Any] = {"node_id": self.node_id, "applied_index": replica.applied_index, **global_meta}
         if learner is not None:
             snap = await asyncio.wrap_future(learner.request_state())
             learner_meta, learner_arrays = snapshot_meta_and_arrays(snap)

@@ -247,13 +247,6 @@ class GlobalState:
             self._install(*item)
         return self.digest()
 
-    def restore(self, snapshot: Mapping[str, Any], expected_digest: str | None = None) -> str:
-        """The old plain form {"fragments": [{"fragment", "round", "params", "momentum"}, ...]},
-        kept only for daemon/persistence.py until it calls `Replica.restore_checkpoint`."""
-        fragments = snapshot["fragments"]
-        return self.install([FragmentState(f["fragment"], f["round"], f["params"], f["momentum"]) for f in fragments],
-                            expected_digest)
-
     def _copy_with(self, parsed: list[tuple]) -> GlobalState:
         clone = GlobalState.__new__(GlobalState)
         clone.plan, clone.outer, clone.history_len = self.plan, self.outer, self.history_len
