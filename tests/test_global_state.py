@@ -13,7 +13,7 @@ import pytest
 from diloco_node.config.manifest import OuterOptimizer
 from diloco_node.sync.fragments import plan_fragments
 from diloco_node.sync.global_state import FragmentHistory, GlobalState, GlobalStateError
-from diloco_node.sync.merge import nesterov_step
+from diloco_node.sync.outer import nesterov_step
 
 SHAPES = {
     "embed/embedding": (16, 4),

@@ -24,6 +24,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from diloco_node.config.manifest import OuterOptimizer, SyncSpec
 from diloco_node.sync.fragments import plan_fragments
 from diloco_node.sync.global_state import FragmentHistory, GlobalState
 from diloco_node.sync.merge import (
@@ -31,13 +32,12 @@ from diloco_node.sync.merge import (
     ContributionCaps,
     NormReference,
     merge_contributions,
-    nesterov_step,
     rda,
     rebase,
     token_weight,
     weighted_mean,
 )
-from diloco_node.config.manifest import OuterOptimizer, SyncSpec
+from diloco_node.sync.outer import nesterov_step
 
 CAPS = ContributionCaps(max_tokens_per_step=4096, max_steps=64)
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -1,7 +1,7 @@
 """The replicated global model: per fragment its parameters Theta_p, Nesterov buffer and round.
 
 Every replica applies the same committed outer gradients in the same order with the same
-elementwise float32 arithmetic (`merge.nesterov_step`), so replicas stay bit-identical; the sha256
+elementwise float32 arithmetic (`outer.nesterov_step`), so replicas stay bit-identical; the sha256
 digests prove it. A bounded `FragmentHistory` of past versions lets the syncer rebase
 contributions made against an older round. `fragment_state`/`install` hand fragments out and take
 them in as `state_codec.FragmentState` values: the one form behind checkpoints, state downloads and
@@ -22,7 +22,7 @@ import numpy as np
 
 from diloco_node.config.manifest import OuterOptimizer
 from diloco_node.sync.fragments import FragmentPlan
-from diloco_node.sync.merge import finite_float32, nesterov_step
+from diloco_node.sync.outer import finite_float32, nesterov_step
 from diloco_node.sync.state_codec import FragmentState, current_arrays
 
 # How many versions of each fragment (current included) are kept for rebasing. A contribution is

@@ -4,8 +4,8 @@ A learner sends delta = Theta_p(base) - theta_m,p against the global fragment ve
 applied. The syncer rebases it onto its current version (Delta_m = (Theta_now - Theta_base) +
 delta), validates it (names, shapes, finite values, counters, norm outliers), weighs it by tokens
 (w = c_tokens^2 / c_steps after capping what a learner may claim), and merges: Radial-Directional
-Averaging for ordinary tensors, a weighted mean for embedding tables. `nesterov_step` is the outer
-optimizer, elementwise float32 so every replica computes the same bits.
+Averaging for ordinary tensors, a weighted mean for embedding tables. The outer optimizer step that
+replicas apply to the result is `outer.nesterov_step`.
 
 No I/O, no clock, no JAX. Every rejection carries a reason naming the learner and what was wrong.
 The choices where the papers are silent are written down in docs/MERGE.md.
@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING, Collection, Mapping, Sequence
 
 import numpy as np
 
-if TYPE_CHECKING:  # only for annotations; global_state imports this module
-    from diloco_node.sync.global_state import FragmentHistory
+from diloco_node.sync.outer import finite_float32
+
+if TYPE_CHECKING:  # only for annotations
     from diloco_node.config.manifest import SyncSpec
+    from diloco_node.sync.global_state import FragmentHistory
 
 # A contribution whose learner-side delta norm exceeds this many times the reference (the round's
 # median, or the running reference of past rounds) is rejected. Honest learners of one run differ
@@ -288,30 +290,6 @@ def _check_shape_and_values(
     return out, None
 
 
-def finite_float32(value: object, name: str, shape: tuple[int, ...] | None) -> tuple[np.ndarray | None, str]:
-    """`value` as a float32 array (of `shape`, unless None) with finite values, or (None, reason).
-
-    The one check for tensors from outside (a learner's delta, an outer gradient, a snapshot), so
-    the syncer and every replica accept exactly the same inputs. The array may share memory with
-    `value`; copy it before keeping it.
-    """
-    try:
-        arr = np.asarray(value)
-    except (TypeError, ValueError):  # e.g. ragged nested lists
-        return None, f"{name} is not a numeric array"
-    if arr.dtype.kind != "f":
-        return None, f"{name} has dtype {arr.dtype}, expected float32"
-    if shape is not None and arr.shape != shape:
-        return None, f"{name} has shape {arr.shape}, expected {shape}"
-    if not np.all(np.isfinite(arr)):
-        return None, f"non-finite values in {name}"
-    with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf: caught below
-        arr = arr.astype(np.float32, copy=False)
-    if not np.all(np.isfinite(arr)):
-        return None, f"{name} has values beyond the float32 range"
-    return arr, ""
-
-
 def _fragment_norm(tensors: Mapping[str, np.ndarray]) -> float:
     return math.sqrt(sum(_norm64(t) ** 2 for t in tensors.values()))
 
@@ -466,24 +444,3 @@ def _uniform_weight(c: Contribution) -> float:
     if c.c_steps <= 0:
         raise ValueError(f"c_steps = {c.c_steps}: no inner steps since its base")
     return 1.0
-
-
-def nesterov_step(
-    theta: np.ndarray, buf: np.ndarray, outer_grad: np.ndarray, lr: float, momentum: float
-) -> tuple[np.ndarray, np.ndarray]:
-    """SGD with Nesterov momentum: b <- mu*b + Delta; Theta <- Theta - lr*(Delta + mu*b).
-
-    Elementwise float32 with the constants rounded to float32 first: numpy does not fuse these
-    operations, so every replica gets identical bits from identical inputs. Returns new arrays.
-    """
-    theta32 = np.asarray(theta, dtype=np.float32)
-    buf32 = np.asarray(buf, dtype=np.float32)
-    grad32 = np.asarray(outer_grad, dtype=np.float32)
-    if not theta32.shape == buf32.shape == grad32.shape:
-        raise ValueError(f"shapes differ: theta {theta32.shape}, buffer {buf32.shape}, gradient {grad32.shape}")
-    mu = np.float32(momentum)
-    eta = np.float32(lr)
-    with np.errstate(over="ignore", invalid="ignore"):  # callers check finiteness (GlobalState refuses)
-        new_buf = mu * buf32 + grad32
-        new_theta = theta32 - eta * (grad32 + mu * new_buf)
-    return new_theta.astype(np.float32, copy=False), new_buf.astype(np.float32, copy=False)

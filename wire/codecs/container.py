@@ -11,11 +11,15 @@ from __future__ import annotations
 import math
 import struct
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import numpy as np
 import zstandard
 
+from wire.codecs.layout import DIM as _DIM
+from wire.codecs.layout import FIXED_HEADER as _FIXED_HEADER
+from wire.codecs.layout import NAME_LEN as _NAME_LEN
+from wire.codecs.layout import NDIM as _NDIM
 from wire.codecs.schemes import ALL_CODECS, Codec
 from wire.errors import LocalProtocolError, RemoteProtocolError
 
@@ -43,10 +47,6 @@ MAX_NDIM = 32
 # make a tiny compressed message allocate 2^32 floats.
 MAX_PADDING_ELEMENTS = 1 << 24
 
-_FIXED_HEADER = struct.Struct("<4sBBBBII")  # magic, version, codec id, flags, reserved, block, count
-_NAME_LEN = struct.Struct("<H")
-_NDIM = struct.Struct("<B")
-_DIM = struct.Struct("<Q")
 
 CODECS: dict[str, Codec] = {codec.name: codec for codec in ALL_CODECS}
 CODECS_BY_ID: dict[int, Codec] = {codec.wire_id: codec for codec in ALL_CODECS}
@@ -66,13 +66,6 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     if not hasattr(_thread_state, "decompressor"):
         _thread_state.decompressor = zstandard.ZstdDecompressor()
     return _thread_state.decompressor
-
-
-def header_size(entries: Sequence[tuple[str, tuple[int, ...]]]) -> int:
-    """Bytes of the header for these (name, shape) entries."""
-    return _FIXED_HEADER.size + sum(
-        _NAME_LEN.size + len(name.encode()) + _NDIM.size + _DIM.size * len(shape) for name, shape in entries
-    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from wire.codecs.layout import header_size
 from wire.errors import LocalProtocolError, RemoteProtocolError
 
 # Largest block a peer may declare: bigger blocks only lose precision, and the scale arrays of a
@@ -129,8 +130,6 @@ class Codec(ABC):
         zstd is used only when it shrinks the body, so the real size is at most this (and usually
         well below it for quantized schemes).
         """
-        from wire.codecs.container import header_size  # local import: container imports schemes
-
         block_size = self.default_block_size
         return header_size([("", (num_elements,) + (1,) * (ndim - 1))]) + self.body_size(
             self.padded_count(num_elements, block_size), block_size
