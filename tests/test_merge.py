@@ -8,7 +8,7 @@ intended change of the math, regenerate them with
     DILOCO_REGEN_GOLDEN=1 .venv/bin/python -m pytest tests/test_merge.py -k golden
 
 and review the diff of the JSON (reasons and weights) before committing. A second test replays the
-same inputs through a plain float64 transcription of ALGORITHM.md and checks the fixture against it,
+same inputs through a plain float64 transcription of the method (docs/MERGE.md) and checks the fixture against it,
 so a fixture regenerated from wrong math fails too.
 """
 
@@ -605,7 +605,7 @@ def test_a_delta_that_is_not_a_mapping_is_refused_at_construction() -> None:
 
 
 def _reference_replay(accepted_per_round: list[list[str]]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], list[list[float]]]:
-    """ALGORITHM.md written out plainly in float64, independently of merge.py and global_state.py:
+    """The method (as docs/MERGE.md states it) in plain float64, independent of merge.py and global_state.py:
     Delta_m = (Theta_now - Theta_base) + delta; w = c_tokens^2 / c_steps after the caps; RDA, or the
     weighted mean for embeddings; b <- mu b + Delta, Theta <- Theta - lr (Delta + mu b). It is fed
     the golden run's inputs and, round by round, the learners the golden run accepted (which
