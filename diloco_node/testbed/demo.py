@@ -22,8 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 from diloco_node.testbed.launcher import DEFAULT_SETTINGS, LinkShape, Site
 from diloco_node.testbed.local_cluster import Cluster
 
@@ -75,6 +73,7 @@ def _evaluate(checkpoint_dir: Path, settings: tuple[str, ...]) -> tuple[float, f
     from diloco_node.learn import data as data_lib
     from diloco_node.learn import model as model_lib
     from diloco_node.ops.checkpoint import CheckpointStore
+    from diloco_node.sync import state_codec
 
     overrides = dict(setting.split("=", 1) for setting in settings if setting.startswith("run."))
     manifest = load_config(None, {}, overrides).run
@@ -90,8 +89,7 @@ def _evaluate(checkpoint_dir: Path, settings: tuple[str, ...]) -> tuple[float, f
         loaded = store.load_latest()
     if loaded is None:
         raise DemoFailed(f"no checkpoint in {checkpoint_dir}")
-    prefix = "global/params/"
-    flat = {k[len(prefix):]: np.asarray(v) for k, v in loaded.checkpoint.arrays.items() if k.startswith(prefix)}
+    flat = state_codec.params_from_checkpoint(loaded.checkpoint.arrays)
     end = float(evaluate(model_lib.load_flat_params(params, flat), inputs, targets))
     return start, end, model_lib.count_params(params)
 
