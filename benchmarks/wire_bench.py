@@ -8,7 +8,7 @@ Sections of the JSON report (`--json PATH`):
   RSS of sender and receiver during a 256 MB transfer, each its own process (target: growth < 64 MB).
 
 Sender, receiver and link emulator run as separate processes (this file with `--role`, and
-`python -m diloco_node.testbed.linkemu`), so each one's memory is its own. MB = 10^6 bytes throughout.
+`diloco-node linkemu`), so each one's memory is its own. MB = 10^6 bytes throughout.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def _transfer(total: int, *, cap_mbit: float | None = None) -> dict:
     try:
         port = json.loads(receiver.stdout.readline())["port"]
         if cap_mbit is not None:
-            link = _spawn("-m", "diloco_node.testbed.linkemu", "--listen", "127.0.0.1:0", "--upstream", f"127.0.0.1:{port}",
+            link = _spawn("-m", "diloco_node", "linkemu", "--listen", "127.0.0.1:0", "--upstream", f"127.0.0.1:{port}",
                           "--bandwidth-mbit", str(cap_mbit))
             port = int(link.stdout.readline().split()[3].rsplit(":", 1)[1])
         sender = _spawn(__file__, "--role", "sender", "--url", f"http://127.0.0.1:{port}", "--bytes", str(total))

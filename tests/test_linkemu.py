@@ -180,7 +180,7 @@ def test_shape_rejects_nonsense_with_a_clear_error() -> None:
 @pytest.mark.integration
 async def test_standalone_process_forwards_and_stops_on_sigterm(echo_port: int) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "diloco_node.testbed.linkemu", "--listen", "127.0.0.1:0",
+        [sys.executable, "-m", "diloco_node", "linkemu", "--listen", "127.0.0.1:0",
          "--upstream", f"127.0.0.1:{echo_port}", "--bandwidth-mbit", "200", "--latency-ms", "5"],
         stdout=subprocess.PIPE, text=True,
     )

@@ -13,7 +13,7 @@ import sys
 
 # name -> (module implementing it, one-line help). Add a line per subcommand.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("diloco_node.testbed.demo", "the main job on its built-in default: 4 local sites as real processes"),
+    "demo": ("diloco_node.cli.demo", "the main job on its built-in default: 4 local sites as real processes"),
     "train": ("diloco_node.cli.train", "an in-process multi-learner run with every knob exposed"),
     "simulate": ("diloco_node.cli.simulate", "fleet goodput under failures: dp, elastic dp, decoupled"),
     "bandwidth": ("diloco_node.cli.bandwidth", "cross-site bandwidth: data-parallel vs decoupled"),
@@ -21,7 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "watch": ("diloco_node.cli.status", "live view of nodes' status; one JSON line per poll when piped"),
     "config": ("diloco_node.cli.config", "config show: the effective configuration and each value's source"),
     "chaos": ("diloco_node.cli.chaos", "seeded chaos run on local sites: kills, stops, partitions; checked histories"),
-    "linkemu": ("diloco_node.testbed.linkemu", "a WAN link emulator: TCP proxy with bandwidth cap and latency"),
+    "linkemu": ("diloco_node.cli.linkemu", "a WAN link emulator: TCP proxy with bandwidth cap and latency"),
     "run": ("diloco_node.cli.run", "run this site's daemon: found a run, or join one with --bootstrap"),
 }
 

@@ -9,7 +9,7 @@ failovers and failover time, and bytes that crossed sites against what data-para
 would have moved for the same steps. Exit 0 on success, non-zero with the reason otherwise; no
 process is left behind.
 
-    python -m diloco_node.testbed.demo [--train-s 90] [--bandwidth-mbit 50] [--latency-ms 40]
+    diloco-node demo [--train-s 90] [--bandwidth-mbit 50] [--latency-ms 40]   (diloco_node/cli/demo.py)
 """
 
 from __future__ import annotations
@@ -31,12 +31,6 @@ EVAL_BATCHES = 8
 EVAL_BATCH_SIZE = 16
 DEMO_SETTINGS = (*DEFAULT_SETTINGS, "run.inner.batch_size=8", "run.sync.period=16", "run.sync.fragments=4",
                  "run.inner.warmup_steps=20", "checkpoint_interval_s=5")
-
-
-def add_arguments(parser: argparse.ArgumentParser, name: str = "cluster-demo") -> None:
-    parser.add_argument("--train-s", type=float, default=90.0, help="training time before and after the kill")
-    parser.add_argument("--bandwidth-mbit", type=float, default=50.0, help="each site's emulated link, Mbit/s")
-    parser.add_argument("--latency-ms", type=float, default=40.0, help="one-way latency of each link")
 
 
 class DemoFailed(Exception):
@@ -167,17 +161,3 @@ def _run_sites(cluster: Cluster, args: argparse.Namespace, t0: float) -> int:
     if not loss_end < loss_start:
         raise DemoFailed(f"the global model did not improve: eval loss {loss_start:.3f} -> {loss_end:.3f}")
     return 0
-
-
-def run(args: argparse.Namespace) -> int:
-    return run_demo(args)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m diloco_node.testbed.demo", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    return run_demo(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -172,7 +172,7 @@ class ChildProcess:
 
 @dataclass(frozen=True, slots=True)
 class LinkShape:
-    """An emulated WAN link in front of a node (`python -m diloco_node.testbed.linkemu`)."""
+    """An emulated WAN link in front of a node (`diloco-node linkemu`)."""
 
     bandwidth_mbit: float | None = None
     latency_ms: float = 0.0
@@ -231,7 +231,7 @@ class SiteSpec:
 
 
 def _link_argv(shape: LinkShape, upstream_port: int) -> list[str]:
-    argv = [sys.executable, "-m", "diloco_node.testbed.linkemu", "--listen", f"127.0.0.1:{shape.port}",
+    argv = [sys.executable, "-m", "diloco_node", "linkemu", "--listen", f"127.0.0.1:{shape.port}",
             "--upstream", f"127.0.0.1:{upstream_port}", "--latency-ms", str(shape.latency_ms)]
     if shape.bandwidth_mbit is not None:
         argv += ["--bandwidth-mbit", str(shape.bandwidth_mbit)]

@@ -16,23 +16,20 @@ link's behaviour per direction ("up" = client to upstream, "down" = upstream to 
 Control methods may be called from the event loop or from another thread: settings are plain
 attribute swaps, and anything touching sockets is handed to the loop with `call_soon_threadsafe`.
 
-Also a standalone process for the demo:
-`python -m diloco_node.testbed.linkemu --listen 127.0.0.1:P --upstream 127.0.0.1:Q --bandwidth-mbit 200 --latency-ms 30`
+As a process of its own (the demo's and the launcher's links): `diloco-node linkemu`
+(`diloco_node/cli/linkemu.py`).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
 import enum
 import ipaddress
 import random
-import signal
 import socket
 import struct
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -541,51 +538,3 @@ class LinkEmulator:
                 self.stats.bytes_up += len(piece)
             else:
                 self.stats.bytes_down += len(piece)
-
-
-# ---- standalone process ----------------------------------------------------------------------
-
-
-def _host_port(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return host, int(port)
-
-
-def add_arguments(parser: argparse.ArgumentParser, name: str = "linkemu") -> None:
-    parser.add_argument("--listen", type=_host_port, default=("127.0.0.1", 0),
-                        help="HOST:PORT to accept on (port 0: any)")
-    parser.add_argument("--upstream", type=_host_port, required=True, help="HOST:PORT to forward to")
-    parser.add_argument("--bandwidth-mbit", type=float, default=None, help="cap per direction, Mbit/s")
-    parser.add_argument("--latency-ms", type=float, default=0.0, help="one-way latency per direction")
-    parser.add_argument("--jitter-ms", type=float, default=0.0, help="uniform +- jitter on the latency")
-
-
-async def _run_standalone(args: argparse.Namespace) -> None:
-    link = LinkEmulator(args.upstream[0], args.upstream[1], listen_host=args.listen[0], listen_port=args.listen[1])
-    link.set_bandwidth_mbit(args.bandwidth_mbit)
-    link.set_latency(args.latency_ms / 1000, args.jitter_ms / 1000)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    async with link:
-        # One parseable line so a parent process can learn the port when it asked for 0.
-        print(f"linkemu listening on {link.address} -> {args.upstream[0]}:{args.upstream[1]}", flush=True)
-        await stop.wait()
-
-
-def run(args: argparse.Namespace) -> int:
-    asyncio.run(_run_standalone(args))
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m diloco_node.testbed.linkemu", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
