@@ -166,10 +166,14 @@ def test_checker_reads_what_the_writer_wrote(tmp_path):
     paths = []
     for node, events in h.items():
         path = tmp_path / node / "history.jsonl"
-        w = HistoryWriter(path, node, fsync="never")
+        now = [0.0]  # the writer's clocks read each synthetic event's own time
+        w = HistoryWriter(path, node, fsync="never", wall_clock=lambda: 1.7e9 + now[0], mono_clock=lambda: now[0])
         for e in events:
-            w._write_locked(e)  # keep the synthetic timestamps
+            now[0] = e.t_mono
+            w.record(e.kind, epoch=e.epoch, index=e.index, entry_digest=e.entry_digest, state_digest=e.state_digest,
+                     fragment=e.fragment, round=e.round, detail=e.detail)
         w.close()
+        assert load_histories([path])[node] == events
         paths.append(path)
     loaded = load_histories(paths)
     assert invariants(loaded) == {"digest_divergence"}

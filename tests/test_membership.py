@@ -120,8 +120,7 @@ def test_unreachable_member_is_suspected_then_declared_dead():
 
 def test_no_indirect_probes_without_enough_members():
     nodes = cluster("1", "2")
-    nodes["1"]._probe_order = ["2"]
-    nodes["1"]._next_probe_at = 10.0
+    nodes["1"].probe_next("2", at=10.0)
     sent = run_probe_cycle(nodes, "1", 10.0, drop_to={"2"})
     assert not any(isinstance(s.message, PingRequest) for s in sent)
     assert nodes["1"].state_of("2") is MemberState.SUSPECT

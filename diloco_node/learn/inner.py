@@ -148,7 +148,7 @@ class StackedLearners:
         self.steps = np.zeros(num_learners, dtype=np.int64)
         self.tokens = np.zeros(num_learners, dtype=np.int64)
         # Path tuples of every parameter, so flat names map to leaves of the stacked state.
-        self._paths = {model_lib._path_name(path): path for path, _ in nnx.to_flat_state(params)}
+        self._paths = {model_lib.path_name(path): path for path, _ in nnx.to_flat_state(params)}
         self._step = _compiled_masked_step(cfg, inner)
 
     def step(self, inputs_MxBxL: np.ndarray, targets_MxBxL: np.ndarray, mask_M: np.ndarray) -> jax.Array:

@@ -165,23 +165,24 @@ def make_eval_fn(graphdef: nnx.GraphDef):
     return evaluate
 
 
-def _path_name(path: tuple) -> str:
+def path_name(path: tuple) -> str:
+    """A parameter's flat name, e.g. "blocks/0/attn/qkv/kernel", from its NNX state path."""
     return "/".join(str(part) for part in path)
 
 
 def flat_params(params: nnx.State) -> dict[str, np.ndarray]:
     """Flat `{"a/b/kernel": float32 array}` host copies of the parameters."""
-    return {_path_name(path): np.asarray(leaf, dtype=np.float32).copy()
+    return {path_name(path): np.asarray(leaf, dtype=np.float32).copy()
             for path, leaf in nnx.to_flat_state(params)}
 
 
 def param_shapes(params: nnx.State) -> dict[str, tuple[int, ...]]:
-    return {_path_name(path): tuple(leaf.shape) for path, leaf in nnx.to_flat_state(params)}
+    return {path_name(path): tuple(leaf.shape) for path, leaf in nnx.to_flat_state(params)}
 
 
 def load_flat_params(params: nnx.State, flat: Mapping[str, np.ndarray]) -> nnx.State:
     """A new State like `params` with the named tensors replaced; unknown names or shapes are errors."""
-    by_name = {_path_name(path): path for path, _ in nnx.to_flat_state(params)}
+    by_name = {path_name(path): path for path, _ in nnx.to_flat_state(params)}
     unknown = sorted(set(flat) - set(by_name))
     if unknown:
         raise KeyError(f"unknown parameter name(s): {', '.join(unknown[:5])}")
