@@ -167,7 +167,8 @@ def test_checker_reads_what_the_writer_wrote(tmp_path):
     for node, events in h.items():
         path = tmp_path / node / "history.jsonl"
         now = [0.0]  # the writer's clocks read each synthetic event's own time
-        w = HistoryWriter(path, node, fsync="never", wall_clock=lambda: 1.7e9 + now[0], mono_clock=lambda: now[0])
+        w = HistoryWriter(path, node, fsync="never", wall_clock=lambda now=now: 1.7e9 + now[0],
+                          mono_clock=lambda now=now: now[0])
         for e in events:
             now[0] = e.t_mono
             w.record(e.kind, epoch=e.epoch, index=e.index, entry_digest=e.entry_digest, state_digest=e.state_digest,
