@@ -1,0 +1,148 @@
+"""The layout keeps its promises: no import cycles, the algorithm room (`diloco_node/sync/`) does
+no I/O and reads no clock, and the rooms depend on each other in one direction only.
+
+Imports are read from the source (`ast`), function-level ones included, so a cycle hidden in a
+late import is found too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("diloco_node", "wire", "bootstrap")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+
+
+def _imported_names(module: str, path: Path) -> set[str]:
+    """Every dotted name `module` imports, resolved to absolute names."""
+    names: set[str] = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, *([node.module] if node.module else [])])
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _internal(name: str) -> str | None:
+    """The project module a dotted name lives in (the longest known prefix), or None."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        targets = {_internal(name) for name in _imported_names(module, path)}
+        # Importing a package's submodule runs the package's __init__: not a dependency worth a cycle.
+        graph[module] = {t for t in targets if t and t != module and not module.startswith(t + ".")}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_cycle_finder_finds_a_planted_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles() -> None:
+    assert _cycles(_graph()) == []
+
+
+# Rooms and what each may not import. Lower rooms never reach up into the rooms that use them.
+FORBIDDEN = {
+    "diloco_node.sync": ("diloco_node.daemon", "diloco_node.transport", "diloco_node.learn", "diloco_node.sim",
+                         "diloco_node.testbed", "diloco_node.cli", "diloco_node.ops"),
+    "diloco_node.learn": ("diloco_node.daemon", "diloco_node.transport", "diloco_node.sim", "diloco_node.testbed",
+                          "diloco_node.cli"),
+    "diloco_node.sim": ("diloco_node.daemon", "diloco_node.transport", "diloco_node.testbed", "diloco_node.cli"),
+    "diloco_node.daemon": ("diloco_node.sim", "diloco_node.testbed", "diloco_node.cli"),
+    "diloco_node.testbed": ("diloco_node.cli",),
+    "wire": ("diloco_node", "bootstrap"),
+    "bootstrap": ("diloco_node",),
+}
+
+
+@pytest.mark.parametrize("room", sorted(FORBIDDEN))
+def test_rooms_depend_one_way(room: str) -> None:
+    wrong = sorted(f"{module} -> {target}" for module, targets in _graph().items()
+                   if module == room or module.startswith(room + ".")
+                   for target in targets for banned in FORBIDDEN[room]
+                   if target == banned or target.startswith(banned + "."))
+    assert wrong == []
+
+
+# The algorithm is pure: time comes in as arguments, bytes in and out as values.
+IO_AND_CLOCK = ("asyncio", "aiohttp", "socket", "time", "threading", "subprocess", "os", "pathlib", "shutil",
+                "diloco_node.clock")
+
+
+def test_the_algorithm_room_does_no_io_and_reads_no_clock() -> None:
+    wrong = sorted(f"{module} imports {name}" for module, path in MODULES.items()
+                   if module.startswith("diloco_node.sync")
+                   for name in _imported_names(module, path)
+                   if any(name == banned or name.startswith(banned + ".") for banned in IO_AND_CLOCK))
+    assert wrong == []
