@@ -1,0 +1,370 @@
+"""Export a site's global model: the newest verified checkpoint in its data directory -> one file.
+
+`export_global_model(data_dir, out)` reads the global model's current parameters out of the
+newest checkpoint that verifies and writes them as flat float32 tensors named like the model's
+parameters ("blocks/0/attn/qkv/kernel", ...) with the run manifest and the checkpoint's identity
+as metadata, in safetensors or npz. `load_export(path)` reads either format back.
+
+Where things are (a node's data directory, as the daemon lays it out):
+
+    <data_dir>/checkpoints/ckpt-<sequence>.bin   the node's checkpoints (ops/checkpoint.py); the
+                                                  global state's arrays and meta are named by
+                                                  sync/state_codec.py
+    <data_dir>/coordination/identity.json        node id, role and the run manifest
+                                                  (daemon/replica_store.py, daemon/identity.py)
+
+A checkpoint's meta does not hold the manifest, the node's identity file does: a data directory
+belongs to one node of one run, so that manifest is the one every checkpoint there was trained
+under.
+
+Safe beside a running node: files are only read, never locked, renamed or removed. The node
+writes checkpoints and identity.json atomically (temporary file, rename), so a file read here is
+either complete or absent; a checkpoint the node rotates away between listing and reading is
+looked for again rather than reported as corrupt. A checkpoint that fails verification is
+skipped (and named in `ExportResult.skipped`) but left where it is: quarantining it is the
+node's business (`CheckpointStore.load_latest`).
+
+The output is written to a temporary file in the target directory, fsynced and renamed into
+place (then the directory fsynced), so a reader never sees a partial export; an existing file
+is replaced only with `force`.
+
+Metadata (every value a string, as safetensors requires): "format" ("diloco-node-export/1"),
+"manifest" (the canonical manifest JSON: `RunManifest.from_dict(json.loads(...))`),
+"manifest_digest", "commit_index" (the replicated log index the global state includes: the
+checkpoint's applied index), "state_digest", "rounds" (JSON list, per fragment), "node_id" and
+"checkpoint" (the file name). In npz the same dict is a JSON string in the `__metadata__` entry.
+
+Loading an export elsewhere (needs only numpy, plus safetensors for that format):
+
+    from safetensors.numpy import load_file
+    params = load_file("model.safetensors")          # {"blocks/0/attn/qkv/kernel": float32, ...}
+    from safetensors import safe_open
+    with safe_open("model.safetensors", framework="numpy") as f:
+        metadata = f.metadata()                       # {"format": ..., "manifest": ..., ...}
+
+    import json, numpy as np
+    with np.load("model.npz") as f:                   # no pickle needed
+        metadata = json.loads(str(f["__metadata__"]))
+        params = {k: f[k] for k in f.files if k != "__metadata__"}
+
+Into this project's model: `model.load_flat_params(params_state, params)`.
+
+No JAX here (numpy and safetensors only): the command must start fast and run beside a node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from diloco_node.config.manifest import ConfigError, RunManifest
+from diloco_node.ops.checkpoint import Checkpoint, CheckpointError, read_checkpoint_file
+from diloco_node.sync.state_codec import params_from_checkpoint
+
+EXPORT_FORMAT = "diloco-node-export/1"
+FORMATS = ("safetensors", "npz")
+FORMAT_BY_SUFFIX = {".safetensors": "safetensors", ".npz": "npz"}
+NPZ_METADATA_KEY = "__metadata__"
+# The data directory's layout as the daemon creates it (daemon/node.py: the checkpoint store's
+# and the coordination store's directories; daemon/replica_store.py: the identity file).
+CHECKPOINTS_DIR = "checkpoints"
+COORDINATION_DIR = "coordination"
+IDENTITY_FILE = "identity.json"
+# A checkpoint's file name as CheckpointStore.path_for writes it; temporary and quarantined
+# (`*.corrupt`) files do not match and are never candidates.
+CHECKPOINT_NAME = re.compile(r"^ckpt-(\d{12})\.bin$")
+# A running node can rotate away the file we were about to read (it keeps only the newest few);
+# the directory is then listed again, a few times at most.
+MAX_LISTINGS = 5
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+class ExportError(Exception):
+    """The export cannot be done; the one-line message says why (and names files)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalModel:
+    """The global model of one checkpoint: flat float32 parameters and the export's metadata."""
+
+    params: Mapping[str, np.ndarray]
+    metadata: Mapping[str, str]
+    checkpoint: Path
+    skipped: tuple[str, ...] = ()  # newer checkpoints that did not verify, one reason each
+
+
+@dataclass(frozen=True, slots=True)
+class ExportResult:
+    out: Path
+    format: str
+    model: GlobalModel
+
+    @property
+    def num_parameters(self) -> int:
+        return int(sum(a.size for a in self.model.params.values()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the data directory
+# ---------------------------------------------------------------------------------------------
+
+
+def read_global_model(data_dir: Path) -> GlobalModel:
+    """The global model from the newest verified checkpoint in a node's data directory."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise ExportError(f"no such data directory: {data_dir}")
+    checkpoint, skipped = _newest_verified_checkpoint(data_dir / CHECKPOINTS_DIR)
+    manifest = read_run_manifest(data_dir)
+    params = {name: np.ascontiguousarray(array, dtype=np.float32)
+              for name, array in sorted(params_from_checkpoint(checkpoint.arrays).items())}
+    return GlobalModel(params, _metadata(checkpoint, manifest), checkpoint.path, skipped)
+
+
+def read_run_manifest(data_dir: Path) -> RunManifest:
+    """The run manifest the node keeps in its identity file."""
+    path = Path(data_dir) / COORDINATION_DIR / IDENTITY_FILE
+    try:
+        identity = json.loads(path.read_text())
+        return RunManifest.from_dict(identity["manifest"])
+    except FileNotFoundError:
+        raise ExportError(f"no run manifest: {path} does not exist (is {data_dir} a node's data directory?)") from None
+    except OSError as error:
+        raise ExportError(f"no run manifest: cannot read {path}: {error.strerror or error}") from None
+    except (ValueError, KeyError, TypeError, ConfigError) as error:
+        # ConfigError is a ValueError; named for the reader: a manifest this build refuses.
+        raise ExportError(f"no run manifest: {path} holds none this build reads: {error!r}") from None
+
+
+def _checkpoint_files(directory: Path) -> list[tuple[int, Path]]:
+    """(sequence, path) of the checkpoint files present, newest first."""
+    try:
+        names = [entry.name for entry in directory.iterdir()]
+    except FileNotFoundError:
+        return []
+    except OSError as error:
+        raise ExportError(f"cannot list {directory}: {error.strerror or error}") from None
+    found = [(int(m.group(1)), directory / name) for name in names if (m := CHECKPOINT_NAME.match(name))]
+    return sorted(found, reverse=True)
+
+
+def _newest_verified_checkpoint(directory: Path) -> tuple[Checkpoint, tuple[str, ...]]:
+    skipped: list[str] = []
+    tried: set[int] = set()
+    for _ in range(MAX_LISTINGS):
+        rotated_away = False
+        for sequence, path in _checkpoint_files(directory):
+            if sequence in tried:
+                continue
+            tried.add(sequence)
+            try:
+                checkpoint = read_checkpoint_file(path)
+            except CheckpointError as error:
+                if not path.exists():
+                    rotated_away = True  # newer ones were written meanwhile: list again
+                    break
+                skipped.append(str(error))
+                continue
+            problem = _not_a_global_model(checkpoint, sequence)
+            if problem:
+                skipped.append(f"{path}: {problem}")
+                continue
+            return checkpoint, tuple(skipped)
+        if not rotated_away:
+            break
+    if skipped:
+        raise ExportError(f"no verified checkpoint in {directory}; skipped: " + "; ".join(skipped))
+    raise ExportError(f"no checkpoint in {directory}: the node has not written one yet "
+                      "(or this is not a node's data directory)")
+
+
+def _not_a_global_model(checkpoint: Checkpoint, sequence: int) -> str | None:
+    """Why a checkpoint that verified still cannot be exported; None when it can."""
+    if checkpoint.sequence != sequence:
+        return f"holds sequence {checkpoint.sequence}, its name says {sequence}"
+    if not params_from_checkpoint(checkpoint.arrays):
+        return "holds no global model parameters"
+    if "applied_index" not in checkpoint.meta or "state_digest" not in checkpoint.meta:
+        return "has no applied_index / state_digest in its metadata: not a node's checkpoint"
+    return None
+
+
+def _metadata(checkpoint: Checkpoint, manifest: RunManifest) -> dict[str, str]:
+    meta = checkpoint.meta
+    return {
+        "format": EXPORT_FORMAT,
+        "manifest": manifest.canonical_bytes().decode(),
+        "manifest_digest": manifest.digest(),
+        "commit_index": str(int(meta["applied_index"])),
+        "state_digest": str(meta["state_digest"]),
+        "rounds": json.dumps([int(r) for r in meta.get("rounds", [])]),
+        "node_id": str(meta.get("node_id", "")),
+        "checkpoint": checkpoint.path.name,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing the export
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_format(out: Path, requested: str | None) -> str:
+    """The format asked for, else the one the output's suffix names."""
+    if requested is not None:
+        if requested not in FORMATS:
+            raise ExportError(f"unknown format {requested!r}: use one of {', '.join(FORMATS)}")
+        return requested
+    by_suffix = FORMAT_BY_SUFFIX.get(Path(out).suffix.lower())
+    if by_suffix is None:
+        raise ExportError(f"cannot tell the format from {Path(out).name!r}: name it *.safetensors or *.npz, "
+                          f"or pass --format ({' or '.join(FORMATS)})")
+    return by_suffix
+
+
+def export_global_model(data_dir: Path, out: Path, fmt: str | None = None, *, force: bool = False) -> ExportResult:
+    """Write the global model of the newest verified checkpoint in `data_dir` to `out`."""
+    out = Path(out)
+    fmt = resolve_format(out, fmt)
+    _check_target(out, force)  # before reading megabytes of checkpoint
+    model = read_global_model(data_dir)
+    write_export(model.params, model.metadata, out, fmt, force=force)
+    return ExportResult(out, fmt, model)
+
+
+def _check_target(out: Path, force: bool) -> None:
+    parent = out.parent
+    if not parent.is_dir():
+        raise ExportError(f"cannot write {out}: {parent} is not a directory")
+    if out.is_dir():
+        raise ExportError(f"cannot write {out}: it is a directory")
+    if out.exists() and not force:
+        raise ExportError(f"{out} exists; pass --force to replace it")
+
+
+def write_export(params: Mapping[str, np.ndarray], metadata: Mapping[str, str], out: Path, fmt: str,
+                 *, force: bool = False) -> None:
+    """Atomically create (or with `force` replace) `out` holding `params` and `metadata`."""
+    out = Path(out)
+    _check_target(out, force)
+    if NPZ_METADATA_KEY in params:
+        raise ExportError(f"a parameter is named {NPZ_METADATA_KEY!r}, the metadata entry's name")
+    writer = {"safetensors": _write_safetensors, "npz": _write_npz}.get(fmt)
+    if writer is None:
+        raise ExportError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
+    try:
+        fd, temp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    except OSError as error:
+        raise ExportError(f"cannot write in {out.parent}: {error.strerror or error}") from None
+    temp = Path(temp_name)
+    try:
+        os.close(fd)  # the writers open the path themselves
+        writer(temp, params, metadata)
+        _fsync_file(temp)
+        _move_into_place(temp, out, force)
+        _fsync_dir(out.parent)
+    except OSError as error:
+        raise ExportError(f"cannot write {out}: {error.strerror or error}") from None
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def _write_safetensors(path: Path, params: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> None:
+    from safetensors.numpy import save_file  # only this format needs it
+
+    save_file(dict(params), str(path), metadata=dict(metadata))
+
+
+def _write_npz(path: Path, params: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> None:
+    # A 0-d unicode array loads without allow_pickle, unlike an object array of a dict.
+    entries = {**params, NPZ_METADATA_KEY: np.array(json.dumps(dict(metadata), sort_keys=True))}
+    with path.open("wb") as handle:  # a file object: np.savez would append ".npz" to a bare name
+        np.savez(handle, **entries)
+
+
+def _move_into_place(temp: Path, out: Path, force: bool) -> None:
+    if force:
+        os.replace(temp, out)
+        return
+    # A hard link fails if `out` appeared since the check: no overwrite even in that race.
+    try:
+        os.link(temp, out)
+    except FileExistsError:
+        raise ExportError(f"{out} exists; pass --force to replace it") from None
+    except OSError:
+        # A filesystem without hard links: the check in _check_target is all we have.
+        if out.exists():
+            raise ExportError(f"{out} exists; pass --force to replace it") from None
+        os.replace(temp, out)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading an export back
+# ---------------------------------------------------------------------------------------------
+
+
+def load_export(path: Path | str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(flat float32 parameters, metadata) of an export in either format (told apart by content)."""
+    path = Path(path)
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(len(_ZIP_MAGIC))
+    except OSError as error:
+        raise ExportError(f"cannot read {path}: {error.strerror or error}") from None
+    return _load_npz(path) if head == _ZIP_MAGIC else _load_safetensors(path)
+
+
+def _load_npz(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            if NPZ_METADATA_KEY not in archive.files:
+                raise ExportError(f"{path}: npz without a {NPZ_METADATA_KEY} entry: not a diloco-node export")
+            metadata = json.loads(str(archive[NPZ_METADATA_KEY]))
+            params = {name: archive[name] for name in archive.files if name != NPZ_METADATA_KEY}
+    except (OSError, ValueError, zipfile.BadZipFile) as error:  # ValueError: a pickled entry, bad JSON
+        raise ExportError(f"{path}: not a readable npz export: {error}") from None
+    return params, _checked_metadata(path, metadata)
+
+
+def _load_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as handle:
+            metadata = handle.metadata() or {}
+            # safe_open is not a mapping (not even iterable): its names come from keys().
+            params = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+    except (OSError, SafetensorError) as error:
+        raise ExportError(f"{path}: not a readable safetensors export: {error}") from None
+    return params, _checked_metadata(path, metadata)
+
+
+def _checked_metadata(path: Path, metadata: Any) -> dict[str, str]:
+    if not isinstance(metadata, dict) or metadata.get("format") != EXPORT_FORMAT:
+        found = metadata.get("format") if isinstance(metadata, dict) else None
+        raise ExportError(f"{path}: metadata format {found!r}, expected {EXPORT_FORMAT!r}")
+    return {str(k): str(v) for k, v in metadata.items()}
