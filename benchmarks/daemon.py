@@ -57,14 +57,12 @@ def bench_inprocess_step(steps: int = 200) -> float:
     os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
     from diloco_node.config.settings import load_config
     from diloco_node.learn import data as data_lib
-    from diloco_node.learn import model as model_lib
     from diloco_node.learn.inner import InnerLearner
 
     overrides = dict(setting.split("=", 1) for setting in DEFAULT_SETTINGS if setting.startswith("run."))
     manifest = load_config(None, {}, overrides).run
     corpus = data_lib.load_corpus(manifest.data)
-    cfg = model_lib.model_config(manifest.model.size, manifest.model.seq_len)
-    learner = InnerLearner(cfg, manifest.inner, manifest.seed)
+    learner = InnerLearner(manifest.model, manifest.inner, manifest.seed)
     sampler = data_lib.BatchSampler(corpus.train, manifest.inner.batch_size, manifest.model.seq_len, 0)
     for _ in range(5):
         float(learner.step(*sampler.next()))

@@ -270,7 +270,7 @@ def test_joiner_manifest_contradictions_are_listed():
     theirs = RunManifest.from_dict({"sync": {"period": 32}})
     with pytest.raises(ConfigError) as exc:
         check_joiner_manifest(ours, theirs)
-    assert "model.size: 'small' != 'tiny'" in str(exc.value) and "sync.period: 16 != 32" in str(exc.value)
+    assert "model.size: 'small' != (unset: the factory's default)" in str(exc.value) and "sync.period: 16 != 32" in str(exc.value)
     # Only the keys this node set itself are held against the run.
     with pytest.raises(ConfigError, match="sync.period: 16 != 32") as exc:
         check_joiner_manifest(ours, theirs, explicit={"sync.period"})

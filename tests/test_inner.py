@@ -2,11 +2,10 @@
 
 import numpy as np
 
-from diloco_node.learn import model as model_lib
 from diloco_node.learn.inner import InnerLearner, StackedLearners, make_schedule
-from diloco_node.config.manifest import InnerOptimizer
+from diloco_node.config.manifest import InnerOptimizer, ModelSpec
 
-CFG = model_lib.model_config("tiny", 16)
+CFG = ModelSpec.of(seq_len=16, size="tiny")
 INNER = InnerOptimizer(batch_size=2, lr_peak=3e-3, warmup_steps=4, total_steps=24)
 
 

@@ -7,7 +7,8 @@ from flax import nnx
 from diloco_node.learn import model as model_lib
 from diloco_node.sync.fragments import is_embedding
 from diloco_node.learn.inner import InnerLearner
-from diloco_node.config.manifest import InnerOptimizer
+from diloco_node.config.manifest import InnerOptimizer, ModelSpec
+from diloco_node.learn import factory
 
 
 def _abstract_param_count(size: str) -> int:
@@ -64,12 +65,12 @@ def test_same_seed_same_parameters_and_loss_is_near_log_vocab_at_init():
 
 
 def test_loss_decreases_over_a_few_steps():
-    cfg = model_lib.model_config("tiny", 16)
-    learner = InnerLearner(cfg, InnerOptimizer(batch_size=4, lr_peak=1e-2, warmup_steps=2, total_steps=20), seed=0)
+    spec = ModelSpec.of(seq_len=16)
+    learner = InnerLearner(spec, InnerOptimizer(batch_size=4, lr_peak=1e-2, warmup_steps=2, total_steps=20), seed=0)
     text = np.frombuffer(b"def add(a, b):\n    return a + b\n" * 4, dtype=np.uint8).astype(np.int32)
     inputs = np.stack([text[i:i + 16] for i in range(4)])
     targets = np.stack([text[i + 1:i + 17] for i in range(4)])
     losses = [float(learner.step(inputs, targets)) for _ in range(12)]
     assert losses[-1] < losses[0] - 1.0
-    evaluate = model_lib.eval_fn_for(cfg)
+    evaluate = factory.eval_fn(spec)
     assert float(evaluate(learner.params, inputs[None], targets[None])) < losses[0]

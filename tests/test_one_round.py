@@ -29,6 +29,7 @@ from diloco_node.daemon.peers import AddressBook
 from diloco_node.daemon.rounds import RoundDriver
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.learn import data as data_lib
+from diloco_node.learn import factory
 from diloco_node.learn import model as model_lib
 from diloco_node.learn.learner_thread import LearnerThread
 from diloco_node.sim import runner
@@ -41,7 +42,7 @@ from wire import messages as wire
 from wire.codecs import decode_named, encode_named
 
 LEARNERS = ("a", "b", "c")
-MANIFEST = RunManifest(model=ModelSpec("tiny", 16),
+MANIFEST = RunManifest(model=ModelSpec.of(seq_len=16),
                        inner=InnerOptimizer(batch_size=2, warmup_steps=2, total_steps=64),
                        sync=SyncSpec(fragments=2, period=8, overlap=2, min_quorum=2, grace_gamma=0.5,
                                      grace_cap_s=5.0))
@@ -73,8 +74,7 @@ class _Counter:
 
 @pytest.fixture(scope="module")
 def initial() -> dict[str, np.ndarray]:
-    cfg = model_lib.model_config("tiny", 16)
-    _, params = model_lib.split_model(model_lib.init_model(cfg, 0))
+    _, params = factory.init_params(MANIFEST.model, 0)
     return model_lib.flat_params(params)
 
 
@@ -205,7 +205,7 @@ def test_runner_learner_and_daemon_learner_thread_take_a_merge_alike(initial, ke
     names = plan.fragments[p].names
     merged = {n: initial[n] + np.float32(0.5) for n in names}
     for contributors in (("b",), ("a", "b")):
-        thread = LearnerThread(node_id="a", cfg=model_lib.model_config("tiny", 16), manifest=manifest, plan=plan,
+        thread = LearnerThread(node_id="a", manifest=manifest, plan=plan,
                                corpus=corpus, global_params=initial, global_rounds=[0, 0],
                                on_contribution=lambda due: None, on_progress=lambda *a: None)
         drift = {n: initial[n] - np.float32(0.25) for n in names}  # the learner's unsent progress

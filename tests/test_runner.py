@@ -20,7 +20,7 @@ def corpus():
 
 def _config(mode, scenario="uniform", **overrides):
     manifest = RunManifest(
-        model=ModelSpec("tiny", 16),
+        model=ModelSpec.of(seq_len=16),
         inner=InnerOptimizer(batch_size=2, lr_peak=3e-3, warmup_steps=4, total_steps=STEPS),
         sync=SyncSpec(fragments=2, period=8, overlap=2, min_quorum=1),
     )

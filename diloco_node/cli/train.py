@@ -22,8 +22,16 @@ import time
 import tomllib
 from typing import Any
 
-from diloco_node.config.manifest import (CODEC_NAMES, MODEL_SIZES, ConfigError, DataSpec, InnerOptimizer, ModelSpec,
-                                    OuterOptimizer, RunManifest, SyncSpec)
+from diloco_node.config.manifest import (
+    CODEC_NAMES,
+    ConfigError,
+    DataSpec,
+    InnerOptimizer,
+    ModelSpec,
+    OuterOptimizer,
+    RunManifest,
+    SyncSpec,
+)
 
 DEFAULT_STEPS = 300  # about a minute of compute on two idle cores for M = 4 tiny learners
 
@@ -33,7 +41,7 @@ def default_manifest(steps: int, seed: int = 0) -> RunManifest:
     docs/PARITY.md: a warm-up of a third of the run and H = 28 (>= 200x fewer bytes than
     data-parallel with int4 both ways); short smoke runs keep H = 16."""
     return RunManifest(
-        model=ModelSpec(size="tiny", seq_len=64),
+        model=ModelSpec.of(seq_len=64, size="tiny"),
         data=DataSpec(source="stdlib", seed=seed),
         inner=InnerOptimizer(batch_size=8, lr_peak=3e-3, warmup_steps=steps // 3, total_steps=max(steps, 2)),
         outer=OuterOptimizer(lr=0.7, momentum=0.6),
@@ -63,8 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--bandwidth-mbit", type=float, default=100.0, help="link bandwidth per site")
     parser.add_argument("--latency-ms", type=float, default=50.0, help="link latency")
     model = parser.add_argument_group("model and data")
-    model.add_argument("--size", choices=MODEL_SIZES)
+    model.add_argument("--factory", help='model factory: "bytes", "llama" or "package.module:function"')
+    model.add_argument("--size", help="the factory's named size (bytes: tiny, small, medium; llama: 1m, 10m, 100m, 1b)")
+    model.add_argument("--vocab-size", type=int)
     model.add_argument("--seq-len", type=int)
+    model.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE",
+                       help="any other [run.model] option for the factory, e.g. num_layers=4 (repeatable)")
     model.add_argument("--data", nargs="+", metavar="PATH_OR_GLOB", help="text files/dirs/globs instead of the stdlib")
     model.add_argument("--token-file", help="pre-tokenized token file (np.memmap)")
     model.add_argument("--token-dtype", choices=("uint8", "uint16"))
@@ -111,6 +123,24 @@ def _override(section: Any, **values: Any) -> Any:
     return dataclasses.replace(section, **changes) if changes else section
 
 
+def _model_from_args(model: ModelSpec, args: argparse.Namespace) -> ModelSpec:
+    """The manifest's model with the flags applied; a new factory starts from no options."""
+    factory = args.factory or model.factory
+    options = dict(model.options) if factory == model.factory else {}
+    if args.size is not None:
+        options["size"] = args.size
+    for item in args.model_option:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--model-option {item!r}: expected KEY=VALUE, e.g. num_layers=4")
+        try:
+            options[key] = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            options[key] = text  # a bare word is a string option
+    return ModelSpec.of(factory, vocab_size=args.vocab_size or model.vocab_size,
+                        seq_len=args.seq_len or model.seq_len, **options)
+
+
 def build_manifest(args: argparse.Namespace) -> RunManifest:
     """The manifest of a `train` run: defaults, then the config file, then flags."""
     manifest = _load_manifest_file(args.config) if args.config else default_manifest(args.steps, args.seed)
@@ -124,7 +154,7 @@ def build_manifest(args: argparse.Namespace) -> RunManifest:
                       weight_decay=args.weight_decay)
     inner = dataclasses.replace(inner, total_steps=max(args.steps, inner.warmup_steps + 1))
     return RunManifest(
-        model=_override(manifest.model, size=args.size, seq_len=args.seq_len),
+        model=_model_from_args(manifest.model, args),
         data=data,
         inner=inner,
         outer=_override(manifest.outer, lr=args.outer_lr, momentum=args.outer_momentum),
@@ -179,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     print(f"diloco-node {args.command}: mode {config.mode}, M = {config.num_learners} learners, "
-          f"{manifest.model.size} model, {config.steps} steps x {manifest.inner.batch_size}x{manifest.model.seq_len} "
+          f"{manifest.model.factory} {manifest.model.option('size', '')} model, {config.steps} steps x {manifest.inner.batch_size}x{manifest.model.seq_len} "
           f"bytes per learner; corpus: {corpus.description} ({len(corpus.train):,} train / {len(corpus.eval):,} eval bytes)",
           flush=True)
     if config.mode != "data_parallel":

@@ -15,9 +15,9 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Mapping
 
-MODEL_SIZES = ("tiny", "small", "medium")
 CODEC_NAMES = ("fp32", "bf16", "int8", "int4", "e3m0")
 MERGE_METHODS = ("mean", "rda")
 WEIGHTINGS = ("uniform", "tokens")
@@ -37,16 +37,104 @@ def _choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> No
     _require(value in allowed, f"{section}.{name} = {value!r}: must be one of {', '.join(allowed)}")
 
 
+OptionValue = Any  # a TOML scalar or list: str, int, float, bool, or a list of those
+TensorSignature = tuple[str, tuple[int, ...], str]  # (flat parameter name, shape, dtype)
+MODEL_KEYS = ("factory", "vocab_size", "seq_len", "tensors")
+
+
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """Which byte-level transformer to train."""
+    """Which model every site trains: a factory, the vocabulary and context every factory gets, and
+    the factory's own options (every other key of `[run.model]`).
 
-    size: str = "tiny"
+    `factory` is "bytes" (the built-in byte-level transformer), "llama" (the built-in Llama-style
+    family) or "package.module:function" for a user's own (docs/MODELS.md). `tensors` is the
+    parameter signature (names, shapes, dtypes) the founding site's factory produced: filled in
+    when a run is founded, so a site whose factory builds something else is refused with the
+    differing tensors named. Empty means "not sealed yet" (a config file never sets it).
+    """
+
+    factory: str = "bytes"
+    vocab_size: int = 256
     seq_len: int = 128
+    options: tuple[tuple[str, OptionValue], ...] = ()
+    tensors: tuple[TensorSignature, ...] = ()
 
     def __post_init__(self) -> None:
-        _choice("model", "size", self.size, MODEL_SIZES)
-        _require(8 <= self.seq_len <= 65536, f"model.seq_len = {self.seq_len}: must be in [8, 65536]")
+        _require(isinstance(self.factory, str) and bool(self.factory.strip()),
+                 "model.factory: must name a factory: \"bytes\", \"llama\" or \"package.module:function\"")
+        if self.factory not in ("bytes", "llama"):
+            module, sep, function = self.factory.partition(":")
+            _require(bool(sep) and bool(module) and bool(function) and " " not in self.factory,
+                     f"model.factory = {self.factory!r}: must be \"bytes\", \"llama\" or \"package.module:function\"")
+        _require(isinstance(self.vocab_size, int) and 2 <= self.vocab_size <= 2**31 - 1,
+                 f"model.vocab_size = {self.vocab_size}: must be an integer in [2, 2^31 - 1]")
+        _require(8 <= self.seq_len <= 1 << 20, f"model.seq_len = {self.seq_len}: must be in [8, 1048576]")
+        names = [name for name, _ in self.options]
+        _require(names == sorted(set(names)), "model options: keys must be unique and sorted (use ModelSpec.of)")
+        for name, value in self.options:
+            _require(name not in MODEL_KEYS, f"model.{name}: reserved key, not a factory option")
+            _require(_is_option_value(value), f"model.{name} = {value!r}: must be a string, number, boolean or list")
+
+    @classmethod
+    def of(cls, factory: str = "bytes", *, vocab_size: int = 256, seq_len: int = 128,
+           tensors: tuple[TensorSignature, ...] = (), **options: OptionValue) -> ModelSpec:
+        """A spec from keyword options, e.g. `ModelSpec.of("llama", vocab_size=32000, size="1m")`."""
+        return cls(factory, vocab_size, seq_len, tuple(sorted((k, _frozen(v)) for k, v in options.items())), tensors)
+
+    def option(self, name: str, default: OptionValue = None) -> OptionValue:
+        return dict(self.options).get(name, default)
+
+    def factory_config(self) -> dict[str, OptionValue]:
+        """What the factory is called with: its options plus vocab_size and seq_len."""
+        config = {name: _thawed(value) for name, value in self.options}
+        config.update(vocab_size=self.vocab_size, seq_len=self.seq_len)
+        return config
+
+    def sealed(self, tensors: tuple[TensorSignature, ...]) -> ModelSpec:
+        return dataclasses.replace(self, tensors=tuple((n, tuple(s), d) for n, s, d in tensors))
+
+    def to_table(self) -> dict[str, Any]:
+        """The flat `[run.model]` table: the factory's options side by side with the fixed keys."""
+        table: dict[str, Any] = {"factory": self.factory, "vocab_size": self.vocab_size, "seq_len": self.seq_len}
+        table.update((name, _thawed(value)) for name, value in self.options)
+        if self.tensors:
+            table["tensors"] = [[name, list(shape), dtype] for name, shape, dtype in self.tensors]
+        return table
+
+    @classmethod
+    def from_table(cls, raw: Mapping[str, Any]) -> ModelSpec:
+        _require(isinstance(raw, Mapping), f"model: expected a table/mapping, got {type(raw).__name__}")
+        factory = raw.get("factory", "bytes")
+        _require(isinstance(factory, str), f"model.factory = {factory!r}: must be a string")
+        fixed: dict[str, int] = {}
+        for key, default in (("vocab_size", 256), ("seq_len", 128)):
+            value = raw.get(key, default)
+            _require(isinstance(value, int) and not isinstance(value, bool), f"model.{key} = {value!r}: must be an integer")
+            fixed[key] = value
+        tensors: list[TensorSignature] = []
+        for item in raw.get("tensors", ()) or ():
+            ok = (isinstance(item, (list, tuple)) and len(item) == 3 and isinstance(item[0], str)
+                  and isinstance(item[1], (list, tuple)) and all(isinstance(d, int) for d in item[1])
+                  and isinstance(item[2], str))
+            _require(ok, f"model.tensors: malformed entry {item!r}; expected [name, [shape], dtype]")
+            tensors.append((item[0], tuple(item[1]), item[2]))
+        options = {k: v for k, v in raw.items() if k not in MODEL_KEYS}
+        return cls.of(factory, tensors=tuple(tensors), **fixed, **options)
+
+
+def _is_option_value(value: Any) -> bool:
+    if isinstance(value, (str, bool, int, float)):
+        return not (isinstance(value, float) and value != value)  # NaN would never compare equal
+    return isinstance(value, tuple) and all(_is_option_value(v) and not isinstance(v, tuple) for v in value)
+
+
+def _frozen(value: Any) -> OptionValue:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _thawed(value: OptionValue) -> Any:
+    return list(value) if isinstance(value, tuple) else value
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,8 +259,12 @@ class RunManifest:
     seed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON/TOML-compatible dict (tuples become lists)."""
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+        """Plain JSON/TOML-compatible dict (tuples become lists); the model is its flat table."""
+        plain = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        plain = {name: (value.to_table() if isinstance(value, ModelSpec)
+                        else dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value)
+                 for name, value in plain.items()}
+        return json.loads(json.dumps(plain))
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "RunManifest":
@@ -186,6 +278,9 @@ class RunManifest:
             if name == "seed":
                 _require(isinstance(value, int) and not isinstance(value, bool), "seed: must be an integer")
                 kwargs[name] = value
+                continue
+            if name == "model":
+                kwargs[name] = ModelSpec.from_table(value)
                 continue
             section_cls = _SECTION_TYPES[name]
             kwargs[name] = _section_from_dict(name, section_cls, value)
@@ -210,12 +305,43 @@ class RunManifest:
         for section in ours:
             a, b = ours[section], theirs[section]
             if isinstance(a, dict):
-                for key in a:
-                    if a[key] != b.get(key):
-                        diffs.append(f"{section}.{key}: {a[key]!r} != {b.get(key)!r}")
+                for key in sorted(set(a) | set(b)):
+                    if key == "tensors" and section == "model":
+                        continue  # compared tensor by tensor below, and only when both are sealed
+                    if a.get(key) != b.get(key):
+                        diffs.append(f"{section}.{key}: {_shown(a, key)} != {_shown(b, key)}")
             elif a != b:
                 diffs.append(f"{section}: {a!r} != {b!r}")
+        if self.model.tensors and other.model.tensors:
+            diffs.extend(f"model.tensors: {d}" for d in tensor_differences(self.model.tensors, other.model.tensors))
         return diffs
+
+
+def tensor_differences(ours: Sequence[TensorSignature], theirs: Sequence[TensorSignature],
+                       limit: int = 8) -> list[str]:
+    """The parameters two signatures disagree on, named: missing, extra, or another shape or dtype."""
+    a = {name: (tuple(shape), dtype) for name, shape, dtype in ours}
+    b = {name: (tuple(shape), dtype) for name, shape, dtype in theirs}
+    out = []
+    for name in sorted(set(a) | set(b)):
+        if name not in b:
+            out.append(f"{name}: {_describe(a[name])} here, absent in the run")
+        elif name not in a:
+            out.append(f"{name}: absent here, {_describe(b[name])} in the run")
+        elif a[name] != b[name]:
+            out.append(f"{name}: {_describe(a[name])} here, {_describe(b[name])} in the run")
+    if len(out) > limit:
+        out = out[:limit] + [f"... and {len(out) - limit} more"]
+    return out
+
+
+def _shown(table: Mapping[str, Any], key: str) -> str:
+    return repr(table[key]) if key in table else "(unset: the factory's default)"
+
+
+def _describe(signature: tuple[tuple[int, ...], str]) -> str:
+    shape, dtype = signature
+    return f"{dtype}[{', '.join(map(str, shape))}]"
 
 
 _SECTION_TYPES: dict[str, type] = {

@@ -310,10 +310,34 @@ def _run_specs() -> list[KeySpec]:
             specs.append(KeySpec(f"run.{section.name}", _kind_of(value), value, "run-wide seed"))
             continue
         for f in dataclasses.fields(value):
+            if section.name == "model" and f.name in ("options", "tensors"):
+                continue  # options are free-form keys (below); tensors are sealed by the founder
             default = getattr(value, f.name)
             specs.append(KeySpec(f"run.{section.name}.{f.name}", _kind_of(default), default,
                                  f"run manifest {section.name}.{f.name}"))
     return specs
+
+
+# Every other key of [run.model] is an option handed to the model factory (docs/MODELS.md).
+MODEL_OPTION_PREFIX = "run.model."
+
+
+def _is_model_option(key: str) -> bool:
+    return (key.startswith(MODEL_OPTION_PREFIX) and key.count(".") == 2 and key not in ALL_SPECS
+            and key != MODEL_OPTION_PREFIX + "tensors")  # sealed by the founding site, never configured
+
+
+def _parse_model_option(key: str, raw: Any, where: str, from_text: bool) -> Any:
+    """A factory option: TOML values as they are; text from flags read as a TOML value (1, 2.5,
+    true, "x", [1, 2]) and otherwise taken as a plain string (`--set run.model.size=1m`)."""
+    if from_text and isinstance(raw, str):
+        try:
+            return tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            return raw
+    _require(isinstance(raw, (str, int, float, bool, list)), f"{key} = {raw!r} ({where}): must be a string, "
+             "number, boolean or list")
+    return raw
 
 
 NODE_SPECS: tuple[KeySpec, ...] = tuple(_node_specs())
@@ -453,11 +477,14 @@ class EffectiveConfig:
             for part in spec.key.split(".")[1:]:
                 value = value[part]
             out.append(Setting(spec.key, value, self.sources[spec.key], spec.env))
+        for name, value in self.run.model.options:
+            key = MODEL_OPTION_PREFIX + name
+            out.append(Setting(key, value, self.sources.get(key, "default"), ""))
         return out
 
     def explicit_run_keys(self) -> frozenset[str]:
         """Run keys this node set itself (not defaults), as run_config spells them (`sync.period`)."""
-        return frozenset(ALL_SPECS[k].display for k, src in self.sources.items()
+        return frozenset(k[len("run."):] for k, src in self.sources.items()
                          if k.startswith("run.") and src != "default")
 
     def read_secret(self) -> bytes:
@@ -545,6 +572,9 @@ def load_config(
         raw[_ENV_TO_KEY[name]] = (value, f"env:{name}", cwd, True)
 
     for override in overrides:
+        if _is_model_option(override.key):
+            raw[override.key] = (override.value, override.source, cwd, True)
+            continue
         if override.key not in ALL_SPECS:
             if _looks_like_inline_secret(override.key):
                 raise _inline_secret_error(override.key, override.source)
@@ -563,13 +593,19 @@ def load_config(
             values[key] = spec.default
             sources[key] = "default"
 
+    model_options: dict[str, Any] = {}
+    for key, (value, source, _, from_text) in raw.items():
+        if _is_model_option(key):
+            model_options[key[len(MODEL_OPTION_PREFIX):]] = _parse_model_option(key, value, source, from_text)
+            sources[key] = source
+
     warnings: list[str] = []
     _fill_derived(values, sources, environ, cwd)
     _fill_secret(values, sources, environ, warnings)
 
     node_kwargs = {spec.key: values[spec.key] for spec in NODE_SPECS}
     node = _with_sources(lambda: NodeConfig(**node_kwargs), sources)
-    run = _with_sources(lambda: RunManifest.from_dict(_nest_run(values)), sources)
+    run = _with_sources(lambda: RunManifest.from_dict(_nest_run(values, model_options)), sources)
     if node.secret_file is not None:
         _read_secret_file(node.secret_file, sources["secret_file"])  # fail now, not at the first frame
         mode = node.secret_file.stat().st_mode
@@ -622,7 +658,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 
 def _take_key(flat: dict[str, Any], key: str, dotted: str, value: Any, where: str) -> None:
-    if key in ALL_SPECS:
+    if key in ALL_SPECS or _is_model_option(key):
         flat[key] = value
         return
     if _looks_like_inline_secret(dotted):
@@ -680,7 +716,7 @@ def _sanitised_hostname() -> str:
     return name or "node"
 
 
-def _nest_run(values: Mapping[str, Any]) -> dict[str, Any]:
+def _nest_run(values: Mapping[str, Any], model_options: Mapping[str, Any]) -> dict[str, Any]:
     nested: dict[str, Any] = {}
     for spec in RUN_SPECS:
         parts = spec.key.split(".")[1:]
@@ -688,6 +724,7 @@ def _nest_run(values: Mapping[str, Any]) -> dict[str, Any]:
             nested[parts[0]] = values[spec.key]
         else:
             nested.setdefault(parts[0], {})[parts[1]] = values[spec.key]
+    nested["model"].update(model_options)
     return nested
 
 

@@ -15,6 +15,7 @@ from typing import Literal
 from bootstrap import messages as coord
 from bootstrap.coordinator_node import PersistentState
 from diloco_node.config.manifest import RunManifest
+from diloco_node.learn import factory
 from diloco_node.config.settings import ConfigError, EffectiveConfig, check_joiner_manifest
 from diloco_node.daemon import peers
 from diloco_node.daemon.join import negotiate
@@ -56,13 +57,19 @@ class SiteIdentity:
             for node_id, url in identity.get("addresses", {}).items():
                 self.addresses.learn(node_id, url)
             return "restart", self.store.load_persistent()
+        loop = asyncio.get_running_loop()
         if cfg.is_founder:
-            self.manifest = self.effective.run
+            # The founder publishes its model's parameter signature: every later site is checked
+            # against it (off the loop: the factory may import a user's module).
+            self.manifest = await loop.run_in_executor(None, factory.seal, self.effective.run)
             self.save()
             return "found", PersistentState.founding([self.node_id])
         urls = [peer.url() for peer in cfg.bootstrap]
+        async def check_model(theirs: RunManifest) -> None:
+            await loop.run_in_executor(None, factory.check_signature, theirs)
+
         manifest, membership, via = await negotiate(self.client, urls, self.effective, self.node_id,
-                                                    cfg.advertise, peers.role_to_wire(self.role))
+                                                    cfg.advertise, peers.role_to_wire(self.role), check_model)
         self.manifest = manifest
         self.learn_members(membership)
         self.bootstrap_url = via

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from diloco_node.config.manifest import RunManifest
@@ -44,7 +44,12 @@ BEHIND_FLOOR_RETRY_S = 0.2
 
 
 class JoinRefused(Exception):
-    """The run cannot be joined (wrong secret, contradicting manifest, no answer); says why."""
+    """The run cannot be joined (wrong secret, contradicting manifest, no answer); says why.
+    `permanent`: asking another bootstrap peer cannot help (our own settings or model differ)."""
+
+    def __init__(self, message: str, *, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
 
 
 class _PeerBehind(Exception):
@@ -70,8 +75,13 @@ async def request_membership(client: PeerClient, url: str, request: wire.JoinReq
 
 
 async def negotiate(client: PeerClient, urls: Sequence[str], effective: EffectiveConfig, node_id: str,
-                    advertise: str, role: wire.Role) -> tuple[RunManifest, wire.Membership, str]:
-    """Join through the first bootstrap peer that answers: (run manifest, membership, peer url)."""
+                    advertise: str, role: wire.Role,
+                    check_model: Callable[[RunManifest], Awaitable[None]] | None = None,
+                    ) -> tuple[RunManifest, wire.Membership, str]:
+    """Join through the first bootstrap peer that answers: (run manifest, membership, peer url).
+
+    `check_model` (raising ConfigError) vets the run's model before we ask to be admitted, so a
+    site whose model differs is refused having changed nothing anywhere."""
     errors: list[str] = []
     for url in urls:
         ours = effective.run
@@ -82,15 +92,17 @@ async def negotiate(client: PeerClient, urls: Sequence[str], effective: Effectiv
             if theirs.digest() != ours.digest():
                 try:
                     effective.manifest_for_join(theirs)
+                    if check_model is not None:
+                        await check_model(theirs)
                 except ConfigError as error:
-                    raise JoinRefused(str(error)) from None
+                    raise JoinRefused(str(error), permanent=True) from None
                 request = wire.JoinRequest(node_id, advertise, role, theirs.digest_bytes())
                 membership = await request_membership(client, url, request)
                 if parse_manifest(membership.payload).digest() != theirs.digest():
                     raise JoinRefused(f"{url}: the run's manifest changed while joining; try again")
             return theirs, membership, url
         except JoinRefused as error:
-            if "contradict" in str(error) or "refused with 401" in str(error) or "refused with 409" in str(error):
+            if error.permanent or "refused with 401" in str(error) or "refused with 409" in str(error):
                 raise
             errors.append(str(error))
         except RemoteProtocolError as error:

@@ -7,7 +7,6 @@ initialised once: its weights are also the run's initial state (the same seed fo
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -17,10 +16,11 @@ import numpy as np
 from diloco_node.config.manifest import RunManifest
 from diloco_node.config.settings import ConfigError
 from diloco_node.learn import data as data_lib
+from diloco_node.learn import factory
 from diloco_node.learn import model as model_lib
 from diloco_node.learn.inner import InnerLearner
 from diloco_node.learn.learner_thread import DueFragment, LearnerSnapshot, LearnerThread
-from diloco_node.sync.fragments import FragmentPlan, is_embedding, plan_fragments, wire_fit_problems
+from diloco_node.sync.fragments import FragmentPlan, plan_fragments, wire_fit_problems
 from diloco_node.sync.replica import Replica
 from diloco_node.sync.syncer import Syncer
 from wire.codecs.container import MAX_TENSOR_ELEMENTS
@@ -32,7 +32,6 @@ log = logging.getLogger("diloco_node.daemon")
 @dataclass
 class SiteModel:
     manifest: RunManifest
-    model_cfg: model_lib.ModelConfig
     corpus: data_lib.Corpus | None  # None on a witness
     inner: InnerLearner | None  # the learner's model, None on a witness
     plan: FragmentPlan
@@ -41,16 +40,18 @@ class SiteModel:
 
 
 def build_site_model(manifest: RunManifest, *, learner: bool) -> SiteModel:
+    """Learners and witnesses build the same model from the manifest alone (its factory, options,
+    vocabulary and context), checked against the run's sealed parameter signature."""
+    factory.check_signature(manifest)
     corpus = data_lib.load_corpus(manifest.data) if learner else None
-    cfg = model_lib.model_config(manifest.model.size, manifest.model.seq_len)
-    vocab = corpus.vocab_size if corpus is not None else cfg.vocab_size
-    if vocab != cfg.vocab_size:
-        cfg = dataclasses.replace(cfg, vocab_size=vocab)
-    inner = InnerLearner(cfg, manifest.inner, manifest.seed) if learner else None
+    if corpus is not None and corpus.vocab_size > manifest.model.vocab_size:
+        raise ConfigError(f"the data ({corpus.description}) can hold token ids up to {corpus.vocab_size - 1}, "
+                          f"but model.vocab_size = {manifest.model.vocab_size}")
+    inner = InnerLearner(manifest.model, manifest.inner, manifest.seed) if learner else None
     if inner is not None:
         initial = inner.get_flat()
     else:
-        _, params = model_lib.split_model(model_lib.init_model(cfg, manifest.seed))
+        _, params = factory.init_params(manifest.model, manifest.seed)
         initial = model_lib.flat_params(params)
     shapes = {n: a.shape for n, a in initial.items()}
     sync = manifest.sync
@@ -62,8 +63,8 @@ def build_site_model(manifest: RunManifest, *, learner: bool) -> SiteModel:
     if too_big:
         raise ConfigError("the run's fragments do not fit the wire limits: " + "; ".join(too_big))
     replica = Replica(plan, initial, manifest.outer)
-    syncer = Syncer(manifest, plan, [n for n in initial if is_embedding(n)])
-    return SiteModel(manifest, cfg, corpus, inner, plan, replica, syncer)
+    syncer = Syncer(manifest, plan, factory.embedding_names(manifest.model, initial))
+    return SiteModel(manifest, corpus, inner, plan, replica, syncer)
 
 
 def prepare_learner(site: SiteModel, *, node_id: str, base: tuple[Mapping[str, np.ndarray], list[int]],
@@ -73,7 +74,7 @@ def prepare_learner(site: SiteModel, *, node_id: str, base: tuple[Mapping[str, n
     thread; touches no loop state). A restored learner keeps its own weights and counters."""
     assert site.corpus is not None and site.inner is not None
     learner = LearnerThread(
-        node_id=node_id, cfg=site.model_cfg, manifest=site.manifest, plan=site.plan, corpus=site.corpus,
+        node_id=node_id, manifest=site.manifest, plan=site.plan, corpus=site.corpus,
         global_params=base[0], global_rounds=base[1], on_contribution=on_contribution, on_progress=on_progress,
         min_step_interval_s=min_step_interval_s, inner=site.inner)
     if restored is not None:

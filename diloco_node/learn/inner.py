@@ -23,8 +23,9 @@ import numpy as np
 import optax
 from flax import nnx
 
+from diloco_node.config.manifest import InnerOptimizer, ModelSpec
+from diloco_node.learn import factory
 from diloco_node.learn import model as model_lib
-from diloco_node.config.manifest import InnerOptimizer
 
 
 def make_schedule(inner: InnerOptimizer) -> optax.Schedule:
@@ -63,16 +64,16 @@ def _train_step_fn(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> 
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled_single_step(cfg: model_lib.ModelConfig, inner: InnerOptimizer) -> Callable:
-    """One jitted step per (model shape, optimizer) per process: later runs reuse its compilation."""
-    graphdef, _ = model_lib.split_model(model_lib.init_model(cfg, 0))
+def _compiled_single_step(model: ModelSpec, inner: InnerOptimizer) -> Callable:
+    """One jitted step per (model, optimizer) per process: later runs reuse its compilation."""
+    graphdef = factory.graphdef_of(model)
     return jax.jit(_train_step_fn(graphdef, make_optimizer(inner)), donate_argnums=(0, 1))
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled_masked_step(cfg: model_lib.ModelConfig, inner: InnerOptimizer) -> Callable:
-    """The vmapped, masked M-learner step (M comes from the input shapes), compiled once per shape."""
-    graphdef, _ = model_lib.split_model(model_lib.init_model(cfg, 0))
+def _compiled_masked_step(model: ModelSpec, inner: InnerOptimizer) -> Callable:
+    """The vmapped, masked M-learner step (M comes from the input shapes), compiled once per model."""
+    graphdef = factory.graphdef_of(model)
     single = _train_step_fn(graphdef, make_optimizer(inner))
 
     def masked_step(params, opt_state, inputs_MxBxL, targets_MxBxL, mask_M):
@@ -91,9 +92,10 @@ def _compiled_masked_step(cfg: model_lib.ModelConfig, inner: InnerOptimizer) -> 
 class InnerLearner:
     """One learner's local model and AdamW state, stepped by a jitted function with donated buffers."""
 
-    def __init__(self, cfg: model_lib.ModelConfig, inner: InnerOptimizer, seed: int,
+    def __init__(self, model: ModelSpec, inner: InnerOptimizer, seed: int,
                  initial: Mapping[str, np.ndarray] | None = None):
-        graphdef, params = model_lib.split_model(model_lib.init_model(cfg, seed))
+        model = factory.recipe(model)
+        graphdef, params = factory.init_params(model, seed)
         if initial is not None:
             params = model_lib.load_flat_params(params, initial)
         self.graphdef = graphdef
@@ -102,7 +104,7 @@ class InnerLearner:
         self.opt_state = self.tx.init(params)
         self.steps = 0
         self.tokens = 0
-        self._step = _compiled_single_step(cfg, inner)
+        self._step = _compiled_single_step(model, inner)
 
     def step(self, inputs_BxL: np.ndarray, targets_BxL: np.ndarray) -> jax.Array:
         """One AdamW step; returns the loss as a device array (fetch it when convenient)."""
@@ -131,11 +133,12 @@ class InnerLearner:
 class StackedLearners:
     """M learners in one stacked pytree; `step` advances the masked subset in one vmapped call."""
 
-    def __init__(self, cfg: model_lib.ModelConfig, inner: InnerOptimizer, num_learners: int, seed: int,
+    def __init__(self, model: ModelSpec, inner: InnerOptimizer, num_learners: int, seed: int,
                  initial: Mapping[str, np.ndarray] | None = None):
+        model = factory.recipe(model)
         if num_learners < 1:
             raise ValueError(f"num_learners = {num_learners}: must be >= 1")
-        graphdef, params = model_lib.split_model(model_lib.init_model(cfg, seed))
+        graphdef, params = factory.init_params(model, seed)
         if initial is not None:
             params = model_lib.load_flat_params(params, initial)
         self.graphdef = graphdef
@@ -149,7 +152,7 @@ class StackedLearners:
         self.tokens = np.zeros(num_learners, dtype=np.int64)
         # Path tuples of every parameter, so flat names map to leaves of the stacked state.
         self._paths = {model_lib.path_name(path): path for path, _ in nnx.to_flat_state(params)}
-        self._step = _compiled_masked_step(cfg, inner)
+        self._step = _compiled_masked_step(model, inner)
 
     def step(self, inputs_MxBxL: np.ndarray, targets_MxBxL: np.ndarray, mask_M: np.ndarray) -> jax.Array:
         """Step the learners where `mask_M` is True; returns per-learner losses (device array).

@@ -30,7 +30,6 @@ from diloco_node.learn import data as data_lib
 from diloco_node.sync.apply import ApplyRule, FragmentCounters, apply_merge
 from diloco_node.sync.fragments import FragmentPlan
 from diloco_node.learn.inner import InnerLearner
-from diloco_node.learn.model import ModelConfig
 from diloco_node.config.manifest import RunManifest
 
 log = logging.getLogger(__name__)
@@ -84,7 +83,6 @@ class LearnerThread(threading.Thread):
         self,
         *,
         node_id: str,
-        cfg: ModelConfig,
         manifest: RunManifest,
         plan: FragmentPlan,
         corpus: data_lib.Corpus,
@@ -100,7 +98,7 @@ class LearnerThread(threading.Thread):
         self.plan = plan
         self.manifest = manifest
         if inner is None:
-            inner = InnerLearner(cfg, manifest.inner, manifest.seed, global_params)
+            inner = InnerLearner(manifest.model, manifest.inner, manifest.seed, global_params)
         else:  # built earlier by the node (its initial weights seeded the replica): take the state
             inner.set_flat(global_params)
         self._inner = inner

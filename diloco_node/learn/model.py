@@ -12,9 +12,11 @@ tell them apart.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -126,6 +128,22 @@ class Transformer(nnx.Module):
         return self.head(self.ln_f(x_BxLxD))  # logits_BxLxV
 
 
+BYTE_MODEL_KEYS = ("size", "d_model", "num_layers", "num_heads", "d_ff", "vocab_size", "seq_len")
+
+
+def byte_transformer(config: Mapping[str, Any], rngs: nnx.Rngs) -> Transformer:
+    """The "bytes" model factory: a named `size` (tiny, small, medium; default tiny) whose
+    d_model, num_layers, num_heads and d_ff may each be overridden, with the run's vocab_size
+    and seq_len."""
+    unknown = sorted(set(config) - set(BYTE_MODEL_KEYS))
+    if unknown:
+        raise ValueError(f"unknown option(s) {', '.join(unknown)} for the bytes model; known: {', '.join(BYTE_MODEL_KEYS)}")
+    base = model_config(str(config.get("size", "tiny")))
+    shape = {key: config[key] for key in ("d_model", "num_layers", "num_heads", "d_ff") if key in config}
+    cfg = dataclasses.replace(base, seq_len=int(config["seq_len"]), vocab_size=int(config["vocab_size"]), **shape)
+    return Transformer(cfg, rngs)
+
+
 def init_model(cfg: ModelConfig, seed: int) -> Transformer:
     """A freshly initialised model; the same seed gives the same parameters bit for bit."""
     return Transformer(cfg, nnx.Rngs(params=seed))
@@ -138,8 +156,12 @@ def split_model(model: Transformer) -> tuple[nnx.GraphDef, nnx.State]:
 
 
 def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, inputs_BxL: jax.Array, targets_BxL: jax.Array) -> jax.Array:
-    """Mean next-byte cross-entropy (nats per byte). Pure: usable under jit, grad and vmap."""
+    """The module's own `loss(inputs, targets)` when it has one, else the mean next-token
+    cross-entropy (nats per token) of its logits. Pure: usable under jit, grad and vmap."""
     model = nnx.merge(graphdef, params)
+    own_loss = getattr(model, "loss", None)
+    if callable(own_loss):
+        return own_loss(inputs_BxL, targets_BxL)
     logits_BxLxV = model(inputs_BxL)
     logp_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
     nll_BxL = -jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None].astype(jnp.int32), axis=-1)[..., 0]

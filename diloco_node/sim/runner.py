@@ -44,13 +44,14 @@ from collections.abc import Callable, Collection
 
 import numpy as np
 
-from diloco_node.learn import data as data_lib
-from diloco_node.learn import model as model_lib
 from bootstrap.entries import EntryKind, LogEntry
-from diloco_node.config.manifest import RunManifest
+from diloco_node.config.manifest import ConfigError, ModelSpec, RunManifest
+from diloco_node.learn import data as data_lib
+from diloco_node.learn import factory
+from diloco_node.learn import model as model_lib
 from diloco_node.learn.inner import InnerLearner, StackedLearners
 from diloco_node.sync.apply import ApplyRule, FragmentCounters, apply_merge
-from diloco_node.sync.fragments import FragmentPlan, is_embedding, plan_fragments
+from diloco_node.sync.fragments import FragmentPlan, plan_fragments
 from diloco_node.sync.merge import Contribution
 from diloco_node.sync.quorum import DEFAULT_MIN_ROUND_INTERVAL_FACTOR, QuorumPolicy, RoundDecision
 from diloco_node.sync.replica import Replica
@@ -184,7 +185,7 @@ class RunResult:
 
 @dataclass
 class _Setup:
-    cfg: model_lib.ModelConfig
+    model: ModelSpec
     samplers: list[data_lib.BatchSampler]
     eval_inputs: np.ndarray
     eval_targets: np.ndarray
@@ -195,18 +196,19 @@ class _Setup:
 def _setup(config: RunnerConfig, corpus: data_lib.Corpus) -> _Setup:
     manifest = config.manifest
     seq_len = manifest.model.seq_len
-    cfg = model_lib.model_config(manifest.model.size, seq_len)
-    if corpus.vocab_size != cfg.vocab_size:
-        cfg = dataclasses.replace(cfg, vocab_size=corpus.vocab_size)
+    model = factory.recipe(manifest.model)
+    if corpus.vocab_size > model.vocab_size:
+        raise ConfigError(f"the data ({corpus.description}) can hold token ids up to {corpus.vocab_size - 1}, "
+                          f"but model.vocab_size = {model.vocab_size}")
     shards = data_lib.shard_bounds(len(corpus.train), config.num_learners)
     samplers = [data_lib.BatchSampler(corpus.train[a:b], manifest.inner.batch_size, seq_len, manifest.seed, m)
                 for m, (a, b) in enumerate(shards)]
     eval_inputs, eval_targets = data_lib.eval_batches(corpus.eval, config.eval_batches, config.eval_batch_size, seq_len)
-    _, params = model_lib.split_model(model_lib.init_model(cfg, manifest.seed))
+    _, params = factory.init_params(model, manifest.seed)
     initial = model_lib.flat_params(params)
     # Raw fp32 (no compression) is what a gradient all-reduce moves.
     fp32_grad_bytes = len(encode_named(initial, "fp32", zstd_level=None))
-    return _Setup(cfg, samplers, eval_inputs, eval_targets, initial, fp32_grad_bytes)
+    return _Setup(model, samplers, eval_inputs, eval_targets, initial, fp32_grad_bytes)
 
 
 def _inner_for(config: RunnerConfig):
@@ -251,8 +253,8 @@ class _DataParallel:
 
     def run(self) -> RunResult:
         config, setup = self.config, self.setup
-        learner = InnerLearner(setup.cfg, _inner_for(config), config.manifest.seed, setup.initial)
-        evaluate = model_lib.eval_fn_for(setup.cfg)
+        learner = InnerLearner(setup.model, _inner_for(config), config.manifest.seed, setup.initial)
+        evaluate = factory.eval_fn(setup.model)
         eval_start = _evaluate(setup, setup.initial, evaluate, learner.params)
         t = 0.0
         tokens = bytes_up = bytes_down = merges = merges_outage = 0
@@ -395,7 +397,7 @@ class _FragmentSync:
         self.replica = Replica(self.plan, setup.initial, config.manifest.outer)
         self.global_state = self.replica.state
         rules = round_rules(config, period)
-        self.syncer = Syncer(config.manifest, self.plan, [n for n in setup.initial if is_embedding(n)], rules)
+        self.syncer = Syncer(config.manifest, self.plan, factory.embedding_names(setup.model, setup.initial), rules)
         self.rounds = VirtualRounds(self.syncer, self.replica)
         self.apply_rule = ApplyRule.from_sync_spec(sync)
         M = config.num_learners
@@ -405,7 +407,7 @@ class _FragmentSync:
             st.c_steps, st.c_tokens = [0] * P, [0] * P
             st.base_round = [0] * P
             st.base_params = [self.global_state.fragment_params(p) for p in range(P)]
-        self.stack = StackedLearners(setup.cfg, _inner_for(config), M, config.manifest.seed, setup.initial)
+        self.stack = StackedLearners(setup.model, _inner_for(config), M, config.manifest.seed, setup.initial)
         self.events: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self.bytes_up = self.bytes_down = 0
@@ -438,7 +440,7 @@ class _FragmentSync:
 
     def run(self) -> RunResult:
         config = self.config
-        evaluate = model_lib.eval_fn_for(self.setup.cfg)
+        evaluate = factory.eval_fn(self.setup.model)
         template = self.stack.learner_params(0)
         eval_start = _evaluate(self.setup, self.setup.initial, evaluate, template)
         for o in config.outages:

@@ -15,7 +15,6 @@ process is left behind.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import signal
 import sys
 import tempfile
@@ -65,6 +64,7 @@ def _evaluate(checkpoint_dir: Path, settings: tuple[str, ...]) -> tuple[float, f
     """(eval loss of the initial model, of the final global model, parameter count)."""
     from diloco_node.config.settings import load_config
     from diloco_node.learn import data as data_lib
+    from diloco_node.learn import factory
     from diloco_node.learn import model as model_lib
     from diloco_node.ops.checkpoint import CheckpointStore
     from diloco_node.sync import state_codec
@@ -72,11 +72,8 @@ def _evaluate(checkpoint_dir: Path, settings: tuple[str, ...]) -> tuple[float, f
     overrides = dict(setting.split("=", 1) for setting in settings if setting.startswith("run."))
     manifest = load_config(None, {}, overrides).run
     corpus = data_lib.load_corpus(manifest.data)
-    cfg = model_lib.model_config(manifest.model.size, manifest.model.seq_len)
-    if corpus.vocab_size != cfg.vocab_size:
-        cfg = dataclasses.replace(cfg, vocab_size=corpus.vocab_size)
-    graphdef, params = model_lib.split_model(model_lib.init_model(cfg, manifest.seed))
-    evaluate = model_lib.make_eval_fn(graphdef)
+    _, params = factory.init_params(manifest.model, manifest.seed)
+    evaluate = factory.eval_fn(factory.recipe(manifest.model))
     inputs, targets = data_lib.eval_batches(corpus.eval, EVAL_BATCHES, EVAL_BATCH_SIZE, manifest.model.seq_len)
     start = float(evaluate(params, inputs, targets))
     with CheckpointStore(checkpoint_dir) as store:

@@ -1,0 +1,199 @@
+"""The model interface: from a run's `[run.model]` to a checked flax NNX module.
+
+A model factory is a function `factory(config, rngs) -> nnx.Module` (docs/MODELS.md):
+
+- `config` is a dict of every key of `[run.model]` except `factory`, with `vocab_size` and
+  `seq_len` always present; `rngs` is an `nnx.Rngs` seeded from the run's seed, the same at every
+  site, so every site builds bit-identical initial weights.
+- The module maps int32 tokens `[B, L]` to logits `[B, L, V]`; its state is float32 `nnx.Param`s
+  only (no batch statistics, no RNG state: the learner steps pure functions of the parameters).
+- Optional: `loss(inputs_BxL, targets_BxL) -> scalar` replaces the default mean next-token
+  cross-entropy; `embedding_names() -> list of flat names` says which parameters the merge treats
+  as embeddings (default: top-level names containing "embed", except "unembed").
+
+`factory` in `[run.model]` is "bytes", "llama", or "package.module:function". Whatever goes wrong
+while resolving, calling or checking a factory is a `ModelFactoryError` naming the factory.
+
+The run manifest carries the founding site's *parameter signature* (names, shapes, dtypes):
+`seal` writes it when a run is founded, and `check_signature` refuses a site whose factory builds
+anything else, naming the differing tensors. Signatures come from `nnx.eval_shape`, so sealing
+and checking a 1B-parameter model allocates nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from collections.abc import Callable, Collection
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from diloco_node.config.manifest import ConfigError, ModelSpec, RunManifest, TensorSignature, tensor_differences
+from diloco_node.learn.model import make_eval_fn, path_name
+from diloco_node.sync.fragments import is_embedding
+
+BUILTIN_FACTORIES = {
+    "bytes": "diloco_node.learn.model:byte_transformer",
+    "llama": "diloco_node.learn.llama:llama",
+}
+PROBE_BATCH = 2  # tokens [2, min(seq_len, 16)] probe the call's output shape (abstractly)
+
+Factory = Callable[[dict[str, Any], nnx.Rngs], nnx.Module]
+
+
+class ModelFactoryError(ConfigError):
+    """The model factory cannot be imported, fails, or builds something the learner cannot train."""
+
+
+def recipe(spec: ModelSpec) -> ModelSpec:
+    """What builds the model: the spec without its sealed signature (a cache key for compiled steps)."""
+    return dataclasses.replace(spec, tensors=()) if spec.tensors else spec
+
+
+def resolve_factory(name: str) -> Factory:
+    """The factory function named by `[run.model] factory`."""
+    target = BUILTIN_FACTORIES.get(name, name)
+    module_name, _, function_name = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # ImportError, or anything the user's module raises at import
+        raise ModelFactoryError(f"model factory {name!r}: cannot import module {module_name!r} "
+                                f"({type(error).__name__}: {error}); it must be importable at every site, "
+                                "witnesses included") from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise ModelFactoryError(f"model factory {name!r}: module {module_name!r} has no callable {function_name!r}")
+    return function
+
+
+def _call_factory(spec: ModelSpec, seed: int) -> nnx.Module:
+    factory = resolve_factory(spec.factory)
+    try:
+        module = factory(spec.factory_config(), nnx.Rngs(params=seed))
+    except ModelFactoryError:
+        raise
+    except Exception as error:
+        raise ModelFactoryError(f"model factory {spec.factory!r} raised {type(error).__name__}: {error}") from None
+    if not isinstance(module, nnx.Module):
+        raise ModelFactoryError(f"model factory {spec.factory!r} returned {type(module).__name__}, "
+                                "not a flax nnx.Module")
+    return module
+
+
+def _check_structure(spec: ModelSpec, module: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, params); the module's state must be float32 parameters only."""
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    leftover = [path_name(path) for path, _ in nnx.to_flat_state(rest)]
+    if leftover:
+        raise ModelFactoryError(f"model factory {spec.factory!r}: state that is not nnx.Param ("
+                                f"{', '.join(leftover[:5])}); the learner trains modules whose state is "
+                                "parameters only (no batch statistics, dropout RNGs or caches)")
+    flat = list(nnx.to_flat_state(params))
+    if not flat:
+        raise ModelFactoryError(f"model factory {spec.factory!r}: the module has no parameters")
+    wrong = [f"{path_name(path)} ({leaf.dtype})" for path, leaf in flat if leaf.dtype != jnp.float32]
+    if wrong:
+        raise ModelFactoryError(f"model factory {spec.factory!r}: parameters must be float32 (use a compute "
+                                f"dtype for lower precision): {', '.join(wrong[:5])}")
+    return graphdef, params
+
+
+def _check_output(spec: ModelSpec, graphdef: nnx.GraphDef, params: nnx.State) -> None:
+    length = min(spec.seq_len, 16)
+    tokens = jax.ShapeDtypeStruct((PROBE_BATCH, length), jnp.int32)
+    try:
+        out = jax.eval_shape(lambda p, t: nnx.merge(graphdef, p)(t), params, tokens)
+    except Exception as error:
+        raise ModelFactoryError(f"model factory {spec.factory!r}: calling the module on int32 tokens "
+                                f"[{PROBE_BATCH}, {length}] failed: {type(error).__name__}: {error}") from None
+    expected = (PROBE_BATCH, length, spec.vocab_size)
+    if getattr(out, "shape", None) != expected or not jnp.issubdtype(out.dtype, jnp.floating):
+        raise ModelFactoryError(f"model factory {spec.factory!r}: the module maps tokens [{PROBE_BATCH}, {length}] "
+                                f"to {getattr(out, 'shape', type(out).__name__)} {getattr(out, 'dtype', '')}; "
+                                f"expected float logits {list(expected)} (vocab_size = {spec.vocab_size})")
+
+
+@functools.lru_cache(maxsize=16)
+def abstract_model(spec: ModelSpec) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, abstract params) of the checked model, without allocating its weights."""
+    spec = recipe(spec)
+    module = nnx.eval_shape(lambda: _call_factory(spec, 0))
+    graphdef, params = _check_structure(spec, module)
+    _check_output(spec, graphdef, params)
+    return graphdef, params
+
+
+def graphdef_of(spec: ModelSpec) -> nnx.GraphDef:
+    """The model's structure, built once per process (compiled steps key on the spec)."""
+    return abstract_model(recipe(spec))[0]
+
+
+def init_params(spec: ModelSpec, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, float32 params) of a freshly initialised, checked model; the same seed gives the
+    same parameters bit for bit. Non-finite initial parameters are refused, named."""
+    abstract_model(recipe(spec))  # structure and output checked without allocating
+    graphdef, params = _check_structure(spec, _call_factory(recipe(spec), seed))
+    bad = [path_name(path) for path, leaf in nnx.to_flat_state(params) if not bool(jnp.all(jnp.isfinite(leaf)))]
+    if bad:
+        raise ModelFactoryError(f"model factory {spec.factory!r}: non-finite initial parameters: {', '.join(bad[:5])}")
+    return graphdef, params
+
+
+def signature_of(params: nnx.State) -> tuple[TensorSignature, ...]:
+    """(name, shape, dtype) of every parameter, sorted by name."""
+    return tuple(sorted((path_name(path), tuple(int(d) for d in leaf.shape), str(np.dtype(leaf.dtype)))
+                        for path, leaf in nnx.to_flat_state(params)))
+
+
+def model_signature(spec: ModelSpec) -> tuple[TensorSignature, ...]:
+    """The parameter signature the spec's factory builds at this site (nothing allocated)."""
+    return signature_of(abstract_model(recipe(spec))[1])
+
+
+def seal(manifest: RunManifest) -> RunManifest:
+    """The manifest with this site's parameter signature: what a founding site publishes."""
+    model = manifest.model.sealed(model_signature(manifest.model))
+    return dataclasses.replace(manifest, model=model)
+
+
+def check_signature(manifest: RunManifest, ours: tuple[TensorSignature, ...] | None = None) -> None:
+    """Refuse to train or replicate a model that differs from the run's, naming the tensors.
+
+    A manifest that is not sealed (a run founded before signatures existed) is accepted."""
+    if not manifest.model.tensors:
+        return
+    ours = model_signature(manifest.model) if ours is None else ours
+    differences = tensor_differences(ours, manifest.model.tensors)
+    if differences:
+        raise ModelFactoryError(f"this site's model (factory {manifest.model.factory!r}) differs from the run's in "
+                                f"{len(differences)} tensor(s): " + "; ".join(differences)
+                                + ". Every site must run the same factory code and [run.model] options")
+
+
+def embedding_names(spec: ModelSpec, names: Collection[str]) -> list[str]:
+    """The parameters the merge treats as embeddings: the module's own declaration, or the default."""
+    module = nnx.merge(*abstract_model(recipe(spec)))  # abstract leaves: the method only names things
+    declare = getattr(module, "embedding_names", None)
+    if declare is None:
+        return [name for name in names if is_embedding(name)]
+    try:
+        chosen = [str(name) for name in declare()]
+    except Exception as error:
+        raise ModelFactoryError(f"model factory {spec.factory!r}: embedding_names() raised "
+                                f"{type(error).__name__}: {error}") from None
+    unknown = sorted(set(chosen) - set(names))
+    if unknown:
+        raise ModelFactoryError(f"model factory {spec.factory!r}: embedding_names() names unknown parameters: "
+                                f"{', '.join(unknown[:5])}")
+    return chosen
+
+
+@functools.lru_cache(maxsize=16)
+def eval_fn(spec: ModelSpec) -> Callable:
+    """`model.make_eval_fn` for the spec's model, built once per process so compilations are reused."""
+    return make_eval_fn(graphdef_of(spec))
