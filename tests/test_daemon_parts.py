@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 
+import numpy as np
 import pytest
 
 from diloco_node.clock import FakeClock, SystemClock
@@ -74,3 +75,66 @@ async def test_fake_clock_moves_only_when_told() -> None:
     before = system.monotonic()
     await system.sleep(0.01)
     assert system.monotonic() - before >= 0.009
+
+
+# ---------------------------------------------------------------------------------------------
+# The evaluator: every N applied commits, one at a time, only on a consistent replica
+
+
+async def test_the_evaluator_runs_every_n_commits_one_at_a_time_on_a_consistent_state() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from diloco_node.daemon.evaluation import GlobalEvaluator
+    from diloco_node.ops.status import EvalStatus
+
+    params = {"w": np.ones(3, np.float32)}
+    release = asyncio.Event()
+    seen: list[dict] = []
+    published: list[EvalStatus] = []
+    consistent = [True]
+    loop = asyncio.get_running_loop()
+
+    def loss(flat):  # runs in the evaluator's thread; waits until the test lets it finish
+        seen.append({k: v.copy() for k, v in flat.items()})
+        asyncio.run_coroutine_threadsafe(release.wait(), loop).result(5)
+        return float(flat["w"].sum())
+
+    tasks = TaskSet()
+    evaluator = GlobalEvaluator(node_id="a", every_commits=3, loss=loss, global_params=lambda: params,
+                                consistent=lambda: consistent[0], executor=ThreadPoolExecutor(1), tasks=tasks,
+                                publish=published.append)
+    for index in (1, 2):
+        evaluator.after_apply(index)
+    assert not evaluator.running  # not yet 3 commits
+    evaluator.after_apply(3)
+    assert evaluator.running
+    params["w"][:] = 5.0  # the state moves on: the evaluation keeps its snapshot
+    for index in (4, 5, 6, 7):
+        evaluator.after_apply(index)  # one at a time: skipped, not queued
+    release.set()
+    while evaluator.running:
+        await asyncio.sleep(0.01)
+    assert published == [EvalStatus(3.0, 3, published[0].seconds)]
+    consistent[0] = False  # mid-download: never evaluated
+    evaluator.after_apply(9)
+    assert not evaluator.running
+    consistent[0] = True
+    evaluator.after_apply(9)
+    while evaluator.running:
+        await asyncio.sleep(0.01)
+    assert [p.commit_index for p in published] == [3, 9] and published[1].loss == 15.0
+    assert len(seen) == 2
+    await tasks.close()
+
+
+def test_a_witness_or_a_disabled_evaluator_never_evaluates() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from diloco_node.daemon.evaluation import GlobalEvaluator
+
+    for loss, every in ((None, 3), (lambda flat: 1.0, 0)):
+        evaluator = GlobalEvaluator(node_id="w", every_commits=every, loss=loss, global_params=dict,
+                                    consistent=lambda: True, executor=ThreadPoolExecutor(1), tasks=TaskSet(),
+                                    publish=lambda result: None)
+        evaluator.after_apply(100)
+        assert not evaluator.running

@@ -161,6 +161,8 @@ class NodeConfig:
     checkpoint_interval_s: float = 60.0
     checkpoint_keep: int = 3
     log_retain_entries: int = DEFAULT_LOG_RETAIN_ENTRIES
+    eval_interval_commits: int = 50
+    eval_batches: int = 8
 
     def __post_init__(self) -> None:
         _require(bool(NODE_ID_PATTERN.match(self.node_id)),
@@ -186,6 +188,9 @@ class NodeConfig:
         # Keeping one older checkpoint is what lets a corrupt newest one fall back.
         _require(self.checkpoint_keep >= 2, f"checkpoint_keep = {self.checkpoint_keep}: must be >= 2")
         _require(self.log_retain_entries >= 0, f"log_retain_entries = {self.log_retain_entries}: must be >= 0")
+        _require(self.eval_interval_commits >= 0,
+                 f"eval_interval_commits = {self.eval_interval_commits}: must be >= 0 (0: never evaluate)")
+        _require(1 <= self.eval_batches <= 1024, f"eval_batches = {self.eval_batches}: must be in [1, 1024]")
 
     @property
     def is_founder(self) -> bool:
@@ -259,6 +264,8 @@ _NODE_HELP = {
     "checkpoint_interval_s": "seconds between local checkpoints",
     "checkpoint_keep": "checkpoints kept on disk (>= 2 so a corrupt newest falls back)",
     "log_retain_entries": "log entries kept below the newest checkpoint when compacting (lagging peers replay these)",
+    "eval_interval_commits": "evaluate the global model on this site's eval split every N applied commits (0: never)",
+    "eval_batches": "batches (of run.inner.batch_size windows) in each evaluation",
 }
 _NODE_KINDS = {
     "node_id": "str", "listen": "hostport", "advertise": "str", "source_address": "optip",
@@ -266,7 +273,7 @@ _NODE_KINDS = {
     "data_dir": "path", "secret_file": "optpath", "secret_credential": "str", "role": "str",
     "log_level": "str", "connect_timeout_s": "float", "read_timeout_s": "float",
     "heartbeat_interval_s": "float", "lease_timeout_s": "float", "checkpoint_interval_s": "float",
-    "checkpoint_keep": "int", "log_retain_entries": "int",
+    "checkpoint_keep": "int", "log_retain_entries": "int", "eval_interval_commits": "int", "eval_batches": "int",
 }
 _NODE_FLAGS = {
     "node_id": "--node-id", "listen": "--listen", "advertise": "--advertise",

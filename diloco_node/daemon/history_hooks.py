@@ -280,6 +280,12 @@ class DaemonHistory:
 
     # ------------------------------------------------------------------ learner (its own thread)
 
+    def evaluated(self, index: int, loss: float | None, seconds: float) -> None:
+        """The global model as of commit `index` evaluated on this site's eval split."""
+        if self._closed:
+            return
+        self.writer.record("eval", index=index, detail={"loss": loss, "seconds": seconds})
+
     def learner_step(self, step: int, loss: float, tokens: int, learner: LearnerView | None) -> None:
         """One learner step done; the writer batches these into about one event per second."""
         if self._closed:

@@ -14,6 +14,8 @@ class DaemonSeries:
     merges_proposed: Counter
     learner_compute_seconds: Gauge
     learner_sync_seconds: Gauge
+    eval_loss: Gauge
+    eval_commit_index: Gauge
 
     @classmethod
     def register(cls, registry: MetricsRegistry) -> DaemonSeries:
@@ -27,4 +29,8 @@ class DaemonSeries:
             learner_sync_seconds=registry.gauge(
                 "diloco_daemon_learner_sync_seconds",
                 "training thread: seconds applying committed fragments and computing due deltas (cumulative)"),
+            eval_loss=registry.gauge("diloco_daemon_eval_loss",
+                                     "the global model's loss on this site's eval split (last evaluation)"),
+            eval_commit_index=registry.gauge("diloco_daemon_eval_commit_index",
+                                             "the commit index the last evaluation was taken at"),
         )

@@ -46,6 +46,7 @@ from diloco_node.daemon.rounds import RoundDriver
 from diloco_node.daemon.site_model import SiteModel, build_site_model, prepare_learner
 from diloco_node.daemon.state_transfer import StateKeeper
 from diloco_node.daemon.status_feed import StatusFeed
+from diloco_node.daemon.evaluation import GlobalEvaluator
 from diloco_node.daemon.tasks import TaskSet, closed_on_cleanup
 from diloco_node.learn.learner_thread import DueFragment, LearnerThread
 from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore
@@ -99,6 +100,7 @@ class Node:
         self.history: DaemonHistory | None = None
         self.identity: SiteIdentity | None = None
         self.site: SiteModel | None = None
+        self.evaluator: GlobalEvaluator | None = None  # the global model's held-out loss, every N commits
         self.checkpointer: Checkpointer | None = None
         self.keeper: StateKeeper | None = None
         self.coordination: CoordinationIO | None = None
@@ -157,7 +159,8 @@ class Node:
         app.cleanup_ctx.append(closed_on_cleanup(
             lambda: self.executor.shutdown(wait=False, cancel_futures=True),
             lambda: self.disk_executor.shutdown(wait=False, cancel_futures=True),
-            self.store.close, self.history.close, checkpoints.close, self.notifier.close))
+            self.store.close, self.history.close, checkpoints.close, self.notifier.close,
+            lambda: self.evaluator is not None and self.evaluator.close()))
         app.cleanup_ctx.append(self.client.cleanup_ctx)  # the peer session
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -217,6 +220,12 @@ class Node:
             epoch=lambda: self.coordination.core.epoch if self.coordination else 0,
             report_error=self._error, commits_applied=self.series.commits_applied)
         keeper.bootstrap_url = identity.bootstrap_url
+        evaluator = self.evaluator = GlobalEvaluator.for_site(
+            node_id=self.node_id, manifest=manifest, eval_tokens=site.corpus.eval if site.corpus else None,
+            every_commits=self.cfg.eval_interval_commits, batches=self.cfg.eval_batches, replica=replica,
+            consistent=keeper.state_consistent, tasks=self.tasks, status=self.status, series=self.series,
+            history=self.history)
+        keeper.after_apply = evaluator.after_apply
         plan, restored = self.checkpointer.restore(persistent, identity.has_peers())
         if plan.install_floor:
             keeper.plan_install(plan.install_floor)

@@ -55,6 +55,8 @@ class StateKeeper:
         self.report_error = report_error
         self.commits_applied = commits_applied
         self.learner: LearnerThread | None = None  # set when training starts
+        # Told the applied index after every applied commit (the evaluator, once the node has one).
+        self.after_apply: Callable[[int], None] = lambda applied_index: None
         self.bootstrap_url: str | None = None  # a joiner's first choice of download peer
         self.consistent_from = 0  # applied index from which our replica is one consistent state
         self.install_floor = 0  # newest snapshot index the state download must reach (0: none)
@@ -100,6 +102,7 @@ class StateKeeper:
             self.repair(outcome.fragment)
         if outcome.applied and outcome.fragment is not None:
             self._offer(outcome.fragment, outcome.contributors)
+            self.after_apply(self.replica.applied_index)
 
     def _offer(self, p: int, contributors: tuple[str, ...] = ()) -> None:
         """Hand the current fragment p to the learner; `contributors` of the commit that made it

@@ -40,7 +40,7 @@ HISTORY_FILE_NAME = "history.jsonl"
 
 NODE_KINDS = frozenset({
     "join", "vote", "lease_acquired", "lease_lost", "append", "commit", "apply", "leave",
-    "step", "start", "stop",
+    "step", "start", "stop", "eval",
 })
 # Written by the chaos harness (its own "nemesis" history), never by a node.
 NEMESIS_KINDS = frozenset({"fault", "heal", "final"})

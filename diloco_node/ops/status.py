@@ -65,6 +65,15 @@ class LearnerStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class EvalStatus:
+    """The global model's loss on this site's held-out data, as of a commit index (None: not yet)."""
+
+    loss: float | None = None
+    commit_index: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class ByteCounters:
     sent: int = 0
     received: int = 0
@@ -103,6 +112,7 @@ class StatusDocument:
     state_digest: str
     members: tuple[MemberStatus, ...] = ()
     learner: LearnerStatus = field(default_factory=LearnerStatus)
+    evaluation: EvalStatus = field(default_factory=EvalStatus)
     bytes: ByteCounters = field(default_factory=ByteCounters)
     quorum: QuorumStatus = field(default_factory=QuorumStatus)
     fragments: tuple[FragmentStatus, ...] = ()
@@ -148,6 +158,8 @@ class StatusDocument:
             members=tuple(_build(MemberStatus, m, f"members[{i}]")
                           for i, m in enumerate(_get(raw, "members", list))),
             learner=_build(LearnerStatus, _get(raw, "learner", dict), "learner"),
+            # Older nodes have no evaluation: an absent object is "not evaluated yet".
+            evaluation=_build(EvalStatus, raw.get("evaluation", {}), "evaluation"),
             bytes=_build(ByteCounters, _get(raw, "bytes", dict), "bytes"),
             quorum=_build(QuorumStatus, _get(raw, "quorum", dict), "quorum"),
             fragments=tuple(_build(FragmentStatus, f, f"fragments[{i}]")
@@ -275,6 +287,10 @@ class StatusBuilder:
                 # JSON has no NaN: show null, and say why once rather than on every step.
                 self._errors.append((now, f"learner loss is {loss} at step {step}"))
             self._learner = LearnerStatus(step=step, loss=loss if finite else None, tokens=tokens)
+
+    def set_evaluation(self, evaluation: EvalStatus) -> None:
+        with self._lock:
+            self._base = dataclasses.replace(self._base, evaluation=evaluation)
 
     def add_bytes(self, *, sent: int = 0, received: int = 0) -> None:
         with self._lock:

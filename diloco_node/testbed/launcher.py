@@ -31,10 +31,12 @@ from pathlib import Path
 from typing import Any, Self
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: children import this very tree
-# Small and fast: two fragments, a sync slot every 4 steps, tiny batches, a checkpoint every 3 s.
+# Small and fast: two fragments, a sync slot every 4 steps, tiny batches, a checkpoint every 3 s,
+# the global model evaluated every 10 commits on 2 batches.
 DEFAULT_SETTINGS = (
     "run.model.size=tiny", "run.model.seq_len=32", "run.inner.batch_size=4",
     "run.sync.fragments=2", "run.sync.period=8", "checkpoint_interval_s=3",
+    "eval_interval_commits=10", "eval_batches=2",
 )
 JAX_CACHE = os.environ.get("DILOCO_X_TEST_JAX_CACHE", "/tmp/diloco-node-test-jax-cache")
 # One thread per JAX process (several share two cores), the persistent compilation cache, CPU only.

@@ -12,6 +12,7 @@ of the default suite (about 2-4 minutes on two cores; `-m integration` selects i
 from __future__ import annotations
 
 import re
+import urllib.request
 import signal
 import socket
 import time
@@ -89,6 +90,22 @@ def test_three_sites_commit_and_agree(cluster: Cluster) -> None:
     while not any(all_three.search(site.log_text()) for site in cluster.sites.values()):
         assert time.monotonic() < deadline, "no round merged all three learners within 60 s"
         time.sleep(0.5)
+
+
+def test_every_learner_evaluates_the_global_model_and_reports_it(cluster: Cluster) -> None:
+    """Every 10 commits (the test cluster's setting) each learner evaluates the global model on its
+    own eval split: /status, /metrics and the history carry the loss; a witness would not."""
+    done = cluster.wait_for("an evaluation on every founder", lambda s: FOUNDERS <= set(s) and all(
+        s[n]["evaluation"]["loss"] is not None for n in FOUNDERS), 90)
+    for node_id in FOUNDERS:
+        evaluation = done[node_id]["evaluation"]
+        assert 0.0 < evaluation["loss"] < 10.0 and evaluation["commit_index"] >= 10, evaluation
+        site = cluster.sites[node_id]
+        with urllib.request.urlopen(site.url + "/metrics", timeout=5) as response:
+            metrics = response.read().decode()
+        assert re.search(r"^diloco_daemon_eval_loss [0-9.]+", metrics, re.M), metrics[:500]
+        history = (site.data_dir / "history.jsonl").read_text()
+        assert '"kind":"eval"' in history
 
 
 def test_systemd_hears_ready_and_status(cluster: Cluster) -> None:
