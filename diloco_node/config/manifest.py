@@ -248,6 +248,27 @@ class SyncSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class StopSpec:
+    """When the run is complete (0: no limit). `tokens` and `steps` count what has been merged into
+    the global model: the least any fragment has merged, so every parameter has seen that much."""
+
+    tokens: int = 0
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.tokens >= 0, f"stop.tokens = {self.tokens}: must be >= 0 (0: no limit)")
+        _require(self.steps >= 0, f"stop.steps = {self.steps}: must be >= 0 (0: no limit)")
+
+    def reached(self, tokens: int, steps: int) -> str | None:
+        """Why the run is complete with these merged totals, or None."""
+        if self.tokens and tokens >= self.tokens:
+            return f"{tokens} tokens merged into every fragment (stop.tokens = {self.tokens})"
+        if self.steps and steps >= self.steps:
+            return f"{steps} inner steps merged into every fragment (stop.steps = {self.steps})"
+        return None
+
+
+@dataclass(frozen=True, slots=True)
 class RunManifest:
     """Everything the sites of one run must agree on; joiners receive it and must not contradict it."""
 
@@ -256,6 +277,7 @@ class RunManifest:
     inner: InnerOptimizer = field(default_factory=InnerOptimizer)
     outer: OuterOptimizer = field(default_factory=OuterOptimizer)
     sync: SyncSpec = field(default_factory=SyncSpec)
+    stop: StopSpec = field(default_factory=StopSpec)
     seed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -350,6 +372,7 @@ _SECTION_TYPES: dict[str, type] = {
     "inner": InnerOptimizer,
     "outer": OuterOptimizer,
     "sync": SyncSpec,
+    "stop": StopSpec,
 }
 
 

@@ -101,6 +101,7 @@ class Node:
         self.identity: SiteIdentity | None = None
         self.site: SiteModel | None = None
         self.evaluator: GlobalEvaluator | None = None  # the global model's held-out loss, every N commits
+        self.completed = ""  # why the run is complete ([run.stop] reached), "" while it goes on
         self.checkpointer: Checkpointer | None = None
         self.keeper: StateKeeper | None = None
         self.coordination: CoordinationIO | None = None
@@ -220,12 +221,12 @@ class Node:
             epoch=lambda: self.coordination.core.epoch if self.coordination else 0,
             report_error=self._error, commits_applied=self.series.commits_applied)
         keeper.bootstrap_url = identity.bootstrap_url
-        evaluator = self.evaluator = GlobalEvaluator.for_site(
+        self.evaluator = GlobalEvaluator.for_site(
             node_id=self.node_id, manifest=manifest, eval_tokens=site.corpus.eval if site.corpus else None,
             every_commits=self.cfg.eval_interval_commits, batches=self.cfg.eval_batches, replica=replica,
             consistent=keeper.state_consistent, tasks=self.tasks, status=self.status, series=self.series,
             history=self.history)
-        keeper.after_apply = evaluator.after_apply
+        keeper.after_apply = self._after_apply
         plan, restored = self.checkpointer.restore(persistent, identity.has_peers())
         if plan.install_floor:
             keeper.plan_install(plan.install_floor)
@@ -258,11 +259,28 @@ class Node:
             await identity.announce()
             if plan.install_floor:
                 keeper.start_install(plan.install_floor)
-        if preparing is not None:
+        if preparing is not None and not self.completed:
             self._start_training(await preparing, fresh=restored is None)
+        self._after_apply(replica.applied_index)  # a restart of a complete run ends at once
         await self._stop.wait()
+        if self.completed:
+            # Stay a member a little longer so followers learn the final commit, then stop
+            # without leaving: the run is over, its membership stays as it ended.
+            await asyncio.sleep(2 * self.cfg.lease_timeout_s)
         await self._shutdown()
         return EXIT_OK
+
+    def _after_apply(self, applied_index: int) -> None:
+        assert self.site is not None and self.evaluator is not None
+        self.evaluator.after_apply(applied_index)
+        completion = self.site.replica.completion()
+        if completion and not self.completed:
+            self.completed = completion
+            log.info("%s: the run is complete at commit %d: %s", self.node_id, applied_index, completion)
+            self.status.set_ready(False, f"run complete: {completion}")
+            if self.learner is not None:
+                self.learner.stop()  # at its next step boundary; joined in _shutdown
+            self._stop.set()
 
     def _start_coordination(self, persistent: Any) -> None:
         assert self.site is not None and self.keeper is not None and self.identity is not None
@@ -394,7 +412,8 @@ class Node:
             log.info("%s: learner stopped at step %s", self.node_id, self.learner.stopped_at_step)
         self._periodic_task.cancel()  # no periodic checkpoint racing the final one
         coordination = self.coordination
-        await coordination.leave()
+        if not self.completed:
+            await coordination.leave()
         # Freeze the replica: nothing may be applied between the final checkpoint and exit, so a
         # restart resumes at exactly the index and digest logged below.
         coordination.frozen = True

@@ -26,7 +26,7 @@ import msgpack
 import numpy as np
 
 from bootstrap.entries import EntryKind, LogEntry
-from diloco_node.config.manifest import OuterOptimizer
+from diloco_node.config.manifest import OuterOptimizer, StopSpec
 from diloco_node.sync.fragments import FragmentPlan
 from diloco_node.sync.global_state import GlobalState, GlobalStateError
 from diloco_node.sync.state_codec import (
@@ -50,10 +50,12 @@ class CommitPayload:
     contributors: tuple[str, ...]
     weights: tuple[float, ...]
     norm_ref: float | None = None  # the fragment's reference delta norm after this round (optional)
+    tokens: int = 0  # tokens of the accepted contributions this round merged (what [run.stop] counts)
+    steps: int = 0  # their inner steps
 
     def encode(self) -> bytes:
         fields: dict[str, Any] = {"delta": self.delta, "contributors": list(self.contributors),
-                                  "weights": list(self.weights)}
+                                  "weights": list(self.weights), "tokens": self.tokens, "steps": self.steps}
         if self.norm_ref is not None:
             fields["norm_ref"] = self.norm_ref
         return msgpack.packb(fields, use_bin_type=True)
@@ -69,6 +71,7 @@ class CommitPayload:
             weights = tuple(float(w) for w in raw["weights"])
             norm_ref = raw.get("norm_ref")
             norm_ref = None if norm_ref is None else float(norm_ref)
+            tokens, steps = raw.get("tokens", 0), raw.get("steps", 0)
         except (ValueError, KeyError, TypeError, AttributeError, msgpack.UnpackException) as error:
             raise RemoteProtocolError(f"commit payload is malformed: {error}", 400) from None
         if not isinstance(delta, bytes) or len(contributors) != len(weights):
@@ -76,7 +79,10 @@ class CommitPayload:
         if norm_ref is not None and not (math.isfinite(norm_ref) and norm_ref >= 0.0):
             # A NaN reference would switch the outlier check off for good on every future holder.
             raise RemoteProtocolError(f"commit payload: norm_ref = {norm_ref!r} must be finite and >= 0", 400)
-        return cls(delta, contributors, weights, norm_ref)
+        for name, value in (("tokens", tokens), ("steps", steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise RemoteProtocolError(f"commit payload: {name} = {value!r} must be a non-negative integer", 400)
+        return cls(delta, contributors, weights, norm_ref, tokens, steps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +97,10 @@ class ApplyOutcome:
 class Replica:
     """GlobalState plus the commit-entry rules; `applied_index` is the last log index applied."""
 
-    def __init__(self, plan: FragmentPlan, initial: Mapping[str, np.ndarray], outer: OuterOptimizer) -> None:
+    def __init__(self, plan: FragmentPlan, initial: Mapping[str, np.ndarray], outer: OuterOptimizer,
+                 stop: StopSpec | None = None) -> None:
         self.plan = plan
+        self.stop = stop or StopSpec()
         self.state = GlobalState(plan, initial, outer)
         self._scratch = GlobalState(plan, initial, outer)  # for digests of not-yet-committed steps
         self.applied_index = 0
@@ -101,6 +109,10 @@ class Replica:
         # Per fragment, the reference delta norm carried by the newest applied commit: a node that
         # wins the lease seeds its syncer with these (not part of the digest: merge policy state).
         self.norm_refs: dict[int, float] = {}
+        # Per fragment, (tokens, inner steps) merged since the run began: the run is complete once
+        # every fragment has merged what [run.stop] asks, and from then on no commit is applied, so
+        # every replica ends at the same index with the same state.
+        self.merged: list[tuple[int, int]] = [(0, 0)] * plan.num_fragments
         self._bytes_cache: dict[int, tuple[int, bytes, bytes]] = {}  # p -> (round, bytes, sha256)
 
     # ---- the leader's preview ---------------------------------------------------------------
@@ -118,9 +130,21 @@ class Replica:
         self.last_reason = f"#{entry.index}: {outcome.reason}"
         return outcome
 
+    @property
+    def merged_totals(self) -> tuple[int, int]:
+        """(tokens, inner steps) every fragment has merged at least."""
+        return min(t for t, _ in self.merged), min(s for _, s in self.merged)
+
+    def completion(self) -> str | None:
+        """Why the run is complete (its [run.stop] limit reached), or None while it goes on."""
+        return self.stop.reached(*self.merged_totals)
+
     def _apply(self, entry: LogEntry) -> ApplyOutcome:
         if entry.kind is not EntryKind.OUTER_COMMIT:
             return ApplyOutcome(False, None, f"{entry.kind.value}: nothing to apply")
+        complete = self.completion()
+        if complete is not None:
+            return ApplyOutcome(False, entry.fragment, f"the run is complete ({complete}); commit not applied")
         p, round_ = entry.fragment, entry.round
         if p is None or round_ is None or not 0 <= p < self.plan.num_fragments:
             return ApplyOutcome(False, None, f"commit names no valid fragment ({p}, round {round_}); ignored")
@@ -145,19 +169,24 @@ class Replica:
                                          f"{entry.digest[:12]}; refetching the fragment", True)
         if payload.norm_ref is not None:
             self.norm_refs[p] = payload.norm_ref
+        tokens, steps = self.merged[p]
+        self.merged[p] = (tokens + payload.tokens, steps + payload.steps)
         return ApplyOutcome(True, p, f"fragment {p} -> round {round_} from {len(payload.contributors)} "
                                      f"contributor(s), digest {digest[:12]}", contributors=payload.contributors)
 
     # ---- the replicated state out and in (names and forms: state_codec.py) -----------------
 
     def fragment_state(self, p: int) -> FragmentState:
-        """Fragment p's replicated state: the global state's part plus the norm reference."""
-        return dataclasses.replace(self.state.fragment_state(p), norm_ref=self.norm_refs.get(p))
+        """Fragment p's replicated state: the global state's part plus the norm reference and totals."""
+        tokens, steps = self.merged[p]
+        return dataclasses.replace(self.state.fragment_state(p), norm_ref=self.norm_refs.get(p),
+                                   merged_tokens=tokens, merged_steps=steps)
 
     def install_states(self, states: Sequence[FragmentState], expected_digest: str | None = None) -> str:
         """Replace the whole replicated state (all-or-nothing, GlobalStateError); returns its digest."""
         digest = self.state.install(states, expected_digest)
         self.norm_refs = {s.fragment: s.norm_ref for s in states if s.norm_ref is not None}
+        self.merged = [(s.merged_tokens, s.merged_steps) for s in sorted(states, key=lambda s: s.fragment)]
         self._bytes_cache.clear()
         return digest
 
@@ -188,6 +217,7 @@ class Replica:
             self.norm_refs.pop(p, None)
         else:
             self.norm_refs[p] = state.norm_ref
+        self.merged[p] = (state.merged_tokens, state.merged_steps)
         self._bytes_cache.pop(p, None)
         self.diverged.discard(p)
         return digest

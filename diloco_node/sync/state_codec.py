@@ -1,8 +1,9 @@
 """The one naming and serialization of the replicated global state, fragment by fragment.
 
 A fragment's replicated state is its round, its parameters Theta_p, its Nesterov buffer, optionally
-older parameter versions (kept for rebasing) and the reference delta norm carried by the newest
-commit (merge policy state: replicated, but not part of the digest). `FragmentState` holds these
+older parameter versions (kept for rebasing), the reference delta norm carried by the newest
+commit (merge policy state) and the tokens and steps merged so far (what ends a run): the last
+two are replicated, but not part of the digest. `FragmentState` holds these
 in memory; this module gives them their names and their serialized forms:
 
 - named arrays (`fragment_arrays` / `from_fragment_arrays`): "params/<tensor>",
@@ -21,6 +22,7 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +59,10 @@ class FragmentState:
     # not need them (contributions against an evicted round are refused with a reason).
     history: Mapping[int, Mapping[str, np.ndarray]] = field(default_factory=dict)
     norm_ref: float | None = None  # the fragment's reference delta norm after its newest commit
+    # Tokens and inner steps merged into this fragment since the run began (what `[run.stop]`
+    # counts): replicated like the norm reference, and like it not part of the digest.
+    merged_tokens: int = 0
+    merged_steps: int = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,6 +124,16 @@ def _checked_norm_ref(fragment: int, norm_ref: Any) -> float | None:
     return float(norm_ref)
 
 
+def _checked_merged(what: str, value: Any) -> tuple[int, int]:
+    """(tokens, steps) merged so far: two non-negative integers."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise StateCodecError(f"{what} must be [tokens, steps]")
+    tokens, steps = (_checked_int(what, v) for v in value)
+    if tokens < 0 or steps < 0:
+        raise StateCodecError(f"{what} = {list(value)} must not be negative")
+    return tokens, steps
+
+
 def _checked_int(what: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise StateCodecError(f"{what} must be an integer, got {type(value).__name__}")
@@ -135,6 +151,7 @@ def to_checkpoint(fragments: Sequence[FragmentState], state_digest: str) -> tupl
         "rounds": [f.round for f in fragments],
         "state_digest": state_digest,
         "norm_refs": {str(f.fragment): f.norm_ref for f in fragments if f.norm_ref is not None},
+        "merged": [[f.merged_tokens, f.merged_steps] for f in fragments],
     }
     arrays = {CHECKPOINT_PREFIX + name: array for f in fragments for name, array in fragment_arrays(f).items()}
     return meta, arrays
@@ -151,6 +168,7 @@ def from_checkpoint(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
         rounds = [_checked_int(f"checkpoint: rounds[{p}]", r) for p, r in enumerate(meta["rounds"])]
         digest = str(meta["state_digest"])
         norm_refs = {int(p): v for p, v in meta.get("norm_refs", {}).items()}
+        merged = [_checked_merged(f"checkpoint: merged[{p}]", m) for p, m in enumerate(meta.get("merged", []))]
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise StateCodecError(f"checkpoint: global state metadata is malformed: {error!r}") from None
     if len(rounds) != plan.num_fragments:
@@ -165,7 +183,11 @@ def from_checkpoint(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
         except KeyError as error:
             raise StateCodecError(f"checkpoint: array {name!r}: {error.args[0]}") from None
         per_fragment[p][local] = np.array(array, dtype=_DTYPE)
+    if merged and len(merged) != plan.num_fragments:
+        raise StateCodecError(f"checkpoint: {len(merged)} merged totals, the plan has {plan.num_fragments}")
     states = [from_fragment_arrays(p, rounds[p], per_fragment[p], norm_refs.get(p)) for p in range(plan.num_fragments)]
+    if merged:  # checkpoints written before the totals existed start them at zero
+        states = [dataclasses.replace(s, merged_tokens=m[0], merged_steps=m[1]) for s, m in zip(states, merged)]
     return states, digest
 
 
@@ -189,6 +211,7 @@ def encode_fragment(state: FragmentState) -> bytes:
     }
     if state.norm_ref is not None:
         fields["norm_ref"] = state.norm_ref
+    fields["merged"] = [state.merged_tokens, state.merged_steps]
     return msgpack.packb(fields, use_bin_type=True)
 
 
@@ -206,7 +229,9 @@ def decode_fragment(data: bytes) -> FragmentState:
     if not isinstance(packed, dict):
         raise StateCodecError(f"fragment {fragment} bytes: 'arrays' must be a map")
     arrays = {name: _unpacked_array(fragment, name, item) for name, item in packed.items()}
-    return from_fragment_arrays(fragment, round_, arrays, raw.get("norm_ref"))
+    state = from_fragment_arrays(fragment, round_, arrays, raw.get("norm_ref"))
+    tokens, steps = _checked_merged(f"fragment {fragment} bytes: 'merged'", raw.get("merged", [0, 0]))
+    return dataclasses.replace(state, merged_tokens=tokens, merged_steps=steps)
 
 
 def _unpacked_array(fragment: int, name: Any, item: Any) -> np.ndarray:

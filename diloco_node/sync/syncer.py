@@ -263,9 +263,21 @@ class Syncer:
             digest = digest_after(p, merged.outer_gradient) if digest_after is not None else ""
         except ValueError as error:
             return CommitPlan(p, None, b"", "", f"fragment {p}: merged round dropped: {error}", failed=True)
-        payload = CommitPayload(merged.encoded, merged.contributors,
-                                tuple(w for _, w in merged.result.accepted), merged.norm_ref).encode()
+        tokens, steps = self._merged_work(rnd, merged.contributors)
+        payload = CommitPayload(merged.encoded, merged.contributors, tuple(w for _, w in merged.result.accepted),
+                                merged.norm_ref, tokens, steps).encode()
         return CommitPlan(p, merged, payload, digest, self.last_merge_reason)
+
+    def _merged_work(self, rnd: OpenRound, accepted: tuple[str, ...]) -> tuple[int, int]:
+        """(tokens, inner steps) the accepted contributions bring, each claim capped as the merge
+        weights cap it: what counts towards [run.stop], so one member cannot end a run by claiming."""
+        tokens = steps = 0
+        for name in accepted:
+            contribution = rnd.pending[name][0]
+            claimed_steps = min(contribution.c_steps, self.caps.max_steps)
+            steps += claimed_steps
+            tokens += min(contribution.c_tokens, claimed_steps * self.caps.max_tokens_per_step)
+        return tokens, steps
 
     # ------------------------------------------------------------------ for /status
 
