@@ -2,7 +2,8 @@
 
 Every I/O-side part of the daemon reads time through a `Clock` it is handed (never `time.monotonic`
 directly), and the sans-IO cores take `now` as an argument, so a test can run any part on a
-`FakeClock`. Only monotonic time is used for decisions; wall time is for humans (history lines).
+`FakeClock`. Monotonic time drives every local decision; wall time (`wall`) is only stamped on
+what other hosts read: history lines, and a commit's planning time ([run.stop] wall_s).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class Clock(Protocol):
     def call_at(self, when: float, callback: Callable[[], object]) -> Timer:
         """Run `callback` (on the event loop) once this clock reads `when` or later."""
 
+    def wall(self) -> float:
+        """Unix time (comparable across hosts, within their clock skew; may jump)."""
+
 
 class SystemClock:
     """The host's monotonic clock, asyncio's sleep and the running loop's timers."""
@@ -43,6 +47,9 @@ class SystemClock:
 
     def call_at(self, when: float, callback: Callable[[], object]) -> Timer:
         return asyncio.get_running_loop().call_later(max(0.0, when - time.monotonic()), callback)
+
+    def wall(self) -> float:
+        return time.time()
 
 
 class _FakeTimer:
@@ -69,6 +76,10 @@ class FakeClock:
         return self.now
 
     def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        """The fake clock has one timeline: its wall time reads as its monotonic time."""
         return self.now
 
     def advance(self, seconds: float) -> None:

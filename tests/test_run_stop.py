@@ -18,15 +18,15 @@ from wire.errors import RemoteProtocolError
 INITIAL = {"w": np.arange(16, dtype=np.float32).reshape(4, 4), "b": np.ones(4, np.float32)}
 
 
-def _replica(stop: StopSpec) -> Replica:
+def _replica(stop: StopSpec, founded_at: float = 0.0) -> Replica:
     plan = plan_fragments({n: a.shape for n, a in INITIAL.items()}, 2, 4, 1)
-    return Replica(plan, INITIAL, OuterOptimizer(), stop)
+    return Replica(plan, INITIAL, OuterOptimizer(), stop, founded_at)
 
 
-def _commit(replica: Replica, index: int, p: int, tokens: int, steps: int) -> LogEntry:
+def _commit(replica: Replica, index: int, p: int, tokens: int, steps: int, wall: float = 0.0) -> LogEntry:
     names = replica.plan.fragments[p].names
     encoded = encode_named({n: np.full(INITIAL[n].shape, 0.01, np.float32) for n in names}, "int8")
-    payload = CommitPayload(encoded, ("a",), (1.0,), None, tokens, steps).encode()
+    payload = CommitPayload(encoded, ("a",), (1.0,), None, tokens, steps, wall).encode()
     digest = replica.digest_after(p, decode_named(encoded))
     return LogEntry(index=index, epoch=1, kind=EntryKind.OUTER_COMMIT, payload=payload, fragment=p,
                     round=replica.state.round(p) + 1, digest=digest)
@@ -56,6 +56,23 @@ def test_steps_limit_and_no_limit() -> None:
     for index, p in enumerate((0, 1), start=1):
         endless.apply(_commit(endless, index, p, 10**9, 10**6))
     assert endless.completion() is None
+
+
+def test_wall_time_completes_at_the_first_commit_planned_past_it_and_travels_with_the_state() -> None:
+    founded = 1_700_000_000.0
+    replica = _replica(StopSpec(wall_s=60.0), founded)
+    assert replica.apply(_commit(replica, 1, 0, 1, 1, wall=founded + 30)).applied
+    assert replica.completion() is None
+    assert replica.apply(_commit(replica, 2, 1, 1, 1, wall=founded + 61)).applied
+    assert replica.completion() == "a commit 61 s after the run was founded (stop.wall_s = 60)"
+    joiner = _replica(StopSpec(wall_s=60.0), founded)
+    for p in (0, 1):
+        joiner.install_fragment_bytes(p, replica.fragment_bytes(p)[1])
+    assert joiner.completion() == replica.completion()
+    meta, arrays = replica.checkpoint_entries()
+    restored = _replica(StopSpec(wall_s=60.0), founded)
+    restored.restore_checkpoint(meta, arrays)
+    assert restored.commit_wall == [founded + 30, founded + 61] and restored.completion() is not None
 
 
 def test_the_totals_travel_with_downloads_and_checkpoints() -> None:

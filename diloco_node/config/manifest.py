@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Any, Mapping
@@ -250,21 +251,27 @@ class SyncSpec:
 @dataclass(frozen=True, slots=True)
 class StopSpec:
     """When the run is complete (0: no limit). `tokens` and `steps` count what has been merged into
-    the global model: the least any fragment has merged, so every parameter has seen that much."""
+    the global model: the least any fragment has merged, so every parameter has seen that much.
+    `wall_s` counts from the founding of the run to the newest commit's time (the lease holder's
+    clock when it planned the commit): the first commit past it completes the run."""
 
     tokens: int = 0
     steps: int = 0
+    wall_s: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.tokens >= 0, f"stop.tokens = {self.tokens}: must be >= 0 (0: no limit)")
         _require(self.steps >= 0, f"stop.steps = {self.steps}: must be >= 0 (0: no limit)")
+        _require(math.isfinite(self.wall_s) and self.wall_s >= 0, f"stop.wall_s = {self.wall_s}: must be >= 0 (0: no limit)")
 
-    def reached(self, tokens: int, steps: int) -> str | None:
-        """Why the run is complete with these merged totals, or None."""
+    def reached(self, tokens: int, steps: int, elapsed_s: float = 0.0) -> str | None:
+        """Why the run is complete with these merged totals and this much time since founding, or None."""
         if self.tokens and tokens >= self.tokens:
             return f"{tokens} tokens merged into every fragment (stop.tokens = {self.tokens})"
         if self.steps and steps >= self.steps:
             return f"{steps} inner steps merged into every fragment (stop.steps = {self.steps})"
+        if self.wall_s and elapsed_s >= self.wall_s:
+            return f"a commit {elapsed_s:.0f} s after the run was founded (stop.wall_s = {self.wall_s:g})"
         return None
 
 
@@ -279,6 +286,7 @@ class RunManifest:
     sync: SyncSpec = field(default_factory=SyncSpec)
     stop: StopSpec = field(default_factory=StopSpec)
     seed: int = 0
+    founded_at: float = 0.0  # unix time the run was founded (set by the founding site, never configured)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON/TOML-compatible dict (tuples become lists); the model is its flat table."""
@@ -300,6 +308,11 @@ class RunManifest:
             if name == "seed":
                 _require(isinstance(value, int) and not isinstance(value, bool), "seed: must be an integer")
                 kwargs[name] = value
+                continue
+            if name == "founded_at":
+                _require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                         and value >= 0, "founded_at: must be a non-negative unix time")
+                kwargs[name] = float(value)
                 continue
             if name == "model":
                 kwargs[name] = ModelSpec.from_table(value)

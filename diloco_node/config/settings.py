@@ -313,6 +313,8 @@ def _run_specs() -> list[KeySpec]:
     specs = []
     for section in dataclasses.fields(RunManifest):
         value = getattr(defaults, section.name)
+        if section.name == "founded_at":
+            continue  # set by the founding site, never configured
         if not dataclasses.is_dataclass(value):
             specs.append(KeySpec(f"run.{section.name}", _kind_of(value), value, "run-wide seed"))
             continue

@@ -9,7 +9,9 @@ learned from peers are kept here and persisted with the identity.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 from typing import Literal
 
 from bootstrap import messages as coord
@@ -61,7 +63,8 @@ class SiteIdentity:
         if cfg.is_founder:
             # The founder publishes its model's parameter signature: every later site is checked
             # against it (off the loop: the factory may import a user's module).
-            self.manifest = await loop.run_in_executor(None, factory.seal, self.effective.run)
+            sealed = await loop.run_in_executor(None, factory.seal, self.effective.run)
+            self.manifest = dataclasses.replace(sealed, founded_at=time.time())  # [run.stop] wall_s counts from here
             self.save()
             return "found", PersistentState.founding([self.node_id])
         urls = [peer.url() for peer in cfg.bootstrap]

@@ -152,7 +152,8 @@ class RoundDriver:
         try:
             loop = asyncio.get_running_loop()
             plan: CommitPlan = await loop.run_in_executor(
-                self.executor, self.syncer.plan_commit, p, rnd, self.replica.state, self.replica.digest_after, reason)
+                self.executor, self.syncer.plan_commit, p, rnd, self.replica.state, self.replica.digest_after, reason,
+                self.clock.wall())
             if not plan.proposes:
                 if plan.failed:
                     self.report_error(plan.reason)

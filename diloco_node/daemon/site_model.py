@@ -62,7 +62,7 @@ def build_site_model(manifest: RunManifest, *, learner: bool) -> SiteModel:
                                 max_decoded_elements=MAX_TENSOR_ELEMENTS)
     if too_big:
         raise ConfigError("the run's fragments do not fit the wire limits: " + "; ".join(too_big))
-    replica = Replica(plan, initial, manifest.outer, manifest.stop)
+    replica = Replica(plan, initial, manifest.outer, manifest.stop, manifest.founded_at)
     syncer = Syncer(manifest, plan, factory.embedding_names(manifest.model, initial))
     return SiteModel(manifest, corpus, inner, plan, replica, syncer)
 

@@ -747,7 +747,7 @@ class VirtualRounds:
         if not decision.merge_now:
             return RoundOutcome(decision, None)
         rnd = self.syncer.take(p, decision)
-        plan = self.syncer.plan_commit(p, rnd, self.replica.state, None, decision.reason)
+        plan = self.syncer.plan_commit(p, rnd, self.replica.state, None, decision.reason, wall_time=t)
         if plan.proposes:
             assert plan.merged is not None
             entry = LogEntry(1, self._next_index, EntryKind.OUTER_COMMIT, plan.payload, fragment=p,

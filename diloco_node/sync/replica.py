@@ -52,10 +52,12 @@ class CommitPayload:
     norm_ref: float | None = None  # the fragment's reference delta norm after this round (optional)
     tokens: int = 0  # tokens of the accepted contributions this round merged (what [run.stop] counts)
     steps: int = 0  # their inner steps
+    wall: float = 0.0  # the lease holder's unix time when it planned the commit ([run.stop] wall_s)
 
     def encode(self) -> bytes:
         fields: dict[str, Any] = {"delta": self.delta, "contributors": list(self.contributors),
-                                  "weights": list(self.weights), "tokens": self.tokens, "steps": self.steps}
+                                  "weights": list(self.weights), "tokens": self.tokens, "steps": self.steps,
+                                  "wall": self.wall}
         if self.norm_ref is not None:
             fields["norm_ref"] = self.norm_ref
         return msgpack.packb(fields, use_bin_type=True)
@@ -72,6 +74,7 @@ class CommitPayload:
             norm_ref = raw.get("norm_ref")
             norm_ref = None if norm_ref is None else float(norm_ref)
             tokens, steps = raw.get("tokens", 0), raw.get("steps", 0)
+            wall = float(raw.get("wall", 0.0))
         except (ValueError, KeyError, TypeError, AttributeError, msgpack.UnpackException) as error:
             raise RemoteProtocolError(f"commit payload is malformed: {error}", 400) from None
         if not isinstance(delta, bytes) or len(contributors) != len(weights):
@@ -82,7 +85,9 @@ class CommitPayload:
         for name, value in (("tokens", tokens), ("steps", steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise RemoteProtocolError(f"commit payload: {name} = {value!r} must be a non-negative integer", 400)
-        return cls(delta, contributors, weights, norm_ref, tokens, steps)
+        if not (math.isfinite(wall) and wall >= 0.0):
+            raise RemoteProtocolError(f"commit payload: wall = {wall!r} must be a finite unix time", 400)
+        return cls(delta, contributors, weights, norm_ref, tokens, steps, wall)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +103,10 @@ class Replica:
     """GlobalState plus the commit-entry rules; `applied_index` is the last log index applied."""
 
     def __init__(self, plan: FragmentPlan, initial: Mapping[str, np.ndarray], outer: OuterOptimizer,
-                 stop: StopSpec | None = None) -> None:
+                 stop: StopSpec | None = None, founded_at: float = 0.0) -> None:
         self.plan = plan
         self.stop = stop or StopSpec()
+        self.founded_at = founded_at
         self.state = GlobalState(plan, initial, outer)
         self._scratch = GlobalState(plan, initial, outer)  # for digests of not-yet-committed steps
         self.applied_index = 0
@@ -113,6 +119,7 @@ class Replica:
         # every fragment has merged what [run.stop] asks, and from then on no commit is applied, so
         # every replica ends at the same index with the same state.
         self.merged: list[tuple[int, int]] = [(0, 0)] * plan.num_fragments
+        self.commit_wall: list[float] = [0.0] * plan.num_fragments  # newest commit's planning time
         self._bytes_cache: dict[int, tuple[int, bytes, bytes]] = {}  # p -> (round, bytes, sha256)
 
     # ---- the leader's preview ---------------------------------------------------------------
@@ -137,7 +144,9 @@ class Replica:
 
     def completion(self) -> str | None:
         """Why the run is complete (its [run.stop] limit reached), or None while it goes on."""
-        return self.stop.reached(*self.merged_totals)
+        newest = max(self.commit_wall)
+        elapsed = newest - self.founded_at if self.founded_at and newest else 0.0
+        return self.stop.reached(*self.merged_totals, elapsed)
 
     def _apply(self, entry: LogEntry) -> ApplyOutcome:
         if entry.kind is not EntryKind.OUTER_COMMIT:
@@ -171,6 +180,7 @@ class Replica:
             self.norm_refs[p] = payload.norm_ref
         tokens, steps = self.merged[p]
         self.merged[p] = (tokens + payload.tokens, steps + payload.steps)
+        self.commit_wall[p] = max(self.commit_wall[p], payload.wall)
         return ApplyOutcome(True, p, f"fragment {p} -> round {round_} from {len(payload.contributors)} "
                                      f"contributor(s), digest {digest[:12]}", contributors=payload.contributors)
 
@@ -180,13 +190,15 @@ class Replica:
         """Fragment p's replicated state: the global state's part plus the norm reference and totals."""
         tokens, steps = self.merged[p]
         return dataclasses.replace(self.state.fragment_state(p), norm_ref=self.norm_refs.get(p),
-                                   merged_tokens=tokens, merged_steps=steps)
+                                   merged_tokens=tokens, merged_steps=steps, commit_wall=self.commit_wall[p])
 
     def install_states(self, states: Sequence[FragmentState], expected_digest: str | None = None) -> str:
         """Replace the whole replicated state (all-or-nothing, GlobalStateError); returns its digest."""
         digest = self.state.install(states, expected_digest)
         self.norm_refs = {s.fragment: s.norm_ref for s in states if s.norm_ref is not None}
-        self.merged = [(s.merged_tokens, s.merged_steps) for s in sorted(states, key=lambda s: s.fragment)]
+        ordered = sorted(states, key=lambda s: s.fragment)
+        self.merged = [(s.merged_tokens, s.merged_steps) for s in ordered]
+        self.commit_wall = [s.commit_wall for s in ordered]
         self._bytes_cache.clear()
         return digest
 
@@ -218,6 +230,7 @@ class Replica:
         else:
             self.norm_refs[p] = state.norm_ref
         self.merged[p] = (state.merged_tokens, state.merged_steps)
+        self.commit_wall[p] = state.commit_wall
         self._bytes_cache.pop(p, None)
         self.diverged.discard(p)
         return digest

@@ -63,6 +63,7 @@ class FragmentState:
     # counts): replicated like the norm reference, and like it not part of the digest.
     merged_tokens: int = 0
     merged_steps: int = 0
+    commit_wall: float = 0.0  # the newest commit's planning time (unix seconds; [run.stop] wall_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,6 +135,12 @@ def _checked_merged(what: str, value: Any) -> tuple[int, int]:
     return tokens, steps
 
 
+def _checked_wall(what: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise StateCodecError(f"{what} = {value!r} must be a finite non-negative unix time")
+    return float(value)
+
+
 def _checked_int(what: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise StateCodecError(f"{what} must be an integer, got {type(value).__name__}")
@@ -152,6 +159,7 @@ def to_checkpoint(fragments: Sequence[FragmentState], state_digest: str) -> tupl
         "state_digest": state_digest,
         "norm_refs": {str(f.fragment): f.norm_ref for f in fragments if f.norm_ref is not None},
         "merged": [[f.merged_tokens, f.merged_steps] for f in fragments],
+        "commit_wall": [f.commit_wall for f in fragments],
     }
     arrays = {CHECKPOINT_PREFIX + name: array for f in fragments for name, array in fragment_arrays(f).items()}
     return meta, arrays
@@ -169,6 +177,7 @@ def from_checkpoint(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
         digest = str(meta["state_digest"])
         norm_refs = {int(p): v for p, v in meta.get("norm_refs", {}).items()}
         merged = [_checked_merged(f"checkpoint: merged[{p}]", m) for p, m in enumerate(meta.get("merged", []))]
+        walls = [_checked_wall(f"checkpoint: commit_wall[{p}]", w) for p, w in enumerate(meta.get("commit_wall", []))]
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise StateCodecError(f"checkpoint: global state metadata is malformed: {error!r}") from None
     if len(rounds) != plan.num_fragments:
@@ -188,6 +197,8 @@ def from_checkpoint(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
     states = [from_fragment_arrays(p, rounds[p], per_fragment[p], norm_refs.get(p)) for p in range(plan.num_fragments)]
     if merged:  # checkpoints written before the totals existed start them at zero
         states = [dataclasses.replace(s, merged_tokens=m[0], merged_steps=m[1]) for s, m in zip(states, merged)]
+    if len(walls) == len(states):
+        states = [dataclasses.replace(s, commit_wall=w) for s, w in zip(states, walls)]
     return states, digest
 
 
@@ -212,6 +223,7 @@ def encode_fragment(state: FragmentState) -> bytes:
     if state.norm_ref is not None:
         fields["norm_ref"] = state.norm_ref
     fields["merged"] = [state.merged_tokens, state.merged_steps]
+    fields["commit_wall"] = state.commit_wall
     return msgpack.packb(fields, use_bin_type=True)
 
 
@@ -231,7 +243,8 @@ def decode_fragment(data: bytes) -> FragmentState:
     arrays = {name: _unpacked_array(fragment, name, item) for name, item in packed.items()}
     state = from_fragment_arrays(fragment, round_, arrays, raw.get("norm_ref"))
     tokens, steps = _checked_merged(f"fragment {fragment} bytes: 'merged'", raw.get("merged", [0, 0]))
-    return dataclasses.replace(state, merged_tokens=tokens, merged_steps=steps)
+    wall = _checked_wall(f"fragment {fragment} bytes: 'commit_wall'", raw.get("commit_wall", 0.0))
+    return dataclasses.replace(state, merged_tokens=tokens, merged_steps=steps, commit_wall=wall)
 
 
 def _unpacked_array(fragment: int, name: Any, item: Any) -> np.ndarray:

@@ -248,13 +248,14 @@ class Syncer:
 
     def plan_commit(self, p: int, rnd: OpenRound, state: GlobalState,
                     digest_after: Callable[[int, Mapping[str, np.ndarray]], str] | None,
-                    decision_reason: str) -> CommitPlan:
+                    decision_reason: str, wall_time: float = 0.0) -> CommitPlan:
         """Merge a round and build what to propose: the commit payload and (when `digest_after` is
         given) the digest the fragment will have.
 
         A merge that cannot be applied (e.g. a huge but finite merged update whose outer step
         overflows: `GlobalStateError`, a ValueError) drops the round with the reason instead of
         raising: the learners' counters keep growing and their next slots carry the steps.
+        `wall_time` (the caller's unix time) is stamped on the commit for [run.stop] wall_s.
         """
         try:
             merged = self.merge_round(p, rnd, state, decision_reason)
@@ -265,7 +266,7 @@ class Syncer:
             return CommitPlan(p, None, b"", "", f"fragment {p}: merged round dropped: {error}", failed=True)
         tokens, steps = self._merged_work(rnd, merged.contributors)
         payload = CommitPayload(merged.encoded, merged.contributors, tuple(w for _, w in merged.result.accepted),
-                                merged.norm_ref, tokens, steps).encode()
+                                merged.norm_ref, tokens, steps, wall_time).encode()
         return CommitPlan(p, merged, payload, digest, self.last_merge_reason)
 
     def _merged_work(self, rnd: OpenRound, accepted: tuple[str, ...]) -> tuple[int, int]:
