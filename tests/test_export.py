@@ -9,6 +9,7 @@ in the coordination store's identity file.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -25,10 +26,11 @@ from safetensors.numpy import load_file
 
 from bootstrap.entries import EntryKind, LogEntry
 from diloco_node.cli import main
-from diloco_node.config.manifest import RunManifest
+from diloco_node.config.manifest import ModelSpec, RunManifest
 from diloco_node.daemon.persistence import Checkpointer
 from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.learn import data as data_lib
+from diloco_node.learn import factory
 from diloco_node.learn import model as model_lib
 from diloco_node.learn.learner_thread import LearnerSnapshot
 from diloco_node.ops.checkpoint import HEADER_BYTES, CheckpointStore, read_checkpoint_file
@@ -40,8 +42,8 @@ from wire.codecs import decode_named, encode_named
 
 ROOT = Path(__file__).resolve().parent.parent
 SEQ_LEN = 16
-MANIFEST = RunManifest.from_dict({"seed": 7, "sync": {"fragments": 2, "period": 8, "overlap": 1,
-                                                      "codec_down": "fp32"}})
+MANIFEST = RunManifest.from_dict({"seed": 7, "model": {"seq_len": SEQ_LEN},
+                                  "sync": {"fragments": 2, "period": 8, "overlap": 1, "codec_down": "fp32"}})
 
 
 @dataclass(frozen=True)
@@ -97,15 +99,15 @@ def _global_params(replica: Replica) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Site:
     data_dir = tmp_path_factory.mktemp("site") / "data"
-    model = model_lib.init_model(model_lib.model_config("tiny", SEQ_LEN), MANIFEST.seed)
-    graphdef, params = model_lib.split_model(model)
+    graphdef, params = factory.init_params(MANIFEST.model, MANIFEST.seed)
     initial = model_lib.flat_params(params)
     sync = MANIFEST.sync
     plan = plan_fragments({n: a.shape for n, a in initial.items()}, sync.fragments, sync.period, sync.overlap)
     replica = Replica(plan, initial, MANIFEST.outer)
 
     coordination = ReplicaStore(data_dir / "coordination")
-    coordination.save_identity({"node_id": "a", "role": "learner", "manifest": MANIFEST.to_dict(),
+    # As a founding node stores it: sealed with the model's parameter signature.
+    coordination.save_identity({"node_id": "a", "role": "learner", "manifest": factory.seal(MANIFEST).to_dict(),
                                 "addresses": {"a": "http://127.0.0.1:7070"}})
     # The learner's own weights sit beside the global ones under the same tensor names: the
     # export must take the global model's, not these.
@@ -172,7 +174,7 @@ def test_safetensors_export_is_the_newest_global_model_and_evaluates_the_same(si
     assert loss != site.initial_loss and loss != site.evaluate(site.saved[0].params)
 
     assert metadata["format"] == EXPORT_FORMAT
-    assert RunManifest.from_dict(json.loads(metadata["manifest"])) == MANIFEST
+    assert RunManifest.from_dict(json.loads(metadata["manifest"])) == factory.seal(MANIFEST)
     assert metadata["manifest"] == MANIFEST.canonical_bytes().decode()
     assert metadata["checkpoint"] == newest.path.name
     assert metadata["commit_index"] == str(newest.commit_index) == "4"
@@ -270,6 +272,19 @@ def test_missing_manifest_is_exit_2_not_an_export_without_one(node_dir: Path, tm
     (node_dir / "coordination" / "identity.json").unlink()
     assert _export("--data-dir", str(node_dir), "--out", str(tmp_path / "m.npz")) == 2
     assert "no run manifest" in capsys.readouterr().err and not (tmp_path / "m.npz").exists()
+
+
+def test_a_checkpoint_that_does_not_fit_the_runs_model_is_exit_2_naming_tensors(
+        node_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    identity_path = node_dir / "coordination" / "identity.json"
+    identity = json.loads(identity_path.read_text())
+    other = factory.seal(dataclasses.replace(MANIFEST, model=ModelSpec.of(seq_len=2 * SEQ_LEN)))
+    identity["manifest"] = other.to_dict()
+    identity_path.write_text(json.dumps(identity))
+    assert _export("--data-dir", str(node_dir), "--out", str(tmp_path / "m.npz")) == 2
+    err = capsys.readouterr().err
+    assert f"pos_embed/embedding: float32[{SEQ_LEN}, 64] here, float32[{2 * SEQ_LEN}, 64] in the run" in err, err
+    assert not (tmp_path / "m.npz").exists()
 
 
 def test_existing_output_is_refused_without_force_and_replaced_with_it(

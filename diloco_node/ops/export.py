@@ -66,7 +66,7 @@ from typing import Any
 
 import numpy as np
 
-from diloco_node.config.manifest import ConfigError, RunManifest
+from diloco_node.config.manifest import ConfigError, RunManifest, tensor_differences
 from diloco_node.ops.checkpoint import Checkpoint, CheckpointError, read_checkpoint_file
 from diloco_node.sync.state_codec import params_from_checkpoint
 
@@ -127,6 +127,13 @@ def read_global_model(data_dir: Path) -> GlobalModel:
     manifest = read_run_manifest(data_dir)
     params = {name: np.ascontiguousarray(array, dtype=np.float32)
               for name, array in sorted(params_from_checkpoint(checkpoint.arrays).items())}
+    if manifest.model.tensors:
+        # The run's sealed parameter signature: what the factory builds, so what loads back into it.
+        exported = tuple((name, tuple(array.shape), "float32") for name, array in params.items())
+        differences = tensor_differences(exported, manifest.model.tensors)
+        if differences:
+            raise ExportError(f"{checkpoint.path.name}: its parameters differ from the run's model: "
+                              + "; ".join(differences))
     return GlobalModel(params, _metadata(checkpoint, manifest), checkpoint.path, skipped)
 
 
