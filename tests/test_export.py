@@ -175,7 +175,7 @@ def test_safetensors_export_is_the_newest_global_model_and_evaluates_the_same(si
 
     assert metadata["format"] == EXPORT_FORMAT
     assert RunManifest.from_dict(json.loads(metadata["manifest"])) == factory.seal(MANIFEST)
-    assert metadata["manifest"] == MANIFEST.canonical_bytes().decode()
+    assert metadata["manifest"] == factory.seal(MANIFEST).canonical_bytes().decode()
     assert metadata["checkpoint"] == newest.path.name
     assert metadata["commit_index"] == str(newest.commit_index) == "4"
     assert metadata["state_digest"] == newest.state_digest
