@@ -201,6 +201,7 @@ class LearnerThread(threading.Thread):
     # ---- the loop -----------------------------------------------------------------------------
 
     def run(self) -> None:
+        previous_loss = None
         try:
             self._go.wait()
             while not self._stop_requested.is_set():
@@ -208,7 +209,12 @@ class LearnerThread(threading.Thread):
                 self._boundary()
                 computing = time.perf_counter()
                 x, y = self._sampler.next()
-                loss = float(self._inner.step(x, y))
+                # The step is dispatched, not awaited: the loss fetched is the previous step's
+                # (long done), so the host samples the next batch while the device computes this
+                # one. Progress reports run one step behind in their loss, never in their counts.
+                loss_now = self._inner.step(x, y)
+                loss = float(previous_loss if previous_loss is not None else loss_now)
+                previous_loss = loss_now
                 tokens = int(np.size(y))
                 for p in range(self.plan.num_fragments):
                     self.c_steps[p] += 1

@@ -1,0 +1,190 @@
+"""Learner throughput: the daemon's training thread against a plain jitted loop of the same model.
+
+    .venv/bin/python benchmarks/learner.py --json learner.json                       # llama, preset 1m
+    .venv/bin/python benchmarks/learner.py --factory bytes --option size=tiny --steps 300
+
+Both sides train the same model on the same device with the same batches:
+
+- plain: `InnerLearner.step` in a loop, the loss fetched once at the end, so JAX may queue steps
+  ahead (the fastest a loop of this jitted step can go);
+- daemon: a `LearnerThread` exactly as a site runs it: step boundaries, sampling, due deltas
+  handed to a stand-in for the event loop that encodes them with the run's codec on another
+  thread (as the daemon's codec pool does) and, a round trip later, offers a merged fragment back,
+  which the thread applies at its next boundary. Fragment traffic flows the whole time.
+
+Reported: steps/s of each and their ratio (daemon / plain; the target is >= 0.95, the goal 0.98),
+plus the offers applied, to show traffic flowed. Each side runs `--repeats` times, alternating;
+the best run of each side is compared (the machine's noise only slows runs down).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import queue
+import sys
+import threading
+import time
+import tomllib
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from diloco_node.config.manifest import InnerOptimizer, ModelSpec, RunManifest, SyncSpec  # noqa: E402
+from diloco_node.learn import data as data_lib  # noqa: E402
+from diloco_node.learn import factory  # noqa: E402
+from diloco_node.learn.inner import InnerLearner  # noqa: E402
+from diloco_node.learn.learner_thread import DueFragment, LearnerThread  # noqa: E402
+from diloco_node.sync.fragments import plan_fragments  # noqa: E402
+from wire.codecs import encode_named  # noqa: E402
+
+WARMUP_STEPS = 10
+
+
+def build_manifest(args: argparse.Namespace) -> RunManifest:
+    options = {}
+    for item in args.option:
+        key, _, text = item.partition("=")
+        try:
+            options[key] = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            options[key] = text
+    model = ModelSpec.of(args.factory, vocab_size=args.vocab_size, seq_len=args.seq_len, **options)
+    return RunManifest(model=model, inner=InnerOptimizer(batch_size=args.batch_size, warmup_steps=10,
+                                                         total_steps=10_000),
+                       sync=SyncSpec(fragments=args.fragments, period=args.period, overlap=1))
+
+
+def tokens_for(manifest: RunManifest) -> np.ndarray:
+    """Random token ids below the vocabulary: throughput does not depend on the text."""
+    return np.random.default_rng(0).integers(0, manifest.model.vocab_size, 2_000_000, dtype=np.int64).astype(np.uint32)
+
+
+def plain_loop(manifest: RunManifest, tokens: np.ndarray, steps: int) -> float:
+    learner = InnerLearner(manifest.model, manifest.inner, manifest.seed)
+    sampler = data_lib.BatchSampler(tokens, manifest.inner.batch_size, manifest.model.seq_len, 0)
+    batches = [sampler.next() for _ in range(WARMUP_STEPS + steps)]
+    for x, y in batches[:WARMUP_STEPS]:
+        jax.block_until_ready(learner.step(x, y))
+    started = time.perf_counter()
+    loss = None
+    for x, y in batches[WARMUP_STEPS:]:
+        loss = learner.step(x, y)
+    jax.block_until_ready(loss)
+    return steps / (time.perf_counter() - started)
+
+
+class NetworkStandIn:
+    """The event loop's side of the learner: encodes each due delta on its own thread (the codec
+    pool) and, `round_trip_s` later, offers the fragment back as a merged version."""
+
+    def __init__(self, manifest: RunManifest, round_trip_s: float) -> None:
+        self.manifest = manifest
+        self.round_trip_s = round_trip_s
+        self.inbox: queue.Queue[DueFragment | None] = queue.Queue()
+        self.learner: LearnerThread | None = None
+        self.rounds: dict[int, int] = {}
+        self.offers = 0
+        self.bytes = 0
+        self.thread = threading.Thread(target=self._run, name="network-stand-in", daemon=True)
+
+    def on_contribution(self, due: DueFragment) -> None:
+        self.inbox.put(due)
+
+    def _run(self) -> None:
+        while (due := self.inbox.get()) is not None:
+            payload = encode_named(due.delta, self.manifest.sync.codec_up)
+            self.bytes += len(payload)
+            time.sleep(self.round_trip_s)
+            assert self.learner is not None
+            round_ = self.rounds.get(due.fragment, 0) + 1
+            self.rounds[due.fragment] = round_
+            # A "merged" fragment: the learner's own base moved by half its delta (a valid state).
+            merged = {n: np.asarray(self.base[n] - 0.5 * d, np.float32) for n, d in due.delta.items()}
+            self.base.update(merged)
+            self.learner.offer_fragment(due.fragment, round_, merged, contributors=("bench",))
+            self.offers += 1
+
+
+def daemon_learner(manifest: RunManifest, tokens: np.ndarray, steps: int, round_trip_s: float) -> tuple[float, int, int]:
+    _, params = factory.init_params(manifest.model, manifest.seed)
+    from diloco_node.learn import model as model_lib
+
+    initial = model_lib.flat_params(params)
+    plan = plan_fragments({n: a.shape for n, a in initial.items()}, manifest.sync.fragments, manifest.sync.period,
+                          manifest.sync.overlap)
+    cut = len(tokens) - len(tokens) // 20
+    corpus = data_lib.Corpus(tokens[:cut], tokens[cut:], manifest.model.vocab_size, "random tokens")
+    network = NetworkStandIn(manifest, round_trip_s)
+    network.base = dict(initial)  # type: ignore[attr-defined]
+    learner = LearnerThread(node_id="bench", manifest=manifest, plan=plan, corpus=corpus, global_params=initial,
+                            global_rounds=[0] * plan.num_fragments, on_contribution=network.on_contribution,
+                            on_progress=lambda step, loss, tokens: None)
+    network.learner = learner
+    learner.compile()
+    network.thread.start()
+    learner.start()
+    learner.begin_training()
+    while learner.steps < WARMUP_STEPS:
+        time.sleep(0.001)
+    first, started = learner.steps, time.perf_counter()
+    while learner.steps < first + steps:
+        time.sleep(0.001)
+    elapsed = time.perf_counter() - started
+    counted = learner.steps - first
+    learner.stop()
+    learner.join(60)
+    network.inbox.put(None)
+    network.thread.join(10)
+    if learner.error is not None:
+        raise RuntimeError(f"the learner thread failed: {learner.error!r}")
+    return counted / elapsed, network.offers, network.bytes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--factory", default="llama")
+    parser.add_argument("--option", action="append", default=None, metavar="KEY=VALUE",
+                        help="a [run.model] option (default for llama: size=1m)")
+    parser.add_argument("--vocab-size", type=int, default=32_000)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--fragments", type=int, default=4)
+    parser.add_argument("--period", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--round-trip-ms", type=float, default=50.0, help="delay before a merged fragment comes back")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if args.option is None:
+        args.option = ["size=1m"] if args.factory == "llama" else []
+    manifest = build_manifest(args)
+    tokens = tokens_for(manifest)
+    plain_runs, daemon_runs, offers, sent = [], [], 0, 0
+    for _ in range(args.repeats):
+        plain_runs.append(plain_loop(manifest, tokens, args.steps))
+        rate, offers, sent = daemon_learner(manifest, tokens, args.steps, args.round_trip_ms / 1000)
+        daemon_runs.append(rate)
+        print(f"plain {plain_runs[-1]:.2f} steps/s, daemon learner {rate:.2f} steps/s "
+              f"({offers} merged fragments applied, {sent / 1e6:.1f} MB encoded)", flush=True)
+    ratio = max(daemon_runs) / max(plain_runs)
+    report = {
+        "model": dataclasses.asdict(manifest.model) | {"tensors": len(factory.model_signature(manifest.model))},
+        "device": str(jax.devices()[0]), "steps": args.steps, "batch": [args.batch_size, args.seq_len],
+        "plain_steps_per_s": plain_runs, "daemon_steps_per_s": daemon_runs, "ratio_best": ratio,
+        "offers_applied_last_run": offers, "bytes_encoded_last_run": sent,
+    }
+    print(f"daemon learner / plain loop: {ratio:.3f} (target >= 0.95, goal 0.98) on {report['device']}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
