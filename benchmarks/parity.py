@@ -8,6 +8,7 @@ on a virtual clock (diloco_node/sim/runner.py); see docs/PARITY.md for the accou
     .venv/bin/python benchmarks/parity.py --json /tmp/parity.json        # full run
     .venv/bin/python benchmarks/parity.py --quick                        # smoke run
     .venv/bin/python benchmarks/parity.py --modes decoupled --scenarios uniform --set outer.lr=0.9
+    .venv/bin/python benchmarks/parity.py --model factory=llama --model size=1m --model d_model=64 ...
 """
 
 from __future__ import annotations
@@ -149,7 +150,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="override a manifest value of the fragment modes, e.g. outer.lr=0.9 (repeatable)")
     parser.add_argument("--dp-set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="dp_overrides",
                         help="override a manifest value of data_parallel only, e.g. inner.lr_peak=0.006")
+    parser.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
+                        help="a [run.model] key for EVERY mode, e.g. --model factory=llama --model d_model=64")
     args = parser.parse_args(argv)
+    args.overrides = [f"model.{item}" for item in args.model] + args.overrides
+    args.dp_overrides = [f"model.{item}" for item in args.model] + args.dp_overrides
     steps = args.steps or (QUICK_STEPS if args.quick else FULL_STEPS)
     try:
         overrides, dp_overrides = parse_overrides(args.overrides), parse_overrides(args.dp_overrides)
