@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                        help="any other [run.model] option for the factory, e.g. num_layers=4 (repeatable)")
     model.add_argument("--data", nargs="+", metavar="PATH_OR_GLOB", help="text files/dirs/globs instead of the stdlib")
     model.add_argument("--token-file", help="pre-tokenized token file (np.memmap)")
-    model.add_argument("--token-dtype", choices=("uint8", "uint16"))
+    model.add_argument("--token-dtype", choices=("uint8", "uint16", "uint32"))
     inner = parser.add_argument_group("inner optimizer (AdamW)")
     inner.add_argument("--batch-size", type=int)
     inner.add_argument("--lr", type=float, help="peak learning rate")

@@ -144,7 +144,7 @@ class DataSpec:
 
     `source` is "stdlib" (the running interpreter's own standard library `.py` files: present on
     every machine), or a list of paths/globs of text files, or one pre-tokenized token file
-    (`token_file` with `token_dtype` uint8/uint16).
+    (`token_file`, a path or glob of `.bin`/`.npy` files, with `token_dtype` uint8/uint16/uint32).
     """
 
     source: str = "stdlib"
@@ -157,7 +157,7 @@ class DataSpec:
     def __post_init__(self) -> None:
         _choice("data", "source", self.source, ("stdlib", "text", "tokens"))
         _require(0.0 < self.eval_fraction < 0.5, f"data.eval_fraction = {self.eval_fraction}: must be in (0, 0.5)")
-        _choice("data", "token_dtype", self.token_dtype, ("uint8", "uint16"))
+        _choice("data", "token_dtype", self.token_dtype, ("uint8", "uint16", "uint32"))
         if self.source == "text":
             _require(len(self.paths) > 0, "data.paths: source 'text' needs at least one path or glob")
         if self.source == "tokens":

@@ -44,9 +44,11 @@ def build_site_model(manifest: RunManifest, *, learner: bool) -> SiteModel:
     vocabulary and context), checked against the run's sealed parameter signature."""
     factory.check_signature(manifest)
     corpus = data_lib.load_corpus(manifest.data) if learner else None
-    if corpus is not None and corpus.vocab_size > manifest.model.vocab_size:
-        raise ConfigError(f"the data ({corpus.description}) can hold token ids up to {corpus.vocab_size - 1}, "
-                          f"but model.vocab_size = {manifest.model.vocab_size}")
+    if corpus is not None:
+        try:
+            data_lib.check_vocabulary(corpus, manifest.model.vocab_size)
+        except data_lib.DataError as error:
+            raise ConfigError(str(error)) from None
     inner = InnerLearner(manifest.model, manifest.inner, manifest.seed) if learner else None
     if inner is not None:
         initial = inner.get_flat()

@@ -4,8 +4,9 @@ Three sources behind one interface (`load_corpus(spec) -> Corpus`):
 - "stdlib": the running interpreter's own standard library `.py` files (present on every machine,
   nothing to download). Split into train/eval by a hash of each file's relative path.
 - "text": user text files, directories or globs (`**` recurses), split the same way by path.
-- "tokens": one pre-tokenized file of uint8 or uint16 tokens, read with `np.memmap` (never loaded
-  whole); the last `eval_fraction` of it is the eval split.
+- "tokens": pre-tokenized files (a path or a glob; raw `.bin` of uint8, uint16 or uint32 ids, or
+  `.npy`), memory-mapped and read as one stream, never loaded whole (token_files.py); the last
+  `eval_fraction` of it is the eval split.
 When a path split would leave one side empty (e.g. a single text file), the concatenated stream is
 split by position instead (the tail is eval). A missing, empty or unreadable source is a
 `DataError` naming the path.
@@ -28,6 +29,7 @@ from typing import Sequence
 import numpy as np
 
 from diloco_node.config.manifest import DataSpec
+from diloco_node.learn import token_files
 
 # Files of the stdlib that are not the standard library proper (third-party installs).
 _STDLIB_EXCLUDED_DIRS = ("site-packages", "dist-packages")
@@ -126,25 +128,32 @@ def _corpus_from_files(files: Sequence[Path], root: Path | None, spec: DataSpec,
 
 
 def load_token_file(path: str, dtype: str, eval_fraction: float) -> Corpus:
-    """A pre-tokenized file via np.memmap: the head is train, the last `eval_fraction` is eval."""
-    file = Path(path)
-    if not file.exists():
-        raise DataError(f"token file {path!r}: no such file")
-    if not os.access(file, os.R_OK):
-        raise DataError(f"token file {path!r}: cannot read it (permission denied)")
-    np_dtype = np.dtype(dtype)
-    size = file.stat().st_size
-    if size == 0:
-        raise DataError(f"token file {path!r}: the file is empty")
-    if size % np_dtype.itemsize:
-        raise DataError(f"token file {path!r}: {size} bytes is not a whole number of {dtype} tokens")
+    """Pre-tokenized files (a path or a glob; `.bin` of `dtype` ids or `.npy`), memory-mapped and
+    read as one stream (learn/token_files.py): the head is train, the last `eval_fraction` eval."""
     try:
-        tokens = np.memmap(file, dtype=np_dtype, mode="r")
-    except (OSError, ValueError) as exc:
-        raise DataError(f"token file {path!r}: cannot map it ({exc})") from None
-    cut = len(tokens) - max(1, int(len(tokens) * eval_fraction))
-    vocab = 256 if np_dtype == np.uint8 else 65536
-    return Corpus(tokens[:cut], tokens[cut:], vocab, f"token file {path} ({dtype}, {len(tokens)} tokens)")
+        stream = token_files.open_token_stream([path], dtype)
+    except token_files.TokenFileError as error:
+        raise DataError(str(error)) from None
+    cut = len(stream) - max(1, int(len(stream) * eval_fraction))
+    vocab = int(np.iinfo(np.dtype(dtype)).max) + 1
+    return Corpus(stream.sub(0, cut), stream.sub(cut, len(stream)), vocab,
+                  f"token file {path} ({dtype}, {len(stream)} tokens)")
+
+
+def check_vocabulary(corpus: Corpus, vocab_size: int) -> None:
+    """Every token id of the corpus below `vocab_size`: token files are scanned (in bounded chunks;
+    the first offender is named with its file and position), byte sources need 256."""
+    streams = [split for split in (corpus.train, corpus.eval) if isinstance(split, token_files.TokenStream)]
+    if not streams:
+        if corpus.vocab_size > vocab_size:
+            raise DataError(f"the data ({corpus.description}) holds token ids up to {corpus.vocab_size - 1}, "
+                            f"but model.vocab_size = {vocab_size}")
+        return
+    for stream in streams:
+        try:
+            token_files.check_token_ids(stream, vocab_size, corpus.description)
+        except token_files.TokenFileError as error:
+            raise DataError(str(error)) from None
 
 
 def load_corpus(spec: DataSpec) -> Corpus:

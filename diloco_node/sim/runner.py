@@ -197,9 +197,10 @@ def _setup(config: RunnerConfig, corpus: data_lib.Corpus) -> _Setup:
     manifest = config.manifest
     seq_len = manifest.model.seq_len
     model = factory.recipe(manifest.model)
-    if corpus.vocab_size > model.vocab_size:
-        raise ConfigError(f"the data ({corpus.description}) can hold token ids up to {corpus.vocab_size - 1}, "
-                          f"but model.vocab_size = {model.vocab_size}")
+    try:
+        data_lib.check_vocabulary(corpus, model.vocab_size)
+    except data_lib.DataError as error:
+        raise ConfigError(str(error)) from None
     shards = data_lib.shard_bounds(len(corpus.train), config.num_learners)
     samplers = [data_lib.BatchSampler(corpus.train[a:b], manifest.inner.batch_size, seq_len, manifest.seed, m)
                 for m, (a, b) in enumerate(shards)]
