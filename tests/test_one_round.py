@@ -228,3 +228,36 @@ def _snapshot(thread: LearnerThread, params: dict[str, np.ndarray]):
     state = thread.request_state().result(timeout=10)
     return type(state)(state.step, state.tokens, params, state.opt_leaves, state.base_rounds,
                        [6] * len(state.c_steps), [192] * len(state.c_tokens))
+
+
+def test_a_restored_learner_thread_resumes_its_batch_sampler(initial) -> None:
+    """The sampler's position travels in the learner's checkpoint: a restarted site draws the
+    batches it had not drawn yet, not the first ones again."""
+    from diloco_node.learn.learner_thread import learner_index, snapshot_from_checkpoint, snapshot_meta_and_arrays
+
+    plan = _plan(initial)
+    corpus = data_lib.Corpus(np.arange(4096, dtype=np.uint8) % 251, np.arange(512, dtype=np.uint8), 256, "bytes")
+
+    def thread() -> LearnerThread:
+        return LearnerThread(node_id="a", manifest=MANIFEST, plan=plan, corpus=corpus, global_params=initial,
+                             global_rounds=[0, 0], on_contribution=lambda due: None, on_progress=lambda *a: None)
+
+    first = thread()
+    first.compile()  # compiling draws no batch
+    fresh = first.request_state().result(timeout=10).sampler
+    sampler = data_lib.BatchSampler(corpus.train, MANIFEST.inner.batch_size, MANIFEST.model.seq_len, MANIFEST.seed,
+                                    learner_index("a"))
+    assert fresh == sampler.state()
+    for _ in range(4):
+        sampler.next()
+    moved = sampler.state()
+    expected = sampler.next()
+    snap = first.request_state().result(timeout=10)
+    meta, arrays = snapshot_meta_and_arrays(dataclasses.replace(snap, sampler=moved))
+    restarted = thread()
+    restarted.restore(snapshot_from_checkpoint(meta, arrays))
+    assert restarted.request_state().result(timeout=10).sampler == moved
+    resumed = data_lib.BatchSampler(corpus.train, MANIFEST.inner.batch_size, MANIFEST.model.seq_len, MANIFEST.seed,
+                                    learner_index("a"))
+    resumed.restore(restarted.request_state().result(timeout=10).sampler)
+    assert np.array_equal(resumed.next()[0], expected[0])

@@ -64,3 +64,24 @@ def test_a_witness_and_learners_build_the_same_model_from_a_uint32_manifest() ->
     # A witness opens no data: its model comes from the manifest alone and matches the signature.
     factory.check_signature(sealed)
     assert ("embed/embedding", (150_000, 32), "float32") in sealed.model.tensors
+
+
+def test_the_sampler_resumes_where_it_stopped_and_refuses_another_samplers_state(tmp_path) -> None:
+    tokens = np.arange(5_000, dtype=np.uint32)
+    sampler = data_lib.BatchSampler(tokens, 4, 16, seed=3, learner=1)
+    for _ in range(5):
+        sampler.next()
+    saved = sampler.state()
+    expected = [sampler.next() for _ in range(3)]
+    resumed = data_lib.BatchSampler(tokens, 4, 16, seed=3, learner=1)
+    resumed.restore(saved)
+    for (x, y), (ex, ey) in zip(([resumed.next() for _ in range(3)]), expected, strict=True):
+        assert np.array_equal(x, ex) and np.array_equal(y, ey)
+    other = data_lib.BatchSampler(tokens, 4, 16, seed=4, learner=1)
+    before = other.state()
+    with pytest.raises(data_lib.DataError, match="seed: saved 3, now 4"):
+        other.restore(saved)
+    assert other.state() == before  # nothing changed
+    shorter = data_lib.BatchSampler(tokens[:4_000], 4, 16, seed=3, learner=1)
+    with pytest.raises(data_lib.DataError, match="tokens: saved 5000, now 4000"):
+        shorter.restore(saved)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -187,7 +188,35 @@ class BatchSampler:
         self.tokens = tokens
         self.batch_size = batch_size
         self.seq_len = seq_len
+        self.seed, self.learner = seed, learner
         self._rng = np.random.default_rng([seed, learner])
+
+    def state(self) -> str:
+        """Where the sampler stands (JSON): a learner checkpoint keeps it, so a restarted site
+        continues with the batches it had not drawn yet instead of replaying the first ones."""
+        return json.dumps({"seed": self.seed, "learner": self.learner, "tokens": len(self.tokens),
+                           "batch": [self.batch_size, self.seq_len], "generator": self._rng.bit_generator.state})
+
+    def restore(self, text: str) -> None:
+        """Continue from `state()`; a DataError (nothing changed) when it belongs to another
+        sampler: another seed, learner, batch shape or shard length (the data changed)."""
+        try:
+            saved = json.loads(text)
+            mine = {"seed": self.seed, "learner": self.learner, "tokens": len(self.tokens),
+                    "batch": [self.batch_size, self.seq_len]}
+            differs = sorted(k for k, v in mine.items() if saved.get(k) != v)
+            generator = saved["generator"]
+        except (ValueError, TypeError, KeyError, AttributeError) as error:
+            raise DataError(f"sampler state is malformed: {error!r}") from None
+        if differs:
+            raise DataError("sampler state belongs to another sampler (" + ", ".join(
+                f"{k}: saved {saved.get(k)!r}, now {mine[k]!r}" for k in differs) + ")")
+        rng = np.random.default_rng()
+        try:
+            rng.bit_generator.state = generator
+        except (ValueError, TypeError, KeyError) as error:
+            raise DataError(f"sampler state: the generator state is malformed: {error!r}") from None
+        self._rng = rng
 
     def next(self) -> tuple[np.ndarray, np.ndarray]:
         starts_B = self._rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)

@@ -56,6 +56,7 @@ class LearnerSnapshot:
     base_rounds: list[int]
     c_steps: list[int]
     c_tokens: list[int]
+    sampler: str = ""  # the batch sampler's position (data.BatchSampler.state); "" in older checkpoints
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +137,10 @@ class LearnerThread(threading.Thread):
     def compile(self) -> float:
         """Compile the jitted step (the node reports ready only after this); returns seconds."""
         started = time.perf_counter()
-        self._inner.compile_step(*self._sampler.next())
+        # A throw-away batch of the right shape: drawing from the sampler would move it past a
+        # batch the learner never trains on (and off a restored position).
+        zeros = np.zeros((self._sampler.batch_size, self._sampler.seq_len), np.int32)
+        self._inner.compile_step(zeros, zeros)
         return time.perf_counter() - started
 
     def restore(self, snap: LearnerSnapshot) -> None:
@@ -151,6 +155,11 @@ class LearnerThread(threading.Thread):
         # moved since this learner's checkpoint (a rebase), and the counters keep its work.
         self.c_steps = list(snap.c_steps)
         self.c_tokens = list(snap.c_tokens)
+        if snap.sampler:
+            try:
+                self._sampler.restore(snap.sampler)
+            except data_lib.DataError as error:  # the site's data changed: train on, from the seed
+                log.warning("%s: not resuming the batch sampler: %s; sampling from the start", self.node_id, error)
 
     def adopt_global(self, global_params: Mapping[str, np.ndarray], global_rounds: list[int]) -> None:
         """A fresh learner (before `start`) takes the current global state as its weights and base."""
@@ -304,7 +313,8 @@ class LearnerThread(threading.Thread):
         snap = LearnerSnapshot(
             step=self._inner.steps, tokens=self._inner.tokens, params=self._inner.get_flat(),
             opt_leaves=[np.asarray(leaf) for leaf in jax.tree.leaves(self._inner.opt_state)],
-            base_rounds=list(self.base_rounds), c_steps=list(self.c_steps), c_tokens=list(self.c_tokens))
+            base_rounds=list(self.base_rounds), c_steps=list(self.c_steps), c_tokens=list(self.c_tokens),
+            sampler=self._sampler.state())
         for future in requests:
             if not future.done():
                 future.set_result(snap)
@@ -322,7 +332,8 @@ def _leaf_index(params: Any) -> dict[str, int]:
 
 def snapshot_meta_and_arrays(snap: LearnerSnapshot) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     meta = {"step": snap.step, "tokens": snap.tokens, "base_rounds": snap.base_rounds,
-            "c_steps": snap.c_steps, "c_tokens": snap.c_tokens, "opt_leaves": len(snap.opt_leaves)}
+            "c_steps": snap.c_steps, "c_tokens": snap.c_tokens, "opt_leaves": len(snap.opt_leaves),
+            "sampler": snap.sampler}
     arrays = {f"learner/params/{n}": a for n, a in snap.params.items()}
     arrays.update({f"learner/opt/{i:05d}": np.asarray(a) for i, a in enumerate(snap.opt_leaves)})
     return meta, arrays
@@ -333,4 +344,4 @@ def snapshot_from_checkpoint(meta: Mapping[str, Any], arrays: Mapping[str, np.nd
     params = {k[len(prefix):]: np.array(v) for k, v in arrays.items() if k.startswith(prefix)}
     leaves = [np.array(arrays[f"learner/opt/{i:05d}"]) for i in range(int(meta["opt_leaves"]))]
     return LearnerSnapshot(int(meta["step"]), int(meta["tokens"]), params, leaves, list(meta["base_rounds"]),
-                           list(meta["c_steps"]), list(meta["c_tokens"]))
+                           list(meta["c_steps"]), list(meta["c_tokens"]), str(meta.get("sampler", "")))
