@@ -51,3 +51,13 @@ def test_the_custom_model_is_causal(custom_model_on_path) -> None:
     changed[0, 10] = (changed[0, 10] + 1) % 50
     a, b = np.asarray(model(tokens)), np.asarray(model(changed))
     assert np.allclose(a[:, :10], b[:, :10]) and not np.allclose(a[:, 10:], b[:, 10:])
+
+
+def test_the_llama_site_config_on_a_token_file_builds_a_100m_model() -> None:
+    effective = load_config(EXAMPLES / "sites" / "llama-tokens.toml", {}, {})
+    manifest = effective.run
+    assert (manifest.model.factory, manifest.model.vocab_size, manifest.data.token_dtype) == ("llama", 128256, "uint32")
+    assert manifest.stop.tokens == 2_000_000_000
+    sealed = factory.seal(manifest)  # abstract: nothing allocated
+    count = sum(int(np.prod(shape)) for _, shape, _ in sealed.model.tensors)
+    assert 100e6 <= count <= 250e6, count
