@@ -38,6 +38,7 @@ from bootstrap.coordinator_node import PersistentState
 from bootstrap.election import ElectionState
 from bootstrap.entries import ClusterConfig, EntryKind, LogEntry, Snapshot
 from bootstrap.replog import LogStore
+from diloco_node.ops.checkpoint import fsync_dir
 
 _RECORD_HEAD = struct.Struct("<II")
 # One entry holds one merged fragment delta; bigger than this is a corrupt length field.
@@ -74,14 +75,6 @@ class ReplicaStoreError(Exception):
     """The durable coordination state is unreadable; the message names the file."""
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
@@ -93,7 +86,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _record(body: bytes) -> bytes:
@@ -347,7 +340,7 @@ class ReplicaStore:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(self._compaction_path, self._log_path)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         self._log_bytes = prepared.size + len(rest)
 
     def close(self) -> None:

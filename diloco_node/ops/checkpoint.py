@@ -168,7 +168,7 @@ def write_checkpoint_file(path: Path, sequence: int, meta: Mapping[str, Any], ar
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return HEADER_BYTES + layout.body_len
 
 
@@ -226,7 +226,8 @@ def _decode_body(path: Path, body: bytearray) -> Checkpoint:
     return Checkpoint(sequence=sequence, meta=meta, arrays=arrays, path=path)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or a new file in `directory` durable (its entry, not only the file's data)."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -295,7 +296,7 @@ class CheckpointStore:
         for old in stale:
             self.path_for(old).unlink(missing_ok=True)
         if stale:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         return path
 
     def load_latest(self) -> LoadResult | None:
@@ -327,4 +328,4 @@ class CheckpointStore:
             target = path.with_name(f"{path.name}.corrupt.{suffix}")
             suffix += 1
         os.replace(path, target)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)

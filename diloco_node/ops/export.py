@@ -67,7 +67,7 @@ from typing import Any
 import numpy as np
 
 from diloco_node.config.manifest import ConfigError, RunManifest, tensor_differences
-from diloco_node.ops.checkpoint import Checkpoint, CheckpointError, read_checkpoint_file
+from diloco_node.ops.checkpoint import Checkpoint, CheckpointError, fsync_dir, read_checkpoint_file
 from diloco_node.sync.state_codec import params_from_checkpoint
 
 EXPORT_FORMAT = "diloco-node-export/1"
@@ -277,7 +277,7 @@ def write_export(params: Mapping[str, np.ndarray], metadata: Mapping[str, str], 
         writer(temp, params, metadata)
         _fsync_file(temp)
         _move_into_place(temp, out, force)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
     except OSError as error:
         raise ExportError(f"cannot write {out}: {error.strerror or error}") from None
     finally:
@@ -315,14 +315,6 @@ def _move_into_place(temp: Path, out: Path, force: bool) -> None:
 
 def _fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
