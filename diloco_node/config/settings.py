@@ -2,14 +2,14 @@
 
 Two kinds of settings live in one file:
 
-- `[node]`: what differs per site (identity, addresses, data directory, secret, role, timeouts),
-  validated into a frozen `NodeConfig`;
-- `[run]` with `[run.model]`, `[run.data]`, `[run.inner]`, `[run.outer]`, `[run.sync]`: the run
-  manifest (`run_config.RunManifest`), which the founding node defines and joiners receive from
-  the run and must not contradict (`check_joiner_manifest`).
+- `[node]`: what differs per site (identity, addresses, data directory, secret, role, timeouts,
+  and in `[node.data]` the data it trains on), validated into a frozen `NodeConfig`;
+- `[run]` with `[run.model]`, `[run.data]`, `[run.inner]`, `[run.outer]`, `[run.sync]`,
+  `[run.stop]`: the run manifest (`manifest.RunManifest`), which the founding node defines and
+  joiners receive from the run and must not contradict (`check_joiner_manifest`).
 
-Environment names: `DILOCO_<KEY>` for node keys (`DILOCO_LISTEN`), `DILOCO_<SECTION>_<KEY>` for
-run keys (`DILOCO_SYNC_PERIOD`), `DILOCO_RUN_SEED` for the run seed, `DILOCO_CONFIG` for the file.
+Environment names: `DILOCO_<KEY>` for node keys (`DILOCO_LISTEN`, `DILOCO_DATA_PATHS` for
+`[node.data] paths`), `DILOCO_<SECTION>_<KEY>` for run keys (`DILOCO_SYNC_PERIOD`), `DILOCO_RUN_SEED` for the run seed, `DILOCO_CONFIG` for the file.
 Unknown `DILOCO_*` variables are errors, like unknown file keys: a misspelt
 `DILOCO_SYNC_PERIDO` silently ignored would run a different experiment from the one intended,
 and the prefix is ours alone. Tooling that needs private variables uses `DILOCO_X_*`, which is
@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 from urllib.parse import urlsplit
 
-from diloco_node.config.manifest import ConfigError, RunManifest
+from diloco_node.config.manifest import MOVED_DATA_KEYS, ConfigError, RunManifest
+from diloco_node.config.site_data import SiteData
 from wire.auth import MIN_RUN_SECRET_BYTES
 
 __all__ = [
@@ -163,6 +164,7 @@ class NodeConfig:
     log_retain_entries: int = DEFAULT_LOG_RETAIN_ENTRIES
     eval_interval_commits: int = 50
     eval_batches: int = 8
+    data: SiteData = SiteData()  # [node.data]: what this site trains on
 
     def __post_init__(self) -> None:
         _require(bool(NODE_ID_PATTERN.match(self.node_id)),
@@ -266,6 +268,12 @@ _NODE_HELP = {
     "log_retain_entries": "log entries kept below the newest checkpoint when compacting (lagging peers replay these)",
     "eval_interval_commits": "evaluate the global model on this site's eval split every N applied commits (0: never)",
     "eval_batches": "batches (of run.inner.batch_size windows) in each evaluation",
+    "data.source": "[node.data] what this site trains on: stdlib, text or tokens",
+    "data.paths": "[node.data] files, directories (text) and globs, read in order as one stream",
+    "data.tokenizer": "[node.data] a local tokenizer.json: text is tokenized with it; token files declare it",
+    "data.token_dtype": "[node.data] id type of token files: uint16 or uint32 (uint8 for byte files)",
+    "data.eval_fraction": "[node.data] share of the data held out for evaluation, in (0, 0.5)",
+    "data.seed": "[node.data] which files are held out when a source is split by file",
 }
 _NODE_KINDS = {
     "node_id": "str", "listen": "hostport", "advertise": "str", "source_address": "optip",
@@ -274,7 +282,11 @@ _NODE_KINDS = {
     "log_level": "str", "connect_timeout_s": "float", "read_timeout_s": "float",
     "heartbeat_interval_s": "float", "lease_timeout_s": "float", "checkpoint_interval_s": "float",
     "checkpoint_keep": "int", "log_retain_entries": "int", "eval_interval_commits": "int", "eval_batches": "int",
+    "data.source": "str", "data.paths": "pathlist", "data.tokenizer": "pathstr", "data.token_dtype": "str",
+    "data.eval_fraction": "float", "data.seed": "int",
 }
+# [node.data] is a table of its own: its keys are "data.<name>" (env DILOCO_DATA_<NAME>, --set data.<name>=).
+NODE_DATA_PREFIX = "data."
 _NODE_FLAGS = {
     "node_id": "--node-id", "listen": "--listen", "advertise": "--advertise",
     "source_address": "--source-address", "bootstrap": "--bootstrap",
@@ -287,6 +299,11 @@ def _node_specs() -> list[KeySpec]:
     specs = []
     for f in dataclasses.fields(NodeConfig):
         default: Any = f.default
+        if f.name == "data":
+            for sub in dataclasses.fields(SiteData):
+                key = NODE_DATA_PREFIX + sub.name
+                specs.append(KeySpec(key, _NODE_KINDS[key], getattr(SiteData(), sub.name), _NODE_HELP[key]))
+            continue
         if f.name == "listen":
             default = HostPort.parse(DEFAULT_LISTEN, "listen")
         elif f.name in ("node_id", "advertise"):
@@ -402,6 +419,17 @@ def _parse(spec: KeySpec, raw: Any, where: str, base_dir: Path, from_text: bool)
         _require(raw != "", f"{name}: must not be empty")
         path = Path(raw).expanduser()
         return path if path.is_absolute() else (base_dir / path)
+    if kind == "pathstr":  # a path kept as text ("" = unset); relative to the file that set it
+        _require(is_string, f"{name}: must be a path string")
+        return _resolved(raw, base_dir) if raw else ""
+    if kind == "pathlist":  # paths and globs, each relative to the file that set it
+        if is_text:
+            items = [item.strip() for item in raw.split(",") if item.strip()]
+        else:
+            _require(isinstance(raw, (list, tuple)) and all(isinstance(i, str) and i for i in raw),
+                     f"{name}: must be a list of paths, e.g. [\"/srv/data/*.bin\"]")
+            items = list(raw)
+        return tuple(_resolved(item, base_dir) for item in items)
     if kind == "optip":
         _require(is_string, f"{name}: must be an IP address string")
         if raw.strip() == "":
@@ -426,6 +454,12 @@ def _parse(spec: KeySpec, raw: Any, where: str, base_dir: Path, from_text: bool)
             return tuple(items)
         return tuple(HostPort.parse(item, f"{spec.key} ({where})") for item in items)
     raise AssertionError(f"unknown kind {kind}")
+
+
+def _resolved(path: str, base_dir: Path) -> str:
+    """`~` expanded; a relative path (or glob) taken from `base_dir`, as data_dir is."""
+    expanded = os.path.expanduser(path)
+    return expanded if os.path.isabs(expanded) else str(base_dir / expanded)
 
 
 def _inline_secret_error(name: str, where: str) -> ConfigError:
@@ -480,7 +514,7 @@ class EffectiveConfig:
         run_dict = self.run.to_dict()
         out = []
         for spec in NODE_SPECS:
-            out.append(Setting(spec.key, getattr(self.node, spec.key), self.sources[spec.key], spec.env))
+            out.append(Setting(spec.key, _node_value(self.node, spec.key), self.sources[spec.key], spec.env))
         for spec in RUN_SPECS:
             value: Any = run_dict
             for part in spec.key.split(".")[1:]:
@@ -508,6 +542,12 @@ class EffectiveConfig:
         """The run's manifest, after checking it does not contradict what this node's config says."""
         check_joiner_manifest(self.run, theirs, explicit=self.explicit_run_keys())
         return theirs
+
+
+def _node_value(node: NodeConfig, key: str) -> Any:
+    if key.startswith(NODE_DATA_PREFIX):
+        return getattr(node.data, key[len(NODE_DATA_PREFIX):])
+    return getattr(node, key)
 
 
 def _read_secret_file(path: Path, source: str) -> bytes:
@@ -585,6 +625,7 @@ def load_config(
             raw[override.key] = (override.value, override.source, cwd, True)
             continue
         if override.key not in ALL_SPECS:
+            _refuse_moved_data_key(override.key, override.source)
             if _looks_like_inline_secret(override.key):
                 raise _inline_secret_error(override.key, override.source)
             raise ConfigError(f"{override.key} ({override.source}): unknown setting; known node keys: "
@@ -612,8 +653,11 @@ def load_config(
     _fill_derived(values, sources, environ, cwd)
     _fill_secret(values, sources, environ, warnings)
 
-    node_kwargs = {spec.key: values[spec.key] for spec in NODE_SPECS}
-    node = _with_sources(lambda: NodeConfig(**node_kwargs), sources)
+    node_kwargs = {spec.key: values[spec.key] for spec in NODE_SPECS if not spec.key.startswith(NODE_DATA_PREFIX)}
+    data_kwargs = {spec.key[len(NODE_DATA_PREFIX):]: values[spec.key] for spec in NODE_SPECS
+                   if spec.key.startswith(NODE_DATA_PREFIX)}
+    site_data = _with_sources(lambda: SiteData(**data_kwargs), sources)
+    node = _with_sources(lambda: NodeConfig(**node_kwargs, data=site_data), sources)
     run = _with_sources(lambda: RunManifest.from_dict(_nest_run(values, model_options)), sources)
     if node.secret_file is not None:
         _read_secret_file(node.secret_file, sources["secret_file"])  # fail now, not at the first frame
@@ -653,7 +697,11 @@ def _read_toml(path: Path) -> dict[str, Any]:
     for name, value in document.items():
         if name == "node" and isinstance(value, dict):
             for key, item in value.items():
-                _take_key(flat, key, f"node.{key}", item, where)
+                if key == "data" and isinstance(item, dict):
+                    for sub, leaf in item.items():
+                        _take_key(flat, NODE_DATA_PREFIX + sub, f"node.data.{sub}", leaf, where)
+                else:
+                    _take_key(flat, key, f"node.{key}", item, where)
         elif name == "run" and isinstance(value, dict):
             for section, item in value.items():
                 if isinstance(item, dict) and f"run.{section}" not in ALL_SPECS:
@@ -670,18 +718,27 @@ def _take_key(flat: dict[str, Any], key: str, dotted: str, value: Any, where: st
     if key in ALL_SPECS or _is_model_option(key):
         flat[key] = value
         return
+    _refuse_moved_data_key(dotted, where)  # before the secret check: run.data.token_file is no secret
     if _looks_like_inline_secret(dotted):
         raise _inline_secret_error(dotted, where)
     raise ConfigError(f"{dotted} ({where}): unknown key; {_known_keys_hint(dotted)}")
 
 
+def _refuse_moved_data_key(dotted: str, where: str) -> None:
+    if dotted.startswith("run.data.") and dotted.rsplit(".", 1)[1] in MOVED_DATA_KEYS:
+        raise ConfigError(f"{dotted} ({where}): where a site reads its data is a site setting now: move it to "
+                          "[node.data] (run.data.token_file becomes [node.data] paths = [...]; see docs/DATA.md)")
+
+
 def _known_keys_hint(dotted: str) -> str:
+    if dotted.startswith("node.data."):
+        return f"known in [node.data]: {', '.join(f.name for f in dataclasses.fields(SiteData))}"
     if dotted.startswith("run."):
         parent = dotted.rsplit(".", 1)[0]
         known = [k.rsplit(".", 1)[1] for k in ALL_SPECS if k.startswith(parent + ".") and k.count(".") == dotted.count(".")]
         if known:
             return f"known in [{parent}]: {', '.join(known)}"
-        return "run sections: model, data, inner, outer, sync (and run.seed)"
+        return "run sections: model, data, inner, outer, sync, stop (and run.seed)"
     if dotted.startswith("node."):
         return f"known in [node]: {', '.join(s.key for s in NODE_SPECS)}"
     return "top-level tables are [node] and [run]"

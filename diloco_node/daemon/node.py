@@ -63,6 +63,9 @@ STATUS_REFRESH_S = 0.25
 # Worker threads for codecs, merges and big-frame hashing (they release the GIL); the learner
 # has its own thread. Two is enough on a small host; more only competes with JAX.
 POOL_THREADS = 2
+# Text a learner tokenizes is cached here, under data_dir, so a restart maps it instead of
+# tokenizing again (learn/data.py names each cache by its files and encoder).
+DATA_CACHE_DIR = "data-cache"
 # How long a refreshed address book is trusted before a peer is asked again for the member list.
 MEMBER_REFRESH_S = 5.0
 # Exit statuses of `diloco-node run` (systemd's unit tells them apart).
@@ -208,7 +211,8 @@ class Node:
         assert manifest is not None
         # Model set-up runs off the loop (JAX init, corpus): /status keeps answering meanwhile.
         site = self.site = await loop.run_in_executor(
-            None, lambda: build_site_model(manifest, learner=self.role is coord.MemberRole.LEARNER))
+            None, lambda: build_site_model(manifest, learner=self.role is coord.MemberRole.LEARNER,
+                                           data=self.cfg.data, cache_dir=self.cfg.data_dir / DATA_CACHE_DIR))
         self._mark_phase("state built")
         replica = site.replica
         self.checkpointer = Checkpointer(node_id=self.node_id, checkpoints=checkpoints, store=self.store,
