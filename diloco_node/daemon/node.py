@@ -52,7 +52,7 @@ from diloco_node.learn.learner_thread import DueFragment, LearnerThread
 from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore
 from diloco_node.ops.status import MetricsRegistry, StatusBuilder, operator_routes
 from diloco_node.ops.systemd import SystemdNotifier, run_watchdog
-from diloco_node.transport import ClientOptions, PeerClient, PeerServer
+from diloco_node.transport import ClientOptions, ConnectionGuard, PeerClient, PeerServer
 from wire.auth import AuthContext, FrameVerifier, derive_frame_key
 from wire.errors import LocalProtocolError
 
@@ -140,7 +140,7 @@ class Node:
         run_id = run_id_for(secret)
         self.status.set_run_id(run_id)
         auth = AuthContext(run_id, self.node_id, key)
-        verifier = FrameVerifier(run_id, key)
+        verifier = FrameVerifier(run_id, key, node_id=self.node_id)  # frames must be addressed to us
         self.executor = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix=f"pool-{self.node_id}")
         self.disk_executor = ThreadPoolExecutor(1, thread_name_prefix=f"disk-{self.node_id}")
         self.client = PeerClient(auth, verifier, executor=self.executor,
@@ -154,6 +154,8 @@ class Node:
         self.history = DaemonHistory.open(data_dir, self.node_id, pace_s=self._min_step_interval_s)
         self.identity = SiteIdentity(self.effective, self.store, self.client, self.role)
         app = web.Application(client_max_size=1024 ** 2)
+        guard = ConnectionGuard()
+        guard.install(app)
         self.server.install(app)
         app.add_routes(operator_routes(self._status_document, self.metrics, self._live))
         # Resources live as long as the app; cleanup runs in reverse order of set-up.
@@ -165,6 +167,8 @@ class Node:
         app.cleanup_ctx.append(self.client.cleanup_ctx)  # the peer session
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
+        assert runner.server is not None
+        self.tasks.spawn(guard.run(runner.server), name="connection-guard")
         code = EXIT_FAILED
         try:
             site = web.TCPSite(runner, self.cfg.listen.host, self.cfg.listen.port)
