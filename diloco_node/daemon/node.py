@@ -53,7 +53,7 @@ from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore
 from diloco_node.ops.status import MetricsRegistry, StatusBuilder, operator_routes
 from diloco_node.ops.systemd import SystemdNotifier, run_watchdog
 from diloco_node.transport import ClientOptions, ConnectionGuard, PeerClient, PeerServer
-from wire.auth import AuthContext, FrameVerifier, derive_frame_key
+from wire.auth import AuthContext, FrameVerifier, RunSecretError, derive_frame_key, load_run_secret
 from wire.errors import LocalProtocolError
 
 log = logging.getLogger("diloco_node.daemon")
@@ -127,7 +127,14 @@ class Node:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
-            secret = self.effective.read_secret()
+            self.effective.read_secret()  # configured and readable: ConfigError naming the setting's source
+            try:
+                # The wire's rules (docs/WIRE.md section 4): not accessible by "other", one trailing
+                # newline stripped; the same bytes every member derives its key from.
+                assert self.cfg.secret_file is not None
+                secret = load_run_secret(self.cfg.secret_file)
+            except RunSecretError as error:
+                raise ConfigError(str(error)) from None
             try:
                 key = derive_frame_key(secret)
             except LocalProtocolError as error:
@@ -386,7 +393,8 @@ class Node:
             consistent_from=keeper.consistent_from, log_applied_index=core.log.applied_index,
             commit_target=max(core.log.commit_index, self.coordination.leader_commit),
             replacing_state=keeper.replacing_state(), was_ready=self._ready,
-            role="lease holder" if core.is_lease_holder(now) else core.role.value, epoch=core.epoch)
+            role="lease holder" if core.is_lease_holder(now) else core.role.value, epoch=core.epoch,
+            coordination_silent_s=self._coordination_silent_s(now), lease_s=self.cfg.lease_timeout_s)
         verdict = readiness(facts)
         if verdict.became_ready:
             self._ready = True
@@ -395,6 +403,14 @@ class Node:
         if self._status_line.due(verdict.reason, now):
             self.notifier.status(verdict.reason)
         self.status.set_ready(verdict.ready, verdict.reason)
+
+    def _coordination_silent_s(self, now: float) -> float | None:
+        """Seconds since a lease holder was last heard from (0 while we hold the lease)."""
+        core = self.coordination.core
+        if core.is_lease_holder(now):
+            return 0.0
+        heard = core.election.heard_leader_at
+        return None if heard is None else max(0.0, now - heard)
 
     def _status_document(self) -> Any:
         return self.status.document(self.now())
