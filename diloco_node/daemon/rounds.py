@@ -115,7 +115,7 @@ class RoundDriver:
 
     def contributor_problem(self, learner: str) -> str:
         """Why `learner` may not contribute ("" when it may): only learner members of the run do."""
-        record = self.coordination.membership.record(learner)
+        record = self.coordination.membership.members.get(learner)
         if record is None:
             return f"{learner} is not a member of this run"
         if record.role is not coord.MemberRole.LEARNER:
