@@ -46,7 +46,7 @@ SETTINGS = tuple(s for s in DEFAULT_SETTINGS if not s.startswith("eval_interval_
 # Virtual time for the page's timers: about three polls (2 s apart) after the first.
 VIRTUAL_TIME_MS = 7000
 BROWSER_TIMEOUT_S = 120.0
-WINDOW = "1280,1500"
+WINDOW = "1280,1300"
 # With DILOCO_X_SCREENSHOT_DIR set, the screenshot waits for this much history (x 2.5 s).
 SCREENSHOT_SAMPLES = 72
 
