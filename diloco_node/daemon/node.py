@@ -50,6 +50,7 @@ from diloco_node.daemon.evaluation import GlobalEvaluator
 from diloco_node.daemon.tasks import TaskSet, closed_on_cleanup
 from diloco_node.learn.learner_thread import DueFragment, LearnerThread
 from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore
+from diloco_node.ops.page import StatusSeries
 from diloco_node.ops.status import MetricsRegistry, StatusBuilder, operator_routes
 from diloco_node.ops.systemd import SystemdNotifier, run_watchdog
 from diloco_node.transport import ClientOptions, ConnectionGuard, PeerClient, PeerServer
@@ -87,6 +88,7 @@ class Node:
         self.status = StatusBuilder(self.node_id, "", self.cfg.role, self.clock.monotonic())
         self.metrics = MetricsRegistry()
         self.series = DaemonSeries.register(self.metrics)
+        self.samples = StatusSeries(self.clock.monotonic)  # recent figures for the page at `/` (/series)
         self.notifier = BackgroundNotifier(SystemdNotifier(self.environ))
         self.loop_lag = LagWindow()
         min_step = self.environ.get("DILOCO_X_MIN_STEP_S", "0")
@@ -167,7 +169,7 @@ class Node:
         guard = ConnectionGuard()
         guard.install(app)
         self.server.install(app)
-        app.add_routes(operator_routes(self._status_document, self.metrics, self._live))
+        app.add_routes(operator_routes(self._status_document, self.metrics, self._live, self.samples))
         # Resources live as long as the app; cleanup runs in reverse order of set-up.
         app.cleanup_ctx.append(closed_on_cleanup(
             lambda: self.executor.shutdown(wait=False, cancel_futures=True),
@@ -369,6 +371,7 @@ class Node:
             now = self.now()
             self._update_readiness()
             self.feed.refresh(now)
+            self.samples.observe(self._status_document)
             if now >= next_checkpoint and self._ready:
                 next_checkpoint = now + self.cfg.checkpoint_interval_s
                 await self._periodic_checkpoint()

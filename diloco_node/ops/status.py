@@ -8,14 +8,13 @@
   gauges rendered in the Prometheus text format (0.0.4) by `render_metrics`, which adds the
   families derived from the status document. Written here rather than with prometheus_client:
   the format is a few lines, and the project avoids a dependency for it.
-- `operator_routes`: aiohttp routes for `/`, `/status`, `/metrics`, `/livez`, `/readyz`, for the
-  daemon to mount.
+- `operator_routes`: aiohttp routes for `/status`, `/metrics`, `/livez`, `/readyz` and the live
+  page's `/` and `/series` (ops/page.py), for the daemon to mount.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import html
 import json
 import math
 import re
@@ -23,6 +22,8 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+
+from diloco_node.ops.page import StatusSeries, page_routes
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -492,41 +493,15 @@ def _format_value(value: float) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Human page and HTTP routes
-
-
-def render_html(doc: StatusDocument) -> str:
-    """A small self-refreshing page for `/`."""
-    e = html.escape
-    learner = doc.learner
-    rows = "".join(
-        f"<tr><td>{e(m.node_id)}</td><td>{e(m.role)}</td><td>{'yes' if m.alive else '<b>no</b>'}</td>"
-        f"<td>{e(m.url)}</td><td>{'' if m.last_seen_s is None else f'{m.last_seen_s:.1f}s'}</td></tr>"
-        for m in doc.members)
-    errors = "".join(f"<li>{m.age_s:.0f}s ago: {e(m.message)}</li>" for m in doc.last_errors)
-    loss = "-" if learner.loss is None else f"{learner.loss:.4f}"
-    return f"""<!doctype html>
-<html><head><meta charset="utf-8"><meta http-equiv="refresh" content="5">
-<title>diloco-node {e(doc.node_id)}</title>
-<style>body{{font-family:sans-serif;margin:2em}}td,th{{padding:.2em .8em;text-align:left}}</style></head>
-<body><h1>{e(doc.node_id)} <small>({e(doc.role)}, {'ready' if doc.ready else 'not ready'})</small></h1>
-<p>{e(doc.ready_reason)}</p>
-<p>run {e(doc.run_id)} &middot; epoch {doc.epoch} &middot; coordinator {e(doc.coordinator or '-')}
-&middot; commit index {doc.commit_index} &middot; digest {e(doc.state_digest[:16])}
-&middot; log from {doc.log_first_index}, {doc.log_bytes} bytes
-&middot; event-loop lag {doc.loop_lag_s:.3f} s ({doc.loop_stalls} stalls)</p>
-<p>quorum {doc.quorum.have}/{doc.quorum.need}: {e(doc.quorum.reason)}</p>
-<p>step {learner.step} &middot; loss {loss} &middot; tokens {learner.tokens} &middot;
-{learner.tokens_per_s:.1f} tokens/s &middot; bytes sent {doc.bytes.sent} received {doc.bytes.received}</p>
-<table><tr><th>node</th><th>role</th><th>alive</th><th>url</th><th>last seen</th></tr>{rows}</table>
-{f'<h2>Recent errors</h2><ul>{errors}</ul>' if errors else ''}
-<p><a href="/status">/status</a> &middot; <a href="/metrics">/metrics</a></p></body></html>
-"""
+# HTTP routes
 
 
 def operator_routes(snapshot: Callable[[], StatusDocument], registry: MetricsRegistry | None = None,
-                    live: Callable[[], bool] = lambda: True) -> "web.RouteTableDef":
+                    live: Callable[[], bool] = lambda: True, series: StatusSeries | None = None) -> "web.RouteTableDef":
     """aiohttp routes for the operator API; `snapshot()` builds the current document.
+
+    `/` and `/series` (the live page and its time series) come from ops/page.py; `series` is the
+    node's ring buffer of samples (None: `/series` answers no samples).
 
     `/readyz` is 200 only when the document says ready (a load balancer or the local-cluster
     script waits on it); `/livez` is 200 while `live()` holds (the event loop answering is most
@@ -556,8 +531,5 @@ def operator_routes(snapshot: Callable[[], StatusDocument], registry: MetricsReg
             return web.Response(text="ready\n")
         return web.Response(status=503, text=f"not ready: {doc.ready_reason or 'starting'}\n")
 
-    @routes.get("/")
-    async def index(request: web.Request) -> web.Response:
-        return web.Response(text=render_html(snapshot()), content_type="text/html")
-
+    page_routes(routes, lambda: snapshot().node_id, series)
     return routes
