@@ -107,6 +107,38 @@ async def test_a_member_cannot_speak_for_another(run_pki: Path) -> None:
     assert voter.calls == []
 
 
+def _cert_without_node_id(root: Path, out: Path) -> TlsFiles:
+    """A certificate of the run CA that names a DNS host but no diloco-node:// identity."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    ca_cert, ca_key = pki.load_ca(root / "ca")
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "a")]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("a")]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "site.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (out / "site.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                     serialization.NoEncryption()))
+    return TlsFiles(out / "site.crt", out / "site.key", root / "ca" / pki.CA_CERT)
+
+
+async def test_a_certificate_naming_no_node_id_is_refused_before_reading(run_pki: Path, tmp_path: Path) -> None:
+    voter = _Voter()
+    async with _tls_server(SiteTls(_files(run_pki, "b")), voter) as port:
+        with pytest.raises(PeerRefused) as refused:
+            await _send(port, "a", SiteTls(_cert_without_node_id(run_pki, tmp_path / "anonymous")))
+    assert refused.value.status == 403
+    assert "exactly one diloco-node://<node_id> URI SAN, it names 0" in refused.value.reason
+    assert voter.calls == []
+
+
 @pytest.mark.parametrize("site, crl, why", [
     ("stranger-a", False, "a certificate from another CA"),
     ("expired-a", False, "an expired certificate"),

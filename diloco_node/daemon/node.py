@@ -241,28 +241,27 @@ class Node:
         await runner.setup()
         assert runner.server is not None
         self.tasks.spawn(guard.run(runner.server), name="operator-connection-guard")
-        await web.TCPSite(runner, listen.host, listen.port).start()
+        try:
+            await web.TCPSite(runner, listen.host, listen.port).start()
+        except OSError as error:  # named, so the log does not blame the peer port
+            raise OSError(error.errno, f"status_listen {listen}: {error.strerror}") from None
         log.info("%s: operator routes on http://%s", self.node_id, listen)
 
     def _reload_tls(self, tls: SiteTls, why: str) -> None:
-        outcome = tls.reload()
-        if tls.last_reload_error:
-            self._error(f"{why}: {outcome}")
-        else:
-            log.info("%s: %s: %s", self.node_id, why, outcome)
+        self._report_tls_reload(tls, why, tls.reload())
 
     async def _watch_tls(self, tls: SiteTls) -> None:
         while True:
             await self.clock.sleep(TLS_RELOAD_CHECK_S)
-            if tls.reload_if_changed() is not None:
-                self._reload_tls_after_change(tls)
+            outcome = tls.reload_if_changed()
+            if outcome is not None:
+                self._report_tls_reload(tls, "TLS files changed", outcome)
 
-    def _reload_tls_after_change(self, tls: SiteTls) -> None:
+    def _report_tls_reload(self, tls: SiteTls, why: str, outcome: str) -> None:
         if tls.last_reload_error:
-            self._error(f"TLS files changed but did not load, keeping the previous certificates: "
-                        f"{tls.last_reload_error}")
+            self._error(f"{why}: {outcome}")  # shown in /status: the site still runs on the old files
         else:
-            log.info("%s: TLS files changed: certificates reloaded (reload %d)", self.node_id, tls.reloads)
+            log.info("%s: %s: %s", self.node_id, why, outcome)
 
     def _on_signal(self, sig: int) -> None:
         log.info("%s: received %s, shutting down at the next step boundary", self.node_id, signal.Signals(sig).name)

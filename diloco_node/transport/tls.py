@@ -160,8 +160,3 @@ class SiteTls:
         if self._file_stamps() == self._stamps:
             return None
         return self.reload()
-
-    def status(self) -> dict[str, object]:
-        return {"enabled": True, "cert_file": str(self.files.cert), "ca_file": str(self.files.ca),
-                "crl_file": str(self.files.crl) if self.files.crl else None, "reloads": self.reloads,
-                "last_reload_error": self.last_reload_error}
