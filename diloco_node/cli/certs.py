@@ -50,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
             issued = pki.issue_site(args.ca, args.node_id, args.out, hosts=tuple(args.host), force=args.force,
                                     valid_days=args.days)
             print(f"certificate for {args.node_id} written; in its [node] table:\n"
-                  f'tls_cert_file = "{issued.cert}"\ntls_key_file = "{issued.key}"\ntls_ca_file = "{issued.ca}"')
+                  f'tls_cert_file = "{issued.cert.resolve()}"\ntls_key_file = "{issued.key.resolve()}"\n'
+                  f'tls_ca_file = "{issued.ca.resolve()}"')
         else:
             crl, serial = pki.revoke(args.ca, args.cert)
             print(f"revoked serial {serial:x}; copy {crl} to every site's tls_crl_file")

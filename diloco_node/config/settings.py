@@ -815,6 +815,11 @@ def _fill_derived(values: dict[str, Any], sources: dict[str, str], environ: Mapp
         # With TLS on, peers reach us over https (_fill_tls ran first, so credentials count).
         values["advertise"] = listen.url("https" if values["tls_cert_file"] is not None else "http")
         sources["advertise"] = "derived:listen"
+    if values["status_listen"] is None and values["tls_cert_file"] is not None:
+        # The peer port speaks TLS only; operators read a loopback port beside it (config show says which).
+        listen = values["listen"]
+        values["status_listen"] = HostPort("127.0.0.1", listen.port + 1 if listen.port < 65535 else listen.port - 1)
+        sources["status_listen"] = "derived:listen"
     if sources["data_dir"] == "default" and environ.get("STATE_DIRECTORY"):
         # systemd's StateDirectory= sets this (colon-separated when several are configured).
         values["data_dir"] = Path(environ["STATE_DIRECTORY"].split(":")[0])
