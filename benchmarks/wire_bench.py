@@ -6,6 +6,10 @@ Sections of the JSON report (`--json PATH`):
 - "transfer": a 64 MB fragment streamed over loopback directly (`direct_MBps`) and through the link
   emulator capped at 200 Mbit/s (`capped_utilization` = achieved / cap; target >= 0.9); and the peak
   RSS of sender and receiver during a 256 MB transfer, each its own process (target: growth < 64 MB).
+- "tls": the same 64 MB capped transfer with and without mutual TLS (`--tls`; `--tls-only` runs just
+  this section), alternating plain and TLS runs `TLS_PAIRS` times; `tls_cost` = 1 - best TLS / best
+  plain throughput (target <= 0.03), and the direct (uncapped) TLS throughput, which shows the
+  encryption's CPU cost on this host.
 
 Sender, receiver and link emulator run as separate processes (this file with `--role`, and
 `diloco-node linkemu`), so each one's memory is its own. MB = 10^6 bytes throughout.
@@ -34,6 +38,8 @@ MEMORY_RUN_BYTES = 256 * CHUNK_BYTES
 CAP_MBIT = 200.0
 RUN_ID = "bench-wire"
 BENCH_SECRET = b"benchmark-secret-not-for-production"  # loopback only
+# Plain/TLS capped runs alternate this many times, so drift on a shared host hits both alike.
+TLS_PAIRS = 3
 
 
 def _rss_kib(field: str) -> int:
@@ -54,14 +60,33 @@ def _auth(node: str):
 # ---- receiver process ---------------------------------------------------------------------------
 
 
-async def _receiver() -> None:
+def _site_tls(tls_dir: Path | None, node: str):
+    """The TLS contexts of `node` from a directory made by `_make_pki`, or None (plain HTTP)."""
+    if tls_dir is None:
+        return None
+    from diloco_node.transport.tls import SiteTls, TlsFiles
+
+    return SiteTls(TlsFiles(tls_dir / node / "site.crt", tls_dir / node / "site.key", tls_dir / "ca" / "ca.crt"))
+
+
+def _make_pki(root: Path) -> Path:
+    from diloco_node.ops import pki
+
+    pki.init_ca(root / "ca", force=True)
+    for node in ("sender", "receiver"):
+        pki.issue_site(root / "ca", node, root / node, hosts=("127.0.0.1",), force=True)
+    return root
+
+
+async def _receiver(tls_dir: Path | None = None) -> None:
     from aiohttp import web
 
     from diloco_node.transport import PeerServer
     from wire.messages import MessageKind
 
     auth, verifier = _auth("receiver")
-    server = PeerServer(auth, verifier)
+    tls = _site_tls(tls_dir, "receiver")
+    server = PeerServer(auth, verifier, certified_senders=tls is not None)
     received = {"bytes": 0}
 
     class CountingSink:
@@ -82,7 +107,7 @@ async def _receiver() -> None:
     server.install(app)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls.server_context if tls is not None else None)
     await site.start()
     baseline_kib = _rss_kib("VmRSS")
     stop = asyncio.Event()
@@ -97,7 +122,7 @@ async def _receiver() -> None:
 # ---- sender process -----------------------------------------------------------------------------
 
 
-async def _sender(url: str, total: int) -> None:
+async def _sender(url: str, total: int, tls_dir: Path | None = None) -> None:
     from diloco_node.transport import PeerClient
     from wire.messages import FragmentContribution
 
@@ -115,10 +140,12 @@ async def _sender(url: str, total: int) -> None:
     head = FragmentContribution(fragment=0, base_index=0, base_round=0, c_steps=1, c_tokens=1,
                                 codec="int4-zstd", learner_id="sender", payload=b"")
     auth, verifier = _auth("sender")
-    async with PeerClient(auth, verifier) as client:
+    tls = _site_tls(tls_dir, "sender")
+    async with PeerClient(auth, verifier, tls=tls) as client:
         baseline_kib = _rss_kib("VmRSS")
-        start = time.perf_counter()
-        await client.send_stream(url, head, payload(), payload_length=count * CHUNK_BYTES, payload_sha256=digest)
+        start = time.perf_counter()  # the TLS handshake is inside the measured time
+        await client.send_stream(url, head, payload(), payload_length=count * CHUNK_BYTES, payload_sha256=digest,
+                                 peer="receiver" if tls is not None else None)
         elapsed = time.perf_counter() - start
     print(json.dumps({"bytes": count * CHUNK_BYTES, "seconds": elapsed,
                       "MBps": count * CHUNK_BYTES / elapsed / MB, "baseline_rss_MB": baseline_kib * 1024 / MB,
@@ -133,10 +160,11 @@ def _spawn(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, text=True, env=env)
 
 
-def _transfer(total: int, *, cap_mbit: float | None = None) -> dict:
+def _transfer(total: int, *, cap_mbit: float | None = None, tls_dir: Path | None = None) -> dict:
     """One transfer of `total` bytes between fresh sender and receiver processes (optionally via
-    a capped link emulator process); returns the sender's and receiver's reports."""
-    receiver = _spawn(__file__, "--role", "receiver")
+    a capped link emulator process, optionally over mutual TLS); returns both ends' reports."""
+    tls_args = ["--tls-dir", str(tls_dir)] if tls_dir is not None else []
+    receiver = _spawn(__file__, "--role", "receiver", *tls_args)
     link = None
     try:
         port = json.loads(receiver.stdout.readline())["port"]
@@ -144,7 +172,9 @@ def _transfer(total: int, *, cap_mbit: float | None = None) -> dict:
             link = _spawn("-m", "diloco_node", "linkemu", "--listen", "127.0.0.1:0", "--upstream", f"127.0.0.1:{port}",
                           "--bandwidth-mbit", str(cap_mbit))
             port = int(link.stdout.readline().split()[3].rsplit(":", 1)[1])
-        sender = _spawn(__file__, "--role", "sender", "--url", f"http://127.0.0.1:{port}", "--bytes", str(total))
+        scheme = "https" if tls_dir is not None else "http"
+        sender = _spawn(__file__, "--role", "sender", "--url", f"{scheme}://127.0.0.1:{port}", "--bytes", str(total),
+                        *tls_args)
         sent = json.loads(sender.stdout.readline())
         sender.wait(60)
     finally:
@@ -183,6 +213,31 @@ def measure_transfer() -> dict:
     }
 
 
+def measure_tls() -> dict:
+    """The capped 64 MB transfer with and without mutual TLS, alternating; and TLS uncapped."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="wire-bench-tls-") as tmp:
+        tls_dir = _make_pki(Path(tmp))
+        plain, tls = [], []
+        for _ in range(TLS_PAIRS):
+            plain.append(_transfer(FRAGMENT_BYTES, cap_mbit=CAP_MBIT)["sender"]["MBps"])
+            tls.append(_transfer(FRAGMENT_BYTES, cap_mbit=CAP_MBIT, tls_dir=tls_dir)["sender"]["MBps"])
+        direct_tls = _transfer(FRAGMENT_BYTES, tls_dir=tls_dir)["sender"]["MBps"]
+        direct_plain = _transfer(FRAGMENT_BYTES)["sender"]["MBps"]
+    return {
+        "capped_MBps_plain": [round(x, 2) for x in plain],
+        "capped_MBps_tls": [round(x, 2) for x in tls],
+        "best_capped_MBps_plain": round(max(plain), 2),
+        "best_capped_MBps_tls": round(max(tls), 2),
+        "tls_cost": round(1 - max(tls) / max(plain), 4),
+        "direct_MBps_plain": round(direct_plain, 1),
+        "direct_MBps_tls": round(direct_tls, 1),
+        "cap_MBps": CAP_MBIT * 1e6 / 8 / MB,
+        "fragment_bytes": FRAGMENT_BYTES,
+    }
+
+
 def measure_codec_section(num_elements: int, repeats: int) -> list[dict]:
     from benchmarks.codec_bench import measure_codecs
 
@@ -197,18 +252,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codec-elements", type=int, default=1 << 23, help="fp32 values per codec measurement")
     parser.add_argument("--codec-repeats", type=int, default=2)
     parser.add_argument("--skip-codecs", action="store_true")
+    parser.add_argument("--tls", action="store_true", help="add the TLS section: capped transfer with and without TLS")
+    parser.add_argument("--tls-only", action="store_true", help="run only the TLS section")
     parser.add_argument("--role", choices=["receiver", "sender"], help=argparse.SUPPRESS)
+    parser.add_argument("--tls-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role == "receiver":
-        asyncio.run(_receiver())
+        asyncio.run(_receiver(args.tls_dir))
         return 0
     if args.role == "sender":
-        asyncio.run(_sender(args.url, args.bytes))
+        asyncio.run(_sender(args.url, args.bytes, args.tls_dir))
         return 0
-    report = {"codecs": [] if args.skip_codecs else measure_codec_section(args.codec_elements, args.codec_repeats),
-              "transfer": measure_transfer()}
+    if args.tls_only:
+        report: dict = {"tls": measure_tls()}
+    else:
+        report = {"codecs": [] if args.skip_codecs else measure_codec_section(args.codec_elements, args.codec_repeats),
+                  "transfer": measure_transfer()}
+        if args.tls:
+            report["tls"] = measure_tls()
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:

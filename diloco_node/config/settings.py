@@ -165,6 +165,14 @@ class NodeConfig:
     eval_interval_commits: int = 50
     eval_batches: int = 8
     data: SiteData = SiteData()  # [node.data]: what this site trains on
+    # Mutual TLS between sites (docs/OPERATIONS.md, "Mutual TLS"): all three files, or none (off).
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_ca_file: Path | None = None
+    tls_crl_file: Path | None = None  # the run CA's revocation list (`diloco-node certs revoke`)
+    # Operator routes (/status, /metrics, /livez, /readyz, /) on a listener of their own; with TLS
+    # on and this unset: 127.0.0.1 at the listen port + 1 (loopback: operators are local or tunnel).
+    status_listen: HostPort | None = None
 
     def __post_init__(self) -> None:
         _require(bool(NODE_ID_PATTERN.match(self.node_id)),
@@ -193,6 +201,40 @@ class NodeConfig:
         _require(self.eval_interval_commits >= 0,
                  f"eval_interval_commits = {self.eval_interval_commits}: must be >= 0 (0: never evaluate)")
         _require(1 <= self.eval_batches <= 1024, f"eval_batches = {self.eval_batches}: must be in [1, 1024]")
+        self._check_tls()
+
+    def _check_tls(self) -> None:
+        given = [name for name in TLS_FILE_KEYS if getattr(self, name) is not None]
+        _require(not given or len(given) == len(TLS_FILE_KEYS),
+                 f"{', '.join(given)} set but {', '.join(k for k in TLS_FILE_KEYS if k not in given)} not: "
+                 "mutual TLS needs the site's certificate, its key and the run's CA (or none of them)")
+        if self.tls_crl_file is not None:
+            _require(bool(given), "tls_crl_file is set but TLS is not (set tls_cert_file, tls_key_file, tls_ca_file)")
+        if given:
+            _require(urlsplit(self.advertise).scheme == "https",
+                     f"advertise = {self.advertise!r}: with TLS configured peers reach this node over "
+                     "https://; plain http is refused")
+            if self.status_listen is not None:
+                _require(self.status_listen != self.listen,
+                         f"status_listen = {str(self.status_listen)!r}: must differ from listen (that port speaks TLS only)")
+
+    @property
+    def tls_enabled(self) -> bool:
+        return self.tls_cert_file is not None
+
+    @property
+    def peer_scheme(self) -> str:
+        """How this site and its peers reach each other: https with TLS configured, else http."""
+        return "https" if self.tls_enabled else "http"
+
+    @property
+    def operator_listen(self) -> HostPort | None:
+        """Where the operator routes listen when not on `listen` (None: on `listen`, as without TLS)."""
+        if self.status_listen is not None:
+            return self.status_listen
+        if self.tls_enabled:
+            return HostPort("127.0.0.1", self.listen.port + 1 if self.listen.port < 65535 else self.listen.port - 1)
+        return None
 
     @property
     def is_founder(self) -> bool:
@@ -202,6 +244,13 @@ class NodeConfig:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+# The [node] keys naming TLS files (tls_crl_file is optional beside them).
+TLS_FILE_KEYS = ("tls_cert_file", "tls_key_file", "tls_ca_file")
+# systemd credential names read for unset TLS keys (LoadCredential=diloco-tls-cert:/path ...).
+TLS_CREDENTIALS = {"tls_cert_file": "diloco-tls-cert", "tls_key_file": "diloco-tls-key",
+                   "tls_ca_file": "diloco-tls-ca", "tls_crl_file": "diloco-tls-crl"}
 
 
 def _check_advertise(url: str) -> None:
@@ -230,7 +279,7 @@ class KeySpec:
     """One configurable key. `kind` drives parsing from TOML values and from strings."""
 
     key: str  # dotted name: "listen", "run.sync.period", "run.seed"
-    kind: str  # str | int | float | bool | path | optpath | optip | hostport | hostports | strlist
+    kind: str  # str | int | float | bool | path | optpath | optip | hostport | opthostport | hostports | strlist
     default: Any
     help: str
     flag: str | None = None  # a dedicated command-line flag, if any
@@ -274,6 +323,11 @@ _NODE_HELP = {
     "data.token_dtype": "[node.data] id type of token files: uint16 or uint32 (uint8 for byte files)",
     "data.eval_fraction": "[node.data] share of the data held out for evaluation, in (0, 0.5)",
     "data.seed": "[node.data] which files are held out when a source is split by file",
+    "tls_cert_file": "this site's TLS certificate (PEM; enables mutual TLS with tls_key_file and tls_ca_file)",
+    "tls_key_file": "the private key of tls_cert_file (PEM, mode 0600)",
+    "tls_ca_file": "the run CA's certificate: peers' certificates are verified against it alone",
+    "tls_crl_file": "the run CA's revocation list (PEM; `diloco-node certs revoke` writes it)",
+    "status_listen": "HOST:PORT of the operator routes' own listener (default with TLS: 127.0.0.1:<listen port + 1>)",
 }
 _NODE_KINDS = {
     "node_id": "str", "listen": "hostport", "advertise": "str", "source_address": "optip",
@@ -284,6 +338,8 @@ _NODE_KINDS = {
     "checkpoint_keep": "int", "log_retain_entries": "int", "eval_interval_commits": "int", "eval_batches": "int",
     "data.source": "str", "data.paths": "pathlist", "data.tokenizer": "pathstr", "data.token_dtype": "str",
     "data.eval_fraction": "float", "data.seed": "int",
+    "tls_cert_file": "optpath", "tls_key_file": "optpath", "tls_ca_file": "optpath", "tls_crl_file": "optpath",
+    "status_listen": "opthostport",
 }
 # [node.data] is a table of its own: its keys are "data.<name>" (env DILOCO_DATA_<NAME>, --set data.<name>=).
 NODE_DATA_PREFIX = "data."
@@ -440,7 +496,9 @@ def _parse(spec: KeySpec, raw: Any, where: str, base_dir: Path, from_text: bool)
             raise ConfigError(f"{name}: must be an IP address literal such as 10.0.0.5 (not a host name)") from None
         _require(not address.is_unspecified, f"{name}: a wildcard address picks nothing; leave it unset instead")
         return str(address)
-    if kind == "hostport":
+    if kind == "opthostport" and is_string and raw.strip() == "":
+        return None
+    if kind in ("hostport", "opthostport"):
         _require(is_string, f"{name}: must be a string HOST:PORT")
         return HostPort.parse(raw, f"{spec.key} ({where})")
     if kind in ("hostports", "strlist"):
@@ -650,6 +708,7 @@ def load_config(
             sources[key] = source
 
     warnings: list[str] = []
+    _fill_tls(values, sources, environ)
     _fill_derived(values, sources, environ, cwd)
     _fill_secret(values, sources, environ, warnings)
 
@@ -753,14 +812,32 @@ def _fill_derived(values: dict[str, Any], sources: dict[str, str], environ: Mapp
         if listen.is_wildcard:
             raise ConfigError(f"advertise: not set, and listen = {str(listen)!r} ({sources['listen']}) is a wildcard "
                               "address other sites cannot reach; set advertise = \"http://HOST:PORT\"")
-        values["advertise"] = listen.url()
+        # With TLS on, peers reach us over https (_fill_tls ran first, so credentials count).
+        values["advertise"] = listen.url("https" if values["tls_cert_file"] is not None else "http")
         sources["advertise"] = "derived:listen"
+    if values["status_listen"] is None and values["tls_cert_file"] is not None:
+        # The peer port speaks TLS only; operators read a loopback port beside it (config show says which).
+        listen = values["listen"]
+        values["status_listen"] = HostPort("127.0.0.1", listen.port + 1 if listen.port < 65535 else listen.port - 1)
+        sources["status_listen"] = "derived:listen"
     if sources["data_dir"] == "default" and environ.get("STATE_DIRECTORY"):
         # systemd's StateDirectory= sets this (colon-separated when several are configured).
         values["data_dir"] = Path(environ["STATE_DIRECTORY"].split(":")[0])
         sources["data_dir"] = "env:STATE_DIRECTORY"
     elif not Path(values["data_dir"]).is_absolute():
         values["data_dir"] = cwd / values["data_dir"]
+
+
+def _fill_tls(values: dict[str, Any], sources: dict[str, str], environ: Mapping[str, str]) -> None:
+    """Unset TLS keys from systemd credentials of the names in TLS_CREDENTIALS, when present."""
+    credentials = environ.get("CREDENTIALS_DIRECTORY")
+    if not credentials:
+        return
+    for key, credential in TLS_CREDENTIALS.items():
+        candidate = Path(credentials) / credential
+        if values[key] is None and candidate.exists():
+            values[key] = candidate
+            sources[key] = f"systemd-credential:{credential}"
 
 
 def _fill_secret(values: dict[str, Any], sources: dict[str, str], environ: Mapping[str, str], warnings: list[str]) -> None:

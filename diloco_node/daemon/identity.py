@@ -69,7 +69,7 @@ class SiteIdentity:
             self.manifest = dataclasses.replace(sealed, founded_at=time.time())  # [run.stop] wall_s counts from here
             self.save()
             return "found", PersistentState.founding([self.node_id])
-        urls = [peer.url() for peer in cfg.bootstrap]
+        urls = [peer.url(cfg.peer_scheme) for peer in cfg.bootstrap]  # https with TLS
         async def check_model(theirs: RunManifest) -> None:
             await loop.run_in_executor(None, self._check_before_admission, theirs)
 

@@ -54,6 +54,7 @@ from diloco_node.ops.page import StatusSeries
 from diloco_node.ops.status import MetricsRegistry, StatusBuilder, operator_routes
 from diloco_node.ops.systemd import SystemdNotifier, run_watchdog
 from diloco_node.transport import ClientOptions, ConnectionGuard, PeerClient, PeerServer
+from diloco_node.transport.tls import SiteTls, TlsError, TlsFiles
 from wire.auth import AuthContext, FrameVerifier, RunSecretError, derive_frame_key, load_run_secret
 from wire.errors import LocalProtocolError
 
@@ -69,6 +70,9 @@ POOL_THREADS = 2
 DATA_CACHE_DIR = "data-cache"
 # How long a refreshed address book is trusted before a peer is asked again for the member list.
 MEMBER_REFRESH_S = 5.0
+# TLS files are checked for changes this often (certificates reload without a restart; SIGHUP
+# reloads at once). A renewal is planned days ahead, so seconds of delay cost nothing.
+TLS_RELOAD_CHECK_S = 5.0
 # Exit statuses of `diloco-node run` (systemd's unit tells them apart).
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_REFUSED = 0, 1, 2, 3
 
@@ -145,6 +149,7 @@ class Node:
             except LocalProtocolError as error:
                 raise ConfigError(f"run secret: {error}") from None
             checkpoints = CheckpointStore(Path(self.cfg.data_dir) / "checkpoints", self.cfg.checkpoint_keep)
+            tls = self._load_tls()
         except (ConfigError, CheckpointError) as error:
             log.error("%s", error)
             self.exit_reason = str(error)
@@ -156,8 +161,8 @@ class Node:
         self.executor = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix=f"pool-{self.node_id}")
         self.disk_executor = ThreadPoolExecutor(1, thread_name_prefix=f"disk-{self.node_id}")
         self.client = PeerClient(auth, verifier, executor=self.executor,
-                                 options=ClientOptions(source_address=self.cfg.source_address))
-        self.server = PeerServer(auth, verifier, executor=self.executor)
+                                 options=ClientOptions(source_address=self.cfg.source_address), tls=tls)
+        self.server = PeerServer(auth, verifier, executor=self.executor, certified_senders=tls is not None)
         PeerApi(self.node_id, coordination=lambda: self.coordination, keeper=lambda: self.keeper,
                 rounds=lambda: self.rounds, manifest=lambda: self.site.manifest if self.site else None
                 ).install(self.server)
@@ -169,7 +174,9 @@ class Node:
         guard = ConnectionGuard()
         guard.install(app)
         self.server.install(app)
-        app.add_routes(operator_routes(self._status_document, self.metrics, self._live, self.samples))
+        operator_listen = self.cfg.operator_listen  # None: operator routes share the peer port
+        operator_app = app if operator_listen is None else web.Application(client_max_size=1024 ** 2)
+        operator_app.add_routes(operator_routes(self._status_document, self.metrics, self._live, self.samples))
         # Resources live as long as the app; cleanup runs in reverse order of set-up.
         app.cleanup_ctx.append(closed_on_cleanup(
             lambda: self.executor.shutdown(wait=False, cancel_futures=True),
@@ -181,9 +188,16 @@ class Node:
         await runner.setup()
         assert runner.server is not None
         self.tasks.spawn(guard.run(runner.server), name="connection-guard")
+        operator_runner = None if operator_listen is None else web.AppRunner(operator_app, access_log=None)
         code = EXIT_FAILED
         try:
-            site = web.TCPSite(runner, self.cfg.listen.host, self.cfg.listen.port)
+            if operator_runner is not None:
+                await self._start_operator_listener(operator_runner, operator_app)
+            if tls is not None:
+                loop.add_signal_handler(signal.SIGHUP, self._reload_tls, tls, "SIGHUP")
+                self.tasks.spawn(self._watch_tls(tls), name="tls-reload")
+            site = web.TCPSite(runner, self.cfg.listen.host, self.cfg.listen.port,
+                               ssl_context=tls.server_context if tls is not None else None)
             await site.start()
             log.info("%s listening on %s (advertised %s), %.2f s after process start", self.node_id,
                      self.cfg.listen, self.cfg.advertise, process_age_s())
@@ -201,8 +215,55 @@ class Node:
             if self.learner is not None and self.learner.is_alive():
                 self.learner.stop()
                 await loop.run_in_executor(None, self.learner.join, 30.0)
+            if operator_runner is not None:
+                await operator_runner.cleanup()
             await runner.cleanup()
         return code
+
+    # ------------------------------------------------------------------ TLS and the operator listener
+
+    def _load_tls(self) -> SiteTls | None:
+        """The site's TLS contexts when [node] tls_* are set (ConfigError naming the file otherwise)."""
+        cfg = self.cfg
+        if not cfg.tls_enabled:
+            return None
+        assert cfg.tls_key_file is not None and cfg.tls_ca_file is not None and cfg.tls_cert_file is not None
+        try:
+            return SiteTls(TlsFiles(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_ca_file, cfg.tls_crl_file))
+        except TlsError as error:
+            raise ConfigError(str(error)) from None
+
+    async def _start_operator_listener(self, runner: web.AppRunner, app: web.Application) -> None:
+        """/status, /metrics, /livez, /readyz and / on their own (plain HTTP, loopback by default)
+        listener, as etcd separates its peer and metrics URLs: the peer port speaks TLS only."""
+        listen = self.cfg.operator_listen
+        assert listen is not None
+        guard = ConnectionGuard()
+        guard.install(app)
+        await runner.setup()
+        assert runner.server is not None
+        self.tasks.spawn(guard.run(runner.server), name="operator-connection-guard")
+        try:
+            await web.TCPSite(runner, listen.host, listen.port).start()
+        except OSError as error:  # named, so the log does not blame the peer port
+            raise OSError(error.errno, f"status_listen {listen}: {error.strerror}") from None
+        log.info("%s: operator routes on http://%s", self.node_id, listen)
+
+    def _reload_tls(self, tls: SiteTls, why: str) -> None:
+        self._report_tls_reload(tls, why, tls.reload())
+
+    async def _watch_tls(self, tls: SiteTls) -> None:
+        while True:
+            await self.clock.sleep(TLS_RELOAD_CHECK_S)
+            outcome = tls.reload_if_changed()
+            if outcome is not None:
+                self._report_tls_reload(tls, "TLS files changed", outcome)
+
+    def _report_tls_reload(self, tls: SiteTls, why: str, outcome: str) -> None:
+        if tls.last_reload_error:
+            self._error(f"{why}: {outcome}")  # shown in /status: the site still runs on the old files
+        else:
+            log.info("%s: %s: %s", self.node_id, why, outcome)
 
     def _on_signal(self, sig: int) -> None:
         log.info("%s: received %s, shutting down at the next step boundary", self.node_id, signal.Signals(sig).name)
@@ -217,7 +278,8 @@ class Node:
         identity = self.identity
         assert identity is not None and self.store is not None and self.history is not None
         if not self.store.exists() and not self.cfg.is_founder:
-            self.status.set_ready(False, f"joining through {', '.join(p.url() for p in self.cfg.bootstrap)}")
+            self.status.set_ready(False, f"joining through "
+                                  f"{', '.join(p.url(self.cfg.peer_scheme) for p in self.cfg.bootstrap)}")
         mode, persistent = await identity.establish()
         self._mark_phase("identity")
         manifest = identity.manifest

@@ -197,11 +197,19 @@ class SiteSpec:
     link: LinkShape | None = None
     extra_args: Sequence[str] = ()
     env: Mapping[str, str] = field(default_factory=dict)  # on top of node_env()
+    # Mutual TLS: a directory with site.crt, site.key and ca.crt (diloco_node/ops/pki.py makes
+    # it). The peer port then speaks TLS only and the operator routes move to `status_port`.
+    tls_dir: Path | None = None
+    status_port: int = field(default_factory=free_port)  # used only with tls_dir
 
     @property
     def url(self) -> str:
-        """Direct URL: operator routes are read here, never through an emulated link."""
-        return f"http://127.0.0.1:{self.port}"
+        """Direct URL of the operator routes, never through an emulated link."""
+        return f"http://127.0.0.1:{self.status_port if self.tls_dir is not None else self.port}"
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls_dir is not None else "http"
 
     @property
     def address(self) -> str:
@@ -217,7 +225,12 @@ class SiteSpec:
         argv += ["--node-id", self.node_id, "--listen", f"127.0.0.1:{self.port}", "--data-dir", str(self.data_dir),
                  "--secret-file", str(self.secret_file)]
         if self.address != f"127.0.0.1:{self.port}":
-            argv += ["--advertise", f"http://{self.address}"]
+            argv += ["--advertise", f"{self.scheme}://{self.address}"]
+        if self.tls_dir is not None:
+            argv += ["--set", f"tls_cert_file={self.tls_dir / 'site.crt'}",
+                     "--set", f"tls_key_file={self.tls_dir / 'site.key'}",
+                     "--set", f"tls_ca_file={self.tls_dir / 'ca.crt'}",
+                     "--set", f"status_listen=127.0.0.1:{self.status_port}"]
         if self.role is not None:
             argv += ["--role", self.role]
         if self.source_address is not None:

@@ -5,7 +5,8 @@ Integration tests, the demo and the daemon benchmarks add sites to a `Cluster` (
 secret for all) and watch them through `/status`: `poll` records every (commit index, state
 digest) pair any site reports, so a test can ask whether two sites ever disagreed. `Cluster` is a
 context manager; `close()` SIGKILLs and reaps every process it started, links included, whatever
-state the caller left them in.
+state the caller left them in. `Cluster.create(root, tls=True)` makes a run CA under `root/pki`
+and gives every site its own certificate: the sites then speak to each other over mutual TLS.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+from diloco_node.ops import pki
 from diloco_node.testbed.launcher import (
     DEFAULT_SETTINGS,
     ChildProcess,
@@ -38,11 +40,25 @@ class Cluster:
     history: dict[int, set[str]] = field(default_factory=dict)  # commit index -> digests reported there
     reporters: dict[int, set[str]] = field(default_factory=dict)  # commit index -> sites that reported it
     extra_links: list[ChildProcess] = field(default_factory=list)  # started by `link_to`
+    tls: bool = False  # sites get certificates from the run CA in root/pki/ca
 
     @classmethod
-    def create(cls, root: Path) -> Cluster:
+    def create(cls, root: Path, *, tls: bool = False) -> Cluster:
         root.mkdir(parents=True, exist_ok=True)
-        return cls(root, write_secret(root / "secret"))
+        if tls:
+            pki.init_ca(root / "pki" / "ca")
+        return cls(root, write_secret(root / "secret"), tls=tls)
+
+    @property
+    def ca_dir(self) -> Path:
+        return self.root / "pki" / "ca"
+
+    def site_tls_dir(self, node_id: str) -> Path:
+        """The site's certificate directory, issued by the run CA on first use."""
+        out = self.root / "pki" / node_id
+        if not (out / pki.SITE_CERT).exists():
+            pki.issue_site(self.ca_dir, node_id, out, hosts=("127.0.0.1",))
+        return out
 
     def spec(self, node_id: str, *, bootstrap: Site | str | None = None, settings: Sequence[str] = DEFAULT_SETTINGS,
              secret_file: Path | None = None, env: Mapping[str, str] | None = None, role: str | None = None,
@@ -52,7 +68,7 @@ class Cluster:
         peer = bootstrap.address if isinstance(bootstrap, Site) else bootstrap
         return SiteSpec(node_id, self.root / node_id, self.root / f"{node_id}.log", secret_file or self.secret_file,
                         settings=tuple(settings), role=role, bootstrap=peer, link=link, extra_args=tuple(extra),
-                        env=dict(env or {}))
+                        env=dict(env or {}), tls_dir=self.site_tls_dir(node_id) if self.tls else None)
 
     def add(self, node_id: str, *, bootstrap: Site | str | None = None, settings: Sequence[str] = DEFAULT_SETTINGS,
             secret_file: Path | None = None, env: Mapping[str, str] | None = None, role: str | None = None,

@@ -32,6 +32,7 @@ from aiohttp import web
 from diloco_node.transport.counters import PeerTraffic, TrafficCounters
 from diloco_node.transport.routes import FRAME_CONTENT_TYPE, SENDER_HEADER, kind_path
 from diloco_node.transport.server import approx_payload_bytes
+from diloco_node.transport.tls import SiteTls
 from wire.auth import ANY_MEMBER, MAC_BYTES, NONCE_BYTES, AuthContext, FrameVerifier
 from wire.errors import LocalProtocolError, RemoteProtocolError
 from wire.frames import (
@@ -140,8 +141,11 @@ class PeerClient:
         executor: Executor | None = None,
         wall_clock: Callable[[], float] = time.time,
         options: ClientOptions = ClientOptions(),
+        tls: SiteTls | None = None,
     ) -> None:
+        """`tls`: speak to peers over mutual TLS only (https URLs; plain http is refused)."""
         self._auth = auth
+        self._tls = tls
         self._verifier = verifier
         self.limits = limits
         self.counters = counters if counters is not None else TrafficCounters()
@@ -259,6 +263,15 @@ class PeerClient:
         if self._session is None:
             raise LocalProtocolError("PeerClient is not started")
         peer_key = peer or _origin(url)
+        tls_options: dict[str, object] = {}
+        if self._tls is not None:
+            if not url.startswith("https://"):
+                self.counters.refused(peer_key, "plain http refused")
+                raise PeerUnreachable(url, "plain http is refused: this site speaks to peers over mutual TLS only "
+                                           "(the peer must advertise an https:// URL)")
+            # With the peer's node id known, the handshake fails unless its certificate names it:
+            # nothing is sent to a site that is not the one we meant.
+            tls_options = {"ssl": self._tls.client_context(peer), "server_hostname": peer or None}
         traffic = self.counters.peer(peer_key)
         traffic.requests_sent += 1
         loop = asyncio.get_running_loop()
@@ -276,7 +289,8 @@ class PeerClient:
                 # Big bodies ask first (Expect: 100-continue): a refusal decidable from the headers
                 # (413, 429, 404) then costs no body bytes and cannot race our upload.
                 async with self._session.post(url, data=data, headers=headers,
-                                              expect100=length > INLINE_BODY_MAX_BYTES) as response:
+                                              expect100=length > INLINE_BODY_MAX_BYTES,
+                                              **tls_options) as response:  # type: ignore[arg-type]
                     stall.reschedule(None)  # from here on sock_read bounds each read
                     if response.status != 200:
                         reason = (await response.content.read(MAX_REFUSAL_BODY_BYTES)).decode("utf-8", "replace")

@@ -42,6 +42,7 @@ from aiohttp import http_exceptions, web
 
 from diloco_node.transport.counters import TrafficCounters
 from diloco_node.transport.routes import FRAME_CONTENT_TYPE, ROUTE_PREFIX, SENDER_HEADER, kind_from_name, kind_name
+from diloco_node.transport.tls import certified_node_id
 from wire.auth import ANY_MEMBER, MAC_BYTES, NONCE_BYTES, AuthContext, FrameVerifier
 from wire.errors import RemoteProtocolError
 from wire.frames import (
@@ -133,6 +134,7 @@ class _Stream:
     waiting: asyncio.Timeout | None = None  # the read in progress (eviction cuts it short)
     received: int = 0
     waited_s: float = 0.0  # time spent waiting for the peer's bytes (the rate's denominator)
+    certified: str | None = None  # with mutual TLS: the node id the peer's certificate names
 
 
 MessageHandler = Callable[[Message, Peer], Awaitable[Message | None]]
@@ -175,7 +177,11 @@ class PeerServer:
         counters: TrafficCounters | None = None,
         executor: Executor | None = None,
         wall_clock: Callable[[], float] = time.time,
+        certified_senders: bool = False,
     ) -> None:
+        """`certified_senders`: peers come over mutual TLS, and every frame's sender must be the
+        node id its connection's certificate names (a member cannot speak for another)."""
+        self._certified_senders = certified_senders
         self._auth = auth
         self._verifier = verifier
         self.limits = limits
@@ -253,11 +259,20 @@ class PeerServer:
         limit = self.body_limit(kind)
         if request.content_length is not None and request.content_length > limit:
             return 413, f"{kind.name} body of {request.content_length} bytes exceeds the limit of {limit}"
+        if self._certified_senders:
+            certified, why = self._certified(request)
+            if certified is None:
+                return 403, why
         address = request.remote or "unknown"
         per_address = self.options.max_unauthenticated_streams_per_address
         if self._pending_by_address.get(address, 0) >= per_address:
             return 429, f"{address} already has {per_address} streams waiting to authenticate"
         return kind
+
+    @staticmethod
+    def _certified(request: web.Request) -> tuple[str | None, str]:
+        transport = request.transport
+        return certified_node_id(transport.get_extra_info("ssl_object") if transport is not None else None)
 
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
         """`Expect: 100-continue` (big uploads): refuse before the client sends any body byte."""
@@ -278,6 +293,8 @@ class PeerServer:
         kind = verdict
         loop = asyncio.get_running_loop()
         stream = self._admit(request.remote or "unknown", loop.time())
+        if self._certified_senders:
+            stream.certified = self._certified(request)[0]
         try:
             replies = await self._consume(request, kind, self._claimed_sender(request), stream, loop)
             body = await self._encode_replies(replies, stream.sender)
@@ -338,6 +355,10 @@ class PeerServer:
         """The stream's first frame header authenticated: move it to its member's slots (or refuse)."""
         if stream.evicted:
             raise RemoteProtocolError("stream evicted: too many unauthenticated streams", 429)
+        if self._certified_senders and sender != stream.certified:
+            # The MAC proves "a member of the run"; the certificate proves which one.
+            raise RemoteProtocolError(f"the connection's certificate names {stream.certified!r} but the frame is "
+                                      f"from {sender!r}: a member cannot speak for another", 403)
         self._unpend(stream)
         per_peer = self.limits.max_concurrent_streams_per_peer
         if self._streams.get(sender, 0) >= per_peer:
