@@ -30,6 +30,7 @@ from diloco_node.learn import data as data_lib
 from diloco_node.sync.apply import ApplyRule, FragmentCounters, apply_merge
 from diloco_node.sync.fragments import FragmentPlan
 from diloco_node.learn.inner import InnerLearner
+from diloco_node.learn.mesh import host_copies
 from diloco_node.config.manifest import RunManifest
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,24 @@ class _Offer:
         return frozenset().union(*(c for r, c in self.contributors_by_round if r > base_round))
 
 
+@dataclass(frozen=True, slots=True)
+class _PendingRead:
+    """A due fragment whose device copies are on their way to the host (taken one step later)."""
+
+    fragment: int
+    base_round: int
+    c_steps: int
+    c_tokens: int
+    step: int
+    base: dict[str, np.ndarray]
+    copies: dict[str, jax.Array]
+
+
+# One dispatch copies a whole fragment on the device (the next step donates the parameters, so
+# the transfer to the host must read copies); compiled once per fragment, in `compile`.
+_copy_fragment = jax.jit(lambda arrays: {name: jnp.copy(array) for name, array in arrays.items()})
+
+
 def learner_index(node_id: str) -> int:
     """A stable per-site stream index for the batch sampler (different sites, different batches)."""
     return int.from_bytes(hashlib.sha256(node_id.encode()).digest()[:4], "little")
@@ -106,6 +125,11 @@ class LearnerThread(threading.Thread):
         self._leaf_index = _leaf_index(self._inner.params)
         if set(self._leaf_index) != set(global_params):
             raise RuntimeError("parameter leaf names do not match the model's flat names")
+        # Every parameter's layout on the site's devices: a merged fragment is written back with
+        # exactly its leaf's sharding, so the compiled step sees the same inputs (no recompile).
+        leaves = jax.tree.leaves(self._inner.params)
+        self._shardings = {name: leaves[i].sharding for name, i in self._leaf_index.items()}
+        self._pending_reads: list[_PendingRead] = []
         self._sampler = data_lib.BatchSampler(corpus.train, manifest.inner.batch_size, manifest.model.seq_len,
                                               manifest.seed, learner_index(node_id))
         P = plan.num_fragments
@@ -141,14 +165,15 @@ class LearnerThread(threading.Thread):
         # batch the learner never trains on (and off a restored position).
         zeros = np.zeros((self._sampler.batch_size, self._sampler.seq_len), np.int32)
         self._inner.compile_step(zeros, zeros)
+        for fragment in self.plan.fragments:  # the due fragments' device copies, compiled now too
+            jax.block_until_ready(_copy_fragment(self._fragment_leaves(fragment.names)))
         return time.perf_counter() - started
 
     def restore(self, snap: LearnerSnapshot) -> None:
         """Resume a checkpointed learner (before `start`): weights, AdamW state, step and tokens."""
         inner = self._inner
         inner.set_flat(snap.params)
-        treedef = jax.tree.structure(inner.opt_state)
-        inner.opt_state = jax.tree.unflatten(treedef, [jnp.asarray(a) for a in snap.opt_leaves])
+        inner.put_opt_leaves(snap.opt_leaves)
         inner.steps = snap.step
         inner.tokens = snap.tokens
         # The base stays the current global state: the next delta also carries what the run
@@ -179,8 +204,9 @@ class LearnerThread(threading.Thread):
                        contributors: Collection[str] = ()) -> None:
         """A committed version of fragment p; `contributors`: whose contributions its merge accepted
         (empty for a state that was downloaded or repaired rather than merged)."""
-        # Device copies are made here, on the caller's thread, not at the training thread's boundary.
-        on_device = {n: jnp.asarray(v, dtype=jnp.float32) for n, v in params.items()}
+        # Device copies are made here, on the caller's thread, not at the training thread's
+        # boundary, each with its parameter's own sharding (so writing them never recompiles).
+        on_device = {n: jax.device_put(np.asarray(v, dtype=np.float32), self._shardings[n]) for n, v in params.items()}
         with self._lock:
             current = self._offers.get(p)
             if current is None or current.round < round_:
@@ -222,6 +248,9 @@ class LearnerThread(threading.Thread):
                 # (long done), so the host samples the next batch while the device computes this
                 # one. Progress reports run one step behind in their loss, never in their counts.
                 loss_now = self._inner.step(x, y)
+                # Due fragments read at the previous boundary: their copies reached the host
+                # while this step was being dispatched and computed.
+                self._finish_reads()
                 loss = float(previous_loss if previous_loss is not None else loss_now)
                 previous_loss = loss_now
                 tokens = int(np.size(y))
@@ -234,12 +263,13 @@ class LearnerThread(threading.Thread):
                 self.last_step_at = time.monotonic()
                 self._on_progress(self._inner.steps, loss, self._inner.tokens)
                 for p in self.plan.due(self._inner.steps):
-                    self._send_due(p)
+                    self._start_read(p)
                 self.sync_seconds_total += (computing - started) + (time.perf_counter() - computed)
                 if self._min_step_interval_s > 0:
                     rest = self._min_step_interval_s - (time.perf_counter() - started)
                     if rest > 0:
                         self._stop_requested.wait(rest)
+            self._finish_reads()
             self._boundary()
         except BaseException as error:  # reported on /status and /livez by the node
             self.error = error
@@ -281,29 +311,50 @@ class LearnerThread(threading.Thread):
                 self.c_steps[p], self.c_tokens[p] = counters.c_steps, counters.c_tokens
             self._write_params(incoming)
 
+    def _fragment_leaves(self, names: Iterable[str]) -> dict[str, jax.Array]:
+        leaves = jax.tree.leaves(self._inner.params)
+        return {n: leaves[self._leaf_index[n]] for n in names}
+
     def _read_params(self, names: Iterable[str]) -> dict[str, np.ndarray]:
         """Host copies of the named local tensors (only those: a due fragment needs its own)."""
-        leaves = jax.tree.leaves(self._inner.params)
-        return {n: np.array(leaves[self._leaf_index[n]], dtype=np.float32) for n in names}
+        return host_copies(self._fragment_leaves(names))
 
     def _write_params(self, flat: Mapping[str, Any]) -> None:
+        """Write tensors into the parameter leaves, each with its leaf's own sharding (a host value
+        is placed, a device value already placed by `offer_fragment` is taken as it is)."""
         params = self._inner.params
         leaves = jax.tree.leaves(params)
         for name, value in flat.items():
             i = self._leaf_index[name]
             if tuple(np.shape(value)) != tuple(leaves[i].shape):
                 raise ValueError(f"parameter {name}: shape {np.shape(value)} != {tuple(leaves[i].shape)}")
-            leaves[i] = value if isinstance(value, jax.Array) else jnp.asarray(value, dtype=jnp.float32)
+            sharding = self._shardings[name]
+            if not (isinstance(value, jax.Array) and value.sharding == sharding):
+                value = jax.device_put(np.asarray(value, dtype=np.float32), sharding)
+            leaves[i] = value
         self._inner.params = jax.tree.unflatten(jax.tree.structure(params), leaves)
 
-    def _send_due(self, p: int) -> None:
+    def _start_read(self, p: int) -> None:
+        """Fragment p is due: copy its tensors on the device (one dispatch, queued behind the step
+        just dispatched) and start their transfer to the host. The delta is computed at the next
+        boundary, after the next step is dispatched, so the device never waits for the host."""
         if self.c_steps[p] == 0:
             return
-        names = self.plan.fragments[p].names
-        local = self._read_params(names)
-        delta = {n: (self._base_params[p][n] - local[n]).astype(np.float32) for n in names}
-        self._on_contribution(DueFragment(p, self.base_rounds[p], self.c_steps[p], self.c_tokens[p], delta,
-                                          self._inner.steps))
+        copies = _copy_fragment(self._fragment_leaves(self.plan.fragments[p].names))
+        for array in copies.values():
+            array.copy_to_host_async()
+        # Base and counters as of this step: an offer taken before the read finishes replaces
+        # `_base_params[p]` (a new dict), it never edits the one held here.
+        self._pending_reads.append(_PendingRead(p, self.base_rounds[p], self.c_steps[p], self.c_tokens[p],
+                                                self._inner.steps, self._base_params[p], copies))
+
+    def _finish_reads(self) -> None:
+        reads, self._pending_reads = self._pending_reads, []
+        for read in reads:
+            local = host_copies(read.copies)
+            delta = {n: (read.base[n] - local[n]).astype(np.float32) for n in local}
+            self._on_contribution(DueFragment(read.fragment, read.base_round, read.c_steps, read.c_tokens, delta,
+                                              read.step))
 
     def _answer_state_requests(self) -> None:
         with self._lock:
