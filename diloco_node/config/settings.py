@@ -38,6 +38,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from urllib.parse import urlsplit
 
 from diloco_node.config.manifest import ConfigError, RunManifest
+from diloco_node.config.site_devices import ClusterSpec, MeshShape
 from wire.auth import MIN_RUN_SECRET_BYTES
 
 __all__ = [
@@ -163,6 +164,8 @@ class NodeConfig:
     log_retain_entries: int = DEFAULT_LOG_RETAIN_ENTRIES
     eval_interval_commits: int = 50
     eval_batches: int = 8
+    mesh: MeshShape = MeshShape()  # [node.mesh]: this site's devices laid out (learn/mesh.py)
+    cluster: ClusterSpec = ClusterSpec()  # [node.cluster]: the hosts of a multi-host site
 
     def __post_init__(self) -> None:
         _require(bool(NODE_ID_PATTERN.match(self.node_id)),
@@ -282,11 +285,51 @@ _NODE_FLAGS = {
 }
 DEFAULT_LISTEN = "127.0.0.1:7070"
 
+# Nested node tables: `[node.<table>]` keys are "<table>.<name>" (env DILOCO_<TABLE>_<NAME>,
+# `--set <table>.<name>=`), each table one frozen dataclass field of NodeConfig.
+NODE_TABLES: dict[str, type] = {"mesh": MeshShape, "cluster": ClusterSpec}
+_NODE_TABLE_HELP = {
+    "mesh.data": "[node.mesh] devices on the data axis (-1: every device fsdp leaves)",
+    "mesh.fsdp": "[node.mesh] devices parameters and AdamW state are sharded over (-1: every device data leaves)",
+    "mesh.microbatches": "[node.mesh] gradient accumulation: the global batch in this many microbatches",
+    "cluster.coordinator": "[node.cluster] HOST:PORT of process 0's jax.distributed service, \"auto\" to detect, "
+                           "empty for a one-host site",
+    "cluster.num_processes": "[node.cluster] hosts (processes) of this site (scheduler: SLURM_NTASKS)",
+    "cluster.process_id": "[node.cluster] this host's process id, 0 is the site's daemon (scheduler: SLURM_PROCID)",
+}
+# A scheduler's variables fill cluster keys the node did not set itself.
+_SCHEDULER_ENV = {"cluster.process_id": "SLURM_PROCID", "cluster.num_processes": "SLURM_NTASKS"}
+
+
+def _table_specs(table: str) -> list[KeySpec]:
+    cls = NODE_TABLES[table]
+    return [KeySpec(f"{table}.{f.name}", _kind_of(getattr(cls(), f.name)), getattr(cls(), f.name),
+                    _NODE_TABLE_HELP[f"{table}.{f.name}"]) for f in dataclasses.fields(cls)]
+
+
+def _node_table_kwargs(values: Mapping[str, Any], sources: Mapping[str, str]) -> dict[str, Any]:
+    """NodeConfig's nested tables built from their dotted keys (errors name the key's source)."""
+    out = {}
+    for table, cls in NODE_TABLES.items():
+        fields = {f.name: values[f"{table}.{f.name}"] for f in dataclasses.fields(cls)}
+        out[table] = _with_sources(lambda: cls(**fields), sources)
+    return out
+
+
+def _fill_scheduler(values: dict[str, Any], sources: dict[str, str], environ: Mapping[str, str]) -> None:
+    for key, name in _SCHEDULER_ENV.items():
+        if sources[key] == "default" and environ.get(name, "").strip().isdigit():
+            values[key] = int(environ[name])
+            sources[key] = f"env:{name}"
+
 
 def _node_specs() -> list[KeySpec]:
     specs = []
     for f in dataclasses.fields(NodeConfig):
         default: Any = f.default
+        if f.name in NODE_TABLES:
+            specs.extend(_table_specs(f.name))
+            continue
         if f.name == "listen":
             default = HostPort.parse(DEFAULT_LISTEN, "listen")
         elif f.name in ("node_id", "advertise"):
@@ -480,7 +523,9 @@ class EffectiveConfig:
         run_dict = self.run.to_dict()
         out = []
         for spec in NODE_SPECS:
-            out.append(Setting(spec.key, getattr(self.node, spec.key), self.sources[spec.key], spec.env))
+            table, _, leaf = spec.key.partition(".")
+            value = getattr(getattr(self.node, table), leaf) if leaf else getattr(self.node, spec.key)
+            out.append(Setting(spec.key, value, self.sources[spec.key], spec.env))
         for spec in RUN_SPECS:
             value: Any = run_dict
             for part in spec.key.split(".")[1:]:
@@ -612,7 +657,9 @@ def load_config(
     _fill_derived(values, sources, environ, cwd)
     _fill_secret(values, sources, environ, warnings)
 
-    node_kwargs = {spec.key: values[spec.key] for spec in NODE_SPECS}
+    _fill_scheduler(values, sources, environ)
+    node_kwargs = {spec.key: values[spec.key] for spec in NODE_SPECS if "." not in spec.key}
+    node_kwargs.update(_node_table_kwargs(values, sources))
     node = _with_sources(lambda: NodeConfig(**node_kwargs), sources)
     run = _with_sources(lambda: RunManifest.from_dict(_nest_run(values, model_options)), sources)
     if node.secret_file is not None:
@@ -653,7 +700,11 @@ def _read_toml(path: Path) -> dict[str, Any]:
     for name, value in document.items():
         if name == "node" and isinstance(value, dict):
             for key, item in value.items():
-                _take_key(flat, key, f"node.{key}", item, where)
+                if key in NODE_TABLES and isinstance(item, dict):
+                    for sub, leaf in item.items():
+                        _take_key(flat, f"{key}.{sub}", f"node.{key}.{sub}", leaf, where)
+                else:
+                    _take_key(flat, key, f"node.{key}", item, where)
         elif name == "run" and isinstance(value, dict):
             for section, item in value.items():
                 if isinstance(item, dict) and f"run.{section}" not in ALL_SPECS:
@@ -676,6 +727,9 @@ def _take_key(flat: dict[str, Any], key: str, dotted: str, value: Any, where: st
 
 
 def _known_keys_hint(dotted: str) -> str:
+    table = dotted.split(".")[1] if dotted.startswith("node.") and dotted.count(".") == 2 else ""
+    if table in NODE_TABLES:
+        return f"known in [node.{table}]: {', '.join(f.name for f in dataclasses.fields(NODE_TABLES[table]))}"
     if dotted.startswith("run."):
         parent = dotted.rsplit(".", 1)[0]
         known = [k.rsplit(".", 1)[1] for k in ALL_SPECS if k.startswith(parent + ".") and k.count(".") == dotted.count(".")]

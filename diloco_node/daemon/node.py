@@ -208,7 +208,11 @@ class Node:
         assert manifest is not None
         # Model set-up runs off the loop (JAX init, corpus): /status keeps answering meanwhile.
         site = self.site = await loop.run_in_executor(
-            None, lambda: build_site_model(manifest, learner=self.role is coord.MemberRole.LEARNER))
+            None, lambda: build_site_model(manifest, learner=self.role is coord.MemberRole.LEARNER,
+                                           mesh_shape=self.cfg.mesh))
+        if site.devices is not None:
+            self.status.set_devices(site.devices)
+            log.info("%s: training on %s", self.node_id, site.devices)
         self._mark_phase("state built")
         replica = site.replica
         self.checkpointer = Checkpointer(node_id=self.node_id, checkpoints=checkpoints, store=self.store,

@@ -15,11 +15,13 @@ import numpy as np
 
 from diloco_node.config.manifest import RunManifest
 from diloco_node.config.settings import ConfigError
+from diloco_node.config.site_devices import MeshShape
 from diloco_node.learn import data as data_lib
 from diloco_node.learn import factory
 from diloco_node.learn import model as model_lib
 from diloco_node.learn.inner import InnerLearner
 from diloco_node.learn.learner_thread import DueFragment, LearnerSnapshot, LearnerThread
+from diloco_node.learn.mesh import build_site_mesh
 from diloco_node.sync.fragments import FragmentPlan, plan_fragments, wire_fit_problems
 from diloco_node.sync.replica import Replica
 from diloco_node.sync.syncer import Syncer
@@ -37,11 +39,13 @@ class SiteModel:
     plan: FragmentPlan
     replica: Replica
     syncer: Syncer
+    devices: dict | None = None  # the learner's devices and mesh (`SiteMesh.describe()`), None on a witness
 
 
-def build_site_model(manifest: RunManifest, *, learner: bool) -> SiteModel:
+def build_site_model(manifest: RunManifest, *, learner: bool, mesh_shape: MeshShape = MeshShape()) -> SiteModel:
     """Learners and witnesses build the same model from the manifest alone (its factory, options,
-    vocabulary and context), checked against the run's sealed parameter signature."""
+    vocabulary and context), checked against the run's sealed parameter signature. A learner
+    trains on every device of the site, laid out by `[node.mesh]` (learn/mesh.py)."""
     factory.check_signature(manifest)
     corpus = data_lib.load_corpus(manifest.data) if learner else None
     if corpus is not None:
@@ -49,7 +53,8 @@ def build_site_model(manifest: RunManifest, *, learner: bool) -> SiteModel:
             data_lib.check_vocabulary(corpus, manifest.model.vocab_size)
         except data_lib.DataError as error:
             raise ConfigError(str(error)) from None
-    inner = InnerLearner(manifest.model, manifest.inner, manifest.seed) if learner else None
+    site_mesh = build_site_mesh(mesh_shape) if learner else None
+    inner = InnerLearner(manifest.model, manifest.inner, manifest.seed, site_mesh=site_mesh) if learner else None
     if inner is not None:
         initial = inner.get_flat()
     else:
@@ -66,7 +71,8 @@ def build_site_model(manifest: RunManifest, *, learner: bool) -> SiteModel:
         raise ConfigError("the run's fragments do not fit the wire limits: " + "; ".join(too_big))
     replica = Replica(plan, initial, manifest.outer, manifest.stop, manifest.founded_at)
     syncer = Syncer(manifest, plan, factory.embedding_names(manifest.model, initial))
-    return SiteModel(manifest, corpus, inner, plan, replica, syncer)
+    return SiteModel(manifest, corpus, inner, plan, replica, syncer,
+                     site_mesh.describe() if site_mesh is not None else None)
 
 
 def prepare_learner(site: SiteModel, *, node_id: str, base: tuple[Mapping[str, np.ndarray], list[int]],

@@ -30,45 +30,15 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from diloco_node.config.manifest import ConfigError
+from diloco_node.config.site_devices import MeshShape
+
+__all__ = ["AXES", "MIN_SHARDED_ELEMENTS", "MeshShape", "SiteMesh", "build_site_mesh", "host_copies"]
 
 AXES = ("data", "fsdp")
 # Tensors below this many elements are replicated even on an fsdp axis: 64 Ki float32 is 256 KiB,
 # less memory than sharding saves is worth an all-gather in every step (norm scales, biases, tiny
 # test models). Real models' matrices are millions of elements.
 MIN_SHARDED_ELEMENTS = 1 << 16
-
-
-@dataclass(frozen=True, slots=True)
-class MeshShape:
-    """`[node.mesh]` as configured: axis sizes, `-1` meaning "every device the other axis leaves"."""
-
-    data: int = -1
-    fsdp: int = 1
-    microbatches: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("data", "fsdp"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not (value == -1 or value >= 1):
-                raise ConfigError(f"mesh.{name} = {value!r}: must be an integer >= 1, or -1 for every remaining device")
-        if self.data == -1 and self.fsdp == -1:
-            raise ConfigError("mesh.data and mesh.fsdp are both -1: at most one axis takes the remaining devices")
-        if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
-            raise ConfigError(f"mesh.microbatches = {self.microbatches!r}: must be an integer >= 1")
-
-    def resolve(self, device_count: int) -> tuple[int, int]:
-        """(data, fsdp) sizes for `device_count` devices; a `ConfigError` when they do not fit."""
-        data, fsdp = self.data, self.fsdp
-        if data == -1 or fsdp == -1:
-            fixed = fsdp if data == -1 else data
-            if device_count % fixed:
-                raise ConfigError(f"mesh.{'fsdp' if data == -1 else 'data'} = {fixed}: does not divide this site's "
-                                  f"{device_count} device(s)")
-            data, fsdp = (device_count // fixed, fixed) if data == -1 else (fixed, device_count // fixed)
-        if data * fsdp != device_count:
-            raise ConfigError(f"mesh.data = {data} x mesh.fsdp = {fsdp} = {data * fsdp} devices, but this site has "
-                              f"{device_count}; use -1 on one axis for 'every remaining device'")
-        return data, fsdp
 
 
 @dataclass(frozen=True)
