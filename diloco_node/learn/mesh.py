@@ -32,7 +32,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from diloco_node.config.manifest import ConfigError
 from diloco_node.config.site_devices import MeshShape
 
-__all__ = ["AXES", "MIN_SHARDED_ELEMENTS", "MeshShape", "SiteMesh", "build_site_mesh", "host_copies"]
+__all__ = ["AXES", "MIN_SHARDED_ELEMENTS", "MeshShape", "SiteMesh", "build_site_mesh", "host_copies", "place"]
 
 AXES = ("data", "fsdp")
 # Tensors below this many elements are replicated even on an fsdp axis: 64 Ki float32 is 256 KiB,
@@ -118,12 +118,7 @@ class SiteMesh:
     # ---- host <-> devices -------------------------------------------------------------------
 
     def put(self, value: Any, sharding: NamedSharding) -> jax.Array:
-        """A host array (the same on every process) onto the mesh with `sharding`. Each process
-        fills only its own devices' shards, so this is local work even on a multi-host site."""
-        if sharding.is_fully_addressable:
-            return jax.device_put(value, sharding)
-        host = np.asarray(value)
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+        return place(value, sharding)
 
     def put_batch(self, tokens_BxL: np.ndarray) -> jax.Array:
         return self.put(tokens_BxL, self.batch_sharding())
@@ -132,6 +127,8 @@ class SiteMesh:
         """Every leaf of a host (or local device) tree onto the mesh by the layout rule."""
         def one(leaf: Any) -> jax.Array:
             sharding = self.param_sharding(tuple(np.shape(leaf)))
+            if isinstance(leaf, jax.Array) and leaf.sharding == sharding:
+                return leaf  # already in place (on a multi-host site, not readable from here alone)
             if isinstance(leaf, jax.Array) and sharding.is_fully_addressable:
                 return jax.device_put(leaf, sharding)  # device to device, no host round trip
             return self.put(np.asarray(leaf), sharding)
@@ -146,6 +143,15 @@ def build_site_mesh(shape: MeshShape, devices: Sequence[Any] | None = None,
     data, fsdp = shape.resolve(len(devices))
     mesh = jax.make_mesh((data, fsdp), AXES, axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
     return SiteMesh(mesh, shape.microbatches, min_sharded_elements)
+
+
+def place(value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A host array (the same on every process) onto devices with `sharding`. Each process fills
+    only its own devices' shards, so this is local work even on a multi-host site."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def host_copies(arrays: Mapping[str, jax.Array]) -> dict[str, np.ndarray]:
