@@ -48,6 +48,7 @@ from diloco_node.daemon.state_transfer import StateKeeper
 from diloco_node.daemon.status_feed import StatusFeed
 from diloco_node.daemon.evaluation import GlobalEvaluator
 from diloco_node.daemon.tasks import TaskSet, closed_on_cleanup
+from diloco_node.learn.cluster import share_manifest
 from diloco_node.learn.learner_thread import DueFragment, LearnerThread
 from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore
 from diloco_node.ops.status import MetricsRegistry, StatusBuilder, operator_routes
@@ -206,6 +207,9 @@ class Node:
         self._mark_phase("identity")
         manifest = identity.manifest
         assert manifest is not None
+        if self.cfg.cluster.enabled and self.role is coord.MemberRole.LEARNER:
+            # The other hosts of this site wait for the manifest to build the same learner.
+            await loop.run_in_executor(None, share_manifest, manifest.canonical_bytes().decode())
         # Model set-up runs off the loop (JAX init, corpus): /status keeps answering meanwhile.
         site = self.site = await loop.run_in_executor(
             None, lambda: build_site_model(manifest, learner=self.role is coord.MemberRole.LEARNER,

@@ -20,6 +20,7 @@ from diloco_node.learn import data as data_lib
 from diloco_node.learn import factory
 from diloco_node.learn import model as model_lib
 from diloco_node.learn.inner import InnerLearner
+from diloco_node.learn.cluster import BoundaryFollowing
 from diloco_node.learn.learner_thread import DueFragment, LearnerSnapshot, LearnerThread
 from diloco_node.learn.mesh import build_site_mesh
 from diloco_node.sync.fragments import FragmentPlan, plan_fragments, wire_fit_problems
@@ -55,9 +56,9 @@ def build_site_model(manifest: RunManifest, *, learner: bool, mesh_shape: MeshSh
             raise ConfigError(str(error)) from None
     site_mesh = build_site_mesh(mesh_shape) if learner else None
     inner = InnerLearner(manifest.model, manifest.inner, manifest.seed, site_mesh=site_mesh) if learner else None
-    if inner is not None:
+    if inner is not None and not inner.site_mesh.multi_process:
         initial = inner.get_flat()
-    else:
+    else:  # a witness, or a multi-host site (no process alone can read its parameters): the same seed
         _, params = factory.init_params(manifest.model, manifest.seed)
         initial = model_lib.flat_params(params)
     shapes = {n: a.shape for n, a in initial.items()}
@@ -81,10 +82,12 @@ def prepare_learner(site: SiteModel, *, node_id: str, base: tuple[Mapping[str, n
     """Build the training thread on `base` (global params, rounds) and compile its step (in a worker
     thread; touches no loop state). A restored learner keeps its own weights and counters."""
     assert site.corpus is not None and site.inner is not None
+    multi_host = site.inner.site_mesh is not None and site.inner.site_mesh.multi_process
     learner = LearnerThread(
         node_id=node_id, manifest=site.manifest, plan=site.plan, corpus=site.corpus,
         global_params=base[0], global_rounds=base[1], on_contribution=on_contribution, on_progress=on_progress,
-        min_step_interval_s=min_step_interval_s, inner=site.inner)
+        min_step_interval_s=min_step_interval_s, inner=site.inner,
+        following=BoundaryFollowing(site.plan.num_fragments) if multi_host else None)
     if restored is not None:
         learner.restore(restored)
     seconds = learner.compile()

@@ -76,6 +76,17 @@ class BoundaryDecision:
         return cls(bool(values[0]), bool(values[1]), tuple(values[2:]))
 
 
+def share_manifest(text: str | None) -> str:
+    """The run manifest's canonical JSON from process 0 to every process of the site, before the
+    learner is built: only process 0 founds, joins or restarts, so only it knows the manifest."""
+    return BoundaryFollowing(0).share_text(text)
+
+
+def is_follower() -> bool:
+    """Whether this process is one of a multi-host site's followers (not process 0)."""
+    return jax.process_index() != 0
+
+
 class BoundaryFollowing:
     """The collectives one site's processes meet in at step boundaries. Every method is a
     collective: every process calls it, in the same order; process 0's arguments are what count."""

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -126,3 +129,57 @@ def test_two_processes_of_one_site_train_in_lockstep_and_follow_process_0(tmp_pa
     assert leader["sent"] >= 4 and min(leader["rounds"]) >= 2 and follower["sent"] == 0
     assert leader["snapshot_step"] >= 5 and leader["final_step"] == leader["steps"]
     assert leader["final_matches_local"]
+
+
+def _status(port: int) -> dict | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=2) as response:
+            return json.loads(response.read())
+    except (OSError, ValueError):
+        return None
+
+
+def test_diloco_node_run_on_two_hosts_is_one_site_whose_process_0_is_the_daemon(tmp_path):
+    """`diloco-node run` twice with one config but `cluster.process_id` 0 and 1: process 0 founds
+    a run and shows both hosts' devices on /status; process 1 follows; SIGTERM to process 0 stops
+    the site (both exit 0)."""
+    secret = tmp_path / "secret"
+    secret.write_text(os.urandom(32).hex() + "\n")
+    secret.chmod(0o600)
+    http, coordinator = _free_port(), _free_port()
+    common = ["--node-id", "a", "--listen", f"127.0.0.1:{http}", "--secret-file", str(secret),
+              "--data-dir", str(tmp_path / "data"), "--set", "run.model.size=tiny", "--set", "run.model.seq_len=32",
+              "--set", "run.inner.batch_size=4", "--set", "run.sync.fragments=2", "--set", "run.sync.period=4",
+              "--set", f"cluster.coordinator=127.0.0.1:{coordinator}", "--set", "cluster.num_processes=2",
+              "--set", "eval_interval_commits=0"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false "
+                         "intra_op_parallelism_threads=1", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
+               DILOCO_X_MIN_STEP_S="0.05")
+    launch = "import sys; from diloco_node import cli; sys.exit(cli.main(sys.argv[1:]))"
+    logs = [open(tmp_path / f"process{i}.log", "w") for i in range(2)]
+    processes = [subprocess.Popen([sys.executable, "-c", launch, "run", *common, "--set", f"cluster.process_id={i}"],
+                                  env=env, stdout=logs[i], stderr=subprocess.STDOUT) for i in range(2)]
+    try:
+        seen = None
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline and all(p.poll() is None for p in processes):
+            seen = _status(http)
+            if seen and seen["learner"]["step"] >= 12 and seen["commit_index"] >= 2:
+                break
+            time.sleep(1)
+        assert seen is not None and seen["learner"]["step"] >= 12 and seen["commit_index"] >= 2, (
+            seen, (tmp_path / "process0.log").read_text()[-3000:], (tmp_path / "process1.log").read_text()[-3000:])
+        assert seen["devices"] == {"platform": "cpu", "count": 4, "processes": 2, "mesh": {"data": 4, "fsdp": 1}}
+        processes[0].send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=120) for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for handle in logs:
+            handle.close()
+    follower_log = (tmp_path / "process1.log").read_text()
+    assert codes == [0, 0], (tmp_path / "process0.log").read_text()[-3000:] + follower_log[-3000:]
+    assert "process 0 stopped the site" in follower_log
