@@ -50,8 +50,12 @@ def _force_host_devices(argv: list[str]) -> None:
             argv[i + 1] if arg == "--host-devices" and i + 1 < len(argv) else None)
         if count:
             os.environ["JAX_PLATFORMS"] = "cpu"
-            os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={int(count)} "
-                                       "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+            # One XLA thread per process keeps a 1-device run steady on a shared small machine. Not
+            # with several devices: their all-reduces rendezvous one thread per device, and with
+            # steps queued ahead a small pool deadlocks (measured: "Expected 4 threads to join the
+            # rendezvous, but only 3 of them arrived", then XLA aborts).
+            limits = " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" if int(count) == 1 else ""
+            os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={int(count)}{limits}"
 
 
 _force_host_devices(sys.argv[1:])
