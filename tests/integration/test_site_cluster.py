@@ -22,6 +22,7 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
 ROOT = Path(__file__).resolve().parents[2]
+HOST_DEVICES = "--xla_force_host_platform_device_count=2"
 
 WORKER = textwrap.dedent("""
     import hashlib, json, os, sys, threading
@@ -105,9 +106,9 @@ def test_two_processes_of_one_site_train_in_lockstep_and_follow_process_0(tmp_pa
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
-    # Two CPU devices per process; one XLA thread each, two JAX processes share two cores.
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false "
-                         "intra_op_parallelism_threads=1", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    # Two CPU devices per process. Not XLA's one-thread limit: a device's all-reduce waits for
+    # one thread per local device, and a one-thread pool can deadlock (benchmarks/learner.py).
+    env.update(XLA_FLAGS=HOST_DEVICES, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     port = _free_port()
     processes = [subprocess.Popen([sys.executable, str(script), str(port), str(i), str(tmp_path / f"p{i}.json")],
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -153,9 +154,7 @@ def test_diloco_node_run_on_two_hosts_is_one_site_whose_process_0_is_the_daemon(
               "--set", f"cluster.coordinator=127.0.0.1:{coordinator}", "--set", "cluster.num_processes=2",
               "--set", "eval_interval_commits=0"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false "
-                         "intra_op_parallelism_threads=1", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-               DILOCO_X_MIN_STEP_S="0.05")
+    env.update(XLA_FLAGS=HOST_DEVICES, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), DILOCO_X_MIN_STEP_S="0.05")
     launch = "import sys; from diloco_node import cli; sys.exit(cli.main(sys.argv[1:]))"
     logs = [open(tmp_path / f"process{i}.log", "w") for i in range(2)]
     processes = [subprocess.Popen([sys.executable, "-c", launch, "run", *common, "--set", f"cluster.process_id={i}"],
