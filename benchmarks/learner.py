@@ -13,8 +13,8 @@ Each `--devices` count is a site mesh over the first N devices (`data` = N / fsd
 `--mesh-fsdp`), the global batch split over them. Both sides train the same model on the same
 mesh with the same batches:
 
-- plain: `InnerLearner.step` in a loop, the loss fetched once at the end, so JAX may queue steps
-  ahead (the fastest a loop of this jitted step can go);
+- plain: `InnerLearner.step` in a loop over pre-sampled batches, `PLAIN_QUEUE_DEPTH` steps queued
+  ahead (the device never waits for the host: the fastest a loop of this jitted step can go);
 - daemon: a `LearnerThread` exactly as a site runs it: step boundaries, sampling, due deltas
   handed to a stand-in for the event loop that encodes them with the run's codec on another
   thread (as the daemon's codec pool does) and, a round trip later, offers a merged fragment back,
@@ -75,6 +75,10 @@ from diloco_node.sync.fragments import plan_fragments  # noqa: E402
 from wire.codecs import encode_named  # noqa: E402
 
 WARMUP_STEPS = 10
+# Steps the plain loop lets JAX queue ahead (the daemon's learner keeps about as many). Two keep a
+# device always fed; an unbounded queue of multi-device steps deadlocks XLA:CPU's in-process
+# all-reduce (measured with 4 host devices: aborts after ~40 queued steps).
+PLAIN_QUEUE_DEPTH = 2
 
 
 def build_manifest(args: argparse.Namespace) -> RunManifest:
@@ -103,10 +107,12 @@ def plain_loop(manifest: RunManifest, tokens: np.ndarray, steps: int, mesh: Site
     for x, y in batches[:WARMUP_STEPS]:
         jax.block_until_ready(learner.step(x, y))
     started = time.perf_counter()
-    loss = None
+    in_flight: list[jax.Array] = []
     for x, y in batches[WARMUP_STEPS:]:
-        loss = learner.step(x, y)
-    jax.block_until_ready(loss)
+        in_flight.append(learner.step(x, y))
+        if len(in_flight) > PLAIN_QUEUE_DEPTH:
+            jax.block_until_ready(in_flight.pop(0))
+    jax.block_until_ready(in_flight)
     return steps / (time.perf_counter() - started)
 
 
