@@ -59,9 +59,10 @@ def bench_inprocess_step(steps: int = 200) -> float:
     from diloco_node.learn import data as data_lib
     from diloco_node.learn.inner import InnerLearner
 
-    overrides = dict(setting.split("=", 1) for setting in DEFAULT_SETTINGS if setting.startswith("run."))
-    manifest = load_config(None, {}, overrides).run
-    corpus = data_lib.load_corpus(manifest.data)
+    overrides = dict(setting.split("=", 1) for setting in DEFAULT_SETTINGS if setting.startswith(("run.", "data.")))
+    config = load_config(None, {}, overrides)
+    manifest = config.run
+    corpus = data_lib.open_site_data(config.node.data, None)
     learner = InnerLearner(manifest.model, manifest.inner, manifest.seed)
     sampler = data_lib.BatchSampler(corpus.train, manifest.inner.batch_size, manifest.model.seq_len, 0)
     for _ in range(5):

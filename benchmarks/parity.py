@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from diloco_node.learn import data as data_lib  # noqa: E402
 from diloco_node.sim import runner  # noqa: E402
-from diloco_node.config.manifest import ConfigError, DataSpec, RunManifest  # noqa: E402
+from diloco_node.config.manifest import ConfigError, RunManifest  # noqa: E402
 from diloco_node.cli.train import default_manifest  # noqa: E402
 
 NUM_LEARNERS = 4
@@ -78,7 +78,7 @@ def run_all(steps: int, modes: list[str], scenarios: list[str], seed: int, verbo
             dp_overrides: dict[str, dict[str, object]] | None = None) -> dict:
     """`overrides` change the manifest of the fragment modes (diloco, streaming, decoupled),
     `dp_overrides` that of data_parallel, so a learner-side setting never moves the baseline."""
-    corpus = data_lib.load_corpus(DataSpec(source="stdlib", seed=seed))
+    corpus = data_lib.stdlib_corpus(seed=seed)
     base = benchmark_manifest(steps, seed)
     manifest = with_overrides(base, overrides or {})
     dp_manifest = with_overrides(base, dp_overrides or {})

@@ -8,3 +8,38 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+import pytest  # noqa: E402 - after the environment JAX reads at import
+
+# Words of the small tokenizers tests make (id 0 is "[UNK]", word i is id i + 1).
+TOKENIZER_WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
+                   "sigma tau upsilon phi chi psi omega").split()
+
+
+@pytest.fixture
+def word_tokenizer():
+    """Makes a word-level tokenizer.json (with the `tokenizers` library; nothing is downloaded):
+    `word_tokenizer(path, words=TOKENIZER_WORDS) -> path`."""
+    def make(path, words=TOKENIZER_WORDS):
+        from tokenizers import Tokenizer, models, pre_tokenizers
+
+        vocab = {"[UNK]": 0} | {word: i + 1 for i, word in enumerate(words)}
+        tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+        tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+        tokenizer.save(str(path))
+        return path
+    return make
+
+
+@pytest.fixture
+def word_text():
+    """Writes random lines of TOKENIZER_WORDS: `word_text(path, words_count, seed=0) -> the text`."""
+    def write(path, count, seed=0):
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+        text = "\n".join(" ".join(rng.choice(TOKENIZER_WORDS, 12)) for _ in range(count // 12)) + "\n"
+        path.write_text(text)
+        return text
+    return write

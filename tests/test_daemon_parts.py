@@ -34,6 +34,13 @@ CAUGHT_UP = ReadinessFacts(download=None, learner_compiling=False, has_voters=Tr
     # ...but a snapshot install does not: the state is not one state until replayed.
     ({"was_ready": True, "replacing_state": True, "consistent_from": 15},
      Readiness(False, False, "installing a snapshot: replaying the log: applied 12 of 15")),
+    # A ready node whose coordination is stalled (no lease holder heard within the lease) says so...
+    ({"was_ready": True, "coordination_silent_s": 7.25, "lease_s": 3.0},
+     Readiness(False, False, "coordination stalled: no lease holder heard from for 7.2 s (lease 3 s); "
+                             "follower, epoch 3")),
+    # ...and within the lease it is still ready.
+    ({"was_ready": True, "coordination_silent_s": 2.0, "lease_s": 3.0},
+     Readiness(True, False, "ready: follower, epoch 3, applied 12")),
 ])
 def test_readiness_and_its_reason(change, expected) -> None:
     assert readiness(dataclasses.replace(CAUGHT_UP, **change)) == expected

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
+from diloco_node.config.site_data import SiteData
 from diloco_node.learn import data as data_lib
-from diloco_node.config.manifest import DataSpec
 
 
 def test_stdlib_split_is_deterministic_disjoint_and_covers_every_file():
@@ -20,7 +20,7 @@ def test_stdlib_split_is_deterministic_disjoint_and_covers_every_file():
 
 
 def test_stdlib_corpus_loads_with_disjoint_eval_files():
-    corpus = data_lib.load_corpus(DataSpec())
+    corpus = data_lib.open_site_data(SiteData(), None)
     assert corpus.train.dtype == np.uint8 and corpus.train.size > 1_000_000 and corpus.eval.size > 10_000
     assert set(corpus.train_files).isdisjoint(corpus.eval_files)
     assert all(name.endswith(".py") and "site-packages" not in name for name in corpus.eval_files)
@@ -49,11 +49,11 @@ def test_batches_are_reproducible_shifted_windows_of_the_shard():
 def test_text_files_and_globs(tmp_path):
     for i in range(3):
         (tmp_path / f"part{i}.txt").write_bytes(bytes([65 + i]) * 500)
-    corpus = data_lib.load_corpus(DataSpec(source="text", paths=(str(tmp_path / "*.txt"),)))
+    corpus = data_lib.open_site_data(SiteData(source="text", paths=(str(tmp_path / "*.txt"),)), None)
     assert "split by position" in corpus.description  # too few files to split by path
     assert corpus.train.size + corpus.eval.size == 1500
-    assert bytes(corpus.train[:3]) == b"AAA" and bytes(corpus.eval[-3:]) == b"CCC"
-    single = data_lib.load_corpus(DataSpec(source="text", paths=(str(tmp_path / "part1.txt"),)))
+    assert bytes(corpus.train[:3]) == b"AAA" and bytes(corpus.eval[len(corpus.eval) - 3:]) == b"CCC"
+    single = data_lib.open_site_data(SiteData(source="text", paths=(str(tmp_path / "part1.txt"),)), None)
     assert single.train.size + single.eval.size == 500
 
 
@@ -61,7 +61,8 @@ def test_token_file_is_memory_mapped_and_split_by_position(tmp_path):
     tokens = (np.arange(10_000) % 60_000).astype(np.uint16)
     path = tmp_path / "tokens.bin"
     tokens.tofile(path)
-    corpus = data_lib.load_corpus(DataSpec(source="tokens", token_file=str(path), token_dtype="uint16", eval_fraction=0.1))
+    corpus = data_lib.open_site_data(SiteData(source="tokens", paths=(str(path),), token_dtype="uint16",
+                                              eval_fraction=0.1), None)
     # Memory-mapped, not read: the splits are views of the file's map (learn/token_files.py).
     assert all(isinstance(array, np.memmap) for _, array in corpus.train.parts + corpus.eval.parts)
     assert corpus.vocab_size == 65536
@@ -70,34 +71,33 @@ def test_token_file_is_memory_mapped_and_split_by_position(tmp_path):
 
 
 @pytest.mark.parametrize("make, match", [
-    (lambda d: DataSpec(source="text", paths=(str(d / "missing.txt"),)), "missing.txt.*no such file"),
-    (lambda d: DataSpec(source="text", paths=(str(d / "nothing*.txt"),)), "nothing\\*.txt.*matches no files"),
-    (lambda d: DataSpec(source="text", paths=(str(d / "empty.txt"),)), "empty.txt.*empty"),
-    (lambda d: DataSpec(source="tokens", token_file=str(d / "missing.bin")), "missing.bin.*no such file"),
-    (lambda d: DataSpec(source="tokens", token_file=str(d / "empty.txt")), "empty.txt.*empty"),
-    (lambda d: DataSpec(source="tokens", token_file=str(d / "odd.bin"), token_dtype="uint16"), "odd.bin.*whole number"),
+    (lambda d: SiteData(source="text", paths=(str(d / "missing.txt"),)), "missing.txt.*no such file"),
+    (lambda d: SiteData(source="text", paths=(str(d / "nothing*.txt"),)), "nothing\\*.txt.*matches no files"),
+    (lambda d: SiteData(source="text", paths=(str(d / "empty.txt"),)), "empty.txt.*empty"),
+    (lambda d: SiteData(source="tokens", paths=(str(d / "missing.bin"),), token_dtype="uint8"), "missing.bin.*no such file"),
+    (lambda d: SiteData(source="tokens", paths=(str(d / "empty.txt"),), token_dtype="uint8"), "empty.txt.*empty"),
+    (lambda d: SiteData(source="tokens", paths=(str(d / "odd.bin"),), token_dtype="uint16"), "odd.bin.*whole number"),
 ])
 def test_bad_sources_are_clear_errors_naming_the_path(tmp_path, make, match):
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "odd.bin").write_bytes(b"abc")
     with pytest.raises(data_lib.DataError, match=match):
-        data_lib.load_corpus(make(tmp_path))
+        data_lib.open_site_data(make(tmp_path), None)
 
 
 def test_unreadable_file_is_a_clear_error_naming_it(tmp_path, monkeypatch):
     path = tmp_path / "secret.txt"
     path.write_bytes(b"x" * 100)
-    original = type(path).read_bytes
+    real_open = open
 
-    def refuse(self):
-        if self.name == "secret.txt":
+    def refuse(file, *args, **kwargs):
+        if str(file).endswith("secret.txt"):
             raise PermissionError(13, "Permission denied")
-        return original(self)
+        return real_open(file, *args, **kwargs)
 
-    monkeypatch.setattr(type(path), "read_bytes", refuse)
+    monkeypatch.setattr(data_lib, "open", refuse, raising=False)  # the module's own open(), not the test's
     with pytest.raises(data_lib.DataError, match="secret.txt.*cannot read it.*Permission denied"):
-        data_lib.load_corpus(DataSpec(source="text", paths=(str(path),)))
-
+        data_lib.open_site_data(SiteData(source="text", paths=(str(path),)), None)
 
 def test_eval_batches_are_fixed():
     tokens = np.arange(5000, dtype=np.uint8)

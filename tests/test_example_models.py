@@ -56,7 +56,9 @@ def test_the_custom_model_is_causal(custom_model_on_path) -> None:
 def test_the_llama_site_config_on_a_token_file_builds_a_100m_model() -> None:
     effective = load_config(EXAMPLES / "sites" / "llama-tokens.toml", {}, {})
     manifest = effective.run
-    assert (manifest.model.factory, manifest.model.vocab_size, manifest.data.token_dtype) == ("llama", 128256, "uint32")
+    assert (manifest.model.factory, manifest.model.vocab_size) == ("llama", 128256)
+    data = effective.node.data  # the site's own data, not the run's
+    assert (data.source, data.paths, data.token_dtype) == ("tokens", ("/srv/data/train-*.bin",), "uint32")
     assert manifest.stop.tokens == 2_000_000_000
     sealed = factory.seal(manifest)  # abstract: nothing allocated
     count = sum(int(np.prod(shape)) for _, shape, _ in sealed.model.tensors)

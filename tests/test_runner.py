@@ -14,7 +14,7 @@ M = 3
 @pytest.fixture(scope="module")
 def corpus():
     # A small slice of the stdlib corpus keeps the test fast; it is still real Python source.
-    full = data_lib.load_corpus(data_lib.DataSpec())
+    full = data_lib.stdlib_corpus()
     return data_lib.Corpus(full.train[:400_000], full.eval[:50_000], 256, "stdlib slice")
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from diloco_node.config.manifest import DataSpec, ModelSpec, RunManifest
+from diloco_node.config.manifest import ModelSpec, RunManifest
+from diloco_node.config.site_data import SiteData
 from diloco_node.learn import data as data_lib
 from diloco_node.learn import token_files
 
@@ -14,14 +15,14 @@ from diloco_node.learn import token_files
 def test_uint32_ids_above_65536_train_and_eval_through_the_sampler(tmp_path) -> None:
     ids = np.random.default_rng(0).integers(0, 150_000, 20_000).astype(np.uint32)
     ids.tofile(tmp_path / "train.bin")
-    corpus = data_lib.load_corpus(DataSpec(source="tokens", token_file=str(tmp_path / "train.bin"),
-                                           token_dtype="uint32"))
+    corpus = data_lib.open_site_data(SiteData(source="tokens", paths=(str(tmp_path / "train.bin"),),
+                                              token_dtype="uint32"), None)
     assert len(corpus.train) + len(corpus.eval) == 20_000 and corpus.vocab_size == 2**32
     x, y = data_lib.BatchSampler(corpus.train, 4, 32, seed=0).next()
     assert x.dtype == np.int32 and x.max() >= 65_536 and np.array_equal(x[:, 1:], y[:, :-1])
-    data_lib.check_vocabulary(corpus, 150_000)
-    with pytest.raises(data_lib.DataError, match=r"holds id \d+ at position \d+, not below model.vocab_size = 100000"):
-        data_lib.check_vocabulary(corpus, 100_000)
+    data_lib.check_tokens(corpus, 150_000)
+    with pytest.raises(data_lib.DataError, match=r"train.bin': id \d+ at position \d+, not below model.vocab_size = 100000"):
+        data_lib.check_tokens(corpus, 100_000)
 
 
 def test_several_files_and_npy_form_one_stream_without_copying(tmp_path) -> None:
@@ -58,8 +59,7 @@ def test_a_witness_and_learners_build_the_same_model_from_a_uint32_manifest() ->
     from diloco_node.learn import factory
 
     manifest = RunManifest(model=ModelSpec.of("llama", vocab_size=150_000, seq_len=16, size="1m", d_model=32,
-                                              num_layers=1, num_heads=2, num_kv_heads=1, d_ff=32),
-                           data=DataSpec(source="tokens", token_file="/nonexistent.bin", token_dtype="uint32"))
+                                              num_layers=1, num_heads=2, num_kv_heads=1, d_ff=32))
     sealed = factory.seal(manifest)
     # A witness opens no data: its model comes from the manifest alone and matches the signature.
     factory.check_signature(sealed)

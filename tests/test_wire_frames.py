@@ -96,7 +96,7 @@ def signed_raw(kind: int, header_map: object, payload: bytes = b"", *, major: in
 
 def auth_map(message_fields: object, payload: bytes = b"", **overrides: object) -> dict:
     header_map = {"run": RUN, "from": "site-a", "ts": NOW_MS, "nonce": fresh_nonce(),
-                  "pd": hashlib.sha256(payload).digest(), "m": message_fields}
+                  "pd": hashlib.sha256(payload).digest(), "to": "", "m": message_fields}
     header_map.update(overrides)
     return header_map
 
@@ -380,8 +380,8 @@ def test_newer_minor_version_and_unknown_flags_are_accepted():
 
 def test_other_major_version_is_refused_with_426():
     message = CommitNotice(epoch=2, leader="site-a", commit_index=5)
-    raw = signed_raw(MessageKind.COMMIT_NOTICE, auth_map(message.to_wire()[0]), major=2)
-    with pytest.raises(RemoteProtocolError, match="wire version 2.0 is not supported") as error:
+    raw = signed_raw(MessageKind.COMMIT_NOTICE, auth_map(message.to_wire()[0]), major=1)
+    with pytest.raises(RemoteProtocolError, match="wire version 1.0 is not supported") as error:
         decode_frame(raw, verifier(), now_unix=NOW)
     assert error.value.status_hint == 426
 
@@ -469,7 +469,7 @@ def test_limits_refuse_nonsense():
 def test_fixed_header_layout_is_24_bytes_big_endian():
     encoded = frame(LogAck(epoch=2, follower="b", index=7, success=True))
     magic, major, minor, kind, flags, map_length, payload_length = struct.unpack(">4sBBHIIQ", encoded[:24])
-    assert (magic, major, minor, kind, flags, payload_length) == (b"DLCO", 1, 0, 3, 0, 0)
+    assert (magic, major, minor, kind, flags, payload_length) == (b"DLCO", 2, 0, 3, 0, 0)
     assert len(encoded) == 24 + map_length + 32
 
 
@@ -544,7 +544,32 @@ def test_the_example_frame_in_docs_is_what_the_code_produces():
     auth = AuthContext("run-demo", "site-a", derive_frame_key(secret))
     message = FragmentContribution(fragment=2, base_index=7, base_round=10, c_steps=24, c_tokens=98304,
                                    codec="int8", learner_id="site-a", payload=bytes.fromhex("deadbeef"))
-    assert encode_frame(message, auth, now_unix=1_800_000_000.0, nonce=bytes(range(16))) == documented
-    received = decode_frame(documented, FrameVerifier("run-demo", derive_frame_key(secret)),
+    assert encode_frame(message, auth, now_unix=1_800_000_000.0, nonce=bytes(range(16)), to="site-b") == documented
+    received = decode_frame(documented, FrameVerifier("run-demo", derive_frame_key(secret), node_id="site-b"),
                             now_unix=1_800_000_000.0)
     assert received.message == message
+
+
+def test_a_frame_names_its_recipient_inside_the_mac():
+    """A frame captured on its way to one member is refused by every other (401 with the reason);
+    only kinds that change nothing a replay could abuse may be addressed to any member."""
+    to_b = encode_frame(CommitNotice(epoch=2, leader="site-a", commit_index=5), AUTH, now_unix=NOW,
+                        nonce=fresh_nonce(), to="site-b")
+    at_b = FrameVerifier(RUN, KEY, node_id="site-b")
+    at_c = FrameVerifier(RUN, KEY, node_id="site-c")
+    assert decode_frame(to_b, at_b, now_unix=NOW).message.commit_index == 5
+    with pytest.raises(RemoteProtocolError, match="addressed to 'site-b', not to 'site-c'") as error:
+        decode_frame(to_b, at_c, now_unix=NOW)
+    assert error.value.status_hint == 401
+    unaddressed = frame(CommitNotice(epoch=2, leader="site-a", commit_index=5))
+    with pytest.raises(RemoteProtocolError, match="COMMIT_NOTICE frame from 'site-a' names no recipient"):
+        decode_frame(unaddressed, at_c, now_unix=NOW)
+    join = frame(JoinRequest(node_id="site-a", advertise_url="http://10.0.0.2:8470", role="learner",
+                             manifest_digest=bytes(32)))
+    assert decode_frame(join, at_c, now_unix=NOW).message.node_id == "site-a"
+    # Rewriting "to" breaks the MAC.
+    forged = bytearray(to_b)
+    at = bytes(forged).index(b"site-b", 24)
+    forged[at:at + 6] = b"site-c"
+    with pytest.raises(RemoteProtocolError, match="bad MAC"):
+        decode_frame(bytes(forged), at_c, now_unix=NOW)

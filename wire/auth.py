@@ -2,8 +2,10 @@
 
 Every frame carries run id, sender, timestamp and nonce in its header map and an HMAC-SHA256 tag
 over the fixed header and the header map (which includes the payload's SHA-256), so a receiver
-authenticates a frame before it reads a payload byte. `FrameVerifier` refuses, in this order:
-wrong run (409), bad MAC (401), timestamp outside the skew allowance (401), replayed nonce (401).
+authenticates a frame before it reads a payload byte. The header map also names the recipient, so
+a frame captured on its way to one member is refused by every other. `FrameVerifier` refuses, in
+this order: wrong run (409), bad MAC (401), addressed to another node (401), timestamp outside the
+skew allowance (401), replayed nonce (401).
 `check_epoch` is the epoch fence the coordinator applies to authenticated messages (409).
 
 No I/O except `load_run_secret`, which reads the secret file once at start-up; no clock reads:
@@ -22,7 +24,7 @@ from pathlib import Path
 
 from wire.errors import LocalProtocolError, RemoteProtocolError
 from wire.limits import DEFAULT_LIMITS, Limits
-from wire.messages import MAX_NODE_ID_CHARS, NODE_ID_PATTERN
+from wire.messages import MAX_NODE_ID_CHARS, NODE_ID_PATTERN, MessageKind
 
 MAC_BYTES = 32  # HMAC-SHA256 tag
 NONCE_BYTES = 16  # random per frame; 128 bits make accidental reuse impossible in practice
@@ -35,6 +37,12 @@ MAX_RUN_SECRET_BYTES = 4096
 # MAC construction can never be confused with the old one.
 KDF_SALT = b"diloco-node/wire"
 KDF_INFO_FRAME_MAC = b"frame-mac/v1"
+# The recipient a frame names when its sender cannot know the receiver's node id: a joiner asks a
+# bootstrap address, a download asks whichever peer serves. Only requests that change nothing a
+# replay could abuse may be addressed so (a replayed join of a site re-admits that same site).
+ANY_MEMBER = ""
+ANY_RECIPIENT_KINDS = frozenset({MessageKind.JOIN_REQUEST, MessageKind.SNAPSHOT_REQUEST,
+                                 MessageKind.LOG_READ_REQUEST})
 
 
 class RunSecretError(Exception):
@@ -204,8 +212,12 @@ class FrameVerifier:
     """Node-wide checks on received frame headers. Share one instance across all connections,
     since the replay cache must see every frame the node receives."""
 
-    def __init__(self, run_id: str, key: FrameKey, limits: Limits = DEFAULT_LIMITS) -> None:
+    def __init__(self, run_id: str, key: FrameKey, limits: Limits = DEFAULT_LIMITS, *,
+                 node_id: str | None = None) -> None:
+        """`node_id`: ours; frames must then be addressed to it (or to ANY_MEMBER, for the kinds in
+        ANY_RECIPIENT_KINDS). None accepts any recipient (tools that only inspect frames)."""
         self.run_id = check_run_id(run_id)
+        self.node_id = check_run_id(node_id, what="node id") if node_id is not None else None
         if not isinstance(key, FrameKey):
             raise LocalProtocolError("FrameVerifier key must be a FrameKey (see derive_frame_key)")
         self._key = key
@@ -214,12 +226,21 @@ class FrameVerifier:
                                         window_s=limits.clock_skew_allowance_s)
 
     def verify(self, *, run_id: str, sender: str, sent_at_ms: int, nonce: bytes, signed_bytes: bytes,
-               mac: bytes, now_unix: float) -> None:
-        """Raise RemoteProtocolError unless the frame is for our run, authentic, fresh and new."""
+               mac: bytes, now_unix: float, recipient: str = ANY_MEMBER,
+               kind: MessageKind | None = None) -> None:
+        """Raise RemoteProtocolError unless the frame is for our run, authentic, for us, fresh and new."""
         if run_id != self.run_id:
             raise RemoteProtocolError(f"frame is for run {run_id!r}, this node is in run {self.run_id!r}", 409)
         if not hmac.compare_digest(compute_mac(self._key, signed_bytes), mac):
             raise RemoteProtocolError(f"bad MAC on frame from {sender!r} (tampered, or a different run secret)", 401)
+        if self.node_id is not None:
+            if recipient == ANY_MEMBER:
+                if kind not in ANY_RECIPIENT_KINDS:
+                    name = kind.name if kind is not None else "this"
+                    raise RemoteProtocolError(f"{name} frame from {sender!r} names no recipient", 401)
+            elif recipient != self.node_id:
+                raise RemoteProtocolError(f"frame from {sender!r} is addressed to {recipient!r}, not to "
+                                          f"{self.node_id!r} (misdirected or replayed)", 401)
         now_ms = round(now_unix * 1000)
         if sent_at_ms < now_ms - self._skew_ms:
             raise RemoteProtocolError(f"stale frame from {sender!r}: sent {(now_ms - sent_at_ms) / 1000:.3f} s ago, "

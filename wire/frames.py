@@ -5,6 +5,8 @@ A frame is a fixed 24-byte header, a msgpack header map, a 32-byte MAC, then the
     magic "DLCO" | major u8 | minor u8 | kind u16 | flags u32 | map_len u32 | payload_len u64   (big-endian)
     header map (map_len bytes): {"run", "from", "ts", "nonce", "pd", "m": {message fields}}
     mac: HMAC-SHA256(key, fixed header || header map)     (the map's "pd" is SHA-256 of the payload)
+    header map key "to": the recipient's node id ("" only for kinds any member may answer), inside the
+    MAC, so a captured frame cannot be replayed to another member
     payload (payload_len bytes)
 
 The MAC covers the payload through its digest, so a receiver authenticates a frame from its first
@@ -30,7 +32,7 @@ from typing import Any
 
 import msgpack
 
-from wire.auth import MAC_BYTES, NONCE_BYTES, AuthContext, FrameVerifier, check_run_id, compute_mac
+from wire.auth import ANY_MEMBER, MAC_BYTES, NONCE_BYTES, AuthContext, FrameVerifier, check_run_id, compute_mac
 from wire.errors import LocalProtocolError, RemoteProtocolError
 from wire.limits import DEFAULT_LIMITS, Limits
 from wire.messages import MESSAGE_TYPES, U63_MAX, Message, MessageKind
@@ -38,7 +40,9 @@ from wire.messages import MESSAGE_TYPES, U63_MAX, Message, MessageKind
 MAGIC = b"DLCO"
 # Major: incompatible layout or semantics (receivers refuse other majors with 426).
 # Minor: additive only (new header-map keys, new kinds, new flag bits); receivers accept any minor.
-WIRE_MAJOR = 1
+# 2.0: the header map names the recipient ("to"); a 1.x receiver would ignore it and accept a
+# frame replayed to it from another member's traffic, so the change is incompatible.
+WIRE_MAJOR = 2
 WIRE_MINOR = 0
 FIXED_HEADER = struct.Struct(">4sBBHIIQ")
 FIXED_HEADER_BYTES = FIXED_HEADER.size  # 24
@@ -54,6 +58,7 @@ KEY_SENDER = "from"
 KEY_TIMESTAMP_MS = "ts"
 KEY_NONCE = "nonce"
 KEY_PAYLOAD_DIGEST = "pd"
+KEY_RECIPIENT = "to"
 KEY_MESSAGE = "m"
 
 
@@ -110,16 +115,17 @@ Event = Received | FrameHeader | PayloadChunk | FrameEnd | Signal
 # ---------------------------------------------------------------------------------------------
 
 
-def encode_frame(message: Message, auth: AuthContext, *, now_unix: float, nonce: bytes) -> bytes:
-    """The complete frame for `message`, stamped with `now_unix` and `nonce` (16 fresh random bytes)."""
+def encode_frame(message: Message, auth: AuthContext, *, now_unix: float, nonce: bytes, to: str = ANY_MEMBER) -> bytes:
+    """The complete frame for `message`, stamped with `now_unix` and `nonce` (16 fresh random bytes),
+    addressed to node `to` (ANY_MEMBER only for the kinds in ANY_RECIPIENT_KINDS)."""
     field_map, payload = message.to_wire()
-    head = _encode_head(message.KIND, field_map, auth, now_unix=now_unix, nonce=nonce,
+    head = _encode_head(message.KIND, field_map, auth, now_unix=now_unix, nonce=nonce, to=to,
                         payload_length=len(payload), payload_sha256=hashlib.sha256(payload).digest())
     return head + payload
 
 
 def encode_frame_head(message: Message, auth: AuthContext, *, now_unix: float, nonce: bytes,
-                      payload_length: int, payload_sha256: bytes) -> bytes:
+                      payload_length: int, payload_sha256: bytes, to: str = ANY_MEMBER) -> bytes:
     """Everything of a frame but its payload, for sending a large payload without holding it in memory.
 
     `message` is the head (a STREAMABLE message with an empty payload, see Message.without_payload);
@@ -135,24 +141,27 @@ def encode_frame_head(message: Message, auth: AuthContext, *, now_unix: float, n
     message.check_payload_length(payload_length)
     if type(payload_sha256) is not bytes or len(payload_sha256) != DIGEST_BYTES:
         raise LocalProtocolError("payload_sha256 must be the 32-byte SHA-256 of the payload")
-    return _encode_head(message.KIND, field_map, auth, now_unix=now_unix, nonce=nonce,
+    return _encode_head(message.KIND, field_map, auth, now_unix=now_unix, nonce=nonce, to=to,
                         payload_length=payload_length, payload_sha256=payload_sha256)
 
 
 def _encode_head(kind: MessageKind, field_map: dict[str, Any], auth: AuthContext, *, now_unix: float,
-                 nonce: bytes, payload_length: int, payload_sha256: bytes) -> bytes:
+                 nonce: bytes, to: str, payload_length: int, payload_sha256: bytes) -> bytes:
     if not isinstance(auth, AuthContext):
         raise LocalProtocolError("auth must be an AuthContext")
     if not isinstance(now_unix, (int, float)) or not math.isfinite(now_unix) or now_unix < 0:
         raise LocalProtocolError(f"now_unix must be a finite, non-negative time, got {now_unix!r}")
     if type(nonce) is not bytes or len(nonce) != NONCE_BYTES:
         raise LocalProtocolError(f"nonce must be {NONCE_BYTES} fresh random bytes")
+    if to != ANY_MEMBER:  # receivers refuse ANY_MEMBER for kinds outside ANY_RECIPIENT_KINDS
+        check_run_id(to, what="recipient")
     header_map = {
         KEY_RUN: auth.run_id,
         KEY_SENDER: auth.sender,
         KEY_TIMESTAMP_MS: round(now_unix * 1000),
         KEY_NONCE: nonce,
         KEY_PAYLOAD_DIGEST: payload_sha256,
+        KEY_RECIPIENT: to,
         KEY_MESSAGE: field_map,
     }
     map_bytes = msgpack.packb(header_map, use_bin_type=True)
@@ -215,6 +224,13 @@ class FrameDecoder:
         self._remaining = 0
         self._hasher: Any = None
         self._failure: RemoteProtocolError | None = None
+        self._first_sender: str | None = None
+
+    @property
+    def authenticated_sender(self) -> str | None:
+        """The sender of the first frame whose header authenticated (before its payload arrived);
+        None until then. The transport uses it to give a stream its slot as soon as it has earned it."""
+        return self._first_sender
 
     @property
     def buffered_bytes(self) -> int:
@@ -337,10 +353,13 @@ class FrameDecoder:
         sent_at_ms = _field(header_map, KEY_TIMESTAMP_MS, int)
         nonce = _field(header_map, KEY_NONCE, bytes)
         payload_sha256 = _field(header_map, KEY_PAYLOAD_DIGEST, bytes)
+        recipient = _field(header_map, KEY_RECIPIENT, str)
         message_fields = _field(header_map, KEY_MESSAGE, dict)
         try:
             check_run_id(run_id, what="header map 'run'")
             check_run_id(sender, what="header map 'from'")
+            if recipient != ANY_MEMBER:
+                check_run_id(recipient, what="header map 'to'")
         except LocalProtocolError as error:
             raise RemoteProtocolError(str(error), 400) from None
         if not 0 <= sent_at_ms <= U63_MAX:
@@ -350,7 +369,10 @@ class FrameDecoder:
         if len(payload_sha256) != DIGEST_BYTES:
             raise RemoteProtocolError(f"header map 'pd' must be {DIGEST_BYTES} bytes, got {len(payload_sha256)}", 400)
         self._verifier.verify(run_id=run_id, sender=sender, sent_at_ms=sent_at_ms, nonce=nonce,
-                              signed_bytes=signed, mac=mac, now_unix=now_unix)
+                              signed_bytes=signed, mac=mac, now_unix=now_unix, recipient=recipient,
+                              kind=pending.kind)
+        if self._first_sender is None:
+            self._first_sender = sender
         return _Authenticated(sender=sender, sent_at_unix=sent_at_ms / 1000, payload_sha256=payload_sha256,
                               message_fields=message_fields)
 

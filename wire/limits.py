@@ -58,6 +58,17 @@ MAX_CONCURRENT_STREAMS_PER_PEER = 4
 READ_TIMEOUT_S = 30.0
 # Whole-message deadline: 256 MiB at ~4 Mbit/s, the slowest inter-site link we plan for, takes ~540 s.
 MESSAGE_TIMEOUT_S = 600.0
+# A stream must deliver its first authenticated frame header (fixed header, header map, MAC) within
+# this long of being admitted, or lose its slot (408). A member's header is a few hundred bytes (at
+# most 256 KiB: 0.5 s at 4 Mbit/s) and arrives within a round trip; without this bound a stranger
+# sending a well-formed prefix one byte per second held a slot for the whole message deadline.
+AUTH_DEADLINE_S = 5.0
+# Once authenticated, a stream must keep at least this rate, measured over the time the receiver
+# spends waiting for its bytes (time our own handlers take does not count against the sender).
+# 1/16 of the slowest planned link (4 Mbit/s); a stalled or trickling sender is cut (408).
+MIN_TRANSFER_BYTES_PER_S = 32 * KiB
+# ... after this much waiting: short bursts of loss on a WAN link must not cut a healthy stream.
+MIN_TRANSFER_WINDOW_S = 10.0
 
 # Nonces remembered for replay protection across all senders. Each costs ~150 bytes, so 2^18 is
 # ~40 MB worst case; at 100 frames/s from each of 30 peers it covers a 60 s window. When full, the
@@ -85,17 +96,21 @@ class Limits:
     max_concurrent_streams_per_peer: int = MAX_CONCURRENT_STREAMS_PER_PEER
     read_timeout_s: float = READ_TIMEOUT_S
     message_timeout_s: float = MESSAGE_TIMEOUT_S
+    auth_deadline_s: float = AUTH_DEADLINE_S
+    min_transfer_bytes_per_s: int = MIN_TRANSFER_BYTES_PER_S
+    min_transfer_window_s: float = MIN_TRANSFER_WINDOW_S
     replay_cache_max_nonces: int = REPLAY_CACHE_MAX_NONCES
     clock_skew_allowance_s: float = CLOCK_SKEW_ALLOWANCE_S
     max_payload_chunk_bytes: int = MAX_PAYLOAD_CHUNK_BYTES
 
     def __post_init__(self) -> None:
         for name in ("max_header_map_bytes", "max_decompressed_bytes", "max_concurrent_streams_per_peer",
-                     "replay_cache_max_nonces", "max_payload_chunk_bytes"):
+                     "replay_cache_max_nonces", "max_payload_chunk_bytes", "min_transfer_bytes_per_s"):
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ValueError(f"Limits.{name} must be a positive int, got {value!r}")
-        for name in ("read_timeout_s", "message_timeout_s", "clock_skew_allowance_s"):
+        for name in ("read_timeout_s", "message_timeout_s", "clock_skew_allowance_s", "auth_deadline_s",
+                     "min_transfer_window_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
                 raise ValueError(f"Limits.{name} must be a positive finite number of seconds, got {value!r}")

@@ -22,10 +22,10 @@ import time
 import tomllib
 from typing import Any
 
+from diloco_node.config.site_data import SiteData
 from diloco_node.config.manifest import (
     CODEC_NAMES,
     ConfigError,
-    DataSpec,
     InnerOptimizer,
     ModelSpec,
     OuterOptimizer,
@@ -42,7 +42,6 @@ def default_manifest(steps: int, seed: int = 0) -> RunManifest:
     data-parallel with int4 both ways); short smoke runs keep H = 16."""
     return RunManifest(
         model=ModelSpec.of(seq_len=64, size="tiny"),
-        data=DataSpec(source="stdlib", seed=seed),
         inner=InnerOptimizer(batch_size=8, lr_peak=3e-3, warmup_steps=steps // 3, total_steps=max(steps, 2)),
         outer=OuterOptimizer(lr=0.7, momentum=0.6),
         sync=SyncSpec(fragments=4, period=28 if steps >= 128 else 16, overlap=2, min_quorum=1,
@@ -78,8 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     model.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE",
                        help="any other [run.model] option for the factory, e.g. num_layers=4 (repeatable)")
     model.add_argument("--data", nargs="+", metavar="PATH_OR_GLOB", help="text files/dirs/globs instead of the stdlib")
-    model.add_argument("--token-file", help="pre-tokenized token file (np.memmap)")
-    model.add_argument("--token-dtype", choices=("uint8", "uint16", "uint32"))
+    model.add_argument("--token-file", nargs="+", metavar="PATH_OR_GLOB",
+                       help="pre-tokenized token files (.bin or .npy, memory-mapped) instead of the stdlib")
+    model.add_argument("--token-dtype", choices=("uint8", "uint16", "uint32"), help="id type of --token-file")
+    model.add_argument("--tokenizer", metavar="TOKENIZER_JSON", help="tokenize --data with this local tokenizer.json")
     inner = parser.add_argument_group("inner optimizer (AdamW)")
     inner.add_argument("--batch-size", type=int)
     inner.add_argument("--lr", type=float, help="peak learning rate")
@@ -144,18 +145,12 @@ def _model_from_args(model: ModelSpec, args: argparse.Namespace) -> ModelSpec:
 def build_manifest(args: argparse.Namespace) -> RunManifest:
     """The manifest of a `train` run: defaults, then the config file, then flags."""
     manifest = _load_manifest_file(args.config) if args.config else default_manifest(args.steps, args.seed)
-    data = manifest.data
-    if args.data:
-        data = DataSpec(source="text", paths=tuple(args.data), eval_fraction=data.eval_fraction, seed=data.seed)
-    elif args.token_file:
-        data = DataSpec(source="tokens", token_file=args.token_file, token_dtype=args.token_dtype or "uint8",
-                        eval_fraction=data.eval_fraction, seed=data.seed)
     inner = _override(manifest.inner, batch_size=args.batch_size, lr_peak=args.lr, warmup_steps=args.warmup,
                       weight_decay=args.weight_decay)
     inner = dataclasses.replace(inner, total_steps=max(args.steps, inner.warmup_steps + 1))
     return RunManifest(
         model=_model_from_args(manifest.model, args),
-        data=data,
+        data=manifest.data,
         inner=inner,
         outer=_override(manifest.outer, lr=args.outer_lr, momentum=args.outer_momentum),
         sync=_override(manifest.sync, fragments=args.fragments, period=args.period, overlap=args.overlap,
@@ -165,6 +160,23 @@ def build_manifest(args: argparse.Namespace) -> RunManifest:
                        keep_unmerged=args.keep_unmerged),
         seed=manifest.seed if args.config else args.seed,
     )
+
+
+def build_site_data(args: argparse.Namespace) -> SiteData:
+    """What the in-process learners train on: the stdlib, or the flags' text or token files (as a
+    site's [node.data] would name them; all M learners share it, each on its own shard)."""
+    if args.data and args.token_file:
+        raise ConfigError("--data and --token-file: choose one source")
+    if args.token_dtype and not args.token_file:
+        raise ConfigError("--token-dtype: only --token-file reads token files")
+    if args.data:
+        return SiteData(source="text", paths=tuple(args.data), tokenizer=args.tokenizer or "", seed=args.seed)
+    if args.token_file:
+        return SiteData(source="tokens", paths=tuple(args.token_file), token_dtype=args.token_dtype or "uint8",
+                        tokenizer=args.tokenizer or "", seed=args.seed)
+    if args.tokenizer:
+        raise ConfigError("--tokenizer: tokenizes --data (or declares the tokenizer of --token-file)")
+    return SiteData(seed=args.seed)
 
 
 def _parse_outage(text: str):
@@ -203,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         config = runner.RunnerConfig(manifest, args.mode, args.learners, args.steps, speeds=speeds,
                                      outages=outages, base_step_s=args.base_step_s, link=link,
                                      log_every=args.log_every)
-        corpus = data_lib.load_corpus(manifest.data)
+        corpus = data_lib.open_site_data(build_site_data(args), None)
     except (ConfigError, ValueError) as exc:  # DataError is a ValueError
         print(f"diloco-node {args.command}: {exc}", file=sys.stderr)
         return 2

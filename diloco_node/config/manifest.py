@@ -139,29 +139,21 @@ def _thawed(value: OptionValue) -> Any:
 
 
 @dataclass(frozen=True, slots=True)
-class DataSpec:
-    """Where tokens come from.
+class DataAgreement:
+    """What every site's data must agree on beyond `[run.model]`'s vocabulary and context.
 
-    `source` is "stdlib" (the running interpreter's own standard library `.py` files: present on
-    every machine), or a list of paths/globs of text files, or one pre-tokenized token file
-    (`token_file`, a path or glob of `.bin`/`.npy` files, with `token_dtype` uint8/uint16/uint32).
+    Where a site reads its data is its own setting (`[node.data]`); the run only fixes the
+    tokenizer: `tokenizer_sha256` is the sha256 of the tokenizer.json that made the run's ids, set
+    here or sealed by a founding site that tokenizes with one ("" names none). A site whose
+    tokenizer differs is refused.
     """
 
-    source: str = "stdlib"
-    paths: tuple[str, ...] = ()
-    token_file: str = ""
-    token_dtype: str = "uint8"
-    eval_fraction: float = 0.05
-    seed: int = 0
+    tokenizer_sha256: str = ""
 
     def __post_init__(self) -> None:
-        _choice("data", "source", self.source, ("stdlib", "text", "tokens"))
-        _require(0.0 < self.eval_fraction < 0.5, f"data.eval_fraction = {self.eval_fraction}: must be in (0, 0.5)")
-        _choice("data", "token_dtype", self.token_dtype, ("uint8", "uint16", "uint32"))
-        if self.source == "text":
-            _require(len(self.paths) > 0, "data.paths: source 'text' needs at least one path or glob")
-        if self.source == "tokens":
-            _require(bool(self.token_file), "data.token_file: source 'tokens' needs a token file path")
+        value = self.tokenizer_sha256
+        _require(isinstance(value, str) and (value == "" or (len(value) == 64 and all(c in "0123456789abcdef" for c in value))),
+                 f"data.tokenizer_sha256 = {value!r}: must be the 64 lowercase hex digits of a sha256 (or empty)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,7 +272,7 @@ class RunManifest:
     """Everything the sites of one run must agree on; joiners receive it and must not contradict it."""
 
     model: ModelSpec = field(default_factory=ModelSpec)
-    data: DataSpec = field(default_factory=DataSpec)
+    data: DataAgreement = field(default_factory=DataAgreement)
     inner: InnerOptimizer = field(default_factory=InnerOptimizer)
     outer: OuterOptimizer = field(default_factory=OuterOptimizer)
     sync: SyncSpec = field(default_factory=SyncSpec)
@@ -379,9 +371,13 @@ def _describe(signature: tuple[tuple[int, ...], str]) -> str:
     return f"{dtype}[{', '.join(map(str, shape))}]"
 
 
+# The data recipe's keys before it moved from [run.data] to each site's [node.data]: named in the
+# refusal, so an old config says where its keys went instead of only "unknown key".
+MOVED_DATA_KEYS = ("source", "paths", "token_file", "token_dtype", "eval_fraction", "seed")
+
 _SECTION_TYPES: dict[str, type] = {
     "model": ModelSpec,
-    "data": DataSpec,
+    "data": DataAgreement,
     "inner": InnerOptimizer,
     "outer": OuterOptimizer,
     "sync": SyncSpec,
@@ -393,6 +389,9 @@ def _section_from_dict(section: str, section_cls: type, raw: Any) -> Any:
     _require(isinstance(raw, Mapping), f"{section}: expected a table/mapping, got {type(raw).__name__}")
     fields = {f.name: f for f in dataclasses.fields(section_cls)}
     unknown = sorted(set(raw) - set(fields))
+    moved = [key for key in unknown if section == "data" and key in MOVED_DATA_KEYS]
+    _require(not moved, f"run.data.{moved[0] if moved else ''}: where a site reads its data is a site setting now; "
+             f"move {', '.join(moved)} to [node.data] (token_file becomes paths = [...]; see docs/DATA.md)")
     _require(not unknown, f"{section}: unknown key(s) {', '.join(unknown)}; known: {', '.join(fields)}")
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():

@@ -2,14 +2,14 @@
 
 Two kinds of settings live in one file:
 
-- `[node]`: what differs per site (identity, addresses, data directory, secret, role, timeouts),
-  validated into a frozen `NodeConfig`;
-- `[run]` with `[run.model]`, `[run.data]`, `[run.inner]`, `[run.outer]`, `[run.sync]`: the run
-  manifest (`run_config.RunManifest`), which the founding node defines and joiners receive from
-  the run and must not contradict (`check_joiner_manifest`).
+- `[node]`: what differs per site (identity, addresses, data directory, secret, role, timeouts,
+  and in `[node.data]` the data it trains on), validated into a frozen `NodeConfig`;
+- `[run]` with `[run.model]`, `[run.data]`, `[run.inner]`, `[run.outer]`, `[run.sync]`,
+  `[run.stop]`: the run manifest (`manifest.RunManifest`), which the founding node defines and
+  joiners receive from the run and must not contradict (`check_joiner_manifest`).
 
-Environment names: `DILOCO_<KEY>` for node keys (`DILOCO_LISTEN`), `DILOCO_<SECTION>_<KEY>` for
-run keys (`DILOCO_SYNC_PERIOD`), `DILOCO_RUN_SEED` for the run seed, `DILOCO_CONFIG` for the file.
+Environment names: `DILOCO_<KEY>` for node keys (`DILOCO_LISTEN`, `DILOCO_DATA_PATHS` for
+`[node.data] paths`), `DILOCO_<SECTION>_<KEY>` for run keys (`DILOCO_SYNC_PERIOD`), `DILOCO_RUN_SEED` for the run seed, `DILOCO_CONFIG` for the file.
 Unknown `DILOCO_*` variables are errors, like unknown file keys: a misspelt
 `DILOCO_SYNC_PERIDO` silently ignored would run a different experiment from the one intended,
 and the prefix is ours alone. Tooling that needs private variables uses `DILOCO_X_*`, which is
@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 from urllib.parse import urlsplit
 
-from diloco_node.config.manifest import ConfigError, RunManifest
+from diloco_node.config.manifest import MOVED_DATA_KEYS, ConfigError, RunManifest
+from diloco_node.config.site_data import SiteData
 from diloco_node.config.site_devices import ClusterSpec, MeshShape
 from wire.auth import MIN_RUN_SECRET_BYTES
 
@@ -164,6 +165,7 @@ class NodeConfig:
     log_retain_entries: int = DEFAULT_LOG_RETAIN_ENTRIES
     eval_interval_commits: int = 50
     eval_batches: int = 8
+    data: SiteData = SiteData()  # [node.data]: what this site trains on
     mesh: MeshShape = MeshShape()  # [node.mesh]: this site's devices laid out (learn/mesh.py)
     cluster: ClusterSpec = ClusterSpec()  # [node.cluster]: the hosts of a multi-host site
 
@@ -269,6 +271,12 @@ _NODE_HELP = {
     "log_retain_entries": "log entries kept below the newest checkpoint when compacting (lagging peers replay these)",
     "eval_interval_commits": "evaluate the global model on this site's eval split every N applied commits (0: never)",
     "eval_batches": "batches (of run.inner.batch_size windows) in each evaluation",
+    "data.source": "[node.data] what this site trains on: stdlib, text or tokens",
+    "data.paths": "[node.data] files, directories (text) and globs, read in order as one stream",
+    "data.tokenizer": "[node.data] a local tokenizer.json: text is tokenized with it; token files declare it",
+    "data.token_dtype": "[node.data] id type of token files: uint16 or uint32 (uint8 for byte files)",
+    "data.eval_fraction": "[node.data] share of the data held out for evaluation, in (0, 0.5)",
+    "data.seed": "[node.data] which files are held out when a source is split by file",
 }
 _NODE_KINDS = {
     "node_id": "str", "listen": "hostport", "advertise": "str", "source_address": "optip",
@@ -277,7 +285,11 @@ _NODE_KINDS = {
     "log_level": "str", "connect_timeout_s": "float", "read_timeout_s": "float",
     "heartbeat_interval_s": "float", "lease_timeout_s": "float", "checkpoint_interval_s": "float",
     "checkpoint_keep": "int", "log_retain_entries": "int", "eval_interval_commits": "int", "eval_batches": "int",
+    "data.source": "str", "data.paths": "pathlist", "data.tokenizer": "pathstr", "data.token_dtype": "str",
+    "data.eval_fraction": "float", "data.seed": "int",
 }
+# [node.data] is a table of its own: its keys are "data.<name>" (env DILOCO_DATA_<NAME>, --set data.<name>=).
+NODE_DATA_PREFIX = "data."
 _NODE_FLAGS = {
     "node_id": "--node-id", "listen": "--listen", "advertise": "--advertise",
     "source_address": "--source-address", "bootstrap": "--bootstrap",
@@ -287,7 +299,7 @@ DEFAULT_LISTEN = "127.0.0.1:7070"
 
 # Nested node tables: `[node.<table>]` keys are "<table>.<name>" (env DILOCO_<TABLE>_<NAME>,
 # `--set <table>.<name>=`), each table one frozen dataclass field of NodeConfig.
-NODE_TABLES: dict[str, type] = {"mesh": MeshShape, "cluster": ClusterSpec}
+NODE_TABLES: dict[str, type] = {"data": SiteData, "mesh": MeshShape, "cluster": ClusterSpec}
 _NODE_TABLE_HELP = {
     "mesh.data": "[node.mesh] devices on the data axis (-1: every device fsdp leaves)",
     "mesh.fsdp": "[node.mesh] devices parameters and AdamW state are sharded over (-1: every device data leaves)",
@@ -303,8 +315,12 @@ _SCHEDULER_ENV = {"cluster.process_id": "SLURM_PROCID", "cluster.num_processes":
 
 def _table_specs(table: str) -> list[KeySpec]:
     cls = NODE_TABLES[table]
-    return [KeySpec(f"{table}.{f.name}", _kind_of(getattr(cls(), f.name)), getattr(cls(), f.name),
-                    _NODE_TABLE_HELP[f"{table}.{f.name}"]) for f in dataclasses.fields(cls)]
+    specs = []
+    for f in dataclasses.fields(cls):
+        key, default = f"{table}.{f.name}", getattr(cls(), f.name)
+        specs.append(KeySpec(key, _NODE_KINDS.get(key) or _kind_of(default), default,
+                             _NODE_HELP.get(key) or _NODE_TABLE_HELP[key]))
+    return specs
 
 
 def _node_table_kwargs(values: Mapping[str, Any], sources: Mapping[str, str]) -> dict[str, Any]:
@@ -445,6 +461,17 @@ def _parse(spec: KeySpec, raw: Any, where: str, base_dir: Path, from_text: bool)
         _require(raw != "", f"{name}: must not be empty")
         path = Path(raw).expanduser()
         return path if path.is_absolute() else (base_dir / path)
+    if kind == "pathstr":  # a path kept as text ("" = unset); relative to the file that set it
+        _require(is_string, f"{name}: must be a path string")
+        return _resolved(raw, base_dir) if raw else ""
+    if kind == "pathlist":  # paths and globs, each relative to the file that set it
+        if is_text:
+            items = [item.strip() for item in raw.split(",") if item.strip()]
+        else:
+            _require(isinstance(raw, (list, tuple)) and all(isinstance(i, str) and i for i in raw),
+                     f"{name}: must be a list of paths, e.g. [\"/srv/data/*.bin\"]")
+            items = list(raw)
+        return tuple(_resolved(item, base_dir) for item in items)
     if kind == "optip":
         _require(is_string, f"{name}: must be an IP address string")
         if raw.strip() == "":
@@ -469,6 +496,12 @@ def _parse(spec: KeySpec, raw: Any, where: str, base_dir: Path, from_text: bool)
             return tuple(items)
         return tuple(HostPort.parse(item, f"{spec.key} ({where})") for item in items)
     raise AssertionError(f"unknown kind {kind}")
+
+
+def _resolved(path: str, base_dir: Path) -> str:
+    """`~` expanded; a relative path (or glob) taken from `base_dir`, as data_dir is."""
+    expanded = os.path.expanduser(path)
+    return expanded if os.path.isabs(expanded) else str(base_dir / expanded)
 
 
 def _inline_secret_error(name: str, where: str) -> ConfigError:
@@ -523,9 +556,7 @@ class EffectiveConfig:
         run_dict = self.run.to_dict()
         out = []
         for spec in NODE_SPECS:
-            table, _, leaf = spec.key.partition(".")
-            value = getattr(getattr(self.node, table), leaf) if leaf else getattr(self.node, spec.key)
-            out.append(Setting(spec.key, value, self.sources[spec.key], spec.env))
+            out.append(Setting(spec.key, _node_value(self.node, spec.key), self.sources[spec.key], spec.env))
         for spec in RUN_SPECS:
             value: Any = run_dict
             for part in spec.key.split(".")[1:]:
@@ -553,6 +584,12 @@ class EffectiveConfig:
         """The run's manifest, after checking it does not contradict what this node's config says."""
         check_joiner_manifest(self.run, theirs, explicit=self.explicit_run_keys())
         return theirs
+
+
+def _node_value(node: NodeConfig, key: str) -> Any:
+    """A node key's value: "data.paths" is `node.data.paths` (a nested table), "listen" `node.listen`."""
+    table, _, leaf = key.partition(".")
+    return getattr(getattr(node, table), leaf) if leaf else getattr(node, key)
 
 
 def _read_secret_file(path: Path, source: str) -> bytes:
@@ -630,6 +667,7 @@ def load_config(
             raw[override.key] = (override.value, override.source, cwd, True)
             continue
         if override.key not in ALL_SPECS:
+            _refuse_moved_data_key(override.key, override.source)
             if _looks_like_inline_secret(override.key):
                 raise _inline_secret_error(override.key, override.source)
             raise ConfigError(f"{override.key} ({override.source}): unknown setting; known node keys: "
@@ -721,9 +759,16 @@ def _take_key(flat: dict[str, Any], key: str, dotted: str, value: Any, where: st
     if key in ALL_SPECS or _is_model_option(key):
         flat[key] = value
         return
+    _refuse_moved_data_key(dotted, where)  # before the secret check: run.data.token_file is no secret
     if _looks_like_inline_secret(dotted):
         raise _inline_secret_error(dotted, where)
     raise ConfigError(f"{dotted} ({where}): unknown key; {_known_keys_hint(dotted)}")
+
+
+def _refuse_moved_data_key(dotted: str, where: str) -> None:
+    if dotted.startswith("run.data.") and dotted.rsplit(".", 1)[1] in MOVED_DATA_KEYS:
+        raise ConfigError(f"{dotted} ({where}): where a site reads its data is a site setting now: move it to "
+                          "[node.data] (run.data.token_file becomes [node.data] paths = [...]; see docs/DATA.md)")
 
 
 def _known_keys_hint(dotted: str) -> str:
@@ -735,7 +780,7 @@ def _known_keys_hint(dotted: str) -> str:
         known = [k.rsplit(".", 1)[1] for k in ALL_SPECS if k.startswith(parent + ".") and k.count(".") == dotted.count(".")]
         if known:
             return f"known in [{parent}]: {', '.join(known)}"
-        return "run sections: model, data, inner, outer, sync (and run.seed)"
+        return "run sections: model, data, inner, outer, sync, stop (and run.seed)"
     if dotted.startswith("node."):
         return f"known in [node]: {', '.join(s.key for s in NODE_SPECS)}"
     return "top-level tables are [node] and [run]"

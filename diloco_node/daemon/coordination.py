@@ -215,9 +215,14 @@ class CoordinationIO:
     async def on_log_append(self, message: wire.LogAppend, peer: Any) -> wire.Message | None:
         self.check_open()
         self.same_sender(message.leader, peer, "LogAppend")
+        try:
+            actions = self.handle(peers.append_from_wire(message))
+        except LocalProtocolError as error:
+            # The core refuses what cannot happen between honest members (a second leader in the
+            # epoch we lead): the peer's violation, answered 409 with the reason, not a 500.
+            raise RemoteProtocolError(f"LogAppend from {peer.node_id} refused: {error}", 409) from None
         self.leader_commit = max(self.leader_commit, message.leader_commit)
-        reply = self.dispatch(self.handle(peers.append_from_wire(message)), reply_to=peer.node_id,
-                              reply_type=coord.AppendResponse)
+        reply = self.dispatch(actions, reply_to=peer.node_id, reply_type=coord.AppendResponse)
         self.after_step()
         if reply is None:
             return None

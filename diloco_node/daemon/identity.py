@@ -17,6 +17,7 @@ from typing import Literal
 from bootstrap import messages as coord
 from bootstrap.coordinator_node import PersistentState
 from diloco_node.config.manifest import RunManifest
+from diloco_node.learn import data as data_lib
 from diloco_node.learn import factory
 from diloco_node.config.settings import ConfigError, EffectiveConfig, check_joiner_manifest
 from diloco_node.daemon import peers
@@ -61,15 +62,16 @@ class SiteIdentity:
             return "restart", self.store.load_persistent()
         loop = asyncio.get_running_loop()
         if cfg.is_founder:
-            # The founder publishes its model's parameter signature: every later site is checked
-            # against it (off the loop: the factory may import a user's module).
-            sealed = await loop.run_in_executor(None, factory.seal, self.effective.run)
+            # The founder publishes its model's parameter signature and its tokenizer's digest:
+            # every later site is checked against them (off the loop: the factory may import a
+            # user's module, and the tokenizer file is hashed).
+            sealed = await loop.run_in_executor(None, self._seal, self.effective.run)
             self.manifest = dataclasses.replace(sealed, founded_at=time.time())  # [run.stop] wall_s counts from here
             self.save()
             return "found", PersistentState.founding([self.node_id])
         urls = [peer.url() for peer in cfg.bootstrap]
         async def check_model(theirs: RunManifest) -> None:
-            await loop.run_in_executor(None, factory.check_signature, theirs)
+            await loop.run_in_executor(None, self._check_before_admission, theirs)
 
         manifest, membership, via = await negotiate(self.client, urls, self.effective, self.node_id,
                                                     cfg.advertise, peers.role_to_wire(self.role), check_model)
@@ -78,6 +80,25 @@ class SiteIdentity:
         self.bootstrap_url = via
         self.save()
         return "join", PersistentState.joining()
+
+    def _seal(self, manifest: RunManifest) -> RunManifest:
+        sealed = factory.seal(manifest)
+        if self.role is coord.MemberRole.LEARNER:
+            try:
+                sealed = data_lib.seal_tokenizer(sealed, self.effective.node.data)
+            except data_lib.DataError as error:
+                raise ConfigError(str(error)) from None
+        return sealed
+
+    def _check_before_admission(self, theirs: RunManifest) -> None:
+        """A joiner's model and (on a learner) its tokenizer against the run's, before it is admitted:
+        a site that would be refused later changes nothing anywhere."""
+        factory.check_signature(theirs)
+        if self.role is coord.MemberRole.LEARNER:
+            try:
+                data_lib.check_tokenizer(theirs.data.tokenizer_sha256, self.effective.node.data)
+            except data_lib.DataError as error:
+                raise ConfigError(str(error)) from None
 
     def has_peers(self) -> bool:
         return bool(self.effective.node.bootstrap) or any(n != self.node_id for n, _ in self.addresses.items())

@@ -1,7 +1,9 @@
 """Joining a running run: the join handshake and the fragment-by-fragment state download.
 
 Handshake (`request_membership`): a JoinRequest carrying the SHA-256 of the manifest we would
-run. The peer answers a Membership with the run's manifest bytes; it admits us (adds us to its
+run. A bootstrap peer that is still starting (503) or unreachable is asked again, round-robin over
+the bootstrap list with exponential backoff and jitter, until `JOIN_DEADLINE_S`; refusals that
+asking again cannot change (wrong secret 401, other run 409, contradicting settings) end at once. The peer answers a Membership with the run's manifest bytes; it admits us (adds us to its
 member view, so the lease holder starts replicating to us) only when the digests agree. A
 joiner whose own settings merely left keys at their defaults adopts the run's manifest and asks
 again with the run's digest; one whose explicit settings contradict the run stops with the
@@ -23,13 +25,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
+import random
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from diloco_node.config.manifest import RunManifest
 from diloco_node.config.settings import ConfigError, EffectiveConfig
 from diloco_node.sync.replica import Replica
-from diloco_node.transport import PeerClient, TransportError
+from diloco_node.transport import PeerClient, PeerRefused, PeerUnreachable, TransportError
 from wire import messages as wire
 from wire.errors import RemoteProtocolError
 
@@ -41,15 +46,30 @@ CHUNK_DEADLINE_S = 120.0
 # A peer whose copy of a fragment is older than the download's floor is asked again after this
 # pause (round-robin over the peers): it is usually applying the very entries we need.
 BEHIND_FLOOR_RETRY_S = 0.2
+# A joiner keeps asking bootstrap peers that are starting (503) or unreachable for this long: sites
+# of a new run are often started together, and a founder builds its model (seconds to minutes of
+# JAX set-up) before it answers. Past it the joiner exits with every peer's last answer.
+JOIN_DEADLINE_S = 300.0
+# Backoff between rounds over the bootstrap list: doubles from the first to the last, with up to
+# +-50 % jitter so sites started together do not ask in lock step.
+JOIN_RETRY_FIRST_S = 0.5
+JOIN_RETRY_MAX_S = 10.0
+JOIN_RETRY_JITTER = 0.5
+# Statuses that mean "ask again later": still starting or stopping, or too busy.
+TRANSIENT_STATUSES = frozenset({429, 503})
+
+log = logging.getLogger("diloco_node.daemon")
 
 
 class JoinRefused(Exception):
     """The run cannot be joined (wrong secret, contradicting manifest, no answer); says why.
-    `permanent`: asking another bootstrap peer cannot help (our own settings or model differ)."""
+    `permanent`: asking another bootstrap peer cannot help (our own settings or model differ).
+    `transient`: the same peer may answer later (still starting, unreachable)."""
 
-    def __init__(self, message: str, *, permanent: bool = False) -> None:
+    def __init__(self, message: str, *, permanent: bool = False, transient: bool = False) -> None:
         super().__init__(message)
         self.permanent = permanent
+        self.transient = transient
 
 
 class _PeerBehind(Exception):
@@ -67,22 +87,56 @@ async def request_membership(client: PeerClient, url: str, request: wire.JoinReq
     try:
         replies = await client.send(url, request, deadline_s=10.0)
     except TransportError as error:
-        raise JoinRefused(f"join through {url} failed: {error}") from None
+        transient = isinstance(error, PeerUnreachable) or (isinstance(error, PeerRefused)
+                                                           and error.status in TRANSIENT_STATUSES)
+        raise JoinRefused(f"join through {url} failed: {error}", transient=transient) from None
     for reply in replies:
         if isinstance(reply, wire.Membership):
             return reply
     raise JoinRefused(f"join through {url}: the peer sent no membership")
 
 
+def join_backoff_s(attempt: int, rng: random.Random) -> float:
+    """The pause before round `attempt` (1, 2, ...) over the bootstrap list, jittered."""
+    base = min(JOIN_RETRY_MAX_S, JOIN_RETRY_FIRST_S * 2 ** (attempt - 1))
+    return base * (1 + JOIN_RETRY_JITTER * (2 * rng.random() - 1))
+
+
 async def negotiate(client: PeerClient, urls: Sequence[str], effective: EffectiveConfig, node_id: str,
                     advertise: str, role: wire.Role,
-                    check_model: Callable[[RunManifest], Awaitable[None]] | None = None,
-                    ) -> tuple[RunManifest, wire.Membership, str]:
+                    check_model: Callable[[RunManifest], Awaitable[None]] | None = None, *,
+                    deadline_s: float = JOIN_DEADLINE_S,
+                    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                    monotonic: Callable[[], float] = time.monotonic,
+                    rng: random.Random | None = None) -> tuple[RunManifest, wire.Membership, str]:
     """Join through the first bootstrap peer that answers: (run manifest, membership, peer url).
 
     `check_model` (raising ConfigError) vets the run's model before we ask to be admitted, so a
-    site whose model differs is refused having changed nothing anywhere."""
+    site whose model differs is refused having changed nothing anywhere. Peers that are starting
+    or unreachable are asked again with backoff until `deadline_s` has passed."""
+    rng = rng or random.Random()
+    give_up_at = monotonic() + deadline_s
+    attempt = 0
+    while True:
+        attempt += 1
+        errors, transient = await _negotiate_once(client, urls, effective, node_id, advertise, role, check_model)
+        if isinstance(errors, tuple):
+            return errors
+        pause = join_backoff_s(attempt, rng)
+        if not transient or monotonic() + pause > give_up_at:
+            raise JoinRefused("could not join through any bootstrap peer"
+                              + (f" within {deadline_s:g} s" if transient else "") + ":\n  " + "\n  ".join(errors))
+        log.info("%s: no bootstrap peer could admit us yet (%s); asking again in %.1f s", node_id, errors[-1], pause)
+        await sleep(pause)
+
+
+async def _negotiate_once(client: PeerClient, urls: Sequence[str], effective: EffectiveConfig, node_id: str,
+                          advertise: str, role: wire.Role,
+                          check_model: Callable[[RunManifest], Awaitable[None]] | None,
+                          ) -> tuple[tuple[RunManifest, wire.Membership, str] | list[str], bool]:
+    """One round over the bootstrap list: the join, or (every peer's error, whether any may change)."""
     errors: list[str] = []
+    transient = False
     for url in urls:
         ours = effective.run
         request = wire.JoinRequest(node_id, advertise, role, ours.digest_bytes())
@@ -100,14 +154,15 @@ async def negotiate(client: PeerClient, urls: Sequence[str], effective: Effectiv
                 membership = await request_membership(client, url, request)
                 if parse_manifest(membership.payload).digest() != theirs.digest():
                     raise JoinRefused(f"{url}: the run's manifest changed while joining; try again")
-            return theirs, membership, url
+            return (theirs, membership, url), False
         except JoinRefused as error:
             if error.permanent or "refused with 401" in str(error) or "refused with 409" in str(error):
                 raise
             errors.append(str(error))
+            transient = transient or error.transient
         except RemoteProtocolError as error:
             errors.append(f"{url}: {error}")
-    raise JoinRefused("could not join through any bootstrap peer:\n  " + "\n  ".join(errors))
+    return errors, transient
 
 
 @dataclass(slots=True)

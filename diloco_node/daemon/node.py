@@ -53,8 +53,8 @@ from diloco_node.learn.learner_thread import DueFragment, LearnerThread
 from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore
 from diloco_node.ops.status import MetricsRegistry, StatusBuilder, operator_routes
 from diloco_node.ops.systemd import SystemdNotifier, run_watchdog
-from diloco_node.transport import ClientOptions, PeerClient, PeerServer
-from wire.auth import AuthContext, FrameVerifier, derive_frame_key
+from diloco_node.transport import ClientOptions, ConnectionGuard, PeerClient, PeerServer
+from wire.auth import AuthContext, FrameVerifier, RunSecretError, derive_frame_key, load_run_secret
 from wire.errors import LocalProtocolError
 
 log = logging.getLogger("diloco_node.daemon")
@@ -64,6 +64,9 @@ STATUS_REFRESH_S = 0.25
 # Worker threads for codecs, merges and big-frame hashing (they release the GIL); the learner
 # has its own thread. Two is enough on a small host; more only competes with JAX.
 POOL_THREADS = 2
+# Text a learner tokenizes is cached here, under data_dir, so a restart maps it instead of
+# tokenizing again (learn/data.py names each cache by its files and encoder).
+DATA_CACHE_DIR = "data-cache"
 # How long a refreshed address book is trusted before a peer is asked again for the member list.
 MEMBER_REFRESH_S = 5.0
 # Exit statuses of `diloco-node run` (systemd's unit tells them apart).
@@ -128,7 +131,14 @@ class Node:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
-            secret = self.effective.read_secret()
+            self.effective.read_secret()  # configured and readable: ConfigError naming the setting's source
+            try:
+                # The wire's rules (docs/WIRE.md section 4): not accessible by "other", one trailing
+                # newline stripped; the same bytes every member derives its key from.
+                assert self.cfg.secret_file is not None
+                secret = load_run_secret(self.cfg.secret_file)
+            except RunSecretError as error:
+                raise ConfigError(str(error)) from None
             try:
                 key = derive_frame_key(secret)
             except LocalProtocolError as error:
@@ -141,7 +151,7 @@ class Node:
         run_id = run_id_for(secret)
         self.status.set_run_id(run_id)
         auth = AuthContext(run_id, self.node_id, key)
-        verifier = FrameVerifier(run_id, key)
+        verifier = FrameVerifier(run_id, key, node_id=self.node_id)  # frames must be addressed to us
         self.executor = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix=f"pool-{self.node_id}")
         self.disk_executor = ThreadPoolExecutor(1, thread_name_prefix=f"disk-{self.node_id}")
         self.client = PeerClient(auth, verifier, executor=self.executor,
@@ -155,6 +165,8 @@ class Node:
         self.history = DaemonHistory.open(data_dir, self.node_id, pace_s=self._min_step_interval_s)
         self.identity = SiteIdentity(self.effective, self.store, self.client, self.role)
         app = web.Application(client_max_size=1024 ** 2)
+        guard = ConnectionGuard()
+        guard.install(app)
         self.server.install(app)
         app.add_routes(operator_routes(self._status_document, self.metrics, self._live))
         # Resources live as long as the app; cleanup runs in reverse order of set-up.
@@ -166,6 +178,8 @@ class Node:
         app.cleanup_ctx.append(self.client.cleanup_ctx)  # the peer session
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
+        assert runner.server is not None
+        self.tasks.spawn(guard.run(runner.server), name="connection-guard")
         code = EXIT_FAILED
         try:
             site = web.TCPSite(runner, self.cfg.listen.host, self.cfg.listen.port)
@@ -213,6 +227,7 @@ class Node:
         # Model set-up runs off the loop (JAX init, corpus): /status keeps answering meanwhile.
         site = self.site = await loop.run_in_executor(
             None, lambda: build_site_model(manifest, learner=self.role is coord.MemberRole.LEARNER,
+                                           data=self.cfg.data, cache_dir=self.cfg.data_dir / DATA_CACHE_DIR,
                                            mesh_shape=self.cfg.mesh))
         if site.devices is not None:
             self.status.set_devices(site.devices)
@@ -390,7 +405,8 @@ class Node:
             consistent_from=keeper.consistent_from, log_applied_index=core.log.applied_index,
             commit_target=max(core.log.commit_index, self.coordination.leader_commit),
             replacing_state=keeper.replacing_state(), was_ready=self._ready,
-            role="lease holder" if core.is_lease_holder(now) else core.role.value, epoch=core.epoch)
+            role="lease holder" if core.is_lease_holder(now) else core.role.value, epoch=core.epoch,
+            coordination_silent_s=self._coordination_silent_s(now), lease_s=self.cfg.lease_timeout_s)
         verdict = readiness(facts)
         if verdict.became_ready:
             self._ready = True
@@ -399,6 +415,14 @@ class Node:
         if self._status_line.due(verdict.reason, now):
             self.notifier.status(verdict.reason)
         self.status.set_ready(verdict.ready, verdict.reason)
+
+    def _coordination_silent_s(self, now: float) -> float | None:
+        """Seconds since a lease holder was last heard from (0 while we hold the lease)."""
+        core = self.coordination.core
+        if core.is_lease_holder(now):
+            return 0.0
+        heard = core.election.heard_leader_at
+        return None if heard is None else max(0.0, now - heard)
 
     def _status_document(self) -> Any:
         return self.status.document(self.now())

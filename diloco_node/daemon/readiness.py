@@ -4,7 +4,9 @@
 ready once its replica is one committed global state caught up with what the lease holder told
 it, and (for a learner) its training step is compiled. Once ready it stays ready while it catches
 up from the log (its state is always one committed state); during a snapshot install it is not
-one state, so it says not ready until the downloaded state has been replayed.
+one state, so it says not ready until the downloaded state has been replayed. A ready node also
+says not ready while its coordination is stalled: it holds no lease and has heard from no lease
+holder for longer than the lease (it cannot commit, nor learn of commits), with how long.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ class ReadinessFacts:
     was_ready: bool  # this node has been ready before (readiness latches)
     role: str  # "lease holder", "follower", ...
     epoch: int
+    # Seconds since a lease holder was last heard from (0 while we hold the lease ourselves), and
+    # the lease: beyond it coordination is stalled. None: not known yet.
+    coordination_silent_s: float | None = None
+    lease_s: float = float("inf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +58,10 @@ def readiness(facts: ReadinessFacts) -> Readiness:
     became_ready = latched and not facts.was_ready
     if latched and facts.replacing_state:
         return Readiness(False, became_ready, f"installing a snapshot: {reason}")
+    if latched and facts.coordination_silent_s is not None and facts.coordination_silent_s > facts.lease_s:
+        return Readiness(False, became_ready,
+                         f"coordination stalled: no lease holder heard from for {facts.coordination_silent_s:.1f} s "
+                         f"(lease {facts.lease_s:g} s); {facts.role}, epoch {facts.epoch}")
     if latched:
         return Readiness(True, became_ready, f"ready: {facts.role}, epoch {facts.epoch}, applied {facts.applied_index}")
     return Readiness(False, False, reason)

@@ -11,7 +11,9 @@ Lease changes reset or seed the syncer. Everything this driver needs is handed t
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import math
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
@@ -39,6 +41,13 @@ log = logging.getLogger("diloco_node.daemon")
 # A contribution upload may take this long before it is dropped (the learner sends again at its
 # next slot, with the steps of both).
 CONTRIBUTION_DEADLINE_S = 60.0
+# Decodes in flight per learner: a learner sends one fragment per slot, so a second one while the
+# first is still decoding is a flood (429); each decode holds up to a fragment's fp32 size.
+MAX_DECODES_PER_LEARNER = 1
+# A learner's steps claim for fragment p may exceed the period H by what the time since its previous
+# accepted contribution for p allows at the syncer's step-time estimate, times this slack (a
+# learner a little faster than the estimate, or whose previous round was dropped, is not cut).
+STEPS_TIME_SLACK = 2.0
 
 
 class RoundDriver:
@@ -70,6 +79,10 @@ class RoundDriver:
         self.merging = False
         self._wake_timers: dict[int, Timer] = {}
         self._held_lease = False
+        self._lease_since = 0.0  # when we last gained the lease (monotonic)
+        self._decoding: dict[str, int] = {}  # learner -> decodes in flight (members only)
+        self._accepted_at: dict[tuple[str, int], float] = {}  # (learner, p) -> last accepted (members only)
+        self._shapes: dict[int, dict[str, tuple[int, ...]]] = {}
 
     # ------------------------------------------------------------------ learner -> network
 
@@ -100,25 +113,82 @@ class RoundDriver:
 
     # ------------------------------------------------------------------ the syncer (lease holder)
 
+    def contributor_problem(self, learner: str) -> str:
+        """Why `learner` may not contribute ("" when it may): only learner members of the run do."""
+        record = self.coordination.membership.members.get(learner)
+        if record is None:
+            return f"{learner} is not a member of this run"
+        if record.role is not coord.MemberRole.LEARNER:
+            return f"{learner} is a {record.role.value}, not a learner"
+        if record.state is coord.MemberState.LEFT:
+            return f"{learner} has left the run"
+        return ""
+
+    def steps_allowed(self, learner: str, p: int, now: float) -> int | None:
+        """The most inner steps `learner` can claim for fragment p: the period H plus what the time
+        since its previous accepted contribution for p (or since we took the lease) allows at the
+        syncer's step-time estimate; None while there is no estimate."""
+        step_s = self.syncer.xi_step.value
+        if not step_s or step_s <= 0:
+            return None
+        since = self._accepted_at.get((learner, p), self._lease_since)
+        period = self.plan.period
+        return period + math.ceil(STEPS_TIME_SLACK * max(0.0, now - since) / step_s)
+
     async def on_contribution(self, message: wire.FragmentContribution) -> None:
         """A peer's contribution (its sender already checked against the frame's signer)."""
+        learner = message.learner_id
+        problem = self.contributor_problem(learner)
+        if problem:
+            raise RemoteProtocolError(f"contribution refused: {problem}", 403)
         if not self.coordination.is_lease_holder(self.clock.monotonic()):
             leader = self.coordination.election.leader_id
             raise RemoteProtocolError(f"{self.node_id} does not hold the lease (lease holder: {leader})", 409)
-        await self.accept(message, transfer_s=None)
-
-    async def accept(self, message: wire.FragmentContribution, transfer_s: float | None) -> None:
-        if not 0 <= message.fragment < self.plan.num_fragments:
-            raise RemoteProtocolError(f"fragment {message.fragment} does not exist in this run", 400)
-        loop = asyncio.get_running_loop()
+        if self._decoding.get(learner, 0) >= MAX_DECODES_PER_LEARNER:
+            raise RemoteProtocolError(f"a contribution from {learner} is already being decoded", 429)
+        self._decoding[learner] = self._decoding.get(learner, 0) + 1
         try:
-            delta = await loop.run_in_executor(self.executor, decode_named, message.payload)
+            await self.accept(message, transfer_s=None, cap_steps=True)
+        finally:
+            left = self._decoding[learner] - 1
+            if left:
+                self._decoding[learner] = left
+            else:
+                del self._decoding[learner]
+
+    def _fragment_shapes(self, p: int) -> dict[str, tuple[int, ...]]:
+        shapes = self._shapes.get(p)
+        if shapes is None:
+            shapes = self._shapes[p] = {n: tuple(a.shape) for n, a in self.replica.state.fragment_params(p).items()}
+        return shapes
+
+    async def accept(self, message: wire.FragmentContribution, transfer_s: float | None, *,
+                     cap_steps: bool = False) -> None:
+        p = message.fragment
+        if not 0 <= p < self.plan.num_fragments:
+            raise RemoteProtocolError(f"fragment {p} does not exist in this run", 400)
+        loop = asyncio.get_running_loop()
+        # Names and shapes are checked against the fragment before anything is decompressed, and the
+        # decode is bounded by the fragment's own elements (a 33 KB message once declared 1 GiB).
+        decode = functools.partial(decode_named, message.payload, expected=self._fragment_shapes(p))
+        try:
+            delta = await loop.run_in_executor(self.executor, decode)
         except (RemoteProtocolError, ValueError) as error:
-            raise RemoteProtocolError(f"contribution from {message.learner_id}: {error}", 400) from None
-        contribution = Contribution(message.learner_id, message.fragment, message.base_round, delta,
-                                    message.c_steps, message.c_tokens)
-        self.syncer.add(contribution, self.clock.monotonic(), transfer_s=transfer_s)
-        self.evaluate(message.fragment)
+            raise RemoteProtocolError(f"contribution from {message.learner_id} for fragment {p}: {error}", 400) from None
+        now = self.clock.monotonic()
+        c_steps, c_tokens = message.c_steps, message.c_tokens
+        allowed = self.steps_allowed(message.learner_id, p, now) if cap_steps else None
+        if allowed is not None and c_steps > allowed:
+            per_step = self.syncer.caps.max_tokens_per_step
+            log.info("%s: %s claims %d steps for fragment %d; %d are possible since its previous contribution: "
+                     "capped", self.node_id, message.learner_id, c_steps, p, allowed)
+            c_tokens = min(c_tokens, allowed * per_step)
+            c_steps = allowed
+        contribution = Contribution(message.learner_id, p, message.base_round, delta, c_steps, c_tokens)
+        if cap_steps:
+            self._accepted_at[(message.learner_id, p)] = now
+        self.syncer.add(contribution, now, transfer_s=transfer_s)
+        self.evaluate(p)
 
     def _live_learners(self) -> list[str]:
         return [node_id for node_id, record in self.coordination.membership.members.items()
@@ -154,6 +224,12 @@ class RoundDriver:
             plan: CommitPlan = await loop.run_in_executor(
                 self.executor, self.syncer.plan_commit, p, rnd, self.replica.state, self.replica.digest_after, reason,
                 self.clock.wall())
+            if plan.merged is not None:
+                # Every rejection and cap with its own reason (the round's summary names only who).
+                for _, why in plan.merged.result.rejected:
+                    self.report_error(f"fragment {p} round {plan.merged.round}: {why}")
+                for learner, what in plan.merged.result.capped:
+                    log.info("%s syncer: fragment %d: %s capped: %s", self.node_id, p, learner, what)
             if not plan.proposes:
                 if plan.failed:
                     self.report_error(plan.reason)
@@ -195,6 +271,8 @@ class RoundDriver:
             self._wake_timers.clear()
         if holder and not self._held_lease:
             self.syncer.lease_gained(self.replica.norm_refs)
+            self._lease_since = self.clock.monotonic()
+            self._accepted_at.clear()
         self._held_lease = holder
 
     def quorum_reason(self) -> str:

@@ -16,7 +16,8 @@ import logging
 
 from diloco_node.config.manifest import RunManifest
 from diloco_node.config.settings import EffectiveConfig
-from diloco_node.learn import data as data_lib
+from diloco_node.daemon.node import DATA_CACHE_DIR
+from diloco_node.daemon.site_model import open_learner_data
 from diloco_node.learn import factory
 from diloco_node.learn import model as model_lib
 from diloco_node.learn.cluster import BoundaryFollowing, share_manifest
@@ -36,7 +37,7 @@ def run_follower(effective: EffectiveConfig) -> int:
     manifest = RunManifest.from_dict(json.loads(share_manifest(None)))
     # The same build, in the same order, as process 0's `build_site_model` and `prepare_learner`:
     # each step on the site's global arrays is a program every process runs together.
-    corpus = data_lib.load_corpus(manifest.data)
+    corpus = open_learner_data(manifest, cfg.data, cfg.data_dir / DATA_CACHE_DIR)  # this host's own copy
     site_mesh = build_site_mesh(cfg.mesh)
     inner = InnerLearner(manifest.model, manifest.inner, manifest.seed, site_mesh=site_mesh)
     initial = model_lib.flat_params(factory.init_params(manifest.model, manifest.seed)[1])

@@ -1,5 +1,6 @@
-"""A site's model side, built from the run manifest: data, model, the initial global state, the
-fragment plan, the replica, the syncer, and (on learner sites) the training thread.
+"""A site's model side, built from the run manifest and the site's own data: data, model, the
+initial global state, the fragment plan, the replica, the syncer, and (on learner sites) the
+training thread.
 
 Runs off the event loop (JAX initialisation and the corpus take seconds). A learner's model is
 initialised once: its weights are also the run's initial state (the same seed for every site).
@@ -10,10 +11,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from diloco_node.config.manifest import RunManifest
+from diloco_node.config.site_data import SiteData
 from diloco_node.config.settings import ConfigError
 from diloco_node.config.site_devices import MeshShape
 from diloco_node.learn import data as data_lib
@@ -43,17 +46,30 @@ class SiteModel:
     devices: dict | None = None  # the learner's devices and mesh (`SiteMesh.describe()`), None on a witness
 
 
-def build_site_model(manifest: RunManifest, *, learner: bool, mesh_shape: MeshShape = MeshShape()) -> SiteModel:
+def open_learner_data(manifest: RunManifest, data: SiteData, cache_dir: Path | None) -> data_lib.Corpus:
+    """A learner's own data (`[node.data]`), checked against what the run fixes: the tokenizer's
+    digest and the model's vocabulary (every id scanned). Problems are ConfigErrors naming the file."""
+    try:
+        warning = data_lib.check_tokenizer(manifest.data.tokenizer_sha256, data)
+        if warning:
+            log.warning("%s", warning)
+        corpus = data_lib.open_site_data(data, cache_dir)
+        data_lib.check_tokens(corpus, manifest.model.vocab_size)
+    except data_lib.DataError as error:
+        raise ConfigError(str(error)) from None
+    log.info("training data: %s (%d train, %d eval tokens)", corpus.description, len(corpus.train), len(corpus.eval))
+    return corpus
+
+
+def build_site_model(manifest: RunManifest, *, learner: bool, data: SiteData | None = None,
+                     cache_dir: Path | None = None, mesh_shape: MeshShape = MeshShape()) -> SiteModel:
     """Learners and witnesses build the same model from the manifest alone (its factory, options,
-    vocabulary and context), checked against the run's sealed parameter signature. A learner
-    trains on every device of the site, laid out by `[node.mesh]` (learn/mesh.py)."""
+    vocabulary and context), checked against the run's sealed parameter signature. A learner also
+    opens its own data (`data`, default the stdlib; tokenized text is cached in `cache_dir`);
+    witnesses read none. A learner trains on every device of the site, laid out by `[node.mesh]`
+    (learn/mesh.py)."""
     factory.check_signature(manifest)
-    corpus = data_lib.load_corpus(manifest.data) if learner else None
-    if corpus is not None:
-        try:
-            data_lib.check_vocabulary(corpus, manifest.model.vocab_size)
-        except data_lib.DataError as error:
-            raise ConfigError(str(error)) from None
+    corpus = open_learner_data(manifest, data or SiteData(), cache_dir) if learner else None
     site_mesh = build_site_mesh(mesh_shape) if learner else None
     inner = InnerLearner(manifest.model, manifest.inner, manifest.seed, site_mesh=site_mesh) if learner else None
     if inner is not None and not inner.site_mesh.multi_process:

@@ -1,19 +1,27 @@
-"""Training data: token sources, the train/eval split, per-learner shards and batches.
+"""Training data: a site's token sources, the train/eval split, the vocabulary checks, batches.
 
-Three sources behind one interface (`load_corpus(spec) -> Corpus`):
-- "stdlib": the running interpreter's own standard library `.py` files (present on every machine,
-  nothing to download). Split into train/eval by a hash of each file's relative path.
-- "text": user text files, directories or globs (`**` recurses), split the same way by path.
-- "tokens": pre-tokenized files (a path or a glob; raw `.bin` of uint8, uint16 or uint32 ids, or
-  `.npy`), memory-mapped and read as one stream, never loaded whole (token_files.py); the last
-  `eval_fraction` of it is the eval split.
-When a path split would leave one side empty (e.g. a single text file), the concatenated stream is
-split by position instead (the tail is eval). A missing, empty or unreadable source is a
-`DataError` naming the path.
+A site's `[node.data]` (config/site_data.py) names its data; `open_site_data(SiteData,
+cache_dir)` opens it as a `Corpus` (a train and an eval token stream and the vocabulary they
+imply). Nothing is downloaded and nothing large is read whole:
+- "stdlib": the running interpreter's own standard library `.py` files as bytes (present on
+  every machine: the demo's corpus), split into train/eval by a hash of each file's path.
+- "tokens": flat token files (`.bin` of `token_dtype` ids or `.npy`), memory-mapped and read as
+  one stream (token_files.py); the last `eval_fraction` of the stream is eval.
+- "text": text files, directories or globs read in chunks, encoded as bytes (vocabulary 256) or,
+  with a local `tokenizer.json`, as the tokenizer's ids, and written once to a token file in
+  `cache_dir` named by a digest of the encoder and the files (path, size, mtime), so a restarted
+  site maps the cache instead of tokenizing again. Enough files are split by path hash, else the
+  tail of the stream is eval.
+A missing, empty or unreadable source is a `DataError` naming the path.
+
+What the sites of a run must agree on is checked here: `check_tokens` scans a corpus for ids at
+or above the model's vocabulary in bounded chunks and names the first one; `check_tokenizer`
+compares the site's tokenizer with the run's digest (`[run.data] tokenizer_sha256`).
 
 Learner m trains on shard m: the m-th of M contiguous, disjoint ranges of the train stream.
 Batches are random windows of seq_len + 1 tokens (inputs and shifted targets) from a generator
-seeded by (seed, learner), so a run is reproducible.
+seeded by (seed, learner), so a run is reproducible; `BatchSampler.state()` is its position,
+kept in the learner checkpoint, and `restore` continues from it.
 """
 
 from __future__ import annotations
@@ -21,15 +29,20 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import mmap
 import os
 import sysconfig
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any
 
 import numpy as np
 
-from diloco_node.config.manifest import DataSpec
+from diloco_node.config.manifest import DataAgreement, RunManifest
+from diloco_node.config.site_data import SiteData
 from diloco_node.learn import token_files
 
 # Files of the stdlib that are not the standard library proper (third-party installs).
@@ -44,14 +57,20 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class Corpus:
-    """Train and eval token streams (uint8 or uint16 arrays, possibly memory-mapped)."""
+    """Train and eval token streams: arrays, or `token_files.TokenStream`s of memory-mapped files
+    (both are only measured with len() and sliced). `vocab_size` is the vocabulary the data
+    implies: 256 for bytes, the tokenizer's for tokenized text, the dtype's range for token files.
+    `tokenizer_digest` is the sha256 of the tokenizer.json that made the ids ("" when none did or
+    none was named) and `tokenizer_vocab_size` its vocabulary (0 when text was not tokenized here)."""
 
-    train: np.ndarray
-    eval: np.ndarray
+    train: np.ndarray | token_files.TokenStream
+    eval: np.ndarray | token_files.TokenStream
     vocab_size: int
     description: str
     train_files: tuple[str, ...] = ()
     eval_files: tuple[str, ...] = ()
+    tokenizer_digest: str = ""
+    tokenizer_vocab_size: int = 0
 
 
 def stdlib_files() -> list[Path]:
@@ -112,63 +131,367 @@ def _concat(files: Sequence[Path]) -> np.ndarray:
     return np.frombuffer(b"".join(_read(f) for f in files), dtype=np.uint8)
 
 
-def _corpus_from_files(files: Sequence[Path], root: Path | None, spec: DataSpec, description: str) -> Corpus:
-    names = [str(f.relative_to(root)) if root is not None else str(f) for f in files]
+def stdlib_corpus(eval_fraction: float = 0.05, seed: int = 0) -> Corpus:
+    """The standard library's `.py` files as bytes (tens of MB, read whole), split by path hash."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = stdlib_files()
+    if not files:
+        raise DataError(f"data source stdlib: no .py files under {str(root)!r}")
+    names = [str(f.relative_to(root)) for f in files]
     by_name = dict(zip(names, files))
+    train_names, eval_names = split_paths(names, eval_fraction, seed)
+    train, evaluation = _concat([by_name[n] for n in train_names]), _concat([by_name[n] for n in eval_names])
+    if not train.size or not evaluation.size:
+        raise DataError(f"data source stdlib under {str(root)!r}: too few files to hold out an eval split")
+    return Corpus(train, evaluation, 256, f"stdlib .py files under {root}", tuple(train_names), tuple(eval_names))
+
+
+# --- A site's own data: `[node.data]` --------------------------------------------------------
+
+TEXT_CHUNK_BYTES = 1 << 20  # text is read and encoded in pieces of this size: memory stays bounded
+ENCODE_GROUP_CHUNKS = 8  # pieces given to the tokenizer in one call (it encodes a batch in parallel)
+TEXT_CACHE_FORMAT = 1  # part of the cache key: a change to the layout or the chunking never reuses old caches
+TOKENIZERS_MISSING = "install the 'tokenizers' extra: pip install 'diloco-node[tokenizers]'"
+
+
+def tokenizer_digest(path: str | os.PathLike[str]) -> str:
+    """sha256 (hex) of a tokenizer.json's bytes: every site of a run must tokenize with the same file."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as file:
+            for block in iter(lambda: file.read(1 << 20), b""):
+                digest.update(block)
+    except FileNotFoundError:
+        raise DataError(f"node.data.tokenizer {str(path)!r}: no such file") from None
+    except OSError as exc:
+        raise DataError(f"node.data.tokenizer {str(path)!r}: cannot read it ({exc.strerror or exc})") from None
+    return digest.hexdigest()
+
+
+def _load_tokenizer(path: str) -> Any:
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise DataError(f"node.data.tokenizer: {TOKENIZERS_MISSING}") from None
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as error:  # noqa: BLE001 - the library raises a bare Exception for a malformed file
+        raise DataError(f"node.data.tokenizer {path!r}: not a tokenizer.json the tokenizers library can load "
+                        f"({error})") from None
+
+
+def _cut_point(buffer: bytearray, limit: int) -> int:
+    """Where to end a piece of at most `limit` bytes: after its last line end, else after its last
+    space, else before the UTF-8 character that straddles the limit. Tokens then rarely straddle a
+    cut (a tokenizer never sees half a word or half a character) and every piece decodes alone."""
+    for separator in (b"\n", b" "):
+        end = buffer.rfind(separator, 0, limit)
+        if end >= 0:
+            return end + 1
+    cut = limit
+    while cut > 0 and buffer[cut] & 0xC0 == 0x80:  # a UTF-8 continuation byte: the character began earlier
+        cut -= 1
+    return cut or limit
+
+
+def iter_text_chunks(path: Path, chunk_bytes: int = TEXT_CHUNK_BYTES) -> Iterator[bytes]:
+    """A file's bytes in pieces of at most `chunk_bytes` (cut as `_cut_point` says); joined, they
+    are the file. At most twice `chunk_bytes` is held at once, whatever the file's size."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes = {chunk_bytes}: must be >= 1")
+    buffer = bytearray()
+    try:
+        with open(path, "rb") as file:
+            while True:
+                block = file.read(chunk_bytes)
+                buffer += block
+                # Cut only with a byte beyond the limit in hand (or at the end): the cut looks at it.
+                while len(buffer) > chunk_bytes:
+                    cut = _cut_point(buffer, chunk_bytes)
+                    yield bytes(buffer[:cut])
+                    del buffer[:cut]
+                if not block:
+                    if buffer:
+                        yield bytes(buffer)
+                    return
+    except OSError as exc:
+        raise DataError(f"data source {str(path)!r}: cannot read it ({exc.strerror or exc})") from None
+
+
+# An encoder turns one file's pieces, each with its byte offset in the file, into id arrays.
+Encoder = Callable[[Path, list[tuple[int, bytes]]], list[np.ndarray]]
+
+
+def _encode_bytes(path: Path, pieces: list[tuple[int, bytes]]) -> list[np.ndarray]:
+    return [np.frombuffer(piece, dtype=np.uint8) for _, piece in pieces]
+
+
+def _tokenizer_encoder(tokenizer: Any) -> Encoder:
+    def encode(path: Path, pieces: list[tuple[int, bytes]]) -> list[np.ndarray]:
+        texts = []
+        for offset, piece in pieces:
+            try:
+                texts.append(piece.decode("utf-8"))
+            except UnicodeDecodeError as error:
+                raise DataError(f"text file {str(path)!r}: not UTF-8 at byte {offset + error.start}; the tokenizer "
+                                "reads UTF-8 text (convert the file, e.g. with iconv)") from None
+        # No special tokens: a BOS/EOS per piece would land in the middle of the text.
+        encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
+        return [np.asarray(encoding.ids, dtype=np.uint32) for encoding in encodings]
+    return encode
+
+
+def _write_text_tokens(files: Sequence[Path], encode: Encoder, dtype: np.dtype, out: Any,
+                       chunk_bytes: int) -> list[tuple[int, int]]:
+    """Encode the files into `out`, one after another; the [start, stop) of each file's ids."""
+    ranges: list[tuple[int, int]] = []
+    written = 0
+    for path in files:
+        start, offset, group = written, 0, []
+        for piece in iter_text_chunks(path, chunk_bytes):
+            group.append((offset, piece))
+            offset += len(piece)
+            if len(group) == ENCODE_GROUP_CHUNKS:
+                written += _write_ids(encode(path, group), dtype, out)
+                group = []
+        if group:
+            written += _write_ids(encode(path, group), dtype, out)
+        ranges.append((start, written))
+    return ranges
+
+
+def _write_ids(arrays: list[np.ndarray], dtype: np.dtype, out: Any) -> int:
+    count = 0
+    for ids in arrays:
+        out.write(np.ascontiguousarray(ids, dtype=dtype).data)
+        count += len(ids)
+    return count
+
+
+def _text_cache_key(files: Sequence[Path], encoder_id: str, chunk_bytes: int) -> str:
+    """Digest of what the cached ids depend on: the encoder, the chunking and each file's resolved
+    path, size and modification time (an edited file gets a new cache)."""
+    described = []
+    for path in files:
+        try:
+            stat = path.stat()
+        except OSError as exc:
+            raise DataError(f"data source {str(path)!r}: cannot read it ({exc.strerror or exc})") from None
+        described.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
+    blob = json.dumps({"format": TEXT_CACHE_FORMAT, "encoder": encoder_id, "chunk_bytes": chunk_bytes,
+                       "files": described}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _cached_ranges(meta_path: Path, tokens_path: Path, dtype: np.dtype, file_count: int) -> list[tuple[int, int]] | None:
+    """The file ranges of a complete cache, or None when there is none (or it is damaged: rebuilt)."""
+    try:
+        meta = json.loads(meta_path.read_text())
+        ranges = [(int(start), int(stop)) for start, stop in meta["ranges"]]
+        size = tokens_path.stat().st_size
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if meta.get("format") != TEXT_CACHE_FORMAT or meta.get("dtype") != dtype.name or len(ranges) != file_count:
+        return None
+    if not ranges or size != ranges[-1][1] * dtype.itemsize:
+        return None
+    return ranges
+
+
+def _replace_atomically(path: Path, write: Callable[[Any], None]) -> None:
+    """Write a file under a temporary name, sync it, then rename it: a crash leaves no half file."""
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            write(out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
+
+
+def _open_text_tokens(files: Sequence[Path], encoder_id: str, encode: Encoder, dtype: np.dtype,
+                      cache_dir: Path | None, chunk_bytes: int, what: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """The files' ids as one memory-mapped array and each file's [start, stop) in it: from the
+    cache when it holds them, else encoded now (into the cache, or into a nameless temporary file
+    when there is no cache directory: then a restart encodes again)."""
+    def no_text() -> DataError:
+        return DataError(f"data source {what}: the files hold no text")
+
+    if cache_dir is None:
+        with tempfile.TemporaryFile() as out:  # the map keeps the (already unlinked) file alive
+            ranges = _write_text_tokens(files, encode, dtype, out, chunk_bytes)
+            out.flush()
+            if not ranges[-1][1]:
+                raise no_text()
+            return np.memmap(out, dtype=dtype, mode="r", shape=(ranges[-1][1],)), ranges
+    key = _text_cache_key(files, encoder_id, chunk_bytes)
+    tokens_path, meta_path = cache_dir / f"text-{key}.bin", cache_dir / f"text-{key}.json"
+    ranges = _cached_ranges(meta_path, tokens_path, dtype, len(files))
+    if ranges is None:
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DataError(f"data cache {str(cache_dir)!r}: cannot create it ({exc.strerror or exc})") from None
+        found: list[tuple[int, int]] = []
+        _replace_atomically(tokens_path, lambda out: found.extend(_write_text_tokens(files, encode, dtype, out, chunk_bytes)))
+        ranges = found
+        if not ranges[-1][1]:
+            tokens_path.unlink(missing_ok=True)
+            raise no_text()
+        # Written after the ids, so a crash in between leaves no cache that claims to be complete.
+        meta = {"format": TEXT_CACHE_FORMAT, "dtype": dtype.name, "encoder": encoder_id,
+                "files": [str(path) for path in files], "ranges": ranges}
+        _replace_atomically(meta_path, lambda out: out.write(json.dumps(meta).encode()))
+    return np.memmap(tokens_path, dtype=dtype, mode="r", shape=(ranges[-1][1],)), ranges
+
+
+def _split_stream(stream: token_files.TokenStream, eval_fraction: float) -> tuple[token_files.TokenStream, token_files.TokenStream]:
+    """(head, tail): the tail is the last `eval_fraction` of the stream (at least one token)."""
+    cut = len(stream) - max(1, int(len(stream) * eval_fraction))
+    return stream.sub(0, cut), stream.sub(cut, len(stream))
+
+
+def _open_site_text(spec: SiteData, cache_dir: Path | None, chunk_bytes: int) -> Corpus:
+    files = expand_text_paths(spec.paths)
+    patterns = ", ".join(repr(p) for p in spec.paths)
+    if spec.tokenizer:
+        digest = tokenizer_digest(spec.tokenizer)
+        tokenizer = _load_tokenizer(spec.tokenizer)
+        vocab_size = int(tokenizer.get_vocab_size())
+        encoder_id, encode, dtype = f"tokenizer:{digest}", _tokenizer_encoder(tokenizer), np.dtype(np.uint32)
+        description = f"text {patterns} tokenized by {spec.tokenizer!r} (sha256 {digest[:12]}, vocabulary {vocab_size})"
+    else:
+        digest, vocab_size = "", 256
+        encoder_id, encode, dtype = "bytes", _encode_bytes, np.dtype(np.uint8)
+        description = f"text {patterns} as bytes"
+    ids, ranges = _open_text_tokens(files, encoder_id, encode, dtype, cache_dir, chunk_bytes, f"text {patterns}")
+    names = [str(path) for path in files]
+    parts = [(name, ids[start:stop]) for name, (start, stop) in zip(names, ranges)]
+    # As the stdlib: hold out whole files by path hash when there are enough, else the stream's tail.
     train_names, eval_names = split_paths(names, spec.eval_fraction, spec.seed)
     if len(files) >= MIN_FILES_FOR_PATH_SPLIT and train_names and eval_names:
-        train, evaluation = _concat([by_name[n] for n in train_names]), _concat([by_name[n] for n in eval_names])
-        corpus = Corpus(train, evaluation, 256, description, tuple(train_names), tuple(eval_names))
-    else:  # too few files to split by path: split the stream by position
-        stream = _concat(files)
-        cut = len(stream) - max(1, int(len(stream) * spec.eval_fraction))
-        corpus = Corpus(stream[:cut], stream[cut:], 256, description + " (split by position)", tuple(names), ())
-    if corpus.train.size == 0:
-        raise DataError(f"data source {description}: contains no bytes")
+        held_out = set(eval_names)
+        train = token_files.TokenStream([part for part in parts if part[0] not in held_out])
+        evaluation = token_files.TokenStream([part for part in parts if part[0] in held_out])
+        if len(train) and len(evaluation):
+            return Corpus(train, evaluation, vocab_size, description, tuple(train_names), tuple(eval_names), digest,
+                          vocab_size if digest else 0)
+    train, evaluation = _split_stream(token_files.TokenStream(parts), spec.eval_fraction)
+    return Corpus(train, evaluation, vocab_size, description + " (split by position)", tuple(names), (), digest,
+                  vocab_size if digest else 0)
+
+
+def _open_site_tokens(spec: SiteData) -> Corpus:
+    try:
+        stream = token_files.open_token_stream(spec.paths, spec.token_dtype)
+    except token_files.TokenFileError as error:
+        raise DataError(str(error)) from None
+    train, evaluation = _split_stream(stream, spec.eval_fraction)
+    vocab_size = int(np.iinfo(np.dtype(spec.token_dtype)).max) + 1
+    names = tuple(name for name, _ in stream.parts)
+    # A tokenizer named beside token files only declares which one made them: its digest is checked.
+    digest = tokenizer_digest(spec.tokenizer) if spec.tokenizer else ""
+    return Corpus(train, evaluation, vocab_size,
+                  f"token files {', '.join(repr(p) for p in spec.paths)} ({spec.token_dtype}, {len(stream)} tokens)",
+                  names, (), digest)
+
+
+def open_site_data(spec: SiteData, cache_dir: Path | None, *, chunk_bytes: int = TEXT_CHUNK_BYTES) -> Corpus:
+    """The corpus a site's `[node.data]` names (module docstring). `cache_dir` keeps encoded text
+    between restarts (None: encode into a temporary file each time); `chunk_bytes` is the size of
+    the pieces text is read and tokenized in."""
+    if spec.source == "stdlib":
+        corpus = stdlib_corpus(spec.eval_fraction, spec.seed)
+    elif spec.source == "text":
+        corpus = _open_site_text(spec, cache_dir, chunk_bytes)
+    else:
+        corpus = _open_site_tokens(spec)
+    if not len(corpus.train):
+        raise DataError(f"data source {corpus.description}: too small to hold out an eval split and train on the rest")
     return corpus
 
 
-def load_token_file(path: str, dtype: str, eval_fraction: float) -> Corpus:
-    """Pre-tokenized files (a path or a glob; `.bin` of `dtype` ids or `.npy`), memory-mapped and
-    read as one stream (learn/token_files.py): the head is train, the last `eval_fraction` eval."""
-    try:
-        stream = token_files.open_token_stream([path], dtype)
-    except token_files.TokenFileError as error:
-        raise DataError(str(error)) from None
-    cut = len(stream) - max(1, int(len(stream) * eval_fraction))
-    vocab = int(np.iinfo(np.dtype(dtype)).max) + 1
-    return Corpus(stream.sub(0, cut), stream.sub(cut, len(stream)), vocab,
-                  f"token file {path} ({dtype}, {len(stream)} tokens)")
+def _index_in_own_file(array: np.ndarray, name: str) -> int | None:
+    """Where `array` begins in the token file `name`, when it is a view of that file's memory map
+    (None otherwise, e.g. a text file's ids in the cache). The map's root array starts at the
+    file's first token, so the distance between the data pointers is the position."""
+    root = array
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    filename = getattr(root, "filename", None)
+    if not isinstance(root.base, mmap.mmap) or not filename or os.path.realpath(filename) != os.path.realpath(name):
+        return None
+    return (array.ctypes.data - root.ctypes.data) // array.itemsize
 
 
-def check_vocabulary(corpus: Corpus, vocab_size: int) -> None:
-    """Every token id of the corpus below `vocab_size`: token files are scanned (in bounded chunks;
-    the first offender is named with its file and position), byte sources need 256."""
-    streams = [split for split in (corpus.train, corpus.eval) if isinstance(split, token_files.TokenStream)]
-    if not streams:
-        if corpus.vocab_size > vocab_size:
-            raise DataError(f"the data ({corpus.description}) holds token ids up to {corpus.vocab_size - 1}, "
-                            f"but model.vocab_size = {vocab_size}")
-        return
-    for stream in streams:
-        try:
-            token_files.check_token_ids(stream, vocab_size, corpus.description)
-        except token_files.TokenFileError as error:
-            raise DataError(str(error)) from None
+def check_tokens(corpus: Corpus, vocab_size: int) -> None:
+    """Every token id of the corpus below `vocab_size` (the model's vocabulary), scanned in chunks of
+    `token_files.SCAN_CHUNK_TOKENS` so memory stays bounded; a DataError names the first offender:
+    its file (or the train/eval split of an in-memory corpus), its position and its value. A
+    tokenizer whose vocabulary exceeds the model's is refused even before an id shows it."""
+    if corpus.tokenizer_vocab_size > vocab_size:
+        raise DataError(f"{corpus.description}: the tokenizer's vocabulary ({corpus.tokenizer_vocab_size} ids) is "
+                        f"larger than model.vocab_size = {vocab_size}; raise run.model.vocab_size to at least "
+                        f"{corpus.tokenizer_vocab_size}")
+    for split_name, split in (("train split", corpus.train), ("eval split", corpus.eval)):
+        parts = split.parts if isinstance(split, token_files.TokenStream) else [(split_name, split)]
+        for name, array in parts:
+            for start in range(0, len(array), token_files.SCAN_CHUNK_TOKENS):
+                chunk = np.asarray(array[start:start + token_files.SCAN_CHUNK_TOKENS])
+                if not chunk.size or int(chunk.max()) < vocab_size:
+                    continue
+                position = start + int(np.argmax(chunk >= vocab_size))
+                value = int(chunk[position - start])
+                limit = f"not below model.vocab_size = {vocab_size}"
+                if name == split_name:
+                    raise DataError(f"the {split_name} of {corpus.description}: id {value} at position {position}, {limit}")
+                in_file = _index_in_own_file(array, name)
+                if in_file is not None:
+                    raise DataError(f"token file {name!r}: id {value} at position {in_file + position}, {limit}")
+                raise DataError(f"text file {name!r}: id {value} at token {position} of the file, {limit} "
+                                f"(the tokenizer's vocabulary is {corpus.vocab_size})")
 
 
-def load_corpus(spec: DataSpec) -> Corpus:
-    """The corpus named by a DataSpec (see the module docstring for the three sources)."""
-    if spec.source == "stdlib":
-        root = Path(sysconfig.get_paths()["stdlib"])
-        files = stdlib_files()
-        if not files:
-            raise DataError(f"data source stdlib: no .py files under {str(root)!r}")
-        return _corpus_from_files(files, root, spec, f"stdlib .py files under {root}")
-    if spec.source == "text":
-        files = expand_text_paths(spec.paths)
-        return _corpus_from_files(files, None, spec, "text " + ", ".join(repr(p) for p in spec.paths))
-    return load_token_file(spec.token_file, spec.token_dtype, spec.eval_fraction)
+def check_tokenizer(run_sha256: str, spec: SiteData) -> str | None:
+    """Refuse a site whose tokenizer is not the run's (`[run.data] tokenizer_sha256`); a DataError
+    says what differs and what to do. Returns a warning when the agreement cannot be checked (token
+    files that name no tokenizer in a tokenized run), else None."""
+    ours = tokenizer_digest(spec.tokenizer) if spec.tokenizer else ""
+    if ours:
+        if not run_sha256:
+            raise DataError(f"node.data.tokenizer {spec.tokenizer!r} (sha256 {ours}): the run names no tokenizer, "
+                            "so no site could check it tokenizes alike; found the run with it "
+                            f"(or set run.data.tokenizer_sha256 = \"{ours}\" at the founding site)")
+        if ours != run_sha256:
+            raise DataError(f"node.data.tokenizer {spec.tokenizer!r} (sha256 {ours}) is not the run's tokenizer "
+                            f"(sha256 {run_sha256}): every site must tokenize with the same tokenizer.json")
+        return None
+    if not run_sha256:
+        return None
+    if spec.source == "tokens":
+        return (f"the run's data is tokenized by the tokenizer with sha256 {run_sha256}; this site's token files "
+                "name no tokenizer, so which one made them is not checked (set node.data.tokenizer to check it)")
+    raise DataError(f"the run's data is tokenized by the tokenizer with sha256 {run_sha256}, but this site reads "
+                    f"{spec.describe()} as bytes: set node.data.tokenizer to the run's tokenizer.json")
+
+
+def seal_tokenizer(manifest: RunManifest, spec: SiteData) -> RunManifest:
+    """The manifest a founding learner publishes: its tokenizer's digest in `[run.data]` (a
+    configured `tokenizer_sha256` must be the same file's)."""
+    if not spec.tokenizer:
+        return manifest
+    ours = tokenizer_digest(spec.tokenizer)
+    configured = manifest.data.tokenizer_sha256
+    if configured and configured != ours:
+        raise DataError(f"node.data.tokenizer {spec.tokenizer!r} has sha256 {ours}, but run.data.tokenizer_sha256 "
+                        f"= {configured}: they must name the same tokenizer.json")
+    return dataclasses.replace(manifest, data=DataAgreement(ours))
 
 
 def shard_bounds(num_tokens: int, num_shards: int) -> list[tuple[int, int]]:
@@ -197,11 +520,12 @@ class BatchSampler:
         return json.dumps({"seed": self.seed, "learner": self.learner, "tokens": len(self.tokens),
                            "batch": [self.batch_size, self.seq_len], "generator": self._rng.bit_generator.state})
 
-    def restore(self, text: str) -> None:
-        """Continue from `state()`; a DataError (nothing changed) when it belongs to another
-        sampler: another seed, learner, batch shape or shard length (the data changed)."""
+    def restore(self, saved_state: str | Mapping[str, Any]) -> None:
+        """Continue from `state()` (its JSON text, or that text parsed into a dict); a DataError
+        (nothing changed) when it belongs to another sampler: another seed, learner, batch shape
+        or shard length (the data changed)."""
         try:
-            saved = json.loads(text)
+            saved = dict(saved_state) if isinstance(saved_state, Mapping) else json.loads(saved_state)
             mine = {"seed": self.seed, "learner": self.learner, "tokens": len(self.tokens),
                     "batch": [self.batch_size, self.seq_len]}
             differs = sorted(k for k, v in mine.items() if saved.get(k) != v)

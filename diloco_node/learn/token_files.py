@@ -7,8 +7,8 @@ sequence (`len`, slicing), so a 100 GB corpus costs page cache, not memory. The 
 eval windows only slice it.
 
 uint16 holds ids below 65,536; vocabularies above that (Llama 3, Qwen, GPT-4-class tokenizers)
-need uint32. `check_token_ids` scans a stream in bounded chunks and names the first id at or above
-the model's vocabulary, with its file and position.
+need uint32. (The vocabulary scan, naming the first id at or above the model's vocabulary with
+its file and position, is `data.check_tokens`.)
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-TOKEN_DTYPES = ("uint8", "uint16", "uint32")
+from diloco_node.config.site_data import TOKEN_DTYPES
+
 SCAN_CHUNK_TOKENS = 1 << 24  # 16M ids (64 MB of uint32) per step of a vocabulary scan
 
 
@@ -132,14 +133,3 @@ def map_token_file(path: Path, dtype: str) -> np.ndarray:
 
 def open_token_stream(patterns: Sequence[str], dtype: str) -> TokenStream:
     return TokenStream([(str(path), map_token_file(path, dtype)) for path in expand_token_paths(patterns)])
-
-
-def check_token_ids(stream: TokenStream, vocab_size: int, what: str) -> None:
-    """Every id below `vocab_size`, scanned in bounded chunks; names the first offender."""
-    for name, array in stream.parts:
-        for start in range(0, len(array), SCAN_CHUNK_TOKENS):
-            chunk = np.asarray(array[start:start + SCAN_CHUNK_TOKENS])
-            if chunk.size and int(chunk.max()) >= vocab_size:
-                offset = start + int(np.argmax(chunk >= vocab_size))
-                raise TokenFileError(f"{what}: token file {name!r} holds id {int(array[offset])} at position {offset}, "
-                                     f"not below model.vocab_size = {vocab_size}")

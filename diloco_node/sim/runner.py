@@ -198,7 +198,7 @@ def _setup(config: RunnerConfig, corpus: data_lib.Corpus) -> _Setup:
     seq_len = manifest.model.seq_len
     model = factory.recipe(manifest.model)
     try:
-        data_lib.check_vocabulary(corpus, model.vocab_size)
+        data_lib.check_tokens(corpus, model.vocab_size)
     except data_lib.DataError as error:
         raise ConfigError(str(error)) from None
     shards = data_lib.shard_bounds(len(corpus.train), config.num_learners)

@@ -44,6 +44,16 @@ MAX_STEP_SAMPLE_FACTOR = 4.0
 HELD_RETRY_S = 0.05
 
 
+def contribution_caps(manifest: RunManifest) -> ContributionCaps:
+    """What a learner may claim: at most the tokens one inner step of this run's manifest trains on
+    (batch x context; the [sync] cap is only an upper bound on that), and [sync]'s steps cap.
+    A claim of 2^40 tokens once weighed 1.8e8 times a real learner under the [sync] cap alone."""
+    sync = manifest.sync
+    per_step = manifest.inner.batch_size * manifest.model.seq_len
+    return ContributionCaps(max_tokens_per_step=min(sync.max_tokens_per_step, per_step),
+                            max_steps=sync.max_steps_per_contribution)
+
+
 @dataclass(frozen=True, slots=True)
 class RoundRules:
     """How this run's rounds are formed and merged.
@@ -115,7 +125,7 @@ class Syncer:
         self.plan = plan
         self.rules = rules or RoundRules.from_manifest(manifest)
         self.policy = self.rules.policy
-        self.caps = ContributionCaps.from_sync_spec(manifest.sync)
+        self.caps = contribution_caps(manifest)
         self.embedding_names = tuple(embedding_names)
         self.norm_ref = NormReference()
         self.rounds: dict[int, OpenRound] = {}

@@ -69,9 +69,10 @@ def _evaluate(checkpoint_dir: Path, settings: tuple[str, ...]) -> tuple[float, f
     from diloco_node.ops.checkpoint import CheckpointStore
     from diloco_node.sync import state_codec
 
-    overrides = dict(setting.split("=", 1) for setting in settings if setting.startswith("run."))
-    manifest = load_config(None, {}, overrides).run
-    corpus = data_lib.load_corpus(manifest.data)
+    overrides = dict(setting.split("=", 1) for setting in settings if setting.startswith(("run.", "data.")))
+    config = load_config(None, {}, overrides)
+    manifest = config.run
+    corpus = data_lib.open_site_data(config.node.data, None)  # the sites' own data (the stdlib by default)
     _, params = factory.init_params(manifest.model, manifest.seed)
     evaluate = factory.eval_fn(factory.recipe(manifest.model))
     inputs, targets = data_lib.eval_batches(corpus.eval, EVAL_BATCHES, EVAL_BATCH_SIZE, manifest.model.seq_len)

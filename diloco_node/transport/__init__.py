@@ -2,7 +2,8 @@
 
 `PeerServer` (server.py) answers `POST /v1/<kind>` bodies of frames with every bound enforced;
 `PeerClient` (client.py) sends messages and streamed payloads over one pooled session;
-`TrafficCounters` (counters.py) keeps bytes per peer for /status; routes.py holds the URL scheme.
+`TrafficCounters` (counters.py) keeps bytes per peer for /status; routes.py holds the URL scheme;
+`ConnectionGuard` (guard.py) closes connections that carry no request.
 The composition root owns the aiohttp application and its AppRunner and wires handlers per kind.
 """
 
@@ -15,11 +16,13 @@ from diloco_node.transport.client import (
     TransportError,
 )
 from diloco_node.transport.counters import PeerTraffic, TrafficCounters
+from diloco_node.transport.guard import ConnectionGuard
 from diloco_node.transport.routes import SENDER_HEADER, kind_path
 from diloco_node.transport.server import PEER_SERVER, Peer, PayloadSink, PeerServer, ServerOptions
 
 __all__ = [
     "ClientOptions",
+    "ConnectionGuard",
     "PEER_CLIENT",
     "PEER_SERVER",
     "SENDER_HEADER",

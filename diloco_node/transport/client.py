@@ -32,7 +32,7 @@ from aiohttp import web
 from diloco_node.transport.counters import PeerTraffic, TrafficCounters
 from diloco_node.transport.routes import FRAME_CONTENT_TYPE, SENDER_HEADER, kind_path
 from diloco_node.transport.server import approx_payload_bytes
-from wire.auth import MAC_BYTES, NONCE_BYTES, AuthContext, FrameVerifier
+from wire.auth import ANY_MEMBER, MAC_BYTES, NONCE_BYTES, AuthContext, FrameVerifier
 from wire.errors import LocalProtocolError, RemoteProtocolError
 from wire.frames import (
     CLOSED,
@@ -73,6 +73,9 @@ MAX_REPLY_FRAMES = 1024
 MIN_REPLY_LIMIT_BYTES = 1 * MiB
 # A refusal's reason text is read up to this size (the server sends at most 512 characters).
 MAX_REFUSAL_BODY_BYTES = 4 * KiB
+# An idle pooled connection is dropped after this, well before a server closes it as idle
+# (transport/guard.py, 10 s): reusing a connection the server is closing at that moment fails.
+KEEPALIVE_S = 5.0
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ClientOptions:
@@ -84,12 +87,15 @@ class ClientOptions:
     upload_chunk_bytes: int = UPLOAD_CHUNK_BYTES
     max_reply_frames: int = MAX_REPLY_FRAMES
     min_reply_limit_bytes: int = MIN_REPLY_LIMIT_BYTES
+    keepalive_s: float = KEEPALIVE_S
     # Local IP outbound connections bind to (None: the kernel chooses by route).
     source_address: str | None = None
 
     def __post_init__(self) -> None:
         if not self.connect_timeout_s > 0:
             raise ValueError(f"ClientOptions.connect_timeout_s must be > 0, got {self.connect_timeout_s!r}")
+        if not self.keepalive_s > 0:
+            raise ValueError(f"ClientOptions.keepalive_s must be > 0, got {self.keepalive_s!r}")
         for name in ("max_connections", "max_connections_per_peer", "upload_chunk_bytes", "max_reply_frames",
                      "min_reply_limit_bytes"):
             value = getattr(self, name)
@@ -150,7 +156,7 @@ class PeerClient:
         options = self.options
         local_addr = (options.source_address, 0) if options.source_address is not None else None
         connector = aiohttp.TCPConnector(limit=options.max_connections, limit_per_host=options.max_connections_per_peer,
-                                         local_addr=local_addr)
+                                         local_addr=local_addr, keepalive_timeout=options.keepalive_s)
         timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=options.connect_timeout_s,
                                         sock_read=self.limits.read_timeout_s)
         # auto_decompress off: a peer's gzip reply must not inflate past our byte counts.
@@ -187,13 +193,16 @@ class PeerClient:
 
     async def send(self, base_url: str, *messages: Message, peer: str | None = None,
                    deadline_s: float | None = None) -> list[Message]:
-        """Post `messages` (all of one kind) in one body; return the peer's replies in order."""
+        """Post `messages` (all of one kind) in one body; return the peer's replies in order.
+
+        `peer`: the receiver's node id, which every frame names inside its MAC (None: "any member",
+        accepted only for the kinds in wire.auth.ANY_RECIPIENT_KINDS)."""
         if not messages:
             raise LocalProtocolError("send needs at least one message")
         kind = messages[0].KIND
         if any(m.KIND is not kind for m in messages):
             raise LocalProtocolError("one body carries frames of one kind; send the others separately")
-        frames = [await self._encode(m) for m in messages]
+        frames = [await self._encode(m, peer or ANY_MEMBER) for m in messages]
         body = frames[0] if len(frames) == 1 else b"".join(frames)
         if len(body) <= INLINE_BODY_MAX_BYTES:
             chunks: AsyncIterable[bytes | memoryview] | bytes = body
@@ -224,7 +233,8 @@ class PeerClient:
                 raise LocalProtocolError("a streamed payload from an iterator needs payload_length and payload_sha256")
             source = payload
         head_bytes = encode_frame_head(head, self._auth, now_unix=self._wall_clock(), nonce=os.urandom(NONCE_BYTES),
-                                       payload_length=payload_length, payload_sha256=payload_sha256)
+                                       payload_length=payload_length, payload_sha256=payload_sha256,
+                                       to=peer or ANY_MEMBER)
         misuse: list[LocalProtocolError] = []
         body = _exactly(head_bytes, source, payload_length, misuse)
         try:
@@ -235,13 +245,13 @@ class PeerClient:
                 raise misuse[0] from None
             raise
 
-    async def _encode(self, message: Message) -> bytes:
+    async def _encode(self, message: Message, to: str) -> bytes:
         nonce = os.urandom(NONCE_BYTES)
         now_unix = self._wall_clock()
         if approx_payload_bytes(message) < INLINE_ENCODE_MAX_BYTES:
-            return encode_frame(message, self._auth, now_unix=now_unix, nonce=nonce)
+            return encode_frame(message, self._auth, now_unix=now_unix, nonce=nonce, to=to)
         loop = asyncio.get_running_loop()
-        encode = functools.partial(encode_frame, message, self._auth, now_unix=now_unix, nonce=nonce)
+        encode = functools.partial(encode_frame, message, self._auth, now_unix=now_unix, nonce=nonce, to=to)
         return await loop.run_in_executor(self._executor, encode)
 
     async def _post(self, url: str, body: AsyncIterable[bytes | memoryview] | bytes, length: int,

@@ -11,6 +11,11 @@ from collections import deque
 
 # Errors kept per peer for /status: enough to see a pattern, small enough to never matter.
 MAX_RECENT_ERRORS = 8
+# Named peers tracked at most: a run's members (the wire allows 1024) plus the few addresses we
+# send to. The server names only authenticated senders; this bound holds even if a member with the
+# run secret invents names. Traffic of names past it is added up under OTHER_PEERS.
+MAX_TRACKED_PEERS = 1024 + 64
+OTHER_PEERS = "(other)"
 
 
 @dataclasses.dataclass(slots=True)
@@ -26,12 +31,18 @@ class PeerTraffic:
 class TrafficCounters:
     """Bytes and requests per peer. Peers are named by node id when known, else by address."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_peers: int = MAX_TRACKED_PEERS) -> None:
         self._peers: dict[str, PeerTraffic] = {}
+        self._max_peers = max_peers
 
     def peer(self, name: str) -> PeerTraffic:
         traffic = self._peers.get(name)
         if traffic is None:
+            if len(self._peers) >= self._max_peers:
+                name = OTHER_PEERS
+                traffic = self._peers.get(name)
+                if traffic is not None:
+                    return traffic
             traffic = self._peers[name] = PeerTraffic()
         return traffic
 

@@ -1,11 +1,19 @@
 """The peer API's server side: request bodies of authenticated frames in, handler replies out.
 
 For each `POST /v1/<kind>` the server refuses what it can before reading a byte (unknown route 404,
-compressed body 415, Content-Length over the kind's bound 413, too many streams 429), then reads the
-body in chunks with a per-read timeout and a per-frame deadline (408: a slowloris is cut), counts the
+compressed body 415, Content-Length over the kind's bound 413, too many unauthenticated streams 429),
+then reads the body in chunks with a per-read timeout and a per-frame deadline (408), counts the
 bytes itself (aiohttp's client_max_size does not cover streamed bodies), and feeds them to a
 `wire.frames.FrameDecoder`. Peer garbage surfaces as `RemoteProtocolError`, answered with its
 `status_hint` (400/401/409/413/426/429); handlers never see an unauthenticated message.
+
+A stream earns its slot. Until its first frame header (fixed header, header map, MAC) has
+authenticated it holds an *unauthenticated* slot: few per source address, a node-wide pool of
+its own (the oldest is evicted when the pool is full), and `Limits.auth_deadline_s` to authenticate.
+Only then does it take a member's slot, counted under the authenticated sender, never under the
+unauthenticated `X-Diloco-Sender` header; so strangers can never take the slots members use. An
+authenticated stream must keep `Limits.min_transfer_bytes_per_s` over the time we wait for it.
+Nothing a stranger sends is kept per sender: its traffic is counted in one shared bucket.
 
 Handlers are registered per message kind by the composition root:
 - `on_message(kind, handler)`: `async def handler(message, peer) -> reply | None` for whole messages;
@@ -34,7 +42,7 @@ from aiohttp import http_exceptions, web
 
 from diloco_node.transport.counters import TrafficCounters
 from diloco_node.transport.routes import FRAME_CONTENT_TYPE, ROUTE_PREFIX, SENDER_HEADER, kind_from_name, kind_name
-from wire.auth import MAC_BYTES, NONCE_BYTES, AuthContext, FrameVerifier
+from wire.auth import ANY_MEMBER, MAC_BYTES, NONCE_BYTES, AuthContext, FrameVerifier
 from wire.errors import RemoteProtocolError
 from wire.frames import (
     CLOSED,
@@ -56,9 +64,21 @@ log = logging.getLogger(__name__)
 KiB = 1024
 MiB = 1024 * KiB
 
-# All streams open at once, across peers: a run has tens of sites, each with a few streams; beyond
-# this a flood from many addresses is refused (429) before it costs buffers or threads.
+# Authenticated streams open at once, across members: a run has tens of sites, each with a few
+# streams; beyond this even members are refused (429) before they cost buffers or threads.
 MAX_CONCURRENT_STREAMS = 64
+# Streams that have not authenticated yet, node-wide. A member's frame header arrives within a
+# round trip, so this pool is only ever full under a flood; then the oldest unauthenticated stream
+# is cut to make room (a stranger can hold a slot only until newer streams push it out).
+MAX_UNAUTHENTICATED_STREAMS = 64
+# ... and per source address: one host cannot take the whole pool. A site opens at most a few
+# streams at once (contribution, log append, snapshot, vote), so 8 leaves headroom.
+MAX_UNAUTHENTICATED_STREAMS_PER_ADDRESS = 8
+# Traffic of requests that never authenticated is counted under this one name (not per claimed
+# sender, which is anyone's to choose: 15,000 invented names once grew a node by 129 MB).
+UNAUTHENTICATED = "(unauthenticated)"
+# Header values we look at are bounded before use (node ids are at most 64 characters).
+MAX_SENDER_HEADER_CHARS = 64
 # Small kinds may batch several frames in one body; their bodies may reach this size even when one
 # frame of the kind is smaller.
 MIN_BODY_LIMIT_BYTES = 1 * MiB
@@ -102,6 +122,19 @@ class PayloadSink(Protocol):
         ...
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class _Stream:
+    """One request body being read: its slot, and what the deadlines and rate checks need."""
+
+    address: str
+    admitted_at: float
+    sender: str | None = None  # set once its first frame header authenticated
+    evicted: bool = False  # pushed out of the unauthenticated pool by newer streams
+    waiting: asyncio.Timeout | None = None  # the read in progress (eviction cuts it short)
+    received: int = 0
+    waited_s: float = 0.0  # time spent waiting for the peer's bytes (the rate's denominator)
+
+
 MessageHandler = Callable[[Message, Peer], Awaitable[Message | None]]
 SinkOpener = Callable[[Message, Peer, int], Awaitable[PayloadSink]]
 
@@ -111,6 +144,8 @@ class ServerOptions:
     """Transport-side bounds of the server (wire-side ones, incl. per-peer streams, are in `Limits`)."""
 
     max_concurrent_streams: int = MAX_CONCURRENT_STREAMS
+    max_unauthenticated_streams: int = MAX_UNAUTHENTICATED_STREAMS
+    max_unauthenticated_streams_per_address: int = MAX_UNAUTHENTICATED_STREAMS_PER_ADDRESS
     min_body_limit_bytes: int = MIN_BODY_LIMIT_BYTES
     inline_decode_max_bytes: int = INLINE_DECODE_MAX_BYTES
     decode_batch_bytes: int = DECODE_BATCH_BYTES
@@ -150,8 +185,10 @@ class PeerServer:
         self._wall_clock = wall_clock  # only for frame timestamps (replay window); deadlines use the loop
         self._handlers: dict[MessageKind, MessageHandler] = {}
         self._sinks: dict[MessageKind, SinkOpener] = {}
-        self._streams: dict[str, int] = {}
+        self._streams: dict[str, int] = {}  # authenticated streams per member
         self._streams_total = 0
+        self._pending: dict[_Stream, None] = {}  # unauthenticated streams, oldest first
+        self._pending_by_address: dict[str, int] = {}
 
     # ---- wiring -----------------------------------------------------------------------------
 
@@ -174,12 +211,17 @@ class PeerServer:
 
     @property
     def active_streams(self) -> dict[str, int]:
+        """Authenticated streams open now, per member."""
         return dict(self._streams)
+
+    @property
+    def unauthenticated_streams(self) -> int:
+        return len(self._pending)
 
     def status(self) -> dict[str, object]:
         """The transport's part of /status: open streams and traffic per peer."""
         return {"active_streams": self.active_streams, "streams_total": self._streams_total,
-                "peers": self.counters.snapshot()}
+                "unauthenticated_streams": len(self._pending), "peers": self.counters.snapshot()}
 
     def body_limit(self, kind: MessageKind) -> int:
         """Largest request body for `kind`: one frame of the largest allowed size (or a small batch)."""
@@ -189,14 +231,16 @@ class PeerServer:
 
     # ---- one request ------------------------------------------------------------------------
 
-    def _claimed_sender(self, request: web.Request) -> tuple[str | None, str]:
-        """The sender the header claims (if well-formed) and the key its streams are counted under."""
+    @staticmethod
+    def _claimed_sender(request: web.Request) -> str | None:
+        """The sender the header claims, if well-formed: only ever compared with the authenticated
+        one (a mismatch is refused), never used to count or keep anything."""
         claimed = request.headers.get(SENDER_HEADER)
-        if claimed is not None and not NODE_ID_PATTERN.fullmatch(claimed):
-            claimed = None
-        return claimed, claimed or request.remote or "unknown"
+        if claimed is None or len(claimed) > MAX_SENDER_HEADER_CHARS or not NODE_ID_PATTERN.fullmatch(claimed):
+            return None
+        return claimed
 
-    def _precheck(self, request: web.Request, peer_key: str) -> tuple[int, str] | MessageKind:
+    def _precheck(self, request: web.Request) -> tuple[int, str] | MessageKind:
         """Everything decidable from the request line and headers: the route's kind, or a refusal."""
         name = request.match_info["kind"]
         kind = kind_from_name(name)
@@ -209,68 +253,127 @@ class PeerServer:
         limit = self.body_limit(kind)
         if request.content_length is not None and request.content_length > limit:
             return 413, f"{kind.name} body of {request.content_length} bytes exceeds the limit of {limit}"
-        per_peer = self.limits.max_concurrent_streams_per_peer
-        if self._streams.get(peer_key, 0) >= per_peer:
-            return 429, f"{peer_key} already has {per_peer} streams open"
-        if self._streams_total >= self.options.max_concurrent_streams:
-            return 429, f"this node already has {self._streams_total} streams open"
+        address = request.remote or "unknown"
+        per_address = self.options.max_unauthenticated_streams_per_address
+        if self._pending_by_address.get(address, 0) >= per_address:
+            return 429, f"{address} already has {per_address} streams waiting to authenticate"
         return kind
 
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
         """`Expect: 100-continue` (big uploads): refuse before the client sends any body byte."""
-        claimed, peer_key = self._claimed_sender(request)
-        verdict = self._precheck(request, peer_key)
+        verdict = self._precheck(request)
         if not isinstance(verdict, MessageKind):
-            self.counters.peer(peer_key).requests_received += 1  # _handle never runs for it
-            return await self._refuse(request, peer_key, *verdict)
+            self.counters.peer(UNAUTHENTICATED).requests_received += 1  # _handle never runs for it
+            return await self._refuse(request, UNAUTHENTICATED, *verdict)
         if request.headers.get("Expect", "").lower() != "100-continue":
-            return await self._refuse(request, peer_key, 417, "only 'Expect: 100-continue' is understood")
+            return await self._refuse(request, UNAUTHENTICATED, 417, "only 'Expect: 100-continue' is understood")
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         return None
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        claimed, peer_key = self._claimed_sender(request)
-        self.counters.peer(peer_key).requests_received += 1
-        verdict = self._precheck(request, peer_key)
+        verdict = self._precheck(request)
         if not isinstance(verdict, MessageKind):
-            return await self._refuse(request, peer_key, *verdict)
+            self.counters.peer(UNAUTHENTICATED).requests_received += 1
+            return await self._refuse(request, UNAUTHENTICATED, *verdict)
         kind = verdict
-        limit = self.body_limit(kind)
-        self._streams[peer_key] = self._streams.get(peer_key, 0) + 1
-        self._streams_total += 1
+        loop = asyncio.get_running_loop()
+        stream = self._admit(request.remote or "unknown", loop.time())
         try:
-            replies = await self._consume(request, kind, claimed, limit, peer_key)
-            body = await self._encode_replies(replies)
+            replies = await self._consume(request, kind, self._claimed_sender(request), stream, loop)
+            body = await self._encode_replies(replies, stream.sender)
         except RemoteProtocolError as error:
-            return await self._refuse(request, peer_key, error.status_hint, str(error))
+            if stream.sender is None:
+                self.counters.peer(UNAUTHENTICATED).requests_received += 1
+            return await self._refuse(request, stream.sender or UNAUTHENTICATED, error.status_hint, str(error))
         finally:
-            self._streams_total -= 1
-            if self._streams[peer_key] <= 1:
-                del self._streams[peer_key]
-            else:
-                self._streams[peer_key] -= 1
+            self._release(stream)
+        assert stream.sender is not None  # a body without an authenticated frame was refused
+        peer_key = stream.sender
         self.counters.sent(peer_key, len(body))
-        if len(body) <= STREAMED_REPLY_MIN_BYTES:
-            return web.Response(body=body, content_type=FRAME_CONTENT_TYPE)
-        # A big reply (log read, snapshot chunk) goes out in slices, so the socket buffer never
-        # holds a second copy of it.
-        response = web.StreamResponse(headers={"Content-Type": FRAME_CONTENT_TYPE})
-        response.content_length = len(body)
-        await response.prepare(request)
-        with memoryview(body) as view:
-            for start in range(0, len(view), STREAMED_REPLY_MIN_BYTES):
-                await response.write(view[start:start + STREAMED_REPLY_MIN_BYTES])
-        await response.write_eof()
-        return response
+        try:
+            if len(body) <= STREAMED_REPLY_MIN_BYTES:
+                return web.Response(body=body, content_type=FRAME_CONTENT_TYPE)
+            # A big reply (log read, snapshot chunk) goes out in slices, so the socket buffer never
+            # holds a second copy of it.
+            response = web.StreamResponse(headers={"Content-Type": FRAME_CONTENT_TYPE})
+            response.content_length = len(body)
+            await response.prepare(request)
+            with memoryview(body) as view:
+                for start in range(0, len(view), STREAMED_REPLY_MIN_BYTES):
+                    await response.write(view[start:start + STREAMED_REPLY_MIN_BYTES])
+            await response.write_eof()
+            return response
+        except (ConnectionError, aiohttp.ClientConnectionResetError) as error:
+            # The client went away while we answered: one line, not aiohttp's traceback.
+            log.info("reply to %s not delivered: %s", peer_key, error or type(error).__name__)
+            request.protocol.force_close()
+            return web.Response(status=499)
+
+    # ---- stream slots -----------------------------------------------------------------------
+
+    def _admit(self, address: str, now: float) -> _Stream:
+        """An unauthenticated slot for a new stream (the precheck has bounded its address)."""
+        if len(self._pending) >= self.options.max_unauthenticated_streams:
+            # Full: cut the stream that has waited longest. Members authenticate within a round
+            # trip, so it is almost surely a stranger; a flood can only churn this pool.
+            oldest = next(iter(self._pending))
+            self._unpend(oldest)
+            oldest.evicted = True
+            if oldest.waiting is not None:
+                oldest.waiting.reschedule(now)
+        stream = _Stream(address=address, admitted_at=now)
+        self._pending[stream] = None
+        self._pending_by_address[address] = self._pending_by_address.get(address, 0) + 1
+        return stream
+
+    def _unpend(self, stream: _Stream) -> None:
+        if self._pending.pop(stream, False) is not False:
+            left = self._pending_by_address[stream.address] - 1
+            if left:
+                self._pending_by_address[stream.address] = left
+            else:
+                del self._pending_by_address[stream.address]
+
+    def _authenticated(self, stream: _Stream, sender: str) -> None:
+        """The stream's first frame header authenticated: move it to its member's slots (or refuse)."""
+        if stream.evicted:
+            raise RemoteProtocolError("stream evicted: too many unauthenticated streams", 429)
+        self._unpend(stream)
+        per_peer = self.limits.max_concurrent_streams_per_peer
+        if self._streams.get(sender, 0) >= per_peer:
+            raise RemoteProtocolError(f"{sender} already has {per_peer} streams open", 429)
+        if self._streams_total >= self.options.max_concurrent_streams:
+            raise RemoteProtocolError(f"this node already has {self._streams_total} streams open", 429)
+        stream.sender = sender
+        self._streams[sender] = self._streams.get(sender, 0) + 1
+        self._streams_total += 1
+        traffic = self.counters.peer(sender)
+        traffic.requests_received += 1
+        traffic.bytes_received += stream.received
+
+    def _release(self, stream: _Stream) -> None:
+        self._unpend(stream)
+        sender = stream.sender
+        if sender is not None:
+            self._streams_total -= 1
+            if self._streams[sender] <= 1:
+                del self._streams[sender]
+            else:
+                self._streams[sender] -= 1
 
     async def _refuse(self, request: web.Request, peer_key: str, status: int, reason: str) -> web.Response:
         reason = reason[:MAX_REASON_CHARS]
-        log.info("refused %s with %d: %s", peer_key, status, reason)
+        log.info("refused %s (%s) with %d: %s", peer_key, request.remote, status, reason)
         self.counters.refused(peer_key, f"{status} {reason}")
         response = web.Response(status=status, text=reason)
         response.force_close()
-        await response.prepare(request)
-        await response.write_eof()
+        try:
+            await response.prepare(request)
+            await response.write_eof()
+        except (ConnectionError, aiohttp.ClientConnectionResetError):
+            # The client left after (or before) its refusal: nothing to answer, nothing to log twice.
+            request.protocol.force_close()
+            return response
         # The body may be partly unread. Closing at once would make the client's kernel see a
         # reset while it is still sending, which can destroy our answer before it is read; aiohttp's
         # own "lingering" reads up to 10 s of it. Discard a bounded amount, then close.
@@ -291,30 +394,35 @@ class PeerServer:
         except (TimeoutError, OSError, aiohttp.ClientError, http_exceptions.HttpProcessingError):
             pass  # done waiting: the connection is closed next either way
 
-    async def _consume(self, request: web.Request, kind: MessageKind, claimed: str | None, limit: int,
-                       peer_key: str) -> list[Message]:
+    async def _consume(self, request: web.Request, kind: MessageKind, claimed: str | None, stream: _Stream,
+                       loop: asyncio.AbstractEventLoop) -> list[Message]:
         """Read, decode and dispatch the whole body; return the handlers' replies."""
         decoder = FrameDecoder(self._verifier, self.limits, stream_kinds=(kind,) if kind in self._sinks else ())
-        loop = asyncio.get_running_loop()
+        limit = self.body_limit(kind)
         replies: list[Message] = []
         sink: PayloadSink | None = None
-        received = 0
         frame_started: float | None = None
         try:
             while True:
-                data = await self._read_some(request, frame_started, loop)
-                received += len(data)
-                self.counters.received(peer_key, len(data))
-                if received > limit:
+                data = await self._read_some(request, stream, frame_started, loop)
+                stream.received += len(data)
+                if stream.sender is not None:
+                    self.counters.received(stream.sender, len(data))
+                if stream.received > limit:
                     raise RemoteProtocolError(f"{kind.name} body exceeds the limit of {limit} bytes", 413)
-                for event in await self._decode(decoder, data):
+                events = await self._decode(decoder, data)
+                if stream.sender is None and decoder.authenticated_sender is not None:
+                    self._authenticated(stream, decoder.authenticated_sender)
+                for event in events:
                     if isinstance(event, Received):
-                        peer = self._peer(event.sender, event.sent_at_unix, event.message.KIND, kind, claimed, request)
+                        peer = self._peer(event.sender, event.sent_at_unix, event.message.KIND, kind, claimed,
+                                          stream, request)
                         reply = await self._handlers[kind](event.message, peer)
                         if reply is not None:
                             replies.append(reply)
                     elif isinstance(event, FrameHeader):
-                        peer = self._peer(event.sender, event.sent_at_unix, event.head.KIND, kind, claimed, request)
+                        peer = self._peer(event.sender, event.sent_at_unix, event.head.KIND, kind, claimed,
+                                          stream, request)
                         sink = await self._sinks[kind](event.head, peer, event.payload_length)
                     elif isinstance(event, PayloadChunk):
                         assert sink is not None
@@ -326,6 +434,8 @@ class PeerServer:
                         if reply is not None:
                             replies.append(reply)
                 if not data:
+                    if stream.sender is None:
+                        raise RemoteProtocolError("the body held no frame", 400)
                     return replies
                 if decoder.between_frames:
                     frame_started = None
@@ -336,25 +446,44 @@ class PeerServer:
                 await sink.abort(f"stream failed: {error or type(error).__name__}")
             raise
 
-    async def _read_some(self, request: web.Request, frame_started: float | None,
+    async def _read_some(self, request: web.Request, stream: _Stream, frame_started: float | None,
                          loop: asyncio.AbstractEventLoop) -> bytes:
-        """The next bytes of the body (b"" at its end), within the read timeout and frame deadline."""
-        timeout = self.limits.read_timeout_s
+        """The next bytes of the body (b"" at its end), within the read timeout, the authentication
+        deadline, the frame deadline and the minimum rate."""
+        limits = self.limits
+        now = loop.time()
+        timeout = limits.read_timeout_s
+        if stream.sender is None:
+            left = stream.admitted_at + limits.auth_deadline_s - now
+            if left <= 0:
+                raise self._auth_deadline_error()
+            timeout = min(timeout, left)
         if frame_started is not None:
-            left = frame_started + self.limits.message_timeout_s - loop.time()
+            left = frame_started + limits.message_timeout_s - now
             if left <= 0:
                 raise self._deadline_error()
             timeout = min(timeout, left)
         content = request.content
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(timeout) as waiting:
+                stream.waiting = waiting
                 chunk = await content.readany()
         except TimeoutError:
-            if frame_started is not None and loop.time() >= frame_started + self.limits.message_timeout_s:
+            now = loop.time()
+            if stream.evicted:
+                raise RemoteProtocolError("stream evicted: too many unauthenticated streams", 429) from None
+            if stream.sender is None and now >= stream.admitted_at + limits.auth_deadline_s:
+                raise self._auth_deadline_error() from None
+            if frame_started is not None and now >= frame_started + limits.message_timeout_s:
                 raise self._deadline_error() from None
-            raise RemoteProtocolError(f"no body byte for {self.limits.read_timeout_s:g} s", 408) from None
+            raise RemoteProtocolError(f"no body byte for {limits.read_timeout_s:g} s", 408) from None
         except (OSError, aiohttp.ClientError, http_exceptions.HttpProcessingError) as error:
             raise RemoteProtocolError(f"request body broke off: {type(error).__name__}: {error}", 400) from None
+        finally:
+            stream.waiting = None
+            stream.waited_s += loop.time() - now
+        if stream.evicted:
+            raise RemoteProtocolError("stream evicted: too many unauthenticated streams", 429)
         if not chunk:
             return b""
         parts = [chunk]
@@ -365,7 +494,15 @@ class PeerServer:
                 break
             parts.append(more)
             size += len(more)
+        if stream.waited_s > limits.min_transfer_window_s:
+            rate = (stream.received + size) / stream.waited_s
+            if rate < limits.min_transfer_bytes_per_s:
+                raise RemoteProtocolError(f"{stream.received + size} bytes in {stream.waited_s:.1f} s: below the "
+                                          f"minimum rate of {limits.min_transfer_bytes_per_s} bytes/s", 408)
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _auth_deadline_error(self) -> RemoteProtocolError:
+        return RemoteProtocolError(f"no authenticated frame header within {self.limits.auth_deadline_s:g} s", 408)
 
     def _deadline_error(self) -> RemoteProtocolError:
         return RemoteProtocolError(f"a frame took longer than the {self.limits.message_timeout_s:g} s deadline", 408)
@@ -379,19 +516,21 @@ class PeerServer:
         return await loop.run_in_executor(self._executor, _decode_batch, decoder, data, now_unix)
 
     def _peer(self, sender: str, sent_at_unix: float, frame_kind: MessageKind, route_kind: MessageKind,
-              claimed: str | None, request: web.Request) -> Peer:
+              claimed: str | None, stream: _Stream, request: web.Request) -> Peer:
         if frame_kind is not route_kind:
             raise RemoteProtocolError(f"{frame_kind.name} frame sent to the {kind_name(route_kind)} route", 400)
         if claimed is not None and claimed != sender:
             raise RemoteProtocolError(f"{SENDER_HEADER} says {claimed!r} but the frame is signed by {sender!r}", 401)
+        if sender != stream.sender:
+            raise RemoteProtocolError(f"one body carries frames of one sender: {stream.sender!r}, then {sender!r}", 400)
         return Peer(node_id=sender, address=request.remote, sent_at_unix=sent_at_unix)
 
-    async def _encode_replies(self, replies: list[Message]) -> bytes:
+    async def _encode_replies(self, replies: list[Message], to: str | None) -> bytes:
         loop = asyncio.get_running_loop()
         frames = []
         for reply in replies:
             encode = functools.partial(encode_frame, reply, self._auth, now_unix=self._wall_clock(),
-                                       nonce=os.urandom(NONCE_BYTES))
+                                       nonce=os.urandom(NONCE_BYTES), to=to or ANY_MEMBER)
             if approx_payload_bytes(reply) < INLINE_ENCODE_MAX_BYTES:
                 frames.append(encode())
             else:

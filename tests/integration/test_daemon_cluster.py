@@ -250,3 +250,82 @@ def test_witness_votes_and_replicates_without_training(cluster: Cluster) -> None
     doc = cluster.poll()["w"]
     assert doc["role"] == "witness" and doc["learner"]["step"] == 0
     assert cluster.conflicting_indices() == {}
+
+
+# ---- strangers (issue 13) ---------------------------------------------------------------------
+
+
+def _slow_strangers(url: str, streams: int, hold_s: float) -> list[tuple[int, float]]:
+    """`streams` forged-sender streams from their own loopback addresses, each sending a frame
+    prefix one byte per 0.5 s; (status, seconds until answered) of each (0: still open at `hold_s`)."""
+    import asyncio
+
+    from diloco_node.transport import SENDER_HEADER, kind_path
+    from wire.messages import MessageKind
+
+    host, port = url.removeprefix("http://").split(":")
+
+    async def one(i: int) -> tuple[int, float]:
+        reader, writer = await asyncio.open_connection(host, int(port), local_addr=(f"127.0.1.{i + 1}", 0))
+        opened = time.monotonic()
+        try:
+            writer.write(f"POST {kind_path(MessageKind.VOTE_REQUEST)} HTTP/1.1\r\nHost: x\r\n"
+                         f"{SENDER_HEADER}: {'abc'[i % 3]}\r\nContent-Length: 4096\r\n\r\n".encode())
+            for byte in b"DLCO\x02\x00\x00\x05" + bytes(64):
+                writer.write(bytes([byte]))
+                try:
+                    line = await asyncio.wait_for(reader.readline(), 0.5)
+                except TimeoutError:
+                    if time.monotonic() - opened > hold_s:
+                        return 0, hold_s
+                    continue
+                return (int(line.split()[1]) if line else -1), time.monotonic() - opened
+            return 0, hold_s
+        finally:
+            writer.close()
+
+    async def main() -> list[tuple[int, float]]:
+        return await asyncio.gather(*(one(i) for i in range(streams)))
+
+    return asyncio.run(main())
+
+
+def test_strangers_slow_streams_are_cut_and_commits_go_on(cluster: Cluster) -> None:
+    statuses = cluster.poll()
+    coordinator = next(iter(statuses.values()))["coordinator"]
+    follower = sorted(set(cluster.sites) - {coordinator})[0]
+    before = cluster.poll()[coordinator]["commit_index"]
+    answers = _slow_strangers(cluster.sites[follower].url, 64, hold_s=20.0)
+    # Every stream was answered: none could hold a slot past the 5 s authentication deadline.
+    assert {status for status, _ in answers} <= {408, 429}, answers
+    assert all(status for status, _ in answers)
+    during = cluster.poll()
+    assert during[coordinator]["commit_index"] > before  # the run kept committing meanwhile
+    assert during[follower]["ready"], during[follower].get("ready_reason")
+
+
+def test_a_non_members_contribution_is_refused_with_403(cluster: Cluster) -> None:
+    import asyncio
+
+    import numpy as np
+
+    from diloco_node.config.settings import run_id_for
+    from diloco_node.transport import PeerClient, PeerRefused
+    from wire.auth import AuthContext, FrameVerifier, derive_frame_key, load_run_secret
+    from wire.codecs import encode_named
+    from wire.messages import FragmentContribution
+
+    coordinator = next(iter(cluster.poll().values()))["coordinator"]
+    secret = load_run_secret(cluster.secret_file)
+    run_id, key = run_id_for(secret), derive_frame_key(secret)
+
+    async def send() -> PeerRefused:
+        async with PeerClient(AuthContext(run_id, "mallory", key), FrameVerifier(run_id, key, node_id="mallory")) as client:
+            message = FragmentContribution(0, 0, 0, 8, 2**40, "int4", "mallory",
+                                           encode_named({"x": np.zeros(4, np.float32)}, "int4"))
+            with pytest.raises(PeerRefused) as refused:
+                await client.send(cluster.sites[coordinator].url, message, peer=coordinator, deadline_s=10)
+            return refused.value
+
+    refused = asyncio.run(send())
+    assert refused.status == 403 and "mallory is not a member of this run" in refused.reason

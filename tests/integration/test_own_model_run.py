@@ -54,7 +54,7 @@ def test_own_model_on_uint32_tokens_stops_by_tokens_and_exports(tmp_path) -> Non
     ids.tofile(token_file)
     settings = tuple(s for s in DEFAULT_SETTINGS if not s.startswith("run.model.size")) + (
         "run.model.factory=wide_vocab_model:build", f"run.model.vocab_size={VOCAB}",
-        "run.data.source=tokens", f"run.data.token_file={token_file}", "run.data.token_dtype=uint32",
+        "data.source=tokens", f"data.paths={token_file}", "data.token_dtype=uint32",
         "run.stop.tokens=6000",
     )
     env = {"PYTHONPATH": os.pathsep.join([str(modules), str(REPO)])}

@@ -192,9 +192,13 @@ class _Reader:
 
 
 def _parse(
-    data: bytes | bytearray | memoryview, max_elements: int, max_padding: int
+    data: bytes | bytearray | memoryview, max_elements: int, max_padding: int,
+    expected: Mapping[str, tuple[int, ...]] | None = None,
 ) -> tuple[Codec, int, list[tuple[str, tuple[int, ...]]], memoryview, bool]:
-    """Parse and check the header; return (codec, block, entries, body bytes, zstd flag)."""
+    """Parse and check the header; return (codec, block, entries, body bytes, zstd flag).
+
+    `expected`: the exact names and shapes the message must hold (a fragment's tensors), checked
+    here, before anything is decompressed or allocated; the element bound is then theirs."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise LocalProtocolError(f"decode takes bytes, got {type(data).__name__}")
     try:
@@ -218,6 +222,10 @@ def _parse(
         raise _malformed(problem)
     if count > MAX_TENSORS:
         raise RemoteProtocolError(f"{count} tensors in one message; at most {MAX_TENSORS}", status_hint=413)
+    if expected is not None:
+        if count != len(expected):
+            raise _malformed(f"holds {count} tensors, expected {len(expected)}")
+        max_elements = min(max_elements, sum(math.prod(shape) for shape in expected.values()))
     minimum_entry = _NAME_LEN.size + _NDIM.size
     if count * minimum_entry > len(view) - reader.offset:
         raise _malformed(f"declares {count} tensors but is only {len(view)} bytes")
@@ -241,6 +249,11 @@ def _parse(
             raise _malformed(f"tensor {name!r} has {ndim} dimensions; at most {MAX_NDIM}")
         dims = reader.take(_DIM.size * ndim, "shape")
         shape = tuple(_DIM.unpack_from(dims, i * _DIM.size)[0] for i in range(ndim))
+        if expected is not None:
+            if name not in expected:
+                raise _malformed(f"tensor {name[:64]!r} is not one of the expected tensors")
+            if shape != tuple(expected[name]):
+                raise _malformed(f"tensor {name!r} has shape {shape}, expected {tuple(expected[name])}")
         # Python ints: the products cannot overflow, however large the declared dims. Zero-size
         # tensors still need every dim to be allocatable, so nonzero dims are bounded too.
         if math.prod(max(dim, 1) for dim in shape) > max_elements:
@@ -304,14 +317,17 @@ def decode_named(
     *,
     max_elements: int = MAX_TENSOR_ELEMENTS,
     max_padding: int = MAX_PADDING_ELEMENTS,
+    expected: Mapping[str, tuple[int, ...]] | None = None,
 ) -> dict[str, np.ndarray]:
     """Decode a message from `encode_named` into {name: float32 array of the original shape}.
 
     Raises RemoteProtocolError (status 400 malformed, 413 over `max_elements`, 426 unknown
     format version) for any bytes that are not a valid message; never anything else.
-    The arrays are writable views into one freshly allocated buffer.
+    The arrays are writable views into one freshly allocated buffer. With `expected` (name ->
+    shape), a message holding anything else is refused before decompression, and decoding is
+    bounded by those tensors' own element count.
     """
-    scheme, block, entries, payload, compressed = _parse(data, max_elements, max_padding)
+    scheme, block, entries, payload, compressed = _parse(data, max_elements, max_padding, expected)
     tensors = _decode_body(scheme, block, entries, payload, compressed)
     return {name: tensor for (name, _), tensor in zip(entries, tensors)}
 

@@ -1,0 +1,182 @@
+"""Only learners contribute, claims are real, and a contribution decodes no more than its fragment holds
+(issue 13): the lease holder's `RoundDriver` with a stand-in coordination core and a fake clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import tracemalloc
+from concurrent.futures import Executor, Future
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import zstandard
+
+from bootstrap import messages as coord
+from diloco_node.clock import FakeClock
+from diloco_node.config.manifest import InnerOptimizer, ModelSpec, RunManifest, SyncSpec
+from diloco_node.daemon.peers import AddressBook
+from diloco_node.daemon.rounds import RoundDriver
+from diloco_node.daemon.tasks import TaskSet
+from diloco_node.sync.fragments import is_embedding, plan_fragments
+from diloco_node.sync.merge import token_weight
+from diloco_node.sync.replica import Replica
+from diloco_node.sync.syncer import Syncer, contribution_caps
+from wire import messages as wire
+from wire.codecs import decode_named, encode_named
+from wire.codecs.layout import DIM, FIXED_HEADER, NAME_LEN, NDIM
+from wire.errors import RemoteProtocolError
+
+MANIFEST = RunManifest(model=ModelSpec.of(seq_len=16),
+                       inner=InnerOptimizer(batch_size=2, warmup_steps=2, total_steps=64),
+                       sync=SyncSpec(fragments=2, period=8, overlap=2, min_quorum=2, grace_gamma=0.5,
+                                     grace_cap_s=5.0))
+SHAPES = {"embed/table": (16, 8), "layer0/w": (8, 8), "layer1/w": (8, 8), "head/w": (8, 4)}
+START = 1000.0
+
+
+class InlineExecutor(Executor):
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
+        future: Future = Future()
+        future.set_result(fn(*args, **kwargs))
+        return future
+
+
+class _Counter:
+    def inc(self, amount: float = 1.0) -> None:
+        pass
+
+
+def _driver(members: dict[str, tuple[coord.MemberRole, coord.MemberState]], executor: Executor | None = None,
+            step_s: float | None = None) -> tuple[RoundDriver, Syncer, FakeClock]:
+    initial = {n: np.zeros(shape, np.float32) for n, shape in SHAPES.items()}
+    plan = plan_fragments(SHAPES, MANIFEST.sync.fragments, MANIFEST.sync.period, MANIFEST.sync.overlap)
+    syncer = Syncer(MANIFEST, plan, [n for n in SHAPES if is_embedding(n)])
+    if step_s is not None:
+        syncer.prime(step_s=step_s)
+    clock = FakeClock(START)
+    records = {name: SimpleNamespace(role=role, state=state) for name, (role, state) in members.items()}
+    core = SimpleNamespace(is_lease_holder=lambda now: True, election=SimpleNamespace(leader_id="lead"),
+                           membership=SimpleNamespace(members=records))
+    driver = RoundDriver(node_id="lead", manifest=MANIFEST, plan=plan, syncer=syncer,
+                         replica=Replica(plan, initial, MANIFEST.outer), coordination=core,
+                         addresses=AddressBook(), client=None, executor=executor or InlineExecutor(), clock=clock,
+                         tasks=TaskSet(), dispatch=lambda actions: None, replica_behind=lambda: "held in tests",
+                         report_error=pytest.fail, contributions_sent=_Counter(), merges_proposed=_Counter())
+    driver.lease_check()
+    return driver, syncer, clock
+
+
+LEARNER = (coord.MemberRole.LEARNER, coord.MemberState.ALIVE)
+
+
+def _message(driver: RoundDriver, learner: str, p: int = 0, c_steps: int = 8, c_tokens: int = 8 * 32,
+             payload: bytes | None = None) -> wire.FragmentContribution:
+    if payload is None:
+        names = driver.plan.fragments[p].names
+        payload = encode_named({n: np.full(SHAPES[n], 0.01, np.float32) for n in names}, MANIFEST.sync.codec_up)
+    return wire.FragmentContribution(p, 0, 0, c_steps, c_tokens, MANIFEST.sync.codec_up, learner, payload)
+
+
+@pytest.mark.parametrize(("members", "reason"), [
+    ({}, "contribution refused: stranger is not a member of this run"),
+    ({"stranger": (coord.MemberRole.WITNESS, coord.MemberState.ALIVE)},
+     "contribution refused: stranger is a witness, not a learner"),
+    ({"stranger": (coord.MemberRole.LEARNER, coord.MemberState.LEFT)}, "contribution refused: stranger has left the run"),
+])
+async def test_only_learner_members_contribute_and_others_never_count_toward_quorum(members, reason) -> None:
+    driver, syncer, _ = _driver({"a": LEARNER, **members})
+    with pytest.raises(RemoteProtocolError) as refused:
+        await driver.on_contribution(_message(driver, "stranger", c_tokens=2**40))
+    assert refused.value.status_hint == 403 and str(refused.value) == reason
+    assert syncer.rounds == {}  # nothing opened, nothing counted toward the quorum
+    await driver.on_contribution(_message(driver, "a"))
+    assert set(syncer.rounds[0].pending) == {"a"}
+
+
+def test_an_inflated_token_claim_is_capped_to_what_the_manifest_allows() -> None:
+    caps = contribution_caps(MANIFEST)
+    assert caps.max_tokens_per_step == MANIFEST.inner.batch_size * MANIFEST.model.seq_len == 32
+    honest = token_weight(8 * 32, 8, caps)
+    assert token_weight(2**40, 8, caps) == honest  # 2^40 tokens buys nothing past batch x context
+
+
+async def test_a_steps_claim_is_capped_by_the_period_and_the_time_since_the_previous_contribution() -> None:
+    driver, syncer, clock = _driver({"a": LEARNER}, step_s=1.0)
+    await driver.on_contribution(_message(driver, "a", c_steps=8))
+    assert syncer.rounds[0].pending["a"][0].c_steps == 8  # within H + 2 x elapsed / step
+    clock.advance(8.0)
+    await driver.on_contribution(_message(driver, "a", c_steps=1_000_000, c_tokens=1_000_000 * 32))
+    claimed = syncer.rounds[0].pending["a"][0]
+    period = MANIFEST.sync.period
+    assert claimed.c_steps == period + math.ceil(2.0 * 8.0 / 1.0) == 24
+    assert claimed.c_tokens == 24 * 32
+
+
+async def test_a_contribution_that_is_not_the_fragment_is_refused_before_decompression() -> None:
+    driver, syncer, _ = _driver({"a": LEARNER})
+    names = driver.plan.fragments[0].names
+    wrong_shape = encode_named({n: np.zeros((SHAPES[n][0] + 1, SHAPES[n][1]), np.float32) for n in names}, "fp32")
+    with pytest.raises(RemoteProtocolError, match="has shape .* expected") as refused:
+        await driver.on_contribution(_message(driver, "a", payload=wrong_shape))
+    assert refused.value.status_hint == 400
+    other_fragment = encode_named({n: np.zeros(SHAPES[n], np.float32) for n in driver.plan.fragments[1].names}, "fp32")
+    with pytest.raises(RemoteProtocolError, match="expected"):
+        await driver.on_contribution(_message(driver, "a", payload=other_fragment))
+    assert syncer.rounds == {}
+
+
+def _bomb(name: str, elements: int) -> bytes:
+    """A fp32 tensor message of `elements` zeros in one zstd frame: tiny on the wire."""
+    header = FIXED_HEADER.pack(b"DLTC", 1, 1, 1, 0, 0, 1)  # version 1, fp32, zstd flag, no block, one tensor
+    raw_name = name.encode()
+    header += NAME_LEN.pack(len(raw_name)) + raw_name + NDIM.pack(1) + DIM.pack(elements)
+    compressor = zstandard.ZstdCompressor(level=19).compressobj(size=elements * 4)
+    zeros = bytes(1 << 20)
+    body = b"".join(compressor.compress(zeros) for _ in range(elements * 4 // len(zeros))) + compressor.flush()
+    return header + body
+
+
+def test_a_decompression_bomb_allocates_nothing_once_the_fragment_is_known() -> None:
+    bomb = _bomb("layer0/w", 1 << 26)  # 256 MiB of fp32 from ~8 KB (the issue's 1 GiB one is in benchmarks/)
+    assert len(bomb) < 64 * 1024
+    expected = {"layer0/w": SHAPES["layer0/w"]}
+    tracemalloc.start()
+    try:
+        with pytest.raises(RemoteProtocolError, match=r"has shape \(67108864,\), expected \(8, 8\)"):
+            decode_named(bomb, expected=expected)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1024 * 1024  # nothing near the declared 256 MiB was allocated
+
+
+async def test_one_decode_at_a_time_per_learner() -> None:
+    class Parked(Executor):
+        """Decodes wait until released: a second contribution arrives while the first decodes."""
+
+        def __init__(self) -> None:
+            self.parked: list[tuple[Future, object]] = []
+
+        def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
+            future: Future = Future()
+            self.parked.append((future, lambda: fn(*args, **kwargs)))
+            return future
+
+    executor = Parked()
+    driver, syncer, _ = _driver({"a": LEARNER, "b": LEARNER}, executor=executor)
+    first = asyncio.create_task(driver.on_contribution(_message(driver, "a")))
+    while not executor.parked:
+        await asyncio.sleep(0)
+    with pytest.raises(RemoteProtocolError, match="a contribution from a is already being decoded") as refused:
+        await driver.on_contribution(_message(driver, "a", p=1))
+    assert refused.value.status_hint == 429
+    other = asyncio.create_task(driver.on_contribution(_message(driver, "b")))  # another learner is not held
+    while len(executor.parked) < 2:
+        await asyncio.sleep(0)
+    for future, work in executor.parked:
+        future.set_result(work())
+    await asyncio.gather(first, other)
+    assert set(syncer.rounds[0].pending) == {"a", "b"}
