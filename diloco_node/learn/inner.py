@@ -148,6 +148,8 @@ class InnerLearner:
 
     def __init__(self, model: ModelSpec, inner: InnerOptimizer, seed: int,
                  initial: Mapping[str, np.ndarray] | None = None, site_mesh: SiteMesh | None = None):
+        if site_mesh is not None:
+            site_mesh.check_batch(inner.batch_size)  # before anything is built
         model = factory.recipe(model)
         graphdef, params = factory.init_params(model, seed)
         if initial is not None:
@@ -160,7 +162,6 @@ class InnerLearner:
             self.opt_state = self.tx.init(params)
             self._step = _compiled_single_step(model, inner)
         else:
-            site_mesh.check_batch(inner.batch_size)
             self._step, init = _compiled_mesh_step(model, inner, site_mesh)
             self.params = site_mesh.put_tree(params)
             self.opt_state = init(self.params)

@@ -140,6 +140,7 @@ def _status(port: int) -> dict | None:
         return None
 
 
+@pytest.mark.slow  # ~25 s on two cores: kept out of the default suite (-m slow runs it)
 def test_diloco_node_run_on_two_hosts_is_one_site_whose_process_0_is_the_daemon(tmp_path):
     """`diloco-node run` twice with one config but `cluster.process_id` 0 and 1: process 0 founds
     a run and shows both hosts' devices on /status; process 1 follows; SIGTERM to process 0 stops
