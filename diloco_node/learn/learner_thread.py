@@ -9,6 +9,11 @@ The event loop talks to it only through thread-safe hand-offs:
 - `stop()`: finish the current step and exit.
 The thread reports back through callbacks the node passes in (`on_contribution` when fragment
 p is due, `on_progress` after each step); the node marshals them onto the loop.
+
+On a device mesh (learn/mesh.py) merged fragments are placed with each parameter's own sharding
+and a due fragment is copied on the devices and read one step later, overlapped with the next
+step. On a multi-host site (`following`, learn/cluster.py) this same thread runs on every host:
+process 0 decides at each boundary and every process does the same.
 """
 
 from __future__ import annotations
