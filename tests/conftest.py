@@ -5,6 +5,7 @@ XLA from oversubscribing this machine's two cores when several JAX users run at 
 """
 
 import os
+import re
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -43,3 +44,19 @@ def word_text():
         path.write_text(text)
         return text
     return write
+
+
+FINAL_LINE = re.compile(r"stopped cleanly at index (\d+) digest ([0-9a-f]+)")
+COMPLETE_LINE = re.compile(r"the run is complete at commit (\d+)")
+
+
+def one_final_state(logs: dict[str, str]) -> tuple[int, str]:
+    """Every site saw the run complete at the same commit and stopped with the same state. A site
+    may stop past that commit: a membership or new-epoch entry the lease holder commits while
+    lingering changes no state, and a follower that stopped first need not have applied it."""
+    completed = {name: int(COMPLETE_LINE.findall(text)[-1]) for name, text in logs.items()}
+    finals = {name: FINAL_LINE.findall(text)[-1] for name, text in logs.items()}
+    assert len(set(completed.values())) == 1, completed
+    assert len({digest for _, digest in finals.values()}) == 1, finals
+    assert all(int(index) >= completed[name] for name, (index, _) in finals.items()), (completed, finals)
+    return next(iter(completed.values())), next(iter(finals.values()))[1]

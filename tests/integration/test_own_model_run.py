@@ -6,7 +6,6 @@ with the same eval loss as the final checkpoint's global parameters."""
 from __future__ import annotations
 
 import os
-import re
 import sys
 import textwrap
 
@@ -15,6 +14,8 @@ import pytest
 
 from diloco_node.testbed.launcher import DEFAULT_SETTINGS, REPO
 from diloco_node.testbed.local_cluster import Cluster
+
+from conftest import one_final_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -39,7 +40,6 @@ class WideVocab(nnx.Module):
 def build(config, rngs):
     return WideVocab(config["vocab_size"], rngs)
 '''
-FINAL = re.compile(r"stopped cleanly at index (\d+) digest ([0-9a-f]+)")
 
 
 def test_own_model_on_uint32_tokens_stops_by_tokens_and_exports(tmp_path) -> None:
@@ -66,8 +66,7 @@ def test_own_model_on_uint32_tokens_stops_by_tokens_and_exports(tmp_path) -> Non
         cluster.add("w", bootstrap=a, settings=settings, env=env, role="witness")
         codes = {name: site.wait(STARTUP_S + 300) for name, site in cluster.sites.items()}
         assert codes == {"a": 0, "b": 0, "c": 0, "w": 0}, {n: s.log_text()[-1500:] for n, s in cluster.sites.items()}
-        finals = {name: FINAL.findall(site.log_text())[-1] for name, site in cluster.sites.items()}
-        assert len(set(finals.values())) == 1, finals
+        one_final_state({name: site.log_text() for name, site in cluster.sites.items()})
         assert "stop.tokens = 6000" in cluster.sites["w"].log_text()
 
         out = tmp_path / "model.safetensors"

@@ -10,6 +10,8 @@ import pytest
 from diloco_node.testbed.launcher import DEFAULT_SETTINGS
 from diloco_node.testbed.local_cluster import Cluster
 
+from conftest import one_final_state
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 STARTUP_S = 150.0
@@ -28,12 +30,10 @@ def test_the_run_stops_everywhere_at_one_final_commit_and_exits_0(tmp_path) -> N
         cluster.add("w", bootstrap=a, settings=SETTINGS, role="witness")
         codes = {name: site.wait(STARTUP_S + 240) for name, site in cluster.sites.items()}
         assert codes == {"a": 0, "b": 0, "w": 0}, {n: s.log_text()[-2000:] for n, s in cluster.sites.items()}
-        finals = {}
-        for name, site in cluster.sites.items():
-            text = site.log_text()
-            assert "the run is complete at commit" in text and f"stop.tokens = {STOP_TOKENS}" in text
-            finals[name] = FINAL.findall(text)[-1]
-        assert len(set(finals.values())) == 1, finals  # one final index and one state everywhere
+        logs = {name: site.log_text() for name, site in cluster.sites.items()}
+        assert all(f"stop.tokens = {STOP_TOKENS}" in text for text in logs.values())
+        one_final_state(logs)  # one completing commit and one state everywhere
+        finals = {name: FINAL.findall(text)[-1] for name, text in logs.items()}
         # Started again, a site of the finished run sees it from its checkpoint and exits 0 at once.
         again = cluster.sites["a"]
         again.start()
