@@ -16,6 +16,7 @@ See docs/ARCHITECTURE.md and docs/DAEMON.md.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import random
@@ -30,7 +31,7 @@ from bootstrap import messages as coord
 from bootstrap.coordinator_node import CoordinatorNode, NodeOptions
 from bootstrap.election import LeaseTiming
 from diloco_node.clock import Clock, SystemClock, process_age_s
-from diloco_node.config.settings import ConfigError, EffectiveConfig, run_id_for
+from diloco_node.config.settings import ConfigError, EffectiveConfig, NodeConfig, run_id_for
 from diloco_node.daemon.coordination import CoordinationIO
 from diloco_node.daemon.history_hooks import DaemonHistory
 from diloco_node.daemon.identity import SiteIdentity
@@ -58,6 +59,7 @@ from diloco_node.transport import ClientOptions, ConnectionGuard, PeerClient, Pe
 from diloco_node.transport.tls import SiteTls, TlsError, TlsFiles
 from wire.auth import AuthContext, FrameVerifier, RunSecretError, derive_frame_key, load_run_secret
 from wire.errors import LocalProtocolError
+from wire.limits import DEFAULT_LIMITS, Limits
 
 log = logging.getLogger("diloco_node.daemon")
 
@@ -76,6 +78,14 @@ MEMBER_REFRESH_S = 5.0
 TLS_RELOAD_CHECK_S = 5.0
 # Exit statuses of `diloco-node run` (systemd's unit tells them apart).
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_REFUSED = 0, 1, 2, 3
+
+
+def transport_bounds(cfg: NodeConfig) -> tuple[ClientOptions, Limits]:
+    """The peer transport's bounds from [node]: `connect_timeout_s` bounds each TCP connect of the
+    client; `read_timeout_s` the silence tolerated on an open stream, both ways (the client's
+    `sock_read` and stall guard, the server's per-read timeout)."""
+    options = ClientOptions(connect_timeout_s=cfg.connect_timeout_s, source_address=cfg.source_address)
+    return options, dataclasses.replace(DEFAULT_LIMITS, read_timeout_s=cfg.read_timeout_s)
 
 
 class Node:
@@ -161,9 +171,11 @@ class Node:
         verifier = FrameVerifier(run_id, key, node_id=self.node_id)  # frames must be addressed to us
         self.executor = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix=f"pool-{self.node_id}")
         self.disk_executor = ThreadPoolExecutor(1, thread_name_prefix=f"disk-{self.node_id}")
-        self.client = PeerClient(auth, verifier, executor=self.executor,
-                                 options=ClientOptions(source_address=self.cfg.source_address), tls=tls)
-        self.server = PeerServer(auth, verifier, executor=self.executor, certified_senders=tls is not None)
+        client_options, limits = transport_bounds(self.cfg)
+        self.client = PeerClient(auth, verifier, executor=self.executor, limits=limits, options=client_options,
+                                 tls=tls)
+        self.server = PeerServer(auth, verifier, executor=self.executor, limits=limits,
+                                 certified_senders=tls is not None)
         PeerApi(self.node_id, coordination=lambda: self.coordination, keeper=lambda: self.keeper,
                 rounds=lambda: self.rounds, manifest=lambda: self.site.manifest if self.site else None
                 ).install(self.server)
