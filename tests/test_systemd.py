@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 
+from diloco_node.ops.liveness import ALIVE, Liveness
 from diloco_node.ops.systemd import SystemdNotifier, run_watchdog
 
 
@@ -73,7 +74,7 @@ async def test_watchdog_loop_pings_at_half_interval_only_while_healthy(listener)
     path, sock = listener
     notifier = SystemdNotifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "4000000"})
     sleeps: list[float] = []
-    health = iter([True, False, True])
+    health = iter([ALIVE, Liveness(False, "learner stalled"), ALIVE])
 
     async def fake_sleep(seconds: float) -> None:
         sleeps.append(seconds)
@@ -91,7 +92,7 @@ async def test_watchdog_loop_pings_at_half_interval_only_while_healthy(listener)
 
 
 async def test_watchdog_loop_returns_without_a_watchdog():
-    await asyncio.wait_for(run_watchdog(SystemdNotifier({}), lambda: True), timeout=1.0)
+    await asyncio.wait_for(run_watchdog(SystemdNotifier({}), lambda: ALIVE), timeout=1.0)
 
 
 def test_an_unread_notify_socket_never_blocks_the_sender(tmp_path):

@@ -52,6 +52,7 @@ from diloco_node.daemon.tasks import TaskSet, closed_on_cleanup
 from diloco_node.learn.cluster import share_manifest
 from diloco_node.learn.learner_thread import DueFragment, LearnerThread
 from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore
+from diloco_node.ops.liveness import Liveness, StepPace, liveness
 from diloco_node.ops.page import StatusSeries
 from diloco_node.ops.status import MetricsRegistry, StatusBuilder, operator_routes
 from diloco_node.ops.systemd import SystemdNotifier, run_watchdog
@@ -106,6 +107,7 @@ class Node:
         self.samples = StatusSeries(self.clock.monotonic)  # recent figures for the page at `/` (/series)
         self.notifier = BackgroundNotifier(SystemdNotifier(self.environ))
         self.loop_lag = LagWindow()
+        self.pace = StepPace()  # the learner's step interval: a stalled learner fails /livez
         min_step = self.environ.get("DILOCO_X_MIN_STEP_S", "0")
         self._min_step_interval_s = float(min_step) if min_step else 0.0
         self._stop = asyncio.Event()
@@ -428,6 +430,7 @@ class Node:
 
     def _from_learner_progress(self, step: int, loss: float, tokens: int) -> None:
         """Called in the learner thread after every step (status and history are thread-safe)."""
+        self.pace.step(self.now())
         self.status.record_learner(step=step, loss=loss, tokens=tokens, now=self.now())
         learner = self.learner
         if learner is not None:
@@ -504,9 +507,10 @@ class Node:
     def _status_document(self) -> Any:
         return self.status.document(self.now())
 
-    def _live(self) -> bool:
+    def _live(self) -> Liveness:
         learner = self.learner
-        return learner is None or learner.error is None
+        return liveness(now=self.now(), learner_error=learner.error if learner is not None else None,
+                        training=learner is not None and not learner.stop_requested, pace=self.pace)
 
     # ------------------------------------------------------------------ shutdown
 

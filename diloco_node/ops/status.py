@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
+from diloco_node.ops.liveness import ALIVE, Liveness
 from diloco_node.ops.page import StatusSeries, page_routes
 
 if TYPE_CHECKING:
@@ -543,15 +544,16 @@ def _format_value(value: float) -> str:
 
 
 def operator_routes(snapshot: Callable[[], StatusDocument], registry: MetricsRegistry | None = None,
-                    live: Callable[[], bool] = lambda: True, series: StatusSeries | None = None) -> "web.RouteTableDef":
+                    live: Callable[[], Liveness] = lambda: ALIVE, series: StatusSeries | None = None) -> "web.RouteTableDef":
     """aiohttp routes for the operator API; `snapshot()` builds the current document.
 
     `/` and `/series` (the live page and its time series) come from ops/page.py; `series` is the
     node's ring buffer of samples (None: `/series` answers no samples).
 
     `/readyz` is 200 only when the document says ready (a load balancer or the local-cluster
-    script waits on it); `/livez` is 200 while `live()` holds (the event loop answering is most
-    of the proof; `live` adds e.g. "the training thread is not stuck").
+    script waits on it); `/livez` is 200 while `live()` says alive (the event loop answering is
+    most of the proof; `live` adds "the training thread has neither crashed nor stalled"), else
+    503 with the reason.
     """
     from aiohttp import web
 
@@ -568,7 +570,8 @@ def operator_routes(snapshot: Callable[[], StatusDocument], registry: MetricsReg
 
     @routes.get("/livez")
     async def livez(request: web.Request) -> web.Response:
-        return web.Response(text="ok\n") if live() else web.Response(status=503, text="unhealthy\n")
+        verdict = live()
+        return web.Response(text="ok\n") if verdict.alive else web.Response(status=503, text=verdict.reason + "\n")
 
     @routes.get("/readyz")
     async def readyz(request: web.Request) -> web.Response:

@@ -14,6 +14,8 @@ import os
 import socket
 from typing import Awaitable, Callable, Mapping
 
+from diloco_node.ops.liveness import Liveness
+
 log = logging.getLogger(__name__)
 
 # systemd reads one datagram per message; keep the status line far below any socket buffer.
@@ -114,10 +116,10 @@ def _watchdog_seconds(env: Mapping[str, str], pid: int) -> float | None:
 
 async def run_watchdog(
     notifier: SystemdNotifier,
-    healthy: Callable[[], bool],
+    healthy: Callable[[], Liveness],
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> None:
-    """Ping the watchdog while `healthy()` holds; returns at once when no watchdog is configured.
+    """Ping the watchdog while `healthy()` says alive; returns at once when no watchdog is configured.
 
     Running on the event loop is the point: a blocked loop stops the pings and systemd restarts
     the node. An unhealthy node (e.g. its training thread is stuck) stops pinging on purpose.
@@ -126,8 +128,9 @@ async def run_watchdog(
     if interval is None:
         return
     while True:
-        if healthy():
+        verdict = healthy()
+        if verdict.alive:
             notifier.watchdog()
         else:
-            log.error("not pinging the systemd watchdog: node reports unhealthy")
+            log.error("not pinging the systemd watchdog: %s", verdict.reason)
         await sleep(interval * WATCHDOG_PING_FRACTION)
