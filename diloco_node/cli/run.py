@@ -1,7 +1,9 @@
 """`diloco-node run`: start this site's daemon (found a run, or join one with --bootstrap).
 
-Exit codes: 0 clean stop (SIGTERM/SIGINT), 1 runtime failure, 2 configuration error,
-3 the run refused us (wrong secret, contradicting manifest, no bootstrap peer answered).
+Exit statuses (diloco_node/daemon/exits.py): 0 clean stop (SIGTERM/SIGINT, or the run is complete),
+1 transient failure (a crash, or no bootstrap peer answered within the join deadline: a restart
+helps), 2 configuration error and 3 the run refused us (wrong secret, contradicting manifest): both
+permanent, so the systemd unit does not restart on them (RestartPreventExitStatus=2 3).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import sys
 
 from diloco_node.config.settings import ConfigError, add_run_flags, load_config_from_args
+from diloco_node.daemon.exits import EXIT_CONFIG
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -48,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
             effective.read_secret()  # fail in milliseconds, before JAX is imported
     except ConfigError as error:
         print(f"diloco-node run: {error}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     logging.basicConfig(level=effective.node.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s {effective.node.node_id} %(levelname)s %(name)s: %(message)s")
     for warning in effective.warnings:

@@ -33,6 +33,7 @@ from bootstrap.election import LeaseTiming
 from diloco_node.clock import Clock, SystemClock, process_age_s
 from diloco_node.config.settings import ConfigError, EffectiveConfig, NodeConfig, run_id_for
 from diloco_node.daemon.coordination import CoordinationIO
+from diloco_node.daemon.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, exit_status_for
 from diloco_node.daemon.history_hooks import DaemonHistory
 from diloco_node.daemon.identity import SiteIdentity
 from diloco_node.daemon.join import JoinRefused
@@ -55,7 +56,7 @@ from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore
 from diloco_node.ops.liveness import Liveness, StepPace, liveness
 from diloco_node.ops.page import StatusSeries
 from diloco_node.ops.status import MetricsRegistry, StatusBuilder, operator_routes
-from diloco_node.ops.systemd import SystemdNotifier, run_watchdog
+from diloco_node.ops.systemd import SystemdNotifier, extend_while_progressing, run_watchdog
 from diloco_node.transport import ClientOptions, ConnectionGuard, PeerClient, PeerServer
 from diloco_node.transport.tls import SiteTls, TlsError, TlsFiles
 from wire.auth import AuthContext, FrameVerifier, RunSecretError, derive_frame_key, load_run_secret
@@ -77,8 +78,6 @@ MEMBER_REFRESH_S = 5.0
 # TLS files are checked for changes this often (certificates reload without a restart; SIGHUP
 # reloads at once). A renewal is planned days ahead, so seconds of delay cost nothing.
 TLS_RELOAD_CHECK_S = 5.0
-# Exit statuses of `diloco-node run` (systemd's unit tells them apart).
-EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_REFUSED = 0, 1, 2, 3
 
 
 def transport_bounds(cfg: NodeConfig) -> tuple[ClientOptions, Limits]:
@@ -220,7 +219,7 @@ class Node:
         except (JoinRefused, ConfigError) as error:
             log.error("%s", error)
             self.exit_reason = str(error)
-            code = EXIT_REFUSED
+            code = exit_status_for(error)
         except OSError as error:
             log.error("cannot listen on %s: %s", self.cfg.listen, error)
             self.exit_reason = str(error)
@@ -351,7 +350,13 @@ class Node:
         if download is not None:
             await identity.announce()
             started = self.now()
-            await download.run()
+            # A big state on a slow link outlasts TimeoutStartSec=: extend it while bytes arrive.
+            extending = self.tasks.spawn(extend_while_progressing(self.notifier, lambda: download.bytes_received),
+                                         name="extend-start-timeout")
+            try:
+                await download.run()
+            finally:
+                extending.cancel()
             log.info("%s: downloaded the global state (%d bytes) in %.2f s", self.node_id,
                      download.bytes_received, self.now() - started)
             self._mark_phase("state downloaded")
