@@ -16,10 +16,14 @@ import sys
 
 from diloco_node.config.settings import ConfigError, add_run_flags, load_config_from_args
 from diloco_node.daemon.exits import EXIT_CONFIG
+from diloco_node.ops.logs import LOG_FORMATS, configure_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     add_run_flags(parser)
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default="auto",
+                        help="auto (default): journald priorities and no timestamp under systemd, text "
+                             "elsewhere; json: one object per line (ts, level, logger, msg, node)")
 
 
 def _event_loop_policy() -> None:
@@ -52,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"diloco-node run: {error}", file=sys.stderr)
         return EXIT_CONFIG
-    logging.basicConfig(level=effective.node.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s {effective.node.node_id} %(levelname)s %(name)s: %(message)s")
+    configure_logging(effective.node.log_level, effective.node.node_id, getattr(args, "log_format", "auto"),
+                      stream=sys.stderr)
     for warning in effective.warnings:
         logging.getLogger("diloco_node.daemon").warning("%s", warning)
     _use_persistent_compilation_cache(effective.node.data_dir)
