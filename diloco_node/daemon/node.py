@@ -107,6 +107,7 @@ class Node:
         self.notifier = BackgroundNotifier(SystemdNotifier(self.environ))
         self.loop_lag = LagWindow()
         self.pace = StepPace()  # the learner's step interval: a stalled learner fails /livez
+        self._counted_seconds = (0.0, 0.0)  # learner compute and sync seconds already in the counters
         min_step = self.environ.get("DILOCO_X_MIN_STEP_S", "0")
         self._min_step_interval_s = float(min_step) if min_step else 0.0
         self._stop = asyncio.Event()
@@ -357,6 +358,7 @@ class Node:
                 await download.run()
             finally:
                 extending.cancel()
+            self.series.transfer_seconds.observe(self.now() - started, kind="state_download")
             log.info("%s: downloaded the global state (%d bytes) in %.2f s", self.node_id,
                      download.bytes_received, self.now() - started)
             self._mark_phase("state downloaded")
@@ -407,7 +409,10 @@ class Node:
             replica=replica, coordination=core, addresses=self.identity.addresses, client=self.client,
             executor=self.executor, clock=self.clock, tasks=self.tasks, dispatch=coordination.dispatch,
             replica_behind=lambda: self.keeper.merge_blocker(core.log.applied_index, core.log.last_index),
-            report_error=self._error, contributions_sent=self.series.contributions_sent, merges_proposed=self.series.merges_proposed)
+            report_error=self._error, contributions_sent=self.series.contributions_sent,
+            merges_proposed=self.series.merges_proposed, round_latency=self.series.round_latency_seconds,
+            transfer=self.series.transfer_seconds)
+        self.keeper.on_fragment_commit = self.rounds.fragment_committed
         self.feed = StatusFeed(status=self.status, coordination=coordination, keeper=self.keeper, rounds=self.rounds,
                                store=self.store, client=self.client, server=self.server, loop_lag=self.loop_lag)
         self.history.start(core, replica.applied_index, self.site.manifest.sync)
@@ -439,8 +444,12 @@ class Node:
         self.status.record_learner(step=step, loss=loss, tokens=tokens, now=self.now())
         learner = self.learner
         if learner is not None:
-            self.series.learner_compute_seconds.set(learner.compute_seconds_total)
-            self.series.learner_sync_seconds.set(learner.sync_seconds_total)
+            # The learner keeps cumulative seconds; the counters take what was added since.
+            compute, sync = learner.compute_seconds_total, learner.sync_seconds_total
+            self.series.learner_compute_seconds.inc(max(0.0, compute - self._counted_seconds[0]))
+            self.series.learner_sync_seconds.inc(max(0.0, sync - self._counted_seconds[1]))
+            self._counted_seconds = (compute, sync)
+            self.series.step_seconds.observe(learner.step_seconds)
         self.history.learner_step(step, loss, tokens, learner)
 
     def _from_learner_contribution(self, due: DueFragment) -> None:
