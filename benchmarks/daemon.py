@@ -79,7 +79,7 @@ def learner_clock(site: Site) -> tuple[int, float, float]:
     with urllib.request.urlopen(site.url + "/metrics", timeout=2.0) as response:
         text = response.read().decode()
     values = {m.group(1): float(m.group(2)) for m in
-              re.finditer(r"^diloco_daemon_learner_(compute|sync)_seconds(?:\{[^}]*\})? ([0-9.e+-]+)$", text, re.MULTILINE)}
+              re.finditer(r"^diloco_learner_(compute|sync)_seconds_total(?:\{[^}]*\})? ([0-9.e+-]+)$", text, re.MULTILINE)}
     return doc["learner"]["step"], values.get("compute", 0.0), values.get("sync", 0.0)
 
 

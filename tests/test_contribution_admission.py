@@ -180,3 +180,21 @@ async def test_one_decode_at_a_time_per_learner() -> None:
         future.set_result(work())
     await asyncio.gather(first, other)
     assert set(syncer.rounds[0].pending) == {"a", "b"}
+
+
+def test_round_latency_is_observed_when_a_commit_includes_our_contribution() -> None:
+    from diloco_node.ops.status import ROUND_SECONDS_BUCKETS, MetricsRegistry
+
+    driver, _, clock = _driver({"a": LEARNER})
+    latency = MetricsRegistry(process_metrics=False).histogram("diloco_round_latency_seconds", "Latency.",
+                                                               ROUND_SECONDS_BUCKETS)
+    driver.round_latency = latency
+    driver._sent_at[0] = clock.monotonic()  # as _send_contribution records a contribution it sends
+    clock.advance(12.0)
+    driver.fragment_committed(0, ("a",))  # merged without ours (it was late): nothing observed
+    assert latency.value() == 0.0
+    driver._sent_at[1] = clock.monotonic()
+    clock.advance(7.0)
+    driver.fragment_committed(1, ("a", "lead"))
+    assert latency.value() == 1.0
+    assert driver.round_latency._registry.registry.get_sample_value("diloco_round_latency_seconds_sum") == 7.0

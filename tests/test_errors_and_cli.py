@@ -23,3 +23,11 @@ def test_cli_rejects_unknown_command(capsys):
         cli.main(["no-such-command"])
     assert exc.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_cli_prints_its_version(flag, capsys):
+    from diloco_node import __version__
+
+    assert cli.main([flag]) == 0
+    assert capsys.readouterr().out.startswith(f"diloco-node {__version__} (Python ")

@@ -62,7 +62,7 @@ def test_status_shows_the_learners_devices_and_mesh():
     served = builder.document(1.0).to_dict()
     assert served["devices"] == {"platform": "cpu", "count": 2, "processes": 1, "mesh": {"data": 1, "fsdp": 2}}
     assert StatusDocument.from_dict(served).devices == builder.document(1.0).devices
-    assert 'diloco_learner_devices{platform="cpu",processes="1",data="1",fsdp="2"} 2' in render_metrics(
+    assert 'diloco_learner_devices{data="1",fsdp="2",platform="cpu",processes="1"} 2.0' in render_metrics(
         builder.document(1.0))
     with pytest.raises(ConfigError, match="inner.batch_size = 3"):
         build_site_model(RunManifest(model=manifest.model, inner=InnerOptimizer(batch_size=3, warmup_steps=1,

@@ -110,6 +110,11 @@ def test_recent_errors_are_capped_newest_first():
 # --- metrics ---------------------------------------------------------------------------------
 
 
+def _sample(lines: list[str], series: str) -> float:
+    (value,) = [float(line.rsplit(" ", 1)[1]) for line in lines if line.rsplit(" ", 1)[0] == series]
+    return value
+
+
 def test_metrics_text_format_includes_status_and_registry_families():
     registry = MetricsRegistry()
     rejected = registry.counter("diloco_frames_rejected_total", "Frames refused.", labels=("reason",))
@@ -118,24 +123,56 @@ def test_metrics_text_format_includes_status_and_registry_families():
     text = render_metrics(_document(), registry)
     lines = text.splitlines()
     assert "# TYPE diloco_commit_index gauge" in lines
-    assert "diloco_commit_index 123" in lines
+    assert "diloco_commit_index 123.0" in lines
     assert "# TYPE diloco_bytes_sent_total counter" in lines
-    assert f"diloco_bytes_sent_total {5 << 20}" in lines
-    assert 'diloco_members{state="dead"} 1' in lines
-    assert 'diloco_fragment_round{fragment="1"} 9' in lines
+    assert _sample(lines, "diloco_bytes_sent_total") == 5 << 20
+    assert 'diloco_members{state="dead"} 1.0' in lines
+    assert 'diloco_fragment_round{fragment="1"} 9.0' in lines
     assert "diloco_learner_loss 2.5" in lines
-    assert 'diloco_frames_rejected_total{reason="bad mac"} 1' in lines
-    assert 'diloco_frames_rejected_total{reason="quote \\" and \\\\ and\\nnewline"} 2' in lines
+    assert 'diloco_frames_rejected_total{reason="bad mac"} 1.0' in lines
+    assert 'diloco_frames_rejected_total{reason="quote \\" and \\\\ and\\nnewline"} 2.0' in lines
     assert text.endswith("\n")
-    # Every sample line belongs to a family declared just before with HELP and TYPE.
+    # Every sample line belongs to a family declared with HELP and TYPE (histograms: _bucket, _sum, _count).
     declared = {line.split()[2] for line in lines if line.startswith("# TYPE")}
-    assert all(line.split("{")[0].split(" ")[0] in declared for line in lines if not line.startswith("#"))
+    for line in lines:
+        if not line.startswith("#"):
+            name = line.split("{")[0].split(" ")[0]
+            assert any(name == d or name in (f"{d}_bucket", f"{d}_sum", f"{d}_count", f"{d}_total") for d in declared), name
+
+
+def test_one_prefix_counters_total_cumulative_seconds_as_counters_and_histograms():
+    """The node's whole /metrics: diloco_* (and process_*), counters *_total, no cumulative
+    seconds exported as a gauge, histograms for step time, round latency and transfers."""
+    from diloco_node.daemon.metrics import DaemonSeries
+
+    registry = MetricsRegistry()
+    series = DaemonSeries.register(registry)
+    series.step_seconds.observe(0.02)
+    series.round_latency_seconds.observe(42.0)
+    series.transfer_seconds.observe(1.5, kind="contribution")
+    series.learner_compute_seconds.inc(3.5)
+    text = render_metrics(_document(), registry)
+    types = dict(line.split()[2:4] for line in text.splitlines() if line.startswith("# TYPE"))
+    assert all(name.startswith(("diloco_", "process_")) for name in types), sorted(types)
+    assert any(name.startswith("process_") for name in types)  # the ProcessCollector, on this registry
+    for name, kind in types.items():
+        assert (kind == "counter") == name.endswith("_total"), name
+        if "seconds" in name and kind == "gauge":  # instants and windows, never cumulative time
+            assert name in ("diloco_uptime_seconds", "diloco_event_loop_lag_seconds", "process_start_time_seconds"), name
+    assert types["diloco_learner_compute_seconds_total"] == types["diloco_learner_sync_seconds_total"] == "counter"
+    assert "diloco_learner_compute_seconds_total 3.5" in text
+    for name in ("diloco_learner_step_seconds", "diloco_round_latency_seconds", "diloco_transfer_seconds"):
+        assert types[name] == "histogram", name
+    assert 'diloco_transfer_seconds_bucket{kind="contribution",le="2.5"} 1.0' in text
+    assert "diloco_round_latency_seconds_count 1.0" in text and "_created" not in text
+    assert series.step_seconds.value() == 1.0 and series.learner_compute_seconds.value() == 3.5
 
 
 def test_registries_are_per_node_and_validate_names():
     a, b = MetricsRegistry(), MetricsRegistry()
     a.counter("diloco_rounds_total", "Rounds.").inc()
-    assert b.families() == []  # nothing leaks between nodes sharing a process
+    assert b.names() == set()  # nothing leaks between nodes sharing a process
+    assert "diloco_rounds_total" not in render_metrics(_document(), b)
     b.counter("diloco_rounds_total", "Rounds.")  # the same name in another registry is fine
     with pytest.raises(ValueError, match="already registered"):
         a.counter("diloco_rounds_total", "Again.")
@@ -145,6 +182,8 @@ def test_registries_are_per_node_and_validate_names():
         a.counter("diloco_rounds", "No suffix.")
     with pytest.raises(ValueError, match="not a valid Prometheus name"):
         a.gauge("diloco-bad", "Dash.")
+    with pytest.raises(ValueError, match="starts with 'diloco_'"):
+        a.gauge("daemon_things", "Another prefix.")
     with pytest.raises(ValueError, match="only goes up"):
         a.counter("diloco_x_total", "X.").inc(-1)
     gauge = a.gauge("diloco_inflight", "In flight.", labels=("peer",))

@@ -7,7 +7,14 @@ import uuid
 
 import pytest
 
-from diloco_node.ops.systemd import SystemdNotifier, run_watchdog
+from diloco_node.ops.liveness import ALIVE, Liveness
+from diloco_node.ops.systemd import (
+    EXTEND_EVERY_S,
+    EXTEND_TIMEOUT_S,
+    SystemdNotifier,
+    extend_while_progressing,
+    run_watchdog,
+)
 
 
 @pytest.fixture
@@ -73,7 +80,7 @@ async def test_watchdog_loop_pings_at_half_interval_only_while_healthy(listener)
     path, sock = listener
     notifier = SystemdNotifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "4000000"})
     sleeps: list[float] = []
-    health = iter([True, False, True])
+    health = iter([ALIVE, Liveness(False, "learner stalled"), ALIVE])
 
     async def fake_sleep(seconds: float) -> None:
         sleeps.append(seconds)
@@ -91,7 +98,7 @@ async def test_watchdog_loop_pings_at_half_interval_only_while_healthy(listener)
 
 
 async def test_watchdog_loop_returns_without_a_watchdog():
-    await asyncio.wait_for(run_watchdog(SystemdNotifier({}), lambda: True), timeout=1.0)
+    await asyncio.wait_for(run_watchdog(SystemdNotifier({}), lambda: ALIVE), timeout=1.0)
 
 
 def test_an_unread_notify_socket_never_blocks_the_sender(tmp_path):
@@ -109,3 +116,36 @@ def test_an_unread_notify_socket_never_blocks_the_sender(tmp_path):
         notifier.close()
     finally:
         unread.close()
+
+
+def test_extend_timeout_reaches_the_socket_in_microseconds(listener):
+    path, sock = listener
+    notifier = SystemdNotifier({"NOTIFY_SOCKET": path})
+    assert notifier.extend_timeout(90.0)
+    assert _receive(sock) == ["EXTEND_TIMEOUT_USEC=90000000"]
+    notifier.close()
+
+
+async def test_the_start_timeout_is_extended_only_while_a_download_makes_progress(listener):
+    """A long state download pushes TimeoutStartSec= ahead while bytes arrive; a stuck one does not."""
+    path, sock = listener
+    notifier = SystemdNotifier({"NOTIFY_SOCKET": path})
+    received_bytes = iter([0, 4096, 4096, 8192])  # moving, moving, stuck, moving again
+    rounds = 0
+
+    async def fake_sleep(seconds: float) -> None:
+        nonlocal rounds
+        assert seconds == EXTEND_EVERY_S
+        rounds += 1
+        if rounds == 4:
+            raise asyncio.CancelledError  # the download ended: the node cancels the task
+
+    with pytest.raises(asyncio.CancelledError):
+        await extend_while_progressing(notifier, lambda: next(received_bytes), sleep=fake_sleep)
+    sock.settimeout(0.05)
+    sent = []
+    with pytest.raises(TimeoutError):
+        while True:
+            sent.append(sock.recv(100).decode())
+    assert sent == [f"EXTEND_TIMEOUT_USEC={int(EXTEND_TIMEOUT_S * 1e6)}"] * 3  # the stuck round sent nothing
+    notifier.close()

@@ -11,6 +11,8 @@ import importlib
 import os
 import sys
 
+from diloco_node import __version__
+
 # name -> (module implementing it, one-line help). Add a line per subcommand.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("diloco_node.cli.demo", "the main job on its built-in default: 4 local sites as real processes"),
@@ -28,11 +30,17 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def version_line() -> str:
+    """`diloco-node --version`: the package version and the Python it runs on (bug reports)."""
+    return f"diloco-node {__version__} (Python {sys.version.split()[0]})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diloco-node",
         description="Decoupled DiLoCo across sites: learners, a leased syncer, WAN-friendly sync.",
     )
+    parser.add_argument("-V", "--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
@@ -44,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    if argv and argv[0] in ("-V", "--version"):  # answered here: argparse's action would exit
+        print(version_line())
+        return 0
     if not argv or argv[0] not in SUBCOMMANDS:
         parser.parse_args(argv)  # prints help / the error for an unknown command
         parser.print_help()

@@ -1,7 +1,9 @@
 """`diloco-node run`: start this site's daemon (found a run, or join one with --bootstrap).
 
-Exit codes: 0 clean stop (SIGTERM/SIGINT), 1 runtime failure, 2 configuration error,
-3 the run refused us (wrong secret, contradicting manifest, no bootstrap peer answered).
+Exit statuses (diloco_node/daemon/exits.py): 0 clean stop (SIGTERM/SIGINT, or the run is complete),
+1 transient failure (a crash, or no bootstrap peer answered within the join deadline: a restart
+helps), 2 configuration error and 3 the run refused us (wrong secret, contradicting manifest): both
+permanent, so the systemd unit does not restart on them (RestartPreventExitStatus=2 3).
 """
 
 from __future__ import annotations
@@ -13,10 +15,15 @@ import os
 import sys
 
 from diloco_node.config.settings import ConfigError, add_run_flags, load_config_from_args
+from diloco_node.daemon.exits import EXIT_CONFIG
+from diloco_node.ops.logs import LOG_FORMATS, configure_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     add_run_flags(parser)
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default="auto",
+                        help="auto (default): journald priorities and no timestamp under systemd, text "
+                             "elsewhere; json: one object per line (ts, level, logger, msg, node)")
 
 
 def _event_loop_policy() -> None:
@@ -48,9 +55,9 @@ def run(args: argparse.Namespace) -> int:
             effective.read_secret()  # fail in milliseconds, before JAX is imported
     except ConfigError as error:
         print(f"diloco-node run: {error}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=effective.node.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s {effective.node.node_id} %(levelname)s %(name)s: %(message)s")
+        return EXIT_CONFIG
+    configure_logging(effective.node.log_level, effective.node.node_id, getattr(args, "log_format", "auto"),
+                      stream=sys.stderr)
     for warning in effective.warnings:
         logging.getLogger("diloco_node.daemon").warning("%s", warning)
     _use_persistent_compilation_cache(effective.node.data_dir)

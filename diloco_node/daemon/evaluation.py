@@ -3,7 +3,7 @@
 The global parameters are copied on the event loop (a few milliseconds of memcpy) and evaluated
 on a thread of their own, never on the training thread: a learner keeps stepping while the
 evaluation runs, and at most one evaluation is in flight (a slow one skips intervals rather than
-queueing them). Results go to `/status` (`evaluation`), `/metrics` (`diloco_daemon_eval_loss`)
+queueing them). Results go to `/status` (`evaluation`), `/metrics` (`diloco_eval_loss`)
 and the history (`eval` events). Witnesses have no data and do not evaluate.
 
 Only a replica that is one consistent global state is evaluated (not mid-download), so every

@@ -124,8 +124,11 @@ async def negotiate(client: PeerClient, urls: Sequence[str], effective: Effectiv
             return errors
         pause = join_backoff_s(attempt, rng)
         if not transient or monotonic() + pause > give_up_at:
+            # Every peer refused for good (permanent), or the deadline passed with peers that may
+            # yet answer (transient: a restart asks again).
             raise JoinRefused("could not join through any bootstrap peer"
-                              + (f" within {deadline_s:g} s" if transient else "") + ":\n  " + "\n  ".join(errors))
+                              + (f" within {deadline_s:g} s" if transient else "") + ":\n  " + "\n  ".join(errors),
+                              permanent=not transient, transient=transient)
         log.info("%s: no bootstrap peer could admit us yet (%s); asking again in %.1f s", node_id, errors[-1], pause)
         await sleep(pause)
 
@@ -156,8 +159,11 @@ async def _negotiate_once(client: PeerClient, urls: Sequence[str], effective: Ef
                     raise JoinRefused(f"{url}: the run's manifest changed while joining; try again")
             return (theirs, membership, url), False
         except JoinRefused as error:
-            if error.permanent or "refused with 401" in str(error) or "refused with 409" in str(error):
+            if error.permanent:
                 raise
+            if "refused with 401" in str(error) or "refused with 409" in str(error):
+                # A wrong secret or run: asking anyone again cannot help.
+                raise JoinRefused(str(error), permanent=True) from None
             errors.append(str(error))
             transient = transient or error.transient
         except RemoteProtocolError as error:

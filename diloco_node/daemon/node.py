@@ -16,6 +16,7 @@ See docs/ARCHITECTURE.md and docs/DAEMON.md.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import random
@@ -30,8 +31,9 @@ from bootstrap import messages as coord
 from bootstrap.coordinator_node import CoordinatorNode, NodeOptions
 from bootstrap.election import LeaseTiming
 from diloco_node.clock import Clock, SystemClock, process_age_s
-from diloco_node.config.settings import ConfigError, EffectiveConfig, run_id_for
+from diloco_node.config.settings import ConfigError, EffectiveConfig, NodeConfig, run_id_for
 from diloco_node.daemon.coordination import CoordinationIO
+from diloco_node.daemon.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, exit_status_for
 from diloco_node.daemon.history_hooks import DaemonHistory
 from diloco_node.daemon.identity import SiteIdentity
 from diloco_node.daemon.join import JoinRefused
@@ -51,13 +53,15 @@ from diloco_node.daemon.tasks import TaskSet, closed_on_cleanup
 from diloco_node.learn.cluster import share_manifest
 from diloco_node.learn.learner_thread import DueFragment, LearnerThread
 from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore
+from diloco_node.ops.liveness import Liveness, StepPace, liveness
 from diloco_node.ops.page import StatusSeries
 from diloco_node.ops.status import MetricsRegistry, StatusBuilder, operator_routes
-from diloco_node.ops.systemd import SystemdNotifier, run_watchdog
+from diloco_node.ops.systemd import SystemdNotifier, extend_while_progressing, run_watchdog
 from diloco_node.transport import ClientOptions, ConnectionGuard, PeerClient, PeerServer
 from diloco_node.transport.tls import SiteTls, TlsError, TlsFiles
 from wire.auth import AuthContext, FrameVerifier, RunSecretError, derive_frame_key, load_run_secret
 from wire.errors import LocalProtocolError
+from wire.limits import DEFAULT_LIMITS, Limits
 
 log = logging.getLogger("diloco_node.daemon")
 
@@ -74,8 +78,14 @@ MEMBER_REFRESH_S = 5.0
 # TLS files are checked for changes this often (certificates reload without a restart; SIGHUP
 # reloads at once). A renewal is planned days ahead, so seconds of delay cost nothing.
 TLS_RELOAD_CHECK_S = 5.0
-# Exit statuses of `diloco-node run` (systemd's unit tells them apart).
-EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_REFUSED = 0, 1, 2, 3
+
+
+def transport_bounds(cfg: NodeConfig) -> tuple[ClientOptions, Limits]:
+    """The peer transport's bounds from [node]: `connect_timeout_s` bounds each TCP connect of the
+    client; `read_timeout_s` the silence tolerated on an open stream, both ways (the client's
+    `sock_read` and stall guard, the server's per-read timeout)."""
+    options = ClientOptions(connect_timeout_s=cfg.connect_timeout_s, source_address=cfg.source_address)
+    return options, dataclasses.replace(DEFAULT_LIMITS, read_timeout_s=cfg.read_timeout_s)
 
 
 class Node:
@@ -96,6 +106,8 @@ class Node:
         self.samples = StatusSeries(self.clock.monotonic)  # recent figures for the page at `/` (/series)
         self.notifier = BackgroundNotifier(SystemdNotifier(self.environ))
         self.loop_lag = LagWindow()
+        self.pace = StepPace()  # the learner's step interval: a stalled learner fails /livez
+        self._counted_seconds = (0.0, 0.0)  # learner compute and sync seconds already in the counters
         min_step = self.environ.get("DILOCO_X_MIN_STEP_S", "0")
         self._min_step_interval_s = float(min_step) if min_step else 0.0
         self._stop = asyncio.Event()
@@ -161,9 +173,11 @@ class Node:
         verifier = FrameVerifier(run_id, key, node_id=self.node_id)  # frames must be addressed to us
         self.executor = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix=f"pool-{self.node_id}")
         self.disk_executor = ThreadPoolExecutor(1, thread_name_prefix=f"disk-{self.node_id}")
-        self.client = PeerClient(auth, verifier, executor=self.executor,
-                                 options=ClientOptions(source_address=self.cfg.source_address), tls=tls)
-        self.server = PeerServer(auth, verifier, executor=self.executor, certified_senders=tls is not None)
+        client_options, limits = transport_bounds(self.cfg)
+        self.client = PeerClient(auth, verifier, executor=self.executor, limits=limits, options=client_options,
+                                 tls=tls)
+        self.server = PeerServer(auth, verifier, executor=self.executor, limits=limits,
+                                 certified_senders=tls is not None)
         PeerApi(self.node_id, coordination=lambda: self.coordination, keeper=lambda: self.keeper,
                 rounds=lambda: self.rounds, manifest=lambda: self.site.manifest if self.site else None
                 ).install(self.server)
@@ -206,7 +220,7 @@ class Node:
         except (JoinRefused, ConfigError) as error:
             log.error("%s", error)
             self.exit_reason = str(error)
-            code = EXIT_REFUSED
+            code = exit_status_for(error)
         except OSError as error:
             log.error("cannot listen on %s: %s", self.cfg.listen, error)
             self.exit_reason = str(error)
@@ -337,7 +351,14 @@ class Node:
         if download is not None:
             await identity.announce()
             started = self.now()
-            await download.run()
+            # A big state on a slow link outlasts TimeoutStartSec=: extend it while bytes arrive.
+            extending = self.tasks.spawn(extend_while_progressing(self.notifier, lambda: download.bytes_received),
+                                         name="extend-start-timeout")
+            try:
+                await download.run()
+            finally:
+                extending.cancel()
+            self.series.transfer_seconds.observe(self.now() - started, kind="state_download")
             log.info("%s: downloaded the global state (%d bytes) in %.2f s", self.node_id,
                      download.bytes_received, self.now() - started)
             self._mark_phase("state downloaded")
@@ -388,7 +409,10 @@ class Node:
             replica=replica, coordination=core, addresses=self.identity.addresses, client=self.client,
             executor=self.executor, clock=self.clock, tasks=self.tasks, dispatch=coordination.dispatch,
             replica_behind=lambda: self.keeper.merge_blocker(core.log.applied_index, core.log.last_index),
-            report_error=self._error, contributions_sent=self.series.contributions_sent, merges_proposed=self.series.merges_proposed)
+            report_error=self._error, contributions_sent=self.series.contributions_sent,
+            merges_proposed=self.series.merges_proposed, round_latency=self.series.round_latency_seconds,
+            transfer=self.series.transfer_seconds)
+        self.keeper.on_fragment_commit = self.rounds.fragment_committed
         self.feed = StatusFeed(status=self.status, coordination=coordination, keeper=self.keeper, rounds=self.rounds,
                                store=self.store, client=self.client, server=self.server, loop_lag=self.loop_lag)
         self.history.start(core, replica.applied_index, self.site.manifest.sync)
@@ -416,11 +440,16 @@ class Node:
 
     def _from_learner_progress(self, step: int, loss: float, tokens: int) -> None:
         """Called in the learner thread after every step (status and history are thread-safe)."""
+        self.pace.step(self.now())
         self.status.record_learner(step=step, loss=loss, tokens=tokens, now=self.now())
         learner = self.learner
         if learner is not None:
-            self.series.learner_compute_seconds.set(learner.compute_seconds_total)
-            self.series.learner_sync_seconds.set(learner.sync_seconds_total)
+            # The learner keeps cumulative seconds; the counters take what was added since.
+            compute, sync = learner.compute_seconds_total, learner.sync_seconds_total
+            self.series.learner_compute_seconds.inc(max(0.0, compute - self._counted_seconds[0]))
+            self.series.learner_sync_seconds.inc(max(0.0, sync - self._counted_seconds[1]))
+            self._counted_seconds = (compute, sync)
+            self.series.step_seconds.observe(learner.step_seconds)
         self.history.learner_step(step, loss, tokens, learner)
 
     def _from_learner_contribution(self, due: DueFragment) -> None:
@@ -492,9 +521,10 @@ class Node:
     def _status_document(self) -> Any:
         return self.status.document(self.now())
 
-    def _live(self) -> bool:
+    def _live(self) -> Liveness:
         learner = self.learner
-        return learner is None or learner.error is None
+        return liveness(now=self.now(), learner_error=learner.error if learner is not None else None,
+                        training=learner is not None and not learner.stop_requested, pace=self.pace)
 
     # ------------------------------------------------------------------ shutdown
 

@@ -51,6 +51,9 @@ class BackgroundNotifier:
     def watchdog(self) -> None:
         self._offer(self._notifier.watchdog)
 
+    def extend_timeout(self, seconds: float) -> None:
+        self._offer(lambda: self._notifier.extend_timeout(seconds))
+
     def stopping(self, status: str | None = None) -> None:
         self._offer(lambda: self._notifier.stopping(status))
 

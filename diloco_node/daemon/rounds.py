@@ -26,7 +26,7 @@ from diloco_node.config.manifest import RunManifest
 from diloco_node.daemon import peers
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.learn.learner_thread import DueFragment
-from diloco_node.ops.status import Counter
+from diloco_node.ops.status import Counter, Histogram
 from diloco_node.sync.fragments import FragmentPlan
 from diloco_node.sync.merge import Contribution
 from diloco_node.sync.replica import Replica
@@ -58,7 +58,8 @@ class RoundDriver:
                  client: PeerClient, executor: Executor, clock: Clock, tasks: TaskSet,
                  dispatch: Callable[[list[coord.Action]], Any], replica_behind: Callable[[], str],
                  report_error: Callable[[str], None], contributions_sent: Counter,
-                 merges_proposed: Counter) -> None:
+                 merges_proposed: Counter, round_latency: Histogram | None = None,
+                 transfer: Histogram | None = None) -> None:
         self.node_id = node_id
         self.manifest = manifest
         self.plan = plan
@@ -76,6 +77,10 @@ class RoundDriver:
         self.report_error = report_error
         self.contributions_sent = contributions_sent
         self.merges_proposed = merges_proposed
+        self.round_latency = round_latency
+        self.transfer = transfer
+        # fragment -> when our oldest contribution to it not yet followed by a commit was sent.
+        self._sent_at: dict[int, float] = {}
         self.merging = False
         self._wake_timers: dict[int, Timer] = {}
         self._held_lease = False
@@ -100,16 +105,27 @@ class RoundDriver:
         if leader is None:
             return  # no lease holder: the next slot carries these steps too
         self.contributions_sent.inc()
+        self._sent_at.setdefault(due.fragment, self.clock.monotonic())
         if leader == self.node_id:
             await self.accept(message, transfer_s=0.0)
             return
         url = self.addresses.url(leader)
         if url is None:
             return
+        started = self.clock.monotonic()
         try:
             await self.client.send(url, message, peer=leader, deadline_s=CONTRIBUTION_DEADLINE_S)
         except TransportError as error:
             log.info("%s: contribution for fragment %d not delivered: %s", self.node_id, due.fragment, error)
+            return
+        if self.transfer is not None:
+            self.transfer.observe(self.clock.monotonic() - started, kind="contribution")
+
+    def fragment_committed(self, p: int, contributors: tuple[str, ...]) -> None:
+        """A commit of fragment p was applied: the round latency of our contribution, if it is in."""
+        sent_at = self._sent_at.pop(p, None)  # not in it: that contribution was late or lost
+        if sent_at is not None and self.node_id in contributors and self.round_latency is not None:
+            self.round_latency.observe(self.clock.monotonic() - sent_at)
 
     # ------------------------------------------------------------------ the syncer (lease holder)
 

@@ -57,6 +57,8 @@ class StateKeeper:
         self.learner: LearnerThread | None = None  # set when training starts
         # Told the applied index after every applied commit (the evaluator, once the node has one).
         self.after_apply: Callable[[int], None] = lambda applied_index: None
+        # A commit of a fragment was applied, with its contributors (the round latency metric).
+        self.on_fragment_commit: Callable[[int, tuple[str, ...]], None] = lambda p, contributors: None
         self.bootstrap_url: str | None = None  # a joiner's first choice of download peer
         self.consistent_from = 0  # applied index from which our replica is one consistent state
         self.install_floor = 0  # newest snapshot index the state download must reach (0: none)
@@ -102,6 +104,7 @@ class StateKeeper:
             self.repair(outcome.fragment)
         if outcome.applied and outcome.fragment is not None:
             self._offer(outcome.fragment, outcome.contributors)
+            self.on_fragment_commit(outcome.fragment, tuple(outcome.contributors))
             self.after_apply(self.replica.applied_index)
 
     def _offer(self, p: int, contributors: tuple[str, ...] = ()) -> None:

@@ -245,6 +245,10 @@ class LearnerThread(threading.Thread):
         self._go.set()
 
     @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested.is_set()
+
+    @property
     def steps(self) -> int:
         return self._inner.steps
 

@@ -4,10 +4,10 @@
   (the `status`/`watch` commands parse what a node serves with it).
 - `StatusBuilder`: the daemon's thread-safe collector (learner progress, bytes, coordination
   state, recent errors) that produces a `StatusDocument` for a given `now`.
-- `MetricsRegistry`: one per node (several nodes share a process in tests), with counters and
-  gauges rendered in the Prometheus text format (0.0.4) by `render_metrics`, which adds the
-  families derived from the status document. Written here rather than with prometheus_client:
-  the format is a few lines, and the project avoids a dependency for it.
+- `MetricsRegistry`: one prometheus_client `CollectorRegistry` per node (several nodes share a
+  process in tests), with counters, gauges and histograms, the families derived from the status
+  document and the process_* collector, rendered in the text format (0.0.4) by `render_metrics`.
+  One prefix (`diloco_`), counters end in `_total`, cumulative seconds are `*_seconds_total`.
 - `operator_routes`: aiohttp routes for `/status`, `/metrics`, `/livez`, `/readyz` and the live
   page's `/` and `/series` (ops/page.py), for the daemon to mount.
 """
@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
+from diloco_node.ops.liveness import ALIVE, Liveness
 from diloco_node.ops.page import StatusSeries, page_routes
 
 if TYPE_CHECKING:
@@ -363,14 +364,24 @@ class StatusBuilder:
 
 
 # ---------------------------------------------------------------------------------------------
-# Prometheus text format
+# Prometheus exposition (prometheus_client)
 
 _METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+# Every series this project exports starts with this (process_* from the ProcessCollector aside).
+METRIC_PREFIX = "diloco_"
+# Bucket bounds, in seconds, from a tiny CPU step (ms) to a big model's step on a slow device.
+STEP_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# A contribution's way to a commit spans the syncer's grace and one or more outer periods: up to hours.
+ROUND_SECONDS_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+# One fragment or a whole state over a WAN link: sub-second on a LAN, many minutes across oceans.
+TRANSFER_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
 
 
 @dataclass(frozen=True, slots=True)
 class MetricFamily:
+    """One family derived from the status document (a gauge or a counter)."""
+
     name: str
     kind: str  # "counter" | "gauge"
     help: str
@@ -378,80 +389,139 @@ class MetricFamily:
 
 
 class _Metric:
-    def __init__(self, registry: "MetricsRegistry", name: str, kind: str, help: str, labels: Sequence[str]) -> None:
-        self._registry = registry
-        self.name, self.kind, self.help, self.labels = name, kind, help, tuple(labels)
-        self._values: dict[tuple[str, ...], float] = {}
+    """A prometheus_client metric with the labels passed as keywords (`inc(reason="bad mac")`)."""
 
-    def _key(self, labels: Mapping[str, str]) -> tuple[str, ...]:
+    def __init__(self, registry: "MetricsRegistry", metric: Any, name: str, labels: Sequence[str]) -> None:
+        self._registry = registry
+        self._metric = metric
+        self.name, self.labels = name, tuple(labels)
+
+    def _child(self, labels: Mapping[str, str]) -> Any:
         if set(labels) != set(self.labels):
             raise ValueError(f"{self.name}: labels {sorted(labels)} given, declared {list(self.labels)}")
-        return tuple(str(labels[name]) for name in self.labels)
-
-    def _add(self, amount: float, labels: Mapping[str, str]) -> None:
-        key = self._key(labels)
-        with self._registry._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
+        return self._metric.labels(**{k: str(v) for k, v in labels.items()}) if self.labels else self._metric
 
     def value(self, **labels: str) -> float:
-        with self._registry._lock:
-            return self._values.get(self._key(labels), 0.0)
-
-    def family(self) -> MetricFamily:
-        with self._registry._lock:
-            items = sorted(self._values.items())
-        return MetricFamily(self.name, self.kind, self.help,
-                            tuple((dict(zip(self.labels, key)), value) for key, value in items))
+        self._child(labels)  # validates the label names
+        sample = self.name if isinstance(self, (Counter, Gauge)) else f"{self.name}_count"
+        found = self._registry.registry.get_sample_value(sample, {k: str(v) for k, v in labels.items()})
+        return 0.0 if found is None else found
 
 
 class Counter(_Metric):
     def inc(self, amount: float = 1.0, **labels: str) -> None:
         if amount < 0:
             raise ValueError(f"{self.name}: a counter only goes up (inc by {amount})")
-        self._add(amount, labels)
+        self._child(labels).inc(amount)
 
 
 class Gauge(_Metric):
     def set(self, value: float, **labels: str) -> None:
-        key = self._key(labels)
-        with self._registry._lock:
-            self._values[key] = float(value)
+        self._child(labels).set(float(value))
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
-        self._add(amount, labels)
+        self._child(labels).inc(amount)
 
     def dec(self, amount: float = 1.0, **labels: str) -> None:
-        self._add(-amount, labels)
+        self._child(labels).dec(amount)
+
+
+class Histogram(_Metric):
+    """`value()` is the number of observations."""
+
+    def observe(self, value: float, **labels: str) -> None:
+        self._child(labels).observe(float(value))
+
+
+class _StatusCollector:
+    """The status document's families, taken from the document `render_metrics` is given."""
+
+    def __init__(self) -> None:
+        self.doc: StatusDocument | None = None
+
+    def describe(self) -> list[Any]:  # the names, so the registry refuses a clashing metric
+        return [_to_client_family(f) for f in status_families(_EMPTY_DOCUMENT)]
+
+    def collect(self) -> list[Any]:
+        return [] if self.doc is None else [_to_client_family(f) for f in status_families(self.doc)]
+
+
+def _to_client_family(family: MetricFamily) -> Any:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    labels = list(family.samples[0][0]) if family.samples else []
+    kind = CounterMetricFamily if family.kind == "counter" else GaugeMetricFamily
+    out = kind(family.name, family.help, labels=labels)
+    for sample_labels, value in family.samples:
+        out.add_metric([str(sample_labels[k]) for k in labels], value)
+    return out
 
 
 class MetricsRegistry:
-    """A node's own metrics (frames rejected, rounds merged, ...); one object per node."""
+    """One node's metrics: a prometheus_client `CollectorRegistry` of its own (several nodes share a
+    process in tests, and the client's global registry would mix their figures), holding the
+    status document's families, what components register, and the process_* collector."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._metrics: dict[str, _Metric] = {}
+    def __init__(self, *, process_metrics: bool = True) -> None:
+        from prometheus_client import CollectorRegistry, ProcessCollector, disable_created_metrics
+
+        # `*_created` series double every counter and histogram for a start time /status already
+        # has (uptime); the switch is process-wide, and every registry of ours wants it.
+        disable_created_metrics()
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._status = _StatusCollector()
+        self.registry.register(self._status)
+        self._render_lock = threading.Lock()
+        self._names: set[str] = set()
+        if process_metrics:  # process_cpu_seconds_total, process_resident_memory_bytes, ... (Linux)
+            ProcessCollector(registry=self.registry)
 
     def counter(self, name: str, help: str, labels: Sequence[str] = ()) -> Counter:
         if not name.endswith("_total"):
             raise ValueError(f"counter {name!r}: Prometheus counters are named *_total")
-        return self._register(Counter(self, name, "counter", help, labels))
+        from prometheus_client import Counter as ClientCounter
+
+        return Counter(self, self._create(ClientCounter, name, help, labels), name, labels)
 
     def gauge(self, name: str, help: str, labels: Sequence[str] = ()) -> Gauge:
-        return self._register(Gauge(self, name, "gauge", help, labels))
+        from prometheus_client import Gauge as ClientGauge
 
-    def _register(self, metric: Any) -> Any:
-        if not _METRIC_NAME.match(metric.name):
-            raise ValueError(f"metric name {metric.name!r} is not a valid Prometheus name")
-        for label in metric.labels:
+        return Gauge(self, self._create(ClientGauge, name, help, labels), name, labels)
+
+    def histogram(self, name: str, help: str, buckets: Sequence[float], labels: Sequence[str] = ()) -> Histogram:
+        if not name.endswith("_seconds"):
+            raise ValueError(f"histogram {name!r}: name it for its unit (*_seconds)")
+        from prometheus_client import Histogram as ClientHistogram
+
+        return Histogram(self, self._create(ClientHistogram, name, help, labels, buckets=tuple(buckets)),
+                         name, labels)
+
+    def _create(self, kind: Any, name: str, help: str, labels: Sequence[str], **extra: Any) -> Any:
+        if not _METRIC_NAME.match(name):
+            raise ValueError(f"metric name {name!r} is not a valid Prometheus name")
+        if not name.startswith(METRIC_PREFIX):
+            raise ValueError(f"metric name {name!r}: every series of ours starts with {METRIC_PREFIX!r}")
+        for label in labels:
             if not _LABEL_NAME.match(label) or label.startswith("__"):
-                raise ValueError(f"{metric.name}: label name {label!r} is not valid")
-        if metric.name in self._metrics or metric.name in STATUS_METRIC_NAMES:
-            raise ValueError(f"metric {metric.name!r} is already registered")
-        self._metrics[metric.name] = metric
-        return metric
+                raise ValueError(f"{name}: label name {label!r} is not valid")
+        if name in self._names or name in STATUS_METRIC_NAMES:
+            raise ValueError(f"metric {name!r} is already registered")
+        self._names.add(name)
+        return kind(name, help, labelnames=tuple(labels), registry=self.registry, **extra)
 
-    def families(self) -> list[MetricFamily]:
-        return [metric.family() for metric in self._metrics.values()]
+    def names(self) -> set[str]:
+        """The names registered by components (the status families aside)."""
+        return set(self._names)
+
+    def render(self, doc: StatusDocument) -> bytes:
+        from prometheus_client import generate_latest
+
+        with self._render_lock:  # the status families come from `doc` for this render only
+            self._status.doc = doc
+            try:
+                return generate_latest(self.registry)
+            finally:
+                self._status.doc = None
 
 
 def status_families(doc: StatusDocument) -> list[MetricFamily]:
@@ -462,7 +532,7 @@ def status_families(doc: StatusDocument) -> list[MetricFamily]:
 
     learner = doc.learner
     families = [
-        one("diloco_node_info", "gauge", "Constant 1, labelled with the node's identity.", 1.0,
+        one("diloco_info", "gauge", "Constant 1, labelled with the node's identity.", 1.0,
             {"node_id": doc.node_id, "run_id": doc.run_id, "role": doc.role, "version": doc.version}),
         one("diloco_ready", "gauge", "1 when the node is ready (caught up, serving).", float(doc.ready)),
         one("diloco_uptime_seconds", "gauge", "Seconds since the node started.", doc.uptime_s),
@@ -497,45 +567,16 @@ def status_families(doc: StatusDocument) -> list[MetricFamily]:
     return families
 
 
-STATUS_METRIC_NAMES = frozenset(f.name for f in status_families(
-    StatusDocument(node_id="x", run_id="", role="learner", ready=False, epoch=0, coordinator=None,
-                   commit_index=0, state_digest="")))
+_EMPTY_DOCUMENT = StatusDocument(node_id="x", run_id="", role="learner", ready=False, epoch=0, coordinator=None,
+                                 commit_index=0, state_digest="")
+STATUS_METRIC_NAMES = frozenset(f.name for f in status_families(_EMPTY_DOCUMENT))
 
 
 def render_metrics(doc: StatusDocument, registry: MetricsRegistry | None = None) -> str:
-    """The Prometheus text exposition for one node: status-derived families plus the registry's."""
-    families = status_families(doc) + (registry.families() if registry is not None else [])
-    return render_families(families)
-
-
-def render_families(families: Iterable[MetricFamily]) -> str:
-    lines: list[str] = []
-    for family in families:
-        lines.append(f"# HELP {family.name} {_escape_help(family.help)}")
-        lines.append(f"# TYPE {family.name} {family.kind}")
-        for labels, value in family.samples:
-            label_text = ",".join(f'{k}="{_escape_label(str(v))}"' for k, v in labels.items())
-            lines.append(f"{family.name}{{{label_text}}} {_format_value(value)}" if label_text
-                         else f"{family.name} {_format_value(value)}")
-    return "\n".join(lines) + "\n"
-
-
-def _escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def _escape_label(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _format_value(value: float) -> str:
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if float(value).is_integer() and abs(value) < 2**53:
-        return str(int(value))
-    return repr(float(value))
+    """The Prometheus text exposition (0.0.4) for one node: status-derived families plus the registry's."""
+    if registry is None:
+        registry = MetricsRegistry(process_metrics=False)
+    return registry.render(doc).decode()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -543,15 +584,16 @@ def _format_value(value: float) -> str:
 
 
 def operator_routes(snapshot: Callable[[], StatusDocument], registry: MetricsRegistry | None = None,
-                    live: Callable[[], bool] = lambda: True, series: StatusSeries | None = None) -> "web.RouteTableDef":
+                    live: Callable[[], Liveness] = lambda: ALIVE, series: StatusSeries | None = None) -> "web.RouteTableDef":
     """aiohttp routes for the operator API; `snapshot()` builds the current document.
 
     `/` and `/series` (the live page and its time series) come from ops/page.py; `series` is the
     node's ring buffer of samples (None: `/series` answers no samples).
 
     `/readyz` is 200 only when the document says ready (a load balancer or the local-cluster
-    script waits on it); `/livez` is 200 while `live()` holds (the event loop answering is most
-    of the proof; `live` adds e.g. "the training thread is not stuck").
+    script waits on it); `/livez` is 200 while `live()` says alive (the event loop answering is
+    most of the proof; `live` adds "the training thread has neither crashed nor stalled"), else
+    503 with the reason.
     """
     from aiohttp import web
 
@@ -563,12 +605,13 @@ def operator_routes(snapshot: Callable[[], StatusDocument], registry: MetricsReg
 
     @routes.get("/metrics")
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=render_metrics(snapshot(), registry).encode(),
-                            headers={"Content-Type": METRICS_CONTENT_TYPE})
+        body = (registry or MetricsRegistry(process_metrics=False)).render(snapshot())
+        return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     @routes.get("/livez")
     async def livez(request: web.Request) -> web.Response:
-        return web.Response(text="ok\n") if live() else web.Response(status=503, text="unhealthy\n")
+        verdict = live()
+        return web.Response(text="ok\n") if verdict.alive else web.Response(status=503, text=verdict.reason + "\n")
 
     @routes.get("/readyz")
     async def readyz(request: web.Request) -> web.Response:

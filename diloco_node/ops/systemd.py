@@ -1,4 +1,5 @@
-"""Talking to systemd: sd_notify readiness, status line, watchdog and stopping, with the stdlib only.
+"""Talking to systemd: sd_notify readiness, status line, watchdog, start-timeout extensions and
+stopping, with the stdlib only.
 
 Under a `Type=notify` unit systemd passes `$NOTIFY_SOCKET` (a filesystem path, or an abstract
 socket written with a leading '@') and, with `WatchdogSec=`, `$WATCHDOG_USEC` (and
@@ -12,7 +13,9 @@ import asyncio
 import logging
 import os
 import socket
-from typing import Awaitable, Callable, Mapping
+from typing import Awaitable, Callable, Mapping, Protocol
+
+from diloco_node.ops.liveness import Liveness
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +23,11 @@ log = logging.getLogger(__name__)
 MAX_STATUS_CHARS = 1024
 # Ping at half the watchdog interval, as sd_watchdog_enabled(3) recommends: one late ping is tolerated.
 WATCHDOG_PING_FRACTION = 0.5
+# While a state download makes progress, the start timeout (TimeoutStartSec=) is pushed this far
+# ahead every EXTEND_EVERY_S: a 100 GB download on a slow link outlasts any fixed start timeout,
+# yet a download that stops moving lets the timeout run out as before. Three periods of slack.
+EXTEND_TIMEOUT_S = 90.0
+EXTEND_EVERY_S = 30.0
 
 
 class SystemdNotifier:
@@ -71,6 +79,11 @@ class SystemdNotifier:
     def watchdog(self) -> bool:
         return self.notify("WATCHDOG=1")
 
+    def extend_timeout(self, seconds: float) -> bool:
+        """EXTEND_TIMEOUT_USEC: the current (start, runtime or stop) timeout is extended so that it
+        runs out no sooner than `seconds` from now, unless another message extends it again."""
+        return self.notify(f"EXTEND_TIMEOUT_USEC={int(seconds * 1e6)}")
+
     def stopping(self, status: str | None = None) -> bool:
         return self.notify("STOPPING=1", *([_status_line(status)] if status else []))
 
@@ -114,10 +127,10 @@ def _watchdog_seconds(env: Mapping[str, str], pid: int) -> float | None:
 
 async def run_watchdog(
     notifier: SystemdNotifier,
-    healthy: Callable[[], bool],
+    healthy: Callable[[], Liveness],
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> None:
-    """Ping the watchdog while `healthy()` holds; returns at once when no watchdog is configured.
+    """Ping the watchdog while `healthy()` says alive; returns at once when no watchdog is configured.
 
     Running on the event loop is the point: a blocked loop stops the pings and systemd restarts
     the node. An unhealthy node (e.g. its training thread is stuck) stops pinging on purpose.
@@ -126,8 +139,36 @@ async def run_watchdog(
     if interval is None:
         return
     while True:
-        if healthy():
+        verdict = healthy()
+        if verdict.alive:
             notifier.watchdog()
         else:
-            log.error("not pinging the systemd watchdog: node reports unhealthy")
+            log.error("not pinging the systemd watchdog: %s", verdict.reason)
         await sleep(interval * WATCHDOG_PING_FRACTION)
+
+
+class _Extends(Protocol):
+    def extend_timeout(self, seconds: float) -> object: ...
+
+
+async def extend_while_progressing(
+    notifier: _Extends,
+    progress: Callable[[], int],
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    every_s: float = EXTEND_EVERY_S,
+    extend_s: float = EXTEND_TIMEOUT_S,
+) -> None:
+    """Extend systemd's start timeout every `every_s` while `progress()` (bytes received) grows.
+
+    Run as a task beside a long download and cancel it when the download ends. The first
+    extension is sent at once; later ones only when the figure moved since the previous look.
+    """
+    last: int | None = None
+    while True:
+        now = progress()
+        if last is None or now > last:
+            notifier.extend_timeout(extend_s)
+        else:
+            log.warning("state download made no progress for %g s: not extending the start timeout", every_s)
+        last = now
+        await sleep(every_s)

@@ -298,7 +298,14 @@ class PeerClient:
                         raise PeerRefused(url, response.status, reason)
                     return await self._read_replies(response, traffic)
         except TimeoutError as error:
-            which = "deadline" if deadline.expired() else "upload stalled" if stall.expired() else "read timeout"
+            if deadline.expired():
+                which = "deadline"
+            elif isinstance(error, aiohttp.ConnectionTimeoutError):
+                which = "connect timeout"  # ClientOptions.connect_timeout_s ([node] connect_timeout_s)
+            elif stall.expired() and not isinstance(body, bytes):
+                which = "upload stalled"
+            else:  # a small body is handed over whole: silence after it is the peer's
+                which = "read timeout"
             log.info("send to %s failed: %s", url, which)
             self.counters.refused(peer_key, f"unreachable: {which}")
             raise PeerUnreachable(url, f"{which}: {error or 'timed out'}") from None
