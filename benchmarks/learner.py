@@ -2,19 +2,30 @@
 
     .venv/bin/python benchmarks/learner.py --json learner.json                       # llama, preset 1m
     .venv/bin/python benchmarks/learner.py --factory bytes --option size=tiny --steps 300
+    .venv/bin/python benchmarks/learner.py --devices 1,4 --host-devices 4 --json l.json  # CPU: 4 forced devices
+    .venv/bin/python benchmarks/learner.py --devices 8 --mesh-fsdp 2                  # a GPU host (jax[cuda12])
 
-Both sides train the same model on the same device with the same batches:
+Nothing here is specific to a platform: it trains on whatever devices JAX finds (install the
+`cuda12` or `tpu` extra on an accelerator host). `--host-devices N` is for CPU only: it forces N
+host devices with one thread each, before JAX starts (several JAX users share small machines).
 
-- plain: `InnerLearner.step` in a loop, the loss fetched once at the end, so JAX may queue steps
-  ahead (the fastest a loop of this jitted step can go);
+Each `--devices` count is a site mesh over the first N devices (`data` = N / fsdp, `fsdp` =
+`--mesh-fsdp`), the global batch split over them. Both sides train the same model on the same
+mesh with the same batches:
+
+- plain: `InnerLearner.step` in a loop over pre-sampled batches, `PLAIN_QUEUE_DEPTH` steps queued
+  ahead (the device never waits for the host: the fastest a loop of this jitted step can go);
 - daemon: a `LearnerThread` exactly as a site runs it: step boundaries, sampling, due deltas
   handed to a stand-in for the event loop that encodes them with the run's codec on another
   thread (as the daemon's codec pool does) and, a round trip later, offers a merged fragment back,
   which the thread applies at its next boundary. Fragment traffic flows the whole time.
 
-Reported: steps/s of each and their ratio (daemon / plain; the target is >= 0.95, the goal 0.98),
-plus the offers applied, to show traffic flowed. Each side runs `--repeats` times, alternating;
-the best run of each side is compared (the machine's noise only slows runs down).
+Reported per device count: steps/s of each and their ratio (daemon / plain; the target is >= 0.95,
+the goal 0.98: best run over best run, and the median of each daemon run over the plain run just
+before it), the offers applied (to show traffic flowed), and the cost of reading one due
+fragment (device copy, transfer, delta) and writing one merged fragment (placed with each
+tensor's sharding) on the mesh. Each side runs `--repeats` times, alternating; the best run of
+each side is compared (the machine's noise only slows runs down).
 """
 
 from __future__ import annotations
@@ -31,20 +42,44 @@ import tomllib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+
+
+def _force_host_devices(argv: list[str]) -> None:
+    """`--host-devices N` (CPU only) must reach XLA before JAX is imported."""
+    for i, arg in enumerate(argv):
+        count = arg.split("=", 1)[1] if arg.startswith("--host-devices=") else (
+            argv[i + 1] if arg == "--host-devices" and i + 1 < len(argv) else None)
+        if count:
+            os.environ["JAX_PLATFORMS"] = "cpu"
+            # One XLA thread per process keeps a 1-device run steady on a shared small machine. Not
+            # with several devices: their all-reduces rendezvous one thread per device, and with
+            # steps queued ahead a small pool deadlocks (measured: "Expected 4 threads to join the
+            # rendezvous, but only 3 of them arrived", then XLA aborts).
+            limits = " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" if int(count) == 1 else ""
+            os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={int(count)}{limits}"
+
+
+_force_host_devices(sys.argv[1:])
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from diloco_node.config.manifest import InnerOptimizer, ModelSpec, RunManifest, SyncSpec  # noqa: E402
 from diloco_node.learn import data as data_lib  # noqa: E402
 from diloco_node.learn import factory  # noqa: E402
+from diloco_node.learn import model as model_lib  # noqa: E402
 from diloco_node.learn.inner import InnerLearner  # noqa: E402
-from diloco_node.learn.learner_thread import DueFragment, LearnerThread  # noqa: E402
+from diloco_node.learn.learner_thread import DueFragment, LearnerThread, _copy_fragment  # noqa: E402
+from diloco_node.learn.mesh import MeshShape, SiteMesh, build_site_mesh, host_copies, place  # noqa: E402
 from diloco_node.sync.fragments import plan_fragments  # noqa: E402
 from wire.codecs import encode_named  # noqa: E402
 
 WARMUP_STEPS = 10
+# Steps the plain loop lets JAX queue ahead (the daemon's learner keeps about as many). Two keep a
+# device always fed; an unbounded queue of multi-device steps deadlocks XLA:CPU's in-process
+# all-reduce (measured with 4 host devices: aborts after ~40 queued steps).
+PLAIN_QUEUE_DEPTH = 2
 
 
 def build_manifest(args: argparse.Namespace) -> RunManifest:
@@ -66,17 +101,19 @@ def tokens_for(manifest: RunManifest) -> np.ndarray:
     return np.random.default_rng(0).integers(0, manifest.model.vocab_size, 2_000_000, dtype=np.int64).astype(np.uint32)
 
 
-def plain_loop(manifest: RunManifest, tokens: np.ndarray, steps: int) -> float:
-    learner = InnerLearner(manifest.model, manifest.inner, manifest.seed)
+def plain_loop(manifest: RunManifest, tokens: np.ndarray, steps: int, mesh: SiteMesh) -> float:
+    learner = InnerLearner(manifest.model, manifest.inner, manifest.seed, site_mesh=mesh)
     sampler = data_lib.BatchSampler(tokens, manifest.inner.batch_size, manifest.model.seq_len, 0)
     batches = [sampler.next() for _ in range(WARMUP_STEPS + steps)]
     for x, y in batches[:WARMUP_STEPS]:
         jax.block_until_ready(learner.step(x, y))
     started = time.perf_counter()
-    loss = None
+    in_flight: list[jax.Array] = []
     for x, y in batches[WARMUP_STEPS:]:
-        loss = learner.step(x, y)
-    jax.block_until_ready(loss)
+        in_flight.append(learner.step(x, y))
+        if len(in_flight) > PLAIN_QUEUE_DEPTH:
+            jax.block_until_ready(in_flight.pop(0))
+    jax.block_until_ready(in_flight)
     return steps / (time.perf_counter() - started)
 
 
@@ -112,10 +149,9 @@ class NetworkStandIn:
             self.offers += 1
 
 
-def daemon_learner(manifest: RunManifest, tokens: np.ndarray, steps: int, round_trip_s: float) -> tuple[float, int, int]:
+def daemon_learner(manifest: RunManifest, tokens: np.ndarray, steps: int, round_trip_s: float,
+                   mesh: SiteMesh) -> tuple[float, int, int]:
     _, params = factory.init_params(manifest.model, manifest.seed)
-    from diloco_node.learn import model as model_lib
-
     initial = model_lib.flat_params(params)
     plan = plan_fragments({n: a.shape for n, a in initial.items()}, manifest.sync.fragments, manifest.sync.period,
                           manifest.sync.overlap)
@@ -125,7 +161,8 @@ def daemon_learner(manifest: RunManifest, tokens: np.ndarray, steps: int, round_
     network.base = dict(initial)  # type: ignore[attr-defined]
     learner = LearnerThread(node_id="bench", manifest=manifest, plan=plan, corpus=corpus, global_params=initial,
                             global_rounds=[0] * plan.num_fragments, on_contribution=network.on_contribution,
-                            on_progress=lambda step, loss, tokens: None)
+                            on_progress=lambda step, loss, tokens: None,
+                            inner=InnerLearner(manifest.model, manifest.inner, manifest.seed, site_mesh=mesh))
     network.learner = learner
     learner.compile()
     network.thread.start()
@@ -147,6 +184,35 @@ def daemon_learner(manifest: RunManifest, tokens: np.ndarray, steps: int, round_
     return counted / elapsed, network.offers, network.bytes
 
 
+def fragment_costs(manifest: RunManifest, mesh: SiteMesh, repeats: int = 20) -> dict[str, float]:
+    """Milliseconds to read the largest fragment off the mesh (one device copy, the transfer to
+    the host, the delta) and to write a merged one back (each tensor placed with its sharding)."""
+    learner = InnerLearner(manifest.model, manifest.inner, manifest.seed, site_mesh=mesh)
+    by_name = {model_lib.path_name(path): leaf[...] for path, leaf in nnx.to_flat_state(learner.params)}
+    flat = {n: np.asarray(a) for n, a in by_name.items()}
+    plan = plan_fragments({n: a.shape for n, a in flat.items()}, manifest.sync.fragments, manifest.sync.period,
+                          manifest.sync.overlap)
+    names = max((f.names for f in plan.fragments), key=lambda ns: sum(flat[n].size for n in ns))
+    arrays = {n: by_name[n] for n in names}
+    base = {n: flat[n] for n in names}
+    jax.block_until_ready(_copy_fragment(arrays))
+    reads, writes = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        copies = _copy_fragment(arrays)
+        for array in copies.values():
+            array.copy_to_host_async()
+        local = host_copies(copies)
+        _ = {n: base[n] - local[n] for n in names}
+        reads.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        placed = {n: place(base[n], arrays[n].sharding) for n in names}
+        jax.block_until_ready(placed)
+        writes.append(time.perf_counter() - started)
+    return {"fragment_tensors": len(names), "fragment_bytes": int(sum(flat[n].nbytes for n in names)),
+            "read_ms_median": 1e3 * float(np.median(reads)), "write_ms_median": 1e3 * float(np.median(writes))}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--factory", default="llama")
@@ -154,33 +220,53 @@ def main(argv: list[str] | None = None) -> int:
                         help="a [run.model] option (default for llama: size=1m)")
     parser.add_argument("--vocab-size", type=int, default=32_000)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8, help="the site's global batch")
     parser.add_argument("--fragments", type=int, default=4)
     parser.add_argument("--period", type=int, default=16)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--round-trip-ms", type=float, default=50.0, help="delay before a merged fragment comes back")
+    parser.add_argument("--devices", default="1", help="device counts to measure, e.g. 1,4 (the first N devices)")
+    parser.add_argument("--mesh-fsdp", type=int, default=1, help="the mesh's fsdp axis size (the rest is data)")
+    parser.add_argument("--microbatches", type=int, default=1)
+    parser.add_argument("--host-devices", type=int, default=None,
+                        help="CPU only: force this many host devices (read before JAX starts)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if args.option is None:
         args.option = ["size=1m"] if args.factory == "llama" else []
     manifest = build_manifest(args)
     tokens = tokens_for(manifest)
-    plain_runs, daemon_runs, offers, sent = [], [], 0, 0
-    for _ in range(args.repeats):
-        plain_runs.append(plain_loop(manifest, tokens, args.steps))
-        rate, offers, sent = daemon_learner(manifest, tokens, args.steps, args.round_trip_ms / 1000)
-        daemon_runs.append(rate)
-        print(f"plain {plain_runs[-1]:.2f} steps/s, daemon learner {rate:.2f} steps/s "
-              f"({offers} merged fragments applied, {sent / 1e6:.1f} MB encoded)", flush=True)
-    ratio = max(daemon_runs) / max(plain_runs)
+    results = []
+    for count in [int(c) for c in args.devices.split(",")]:
+        devices = jax.devices()[:count]
+        if len(devices) < count:
+            parser.error(f"--devices {count}: JAX sees only {len(jax.devices())} device(s)")
+        mesh = build_site_mesh(MeshShape(data=-1, fsdp=args.mesh_fsdp, microbatches=args.microbatches), devices)
+        plain_runs, daemon_runs, offers, sent = [], [], 0, 0
+        for _ in range(args.repeats):
+            plain_runs.append(plain_loop(manifest, tokens, args.steps, mesh))
+            rate, offers, sent = daemon_learner(manifest, tokens, args.steps, args.round_trip_ms / 1000, mesh)
+            daemon_runs.append(rate)
+            print(f"{count} device(s): plain {plain_runs[-1]:.2f} steps/s, daemon learner {rate:.2f} steps/s "
+                  f"({offers} merged fragments applied, {sent / 1e6:.1f} MB encoded)", flush=True)
+        ratio = max(daemon_runs) / max(plain_runs)
+        # Each daemon run right after its plain run sees about the same machine load: the median
+        # of those pairs' ratios resists a shared machine's drifting load better than best/best.
+        pair_ratio = float(np.median([d / p for d, p in zip(daemon_runs, plain_runs)]))
+        costs = fragment_costs(manifest, mesh)
+        results.append({"devices": mesh.describe(), "plain_steps_per_s": plain_runs,
+                        "daemon_steps_per_s": daemon_runs, "ratio_best": ratio, "ratio_median_of_pairs": pair_ratio,
+                        "offers_applied_last_run": offers, "bytes_encoded_last_run": sent, "fragment": costs})
+        print(f"{count} device(s): daemon learner / plain loop: {ratio:.3f} best/best, {pair_ratio:.3f} median of "
+              f"pairs (target >= 0.95, goal 0.98); one "
+              f"fragment ({costs['fragment_bytes'] / 1e6:.1f} MB): read {costs['read_ms_median']:.2f} ms, "
+              f"write {costs['write_ms_median']:.2f} ms", flush=True)
     report = {
         "model": dataclasses.asdict(manifest.model) | {"tensors": len(factory.model_signature(manifest.model))},
         "device": str(jax.devices()[0]), "steps": args.steps, "batch": [args.batch_size, args.seq_len],
-        "plain_steps_per_s": plain_runs, "daemon_steps_per_s": daemon_runs, "ratio_best": ratio,
-        "offers_applied_last_run": offers, "bytes_encoded_last_run": sent,
+        "results": results,
     }
-    print(f"daemon learner / plain loop: {ratio:.3f} (target >= 0.95, goal 0.98) on {report['device']}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=str))
     return 0

@@ -43,7 +43,9 @@ def _use_persistent_compilation_cache(data_dir: str) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         effective = load_config_from_args(args)
-        effective.read_secret()  # fail in milliseconds, before JAX is imported
+        cluster = effective.node.cluster
+        if not (cluster.enabled and cluster.process_id > 0):  # a follower host talks to no peer
+            effective.read_secret()  # fail in milliseconds, before JAX is imported
     except ConfigError as error:
         print(f"diloco-node run: {error}", file=sys.stderr)
         return 2
@@ -52,6 +54,14 @@ def run(args: argparse.Namespace) -> int:
     for warning in effective.warnings:
         logging.getLogger("diloco_node.daemon").warning("%s", warning)
     _use_persistent_compilation_cache(effective.node.data_dir)
+    if cluster.enabled:
+        from diloco_node.learn import cluster as cluster_lib  # imports JAX
+
+        cluster_lib.initialize(cluster)  # before anything touches JAX's devices
+        if cluster_lib.is_follower():
+            from diloco_node.daemon.site_follower import run_follower
+
+            return run_follower(effective)
     from diloco_node.daemon.node import Node  # imports JAX: only for `run`
 
     node = Node(effective, environ=dict(os.environ))

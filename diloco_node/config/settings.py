@@ -39,6 +39,7 @@ from urllib.parse import urlsplit
 
 from diloco_node.config.manifest import MOVED_DATA_KEYS, ConfigError, RunManifest
 from diloco_node.config.site_data import SiteData
+from diloco_node.config.site_devices import ClusterSpec, MeshShape
 from wire.auth import MIN_RUN_SECRET_BYTES
 
 __all__ = [
@@ -173,6 +174,8 @@ class NodeConfig:
     # Operator routes (/status, /metrics, /livez, /readyz, /) on a listener of their own; with TLS
     # on and this unset: 127.0.0.1 at the listen port + 1 (loopback: operators are local or tunnel).
     status_listen: HostPort | None = None
+    mesh: MeshShape = MeshShape()  # [node.mesh]: this site's devices laid out (learn/mesh.py)
+    cluster: ClusterSpec = ClusterSpec()  # [node.cluster]: the hosts of a multi-host site
 
     def __post_init__(self) -> None:
         _require(bool(NODE_ID_PATTERN.match(self.node_id)),
@@ -350,15 +353,54 @@ _NODE_FLAGS = {
 }
 DEFAULT_LISTEN = "127.0.0.1:7070"
 
+# Nested node tables: `[node.<table>]` keys are "<table>.<name>" (env DILOCO_<TABLE>_<NAME>,
+# `--set <table>.<name>=`), each table one frozen dataclass field of NodeConfig.
+NODE_TABLES: dict[str, type] = {"data": SiteData, "mesh": MeshShape, "cluster": ClusterSpec}
+_NODE_TABLE_HELP = {
+    "mesh.data": "[node.mesh] devices on the data axis (-1: every device fsdp leaves)",
+    "mesh.fsdp": "[node.mesh] devices parameters and AdamW state are sharded over (-1: every device data leaves)",
+    "mesh.microbatches": "[node.mesh] gradient accumulation: the global batch in this many microbatches",
+    "cluster.coordinator": "[node.cluster] HOST:PORT of process 0's jax.distributed service, \"auto\" to detect, "
+                           "empty for a one-host site",
+    "cluster.num_processes": "[node.cluster] hosts (processes) of this site (scheduler: SLURM_NTASKS)",
+    "cluster.process_id": "[node.cluster] this host's process id, 0 is the site's daemon (scheduler: SLURM_PROCID)",
+}
+# A scheduler's variables fill cluster keys the node did not set itself.
+_SCHEDULER_ENV = {"cluster.process_id": "SLURM_PROCID", "cluster.num_processes": "SLURM_NTASKS"}
+
+
+def _table_specs(table: str) -> list[KeySpec]:
+    cls = NODE_TABLES[table]
+    specs = []
+    for f in dataclasses.fields(cls):
+        key, default = f"{table}.{f.name}", getattr(cls(), f.name)
+        specs.append(KeySpec(key, _NODE_KINDS.get(key) or _kind_of(default), default,
+                             _NODE_HELP.get(key) or _NODE_TABLE_HELP[key]))
+    return specs
+
+
+def _node_table_kwargs(values: Mapping[str, Any], sources: Mapping[str, str]) -> dict[str, Any]:
+    """NodeConfig's nested tables built from their dotted keys (errors name the key's source)."""
+    out = {}
+    for table, cls in NODE_TABLES.items():
+        fields = {f.name: values[f"{table}.{f.name}"] for f in dataclasses.fields(cls)}
+        out[table] = _with_sources(lambda: cls(**fields), sources)
+    return out
+
+
+def _fill_scheduler(values: dict[str, Any], sources: dict[str, str], environ: Mapping[str, str]) -> None:
+    for key, name in _SCHEDULER_ENV.items():
+        if sources[key] == "default" and environ.get(name, "").strip().isdigit():
+            values[key] = int(environ[name])
+            sources[key] = f"env:{name}"
+
 
 def _node_specs() -> list[KeySpec]:
     specs = []
     for f in dataclasses.fields(NodeConfig):
         default: Any = f.default
-        if f.name == "data":
-            for sub in dataclasses.fields(SiteData):
-                key = NODE_DATA_PREFIX + sub.name
-                specs.append(KeySpec(key, _NODE_KINDS[key], getattr(SiteData(), sub.name), _NODE_HELP[key]))
+        if f.name in NODE_TABLES:
+            specs.extend(_table_specs(f.name))
             continue
         if f.name == "listen":
             default = HostPort.parse(DEFAULT_LISTEN, "listen")
@@ -603,9 +645,9 @@ class EffectiveConfig:
 
 
 def _node_value(node: NodeConfig, key: str) -> Any:
-    if key.startswith(NODE_DATA_PREFIX):
-        return getattr(node.data, key[len(NODE_DATA_PREFIX):])
-    return getattr(node, key)
+    """A node key's value: "data.paths" is `node.data.paths` (a nested table), "listen" `node.listen`."""
+    table, _, leaf = key.partition(".")
+    return getattr(getattr(node, table), leaf) if leaf else getattr(node, key)
 
 
 def _read_secret_file(path: Path, source: str) -> bytes:
@@ -712,11 +754,10 @@ def load_config(
     _fill_derived(values, sources, environ, cwd)
     _fill_secret(values, sources, environ, warnings)
 
-    node_kwargs = {spec.key: values[spec.key] for spec in NODE_SPECS if not spec.key.startswith(NODE_DATA_PREFIX)}
-    data_kwargs = {spec.key[len(NODE_DATA_PREFIX):]: values[spec.key] for spec in NODE_SPECS
-                   if spec.key.startswith(NODE_DATA_PREFIX)}
-    site_data = _with_sources(lambda: SiteData(**data_kwargs), sources)
-    node = _with_sources(lambda: NodeConfig(**node_kwargs, data=site_data), sources)
+    _fill_scheduler(values, sources, environ)
+    node_kwargs = {spec.key: values[spec.key] for spec in NODE_SPECS if "." not in spec.key}
+    node_kwargs.update(_node_table_kwargs(values, sources))
+    node = _with_sources(lambda: NodeConfig(**node_kwargs), sources)
     run = _with_sources(lambda: RunManifest.from_dict(_nest_run(values, model_options)), sources)
     if node.secret_file is not None:
         _read_secret_file(node.secret_file, sources["secret_file"])  # fail now, not at the first frame
@@ -756,9 +797,9 @@ def _read_toml(path: Path) -> dict[str, Any]:
     for name, value in document.items():
         if name == "node" and isinstance(value, dict):
             for key, item in value.items():
-                if key == "data" and isinstance(item, dict):
+                if key in NODE_TABLES and isinstance(item, dict):
                     for sub, leaf in item.items():
-                        _take_key(flat, NODE_DATA_PREFIX + sub, f"node.data.{sub}", leaf, where)
+                        _take_key(flat, f"{key}.{sub}", f"node.{key}.{sub}", leaf, where)
                 else:
                     _take_key(flat, key, f"node.{key}", item, where)
         elif name == "run" and isinstance(value, dict):
@@ -790,8 +831,9 @@ def _refuse_moved_data_key(dotted: str, where: str) -> None:
 
 
 def _known_keys_hint(dotted: str) -> str:
-    if dotted.startswith("node.data."):
-        return f"known in [node.data]: {', '.join(f.name for f in dataclasses.fields(SiteData))}"
+    table = dotted.split(".")[1] if dotted.startswith("node.") and dotted.count(".") == 2 else ""
+    if table in NODE_TABLES:
+        return f"known in [node.{table}]: {', '.join(f.name for f in dataclasses.fields(NODE_TABLES[table]))}"
     if dotted.startswith("run."):
         parent = dotted.rsplit(".", 1)[0]
         known = [k.rsplit(".", 1)[1] for k in ALL_SPECS if k.startswith(parent + ".") and k.count(".") == dotted.count(".")]

@@ -48,6 +48,7 @@ from diloco_node.daemon.state_transfer import StateKeeper
 from diloco_node.daemon.status_feed import StatusFeed
 from diloco_node.daemon.evaluation import GlobalEvaluator
 from diloco_node.daemon.tasks import TaskSet, closed_on_cleanup
+from diloco_node.learn.cluster import share_manifest
 from diloco_node.learn.learner_thread import DueFragment, LearnerThread
 from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore
 from diloco_node.ops.page import StatusSeries
@@ -284,10 +285,17 @@ class Node:
         self._mark_phase("identity")
         manifest = identity.manifest
         assert manifest is not None
+        if self.cfg.cluster.enabled and self.role is coord.MemberRole.LEARNER:
+            # The other hosts of this site wait for the manifest to build the same learner.
+            await loop.run_in_executor(None, share_manifest, manifest.canonical_bytes().decode())
         # Model set-up runs off the loop (JAX init, corpus): /status keeps answering meanwhile.
         site = self.site = await loop.run_in_executor(
             None, lambda: build_site_model(manifest, learner=self.role is coord.MemberRole.LEARNER,
-                                           data=self.cfg.data, cache_dir=self.cfg.data_dir / DATA_CACHE_DIR))
+                                           data=self.cfg.data, cache_dir=self.cfg.data_dir / DATA_CACHE_DIR,
+                                           mesh_shape=self.cfg.mesh))
+        if site.devices is not None:
+            self.status.set_devices(site.devices)
+            log.info("%s: training on %s", self.node_id, site.devices)
         self._mark_phase("state built")
         replica = site.replica
         self.checkpointer = Checkpointer(node_id=self.node_id, checkpoints=checkpoints, store=self.store,

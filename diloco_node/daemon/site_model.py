@@ -18,11 +18,14 @@ import numpy as np
 from diloco_node.config.manifest import RunManifest
 from diloco_node.config.site_data import SiteData
 from diloco_node.config.settings import ConfigError
+from diloco_node.config.site_devices import MeshShape
 from diloco_node.learn import data as data_lib
 from diloco_node.learn import factory
 from diloco_node.learn import model as model_lib
 from diloco_node.learn.inner import InnerLearner
+from diloco_node.learn.cluster import BoundaryFollowing
 from diloco_node.learn.learner_thread import DueFragment, LearnerSnapshot, LearnerThread
+from diloco_node.learn.mesh import build_site_mesh
 from diloco_node.sync.fragments import FragmentPlan, plan_fragments, wire_fit_problems
 from diloco_node.sync.replica import Replica
 from diloco_node.sync.syncer import Syncer
@@ -40,6 +43,7 @@ class SiteModel:
     plan: FragmentPlan
     replica: Replica
     syncer: Syncer
+    devices: dict | None = None  # the learner's devices and mesh (`SiteMesh.describe()`), None on a witness
 
 
 def open_learner_data(manifest: RunManifest, data: SiteData, cache_dir: Path | None) -> data_lib.Corpus:
@@ -58,17 +62,19 @@ def open_learner_data(manifest: RunManifest, data: SiteData, cache_dir: Path | N
 
 
 def build_site_model(manifest: RunManifest, *, learner: bool, data: SiteData | None = None,
-                     cache_dir: Path | None = None) -> SiteModel:
+                     cache_dir: Path | None = None, mesh_shape: MeshShape = MeshShape()) -> SiteModel:
     """Learners and witnesses build the same model from the manifest alone (its factory, options,
     vocabulary and context), checked against the run's sealed parameter signature. A learner also
     opens its own data (`data`, default the stdlib; tokenized text is cached in `cache_dir`);
-    witnesses read none."""
+    witnesses read none. A learner trains on every device of the site, laid out by `[node.mesh]`
+    (learn/mesh.py)."""
     factory.check_signature(manifest)
     corpus = open_learner_data(manifest, data or SiteData(), cache_dir) if learner else None
-    inner = InnerLearner(manifest.model, manifest.inner, manifest.seed) if learner else None
-    if inner is not None:
+    site_mesh = build_site_mesh(mesh_shape) if learner else None
+    inner = InnerLearner(manifest.model, manifest.inner, manifest.seed, site_mesh=site_mesh) if learner else None
+    if inner is not None and not inner.site_mesh.multi_process:
         initial = inner.get_flat()
-    else:
+    else:  # a witness, or a multi-host site (no process alone can read its parameters): the same seed
         _, params = factory.init_params(manifest.model, manifest.seed)
         initial = model_lib.flat_params(params)
     shapes = {n: a.shape for n, a in initial.items()}
@@ -82,7 +88,8 @@ def build_site_model(manifest: RunManifest, *, learner: bool, data: SiteData | N
         raise ConfigError("the run's fragments do not fit the wire limits: " + "; ".join(too_big))
     replica = Replica(plan, initial, manifest.outer, manifest.stop, manifest.founded_at)
     syncer = Syncer(manifest, plan, factory.embedding_names(manifest.model, initial))
-    return SiteModel(manifest, corpus, inner, plan, replica, syncer)
+    return SiteModel(manifest, corpus, inner, plan, replica, syncer,
+                     site_mesh.describe() if site_mesh is not None else None)
 
 
 def prepare_learner(site: SiteModel, *, node_id: str, base: tuple[Mapping[str, np.ndarray], list[int]],
@@ -91,10 +98,12 @@ def prepare_learner(site: SiteModel, *, node_id: str, base: tuple[Mapping[str, n
     """Build the training thread on `base` (global params, rounds) and compile its step (in a worker
     thread; touches no loop state). A restored learner keeps its own weights and counters."""
     assert site.corpus is not None and site.inner is not None
+    multi_host = site.inner.site_mesh is not None and site.inner.site_mesh.multi_process
     learner = LearnerThread(
         node_id=node_id, manifest=site.manifest, plan=site.plan, corpus=site.corpus,
         global_params=base[0], global_rounds=base[1], on_contribution=on_contribution, on_progress=on_progress,
-        min_step_interval_s=min_step_interval_s, inner=site.inner)
+        min_step_interval_s=min_step_interval_s, inner=site.inner,
+        following=BoundaryFollowing(site.plan.num_fragments) if multi_host else None)
     if restored is not None:
         learner.restore(restored)
     seconds = learner.compile()

@@ -15,7 +15,7 @@ Parameters cross the boundary as flat `dict[str, np.ndarray]` (see `model.flat_p
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,7 @@ from flax import nnx
 from diloco_node.config.manifest import InnerOptimizer, ModelSpec
 from diloco_node.learn import factory
 from diloco_node.learn import model as model_lib
+from diloco_node.learn.mesh import SiteMesh
 
 
 def make_schedule(inner: InnerOptimizer) -> optax.Schedule:
@@ -51,11 +52,41 @@ def make_optimizer(inner: InnerOptimizer) -> optax.GradientTransformation:
     )
 
 
-def _train_step_fn(graphdef: nnx.GraphDef, tx: optax.GradientTransformation) -> Callable:
-    """The pure single-learner step: (params, opt_state, inputs, targets) -> (params, opt_state, loss)."""
+def _train_step_fn(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, microbatches: int = 1,
+                   microbatch_sharding: jax.sharding.Sharding | None = None) -> Callable:
+    """The pure single-learner step: (params, opt_state, inputs, targets) -> (params, opt_state, loss).
+
+    With `microbatches` > 1 the batch's gradient is accumulated over equal microbatches in a
+    `lax.scan` (one microbatch's activations live at a time); the mean of their losses and
+    gradients is the whole batch's, so the update is the same up to float rounding.
+    """
+    grad_fn = jax.value_and_grad(model_lib.loss_fn, argnums=1)
+
+    def batch_loss_and_grads(params, inputs_BxL, targets_BxL):
+        if microbatches == 1:
+            return grad_fn(graphdef, params, inputs_BxL, targets_BxL)
+        M = microbatches
+        B, L = inputs_BxL.shape
+
+        def split(tokens_BxL):
+            # Microbatch m takes rows m, M + m, 2M + m, ...: each device's contiguous rows of the
+            # batch stay on that device, so every microbatch spans every device (no resharding).
+            tokens_MxbxL = tokens_BxL.reshape(B // M, M, L).swapaxes(0, 1)
+            if microbatch_sharding is not None:
+                tokens_MxbxL = jax.lax.with_sharding_constraint(tokens_MxbxL, microbatch_sharding)
+            return tokens_MxbxL
+
+        def accumulate(carry, batch):
+            loss_sum, grad_sum = carry
+            loss, grads = grad_fn(graphdef, params, batch[0], batch[1])
+            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        (loss_sum, grad_sum), _ = jax.lax.scan(accumulate, zeros, (split(inputs_BxL), split(targets_BxL)))
+        return loss_sum / M, jax.tree.map(lambda g: g / M, grad_sum)
 
     def step(params, opt_state, inputs_BxL, targets_BxL):
-        loss, grads = jax.value_and_grad(model_lib.loss_fn, argnums=1)(graphdef, params, inputs_BxL, targets_BxL)
+        loss, grads = batch_loss_and_grads(params, inputs_BxL, targets_BxL)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, loss
@@ -68,6 +99,24 @@ def _compiled_single_step(model: ModelSpec, inner: InnerOptimizer) -> Callable:
     """One jitted step per (model, optimizer) per process: later runs reuse its compilation."""
     graphdef = factory.graphdef_of(model)
     return jax.jit(_train_step_fn(graphdef, make_optimizer(inner)), donate_argnums=(0, 1))
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_mesh_step(model: ModelSpec, inner: InnerOptimizer, site_mesh: SiteMesh) -> tuple[Callable, Callable]:
+    """(step, init) on a site's mesh: the step with every input and output's sharding fixed by the
+    layout rule (parameters and moments keep their layout step after step, so a fragment written
+    back with its leaf's sharding never recompiles it), and the optimizer's init with the same."""
+    graphdef, abstract = factory.abstract_model(factory.recipe(model))
+    tx = make_optimizer(inner)
+    param_shardings = site_mesh.tree_shardings(abstract)
+    opt_shardings = site_mesh.tree_shardings(jax.eval_shape(tx.init, abstract))
+    batch = site_mesh.batch_sharding()
+    step = jax.jit(_train_step_fn(graphdef, tx, site_mesh.microbatches, site_mesh.microbatch_sharding()),
+                   in_shardings=(param_shardings, opt_shardings, batch, batch),
+                   out_shardings=(param_shardings, opt_shardings, site_mesh.replicated()),
+                   donate_argnums=(0, 1))
+    init = jax.jit(tx.init, in_shardings=(param_shardings,), out_shardings=opt_shardings)
+    return step, init
 
 
 @functools.lru_cache(maxsize=16)
@@ -90,25 +139,42 @@ def _compiled_masked_step(model: ModelSpec, inner: InnerOptimizer) -> Callable:
 
 
 class InnerLearner:
-    """One learner's local model and AdamW state, stepped by a jitted function with donated buffers."""
+    """One learner's local model and AdamW state, stepped by a jitted function with donated buffers.
+
+    With `site_mesh` the model trains on the site's device mesh (learn/mesh.py): the batch split
+    over every device, parameters and AdamW moments laid out by the mesh's rule. Without it, one
+    device and no shardings (the in-process runner's and the tests' learners).
+    """
 
     def __init__(self, model: ModelSpec, inner: InnerOptimizer, seed: int,
-                 initial: Mapping[str, np.ndarray] | None = None):
+                 initial: Mapping[str, np.ndarray] | None = None, site_mesh: SiteMesh | None = None):
+        if site_mesh is not None:
+            site_mesh.check_batch(inner.batch_size)  # before anything is built
         model = factory.recipe(model)
         graphdef, params = factory.init_params(model, seed)
         if initial is not None:
             params = model_lib.load_flat_params(params, initial)
         self.graphdef = graphdef
-        self.params = params
+        self.site_mesh = site_mesh
         self.tx = make_optimizer(inner)
-        self.opt_state = self.tx.init(params)
+        if site_mesh is None:
+            self.params = params
+            self.opt_state = self.tx.init(params)
+            self._step = _compiled_single_step(model, inner)
+        else:
+            self._step, init = _compiled_mesh_step(model, inner, site_mesh)
+            self.params = site_mesh.put_tree(params)
+            self.opt_state = init(self.params)
         self.steps = 0
         self.tokens = 0
-        self._step = _compiled_single_step(model, inner)
+
+    def _put_batch(self, tokens_BxL: np.ndarray) -> Any:
+        return tokens_BxL if self.site_mesh is None else self.site_mesh.put_batch(tokens_BxL)
 
     def step(self, inputs_BxL: np.ndarray, targets_BxL: np.ndarray) -> jax.Array:
         """One AdamW step; returns the loss as a device array (fetch it when convenient)."""
-        self.params, self.opt_state, loss = self._step(self.params, self.opt_state, inputs_BxL, targets_BxL)
+        self.params, self.opt_state, loss = self._step(self.params, self.opt_state, self._put_batch(inputs_BxL),
+                                                       self._put_batch(targets_BxL))
         self.steps += 1
         self.tokens += int(np.size(targets_BxL))
         return loss
@@ -118,8 +184,12 @@ class InnerLearner:
         the step donates its inputs, so it must not see the real buffers)."""
         params = jax.tree.map(jnp.copy, self.params)
         opt_state = jax.tree.map(jnp.copy, self.opt_state)
-        _, _, loss = self._step(params, opt_state, inputs_BxL, targets_BxL)
+        _, _, loss = self._step(params, opt_state, self._put_batch(inputs_BxL), self._put_batch(targets_BxL))
         jax.block_until_ready(loss)
+
+    def compiled_variants(self) -> int:
+        """How many compilations the step holds (1 after any number of steps and fragment writes)."""
+        return int(self._step._cache_size())
 
     def get_flat(self, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
         flat = model_lib.flat_params(self.params)
@@ -128,6 +198,14 @@ class InnerLearner:
     def set_flat(self, flat: Mapping[str, np.ndarray]) -> None:
         """Overwrite the named tensors (e.g. a merged global fragment); the AdamW state is kept."""
         self.params = model_lib.load_flat_params(self.params, flat)
+        if self.site_mesh is not None:  # back to the layout the step was compiled for
+            self.params = self.site_mesh.put_tree(self.params)
+
+    def put_opt_leaves(self, leaves: Iterable[np.ndarray]) -> None:
+        """The AdamW state from host copies of its leaves (a checkpoint), in the step's layout."""
+        treedef = jax.tree.structure(self.opt_state)
+        state = jax.tree.unflatten(treedef, [jnp.asarray(a) for a in leaves])
+        self.opt_state = state if self.site_mesh is None else self.site_mesh.put_tree(state)
 
 
 class StackedLearners:

@@ -30,6 +30,8 @@ from diloco_node.learn import data as data_lib
 from diloco_node.sync.apply import ApplyRule, FragmentCounters, apply_merge
 from diloco_node.sync.fragments import FragmentPlan
 from diloco_node.learn.inner import InnerLearner
+from diloco_node.learn.cluster import APPLY_AFTER_READ, APPLY_NONE, APPLY_WRITE, BoundaryDecision, BoundaryFollowing
+from diloco_node.learn.mesh import host_copies, place
 from diloco_node.config.manifest import RunManifest
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,24 @@ class _Offer:
         return frozenset().union(*(c for r, c in self.contributors_by_round if r > base_round))
 
 
+@dataclass(frozen=True, slots=True)
+class _PendingRead:
+    """A due fragment whose device copies are on their way to the host (taken one step later)."""
+
+    fragment: int
+    base_round: int
+    c_steps: int
+    c_tokens: int
+    step: int
+    base: dict[str, np.ndarray]
+    copies: dict[str, jax.Array]
+
+
+# One dispatch copies a whole fragment on the device (the next step donates the parameters, so
+# the transfer to the host must read copies); compiled once per fragment, in `compile`.
+_copy_fragment = jax.jit(lambda arrays: {name: jnp.copy(array) for name, array in arrays.items()})
+
+
 def learner_index(node_id: str) -> int:
     """A stable per-site stream index for the batch sampler (different sites, different batches)."""
     return int.from_bytes(hashlib.sha256(node_id.encode()).digest()[:4], "little")
@@ -93,6 +113,7 @@ class LearnerThread(threading.Thread):
         on_progress: Callable[[int, float, int], None],
         min_step_interval_s: float = 0.0,
         inner: InnerLearner | None = None,
+        following: BoundaryFollowing | None = None,
     ) -> None:
         super().__init__(name=f"learner-{node_id}", daemon=True)
         self.node_id = node_id  # the learner's name in commits' contributor lists
@@ -103,9 +124,21 @@ class LearnerThread(threading.Thread):
         else:  # built earlier by the node (its initial weights seeded the replica): take the state
             inner.set_flat(global_params)
         self._inner = inner
+        # A multi-host site (learn/cluster.py): every process runs this thread on the same global
+        # mesh; process 0's decides at each boundary and the others follow. None: one host.
+        self._following = following
+        # What process 0 hands the other processes when training starts (the state it was given).
+        self._host_params = dict(global_params)
+        self._host_opt: list[np.ndarray] | None = None
+        self._last_snapshot: LearnerSnapshot | None = None
         self._leaf_index = _leaf_index(self._inner.params)
         if set(self._leaf_index) != set(global_params):
             raise RuntimeError("parameter leaf names do not match the model's flat names")
+        # Every parameter's layout on the site's devices: a merged fragment is written back with
+        # exactly its leaf's sharding, so the compiled step sees the same inputs (no recompile).
+        leaves = jax.tree.leaves(self._inner.params)
+        self._shardings = {name: leaves[i].sharding for name, i in self._leaf_index.items()}
+        self._pending_reads: list[_PendingRead] = []
         self._sampler = data_lib.BatchSampler(corpus.train, manifest.inner.batch_size, manifest.model.seq_len,
                                               manifest.seed, learner_index(node_id))
         P = plan.num_fragments
@@ -141,14 +174,17 @@ class LearnerThread(threading.Thread):
         # batch the learner never trains on (and off a restored position).
         zeros = np.zeros((self._sampler.batch_size, self._sampler.seq_len), np.int32)
         self._inner.compile_step(zeros, zeros)
+        for fragment in self.plan.fragments if self._following is None else ():
+            # the due fragments' device copies, compiled now too
+            jax.block_until_ready(_copy_fragment(self._fragment_leaves(fragment.names)))
         return time.perf_counter() - started
 
     def restore(self, snap: LearnerSnapshot) -> None:
         """Resume a checkpointed learner (before `start`): weights, AdamW state, step and tokens."""
         inner = self._inner
         inner.set_flat(snap.params)
-        treedef = jax.tree.structure(inner.opt_state)
-        inner.opt_state = jax.tree.unflatten(treedef, [jnp.asarray(a) for a in snap.opt_leaves])
+        inner.put_opt_leaves(snap.opt_leaves)
+        self._host_params, self._host_opt = dict(snap.params), list(snap.opt_leaves)
         inner.steps = snap.step
         inner.tokens = snap.tokens
         # The base stays the current global state: the next delta also carries what the run
@@ -164,6 +200,7 @@ class LearnerThread(threading.Thread):
     def adopt_global(self, global_params: Mapping[str, np.ndarray], global_rounds: list[int]) -> None:
         """A fresh learner (before `start`) takes the current global state as its weights and base."""
         self._inner.set_flat(global_params)
+        self._host_params = dict(global_params)
         self.base_rounds = list(global_rounds)
         self._base_params = [{n: np.array(global_params[n], np.float32) for n in f.names}
                              for f in self.plan.fragments]
@@ -179,8 +216,11 @@ class LearnerThread(threading.Thread):
                        contributors: Collection[str] = ()) -> None:
         """A committed version of fragment p; `contributors`: whose contributions its merge accepted
         (empty for a state that was downloaded or repaired rather than merged)."""
-        # Device copies are made here, on the caller's thread, not at the training thread's boundary.
-        on_device = {n: jnp.asarray(v, dtype=jnp.float32) for n, v in params.items()}
+        # Device copies are made here, on the caller's thread, not at the training thread's
+        # boundary, each with its parameter's own sharding (so writing them never recompiles).
+        # On a multi-host site every process places its own shards at the boundary instead.
+        on_device = {} if self._following is not None else {
+            n: place(np.asarray(v, dtype=np.float32), self._shardings[n]) for n, v in params.items()}
         with self._lock:
             current = self._offers.get(p)
             if current is None or current.round < round_:
@@ -213,16 +253,27 @@ class LearnerThread(threading.Thread):
         previous_loss = None
         try:
             self._go.wait()
-            while not self._stop_requested.is_set():
+            if self._following is not None:
+                self._cluster_start()
+            while True:
                 started = time.perf_counter()
-                self._boundary()
+                if self._following is not None:
+                    if self._cluster_boundary():
+                        break
+                elif self._stop_requested.is_set():
+                    break
+                else:
+                    self._boundary()
                 computing = time.perf_counter()
                 x, y = self._sampler.next()
                 # The step is dispatched, not awaited: the loss fetched is the previous step's
                 # (long done), so the host samples the next batch while the device computes this
                 # one. Progress reports run one step behind in their loss, never in their counts.
                 loss_now = self._inner.step(x, y)
-                loss = float(previous_loss if previous_loss is not None else loss_now)
+                # Due fragments read at the previous boundary: their copies reached the host
+                # while this step was being dispatched and computed.
+                self._finish_reads()
+                loss = _scalar(previous_loss if previous_loss is not None else loss_now)
                 previous_loss = loss_now
                 tokens = int(np.size(y))
                 for p in range(self.plan.num_fragments):
@@ -234,13 +285,18 @@ class LearnerThread(threading.Thread):
                 self.last_step_at = time.monotonic()
                 self._on_progress(self._inner.steps, loss, self._inner.tokens)
                 for p in self.plan.due(self._inner.steps):
-                    self._send_due(p)
+                    if self._following is not None:
+                        self._gather_due(p)
+                    else:
+                        self._start_read(p)
                 self.sync_seconds_total += (computing - started) + (time.perf_counter() - computed)
                 if self._min_step_interval_s > 0:
                     rest = self._min_step_interval_s - (time.perf_counter() - started)
                     if rest > 0:
                         self._stop_requested.wait(rest)
-            self._boundary()
+            if self._following is None:
+                self._finish_reads()
+                self._boundary()
         except BaseException as error:  # reported on /status and /livez by the node
             self.error = error
             log.exception("learner thread failed")
@@ -281,43 +337,172 @@ class LearnerThread(threading.Thread):
                 self.c_steps[p], self.c_tokens[p] = counters.c_steps, counters.c_tokens
             self._write_params(incoming)
 
+    def _fragment_leaves(self, names: Iterable[str]) -> dict[str, jax.Array]:
+        leaves = jax.tree.leaves(self._inner.params)
+        return {n: leaves[self._leaf_index[n]] for n in names}
+
     def _read_params(self, names: Iterable[str]) -> dict[str, np.ndarray]:
         """Host copies of the named local tensors (only those: a due fragment needs its own)."""
-        leaves = jax.tree.leaves(self._inner.params)
-        return {n: np.array(leaves[self._leaf_index[n]], dtype=np.float32) for n in names}
+        return host_copies(self._fragment_leaves(names))
 
     def _write_params(self, flat: Mapping[str, Any]) -> None:
+        """Write tensors into the parameter leaves, each with its leaf's own sharding (a host value
+        is placed, a device value already placed by `offer_fragment` is taken as it is)."""
         params = self._inner.params
         leaves = jax.tree.leaves(params)
         for name, value in flat.items():
             i = self._leaf_index[name]
             if tuple(np.shape(value)) != tuple(leaves[i].shape):
                 raise ValueError(f"parameter {name}: shape {np.shape(value)} != {tuple(leaves[i].shape)}")
-            leaves[i] = value if isinstance(value, jax.Array) else jnp.asarray(value, dtype=jnp.float32)
+            sharding = self._shardings[name]
+            if not (isinstance(value, jax.Array) and value.sharding == sharding):
+                value = place(np.asarray(value, dtype=np.float32), sharding)
+            leaves[i] = value
         self._inner.params = jax.tree.unflatten(jax.tree.structure(params), leaves)
 
-    def _send_due(self, p: int) -> None:
+    def _start_read(self, p: int) -> None:
+        """Fragment p is due: copy its tensors on the device (one dispatch, queued behind the step
+        just dispatched) and start their transfer to the host. The delta is computed at the next
+        boundary, after the next step is dispatched, so the device never waits for the host."""
         if self.c_steps[p] == 0:
             return
-        names = self.plan.fragments[p].names
-        local = self._read_params(names)
-        delta = {n: (self._base_params[p][n] - local[n]).astype(np.float32) for n in names}
-        self._on_contribution(DueFragment(p, self.base_rounds[p], self.c_steps[p], self.c_tokens[p], delta,
-                                          self._inner.steps))
+        copies = _copy_fragment(self._fragment_leaves(self.plan.fragments[p].names))
+        for array in copies.values():
+            array.copy_to_host_async()
+        # Base and counters as of this step: an offer taken before the read finishes replaces
+        # `_base_params[p]` (a new dict), it never edits the one held here.
+        self._pending_reads.append(_PendingRead(p, self.base_rounds[p], self.c_steps[p], self.c_tokens[p],
+                                                self._inner.steps, self._base_params[p], copies))
 
-    def _answer_state_requests(self) -> None:
+    def _finish_reads(self) -> None:
+        reads, self._pending_reads = self._pending_reads, []
+        for read in reads:
+            local = host_copies(read.copies)
+            delta = {n: (read.base[n] - local[n]).astype(np.float32) for n in local}
+            self._on_contribution(DueFragment(read.fragment, read.base_round, read.c_steps, read.c_tokens, delta,
+                                              read.step))
+
+    def _answer_state_requests(self, snap: LearnerSnapshot | None = None) -> None:
         with self._lock:
             requests, self._state_requests = self._state_requests, []
         if not requests:
             return
-        snap = LearnerSnapshot(
-            step=self._inner.steps, tokens=self._inner.tokens, params=self._inner.get_flat(),
-            opt_leaves=[np.asarray(leaf) for leaf in jax.tree.leaves(self._inner.opt_state)],
-            base_rounds=list(self.base_rounds), c_steps=list(self.c_steps), c_tokens=list(self.c_tokens),
-            sampler=self._sampler.state())
+        if snap is None and self._following is not None:
+            # A multi-host site's state is read by all its processes together, at a boundary:
+            # after the thread ends, the copy its last boundary gathered is the state.
+            snap = self._last_snapshot
+            if snap is None:
+                for future in requests:
+                    if not future.done():
+                        future.set_exception(RuntimeError("the learner of a multi-host site has no state to "
+                                                          "copy before it has started"))
+                return
+        if snap is None:
+            snap = LearnerSnapshot(
+                step=self._inner.steps, tokens=self._inner.tokens, params=self._inner.get_flat(),
+                opt_leaves=[np.asarray(leaf) for leaf in jax.tree.leaves(self._inner.opt_state)],
+                base_rounds=list(self.base_rounds), c_steps=list(self.c_steps), c_tokens=list(self.c_tokens),
+                sampler=self._sampler.state())
         for future in requests:
             if not future.done():
                 future.set_result(snap)
+
+    # ---- a multi-host site: every process at every boundary (learn/cluster.py) --------------
+
+    def _cluster_start(self) -> None:
+        """Every process takes process 0's starting state: weights, AdamW state when it was
+        restored, step and token counts, and the sampler's position (so all sample one batch)."""
+        following = self._following
+        assert following is not None
+        leaves = jax.tree.leaves(self._inner.params)
+        leader = following.leader
+        header = following.share(
+            {"h": np.array([self._host_opt is not None, self._inner.steps, self._inner.tokens], np.int64)}
+            if leader else None, {"h": ((3,), np.int64)})["h"]
+        params = following.share(self._host_params if leader else None,
+                                 {n: (tuple(leaves[i].shape), np.float32) for n, i in self._leaf_index.items()})
+        self._inner.set_flat(params)
+        if header[0]:
+            template = [(tuple(leaf.shape), leaf.dtype) for leaf in jax.tree.leaves(self._inner.opt_state)]
+            self._inner.put_opt_leaves(following.share_list(self._host_opt if leader else None, template))
+        self._inner.steps, self._inner.tokens = int(header[1]), int(header[2])
+        sampler = following.share_text(self._sampler.state() if leader else None)
+        if not leader:
+            self._sampler.restore(sampler)
+
+    def _cluster_boundary(self) -> bool:
+        """Process 0 decides what this boundary does, every process does it; returns stop."""
+        following = self._following
+        assert following is not None
+        decision, taken = None, {}
+        if following.leader:
+            with self._lock:
+                offers, self._offers = self._offers, {}
+                snapshot = bool(self._state_requests)
+            taken = {p: offer for p, offer in offers.items() if offer.round > self.base_rounds[p]}
+            apply = [APPLY_NONE] * self.plan.num_fragments
+            rule = self._apply_rule
+            for p, offer in taken.items():
+                keeps_local = (rule.keep_unmerged and self.node_id not in offer.contributors_after(self.base_rounds[p])
+                               and self.c_steps[p] > 0)
+                apply[p] = APPLY_WRITE if rule.mode == "overwrite" and not keeps_local else APPLY_AFTER_READ
+            stop = self._stop_requested.is_set()
+            # The last boundary also copies the state: the checkpoint at shutdown reads it.
+            decision = BoundaryDecision(stop=stop, snapshot=snapshot or stop, apply=tuple(apply))
+        decision = following.decide(decision)
+        for p, action in enumerate(decision.apply):
+            if action == APPLY_NONE:
+                continue
+            names = self.plan.fragments[p].names
+            local = following.gather(self._fragment_leaves(names)) if action == APPLY_AFTER_READ else None
+            values = None
+            if following.leader:
+                offer = taken[p]
+                if action == APPLY_WRITE:
+                    values, counters = offer.params, FragmentCounters()
+                else:
+                    counters = FragmentCounters(self.c_steps[p], self.c_tokens[p])
+                    values, counters = apply_merge(local, self._base_params[p], offer.params,
+                                                   offer.contributors_after(self.base_rounds[p]), counters,
+                                                   learner=self.node_id, rule=self._apply_rule)
+                self.base_rounds[p] = offer.round
+                self._base_params[p] = offer.params
+                self.c_steps[p], self.c_tokens[p] = counters.c_steps, counters.c_tokens
+            leaves = self._fragment_leaves(names)
+            self._write_params(following.share(values, {n: (tuple(leaves[n].shape), np.float32) for n in names}))
+        if decision.snapshot:
+            snap = self._gathered_snapshot()
+            self._last_snapshot = snap
+            if following.leader:
+                self._answer_state_requests(snap)
+        return decision.stop
+
+    def _gathered_snapshot(self) -> LearnerSnapshot:
+        following = self._following
+        assert following is not None
+        params = following.gather(self._fragment_leaves(self._leaf_index))
+        opt = following.gather({f"{i:05d}": leaf for i, leaf in enumerate(jax.tree.leaves(self._inner.opt_state))})
+        return LearnerSnapshot(step=self._inner.steps, tokens=self._inner.tokens, params=params,
+                               opt_leaves=[opt[k] for k in sorted(opt)], base_rounds=list(self.base_rounds),
+                               c_steps=list(self.c_steps), c_tokens=list(self.c_tokens), sampler=self._sampler.state())
+
+    def _gather_due(self, p: int) -> None:
+        """Fragment p is due on a multi-host site: every process gathers it (a collective, so not
+        overlapped with the next step), process 0 sends its delta."""
+        following = self._following
+        assert following is not None
+        local = following.gather(self._fragment_leaves(self.plan.fragments[p].names))
+        if following.leader and self.c_steps[p] > 0:
+            delta = {n: (self._base_params[p][n] - local[n]).astype(np.float32) for n in local}
+            self._on_contribution(DueFragment(p, self.base_rounds[p], self.c_steps[p], self.c_tokens[p], delta,
+                                              self._inner.steps))
+
+
+def _scalar(value: Any) -> float:
+    """A replicated device scalar as a float (on a multi-host site, from this process's copy)."""
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        return float(np.asarray(value.addressable_data(0)))
+    return float(value)
 
 
 def _leaf_index(params: Any) -> dict[str, int]:

@@ -94,6 +94,38 @@ class FragmentStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class MeshAxes:
+    data: int = 0
+    fsdp: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceStatus:
+    """The accelerators this site trains on: platform ("gpu", "tpu", "cpu"), device count over
+    all its processes (hosts), and the mesh's axis sizes. Count 0: no learner (a witness)."""
+
+    platform: str = ""
+    count: int = 0
+    processes: int = 0
+    mesh: MeshAxes = field(default_factory=MeshAxes)
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str = "devices") -> "DeviceStatus":
+        if not isinstance(raw, Mapping):
+            raise StatusFormatError(f"{where}: expected an object, got {type(raw).__name__}")
+        flat = {k: v for k, v in raw.items() if k != "mesh"}
+        plain = _build(_DeviceFields, flat, where)
+        return cls(plain.platform, plain.count, plain.processes, _build(MeshAxes, raw.get("mesh", {}), where + ".mesh"))
+
+
+@dataclass(frozen=True, slots=True)
+class _DeviceFields:
+    platform: str = ""
+    count: int = 0
+    processes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class RecentError:
     age_s: float
     message: str
@@ -125,6 +157,7 @@ class StatusDocument:
     log_bytes: int = 0  # size of the replicated log on disk
     loop_lag_s: float = 0.0  # worst event-loop lag of the last 10-20 s (daemon/loop_monitor.py)
     loop_stalls: int = 0  # event-loop stalls of >= 1 s since the process started
+    devices: DeviceStatus = field(default_factory=DeviceStatus)  # what the learner trains on
     schema: str = STATUS_SCHEMA
 
     @property
@@ -174,6 +207,8 @@ class StatusDocument:
             log_bytes=int(_get(raw, "log_bytes", int)) if "log_bytes" in raw else 0,
             loop_lag_s=float(_get(raw, "loop_lag_s", (int, float))) if "loop_lag_s" in raw else 0.0,
             loop_stalls=int(_get(raw, "loop_stalls", int)) if "loop_stalls" in raw else 0,
+            # Older nodes have no devices: an absent object reads as "not reported".
+            devices=DeviceStatus.from_dict(raw.get("devices", {})),
         )
 
     @classmethod
@@ -276,6 +311,14 @@ class StatusBuilder:
         """The event loop's recent worst lag and its stall count (daemon/loop_monitor.py)."""
         with self._lock:
             self._base = dataclasses.replace(self._base, loop_lag_s=worst_s, loop_stalls=stalls)
+
+    def set_devices(self, devices: Mapping[str, Any]) -> None:
+        """The learner's devices as `SiteMesh.describe()` gives them."""
+        mesh = devices.get("mesh", {})
+        with self._lock:
+            self._base = dataclasses.replace(self._base, devices=DeviceStatus(
+                str(devices["platform"]), int(devices["count"]), int(devices["processes"]),
+                MeshAxes(int(mesh.get("data", 0)), int(mesh.get("fsdp", 0)))))
 
     def record_learner(self, *, step: int, loss: float | None, tokens: int, now: float) -> None:
         """`tokens` is the learner's cumulative count; the rate comes from the recent window."""
@@ -447,6 +490,9 @@ def status_families(doc: StatusDocument) -> list[MetricFamily]:
         one("diloco_event_loop_stalls_total", "counter", "Event-loop stalls of 1 s or more.", doc.loop_stalls),
         MetricFamily("diloco_fragment_round", "gauge", "Committed round per fragment.",
                      tuple(({"fragment": str(f.fragment)}, float(f.round)) for f in doc.fragments)),
+        one("diloco_learner_devices", "gauge", "Devices the learner trains on, over all hosts of the site.",
+            doc.devices.count, {"platform": doc.devices.platform, "processes": str(doc.devices.processes),
+                                "data": str(doc.devices.mesh.data), "fsdp": str(doc.devices.mesh.fsdp)}),
     ]
     return families
 

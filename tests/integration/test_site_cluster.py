@@ -1,0 +1,185 @@
+"""A multi-host site on one machine: 2 processes x 2 CPU devices form one JAX cluster over gloo on
+loopback (`learn/cluster.py`). Process 0's training thread takes merged fragments and checkpoint
+requests; process 1 follows its decisions at every step boundary. Both must train in lockstep:
+the same steps, the same losses, and bit-identical copies of the (replicated over `data`)
+parameters in each process's own device memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+
+ROOT = Path(__file__).resolve().parents[2]
+HOST_DEVICES = "--xla_force_host_platform_device_count=2"
+
+WORKER = textwrap.dedent("""
+    import hashlib, json, os, sys, threading
+    port, process_id, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    import jax, numpy as np
+    from diloco_node.config.manifest import InnerOptimizer, ModelSpec, RunManifest, SyncSpec
+    from diloco_node.config.site_devices import ClusterSpec, MeshShape
+    from diloco_node.learn import cluster, data as data_lib, factory, model as model_lib
+    from diloco_node.learn.inner import InnerLearner
+    from diloco_node.learn.learner_thread import LearnerThread
+    from diloco_node.learn.mesh import build_site_mesh
+    from diloco_node.sync.fragments import plan_fragments
+
+    assert cluster.initialize(ClusterSpec(f"127.0.0.1:{port}", 2, process_id), initialization_timeout_s=120)
+    manifest = RunManifest(
+        model=ModelSpec.of("llama", vocab_size=256, seq_len=16, size="1m", num_layers=1, d_model=64, d_ff=128),
+        inner=InnerOptimizer(batch_size=8, lr_peak=1e-2, warmup_steps=1, total_steps=100),
+        sync=SyncSpec(fragments=2, period=2, overlap=1))
+    corpus = data_lib.Corpus(np.random.default_rng(0).integers(0, 256, 8192).astype(np.uint8),
+                             np.arange(512, dtype=np.uint8), 256, "random bytes")
+    # data across the two processes, fsdp over each process's own two devices
+    mesh = build_site_mesh(MeshShape(data=2, fsdp=2), min_sharded_elements=1)
+    inner = InnerLearner(manifest.model, manifest.inner, manifest.seed, site_mesh=mesh)
+    initial = model_lib.flat_params(factory.init_params(manifest.model, manifest.seed)[1])
+    plan = plan_fragments({n: a.shape for n, a in initial.items()}, 2, 2, 1)
+    following = cluster.BoundaryFollowing(plan.num_fragments)
+    holder, sent, losses, snaps = {}, [], [], []
+    rounds = [0, 0]
+
+    def contribution(due):  # process 0 only: a merged fragment comes straight back
+        sent.append(due.fragment)
+        rounds[due.fragment] += 1
+        merged = {n: (initial[n] - 0.5 * d).astype(np.float32) for n, d in due.delta.items()}
+        holder["t"].offer_fragment(due.fragment, rounds[due.fragment], merged, contributors=("a",))
+
+    def progress(step, loss, tokens):
+        losses.append(loss)
+        if process_id == 0 and step == 5:
+            snaps.append(holder["t"].request_state())  # a checkpoint request mid-run
+        if process_id == 0 and step >= 12:
+            holder["t"].stop()
+
+    thread = holder["t"] = LearnerThread(node_id="a", manifest=manifest, plan=plan, corpus=corpus,
+                                         global_params=initial, global_rounds=[0, 0], on_contribution=contribution,
+                                         on_progress=progress, inner=inner, following=following)
+    thread.compile()
+    thread.start()
+    thread.begin_training()
+    thread.join(240)
+    assert not thread.is_alive() and thread.error is None, thread.error
+
+    def local_copy(array):  # this process's own full replica, from its own shards only
+        full = np.zeros(array.shape, np.float32)
+        for shard in array.addressable_shards:
+            full[shard.index] = np.asarray(shard.data)
+        return full
+
+    leaves = jax.tree.leaves(thread._inner.params)
+    digest = hashlib.sha256(b"".join(local_copy(leaf).tobytes() for leaf in leaves)).hexdigest()
+    result = {"steps": thread.steps, "losses": losses, "digest": digest, "rounds": thread.base_rounds,
+              "sent": len(sent), "devices": mesh.describe()}
+    if process_id == 0:
+        snap = snaps[0].result(timeout=10)
+        result["snapshot_step"] = snap.step
+        final = thread.request_state().result(timeout=10)  # after the end: the last boundary's copy
+        result["final_step"] = final.step
+        result["final_matches_local"] = all(
+            np.array_equal(final.params[n], local_copy(leaves[i])) for n, i in thread._leaf_index.items())
+    with open(out, "w") as handle:
+        json.dump(result, handle)
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_processes_of_one_site_train_in_lockstep_and_follow_process_0(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+    # Two CPU devices per process. Not XLA's one-thread limit: a device's all-reduce waits for
+    # one thread per local device, and a one-thread pool can deadlock (benchmarks/learner.py).
+    env.update(XLA_FLAGS=HOST_DEVICES, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    port = _free_port()
+    processes = [subprocess.Popen([sys.executable, str(script), str(port), str(i), str(tmp_path / f"p{i}.json")],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for i in range(2)]
+    try:
+        outputs = [p.communicate(timeout=280)[0] for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for i, p in enumerate(processes):
+        assert p.returncode == 0, f"process {i}:\n{outputs[i][-4000:]}"
+    leader, follower = (json.loads((tmp_path / f"p{i}.json").read_text()) for i in range(2))
+    assert leader["devices"] == {"platform": "cpu", "count": 4, "processes": 2, "mesh": {"data": 2, "fsdp": 2}}
+    assert leader["steps"] == follower["steps"] >= 12
+    assert leader["losses"] == follower["losses"]
+    assert leader["digest"] == follower["digest"]  # every merged fragment reached both processes
+    assert leader["sent"] >= 4 and min(leader["rounds"]) >= 2 and follower["sent"] == 0
+    assert leader["snapshot_step"] >= 5 and leader["final_step"] == leader["steps"]
+    assert leader["final_matches_local"]
+
+
+def _status(port: int) -> dict | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=2) as response:
+            return json.loads(response.read())
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.mark.slow  # ~25 s on two cores: kept out of the default suite (-m slow runs it)
+def test_diloco_node_run_on_two_hosts_is_one_site_whose_process_0_is_the_daemon(tmp_path):
+    """`diloco-node run` twice with one config but `cluster.process_id` 0 and 1: process 0 founds
+    a run and shows both hosts' devices on /status; process 1 follows; SIGTERM to process 0 stops
+    the site (both exit 0)."""
+    secret = tmp_path / "secret"
+    secret.write_text(os.urandom(32).hex() + "\n")
+    secret.chmod(0o600)
+    http, coordinator = _free_port(), _free_port()
+    common = ["--node-id", "a", "--listen", f"127.0.0.1:{http}", "--secret-file", str(secret),
+              "--data-dir", str(tmp_path / "data"), "--set", "run.model.size=tiny", "--set", "run.model.seq_len=32",
+              "--set", "run.inner.batch_size=4", "--set", "run.sync.fragments=2", "--set", "run.sync.period=4",
+              "--set", f"cluster.coordinator=127.0.0.1:{coordinator}", "--set", "cluster.num_processes=2",
+              "--set", "eval_interval_commits=0"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+    env.update(XLA_FLAGS=HOST_DEVICES, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), DILOCO_X_MIN_STEP_S="0.05")
+    launch = "import sys; from diloco_node import cli; sys.exit(cli.main(sys.argv[1:]))"
+    logs = [open(tmp_path / f"process{i}.log", "w") for i in range(2)]
+    processes = [subprocess.Popen([sys.executable, "-c", launch, "run", *common, "--set", f"cluster.process_id={i}"],
+                                  env=env, stdout=logs[i], stderr=subprocess.STDOUT) for i in range(2)]
+    try:
+        seen = None
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline and all(p.poll() is None for p in processes):
+            seen = _status(http)
+            if seen and seen["learner"]["step"] >= 12 and seen["commit_index"] >= 2:
+                break
+            time.sleep(1)
+        assert seen is not None and seen["learner"]["step"] >= 12 and seen["commit_index"] >= 2, (
+            seen, (tmp_path / "process0.log").read_text()[-3000:], (tmp_path / "process1.log").read_text()[-3000:])
+        assert seen["devices"] == {"platform": "cpu", "count": 4, "processes": 2, "mesh": {"data": 4, "fsdp": 1}}
+        processes[0].send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=120) for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for handle in logs:
+            handle.close()
+    follower_log = (tmp_path / "process1.log").read_text()
+    assert codes == [0, 0], (tmp_path / "process0.log").read_text()[-3000:] + follower_log[-3000:]
+    assert "process 0 stopped the site" in follower_log

@@ -1,0 +1,70 @@
+"""A site's devices as operators configure and see them: `[node.mesh]` and `[node.cluster]` (file,
+environment, a scheduler's variables, errors naming the key), and `devices` on /status."""
+
+from pathlib import Path
+
+import pytest
+
+from diloco_node.config.manifest import InnerOptimizer, ModelSpec, RunManifest, SyncSpec
+from diloco_node.config.settings import ConfigError, load_config
+from diloco_node.config.site_devices import ClusterSpec, MeshShape
+from diloco_node.daemon.site_model import build_site_model
+from diloco_node.ops.status import StatusBuilder, StatusDocument, render_metrics
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "node.toml"
+    path.write_text('[node]\nlisten = "127.0.0.1:7300"\n' + text)
+    return path
+
+
+def test_mesh_and_cluster_tables_from_the_file_the_environment_and_the_scheduler(tmp_path):
+    path = _write(tmp_path, '[node.mesh]\nfsdp = 2\nmicrobatches = 4\n'
+                            '[node.cluster]\ncoordinator = "10.0.0.1:7400"\nnum_processes = 2\n')
+    effective = load_config(path, {"SLURM_PROCID": "1", "DILOCO_MESH_DATA": "2"})
+    assert effective.node.mesh == MeshShape(data=2, fsdp=2, microbatches=4)
+    assert effective.node.cluster == ClusterSpec("10.0.0.1:7400", 2, 1)
+    assert effective.sources["cluster.process_id"] == "env:SLURM_PROCID"
+    assert effective.sources["mesh.data"] == "env:DILOCO_MESH_DATA"
+    shown = {s.key: (s.value, s.env) for s in effective.settings()}
+    assert shown["mesh.fsdp"] == (2, "DILOCO_MESH_FSDP")
+    assert shown["cluster.process_id"] == (1, "DILOCO_CLUSTER_PROCESS_ID")
+    # The node's own setting wins over the scheduler's variable.
+    assert load_config(path, {"SLURM_PROCID": "1", "DILOCO_CLUSTER_PROCESS_ID": "0"}).node.cluster.process_id == 0
+    defaults = load_config(_write(tmp_path, ""), {}).node
+    assert defaults.mesh == MeshShape(data=-1, fsdp=1, microbatches=1) and not defaults.cluster.enabled
+
+
+@pytest.mark.parametrize("text, environ, message", [
+    ("[node.mesh]\nfdsp = 2\n", {}, "node.mesh.fdsp .*unknown key; known in \\[node.mesh\\]: data, fsdp, microbatches"),
+    ("[node.mesh]\ndata = -1\nfsdp = -1\n", {}, "both -1"),
+    ("", {"DILOCO_MESH_MICROBATCHES": "0"}, "mesh.microbatches = 0: must be an integer >= 1 "
+                                           "\\[mesh.microbatches from env:DILOCO_MESH_MICROBATCHES\\]"),
+    ("[node.cluster]\nnum_processes = 2\n", {}, "a multi-host site needs cluster.coordinator"),
+    ("[node.cluster]\ncoordinator = \"h:1\"\nnum_processes = 2\n", {"DILOCO_CLUSTER_PROCESS_ID": "2"},
+     "cluster.process_id = 2: must be in 0..cluster.num_processes - 1 = 1"),
+    ("[node.cluster]\ncoordinator = \"nohost\"\n", {}, "cluster.coordinator = 'nohost': expected HOST:PORT"),
+])
+def test_bad_device_settings_are_refused_naming_the_key(tmp_path, text, environ, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(_write(tmp_path, text), environ)
+
+
+def test_status_shows_the_learners_devices_and_mesh():
+    manifest = RunManifest(model=ModelSpec.of("llama", vocab_size=256, seq_len=16, size="1m", num_layers=1,
+                                              d_model=64, d_ff=128),
+                           inner=InnerOptimizer(batch_size=4, warmup_steps=1, total_steps=10),
+                           sync=SyncSpec(fragments=2, period=4, overlap=1))
+    site = build_site_model(manifest, learner=True, mesh_shape=MeshShape(data=1, fsdp=-1))
+    assert site.devices == {"platform": "cpu", "count": 2, "processes": 1, "mesh": {"data": 1, "fsdp": 2}}
+    builder = StatusBuilder("site-a", "run-x", "learner", 0.0)
+    builder.set_devices(site.devices)
+    served = builder.document(1.0).to_dict()
+    assert served["devices"] == {"platform": "cpu", "count": 2, "processes": 1, "mesh": {"data": 1, "fsdp": 2}}
+    assert StatusDocument.from_dict(served).devices == builder.document(1.0).devices
+    assert 'diloco_learner_devices{platform="cpu",processes="1",data="1",fsdp="2"} 2' in render_metrics(
+        builder.document(1.0))
+    with pytest.raises(ConfigError, match="inner.batch_size = 3"):
+        build_site_model(RunManifest(model=manifest.model, inner=InnerOptimizer(batch_size=3, warmup_steps=1,
+                                                                                  total_steps=10),
+                                     sync=manifest.sync), learner=True)
