@@ -2,6 +2,8 @@
 # Start a local cluster by hand: sites A, B, C and a witness on loopback, each a separate
 # `diloco-node run` process using the example site configs, with loopback addresses, a private
 # data directory per node and one shared secret given as flags (flags override the file).
+# The founder (site A) starts first; the others start once its /livez answers, and a joiner that
+# exits before it is ready (say the founder was slow) is started again, with a growing pause.
 #
 #   examples/local-cluster.sh             # start, wait until every node is ready, then follow
 #   examples/local-cluster.sh --dry-run   # only print the commands it would run
@@ -9,8 +11,10 @@
 # Environment (deliberately not DILOCO_*, which diloco-node reads as configuration):
 #   CLUSTER_DIR  where data, logs and the secret go (default: a new /tmp/diloco-cluster.XXXXXX)
 #   BASE_PORT    first port; nodes use BASE_PORT..BASE_PORT+3 (default 7101)
+#   NODES        how many of site-a, site-b, site-c, witness to start, in that order (default 4)
 #   NODE_CMD     how to invoke diloco-node (default: diloco-node, else python3 -m diloco_node)
 #   READY_TIMEOUT_S  how long to wait for every /readyz (default 600: first JIT compile is slow)
+#   JOIN_ATTEMPTS    how many times a joiner is started before the script gives up (default 5)
 # Ctrl-C stops every node with SIGTERM (each flushes its checkpoint and leaves the run).
 set -euo pipefail
 
@@ -20,6 +24,7 @@ if [[ "${1:-}" == "--dry-run" ]]; then dry_run=1; fi
 
 base_port="${BASE_PORT:-7101}"
 ready_timeout="${READY_TIMEOUT_S:-600}"
+join_attempts="${JOIN_ATTEMPTS:-5}"
 if [[ -n "${NODE_CMD:-}" ]]; then
     read -r -a node_cmd <<<"$NODE_CMD"
 elif command -v diloco-node >/dev/null 2>&1; then
@@ -35,7 +40,13 @@ else
     cluster_dir="$(mktemp -d /tmp/diloco-cluster.XXXXXX)"
 fi
 
-names=(site-a site-b site-c witness)
+all_names=(site-a site-b site-c witness)
+node_count="${NODES:-4}"
+if ! [[ "$node_count" =~ ^[1-4]$ ]]; then
+    echo "NODES=$node_count: must be 1 to 4" >&2
+    exit 2
+fi
+names=("${all_names[@]:0:$node_count}")
 founder="127.0.0.1:${base_port}"
 
 command_for() {  # name index -> the command line, one word per line
@@ -74,27 +85,48 @@ stop_all() {
 }
 trap stop_all EXIT INT TERM
 
-for i in "${!names[@]}"; do
-    name="${names[$i]}"
-    mapfile -t cmd < <(command_for "$name" "$i")
-    echo "starting $name on 127.0.0.1:$((base_port + i)) (log: $cluster_dir/$name.log)"
-    "${cmd[@]}" >"$cluster_dir/$name.log" 2>&1 &
-    pids+=("$!")
-    if (( i == 0 )); then sleep 2; fi  # let the founder bind before the others ask it to join
-done
+start_node() {  # index: start that node in the background, its output appended to its log
+    local name="${names[$1]}" cmd
+    mapfile -t cmd < <(command_for "$name" "$1")
+    echo "starting $name on 127.0.0.1:$((base_port + $1)) (log: $cluster_dir/$name.log)"
+    "${cmd[@]}" >>"$cluster_dir/$name.log" 2>&1 &
+    pids[$1]=$!
+}
+
+fail() {  # index message: say why, show the node's last log lines, stop the cluster
+    echo "$2" >&2
+    tail -n 20 "$cluster_dir/${names[$1]}.log" >&2
+    exit 1
+}
 
 deadline=$((SECONDS + ready_timeout))
+start_node 0
+# Joiners ask the founder to admit them: start them once the founder's HTTP server answers.
+until curl -fs "http://$founder/livez" >/dev/null 2>&1; do
+    if ! kill -0 "${pids[0]}" 2>/dev/null; then fail 0 "${names[0]} exited before it answered /livez; last log lines:"; fi
+    if (( SECONDS > deadline )); then fail 0 "${names[0]} not live after ${ready_timeout}s; last log lines:"; fi
+    sleep 0.5
+done
+echo "${names[0]} live at http://$founder"
+for ((i = 1; i < ${#names[@]}; i++)); do start_node "$i"; done
+
 for i in "${!names[@]}"; do
     url="http://127.0.0.1:$((base_port + i))"
-    until curl -fsS "$url/readyz" >/dev/null 2>&1; do
+    attempt=1
+    until curl -fs "$url/readyz" >/dev/null 2>&1; do
         if ! kill -0 "${pids[$i]}" 2>/dev/null; then
-            echo "${names[$i]} exited; last log lines:" >&2
-            tail -n 20 "$cluster_dir/${names[$i]}.log" >&2
-            exit 1
+            code=0; wait "${pids[$i]}" || code=$?
+            # 0 (the run is complete) and 2 (a configuration error) would end the same way again.
+            if (( i == 0 || code == 0 || code == 2 || attempt >= join_attempts )); then
+                fail "$i" "${names[$i]} exited with code $code; last log lines:"
+            fi
+            echo "${names[$i]} exited with code $code before it was ready; joining again in $((2 * attempt))s (attempt $((attempt + 1)) of $join_attempts)" >&2
+            sleep $((2 * attempt))
+            attempt=$((attempt + 1))
+            start_node "$i"
         fi
         if (( SECONDS > deadline )); then
-            echo "${names[$i]} not ready after ${ready_timeout}s; see $cluster_dir/${names[$i]}.log" >&2
-            exit 1
+            fail "$i" "${names[$i]} not ready after ${ready_timeout}s; last log lines:"
         fi
         sleep 1
     done
