@@ -1,0 +1,215 @@
+"""Configuration keys whose effect no other test observed: each test sets the key to two values
+and checks that what the key configures behaves differently (issue 12: every documented key has
+an effect a test observes; the key -> test table is tests/test_every_key_observed.py).
+
+Where the daemon hands a key to a component inline (daemon/node.py), the test builds the component
+from a `NodeConfig` the same way and drives it through its public interface.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import random
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from bootstrap.coordinator_node import CoordinatorNode, NodeOptions, PersistentState
+from bootstrap.election import LeaseTiming
+from bootstrap.messages import AppendEntries, Send
+from diloco_node.config.manifest import InnerOptimizer
+from diloco_node.config.settings import HostPort, NodeConfig, load_config
+from diloco_node.daemon.replica_store import compaction_point
+from diloco_node.learn.inner import make_optimizer
+from diloco_node.ops.checkpoint import CheckpointStore
+from diloco_node.ops.logs import configure_logging
+from diloco_node.sync.fragments import plan_fragments, wire_fit_problems
+
+SECRET_A = b"a" * 40
+SECRET_B = b"b" * 40
+
+
+def node(**changes: object) -> NodeConfig:
+    return NodeConfig(node_id="a", listen=HostPort("127.0.0.1", 7070), advertise="http://127.0.0.1:7070",
+                      **changes)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ [node] keys
+
+
+def test_secret_credential_names_the_systemd_credential_the_secret_is_read_from(tmp_path: Path) -> None:
+    credentials = tmp_path / "credentials"
+    credentials.mkdir()
+    for name, secret in (("diloco-secret", SECRET_A), ("other-run", SECRET_B)):
+        (credentials / name).write_bytes(secret + b"\n")
+        (credentials / name).chmod(0o600)
+    environ = {"CREDENTIALS_DIRECTORY": str(credentials), "DILOCO_DATA_DIR": str(tmp_path / "data")}
+    default = load_config(None, environ)
+    chosen = load_config(None, {**environ, "DILOCO_SECRET_CREDENTIAL": "other-run"})
+    assert default.read_secret() == SECRET_A
+    assert chosen.read_secret() == SECRET_B
+    assert chosen.node.secret_file == credentials / "other-run"
+    missing = load_config(None, {**environ, "DILOCO_SECRET_CREDENTIAL": "absent"})
+    assert missing.node.secret_file is None
+    assert any("no credential named 'absent'" in w for w in missing.warnings)
+
+
+@pytest.fixture
+def restore_root_logger() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    for handler in handlers:
+        root.addHandler(handler)
+    root.setLevel(level)
+
+
+@pytest.mark.parametrize("level, shown", [("debug", {"DBG", "INF", "WRN"}), ("info", {"INF", "WRN"}),
+                                          ("warning", {"WRN"}), ("error", set())])
+def test_log_level_decides_which_records_are_written(tmp_path: Path, level: str, shown: set[str],
+                                                     restore_root_logger: None) -> None:
+    cfg = load_config(None, {"DILOCO_LOG_LEVEL": level, "DILOCO_DATA_DIR": str(tmp_path)}).node
+    stream = io.StringIO()
+    configure_logging(cfg.log_level, cfg.node_id, "text", environ={}, stream=stream)  # as cli/run.py does
+    logger = logging.getLogger("diloco_node.test_key_effects")
+    logger.debug("DBG")
+    logger.info("INF")
+    logger.warning("WRN")
+    written = {word for word in ("DBG", "INF", "WRN") if word in stream.getvalue()}
+    assert written == shown
+
+
+def test_checkpoint_keep_is_how_many_checkpoints_stay_on_disk(tmp_path: Path) -> None:
+    kept = {}
+    for keep in (2, 4):
+        cfg = node(checkpoint_keep=keep, data_dir=tmp_path / str(keep))
+        # daemon/node.py: CheckpointStore(data_dir / "checkpoints", cfg.checkpoint_keep)
+        with CheckpointStore(Path(cfg.data_dir) / "checkpoints", cfg.checkpoint_keep) as store:
+            for step in range(6):
+                store.save({"step": step}, {"w": np.full(3, step, np.float32)})
+            kept[keep] = store.sequences()
+    assert kept == {2: [5, 6], 4: [3, 4, 5, 6]}
+
+
+def test_log_retain_entries_is_the_tail_kept_below_the_checkpoint() -> None:
+    cuts = {}
+    for retain in (0, 100, 256):
+        cfg = node(log_retain_entries=retain)
+        # daemon/persistence.py Checkpointer(retain_entries=cfg.log_retain_entries) -> compaction_point
+        cuts[retain], _ = compaction_point(checkpoint_index=1000, commit_index=1200, snapshot_index=0,
+                                           retain=cfg.log_retain_entries)
+    assert cuts == {0: 1000, 100: 900, 256: 744}
+
+
+def _coordination_pair(cfg: NodeConfig) -> dict[str, CoordinatorNode]:
+    # daemon/node.py _start_coordination: the lease timing comes from these two keys.
+    lease = LeaseTiming(lease_s=cfg.lease_timeout_s, heartbeat_interval_s=cfg.heartbeat_interval_s)
+    options = NodeOptions(lease=lease, leave_timeout_s=max(3.0, 3 * cfg.lease_timeout_s), manage_membership=False)
+    return {name: CoordinatorNode(name, PersistentState.founding(["a", "b"]), now=0.0, rng=random.Random(seed),
+                                  options=options) for seed, name in enumerate("ab")}
+
+
+def _run(nodes: dict[str, CoordinatorNode], start: float, until: float, deliver: bool = True) -> tuple[float, list[Send]]:
+    """A zero-latency network and 10 ms ticks (simulated time); returns the sends seen."""
+    now, pending, seen = start, [], []
+    while now < until:
+        while deliver and pending:
+            send = pending.pop(0)
+            pending += [a for a in nodes[send.to].handle(send.message, now) if isinstance(a, Send)]
+        for member in nodes.values():
+            sends = [a for a in member.tick(now) if isinstance(a, Send)]
+            seen += [(now, member.node_id, s) for s in sends]
+            pending += sends
+        if not deliver:
+            pending.clear()
+        now = round(now + 0.01, 6)
+    return now, seen
+
+
+def _leader(nodes: dict[str, CoordinatorNode], now: float) -> CoordinatorNode:
+    holders = [n for n in nodes.values() if n.is_lease_holder(now)]
+    assert len(holders) == 1, "expected one lease holder"
+    return holders[0]
+
+
+def test_heartbeat_interval_s_is_how_often_the_lease_holder_sends_appends() -> None:
+    counts = {}
+    for heartbeat in (0.25, 0.5):
+        nodes = _coordination_pair(node(heartbeat_interval_s=heartbeat, lease_timeout_s=3.0))
+        now, _ = _run(nodes, 0.0, 20.0)
+        leader = _leader(nodes, now)
+        now, seen = _run(nodes, now, now + 10.0)
+        counts[heartbeat] = sum(1 for _, sender, send in seen
+                                if sender == leader.node_id and isinstance(send.message, AppendEntries))
+    # Ten seconds of heartbeats: ~40 at 0.25 s, ~20 at 0.5 s (ticks are 10 ms, so +-1 each).
+    assert 38 <= counts[0.25] <= 42 and 18 <= counts[0.5] <= 22
+
+
+def test_lease_timeout_s_is_how_long_a_cut_off_holder_keeps_its_lease() -> None:
+    held_after_4s = {}
+    for lease_s in (3.0, 6.0):
+        nodes = _coordination_pair(node(lease_timeout_s=lease_s, heartbeat_interval_s=0.5))
+        now, _ = _run(nodes, 0.0, 30.0)
+        leader = _leader(nodes, now)
+        now, _ = _run(nodes, now, now + 4.0, deliver=False)  # the network drops everything from here
+        held_after_4s[lease_s] = leader.is_lease_holder(now)
+    assert held_after_4s == {3.0: False, 6.0: True}
+
+
+# ------------------------------------------------------------------ [run.inner] optimizer keys
+
+
+def _two_steps(inner: InnerOptimizer) -> dict[str, np.ndarray]:
+    """Parameters after two AdamW steps with gradients of different sizes and directions."""
+    import jax.numpy as jnp
+
+    tx = make_optimizer(inner)
+    params = {"w": jnp.full((2, 2), 1.0), "b": jnp.full((2,), 1.0)}
+    state = tx.init(params)
+    grads = [{"w": jnp.array([[30.0, -10.0], [5.0, 0.0]]), "b": jnp.array([20.0, 0.0])},
+             {"w": jnp.array([[0.1, 0.2], [-0.3, 0.05]]), "b": jnp.array([-0.1, 0.3])}]
+    for g in grads:
+        updates, state = tx.update(g, state, params)
+        params = {k: params[k] + updates[k] for k in params}
+    return {k: np.asarray(v) for k, v in params.items()}
+
+
+BASE = InnerOptimizer(warmup_steps=1, total_steps=100, lr_peak=0.01)
+
+
+@pytest.mark.parametrize("key, other", [("weight_decay", 0.0), ("b1", 0.5), ("b2", 0.5), ("grad_clip_norm", 100.0)])
+def test_inner_optimizer_keys_change_the_update(key: str, other: float) -> None:
+    base = _two_steps(BASE)
+    changed = _two_steps(dataclasses.replace(BASE, **{key: other}))
+    assert not np.allclose(base["w"], changed["w"], rtol=0, atol=1e-7), f"run.inner.{key} changed nothing"
+
+
+def test_weight_decay_applies_to_matrices_only() -> None:
+    base = _two_steps(BASE)
+    no_decay = _two_steps(dataclasses.replace(BASE, weight_decay=0.0))
+    np.testing.assert_array_equal(base["b"], no_decay["b"])  # a vector (bias, norm) is never decayed
+    # The second step's decoupled decay pulls every weight towards 0 by lr * wd * w.
+    assert np.all(np.abs(base["w"]) < np.abs(no_decay["w"]))
+
+
+# ------------------------------------------------------------------ [run.sync] codecs
+
+
+def test_codec_up_sizes_the_contribution_checked_against_the_wire() -> None:
+    from wire.codecs.container import MAX_TENSOR_ELEMENTS
+    from wire.limits import MAX_CONTRIBUTION_BYTES, MAX_LOG_APPEND_BYTES
+
+    limits = dict(max_contribution_bytes=MAX_CONTRIBUTION_BYTES, max_log_append_bytes=MAX_LOG_APPEND_BYTES,
+                  max_decoded_elements=MAX_TENSOR_ELEMENTS)
+    shapes = {f"blocks.{i}.mlp.kernel": (12288, 12288) for i in range(8)}  # shapes only
+    plan = plan_fragments(shapes, 8, 32, 1)
+    assert wire_fit_problems(plan, shapes, "int4", "int4", **limits) == []
+    problems = wire_fit_problems(plan, shapes, "fp32", "int4", **limits)
+    assert any("its contribution (fp32" in p for p in problems)
+    assert not any("its commit" in p for p in problems)
