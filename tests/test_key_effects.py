@@ -213,3 +213,39 @@ def test_codec_up_sizes_the_contribution_checked_against_the_wire() -> None:
     problems = wire_fit_problems(plan, shapes, "fp32", "int4", **limits)
     assert any("its contribution (fp32" in p for p in problems)
     assert not any("its commit" in p for p in problems)
+
+
+def test_secret_file_is_the_run_secret_and_so_the_run_id(tmp_path: Path) -> None:
+    from diloco_node.config.settings import run_id_for
+
+    runs = {}
+    for name, secret in (("one", SECRET_A), ("two", SECRET_B)):
+        path = tmp_path / f"{name}.secret"
+        path.write_bytes(secret + b"\n")
+        path.chmod(0o600)
+        config = load_config(None, {"DILOCO_SECRET_FILE": str(path), "DILOCO_DATA_DIR": str(tmp_path / "data")})
+        assert config.read_secret() == secret
+        runs[name] = run_id_for(config.read_secret())  # daemon/node.py: frames carry this run id
+    assert runs["one"] != runs["two"]
+
+
+# ------------------------------------------------------------------ [node.data] keys
+
+
+def _text_site(root: Path, **changes: object):
+    from diloco_node.config.site_data import SiteData
+    from diloco_node.learn import data as data_lib
+
+    return data_lib.open_site_data(SiteData(source="text", paths=(str(root / "*.txt"),), **changes), None)
+
+
+def test_data_seed_and_eval_fraction_choose_the_held_out_files(tmp_path: Path) -> None:
+    for i in range(60):  # enough files to hold out whole files (learn/data.py MIN_FILES_FOR_PATH_SPLIT)
+        (tmp_path / f"part{i:02d}.txt").write_bytes(bytes([65 + i % 26]) * 100)
+    base = _text_site(tmp_path, seed=0, eval_fraction=0.2)
+    reseeded = _text_site(tmp_path, seed=1, eval_fraction=0.2)
+    smaller = _text_site(tmp_path, seed=0, eval_fraction=0.05)
+    assert base.eval_files and reseeded.eval_files and smaller.eval_files
+    assert set(base.eval_files) != set(reseeded.eval_files)
+    assert set(smaller.eval_files) < set(base.eval_files)  # same hash, a lower threshold
+    assert base.eval.size == 100 * len(base.eval_files) and smaller.eval.size < base.eval.size
