@@ -249,3 +249,41 @@ def test_data_seed_and_eval_fraction_choose_the_held_out_files(tmp_path: Path) -
     assert set(base.eval_files) != set(reseeded.eval_files)
     assert set(smaller.eval_files) < set(base.eval_files)  # same hash, a lower threshold
     assert base.eval.size == 100 * len(base.eval_files) and smaller.eval.size < base.eval.size
+
+
+# ------------------------------------------------------------------ [run.model] keys and run.seed
+
+
+def _signature(**changes: object) -> dict[str, tuple[int, ...]]:
+    from diloco_node.config.manifest import ModelSpec
+    from diloco_node.learn import factory
+
+    spec = {"factory": "bytes", "vocab_size": 256, "seq_len": 16, "size": "tiny", "num_layers": 1, **changes}
+    if spec["factory"] == "llama":
+        spec.update(size="1m", d_model=64, d_ff=128)
+    return {name: shape for name, shape, _ in factory.model_signature(ModelSpec.of(**spec))}
+
+
+def test_model_factory_vocab_size_and_seq_len_shape_the_model() -> None:
+    base = _signature()
+    assert base["embed/embedding"][0] == 256 and base["pos_embed/embedding"][0] == 16
+    assert _signature(vocab_size=512)["embed/embedding"][0] == 512
+    assert _signature(seq_len=32)["pos_embed/embedding"][0] == 32
+    llama = _signature(factory="llama")
+    assert set(llama) != set(base) and "pos_embed/embedding" not in llama  # positions by rotation, no table
+
+
+def test_run_seed_is_the_initial_model() -> None:
+    from diloco_node.config.manifest import ModelSpec, RunManifest
+    from diloco_node.learn import factory, model as model_lib
+
+    spec = ModelSpec.of("bytes", vocab_size=256, seq_len=16, size="tiny", num_layers=1)
+    first = {}
+    for seed in (0, 0, 1):
+        manifest = RunManifest(model=spec, seed=seed)
+        # daemon/site_model.py: factory.init_params(manifest.model, manifest.seed)
+        params = model_lib.flat_params(factory.init_params(manifest.model, manifest.seed)[1])
+        if seed in first:
+            assert all(np.array_equal(params[n], first[seed][n]) for n in params)
+        first[seed] = params
+    assert not np.array_equal(first[0]["embed/embedding"], first[1]["embed/embedding"])
