@@ -287,3 +287,34 @@ def test_run_seed_is_the_initial_model() -> None:
             assert all(np.array_equal(params[n], first[seed][n]) for n in params)
         first[seed] = params
     assert not np.array_equal(first[0]["embed/embedding"], first[1]["embed/embedding"])
+
+
+# ------------------------------------------------------------------ [run.outer] keys
+
+
+def _after_two_outer_steps(lr: float, momentum: float) -> np.ndarray:
+    from diloco_node.config.manifest import OuterOptimizer
+    from diloco_node.sync.global_state import GlobalState
+
+    shapes = {"embed/embedding": (4, 2), "blocks/0/w": (2, 2)}
+    initial = {name: np.ones(shape, np.float32) for name, shape in shapes.items()}
+    state = GlobalState(plan_fragments(shapes, 1, 4, 0), initial, OuterOptimizer(lr=lr, momentum=momentum))
+    for scale in (1.0, -0.5):
+        state.apply_outer_gradient(0, {name: np.full(shape, scale, np.float32) for name, shape in shapes.items()})
+    return state.fragment_params(0)["blocks/0/w"]
+
+
+def test_outer_lr_and_momentum_change_the_global_step() -> None:
+    base = _after_two_outer_steps(0.7, 0.9)
+    assert not np.allclose(base, _after_two_outer_steps(0.3, 0.9))
+    assert not np.allclose(base, _after_two_outer_steps(0.7, 0.0))
+    # Without momentum the two steps are plain SGD on the gradients: 1 - lr * (1 - 0.5).
+    np.testing.assert_allclose(_after_two_outer_steps(0.7, 0.0), 1 - 0.7 * 0.5, rtol=1e-6)
+
+
+def test_source_address_reaches_the_peer_client_options() -> None:
+    from diloco_node.daemon.node import transport_bounds
+
+    assert transport_bounds(node())[0].source_address is None
+    assert transport_bounds(node(source_address="127.0.0.23"))[0].source_address == "127.0.0.23"
+    # What the client does with it: tests/test_transport.py::test_the_client_connects_from_its_configured_source_address
