@@ -318,3 +318,18 @@ def test_source_address_reaches_the_peer_client_options() -> None:
     assert transport_bounds(node())[0].source_address is None
     assert transport_bounds(node(source_address="127.0.0.23"))[0].source_address == "127.0.0.23"
     # What the client does with it: tests/test_transport.py::test_the_client_connects_from_its_configured_source_address
+
+
+def test_eval_batches_is_how_many_windows_each_evaluation_scores() -> None:
+    from diloco_node.config.manifest import InnerOptimizer as Inner, ModelSpec, RunManifest
+    from diloco_node.daemon.evaluation import HeldOutLoss
+
+    manifest = RunManifest(model=ModelSpec.of("bytes", vocab_size=256, seq_len=16, size="tiny", num_layers=1),
+                           inner=Inner(batch_size=4))
+    tokens = (np.arange(20_000) % 251).astype(np.uint8)
+    shapes = {}
+    for batches in (2, 5):
+        cfg = node(eval_batches=batches)
+        # daemon/evaluation.py GlobalEvaluator(batches=cfg.eval_batches) -> HeldOutLoss
+        shapes[batches] = HeldOutLoss(manifest, tokens, cfg.eval_batches).inputs.shape
+    assert shapes == {2: (2, 4, 16), 5: (5, 4, 16)}
