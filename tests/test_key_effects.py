@@ -333,3 +333,37 @@ def test_eval_batches_is_how_many_windows_each_evaluation_scores() -> None:
         # daemon/evaluation.py GlobalEvaluator(batches=cfg.eval_batches) -> HeldOutLoss
         shapes[batches] = HeldOutLoss(manifest, tokens, cfg.eval_batches).inputs.shape
     assert shapes == {2: (2, 4, 16), 5: (5, 4, 16)}
+
+
+# ------------------------------------------------------------------ [run.sync] merge and weighting, through the Syncer
+
+
+def _syncer_merge(**sync: object) -> np.ndarray:
+    from diloco_node.config.manifest import OuterOptimizer, RunManifest, SyncSpec
+    from diloco_node.sync.global_state import GlobalState
+    from diloco_node.sync.merge import Contribution
+    from diloco_node.sync.syncer import Syncer
+
+    shapes = {"blocks/0/w": (8,)}
+    manifest = RunManifest(sync=SyncSpec(fragments=1, period=4, overlap=0, min_quorum=1, codec_down="fp32", **sync))
+    plan = plan_fragments(shapes, 1, 4, 0)
+    state = GlobalState(plan, {"blocks/0/w": np.zeros(8, np.float32)}, OuterOptimizer())
+    syncer = Syncer(manifest, plan, [])
+    rng = np.random.default_rng(0)
+    work = {"a": (4, 4 * 64), "b": (4, 4 * 64), "c": (16, 16 * 1024)}  # c did more work
+    for learner, (steps, tokens) in work.items():
+        delta = {"blocks/0/w": rng.standard_normal(8).astype(np.float32)}
+        syncer.add(Contribution(learner, 0, 0, delta, steps, tokens), now=0.0)
+    decision = syncer.decide(0, 0.0, list(work))
+    assert decision is not None and decision.merge_now
+    merged = syncer.merge_round(0, syncer.take(0, decision), state, decision.reason)
+    assert merged.result.outer_gradient is not None
+    return merged.result.outer_gradient["blocks/0/w"]
+
+
+def test_sync_merge_and_weighting_change_the_merged_outer_gradient() -> None:
+    rda_tokens = _syncer_merge(merge="rda", weighting="tokens")
+    mean_tokens = _syncer_merge(merge="mean", weighting="tokens")
+    mean_uniform = _syncer_merge(merge="mean", weighting="uniform")
+    assert not np.allclose(rda_tokens, mean_tokens)
+    assert not np.allclose(mean_tokens, mean_uniform)
