@@ -29,7 +29,8 @@ CLUSTER = "tests/integration/test_daemon_cluster.py::"
 
 OBSERVED: dict[str, tuple[str, ...]] = {
     # ---------------------------------------------------------------- [node]
-    "node_id": ("tests/integration/test_launcher.py::test_a_site_behind_a_link_answers_through_it_and_close_leaves_nothing",
+    "node_id": (E + "test_node_id_and_role_are_what_the_daemon_calls_itself_and_how_it_joins",
+                "tests/integration/test_launcher.py::test_a_site_behind_a_link_answers_through_it_and_close_leaves_nothing",
                 CLUSTER + "test_three_sites_commit_and_agree"),
     "listen": ("tests/integration/test_launcher.py::test_a_site_behind_a_link_answers_through_it_and_close_leaves_nothing",
                TLS + "test_tls_keys_derive_https_and_a_loopback_status_listener"),
@@ -42,7 +43,8 @@ OBSERVED: dict[str, tuple[str, ...]] = {
     "secret_file": (E + "test_secret_file_is_the_run_secret_and_so_the_run_id",
                     CLUSTER + "test_wrong_secret_is_refused_and_changes_nothing"),
     "secret_credential": (E + "test_secret_credential_names_the_systemd_credential_the_secret_is_read_from",),
-    "role": (CLUSTER + "test_witness_votes_and_replicates_without_training",),
+    "role": (E + "test_node_id_and_role_are_what_the_daemon_calls_itself_and_how_it_joins",
+             CLUSTER + "test_witness_votes_and_replicates_without_training",),
     "log_level": (E + "test_log_level_decides_which_records_are_written",),
     "connect_timeout_s": ("tests/test_transport_timeouts.py::test_a_blackholed_connect_is_cut_by_connect_timeout_s",
                           "tests/test_transport_timeouts.py::test_the_node_config_timeouts_become_the_transport_bounds"),
@@ -148,7 +150,7 @@ OBSERVED: dict[str, tuple[str, ...]] = {
 
 # Keys whose effect only a multi-process (integration) test observes: the daemon wires them
 # inside `Node` (daemon/node.py), which no in-process test constructs.
-INTEGRATION_ONLY = frozenset({"node_id", "advertise", "data_dir", "role", "checkpoint_interval_s",
+INTEGRATION_ONLY = frozenset({"advertise", "data_dir", "checkpoint_interval_s",
                               "cluster.num_processes", "cluster.process_id"})
 
 

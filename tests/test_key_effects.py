@@ -367,3 +367,19 @@ def test_sync_merge_and_weighting_change_the_merged_outer_gradient() -> None:
     mean_uniform = _syncer_merge(merge="mean", weighting="uniform")
     assert not np.allclose(rda_tokens, mean_tokens)
     assert not np.allclose(mean_tokens, mean_uniform)
+
+
+# ------------------------------------------------------------------ keys the daemon reads in Node.__init__
+
+
+@pytest.mark.parametrize("role, member_role", [("learner", "learner"), ("witness", "witness")])
+def test_node_id_and_role_are_what_the_daemon_calls_itself_and_how_it_joins(tmp_path: Path, role: str,
+                                                                          member_role: str) -> None:
+    from diloco_node.daemon.node import Node
+
+    effective = load_config(None, {"DILOCO_NODE_ID": f"site-{role}", "DILOCO_ROLE": role,
+                                   "DILOCO_DATA_DIR": str(tmp_path)})
+    daemon = Node(effective, environ={})
+    assert daemon.node_id == f"site-{role}" and daemon.role.value == member_role  # the role it joins the run with
+    served = daemon.status.document(0.0).to_dict()  # what /status serves
+    assert served["node_id"] == f"site-{role}" and served["role"] == role
