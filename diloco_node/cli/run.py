@@ -1,7 +1,9 @@
 """`diloco-node run`: start this site's daemon (found a run, or join one with --bootstrap).
 
-Exit codes: 0 clean stop (SIGTERM/SIGINT), 1 runtime failure, 2 configuration error,
-3 the run refused us (wrong secret, contradicting manifest, no bootstrap peer answered).
+Exit codes: 0 clean stop (SIGTERM/SIGINT), 1 runtime failure (on a multi-host site: a lost
+host), 2 configuration error, 3 the run refused us (wrong secret, contradicting manifest, no
+bootstrap peer answered). A multi-host site's host may also end by SIGABRT: JAX aborts every
+process of a site whose process 0 died or whose host missed its heartbeats.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         if cluster_lib.is_follower():
             from diloco_node.daemon.site_follower import run_follower
 
-            return run_follower(effective)
+            return _leave_cluster(run_follower(effective))
     from diloco_node.daemon.node import Node  # imports JAX: only for `run`
 
     node = Node(effective, environ=dict(os.environ))
@@ -69,4 +71,16 @@ def run(args: argparse.Namespace) -> int:
     code = asyncio.run(node.run())
     if code != 0 and node.exit_reason:
         print(f"diloco-node run: {node.exit_reason}", file=sys.stderr)
-    return code
+    return _leave_cluster(code) if cluster.enabled else code
+
+
+def _leave_cluster(code: int) -> int:
+    """A failed host of a multi-host site exits now. JAX's exit hook would first wait at a
+    shutdown barrier for every process, which a lost host never reaches: the wait ends only at
+    the heartbeat timeout, in an abort. A clean stop goes through the barrier (every host meets it)."""
+    if code == 0:
+        return code
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
