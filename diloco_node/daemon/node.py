@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -444,9 +445,35 @@ class Node:
     async def _watch_cluster_learner(self) -> None:
         """A multi-host site cannot train on without one of its hosts (its JAX cluster is broken
         for good), so a learner failure ends the process: /livez fails at once, and the daemon
-        exits 1 so the unit's Restart=on-failure brings the site back."""
+        exits 1 so the unit's Restart=on-failure brings the site back.
+
+        A collective can also hang instead of failing (a killed host's broken connection is not
+        always noticed); then JAX aborts the process when the lost host's heartbeats are overdue.
+        A quarter of that time into one step we say so first, so our log names the host before
+        JAX's abort (which came 7.6-9 s after a kill with a 10 s timeout, on loopback). A step
+        that is merely long only costs one warning.
+        """
+        stall_s = self.cfg.cluster.heartbeat_timeout_s / 4
+        first_steps, warned = None, False
         while self.learner is None or self.learner.error is None:
             await self.clock.sleep(CLUSTER_LEARNER_CHECK_S)
+            learner = self.learner
+            if learner is None or warned:
+                continue
+            if first_steps is None:  # a stall counts only once the learner has trained
+                first_steps = learner.steps
+            # The learner stamps its steps with time.monotonic(), not the node's clock.
+            stalled_s = time.monotonic() - learner.last_step_at
+            if learner.steps > first_steps and stalled_s > stall_s and learner.is_alive():
+                warned = True
+                # Not the coordination service's liveness query: it can block, and this line must
+                # come before JAX's abort. On two processes the suspect is the other one.
+                who = "process 1" if self.cfg.cluster.num_processes == 2 else "another of the site's processes"
+                message = (f"{self.node_id}: the learner has waited {stalled_s:.1f} s in one step: the site's JAX "
+                           f"cluster may have lost {who}; JAX stops the site when a host misses its heartbeats "
+                           f"for cluster.heartbeat_timeout_s = {self.cfg.cluster.heartbeat_timeout_s} s")
+                log.warning("%s", message)
+                self.status.record_error(message, self.now())
         error = self.learner.error
         reason = await asyncio.get_running_loop().run_in_executor(None, failure_reason, error)
         message = f"{self.node_id}: the site is going down: {reason}; restart every host of the site"

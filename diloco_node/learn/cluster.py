@@ -89,12 +89,19 @@ def lost_processes(timeout_s: float = LIVENESS_QUERY_TIMEOUT_S) -> tuple[int, ..
     return found[0] if found else None
 
 
-def failure_reason(error: BaseException) -> str:
-    """Why a multi-host site's learner failed, naming the lost processes: those the coordination
-    service reports, or on a two-process site the other one (the only peer a collective has)."""
+def suspected_lost() -> tuple[int, ...]:
+    """The processes the coordination service reports lost, or on a two-process site the other
+    one (the only peer our collectives have); () when neither tells."""
     lost = lost_processes()
     if not lost and jax.process_count() == 2:
         lost = (1 - jax.process_index(),)
+    return lost or ()
+
+
+def failure_reason(error: BaseException) -> str:
+    """Why a multi-host site's learner failed, naming the lost processes: those the coordination
+    service reports, or on a two-process site the other one (the only peer a collective has)."""
+    lost = suspected_lost()
     first_line = (str(error).splitlines() or [""])[0]
     if lost:
         who = f"lost process{'es' if len(lost) > 1 else ''} {', '.join(map(str, lost))} of the site's JAX cluster"

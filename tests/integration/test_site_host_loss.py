@@ -135,6 +135,8 @@ def test_a_killed_follower_takes_the_site_down_and_a_restart_resumes_it_from_its
         assert "the site is going down: lost process 1 of the site's JAX cluster" in leader_log, leader_log[-3000:]
     else:
         assert code == -signal.SIGABRT and JAX_HEARTBEAT_ABORT in leader_log, site.logs()
+        # ... and before JAX's abort, the daemon said which host it waits for
+        assert "the site's JAX cluster may have lost process 1" in leader_log, leader_log[-3000:]
     assert "stopped cleanly" not in leader_log  # no leave, no final checkpoint: a crash, restarted as one
     checkpoint_index = max(_checkpointed(site))
 
