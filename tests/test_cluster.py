@@ -40,3 +40,10 @@ def test_a_one_host_site_initialises_no_cluster():
     assert ClusterSpec().enabled is False
     assert cluster.initialize(ClusterSpec()) is False
     assert ClusterSpec(coordinator="auto").enabled and ClusterSpec("h:1", 2, 1).enabled
+
+
+def test_without_a_cluster_no_process_is_reported_lost_and_the_reason_says_so():
+    assert cluster.lost_processes(timeout_s=1.0) is None
+    reason = cluster.failure_reason(RuntimeError("Gloo all-reduce failed: Connection reset by peer\nmore"))
+    assert reason == ("a collective of the site's JAX cluster failed (no process reported lost): "
+                      "RuntimeError: Gloo all-reduce failed: Connection reset by peer")

@@ -7,7 +7,7 @@ import pytest
 
 from diloco_node.config.manifest import InnerOptimizer, ModelSpec, RunManifest, SyncSpec
 from diloco_node.config.settings import ConfigError, load_config
-from diloco_node.config.site_devices import ClusterSpec, MeshShape
+from diloco_node.config.site_devices import HEARTBEAT_TIMEOUT_S, ClusterSpec, MeshShape
 from diloco_node.daemon.site_model import build_site_model
 from diloco_node.ops.status import StatusBuilder, StatusDocument, render_metrics
 
@@ -33,6 +33,8 @@ def test_mesh_and_cluster_tables_from_the_file_the_environment_and_the_scheduler
     assert load_config(path, {"SLURM_PROCID": "1", "DILOCO_CLUSTER_PROCESS_ID": "0"}).node.cluster.process_id == 0
     defaults = load_config(_write(tmp_path, ""), {}).node
     assert defaults.mesh == MeshShape(data=-1, fsdp=1, microbatches=1) and not defaults.cluster.enabled
+    assert defaults.cluster.heartbeat_timeout_s == HEARTBEAT_TIMEOUT_S
+    assert load_config(path, {"DILOCO_CLUSTER_HEARTBEAT_TIMEOUT_S": "12"}).node.cluster.heartbeat_timeout_s == 12
 
 
 @pytest.mark.parametrize("text, environ, message", [
@@ -44,6 +46,9 @@ def test_mesh_and_cluster_tables_from_the_file_the_environment_and_the_scheduler
     ("[node.cluster]\ncoordinator = \"h:1\"\nnum_processes = 2\n", {"DILOCO_CLUSTER_PROCESS_ID": "2"},
      "cluster.process_id = 2: must be in 0..cluster.num_processes - 1 = 1"),
     ("[node.cluster]\ncoordinator = \"nohost\"\n", {}, "cluster.coordinator = 'nohost': expected HOST:PORT"),
+    ("", {"DILOCO_CLUSTER_HEARTBEAT_TIMEOUT_S": "0"},
+     "cluster.heartbeat_timeout_s = 0: must be an integer >= 1 \\(seconds\\) "
+     "\\[cluster.heartbeat_timeout_s from env:DILOCO_CLUSTER_HEARTBEAT_TIMEOUT_S\\]"),
 ])
 def test_bad_device_settings_are_refused_naming_the_key(tmp_path, text, environ, message):
     with pytest.raises(ConfigError, match=message):

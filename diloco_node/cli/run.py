@@ -4,6 +4,10 @@ Exit statuses (diloco_node/daemon/exits.py): 0 clean stop (SIGTERM/SIGINT, or th
 1 transient failure (a crash, or no bootstrap peer answered within the join deadline: a restart
 helps), 2 configuration error and 3 the run refused us (wrong secret, contradicting manifest): both
 permanent, so the systemd unit does not restart on them (RestartPreventExitStatus=2 3).
+On a multi-host site, 1 is also a lost host (process 0 or a follower whose learner's collective
+failed), and a host may end by SIGABRT instead: JAX aborts every process of a site whose process 0
+died or whose host missed its heartbeats ([node.cluster] heartbeat_timeout_s); systemd's
+Restart=on-failure restarts both.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         if cluster_lib.is_follower():
             from diloco_node.daemon.site_follower import run_follower
 
-            return run_follower(effective)
+            return _leave_cluster(run_follower(effective))
     from diloco_node.daemon.node import Node  # imports JAX: only for `run`
 
     node = Node(effective, environ=dict(os.environ))
@@ -76,4 +80,16 @@ def run(args: argparse.Namespace) -> int:
     code = asyncio.run(node.run())
     if code != 0 and node.exit_reason:
         print(f"diloco-node run: {node.exit_reason}", file=sys.stderr)
-    return code
+    return _leave_cluster(code) if cluster.enabled else code
+
+
+def _leave_cluster(code: int) -> int:
+    """A failed host of a multi-host site exits now. JAX's exit hook would first wait at a
+    shutdown barrier for every process, which a lost host never reaches: the wait ends only at
+    the heartbeat timeout, in an abort. A clean stop goes through the barrier (every host meets it)."""
+    if code == 0:
+        return code
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -364,6 +364,8 @@ _NODE_TABLE_HELP = {
                            "empty for a one-host site",
     "cluster.num_processes": "[node.cluster] hosts (processes) of this site (scheduler: SLURM_NTASKS)",
     "cluster.process_id": "[node.cluster] this host's process id, 0 is the site's daemon (scheduler: SLURM_PROCID)",
+    "cluster.heartbeat_timeout_s": "[node.cluster] seconds without a host's heartbeat before the whole site "
+                                   "stops (a killed host is noticed sooner, by the collectives)",
 }
 # A scheduler's variables fill cluster keys the node did not set itself.
 _SCHEDULER_ENV = {"cluster.process_id": "SLURM_PROCID", "cluster.num_processes": "SLURM_NTASKS"}

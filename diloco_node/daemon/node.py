@@ -21,6 +21,7 @@ import logging
 import os
 import random
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ from diloco_node.daemon.state_transfer import StateKeeper
 from diloco_node.daemon.status_feed import StatusFeed
 from diloco_node.daemon.evaluation import GlobalEvaluator
 from diloco_node.daemon.tasks import TaskSet, closed_on_cleanup
-from diloco_node.learn.cluster import share_manifest
+from diloco_node.learn.cluster import failure_reason, share_manifest
 from diloco_node.learn.learner_thread import DueFragment, LearnerThread
 from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore
 from diloco_node.ops.liveness import Liveness, StepPace, liveness
@@ -78,6 +79,8 @@ MEMBER_REFRESH_S = 5.0
 # TLS files are checked for changes this often (certificates reload without a restart; SIGHUP
 # reloads at once). A renewal is planned days ahead, so seconds of delay cost nothing.
 TLS_RELOAD_CHECK_S = 5.0
+# A multi-host site's learner is checked this often for a failure: a lost host ends the site.
+CLUSTER_LEARNER_CHECK_S = 0.25
 
 
 def transport_bounds(cfg: NodeConfig) -> tuple[ClientOptions, Limits]:
@@ -112,6 +115,7 @@ class Node:
         self._min_step_interval_s = float(min_step) if min_step else 0.0
         self._stop = asyncio.Event()
         self.exit_reason = ""
+        self._site_failed = False  # a multi-host site lost a host: exit 1 without leaving the run
         # Built by run(), in this order; None until then.
         self.loop: asyncio.AbstractEventLoop | None = None
         self.executor: ThreadPoolExecutor | None = None
@@ -340,6 +344,8 @@ class Node:
         self._periodic_task = self.tasks.spawn(self._periodic(), name="periodic")
         self.tasks.spawn(run_watchdog(self.notifier, self._live), name="watchdog")  # type: ignore[arg-type]
         self.tasks.spawn(watch_loop_lag(self.loop_lag, self.node_id), name="loop-lag")
+        if self.cfg.cluster.enabled and self.role is coord.MemberRole.LEARNER:
+            self.tasks.spawn(self._watch_cluster_learner(), name="cluster-learner")
         # The learner is built and its step compiled in a worker thread WHILE a joiner announces
         # itself and downloads the global state: the two are independent until training starts.
         preparing = None
@@ -371,6 +377,10 @@ class Node:
             self._start_training(await preparing, fresh=restored is None)
         self._after_apply(replica.applied_index)  # a restart of a complete run ends at once
         await self._stop.wait()
+        if self._site_failed:
+            # No leave and no final checkpoint (the learner's state is gone with its host): the
+            # site restarts from its last periodic checkpoint and catches up, like a crashed site.
+            return EXIT_FAILED
         if self.completed:
             # Stay a member a little longer so followers learn the final commit, then stop
             # without leaving: the run is over, its membership stays as it ended.
@@ -460,6 +470,47 @@ class Node:
     def _after_coordination_step(self) -> None:
         if self.rounds is not None:
             self.rounds.lease_check()
+
+    async def _watch_cluster_learner(self) -> None:
+        """A multi-host site cannot train on without one of its hosts (its JAX cluster is broken
+        for good), so a learner failure ends the process: /livez fails at once, and the daemon
+        exits 1 so the unit's Restart=on-failure brings the site back.
+
+        A collective can also hang instead of failing (a killed host's broken connection is not
+        always noticed); then JAX aborts the process when the lost host's heartbeats are overdue.
+        A quarter of that time into one step we say so first, so our log names the host before
+        JAX's abort (which came 7.6-9 s after a kill with a 10 s timeout, on loopback). A step
+        that is merely long only costs one warning.
+        """
+        stall_s = self.cfg.cluster.heartbeat_timeout_s / 4
+        first_steps, warned = None, False
+        while self.learner is None or self.learner.error is None:
+            await self.clock.sleep(CLUSTER_LEARNER_CHECK_S)
+            learner = self.learner
+            if learner is None or warned:
+                continue
+            if first_steps is None:  # a stall counts only once the learner has trained
+                first_steps = learner.steps
+            # The learner stamps its steps with time.monotonic(), not the node's clock.
+            stalled_s = time.monotonic() - learner.last_step_at
+            if learner.steps > first_steps and stalled_s > stall_s and learner.is_alive():
+                warned = True
+                # Not the coordination service's liveness query: it can block, and this line must
+                # come before JAX's abort. On two processes the suspect is the other one.
+                who = "process 1" if self.cfg.cluster.num_processes == 2 else "another of the site's processes"
+                message = (f"{self.node_id}: the learner has waited {stalled_s:.1f} s in one step: the site's JAX "
+                           f"cluster may have lost {who}; JAX stops the site when a host misses its heartbeats "
+                           f"for cluster.heartbeat_timeout_s = {self.cfg.cluster.heartbeat_timeout_s} s")
+                log.warning("%s", message)
+                self.status.record_error(message, self.now())
+        error = self.learner.error
+        reason = await asyncio.get_running_loop().run_in_executor(None, failure_reason, error)
+        message = f"{self.node_id}: the site is going down: {reason}; restart every host of the site"
+        log.error("%s", message)
+        self.status.record_error(message, self.now())
+        self.exit_reason = reason
+        self._site_failed = True
+        self._stop.set()
 
     # ------------------------------------------------------------------ periodic work
 

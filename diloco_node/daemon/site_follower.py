@@ -4,9 +4,10 @@ Process 0 is the site to the rest of the run: it founds, joins or restarts, talk
 keeps the replica and serves /status. Every other host runs this instead of the daemon: it
 receives the run manifest from process 0, builds the same learner on the site's global mesh and
 follows process 0 at every step boundary (learn/cluster.py), until process 0 decides to stop.
-It opens no port and needs no run secret. If any process of the site dies, JAX stops the others
-and the site comes back by restart (systemd restarts each host's unit; process 0 resumes from its
-checkpoint and catches up like any restarted site).
+It opens no port and needs no run secret. If any process of the site dies the site goes down (a
+dead process 0 makes JAX abort this one at once; a dead follower makes this one's learner fail
+and exit 1) and comes back by restart (systemd restarts each host's unit; process 0 resumes from
+its checkpoint and catches up like any restarted site).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from diloco_node.daemon.node import DATA_CACHE_DIR
 from diloco_node.daemon.site_model import open_learner_data
 from diloco_node.learn import factory
 from diloco_node.learn import model as model_lib
-from diloco_node.learn.cluster import BoundaryFollowing, share_manifest
+from diloco_node.learn.cluster import BoundaryFollowing, failure_reason, share_manifest
 from diloco_node.learn.inner import InnerLearner
 from diloco_node.learn.learner_thread import LearnerThread
 from diloco_node.learn.mesh import build_site_mesh
@@ -54,7 +55,8 @@ def run_follower(effective: EffectiveConfig) -> int:
     thread.begin_training()
     thread.join()
     if thread.error is not None:
-        log.error("%s: the learner failed: %r", cfg.node_id, thread.error)
+        log.error("%s: process %d: the site is going down: %s", cfg.node_id, cfg.cluster.process_id,
+                  failure_reason(thread.error))
         return 1
     log.info("%s: process 0 stopped the site at step %d", cfg.node_id, thread.steps)
     return 0

@@ -106,6 +106,8 @@ def prepare_learner(site: SiteModel, *, node_id: str, base: tuple[Mapping[str, n
         following=BoundaryFollowing(site.plan.num_fragments) if multi_host else None)
     if restored is not None:
         learner.restore(restored)
+        log.info("%s: the learner resumes at step %d (%d tokens) from its checkpoint", node_id, restored.step,
+                 restored.tokens)
     seconds = learner.compile()
     log.info("%s: training step compiled in %.1f s", node_id, seconds)
     return learner
