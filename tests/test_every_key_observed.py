@@ -86,6 +86,7 @@ OBSERVED: dict[str, tuple[str, ...]] = {
                             "tests/integration/test_site_cluster.py::test_diloco_node_run_on_two_hosts_is_one_site_whose_process_0_is_the_daemon"),
     "cluster.num_processes": ("tests/integration/test_site_cluster.py::test_diloco_node_run_on_two_hosts_is_one_site_whose_process_0_is_the_daemon",),
     "cluster.process_id": ("tests/integration/test_site_cluster.py::test_diloco_node_run_on_two_hosts_is_one_site_whose_process_0_is_the_daemon",),
+    "cluster.heartbeat_timeout_s": ("tests/integration/test_site_host_loss.py::test_a_killed_follower_takes_the_site_down_and_a_restart_resumes_it_from_its_checkpoint",),
     # ---------------------------------------------------------------- [run.model], [run.data]
     "run.model.factory": (E + "test_model_factory_vocab_size_and_seq_len_shape_the_model",
                           "tests/test_factory.py::test_a_users_factory_trains_with_its_own_loss_and_embeddings"),
@@ -151,7 +152,7 @@ OBSERVED: dict[str, tuple[str, ...]] = {
 # Keys whose effect only a multi-process (integration) test observes: the daemon wires them
 # inside `Node` (daemon/node.py), which no in-process test constructs.
 INTEGRATION_ONLY = frozenset({"advertise", "data_dir", "checkpoint_interval_s",
-                              "cluster.num_processes", "cluster.process_id"})
+                              "cluster.num_processes", "cluster.process_id", "cluster.heartbeat_timeout_s"})
 
 
 @lru_cache(maxsize=None)
