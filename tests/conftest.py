@@ -60,3 +60,37 @@ def one_final_state(logs: dict[str, str]) -> tuple[int, str]:
     assert len({digest for _, digest in finals.values()}) == 1, finals
     assert all(int(index) >= completed[name] for name, (index, _) in finals.items()), (completed, finals)
     return next(iter(completed.values())), next(iter(finals.values()))[1]
+
+
+class InlineExecutor:
+    """An executor that runs work at once on the caller's thread: the order of events is the
+    test's alone (RoundDriver and friends take any `concurrent.futures.Executor`)."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        from concurrent.futures import Future
+
+        future: Future = Future()
+        future.set_result(fn(*args, **kwargs))
+        return future
+
+
+class NullCounter:
+    """A metrics counter that counts nothing (for parts that take one)."""
+
+    def inc(self, amount: float = 1.0) -> None:
+        pass
+
+
+@pytest.fixture
+def restore_root_logger():
+    """Tests that configure logging leave the root logger as they found it."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    for handler in handlers:
+        root.addHandler(handler)
+    root.setLevel(level)

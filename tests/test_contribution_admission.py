@@ -29,24 +29,14 @@ from wire.codecs import decode_named, encode_named
 from wire.codecs.layout import DIM, FIXED_HEADER, NAME_LEN, NDIM
 from wire.errors import RemoteProtocolError
 
+from conftest import InlineExecutor, NullCounter
+
 MANIFEST = RunManifest(model=ModelSpec.of(seq_len=16),
                        inner=InnerOptimizer(batch_size=2, warmup_steps=2, total_steps=64),
                        sync=SyncSpec(fragments=2, period=8, overlap=2, min_quorum=2, grace_gamma=0.5,
                                      grace_cap_s=5.0))
 SHAPES = {"embed/table": (16, 8), "layer0/w": (8, 8), "layer1/w": (8, 8), "head/w": (8, 4)}
 START = 1000.0
-
-
-class InlineExecutor(Executor):
-    def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
-        future: Future = Future()
-        future.set_result(fn(*args, **kwargs))
-        return future
-
-
-class _Counter:
-    def inc(self, amount: float = 1.0) -> None:
-        pass
 
 
 def _driver(members: dict[str, tuple[coord.MemberRole, coord.MemberState]], executor: Executor | None = None,
@@ -64,7 +54,7 @@ def _driver(members: dict[str, tuple[coord.MemberRole, coord.MemberState]], exec
                          replica=Replica(plan, initial, MANIFEST.outer), coordination=core,
                          addresses=AddressBook(), client=None, executor=executor or InlineExecutor(), clock=clock,
                          tasks=TaskSet(), dispatch=lambda actions: None, replica_behind=lambda: "held in tests",
-                         report_error=pytest.fail, contributions_sent=_Counter(), merges_proposed=_Counter())
+                         report_error=pytest.fail, contributions_sent=NullCounter(), merges_proposed=NullCounter())
     driver.lease_check()
     return driver, syncer, clock
 

@@ -13,7 +13,6 @@ import io
 import logging
 import random
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest
@@ -56,18 +55,6 @@ def test_secret_credential_names_the_systemd_credential_the_secret_is_read_from(
     missing = load_config(None, {**environ, "DILOCO_SECRET_CREDENTIAL": "absent"})
     assert missing.node.secret_file is None
     assert any("no credential named 'absent'" in w for w in missing.warnings)
-
-
-@pytest.fixture
-def restore_root_logger() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-    for handler in handlers:
-        root.addHandler(handler)
-    root.setLevel(level)
 
 
 @pytest.mark.parametrize("level, shown", [("debug", {"DBG", "INF", "WRN"}), ("info", {"INF", "WRN"}),

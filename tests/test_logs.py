@@ -7,24 +7,11 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from diloco_node.ops.logs import configure_logging, syslog_priority, under_journald
-
-
-@pytest.fixture
-def restore_root_logger() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-    for handler in handlers:
-        root.addHandler(handler)
-    root.setLevel(level)
 
 
 def _journal_env(path: Path) -> dict[str, str]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
-from concurrent.futures import Executor, Future
 from types import SimpleNamespace
 
 import numpy as np
@@ -41,6 +40,8 @@ from diloco_node.sync.syncer import Syncer
 from wire import messages as wire
 from wire.codecs import decode_named, encode_named
 
+from conftest import InlineExecutor, NullCounter
+
 LEARNERS = ("a", "b", "c")
 MANIFEST = RunManifest(model=ModelSpec.of(seq_len=16),
                        inner=InnerOptimizer(batch_size=2, warmup_steps=2, total_steps=64),
@@ -56,20 +57,6 @@ SCRIPT = (
     (8.0, "a", 0, 8), (8.1, "b", 0, 8), (8.2, "c", 0, 16), (9.0, "b", 1, 8), (12.0, "b", 1, 4),
 )
 TRANSFER_S = 0.1
-
-
-class InlineExecutor(Executor):
-    """Runs work at once on the caller's thread: the order of events is the script's alone."""
-
-    def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
-        future: Future = Future()
-        future.set_result(fn(*args, **kwargs))
-        return future
-
-
-class _Counter:
-    def inc(self, amount: float = 1.0) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +137,7 @@ async def run_daemon_side(initial) -> tuple[list[tuple[float, int, str, bytes]],
     driver = RoundDriver(node_id="a", manifest=MANIFEST, plan=plan, syncer=syncer, replica=replica,
                          coordination=core, addresses=AddressBook(), client=None, executor=InlineExecutor(),
                          clock=clock, tasks=tasks, dispatch=lambda actions: None, replica_behind=lambda: "",
-                         report_error=pytest.fail, contributions_sent=_Counter(), merges_proposed=_Counter())
+                         report_error=pytest.fail, contributions_sent=NullCounter(), merges_proposed=NullCounter())
 
     async def settle() -> None:
         while len(tasks):  # merge tasks: their executor work is in-line, they end in a few loop turns
