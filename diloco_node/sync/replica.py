@@ -108,7 +108,6 @@ class Replica:
         self.stop = stop or StopSpec()
         self.founded_at = founded_at
         self.state = GlobalState(plan, initial, outer)
-        self._scratch = GlobalState(plan, initial, outer)  # for digests of not-yet-committed steps
         self.applied_index = 0
         self.diverged: set[int] = set()
         self.last_reason = "initial state"
@@ -126,8 +125,7 @@ class Replica:
 
     def digest_after(self, p: int, outer_gradient: Mapping[str, np.ndarray]) -> str:
         """The digest fragment p will have once this gradient is applied (state untouched)."""
-        self._scratch.install_fragment(self.state.fragment_state(p))
-        return self._scratch.apply_outer_gradient(p, outer_gradient)
+        return self.state.digest_after(p, outer_gradient)
 
     # ---- applying committed entries ---------------------------------------------------------
 

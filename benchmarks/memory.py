@@ -1,0 +1,197 @@
+"""Where a replica's and a learner's bytes per parameter go: the replica stack driven in-process.
+
+Drives the parts of a node that hold the model's bytes, without the network: the global state
+and its rebase history (`sync/global_state.py`), the replica (`sync/replica.py`), the lease
+holder's merge of stale contributions (`sync/merge.py`), the durable log (`daemon/replica_store.py`)
+holding real int4 commit entries, one checkpoint written and read back as compaction does, and
+(`learner`) the learner's jitted AdamW model on the CPU. After each phase it records the
+process's resident set (VmRSS) and its peak (VmHWM) from /proc/self/status; each role runs in a
+child process of its own so its peak is its own.
+
+    python benchmarks/memory.py --model medium --json memory.json     # witness and learner
+    python benchmarks/memory.py --model medium --roles witness        # one role
+    python benchmarks/memory.py --llama 1b --roles witness --rounds 3 # a 1B-parameter replica
+
+Figures are bytes per model parameter: the global parameters and momentum need 8 (fp32 each),
+AdamW's two moments another 8 and the learner's own parameters 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MIB = 1024 * 1024
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+class Phases:
+    """VmRSS and VmHWM after each named phase, in bytes per parameter above the baseline."""
+
+    def __init__(self, params: int) -> None:
+        self.params = params
+        self.rows: list[dict[str, Any]] = []
+        self.baseline_kib = _status_kib("VmRSS")
+
+    def mark(self, name: str) -> None:
+        rss, hwm = _status_kib("VmRSS"), _status_kib("VmHWM")
+        row = {"phase": name, "rss_mb": round(rss / 1024, 1), "peak_mb": round(hwm / 1024, 1),
+               "rss_bytes_per_param": round((rss - self.baseline_kib) * 1024 / self.params, 2),
+               "peak_bytes_per_param": round((hwm - self.baseline_kib) * 1024 / self.params, 2)}
+        self.rows.append(row)
+        print(f"  {name:<44} rss {row['rss_mb']:>8.1f} MB  peak {row['peak_mb']:>8.1f} MB  "
+              f"above baseline: {row['rss_bytes_per_param']:>6.2f} / {row['peak_bytes_per_param']:>6.2f} B/param",
+              flush=True)
+
+
+def _model_spec(args: argparse.Namespace) -> Any:
+    from diloco_node.config.manifest import ModelSpec
+    if args.llama:
+        return ModelSpec.of("llama", vocab_size=args.vocab, seq_len=args.seq_len, size=args.llama)
+    return ModelSpec.of("bytes", seq_len=args.seq_len, size=args.model)
+
+
+def _shapes(spec: Any) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes without allocating the model (an abstract trace)."""
+    from diloco_node.learn import factory, model as model_lib
+    _, abstract = factory.abstract_model(spec)
+    return model_lib.param_shapes(abstract)
+
+
+def run_role(args: argparse.Namespace) -> dict[str, Any]:
+    """One role in this process: the replica stack, plus the learner's model when asked."""
+    from bootstrap.coordinator_node import PersistentState
+    from bootstrap.election import ElectionState
+    from bootstrap.entries import ClusterConfig, EntryKind, LogEntry, Snapshot
+    from bootstrap.replog import LogStore
+    from diloco_node.config.manifest import OuterOptimizer
+    from diloco_node.daemon.replica_store import ReplicaStore
+    from diloco_node.ops.checkpoint import CheckpointStore, read_checkpoint_file
+    from diloco_node.sync.fragments import plan_fragments
+    from diloco_node.sync.merge import Contribution, ContributionCaps, merge_contributions
+    from diloco_node.sync.replica import CommitPayload, Replica
+    from wire.codecs import decode_named, encode_named
+
+    spec = _model_spec(args)
+    shapes = _shapes(spec)
+    params = int(sum(np.prod(s) for s in shapes.values()))
+    print(f"{args.role}: {params / 1e6:.1f}M parameters, {len(shapes)} tensors, P = {args.fragments}", flush=True)
+    rng = np.random.default_rng(0)
+    phases = Phases(params)
+    phases.mark("baseline (imports, shapes)")
+    initial = {n: (rng.standard_normal(s, dtype=np.float32) * 0.02) for n, s in shapes.items()}
+    plan = plan_fragments(shapes, args.fragments, max(args.fragments, 8), 0)
+    replica = Replica(plan, initial, OuterOptimizer())
+    del initial  # the daemon keeps the replica, not the initial dict
+    phases.mark("replica built (global state)")
+    learner = None
+    if args.role == "learner":
+        from diloco_node.config.manifest import InnerOptimizer
+        from diloco_node.learn.inner import InnerLearner
+        learner = InnerLearner(spec, InnerOptimizer(batch_size=args.batch), 0)
+        tokens = rng.integers(0, 256, (args.batch, spec.seq_len + 1), dtype=np.int32)
+        for _ in range(2):
+            learner.step(tokens[:, :-1], tokens[:, 1:]).block_until_ready()
+        phases.mark("learner built, 2 AdamW steps")
+
+    with tempfile.TemporaryDirectory(prefix="dn-memory-") as tmp:
+        store = ReplicaStore(Path(tmp) / "coordination")
+        persistent = PersistentState(ElectionState(1, "a"), LogStore(Snapshot(0, 0, ClusterConfig()), []))
+        caps = ContributionCaps(max_tokens_per_step=1 << 20, max_steps=1 << 20)
+        index = 0
+        for round_ in range(1, args.rounds + 1):
+            for fragment in plan.fragments:
+                p = fragment.index
+                fshapes = {n: shapes[n] for n in fragment.names}
+                current = replica.state.fragment_params(p)
+                # Two learners, one on the current round and one a round or two behind: a stale
+                # contribution is rebased from the history.
+                contributions = []
+                for learner_id, lag in (("a", 0), ("b", min(2, replica.state.round(p)))):
+                    delta = {n: rng.standard_normal(s, dtype=np.float32) * 1e-3 for n, s in fshapes.items()}
+                    contributions.append(Contribution(learner_id, p, replica.state.round(p) - lag, delta, 8, 8 * 512))
+                result = merge_contributions(contributions, current, replica.state.history(p), caps=caps,
+                                             embedding_names=())
+                del contributions, current
+                encoded = encode_named(result.outer_gradient, "int4")
+                digest = replica.digest_after(p, decode_named(encoded))
+                payload = CommitPayload(encoded, ("a", "b"), (1.0, 1.0)).encode()
+                index += 1
+                entry = LogEntry(1, index, EntryKind.OUTER_COMMIT, payload, fragment=p,
+                                 round=replica.state.round(p) + 1, digest=digest)
+                persistent.log.entries.append(entry)
+                del entry, payload, encoded, result
+                store.sync(persistent)
+                outcome = replica.apply(persistent.log.entries[-1])
+                assert outcome.applied and not outcome.diverged, outcome.reason
+            if round_ in (1, args.rounds) or round_ % 4 == 0:
+                phases.mark(f"round {round_}: {index} commits in the log")
+        log_bytes = store.log_bytes
+        checkpoints = CheckpointStore(Path(tmp) / "checkpoints", keep=2)
+        meta, arrays = replica.checkpoint_entries()
+        path = checkpoints.save({"applied_index": index, **meta}, arrays)
+        del meta, arrays
+        phases.mark("checkpoint written")
+        read_checkpoint_file(path)
+        phases.mark("checkpoint read back (compaction's check)")
+        store.close()
+    return {"role": args.role, "model": args.llama or args.model, "params": params, "fragments": args.fragments,
+            "rounds": args.rounds, "commits": index, "log_bytes": log_bytes,
+            "log_bytes_per_param": round(log_bytes / params, 2), "phases": phases.rows,
+            "peak_bytes_per_param": phases.rows[-1]["peak_bytes_per_param"],
+            "baseline_mb": round(phases.baseline_kib / 1024, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="medium", help="bytes model size (tiny, small, medium)")
+    parser.add_argument("--llama", default="", help="a llama preset instead (learn/llama.py LLAMA_PRESETS)")
+    parser.add_argument("--vocab", type=int, default=32000, help="llama vocabulary size")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--fragments", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=10, help="commits per fragment (history fills at 8)")
+    parser.add_argument("--batch", type=int, default=4, help="learner batch size")
+    parser.add_argument("--roles", default="witness,learner")
+    parser.add_argument("--role", default="", help=argparse.SUPPRESS)  # the child's own role
+    parser.add_argument("--json", default="")
+    args = parser.parse_args(argv)
+    if args.role:
+        print("RESULT " + json.dumps(run_role(args)), flush=True)
+        return 0
+    results = []
+    for role in args.roles.split(","):
+        child = [a for a in (argv if argv is not None else sys.argv[1:])]
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, __file__, *child, "--role", role], capture_output=True, text=True,
+                              env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
+        sys.stdout.write(proc.stdout)
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stderr[-4000:])
+            return proc.returncode
+        result = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))[7:])
+        result["seconds"] = round(time.monotonic() - started, 1)
+        results.append(result)
+        print(f"{role}: peak {result['peak_bytes_per_param']} bytes per parameter above the baseline "
+              f"({result['baseline_mb']} MB), log {result['log_bytes_per_param']} B/param on disk", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
