@@ -80,6 +80,7 @@ def run_role(args: argparse.Namespace) -> dict[str, Any]:
     from bootstrap.entries import ClusterConfig, EntryKind, LogEntry, Snapshot
     from bootstrap.replog import LogStore
     from diloco_node.config.manifest import OuterOptimizer
+    from diloco_node.daemon.history_ring import DiskHistories
     from diloco_node.daemon.replica_store import ReplicaStore
     from diloco_node.ops.checkpoint import CheckpointStore, read_checkpoint_file
     from diloco_node.sync.fragments import plan_fragments
@@ -98,6 +99,10 @@ def run_role(args: argparse.Namespace) -> dict[str, Any]:
     plan = plan_fragments(shapes, args.fragments, max(args.fragments, 8), 0)
     replica = Replica(plan, initial, OuterOptimizer())
     del initial  # the daemon keeps the replica, not the initial dict
+    tmp = tempfile.TemporaryDirectory(prefix="dn-memory-")
+    histories = DiskHistories(Path(tmp.name) / "history-ring")
+    if not args.history_in_memory:
+        replica.state.use_history(histories)  # as the daemon does (node.py)
     phases.mark("replica built (global state)")
     learner = None
     if args.role == "learner":
@@ -109,8 +114,8 @@ def run_role(args: argparse.Namespace) -> dict[str, Any]:
             learner.step(tokens[:, :-1], tokens[:, 1:]).block_until_ready()
         phases.mark("learner built, 2 AdamW steps")
 
-    with tempfile.TemporaryDirectory(prefix="dn-memory-") as tmp:
-        store = ReplicaStore(Path(tmp) / "coordination")
+    with tmp:
+        store = ReplicaStore(Path(tmp.name) / "coordination")
         persistent = PersistentState(ElectionState(1, "a"), LogStore(Snapshot(0, 0, ClusterConfig()), []))
         caps = ContributionCaps(max_tokens_per_step=1 << 20, max_steps=1 << 20)
         index = 0
@@ -142,7 +147,7 @@ def run_role(args: argparse.Namespace) -> dict[str, Any]:
             if round_ in (1, args.rounds) or round_ % 4 == 0:
                 phases.mark(f"round {round_}: {index} commits in the log")
         log_bytes = store.log_bytes
-        checkpoints = CheckpointStore(Path(tmp) / "checkpoints", keep=2)
+        checkpoints = CheckpointStore(Path(tmp.name) / "checkpoints", keep=2)
         meta, arrays = replica.checkpoint_entries()
         path = checkpoints.save({"applied_index": index, **meta}, arrays)
         del meta, arrays
@@ -150,7 +155,8 @@ def run_role(args: argparse.Namespace) -> dict[str, Any]:
         read_checkpoint_file(path)
         phases.mark("checkpoint read back (compaction's check)")
         store.close()
-    return {"role": args.role, "model": args.llama or args.model, "params": params, "fragments": args.fragments,
+        histories.close()
+    return {"role": args.role, "history": "memory" if args.history_in_memory else "disk", "model": args.llama or args.model, "params": params, "fragments": args.fragments,
             "rounds": args.rounds, "commits": index, "log_bytes": log_bytes,
             "log_bytes_per_param": round(log_bytes / params, 2), "phases": phases.rows,
             "peak_bytes_per_param": phases.rows[-1]["peak_bytes_per_param"],
@@ -168,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4, help="learner batch size")
     parser.add_argument("--roles", default="witness,learner")
     parser.add_argument("--role", default="", help=argparse.SUPPRESS)  # the child's own role
+    parser.add_argument("--history-in-memory", action="store_true",
+                        help="keep the rebase history in memory (the in-process runner's way), not on disk")
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
     if args.role:
