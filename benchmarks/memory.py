@@ -82,7 +82,7 @@ def run_role(args: argparse.Namespace) -> dict[str, Any]:
     from diloco_node.config.manifest import OuterOptimizer
     from diloco_node.daemon.history_ring import DiskHistories
     from diloco_node.daemon.replica_store import ReplicaStore
-    from diloco_node.ops.checkpoint import CheckpointStore, read_checkpoint_file
+    from diloco_node.ops.checkpoint import CheckpointStore, verify_checkpoint_file
     from diloco_node.sync.fragments import plan_fragments
     from diloco_node.sync.merge import Contribution, ContributionCaps, merge_contributions
     from diloco_node.sync.replica import CommitPayload, Replica
@@ -152,8 +152,8 @@ def run_role(args: argparse.Namespace) -> dict[str, Any]:
         path = checkpoints.save({"applied_index": index, **meta}, arrays)
         del meta, arrays
         phases.mark("checkpoint written")
-        read_checkpoint_file(path)
-        phases.mark("checkpoint read back (compaction's check)")
+        verify_checkpoint_file(path)
+        phases.mark("checkpoint verified (compaction's check)")
         store.close()
         histories.close()
     return {"role": args.role, "history": "memory" if args.history_in_memory else "disk", "model": args.llama or args.model, "params": params, "fragments": args.fragments,

@@ -63,7 +63,7 @@ def entry_digest(entry: LogEntry) -> str:
     field(b"" if entry.round is None else str(entry.round).encode())
     field(entry.digest.encode())
     field(b"" if entry.config is None else ",".join(entry.config.sorted_voters()).encode())
-    field(entry.payload)
+    field(entry.payload_bytes())
     return h.hexdigest()
 
 
@@ -72,7 +72,7 @@ def commit_contributors(entry: LogEntry) -> list[str]:
     if entry.kind is not EntryKind.OUTER_COMMIT:
         return []
     try:
-        return list(CommitPayload.decode(entry.payload).contributors)
+        return list(CommitPayload.decode(entry.payload_bytes()).contributors)
     except RemoteProtocolError:
         return []  # the replica refuses it at apply time and says why; the history stays honest
 

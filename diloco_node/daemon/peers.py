@@ -48,7 +48,7 @@ def entry_to_wire(entry: LogEntry) -> wire.LogEntry:
     if entry.config is not None:
         metadata["voters"] = entry.config.sorted_voters()
     return wire.LogEntry(index=entry.index, epoch=entry.epoch, kind=_KIND_TO_WIRE[entry.kind],
-                         metadata=metadata, payload=entry.payload)
+                         metadata=metadata, payload=entry.payload_bytes())
 
 
 def entry_from_wire(entry: wire.LogEntry) -> LogEntry:

@@ -141,7 +141,7 @@ class GlobalState:
         for fragment in plan.fragments:
             p_params = {n: _freeze_own(params[n]) for n in fragment.names}
             self._params.append(p_params)
-            self._momentum.append({n: np.zeros_like(a) for n, a in p_params.items()})
+            self._momentum.append({n: _freeze_own(np.zeros_like(a)) for n, a in p_params.items()})
             self._rounds.append(0)
             history = self._history_factory(fragment.index, history_len)
             history.record(0, p_params)
@@ -243,7 +243,7 @@ class GlobalState:
             if not (np.all(np.isfinite(theta)) and np.all(np.isfinite(buf))):
                 raise GlobalStateError(f"outer step on fragment {p} would make {name} non-finite; not applied")
             new_params[name] = _freeze_own(theta)
-            new_momentum[name] = buf
+            new_momentum[name] = _freeze_own(buf)
         return new_params, new_momentum
 
     # --- digests -----------------------------------------------------------------------------
@@ -268,11 +268,13 @@ class GlobalState:
 
     # --- serialization (names and forms: state_codec.py) -----------------------------------
 
-    def fragment_state(self, p: int, include_history: bool = False) -> FragmentState:
-        """Fragment p as a `FragmentState` of copies (without the norm reference: the replica's).
+    def fragment_state(self, p: int, include_history: bool = False, *, copies: bool = True) -> FragmentState:
+        """Fragment p as a `FragmentState` (without the norm reference: the replica's).
 
         History (older versions for rebasing) is optional: a syncer's state wants it, a joiner does
-        not need it (contributions against evicted rounds are rejected by reason).
+        not need it (contributions against evicted rounds are rejected by reason). `copies=False`
+        hands out the state's own read-only arrays (a step makes new ones, so they stay as of
+        now): what a checkpoint or a serialization wants, without a copy of the model.
         """
         self._check_index(p)
         history: dict[int, dict[str, np.ndarray]] = {}
@@ -280,6 +282,8 @@ class GlobalState:
             ring = self._histories[p]
             history = {r: {n: a.copy() for n, a in ring.version(r).items()}  # type: ignore[union-attr]
                        for r in ring.rounds() if r != self._rounds[p]}
+        if not copies:
+            return FragmentState(p, self._rounds[p], dict(self._params[p]), dict(self._momentum[p]), history)
         return FragmentState(p, self._rounds[p], self.fragment_params(p), self.momentum(p), history)
 
     def fragment_states(self, include_history: bool = False) -> list[FragmentState]:
@@ -349,6 +353,7 @@ class GlobalState:
 
     def _install(self, p: int, round_: int, params: dict, momentum: dict, history: dict) -> None:
         params = {n: _freeze_own(a) for n, a in params.items()}
+        momentum = {n: _freeze_own(a) for n, a in momentum.items()}
         self._params[p] = params
         self._momentum[p] = momentum
         self._rounds[p] = round_

@@ -164,7 +164,7 @@ class Replica:
             self.diverged.add(p)
             return ApplyOutcome(False, p, f"fragment {p}: commit of round {round_} but state is at {current}", True)
         try:
-            payload = CommitPayload.decode(entry.payload)
+            payload = CommitPayload.decode(entry.payload_bytes())
             gradient = decode_named(payload.delta)
             digest = self.state.apply_outer_gradient(p, gradient)
         except (RemoteProtocolError, GlobalStateError, ValueError) as error:
@@ -184,10 +184,11 @@ class Replica:
 
     # ---- the replicated state out and in (names and forms: state_codec.py) -----------------
 
-    def fragment_state(self, p: int) -> FragmentState:
-        """Fragment p's replicated state: the global state's part plus the norm reference and totals."""
+    def fragment_state(self, p: int, *, copies: bool = True) -> FragmentState:
+        """Fragment p's replicated state: the global state's part plus the norm reference and totals
+        (`copies=False`: the state's own read-only arrays, see `GlobalState.fragment_state`)."""
         tokens, steps = self.merged[p]
-        return dataclasses.replace(self.state.fragment_state(p), norm_ref=self.norm_refs.get(p),
+        return dataclasses.replace(self.state.fragment_state(p, copies=copies), norm_ref=self.norm_refs.get(p),
                                    merged_tokens=tokens, merged_steps=steps, commit_wall=self.commit_wall[p])
 
     def install_states(self, states: Sequence[FragmentState], expected_digest: str | None = None) -> str:
@@ -206,7 +207,7 @@ class Replica:
         cached = self._bytes_cache.get(p)
         if cached is not None and cached[0] == round_:
             return cached
-        data = encode_fragment(self.fragment_state(p))
+        data = encode_fragment(self.fragment_state(p, copies=False))
         result = (round_, data, hashlib.sha256(data).digest())
         self._bytes_cache[p] = result
         return result
@@ -235,7 +236,10 @@ class Replica:
 
     def checkpoint_entries(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """(metadata, arrays) of the replicated state for a checkpoint (the caller adds its own)."""
-        return to_checkpoint([self.fragment_state(p) for p in range(self.plan.num_fragments)], self.state.digest())
+        # The state's own arrays, not copies: they are never changed in place, so a checkpoint
+        # written on the disk thread while commits are applied still holds this one state.
+        return to_checkpoint([self.fragment_state(p, copies=False) for p in range(self.plan.num_fragments)],
+                             self.state.digest())
 
     def restore_checkpoint(self, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> str:
         """Replace the replicated state from a checkpoint's metadata and arrays, verified against
