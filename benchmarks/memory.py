@@ -40,6 +40,27 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+def _reset_peak() -> None:
+    """Start VmHWM afresh from the current RSS (Linux: clear_refs 5), so a later phase's peak is its own."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _guard_machine(min_available_mib: int) -> None:
+    """Exit at once (status 3) if the machine's available memory drops below the floor: the
+    1B-parameter run must not push other work on a shared machine into the OOM killer."""
+    import threading
+
+    def watch() -> None:
+        while True:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:") and int(line.split()[1]) < min_available_mib * 1024:
+                    print(f"memory guard: MemAvailable below {min_available_mib} MiB, stopping", flush=True)
+                    os._exit(3)
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 class Phases:
     """VmRSS and VmHWM after each named phase, in bytes per parameter above the baseline."""
 
@@ -86,6 +107,7 @@ def run_role(args: argparse.Namespace) -> dict[str, Any]:
     from diloco_node.sync.fragments import plan_fragments
     from diloco_node.sync.merge import Contribution, ContributionCaps, merge_contributions
     from diloco_node.sync.replica import CommitPayload, Replica
+    from diloco_node.sync.state_codec import FragmentState
     from wire.codecs import decode_named, encode_named
 
     spec = _model_spec(args)
@@ -93,12 +115,21 @@ def run_role(args: argparse.Namespace) -> dict[str, Any]:
     params = int(sum(np.prod(s) for s in shapes.values()))
     print(f"{args.role}: {params / 1e6:.1f}M parameters, {len(shapes)} tensors, P = {args.fragments}", flush=True)
     rng = np.random.default_rng(0)
+    _guard_machine(args.min_available_mib)
     phases = Phases(params)
     phases.mark("baseline (imports, shapes)")
-    initial = {n: (rng.standard_normal(s, dtype=np.float32) * 0.02) for n, s in shapes.items()}
     plan = plan_fragments(shapes, args.fragments, max(args.fragments, 8), 0)
-    replica = Replica(plan, initial, OuterOptimizer())
-    del initial  # the daemon keeps the replica, not the initial dict
+    # Built from zeros (pages the kernel maps lazily), then each fragment installed with random
+    # values one at a time: a 1B-parameter state never exists twice in this process.
+    replica = Replica(plan, {n: np.zeros(s, np.float32) for n, s in shapes.items()}, OuterOptimizer())
+    for fragment in plan.fragments:
+        values = {}
+        for name in fragment.names:
+            values[name] = rng.standard_normal(shapes[name], dtype=np.float32)
+            values[name] *= 0.02
+        zeros = {name: np.zeros(shapes[name], np.float32) for name in fragment.names}
+        replica.state.install_fragment(FragmentState(fragment.index, 0, values, zeros))
+        del values, zeros
     tmp = tempfile.TemporaryDirectory(prefix="dn-memory-")
     histories = DiskHistories(Path(tmp.name) / "history-ring")
     if not args.history_in_memory:
@@ -113,6 +144,10 @@ def run_role(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(2):
             learner.step(tokens[:, :-1], tokens[:, 1:]).block_until_ready()
         phases.mark("learner built, 2 AdamW steps")
+    # From here on the steady state: the start-up's peak (the initial parameters beside their
+    # validated copies) is reported above and not counted in what follows.
+    start_peak = phases.rows[-1]["peak_bytes_per_param"]
+    _reset_peak()
 
     with tmp:
         store = ReplicaStore(Path(tmp.name) / "coordination")
@@ -159,7 +194,8 @@ def run_role(args: argparse.Namespace) -> dict[str, Any]:
     return {"role": args.role, "history": "memory" if args.history_in_memory else "disk", "model": args.llama or args.model, "params": params, "fragments": args.fragments,
             "rounds": args.rounds, "commits": index, "log_bytes": log_bytes,
             "log_bytes_per_param": round(log_bytes / params, 2), "phases": phases.rows,
-            "peak_bytes_per_param": phases.rows[-1]["peak_bytes_per_param"],
+            "peak_bytes_per_param": phases.rows[-1]["peak_bytes_per_param"], "start_up_peak_bytes_per_param": start_peak,
+            "rss_bytes_per_param": phases.rows[-1]["rss_bytes_per_param"],
             "baseline_mb": round(phases.baseline_kib / 1024, 1)}
 
 
@@ -176,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--role", default="", help=argparse.SUPPRESS)  # the child's own role
     parser.add_argument("--history-in-memory", action="store_true",
                         help="keep the rebase history in memory (the in-process runner's way), not on disk")
+    parser.add_argument("--min-available-mib", type=int, default=3072,
+                        help="stop if the machine's available memory drops below this (shared machines)")
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
     if args.role:
@@ -195,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         result["seconds"] = round(time.monotonic() - started, 1)
         results.append(result)
         print(f"{role}: peak {result['peak_bytes_per_param']} bytes per parameter above the baseline "
-              f"({result['baseline_mb']} MB), log {result['log_bytes_per_param']} B/param on disk", flush=True)
+              f"({result['baseline_mb']} MB) while committing (start-up {result['start_up_peak_bytes_per_param']}), "
+              f"resident at the end {result['rss_bytes_per_param']}; log {result['log_bytes_per_param']} B/param "
+              f"on disk", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": results}, indent=1))
     return 0

@@ -443,7 +443,7 @@ class Node:
             learner.adopt_global(state.all_params(), list(state.rounds()))
         else:  # a restored learner keeps its own weights; fragments committed since arrive as offers
             for p in range(self.site.plan.num_fragments):
-                learner.offer_fragment(p, state.round(p), state.fragment_params(p))
+                learner.offer_fragment(p, state.round(p), state.fragment_params(p, copies=False))
         self.learner = self.keeper.learner = learner
         learner.start()
         learner.begin_training()

@@ -177,9 +177,12 @@ class GlobalState:
         if not 0 <= p < self.plan.num_fragments:
             raise GlobalStateError(f"fragment {p} out of range 0..{self.plan.num_fragments - 1}")
 
-    def fragment_params(self, p: int) -> dict[str, np.ndarray]:
-        """Copies of fragment p's current parameters."""
+    def fragment_params(self, p: int, *, copies: bool = True) -> dict[str, np.ndarray]:
+        """Fragment p's current parameters: copies, or (`copies=False`) the state's own read-only
+        arrays, which a step replaces and never changes (what the learner keeps as its base)."""
         self._check_index(p)
+        if not copies:
+            return dict(self._params[p])
         return {n: a.copy() for n, a in self._params[p].items()}
 
     def momentum(self, p: int) -> dict[str, np.ndarray]:
