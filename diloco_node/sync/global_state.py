@@ -238,7 +238,9 @@ class GlobalState:
     def _stepped(self, p: int, params: Mapping[str, np.ndarray], momentum: Mapping[str, np.ndarray],
                  outer_gradient: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """New (params, momentum) of fragment p after one Nesterov step; GlobalStateError if invalid."""
-        grads = _validated_fragment_tensors(self._shapes(p), outer_gradient, f"outer gradient for fragment {p}")
+        # Only read by the step: checked, not copied (a copy of the fragment less at every apply).
+        grads = _validated_fragment_tensors(self._shapes(p), outer_gradient, f"outer gradient for fragment {p}",
+                                            copy=False)
         new_params: dict[str, np.ndarray] = {}
         new_momentum: dict[str, np.ndarray] = {}
         for name in sorted(grads):
@@ -393,12 +395,14 @@ def _validated_tensors(plan: FragmentPlan, tensors: Any, what: str) -> dict[str,
     return {n: _validated_array(tensors[n], n, None, what) for n in sorted(expected)}
 
 
-def _validated_fragment_tensors(shapes: Mapping[str, tuple[int, ...]], tensors: Any, what: str) -> dict[str, np.ndarray]:
-    """Own float32 copies of exactly the fragment's tensors with the given shapes, finite."""
+def _validated_fragment_tensors(shapes: Mapping[str, tuple[int, ...]], tensors: Any, what: str,
+                                copy: bool = True) -> dict[str, np.ndarray]:
+    """Exactly the fragment's tensors with the given shapes, finite, as float32: own copies, or
+    (`copy=False`, for input that is only read) possibly the caller's arrays."""
     if not isinstance(tensors, Mapping):
         raise GlobalStateError(f"{what}: expected a mapping of name -> array")
     _check_names(set(tensors), set(shapes), what)
-    return {n: _validated_array(tensors[n], n, shapes[n], what) for n in sorted(shapes)}
+    return {n: _validated_array(tensors[n], n, shapes[n], what, copy) for n in sorted(shapes)}
 
 
 def _check_names(got: set, expected: set, what: str) -> None:
@@ -408,11 +412,11 @@ def _check_names(got: set, expected: set, what: str) -> None:
         raise GlobalStateError(f"{what}: tensor names differ (missing {missing}, unexpected {extra})")
 
 
-def _validated_array(value: Any, name: str, shape: tuple | None, what: str) -> np.ndarray:
+def _validated_array(value: Any, name: str, shape: tuple | None, what: str, copy: bool = True) -> np.ndarray:
     arr, why = finite_float32(value, name, shape)
     if arr is None:
         raise GlobalStateError(f"{what}: {why}")
-    return np.array(arr, dtype=_DTYPE, copy=True)
+    return np.array(arr, dtype=_DTYPE, copy=True) if copy else np.asarray(arr, dtype=_DTYPE)
 
 
 def _fragment_digest(p: int, round_: int, params: Mapping[str, np.ndarray], momentum: Mapping[str, np.ndarray]) -> str:
@@ -425,7 +429,6 @@ def _fragment_digest(p: int, round_: int, params: Mapping[str, np.ndarray], mome
             h.update(field_bytes)
         h.update(struct.pack("<q", data.ndim))
         h.update(struct.pack(f"<{data.ndim}q", *data.shape))
-        raw = data.tobytes()
-        h.update(struct.pack("<q", len(raw)))
-        h.update(raw)
+        h.update(struct.pack("<q", data.nbytes))
+        h.update(data.reshape(-1).view(np.uint8))  # the raw bytes, hashed in place (no copy)
     return h.hexdigest()
