@@ -72,13 +72,18 @@ def majorities_can_be_disjoint(a: ClusterConfig, b: ClusterConfig) -> bool:
     return need_a + need_b <= shared
 
 
+class PayloadUnavailable(LookupError):
+    """A stored payload can no longer be read (its entry was truncated or compacted away, or the
+    stored record is damaged). The storage layer's errors for that derive from this."""
+
+
 class StoredPayload:
     """An entry's payload bytes kept outside memory (the daemon's log file): `read()` fetches them.
 
     This module does no I/O: the reader is a callable the storage layer supplies. Memory holds an
     entry's metadata and this reference; the bytes (a merged fragment delta, megabytes) are read
-    when an entry is sent, applied or rewritten. `read` raises what the storage raises when the
-    bytes are gone (e.g. the entry was truncated away).
+    when an entry is sent, applied or rewritten. `read` raises `PayloadUnavailable` (or the
+    storage's subclass of it) when the bytes are gone.
     """
 
     __slots__ = ("size", "_read")

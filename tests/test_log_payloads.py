@@ -169,3 +169,23 @@ def test_stored_payload_checks_the_size_it_promised() -> None:
     with pytest.raises(Exception, match="bytes or a StoredPayload"):
         LogEntry(1, 2, EntryKind.OUTER_COMMIT, "text")  # type: ignore[arg-type]
     assert INLINE_PAYLOAD_BYTES < 20_000  # the entries above are big enough to be stored
+
+
+def test_an_entry_whose_bytes_are_gone_marks_its_fragment_for_refetch(tmp_path: Path) -> None:
+    """A replica asked to apply an entry whose payload left the disk does not fail: the fragment
+    is marked diverged (fetched again from a peer) with the reason."""
+    from diloco_node.config.manifest import OuterOptimizer
+    from diloco_node.daemon.replica_store import PayloadGone
+    from diloco_node.sync.fragments import plan_fragments
+    from diloco_node.sync.replica import Replica
+
+    shapes = {"w": (4, 4)}
+    replica = Replica(plan_fragments(shapes, 1, 2, 0), {"w": np.zeros((4, 4), np.float32)}, OuterOptimizer())
+
+    def gone() -> bytes:
+        raise PayloadGone("log.bin: entry 2 of epoch 1 is no longer in the log")
+
+    entry = LogEntry(1, 2, EntryKind.OUTER_COMMIT, StoredPayload(10_000, gone), fragment=0, round=1, digest="d")
+    outcome = replica.apply(entry)
+    assert outcome.diverged and not outcome.applied and 0 in replica.diverged
+    assert "no longer in the log" in outcome.reason

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from bootstrap.coordinator_node import CoordinatorNode
 from bootstrap.election import Role
-from bootstrap.entries import EntryKind, LogEntry
+from bootstrap.entries import EntryKind, LogEntry, PayloadUnavailable
 from diloco_node.ops.history import HISTORY_FILE_NAME, FsyncPolicy, HistoryWriter
 from diloco_node.sync.replica import CommitPayload
 from wire.errors import RemoteProtocolError
@@ -63,7 +63,10 @@ def entry_digest(entry: LogEntry) -> str:
     field(b"" if entry.round is None else str(entry.round).encode())
     field(entry.digest.encode())
     field(b"" if entry.config is None else ",".join(entry.config.sorted_voters()).encode())
-    field(entry.payload_bytes())
+    try:
+        field(entry.payload_bytes())
+    except PayloadUnavailable:  # the bytes left this node's disk: recorded as such, not invented
+        field(b"\0payload unavailable")
     return h.hexdigest()
 
 
@@ -73,7 +76,7 @@ def commit_contributors(entry: LogEntry) -> list[str]:
         return []
     try:
         return list(CommitPayload.decode(entry.payload_bytes()).contributors)
-    except RemoteProtocolError:
+    except (RemoteProtocolError, PayloadUnavailable):
         return []  # the replica refuses it at apply time and says why; the history stays honest
 
 

@@ -47,7 +47,7 @@ import msgpack
 
 from bootstrap.coordinator_node import PersistentState
 from bootstrap.election import ElectionState
-from bootstrap.entries import ClusterConfig, EntryKind, LogEntry, Snapshot, StoredPayload
+from bootstrap.entries import ClusterConfig, EntryKind, LogEntry, PayloadUnavailable, Snapshot, StoredPayload
 from bootstrap.replog import LogStore
 from diloco_node.ops.checkpoint import fsync_dir
 
@@ -87,6 +87,10 @@ def compaction_point(*, checkpoint_index: int, commit_index: int, snapshot_index
 
 class ReplicaStoreError(Exception):
     """The durable coordination state is unreadable; the message names the file."""
+
+
+class PayloadGone(ReplicaStoreError, PayloadUnavailable):
+    """An entry's payload is no longer in log.bin (truncated or compacted away) or its record is damaged."""
 
 
 def _temp_path(path: Path) -> Path:
@@ -356,21 +360,27 @@ class ReplicaStore:
             located, end = _write_records(handle, len(header), entries)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(temp, self._log_path)
-        fsync_dir(self.directory)
+        self._replace_log(temp, located)
         self._log_bytes = end
-        self._set_locations(located, replace=True)
         self._store_payloads(entries, 0)
 
     # ---- payloads on disk -----------------------------------------------------------------------
+
+    def _replace_log(self, written: Path, located: list[tuple[int, int, int, int]]) -> None:
+        """Rename `written` over log.bin and switch readers to it in one step: a reader on another
+        thread sees the old file with the old map or the new file with the new map, never a mix."""
+        with self._read_lock:
+            os.replace(written, self._log_path)
+            if self._read_fd >= 0:
+                os.close(self._read_fd)
+                self._read_fd = -1
+            self._locations = {index: (epoch, offset, length) for index, epoch, offset, length in located}
+        fsync_dir(self.directory)
 
     def _set_locations(self, located: list[tuple[int, int, int, int]], replace: bool = False) -> None:
         with self._read_lock:
             if replace:
                 self._locations = {}
-                if self._read_fd >= 0:  # the file was renamed over: read the new one
-                    os.close(self._read_fd)
-                    self._read_fd = -1
             for index, epoch, offset, length in located:
                 self._locations[index] = (epoch, offset, length)
 
@@ -394,23 +404,23 @@ class ReplicaStore:
         with self._read_lock:
             location = self._locations.get(index)
             if location is None or location[0] != epoch:
-                raise ReplicaStoreError(f"{self._log_path}: entry {index} of epoch {epoch} is no longer in the log")
+                raise PayloadGone(f"{self._log_path}: entry {index} of epoch {epoch} is no longer in the log")
             _, offset, length = location
             if self._read_fd < 0:
                 self._read_fd = os.open(self._log_path, os.O_RDONLY)
             record = _pread_all(self._read_fd, length, offset)
         if len(record) != length:
-            raise ReplicaStoreError(f"{self._log_path}: entry {index}: short read at byte {offset}")
+            raise PayloadGone(f"{self._log_path}: entry {index}: short read at byte {offset}")
         size, crc = _RECORD_HEAD.unpack_from(record)
         body = memoryview(record)[_RECORD_HEAD.size:]
         if size != len(body) or zlib.crc32(body) != crc:
-            raise ReplicaStoreError(f"{self._log_path}: entry {index}: the record at byte {offset} fails its checksum")
+            raise PayloadGone(f"{self._log_path}: entry {index}: the record at byte {offset} fails its checksum")
         try:
             entry = _decode_body(msgpack.unpackb(body, raw=False), offset, self._log_path)
         except (ValueError, msgpack.UnpackException) as error:
-            raise ReplicaStoreError(f"{self._log_path}: entry {index}: not msgpack: {error}") from None
+            raise PayloadGone(f"{self._log_path}: entry {index}: not msgpack: {error}") from None
         if not isinstance(entry, LogEntry) or (entry.index, entry.epoch) != (index, epoch):
-            raise ReplicaStoreError(f"{self._log_path}: the record at byte {offset} is not entry {index} of epoch {epoch}")
+            raise PayloadGone(f"{self._log_path}: the record at byte {offset} is not entry {index} of epoch {epoch}")
         return entry.payload_bytes()
 
     # ---- compaction, written mostly off the event loop -----------------------------------------
@@ -451,10 +461,8 @@ class ReplicaStore:
             located, end = _write_records(handle, prepared.size, entries[prepared.count:])
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(self._compaction_path, self._log_path)
-        fsync_dir(self.directory)
+        self._replace_log(self._compaction_path, [*prepared.located, *located])
         self._log_bytes = end
-        self._set_locations([*prepared.located, *located], replace=True)
         self._store_payloads(entries, 0)
 
     def close(self) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from bootstrap.entries import EntryKind, LogEntry
+from bootstrap.entries import EntryKind, LogEntry, PayloadUnavailable
 from diloco_node.config.manifest import OuterOptimizer, StopSpec
 from diloco_node.sync.fragments import FragmentPlan
 from diloco_node.sync.global_state import GlobalState, GlobalStateError
@@ -167,7 +167,9 @@ class Replica:
             payload = CommitPayload.decode(entry.payload_bytes())
             gradient = decode_named(payload.delta)
             digest = self.state.apply_outer_gradient(p, gradient)
-        except (RemoteProtocolError, GlobalStateError, ValueError) as error:
+        except (RemoteProtocolError, GlobalStateError, ValueError, PayloadUnavailable) as error:
+            # PayloadUnavailable: the entry's bytes are no longer on this node's disk; the
+            # fragment is fetched from a peer like after any other entry that cannot be applied.
             self.diverged.add(p)
             return ApplyOutcome(False, p, f"fragment {p} round {round_} could not be applied: {error}", True)
         if entry.digest and digest != entry.digest:
