@@ -68,14 +68,30 @@ class Phases:
         self.params = params
         self.rows: list[dict[str, Any]] = []
         self.baseline_kib = _status_kib("VmRSS")
+        self.peak_kib = self.baseline_kib  # the highest VmHWM read, across resets of VmHWM
+        self.step_peaks_kib: dict[str, int] = {}  # per kind of step, its own highest peak
+
+    def reset(self) -> None:
+        self.peak_kib = max(self.peak_kib, _status_kib("VmHWM"))
+        _reset_peak()
+
+    def step_done(self, kind: str) -> None:
+        """Record the peak since the last reset as one `kind` step's (e.g. "merge", "apply")."""
+        hwm = _status_kib("VmHWM")
+        self.peak_kib = max(self.peak_kib, hwm)
+        self.step_peaks_kib[kind] = max(self.step_peaks_kib.get(kind, 0), hwm)
+
+    def per_param(self, kib: int) -> float:
+        return round((kib - self.baseline_kib) * 1024 / self.params, 2)
 
     def mark(self, name: str) -> None:
         rss, hwm = _status_kib("VmRSS"), _status_kib("VmHWM")
-        row = {"phase": name, "rss_mb": round(rss / 1024, 1), "peak_mb": round(hwm / 1024, 1),
+        self.peak_kib = hwm = max(self.peak_kib, hwm)
+        row = {"phase": name, "rss_mib": round(rss / 1024, 1), "peak_mib": round(hwm / 1024, 1),
                "rss_bytes_per_param": round((rss - self.baseline_kib) * 1024 / self.params, 2),
                "peak_bytes_per_param": round((hwm - self.baseline_kib) * 1024 / self.params, 2)}
         self.rows.append(row)
-        print(f"  {name:<44} rss {row['rss_mb']:>8.1f} MB  peak {row['peak_mb']:>8.1f} MB  "
+        print(f"  {name:<44} rss {row['rss_mib']:>8.1f} MiB  peak {row['peak_mib']:>8.1f} MiB  "
               f"above baseline: {row['rss_bytes_per_param']:>6.2f} / {row['peak_bytes_per_param']:>6.2f} B/param",
               flush=True)
 
@@ -148,6 +164,7 @@ def run_role(args: argparse.Namespace) -> dict[str, Any]:
     # validated copies) is reported above and not counted in what follows.
     start_peak = phases.rows[-1]["peak_bytes_per_param"]
     _reset_peak()
+    phases.peak_kib = phases.baseline_kib
 
     with tmp:
         store = ReplicaStore(Path(tmp.name) / "coordination")
@@ -161,6 +178,7 @@ def run_role(args: argparse.Namespace) -> dict[str, Any]:
                 current = replica.state.fragment_params(p)
                 # Two learners, one on the current round and one a round or two behind: a stale
                 # contribution is rebased from the history.
+                phases.reset()  # the lease holder's part: merge, encode, digest preview
                 contributions = []
                 for learner_id, lag in (("a", 0), ("b", min(2, replica.state.round(p)))):
                     delta = {n: rng.standard_normal(s, dtype=np.float32) * 1e-3 for n, s in fshapes.items()}
@@ -176,9 +194,12 @@ def run_role(args: argparse.Namespace) -> dict[str, Any]:
                                  round=replica.state.round(p) + 1, digest=digest)
                 persistent.log.entries.append(entry)
                 del entry, payload, encoded, result
+                phases.step_done("merge")
+                phases.reset()  # every replica's part: append to the log, apply
                 store.sync(persistent)
                 outcome = replica.apply(persistent.log.entries[-1])
                 assert outcome.applied and not outcome.diverged, outcome.reason
+                phases.step_done("apply")
             if round_ in (1, args.rounds) or round_ % 4 == 0:
                 phases.mark(f"round {round_}: {index} commits in the log")
         log_bytes = store.log_bytes
@@ -195,8 +216,11 @@ def run_role(args: argparse.Namespace) -> dict[str, Any]:
             "rounds": args.rounds, "commits": index, "log_bytes": log_bytes,
             "log_bytes_per_param": round(log_bytes / params, 2), "phases": phases.rows,
             "peak_bytes_per_param": phases.rows[-1]["peak_bytes_per_param"], "start_up_peak_bytes_per_param": start_peak,
+            "peak_mib": round(phases.peak_kib / 1024, 1),
+            "step_peak_bytes_per_param": {k: phases.per_param(v) for k, v in phases.step_peaks_kib.items()},
+            "step_peak_mib": {k: round(v / 1024, 1) for k, v in phases.step_peaks_kib.items()},
             "rss_bytes_per_param": phases.rows[-1]["rss_bytes_per_param"],
-            "baseline_mb": round(phases.baseline_kib / 1024, 1)}
+            "baseline_mib": round(phases.baseline_kib / 1024, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,9 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         result["seconds"] = round(time.monotonic() - started, 1)
         results.append(result)
         print(f"{role}: peak {result['peak_bytes_per_param']} bytes per parameter above the baseline "
-              f"({result['baseline_mb']} MB) while committing (start-up {result['start_up_peak_bytes_per_param']}), "
+              f"({result['baseline_mib']} MiB) while committing (start-up {result['start_up_peak_bytes_per_param']}), "
               f"resident at the end {result['rss_bytes_per_param']}; log {result['log_bytes_per_param']} B/param "
-              f"on disk", flush=True)
+              f"on disk; peak of one step: {result['step_peak_bytes_per_param']} B/param, "
+              f"{result['step_peak_mib']} MiB", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": results}, indent=1))
     return 0
