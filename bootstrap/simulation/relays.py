@@ -4,10 +4,13 @@ With relays on, the lease holder's `AppendEntries` still goes to every follower 
 metadata: each entry's payload is replaced in flight by a reference to its SHA-256. The payload
 bytes are pushed once per entry down the relay tree (`bootstrap.relay_tree`), hop by hop through
 the same faulty network (loss, partitions, crashed relays), and some relays corrupt the bytes they
-forward. A follower hands an `AppendEntries` to its state machine only when it holds, for every
-entry, bytes whose digest equals the one in the holder's message; until then the message waits,
-and after `relay_timeout_s` without them the follower asks its parent's parent, and so on up to
-the holder itself. So relays can delay a commit, never change one: the invariant checker, which
+forward. A follower hands its state machine the longest prefix of the holder's entries for which
+it holds bytes whose digest equals the one in the holder's message (an empty prefix is a
+heartbeat: the lease is renewed and the commit index advances over what it already has, so
+waiting for bytes never starts an election; such a partial answer is given at most once per
+`partial_every_s` per holder unless it makes progress, or every answer would make the holder send
+the same entries again at once); the rest waits, and after `relay_timeout_s` without
+the bytes the follower asks its parent's parent, and so on up to the holder itself. So relays can delay a commit, never change one: the invariant checker, which
 compares applied entries byte for byte, proves it over every schedule, and the broken variant
 `accept_unverified` (bytes stored without checking their digest) shows that it would notice.
 
@@ -33,6 +36,7 @@ class Simulation(Protocol):
     """What the relay plane needs of the simulation that hosts it (bootstrap/simulation/harness.py)."""
 
     hosts: Mapping[str, Any]
+    now: float
 
     def relay_send(self, source: str, to: str, item: PayloadHop | FetchRequest) -> None: ...
 
@@ -84,6 +88,11 @@ class RelayPlane:
     fanout: int
     timeout_s: float
     verify: bool = True  # False only in the broken variant
+    # A follower answers an append it cannot complete yet at most this often per holder, unless the
+    # part it can take grew: enough to renew the holder's lease (heartbeats are 0.5 s apart by
+    # default), few enough that the holder's "send the rest at once" reply does not loop.
+    partial_every_s: float = 0.25
+    last_partial: dict[tuple[str, str], tuple[float, int]] = field(default_factory=dict)  # -> (time, entries)
     caches: dict[str, dict[bytes, bytes]] = field(default_factory=dict)
     corrupting: set[str] = field(default_factory=set)
     pushed: set[tuple[str, bytes]] = field(default_factory=set)  # (holder, digest) already sent into the tree
@@ -123,10 +132,16 @@ class RelayPlane:
 
     def on_metadata(self, sim: Simulation, node_id: str, metadata: Metadata,
                     deliver: Callable[[AppendEntries], None]) -> None:
-        assembled = self._assemble(node_id, metadata)
-        if assembled is not None:
+        assembled, complete = self._assemble(node_id, metadata)
+        if complete:
             deliver(assembled)
             return
+        key = (node_id, metadata.message.leader_id)
+        last_at, last_end = self.last_partial.get(key, (float("-inf"), -1))
+        end = assembled.prev_index + len(assembled.entries)
+        if end > last_end or sim.now - last_at >= self.partial_every_s:
+            self.last_partial[key] = (sim.now, end)
+            deliver(assembled)  # what we hold now, at least the heartbeat
         waiting = self.waiting.setdefault(node_id, {})
         if len(waiting) >= MAX_WAITING_MESSAGES:
             waiting.pop(min(waiting))
@@ -153,7 +168,11 @@ class RelayPlane:
         if payload is None:
             return
         if sim.is_lease_holder(node_id):
+            # The holder's own bytes are the authority (a Byzantine holder is outside Raft's fault
+            # model); only relaying is where this simulation lets bytes be altered.
             self.holder_sends += 1
+            sim.relay_send(node_id, request.requester, PayloadHop(request.digest, payload, None))
+            return
         sim.relay_send(node_id, request.requester, PayloadHop(request.digest, self._as_forwarded(node_id, payload), None))
 
     def on_payload(self, sim: Simulation, node_id: str, hop: PayloadHop,
@@ -170,8 +189,8 @@ class RelayPlane:
                 sim.relay_send(node_id, child, PayloadHop(hop.digest, self._as_forwarded(node_id, hop.payload), hop.tree))
         waiting = self.waiting.get(node_id, {})
         for wait_id in sorted(waiting):
-            assembled = self._assemble(node_id, waiting[wait_id].metadata)
-            if assembled is not None:
+            assembled, complete = self._assemble(node_id, waiting[wait_id].metadata)
+            if complete:
                 del waiting[wait_id]
                 deliver(assembled)
 
@@ -185,16 +204,19 @@ class RelayPlane:
             return payload[:-1] + bytes([payload[-1] ^ 0x01]) if payload else b"\x01"
         return payload
 
-    def _assemble(self, node_id: str, metadata: Metadata) -> AppendEntries | None:
-        """The holder's message with every payload taken from our cache, or None while one is missing."""
+    def _assemble(self, node_id: str, metadata: Metadata) -> tuple[AppendEntries, bool]:
+        """The holder's message cut before the first entry whose bytes we lack, and whether nothing was cut.
+
+        Any prefix is a message the holder could have sent itself (Raft's follower commits at most
+        through the last entry it was given), so delivering it early is safe.
+        """
         cache = self.caches.setdefault(node_id, {})
         entries = []
         for entry in metadata.message.entries:
-            if not entry.payload:
-                entries.append(entry)
-                continue
-            held = cache.get(payload_digest(entry.payload))
-            if held is None:
-                return None
-            entries.append(replace(entry, payload=held))
-        return replace(metadata.message, entries=tuple(entries))
+            if entry.payload:
+                held = cache.get(payload_digest(entry.payload))
+                if held is None:
+                    return replace(metadata.message, entries=tuple(entries)), False
+                entry = replace(entry, payload=held)
+            entries.append(entry)
+        return replace(metadata.message, entries=tuple(entries)), True
