@@ -35,7 +35,8 @@ from wire import messages as wire
 from wire.errors import LocalProtocolError, RemoteProtocolError
 
 # Log entry kinds on the wire are short lowercase names (wire.messages.NAME_PATTERN).
-_KIND_TO_WIRE = {EntryKind.OUTER_COMMIT: "commit", EntryKind.MEMBERSHIP: "membership", EntryKind.NOOP: "noop"}
+_KIND_TO_WIRE = {EntryKind.OUTER_COMMIT: "commit", EntryKind.MEMBERSHIP: "membership", EntryKind.NOOP: "noop",
+                 EntryKind.EVICTION: "eviction"}
 _KIND_FROM_WIRE = {name: kind for kind, name in _KIND_TO_WIRE.items()}
 # The wire kind of the log entry that stands for an InstallSnapshot (see the module docstring).
 SNAPSHOT_ENTRY_KIND = "snapshot"

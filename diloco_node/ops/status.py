@@ -15,13 +15,14 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import math
 import re
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
 from diloco_node.ops.liveness import ALIVE, Liveness
 from diloco_node.ops.page import StatusSeries, page_routes
@@ -583,8 +584,23 @@ def render_metrics(doc: StatusDocument, registry: MetricsRegistry | None = None)
 # HTTP routes
 
 
+# `POST /evict` body: {"node_id": ..., "reason": ...}; a few hundred bytes at most.
+MAX_EVICT_BODY_BYTES = 4096
+# (node id, reason) -> (HTTP status, JSON body): the daemon's eviction (daemon/coordination.py).
+Evict = Callable[[str, str], Awaitable[tuple[int, dict[str, Any]]]]
+
+
+def is_loopback(remote: str | None) -> bool:
+    """Whether a request's peer address is this host's loopback (an operator on the host itself)."""
+    try:
+        return remote is not None and ipaddress.ip_address(remote.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
 def operator_routes(snapshot: Callable[[], StatusDocument], registry: MetricsRegistry | None = None,
-                    live: Callable[[], Liveness] = lambda: ALIVE, series: StatusSeries | None = None) -> "web.RouteTableDef":
+                    live: Callable[[], Liveness] = lambda: ALIVE, series: StatusSeries | None = None,
+                    evict: Evict | None = None) -> "web.RouteTableDef":
     """aiohttp routes for the operator API; `snapshot()` builds the current document.
 
     `/` and `/series` (the live page and its time series) come from ops/page.py; `series` is the
@@ -594,6 +610,10 @@ def operator_routes(snapshot: Callable[[], StatusDocument], registry: MetricsReg
     script waits on it); `/livez` is 200 while `live()` says alive (the event loop answering is
     most of the proof; `live` adds "the training thread has neither crashed nor stalled"), else
     503 with the reason.
+
+    `POST /evict` (when `evict` is given) removes a site from the run for good: it is answered only
+    to a client on this host's loopback (403 otherwise, whatever the listener's address), since
+    without TLS the operator routes share the public peer port.
     """
     from aiohttp import web
 
@@ -619,6 +639,26 @@ def operator_routes(snapshot: Callable[[], StatusDocument], registry: MetricsReg
         if doc.ready:
             return web.Response(text="ready\n")
         return web.Response(status=503, text=f"not ready: {doc.ready_reason or 'starting'}\n")
+
+    if evict is not None:
+        @routes.post("/evict")
+        async def evict_route(request: web.Request) -> web.Response:
+            if not is_loopback(request.remote):
+                return web.json_response({"error": f"/evict is answered only on this host's loopback, "
+                                                   f"not to {request.remote}"}, status=403)
+            if request.content_length is None or request.content_length > MAX_EVICT_BODY_BYTES:
+                return web.json_response({"error": f"the body must be a JSON object of at most "
+                                                   f"{MAX_EVICT_BODY_BYTES} bytes with a Content-Length"}, status=400)
+            try:
+                body = json.loads(await request.read())
+            except (ValueError, UnicodeDecodeError) as error:
+                return web.json_response({"error": f"the body is not JSON: {error}"}, status=400)
+            node_id, reason = (body.get("node_id"), body.get("reason", "")) if isinstance(body, dict) else (None, "")
+            if not isinstance(node_id, str) or not node_id or not isinstance(reason, str):
+                return web.json_response({"error": 'the body must be {"node_id": "<id>", "reason": "<text>"}'},
+                                         status=400)
+            status, answer = await evict(node_id, reason)
+            return web.json_response(answer, status=status)
 
     page_routes(routes, lambda: snapshot().node_id, series)
     return routes

@@ -15,11 +15,14 @@ context object switches per connection to the newest in its `sni_callback`).
 `certified_node_id(ssl_object)` is the identity the server compares with the sender of every frame
 on that connection: the single URI SAN `diloco-node://<node_id>` of the verified client
 certificate (diloco_node/ops/pki.py writes it; docs/OPERATIONS.md documents it).
+`certificate_sha256(ssl_object)` is that certificate's fingerprint, which an eviction records
+(diloco_node/sync/evictions.py) so the evicted site's certificate is refused for the rest of the run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import ssl
@@ -100,6 +103,14 @@ def certified_node_id(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> tuple
         return None, (f"the peer's certificate must name exactly one {NODE_ID_URI_PREFIX}<node_id> URI SAN, "
                       f"it names {len(ids)}")
     return ids[0], f"certificate names {ids[0]!r}"
+
+
+def certificate_sha256(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> str | None:
+    """The SHA-256 of the peer's verified certificate (DER), as 64 lowercase hex digits; None without one."""
+    if ssl_object is None:
+        return None
+    der = ssl_object.getpeercert(binary_form=True)
+    return hashlib.sha256(der).hexdigest() if der else None
 
 
 class SiteTls:
