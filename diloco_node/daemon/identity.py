@@ -21,9 +21,10 @@ from diloco_node.learn import data as data_lib
 from diloco_node.learn import factory
 from diloco_node.config.settings import ConfigError, EffectiveConfig, check_joiner_manifest
 from diloco_node.daemon import peers
-from diloco_node.daemon.join import negotiate
+from diloco_node.daemon.join import JoinRefused, negotiate
 from diloco_node.daemon.replica_store import ReplicaStore
-from diloco_node.transport import PeerClient, TransportError
+from diloco_node.sync.evictions import EVICTED_MARK
+from diloco_node.transport import PeerClient, PeerRefused, TransportError
 from wire import messages as wire
 
 log = logging.getLogger("diloco_node.daemon")
@@ -131,6 +132,8 @@ class SiteIdentity:
                     if isinstance(reply, wire.Membership):
                         self.learn_members(reply)
             except TransportError as error:
+                if isinstance(error, PeerRefused) and error.status == 403 and EVICTED_MARK in error.reason:
+                    raise JoinRefused(error.reason, permanent=True) from None  # exit 3: a restart cannot help
                 log.info("announce to %s failed: %s", url, error)
 
         await asyncio.gather(*(one(url) for node_id, url in self.addresses.items() if node_id != self.node_id))

@@ -30,6 +30,8 @@ MAX_REASON_CHARS = 200
 # hostile entry from growing every replica's register.
 MAX_FINGERPRINTS = 16
 _FINGERPRINT = re.compile(r"[0-9a-f]{64}")
+# Every refusal of an evicted site contains this; a restarted site recognises it and exits for good.
+EVICTED_MARK = " was evicted from this run at index "
 
 
 class EvictionError(ValueError):
@@ -48,7 +50,7 @@ class EvictionRecord:
     def refusal(self) -> str:
         """The reason every node gives the evicted site (and its operator's log shows)."""
         why = f": {self.reason}" if self.reason else ""
-        return f"node {self.node_id} was evicted from this run at index {self.index}{why}"
+        return f"node {self.node_id}{EVICTED_MARK}{self.index}{why}"
 
     def to_plain(self) -> dict[str, Any]:
         return {"node_id": self.node_id, "index": self.index, "fingerprints": list(self.fingerprints),
