@@ -253,3 +253,124 @@ def test_evict_is_answered_only_on_loopback() -> None:
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("127.0.0.2")
     assert not is_loopback("10.0.0.5") and not is_loopback("2001:db8::1")
     assert not is_loopback(None) and not is_loopback("unix-socket")
+
+
+# ------------------------------------------------------------------ the operator's request (POST /evict)
+
+class _NoDisk:
+    def sync(self, persistent, prepared=None) -> None:
+        pass
+
+    def observe(self, core) -> None:
+        pass
+
+
+def _coordination(core: CoordinatorNode, register: Evictions, tasks):
+    from diloco_node.clock import FakeClock
+    from diloco_node.daemon.coordination import CoordinationIO
+    from diloco_node.daemon.peers import AddressBook
+
+    def apply(entry: LogEntry) -> None:
+        if entry.kind is EntryKind.EVICTION:
+            register.apply_entry(entry.payload, entry.index)
+
+    core.is_evicted = register.__contains__
+    return CoordinationIO(core=core, persistent=core.persistent, store=_NoDisk(), history=_NoDisk(), client=None,
+                          addresses=AddressBook({"b": "https://b.example:7070"}), clock=FakeClock(10.0), tasks=tasks,
+                          on_apply=apply, on_restore_snapshot=lambda s: None, after_step=lambda: None,
+                          remember_member=lambda *a: None, report_error=lambda m: None)
+
+
+async def test_the_lease_holder_evicts_through_the_operator_route_and_refusals_change_nothing() -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from diloco_node.daemon.tasks import TaskSet
+    from diloco_node.ops.status import StatusDocument, operator_routes
+
+    tasks = TaskSet()
+    holder = CoordinatorNode("a", PersistentState.founding(["a"]), now=0.0, rng=random.Random(0))
+    holder.tick(10.0)
+    holder.membership.learn("c", 10.0)
+    register = Evictions()
+    io = _coordination(holder, register, tasks)
+    app = web.Application()
+    snapshot = lambda: StatusDocument("a", "r", "learner", True, 1, "a", 1, "")  # noqa: E731
+    app.add_routes(operator_routes(snapshot, evict=lambda node, why: io.evict(node, why, [FINGERPRINT],
+                                                                              register.record, 6.0)))
+    try:
+        async with TestClient(TestServer(app)) as client:
+            async def post(body) -> tuple[int, dict]:
+                response = await client.post("/evict", data=body if isinstance(body, bytes) else None,
+                                             json=None if isinstance(body, bytes) else body)
+                return response.status, await response.json()
+
+            assert await post(b"{not json") == (400, {"error": "the body is not JSON: Expecting property name "
+                                                              "enclosed in double quotes: line 1 column 2 (char 1)"})
+            assert (await post({"reason": "x"}))[0] == 400
+            assert await post({"node_id": "a"}) == (
+                400, {"error": "a cannot evict itself: ask another member's operator listener"})
+            assert await post({"node_id": "zz"}) == (404, {"error": "no member 'zz' in this run"})
+            status, answer = await post({"node_id": "c", "reason": "x" * 201})
+            assert status == 400 and "exceeds 200" in answer["error"]
+            assert len(register) == 0 and holder.log.last_index == 2  # the refusals appended nothing
+            status, answer = await post({"node_id": "c", "reason": "key leaked"})
+            assert status == 200 and answer == {"node_id": "c", "index": 3, "committed": True,
+                                                "message": "node c was evicted from this run at index 3: key leaked"}
+            assert register.record("c") == EvictionRecord("c", 3, (FINGERPRINT,), "key leaked")
+            status, again = await post({"node_id": "c", "reason": "twice"})
+            assert status == 200 and again["message"].endswith("(already)") and holder.log.last_index == 3
+    finally:
+        await tasks.close()
+
+
+async def test_a_member_without_the_lease_names_the_holder_and_appends_nothing() -> None:
+    from diloco_node.daemon.tasks import TaskSet
+
+    tasks = TaskSet()
+    follower = CoordinatorNode("a", PersistentState.founding(["a", "b", "c"]), now=0.0, rng=random.Random(0))
+    follower.election.leader_id = "b"
+    io = _coordination(follower, Evictions(), tasks)
+    try:
+        status, answer = await io.evict("c", "why", [], lambda node: None, 1.0)
+    finally:
+        await tasks.close()
+    assert status == 409 and answer["lease_holder"] == "b" and answer["lease_holder_url"] == "https://b.example:7070"
+    assert "a does not hold the lease" in answer["error"] and follower.log.last_index == 1
+
+
+async def test_the_evict_command_prints_the_eviction_or_what_to_do_instead() -> None:
+    import asyncio
+    import io as text_io
+
+    from aiohttp.test_utils import TestServer
+
+    from diloco_node.cli.evict import evict_command
+
+    answers = {"c": (200, {"message": "node c was evicted from this run at index 3: gone"}),
+               "d": (409, {"error": "a does not hold the lease: run `diloco-node evict` against the lease "
+                                    "holder's operator listener (b)", "lease_holder": "b",
+                           "lease_holder_url": "https://b.example:7070"})}
+    seen: list[dict] = []
+
+    async def evict(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append(body)
+        status, answer = answers[body["node_id"]]
+        return web.json_response(answer, status=status)
+
+    app = web.Application()
+    app.router.add_post("/evict", evict)
+    async with TestServer(app, host="127.0.0.1") as server:
+        peer = f"127.0.0.1:{server.port}"
+        results = {}
+        for node in ("c", "d"):
+            out, err = text_io.StringIO(), text_io.StringIO()
+            code = await asyncio.to_thread(evict_command, peer, node, "gone", 5.0, out, err)
+            results[node] = (code, out.getvalue(), err.getvalue())
+    assert results["c"] == (0, "node c was evicted from this run at index 3: gone\n", "")
+    code, out, err = results["d"]
+    assert code == 1 and out == "" and "(b); its peer URL is https://b.example:7070" in err
+    assert seen == [{"node_id": "c", "reason": "gone"}, {"node_id": "d", "reason": "gone"}]
+    unreachable = text_io.StringIO()
+    assert evict_command("127.0.0.1:1", "c", "", 2.0, text_io.StringIO(), unreachable) == 1
+    assert "http://127.0.0.1:1/evict: unreachable" in unreachable.getvalue()
