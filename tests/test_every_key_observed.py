@@ -77,6 +77,8 @@ OBSERVED: dict[str, tuple[str, ...]] = {
     "tls_ca_file": (TLS + "test_bad_certificates_are_refused_at_the_handshake",),
     "tls_crl_file": (TLS + "test_bad_certificates_are_refused_at_the_handshake",),
     "status_listen": (TLS + "test_tls_keys_derive_https_and_a_loopback_status_listener",),
+    "status_url": ("tests/test_page.py::test_a_node_advertises_its_operator_url_when_tls_moves_it",
+                   "tests/test_page.py::test_a_members_status_url_is_learned_from_its_join_and_passed_on"),
     # ---------------------------------------------------------------- [node.mesh], [node.cluster]
     "mesh.data": ("tests/test_mesh.py::test_axis_sizes_resolve_against_the_device_count",),
     "mesh.fsdp": ("tests/test_mesh.py::test_layout_rule_shards_the_largest_divisible_dimension_and_replicates_small_tensors",

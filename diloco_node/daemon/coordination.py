@@ -258,12 +258,13 @@ class CoordinationIO:
         self.same_sender(message.node_id, peer, "JoinRequest")
         if message.manifest_digest == manifest.digest_bytes():
             self.remember_member(message.node_id, message.advertise_url, message.role.value)
+            self.addresses.learn_status_url(message.node_id, message.status_url)
             self.revive(message.node_id, peers.role_from_wire(message.role), even_if_left=True)
             log.info("%s admitted %s (%s, %s)", self.node_id, message.node_id, message.role.value,
                      message.advertise_url)
         voters = self.core.log.config.voters
         members = tuple(wire.Member(node_id, url, wire.Role(self.addresses.role(node_id) or "learner"),
-                                    node_id in voters)
+                                    node_id in voters, status_url=self.addresses.status_url(node_id))
                         for node_id, url in self.addresses.items())
         return wire.Membership(self.core.epoch, self.core.log.latest_config_index(), members,
                                manifest.canonical_bytes())

@@ -45,6 +45,7 @@ class SiteIdentity:
         self.role = role
         self.addresses = peers.AddressBook({self.node_id: effective.node.advertise})
         self.addresses.learn(self.node_id, effective.node.advertise, effective.node.role)
+        self.addresses.learn_status_url(self.node_id, effective.node.status_url)
         self.manifest: RunManifest | None = None
         self.bootstrap_url: str | None = None  # the peer a joiner joined through
 
@@ -75,7 +76,8 @@ class SiteIdentity:
             await loop.run_in_executor(None, self._check_before_admission, theirs)
 
         manifest, membership, via = await negotiate(self.client, urls, self.effective, self.node_id,
-                                                    cfg.advertise, peers.role_to_wire(self.role), check_model)
+                                                    cfg.advertise, peers.role_to_wire(self.role), check_model,
+                                                    status_url=cfg.status_url)
         self.manifest = manifest
         self.learn_members(membership)
         self.bootstrap_url = via
@@ -117,6 +119,8 @@ class SiteIdentity:
         changed = False
         for member in membership.members:
             changed |= self.addresses.learn(member.node_id, member.advertise_url, member.role.value)
+            if member.node_id != self.node_id:  # our own is what our config says
+                self.addresses.learn_status_url(member.node_id, member.status_url)
         if changed and self.manifest is not None:
             self.save()
 
@@ -124,7 +128,7 @@ class SiteIdentity:
         """Tell every member we know that we are here (joiners, and restarts after a leave)."""
         assert self.manifest is not None
         request = wire.JoinRequest(self.node_id, self.effective.node.advertise, peers.role_to_wire(self.role),
-                                   self.manifest.digest_bytes())
+                                   self.manifest.digest_bytes(), status_url=self.effective.node.status_url)
 
         async def one(url: str) -> None:
             try:

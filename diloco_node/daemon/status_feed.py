@@ -46,6 +46,7 @@ class StatusFeed:
         for node_id, record in sorted(core.membership.members.items()):
             heard = self.coordination.last_ok.get(node_id) if node_id != core.node_id else None
             members.append(MemberStatus(node_id=node_id, url=self.coordination.addresses.url(node_id) or record.address,
+                                        status_url=self.coordination.addresses.status_url(node_id),
                                         role=record.role.value, alive=record.state is coord.MemberState.ALIVE,
                                         voter=node_id in voters,
                                         last_seen_s=None if heard is None else round(now - heard, 3)))

@@ -20,6 +20,7 @@ import json
 import math
 import re
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping, Sequence
@@ -57,6 +58,9 @@ class MemberStatus:
     alive: bool
     voter: bool = True
     last_seen_s: float | None = None  # seconds since we last heard from it (None: never, or self)
+    # Where a browser reaches the member's operator routes (/series) when not at `url` (TLS on);
+    # "" when the member advertised none (then they are at `url`, or not reachable from a browser).
+    status_url: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,23 @@ class EvalStatus:
     loss: float | None = None
     commit_index: int = 0
     seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TlsStatus:
+    """The site's own TLS certificate, as loaded (`enabled` false: TLS is off, the rest empty)."""
+
+    enabled: bool = False
+    node_id: str = ""  # the certificate's diloco-node://<node_id> URI SAN
+    fingerprint: str = ""  # SHA-256 of the certificate (DER), hex
+    not_after: str = ""  # expiry, ISO 8601 UTC
+    expires_in_s: float = 0.0  # seconds until then, as of this document (negative once expired)
+    days_left: float = 0.0  # the same in days (2 decimals)
+    ca_subject: str = ""  # the run CA's subject
+    crl_loaded: bool = False  # a tls_crl_file is in use
+    loaded_at: str = ""  # when the certificates in use were loaded (start or reload), ISO 8601 UTC
+    reloads: int = 0  # successful reloads since start
+    reload_error: str = ""  # the last failed reload's error; "" after a good load
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +181,7 @@ class StatusDocument:
     loop_lag_s: float = 0.0  # worst event-loop lag of the last 10-20 s (daemon/loop_monitor.py)
     loop_stalls: int = 0  # event-loop stalls of >= 1 s since the process started
     devices: DeviceStatus = field(default_factory=DeviceStatus)  # what the learner trains on
+    tls: TlsStatus = field(default_factory=TlsStatus)  # this site's certificate (TLS on)
     schema: str = STATUS_SCHEMA
 
     @property
@@ -211,6 +233,8 @@ class StatusDocument:
             loop_stalls=int(_get(raw, "loop_stalls", int)) if "loop_stalls" in raw else 0,
             # Older nodes have no devices: an absent object reads as "not reported".
             devices=DeviceStatus.from_dict(raw.get("devices", {})),
+            # Older nodes, and TLS off: an absent object reads as "TLS off".
+            tls=_build(TlsStatus, raw.get("tls", {}), "tls"),
         )
 
     @classmethod
@@ -220,6 +244,10 @@ class StatusDocument:
         except (ValueError, UnicodeDecodeError) as exc:
             raise StatusFormatError(f"status: not JSON: {exc}") from None
         return cls.from_dict(raw)
+
+
+def _iso_utc(unix: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(unix))
 
 
 def _jsonable(value: Any) -> Any:
@@ -286,6 +314,9 @@ class StatusBuilder:
         self._sent = 0
         self._received = 0
         self._errors: deque[tuple[float, str]] = deque(maxlen=max_recent_errors)
+        self._tls: TlsStatus | None = None
+        self._tls_not_after_unix = 0.0
+        self.wall: Callable[[], float] = time.time  # only for the certificate's time to expiry
 
     def set_run_id(self, run_id: str) -> None:
         """A joiner learns the run id only after joining."""
@@ -334,6 +365,15 @@ class StatusBuilder:
                 self._errors.append((now, f"learner loss is {loss} at step {step}"))
             self._learner = LearnerStatus(step=step, loss=loss if finite else None, tokens=tokens)
 
+    def set_tls(self, *, node_id: str, fingerprint: str, not_after_unix: float, ca_subject: str, crl_loaded: bool,
+                loaded_at_unix: float, reloads: int, reload_error: str) -> None:
+        """The site's certificate as loaded (at start, and after every reload attempt)."""
+        tls = TlsStatus(enabled=True, node_id=node_id, fingerprint=fingerprint, not_after=_iso_utc(not_after_unix),
+                        ca_subject=ca_subject, crl_loaded=crl_loaded, loaded_at=_iso_utc(loaded_at_unix),
+                        reloads=reloads, reload_error=reload_error[:MAX_ERROR_CHARS])
+        with self._lock:
+            self._tls, self._tls_not_after_unix = tls, not_after_unix
+
     def set_evaluation(self, evaluation: EvalStatus) -> None:
         with self._lock:
             self._base = dataclasses.replace(self._base, evaluation=evaluation)
@@ -355,7 +395,13 @@ class StatusBuilder:
                 bytes=ByteCounters(self._sent, self._received),
                 uptime_s=max(0.0, now - self._started_at),
                 last_errors=tuple(RecentError(round(now - t, 3), m) for t, m in reversed(self._errors)),
+                tls=self._tls_now() if self._tls is not None else TlsStatus(),
             )
+
+    def _tls_now(self) -> TlsStatus:
+        assert self._tls is not None
+        left = self._tls_not_after_unix - self.wall()
+        return dataclasses.replace(self._tls, expires_in_s=round(left, 1), days_left=round(left / 86400, 2))
 
     def _rate(self, now: float) -> float:
         if len(self._samples) < 2 or now - self._samples[-1][0] > self._window_s:
@@ -561,6 +607,9 @@ def status_families(doc: StatusDocument) -> list[MetricFamily]:
         one("diloco_event_loop_stalls_total", "counter", "Event-loop stalls of 1 s or more.", doc.loop_stalls),
         MetricFamily("diloco_fragment_round", "gauge", "Committed round per fragment.",
                      tuple(({"fragment": str(f.fragment)}, float(f.round)) for f in doc.fragments)),
+        *([one("diloco_tls_cert_expiry_seconds", "gauge",
+                "Seconds until this site's TLS certificate expires (negative once expired).",
+                doc.tls.expires_in_s)] if doc.tls.enabled else []),
         one("diloco_learner_devices", "gauge", "Devices the learner trains on, over all hosts of the site.",
             doc.devices.count, {"platform": doc.devices.platform, "processes": str(doc.devices.processes),
                                 "data": str(doc.devices.mesh.data), "fsdp": str(doc.devices.mesh.fsdp)}),
@@ -569,7 +618,7 @@ def status_families(doc: StatusDocument) -> list[MetricFamily]:
 
 
 _EMPTY_DOCUMENT = StatusDocument(node_id="x", run_id="", role="learner", ready=False, epoch=0, coordinator=None,
-                                 commit_index=0, state_digest="")
+                                 commit_index=0, state_digest="", tls=TlsStatus(enabled=True))  # every family
 STATUS_METRIC_NAMES = frozenset(f.name for f in status_families(_EMPTY_DOCUMENT))
 
 

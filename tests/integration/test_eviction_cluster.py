@@ -1,7 +1,8 @@
 """Eviction with real daemons (issue 12): three `diloco-node run` sites over mutual TLS; the
 operator runs `diloco-node evict` against the lease holder's operator listener; every member then
 refuses the evicted site (403 with the reason, its certificate included), it cannot join again, and
-the other two keep committing with equal digests.
+the other two keep committing with equal digests. On the way, it checks that every member knows
+every other member's advertised operator URL (`status_url`), which the live page reads under TLS.
 
 Slow (a 3-site JAX run, about 2-3 minutes on two cores): run with
 `pytest -m 'integration and slow' tests/integration/test_eviction_cluster.py`. Every process is
@@ -39,6 +40,10 @@ def test_an_evicted_site_is_refused_everywhere_and_cannot_rejoin(tmp_path_factor
         statuses = cluster.wait_for("a, b, c ready, all voters, one coordinator", _healthy, STARTUP_S)
         holder = cluster.coordinator(statuses)
         assert holder is not None
+        # Every member advertises its operator URL (status_url, from status_listen) for the live page.
+        cluster.wait_for("every member's status_url known everywhere", lambda s: all(
+            n in s and {m["node_id"]: m["status_url"] for m in s[n]["members"]}
+            == {m: cluster.sites[m].url for m in FOUNDERS} for n in FOUNDERS), 30)
         victim = sorted({"b", "c"} - {holder})[0]  # a joiner (bootstrap a), not the lease holder
         survivors = FOUNDERS - {victim}
         other = sorted(survivors - {holder})[0]
