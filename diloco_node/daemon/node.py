@@ -174,6 +174,8 @@ class Node:
             return EXIT_CONFIG if isinstance(error, ConfigError) else EXIT_FAILED
         run_id = run_id_for(secret)
         self.status.set_run_id(run_id)
+        if tls is not None:
+            self._show_tls(tls)
         auth = AuthContext(run_id, self.node_id, key)
         verifier = FrameVerifier(run_id, key, node_id=self.node_id)  # frames must be addressed to us
         self.executor = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix=f"pool-{self.node_id}")
@@ -281,7 +283,14 @@ class Node:
             if outcome is not None:
                 self._report_tls_reload(tls, "TLS files changed", outcome)
 
+    def _show_tls(self, tls: SiteTls) -> None:
+        facts = tls.facts
+        self.status.set_tls(node_id=facts.node_id, fingerprint=facts.fingerprint, not_after_unix=facts.not_after_unix,
+                            ca_subject=facts.ca_subject, crl_loaded=facts.crl_loaded,
+                            loaded_at_unix=tls.loaded_at_unix, reloads=tls.reloads, reload_error=tls.last_reload_error)
+
     def _report_tls_reload(self, tls: SiteTls, why: str, outcome: str) -> None:
+        self._show_tls(tls)
         if tls.last_reload_error:
             self._error(f"{why}: {outcome}")  # shown in /status: the site still runs on the old files
         else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -40,6 +41,13 @@ def test_an_evicted_site_is_refused_everywhere_and_cannot_rejoin(tmp_path_factor
         statuses = cluster.wait_for("a, b, c ready, all voters, one coordinator", _healthy, STARTUP_S)
         holder = cluster.coordinator(statuses)
         assert holder is not None
+        # /status shows each site's own certificate (issue 12, TLS details).
+        for n in FOUNDERS:
+            tls = statuses[n]["tls"]
+            assert tls["enabled"] and tls["node_id"] == n and len(tls["fingerprint"]) == 64, tls
+            assert 300 < tls["days_left"] <= 366 and not tls["crl_loaded"] and tls["reload_error"] == "", tls
+        metrics = urllib.request.urlopen(cluster.sites[holder].url + "/metrics", timeout=10).read().decode()
+        assert "diloco_tls_cert_expiry_seconds " in metrics
         # Every member advertises its operator URL (status_url, from status_listen) for the live page.
         cluster.wait_for("every member's status_url known everywhere", lambda s: all(
             n in s and {m["node_id"]: m["status_url"] for m in s[n]["members"]}
