@@ -374,3 +374,15 @@ async def test_the_evict_command_prints_the_eviction_or_what_to_do_instead() -> 
     unreachable = text_io.StringIO()
     assert evict_command("127.0.0.1:1", "c", "", 2.0, text_io.StringIO(), unreachable) == 1
     assert "http://127.0.0.1:1/evict: unreachable" in unreachable.getvalue()
+
+
+def test_status_lists_the_evicted_sites_and_reads_older_documents_without_them() -> None:
+    from diloco_node.ops.status import EvictedStatus, StatusBuilder, StatusDocument
+
+    builder = StatusBuilder("a", "run", "learner", started_at=0.0)
+    builder.set_evicted([EvictedStatus("c", 9, "stolen")])
+    raw = builder.document(1.0).to_dict()
+    assert raw["evicted"] == [{"node_id": "c", "index": 9, "reason": "stolen"}]
+    assert StatusDocument.from_dict(raw).evicted == (EvictedStatus("c", 9, "stolen"),)
+    del raw["evicted"]
+    assert StatusDocument.from_dict(raw).evicted == ()

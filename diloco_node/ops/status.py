@@ -81,6 +81,15 @@ class EvalStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class EvictedStatus:
+    """A site evicted from this run (`diloco-node evict`): refused by every member from `index` on."""
+
+    node_id: str
+    index: int
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class TlsStatus:
     """The site's own TLS certificate, as loaded (`enabled` false: TLS is off, the rest empty)."""
 
@@ -182,6 +191,7 @@ class StatusDocument:
     loop_stalls: int = 0  # event-loop stalls of >= 1 s since the process started
     devices: DeviceStatus = field(default_factory=DeviceStatus)  # what the learner trains on
     tls: TlsStatus = field(default_factory=TlsStatus)  # this site's certificate (TLS on)
+    evicted: tuple[EvictedStatus, ...] = ()  # sites evicted from this run, by node id
     schema: str = STATUS_SCHEMA
 
     @property
@@ -235,6 +245,8 @@ class StatusDocument:
             devices=DeviceStatus.from_dict(raw.get("devices", {})),
             # Older nodes, and TLS off: an absent object reads as "TLS off".
             tls=_build(TlsStatus, raw.get("tls", {}), "tls"),
+            evicted=tuple(_build(EvictedStatus, e, f"evicted[{i}]")
+                          for i, e in enumerate(raw.get("evicted", []) or [])),
         )
 
     @classmethod
@@ -334,6 +346,10 @@ class StatusBuilder:
             self._base = dataclasses.replace(
                 self._base, epoch=epoch, coordinator=coordinator, commit_index=commit_index,
                 state_digest=state_digest, members=tuple(members), quorum=quorum, fragments=tuple(fragments))
+
+    def set_evicted(self, evicted: Sequence[EvictedStatus]) -> None:
+        with self._lock:
+            self._base = dataclasses.replace(self._base, evicted=tuple(evicted))
 
     def set_log(self, *, first_index: int, size_bytes: int) -> None:
         """The replicated log's first held index and its size on disk (compaction at work)."""
