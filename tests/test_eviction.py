@@ -386,3 +386,39 @@ def test_status_lists_the_evicted_sites_and_reads_older_documents_without_them()
     assert StatusDocument.from_dict(raw).evicted == (EvictedStatus("c", 9, "stolen"),)
     del raw["evicted"]
     assert StatusDocument.from_dict(raw).evicted == ()
+
+
+async def test_an_evicted_site_is_never_offered_to_joiners_nor_used_as_a_download_source() -> None:
+    from diloco_node.config.manifest import RunManifest
+    from diloco_node.daemon.state_transfer import StateKeeper
+    from diloco_node.daemon.tasks import TaskSet
+    from wire.messages import JoinRequest, Role
+
+    class Signed:
+        node_id = "d"
+
+    tasks = TaskSet()
+    holder = CoordinatorNode("a", PersistentState.founding(["a"]), now=0.0, rng=random.Random(0))
+    holder.tick(10.0)
+    register = Evictions([EvictionRecord("b", 4, (), "gone")])
+    io = _coordination(holder, register, tasks)  # its address book knows a and b
+    io.addresses.learn("a", "https://a.example:7070")
+    manifest = RunManifest()
+    request = JoinRequest("d", "https://d.example:7070", Role.LEARNER, manifest.digest_bytes())
+    try:
+        answer = await io.on_join_request(request, Signed(), manifest)
+        holder.is_evicted = lambda node_id: False
+        unevicted = await io.on_join_request(request, Signed(), manifest)
+    finally:
+        await tasks.close()
+    assert [m.node_id for m in answer.members] == ["a"]  # b, evicted, is not listed
+    assert [m.node_id for m in unevicted.members] == ["a", "b"]
+
+    replica = _replica()
+    replica.evictions.merge(register.records())
+    keeper = StateKeeper(node_id="d", replica=replica, client=None, addresses=io.addresses, executor=None,
+                         clock=None, tasks=None, history=None, leader_id=lambda: "b", epoch=lambda: 1,
+                         report_error=lambda m: None, commits_applied=None)
+    # b is named as the lease holder (stale news) and has an address: still never asked.
+    assert keeper.repair_peers() == ["https://a.example:7070"]
+    assert keeper._join_peers() == ["https://a.example:7070"]

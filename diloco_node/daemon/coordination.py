@@ -265,7 +265,8 @@ class CoordinationIO:
         voters = self.core.log.config.voters
         members = tuple(wire.Member(node_id, url, wire.Role(self.addresses.role(node_id) or "learner"),
                                     node_id in voters, status_url=self.addresses.status_url(node_id))
-                        for node_id, url in self.addresses.items())
+                        for node_id, url in self.addresses.items()
+                        if not self.core.is_evicted(node_id))  # a joiner never contacts an evicted site
         return wire.Membership(self.core.epoch, self.core.log.latest_config_index(), members,
                                manifest.canonical_bytes())
 
