@@ -118,18 +118,20 @@ async def negotiate(client: PeerClient, urls: Sequence[str], effective: Effectiv
                     deadline_s: float = JOIN_DEADLINE_S,
                     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
                     monotonic: Callable[[], float] = time.monotonic,
-                    rng: random.Random | None = None) -> tuple[RunManifest, wire.Membership, str]:
+                    rng: random.Random | None = None, status_url: str = "") -> tuple[RunManifest, wire.Membership, str]:
     """Join through the first bootstrap peer that answers: (run manifest, membership, peer url).
 
     `check_model` (raising ConfigError) vets the run's model before we ask to be admitted, so a
     site whose model differs is refused having changed nothing anywhere. Peers that are starting
-    or unreachable are asked again with backoff until `deadline_s` has passed."""
+    or unreachable are asked again with backoff until `deadline_s` has passed. `status_url`: our
+    operator URL, advertised with the request (the `status_url` key)."""
     rng = rng or random.Random()
     give_up_at = monotonic() + deadline_s
     attempt = 0
     while True:
         attempt += 1
-        errors, transient = await _negotiate_once(client, urls, effective, node_id, advertise, role, check_model)
+        errors, transient = await _negotiate_once(client, urls, effective, node_id, advertise, role, check_model,
+                                                  status_url)
         if isinstance(errors, tuple):
             return errors
         pause = join_backoff_s(attempt, rng)
@@ -145,14 +147,14 @@ async def negotiate(client: PeerClient, urls: Sequence[str], effective: Effectiv
 
 async def _negotiate_once(client: PeerClient, urls: Sequence[str], effective: EffectiveConfig, node_id: str,
                           advertise: str, role: wire.Role,
-                          check_model: Callable[[RunManifest], Awaitable[None]] | None,
+                          check_model: Callable[[RunManifest], Awaitable[None]] | None, status_url: str = "",
                           ) -> tuple[tuple[RunManifest, wire.Membership, str] | list[str], bool]:
     """One round over the bootstrap list: the join, or (every peer's error, whether any may change)."""
     errors: list[str] = []
     transient = False
     for url in urls:
         ours = effective.run
-        request = wire.JoinRequest(node_id, advertise, role, ours.digest_bytes())
+        request = wire.JoinRequest(node_id, advertise, role, ours.digest_bytes(), status_url=status_url)
         try:
             membership = await request_membership(client, url, request)
             theirs = parse_manifest(membership.payload)
@@ -163,7 +165,7 @@ async def _negotiate_once(client: PeerClient, urls: Sequence[str], effective: Ef
                         await check_model(theirs)
                 except ConfigError as error:
                     raise JoinRefused(str(error), permanent=True) from None
-                request = wire.JoinRequest(node_id, advertise, role, theirs.digest_bytes())
+                request = wire.JoinRequest(node_id, advertise, role, theirs.digest_bytes(), status_url=status_url)
                 membership = await request_membership(client, url, request)
                 if parse_manifest(membership.payload).digest() != theirs.digest():
                     raise JoinRefused(f"{url}: the run's manifest changed while joining; try again")
