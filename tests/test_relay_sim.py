@@ -44,7 +44,7 @@ def test_without_faults_the_holder_sends_each_payload_fanout_times():
     assert relays is not None and simulation.commits >= 10
     # Every outer commit and membership payload goes from the holder to its 2 children, and
     # nobody had to fetch from it: 6 followers, 2 copies.
-    pushed_payloads = len({digest for _, digest in relays.pushed})
+    pushed_payloads = len(set().union(*(relay.pushed for relay in relays.relays.values())))
     assert relays.holder_sends == 2 * pushed_payloads
     assert relays.forwarded == 4 * pushed_payloads  # the two relays each pass it on to 2
     assert relays.refused == 0

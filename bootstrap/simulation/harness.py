@@ -32,7 +32,7 @@ from bootstrap.messages import (
     Send,
 )
 from bootstrap.simulation.checker import InvariantChecker, chain_digest
-from bootstrap.simulation.relays import FetchRequest, Metadata, PayloadHop, RelayPlane
+from bootstrap.simulation.relays import Metadata, PayloadHop, PayloadRequest, RelayPlane
 from wire.errors import ProtocolError
 
 NodeFactory = Callable[..., CoordinatorNode]
@@ -442,16 +442,16 @@ class Simulation:
         if host.node is not None:
             self._dispatch(host, lambda node, local: node.handle(message, local), message)
 
-    def _on_relay(self, node_id: str, item: PayloadHop | FetchRequest) -> None:
+    def _on_relay(self, node_id: str, item: PayloadHop | PayloadRequest) -> None:
         host = self.hosts[node_id]
         if host.node is None or self.relays is None:
             return  # a crashed relay forwards nothing
-        if isinstance(item, FetchRequest):
+        if isinstance(item, PayloadRequest):
             self.relays.on_fetch(self, node_id, item)
         else:
             self.relays.on_payload(self, node_id, item, lambda assembled: self._handle(host, assembled))
 
-    def relay_send(self, source: str, to: str, item: PayloadHop | FetchRequest) -> None:
+    def relay_send(self, source: str, to: str, item: PayloadHop | PayloadRequest) -> None:
         """Payload-plane traffic: the same partitions, cut links and loss as every other message."""
         if not self._link_passes(source, to):
             return
