@@ -58,6 +58,8 @@ __all__ = [
 
 ROLES = ("learner", "witness")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# How a learner site produces its deltas: "jax" trains; "synthetic" draws random ones (benchmarks).
+LEARNER_KINDS = ("jax", "synthetic")
 ENV_PREFIX = "DILOCO_"
 # Never read as configuration: room for test harnesses and experiments without tripping the
 # unknown-variable check.
@@ -165,6 +167,10 @@ class NodeConfig:
     log_retain_entries: int = DEFAULT_LOG_RETAIN_ENTRIES
     eval_interval_commits: int = 50
     eval_batches: int = 8
+    # "synthetic": random deltas at `synthetic_steps_per_s` instead of training (learn/
+    # synthetic_learner.py), for benchmarks and tests of the data plane; never for a real run.
+    learner: str = "jax"
+    synthetic_steps_per_s: float = 10.0
     data: SiteData = SiteData()  # [node.data]: what this site trains on
     # Mutual TLS between sites (docs/OPERATIONS.md, "Mutual TLS"): all three files, or none (off).
     tls_cert_file: Path | None = None
@@ -210,6 +216,11 @@ class NodeConfig:
         _require(self.eval_interval_commits >= 0,
                  f"eval_interval_commits = {self.eval_interval_commits}: must be >= 0 (0: never evaluate)")
         _require(1 <= self.eval_batches <= 1024, f"eval_batches = {self.eval_batches}: must be in [1, 1024]")
+        _require(self.learner in LEARNER_KINDS,
+                 f"learner = {self.learner!r}: must be one of {', '.join(LEARNER_KINDS)} "
+                 "(synthetic is for benchmarks and tests: it does not train)")
+        _require(math.isfinite(self.synthetic_steps_per_s) and self.synthetic_steps_per_s > 0,
+                 f"synthetic_steps_per_s = {self.synthetic_steps_per_s}: must be a positive number of steps per second")
         self._check_tls()
 
     def _check_tls(self) -> None:
@@ -326,6 +337,8 @@ _NODE_HELP = {
     "log_retain_entries": "log entries kept below the newest checkpoint when compacting (lagging peers replay these)",
     "eval_interval_commits": "evaluate the global model on this site's eval split every N applied commits (0: never)",
     "eval_batches": "batches (of run.inner.batch_size windows) in each evaluation",
+    "learner": "jax (trains the model) or synthetic (random deltas, no training: benchmarks and tests only)",
+    "synthetic_steps_per_s": "steps per second of a synthetic learner (learner = synthetic only)",
     "data.source": "[node.data] what this site trains on: stdlib, text or tokens",
     "data.paths": "[node.data] files, directories (text) and globs, read in order as one stream",
     "data.tokenizer": "[node.data] a local tokenizer.json: text is tokenized with it; token files declare it",
@@ -347,6 +360,7 @@ _NODE_KINDS = {
     "log_level": "str", "connect_timeout_s": "float", "read_timeout_s": "float",
     "heartbeat_interval_s": "float", "lease_timeout_s": "float", "checkpoint_interval_s": "float",
     "checkpoint_keep": "int", "log_retain_entries": "int", "eval_interval_commits": "int", "eval_batches": "int",
+    "learner": "str", "synthetic_steps_per_s": "float",
     "data.source": "str", "data.paths": "pathlist", "data.tokenizer": "pathstr", "data.token_dtype": "str",
     "data.eval_fraction": "float", "data.seed": "int",
     "tls_cert_file": "optpath", "tls_key_file": "optpath", "tls_ca_file": "optpath", "tls_crl_file": "optpath",

@@ -46,13 +46,14 @@ from diloco_node.daemon.persistence import Checkpointer
 from diloco_node.daemon.readiness import ReadinessFacts, readiness
 from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.daemon.rounds import RoundDriver
-from diloco_node.daemon.site_model import SiteModel, build_site_model, prepare_learner
+from diloco_node.daemon.site_model import SiteModel, build_site_model, prepare_learner, prepare_synthetic_learner
 from diloco_node.daemon.state_transfer import StateKeeper
 from diloco_node.daemon.status_feed import StatusFeed
 from diloco_node.daemon.evaluation import GlobalEvaluator
 from diloco_node.daemon.tasks import TaskSet, closed_on_cleanup
 from diloco_node.learn.cluster import failure_reason, share_manifest
 from diloco_node.learn.learner_thread import DueFragment, LearnerThread
+from diloco_node.learn.synthetic_learner import SyntheticLearner
 from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore
 from diloco_node.ops.liveness import Liveness, StepPace, liveness
 from diloco_node.ops.page import StatusSeries
@@ -134,7 +135,7 @@ class Node:
         self.coordination: CoordinationIO | None = None
         self.rounds: RoundDriver | None = None
         self.feed: StatusFeed | None = None
-        self.learner: LearnerThread | None = None
+        self.learner: LearnerThread | SyntheticLearner | None = None
         self._ready = False
         self._status_line = StatusLineThrottle()
         self._periodic_task: asyncio.Task[Any] | None = None
@@ -322,7 +323,7 @@ class Node:
         site = self.site = await loop.run_in_executor(
             None, lambda: build_site_model(manifest, learner=self.role is coord.MemberRole.LEARNER,
                                            data=self.cfg.data, cache_dir=self.cfg.data_dir / DATA_CACHE_DIR,
-                                           mesh_shape=self.cfg.mesh))
+                                           mesh_shape=self.cfg.mesh, synthetic=self.cfg.learner == "synthetic"))
         if site.devices is not None:
             self.status.set_devices(site.devices)
             log.info("%s: training on %s", self.node_id, site.devices)
@@ -365,10 +366,16 @@ class Node:
         # itself and downloads the global state: the two are independent until training starts.
         preparing = None
         if self.role is coord.MemberRole.LEARNER:
-            preparing = asyncio.ensure_future(loop.run_in_executor(None, lambda: prepare_learner(
-                site, node_id=self.node_id, base=base, restored=restored,
-                on_contribution=self._from_learner_contribution, on_progress=self._from_learner_progress,
-                min_step_interval_s=self._min_step_interval_s)))
+            if self.cfg.learner == "synthetic":  # benchmarks and tests of the data plane only
+                preparing = asyncio.ensure_future(loop.run_in_executor(None, lambda: prepare_synthetic_learner(
+                    site, node_id=self.node_id, base=base, restored=restored,
+                    on_contribution=self._from_learner_contribution, on_progress=self._from_learner_progress,
+                    steps_per_s=self.cfg.synthetic_steps_per_s)))
+            else:
+                preparing = asyncio.ensure_future(loop.run_in_executor(None, lambda: prepare_learner(
+                    site, node_id=self.node_id, base=base, restored=restored,
+                    on_contribution=self._from_learner_contribution, on_progress=self._from_learner_progress,
+                    min_step_interval_s=self._min_step_interval_s)))
         if download is not None:
             await identity.announce()
             started = self.now()
@@ -448,7 +455,7 @@ class Node:
                                store=self.store, client=self.client, server=self.server, loop_lag=self.loop_lag)
         self.history.start(core, replica.applied_index, self.site.manifest.sync)
 
-    def _start_training(self, learner: LearnerThread, *, fresh: bool) -> None:
+    def _start_training(self, learner: LearnerThread | SyntheticLearner, *, fresh: bool) -> None:
         """Bring the compiled learner up to the replica's current global state and start stepping.
 
         Training starts as soon as the global state is in place (founded, restored or downloaded):
