@@ -62,6 +62,10 @@ OBSERVED: dict[str, tuple[str, ...]] = {
     "eval_interval_commits": ("tests/test_daemon_parts.py::test_the_evaluator_runs_every_n_commits_one_at_a_time_on_a_consistent_state",
                               "tests/test_daemon_parts.py::test_a_witness_or_a_disabled_evaluator_never_evaluates"),
     "eval_batches": (E + "test_eval_batches_is_how_many_windows_each_evaluation_scores",),
+    "learner": ("tests/test_synthetic_learner.py::test_the_node_keys_select_the_synthetic_learner_and_bad_values_are_config_errors",
+                "tests/integration/test_synthetic_cluster.py::test_two_synthetic_learners_commit_rounds_with_equal_digests"),
+    "synthetic_steps_per_s": ("tests/test_synthetic_learner.py::test_the_thread_steps_at_its_rate_and_stops",
+                              "tests/integration/test_synthetic_cluster.py::test_two_synthetic_learners_commit_rounds_with_equal_digests"),
     # ---------------------------------------------------------------- [node.data]
     "data.source": ("tests/test_data.py::test_text_files_and_globs",
                     "tests/test_data.py::test_stdlib_corpus_loads_with_disjoint_eval_files"),
