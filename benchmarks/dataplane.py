@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import signal
 import os
 import shutil
 import sys
@@ -56,6 +58,19 @@ MODELS = {
     "1b": {"run.model.factory": "llama", "run.model.size": "1b", "run.model.vocab_size": "128256"},
 }
 MB = 1024 * 1024
+# The machine is shared: a run stops (and says so) when the memory left to everyone falls below this.
+MIN_AVAILABLE_MB = 2048
+
+
+class OutOfMemory(RuntimeError):
+    """The machine's available memory fell below MIN_AVAILABLE_MB during a run."""
+
+
+def available_mb() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 1024
+    return math.inf
 
 
 @dataclass(frozen=True)
@@ -65,7 +80,7 @@ class RunSpec:
     witnesses: int = 1
     fragments: int = 4
     period: int = 40  # a fragment is due every `period` synthetic steps
-    steps_per_s: float = 10.0
+    steps_per_s: float = 2.0
     duration_s: float = 60.0
     link_mbit: float = 1000.0
     latency_ms: float = 10.0
@@ -74,8 +89,7 @@ class RunSpec:
 PRESETS: dict[str, list[RunSpec]] = {
     # The issue's runs that exist without relays: 100M at M = 4 and 8, 1B at M = 2 (no witness:
     # two learners, the memory of one machine).
-    "baseline": [RunSpec("100m", 4), RunSpec("100m", 8), RunSpec("1b", 2, witnesses=0, fragments=8, period=80,
-                                                                  steps_per_s=5.0)],
+    "baseline": [RunSpec("100m", 4), RunSpec("100m", 8), RunSpec("1b", 2, witnesses=0, fragments=8, period=80)],
     "quick": [RunSpec("1m", 3, fragments=2, period=8, steps_per_s=20.0, duration_s=10.0, link_mbit=100.0,
                       latency_ms=2.0)],
 }
@@ -123,14 +137,23 @@ def settings_for(spec: RunSpec) -> tuple[str, ...]:
             "checkpoint_interval_s=36000", "eval_interval_commits=0",
             # a loaded machine stalls event loops for seconds while big frames are hashed:
             # leases long enough that the holder does not change during a run
-            "heartbeat_interval_s=1.0", "lease_timeout_s=10.0")
+            "heartbeat_interval_s=3.0", "lease_timeout_s=30.0")
+
+
+def guarded(check):
+    """`check` for Cluster.wait_for, that first stops the run if the machine runs short of memory."""
+    def wrapped(statuses: dict) -> bool:
+        if available_mb() < MIN_AVAILABLE_MB:
+            raise OutOfMemory(f"machine memory available fell below {MIN_AVAILABLE_MB} MiB")
+        return check(statuses)
+    return wrapped
 
 
 def wait_all(cluster: Cluster, names: set[str], timeout: float) -> dict:
     def ok(s: dict) -> bool:
         return names <= {n for n, d in s.items() if d.get("ready")} and all(
             {m["node_id"] for m in s[n]["members"] if m["voter"]} == names for n in names)
-    return cluster.wait_for(f"{sorted(names)} ready and voters", ok, timeout, interval=1.0)
+    return cluster.wait_for(f"{sorted(names)} ready and voters", guarded(ok), timeout, interval=1.0)
 
 
 def commit_latencies(root: Path, holder: str, t0: float, t1: float) -> tuple[list[int], list[float]]:
@@ -154,7 +177,9 @@ def run_one(spec: RunSpec, root: Path, startup_s: float) -> dict:
     settings = settings_for(spec)
     link = lambda: LinkShape(bandwidth_mbit=spec.link_mbit, latency_ms=spec.latency_ms)  # noqa: E731
     names = [f"s{i}" for i in range(spec.sites)]
-    roles = {n: ("witness" if i >= spec.sites - spec.witnesses else "learner") for i, n in enumerate(names)}
+    # Witnesses first: the founder then commits nothing while the others download the state (on
+    # a loaded machine a founder that trains and serves downloads at once stalls them for minutes).
+    roles = {n: ("witness" if i < spec.witnesses else "learner") for i, n in enumerate(names)}
     out: dict = {"params": n_params, "model": spec.params, "sites": spec.sites, "fanout": spec.sites - 1,
                  "relays": False, "spec": asdict(spec), "roles": roles, "settings": list(settings)}
     print(f"run {spec}", flush=True)
@@ -163,14 +188,18 @@ def run_one(spec: RunSpec, root: Path, startup_s: float) -> dict:
         try:
             founder = cluster.add(names[0], settings=settings, link=link(),
                                   role=None if roles[names[0]] == "learner" else "witness")
-            cluster.wait_for("founder ready", lambda s: s.get(names[0], {}).get("ready", False), startup_s, 1.0)
-            for n in names[1:]:
+            cluster.wait_for("founder ready", guarded(lambda s: s.get(names[0], {}).get("ready", False)), startup_s, 1.0)
+            # One joiner at a time: M state downloads at once would measure the start, not the run.
+            for i, n in enumerate(names[1:], start=2):
                 cluster.add(n, bootstrap=founder, settings=settings, link=link(),
                             role=None if roles[n] == "learner" else "witness")
+                before = wait_all(cluster, set(names[:i]), startup_s)
             before = wait_all(cluster, set(names), startup_s)
-        except AssertionError as error:
+        except (AssertionError, OutOfMemory) as error:
             out["error"] = f"did not start: {error}"[:2000]
+            out["started_sites"] = sorted(cluster.sites)
             out["peak_rss_mb"] = _peak_rss_mb(cluster)
+            out["rss_bytes_per_param"] = {n: round(mb * MB / n_params, 1) for n, mb in out["peak_rss_mb"].items()}
             out["exited"] = {n: s.process.returncode for n, s in cluster.sites.items() if not s.running}
             return out
         out["startup_s"] = round(time.monotonic() - started, 1)
@@ -180,6 +209,11 @@ def run_one(spec: RunSpec, root: Path, startup_s: float) -> dict:
         deadline = time.monotonic() + spec.duration_s
         while time.monotonic() < deadline:
             time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+            if available_mb() < MIN_AVAILABLE_MB:
+                out["error"] = f"stopped after {time.time() - t0:.0f} s: machine memory available below {MIN_AVAILABLE_MB} MiB"
+                out["peak_rss_mb"] = _peak_rss_mb(cluster)
+                out["rss_bytes_per_param"] = {n: round(mb * MB / n_params, 1) for n, mb in out["peak_rss_mb"].items()}
+                return out
             statuses = cluster.poll()
             holders.add(cluster.coordinator(statuses))
             loads.append(float(Path("/proc/loadavg").read_text().split()[0]))
@@ -247,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=60.0, help="seconds measured after every site is ready")
     parser.add_argument("--link-mbit", type=float, default=1000.0, help="emulated link rate into each site")
     parser.add_argument("--latency-ms", type=float, default=10.0)
-    parser.add_argument("--steps-per-s", type=float, default=10.0, help="synthetic learner step rate")
+    parser.add_argument("--steps-per-s", type=float, default=2.0, help="synthetic learner step rate")
     parser.add_argument("--fanout", type=int, help="relay fan-out (not available: relays are not built yet)")
     parser.add_argument("--startup-s", type=float, default=600.0, help="give up on a run not ready by then")
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories (logs, histories)")
@@ -264,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--sites {args.sites} --witnesses {args.witnesses}: need >= 2 sites and >= 1 learner")
         runs = [RunSpec(args.params, args.sites, args.witnesses, args.fragments, args.period, args.steps_per_s,
                         args.duration, args.link_mbit, args.latency_ms)]
+    # SIGTERM unwinds like Ctrl-C, so every daemon and link this run started is stopped.
+    signal.signal(signal.SIGTERM, _interrupt)
     root = Path(tempfile.mkdtemp(prefix="diloco-dataplane-"))
     results: dict = {"machine": {"cpus": os.cpu_count(), "memory_gib": _memory_gib(),
                                  "note": "shared with other jobs; latencies are noisy, peak RSS is not"},
@@ -279,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"runs kept under {root}")
     Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     return 0 if all("error" not in r for r in results["runs"]) else 1
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _memory_gib() -> float | None:
