@@ -160,7 +160,7 @@ async def test_one_decode_at_a_time_per_learner() -> None:
     first = asyncio.create_task(driver.on_contribution(_message(driver, "a")))
     while not executor.parked:
         await asyncio.sleep(0)
-    with pytest.raises(RemoteProtocolError, match="a contribution from a is already being decoded") as refused:
+    with pytest.raises(RemoteProtocolError, match="a contribution from a is already being received") as refused:
         await driver.on_contribution(_message(driver, "a", p=1))
     assert refused.value.status_hint == 429
     other = asyncio.create_task(driver.on_contribution(_message(driver, "b")))  # another learner is not held
