@@ -56,6 +56,11 @@ def chunk_elements_for(codec_name: str, limits: Limits = DEFAULT_LIMITS) -> int:
             low = mid
         else:
             high = mid - 1
+    # Whole blocks, so a tensor quantizes to the same values however it is cut (each chunk is its
+    # own codec message, padded to a block like a tensor of a whole-fragment message).
+    block = codec.default_block_size
+    if block and low >= block:
+        low -= low % block
     if low < 1:
         raise ValueError(f"a chunk of one {codec_name} value does not fit the {byte_limit}-byte chunk limit")
     return low
