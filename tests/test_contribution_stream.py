@@ -42,7 +42,7 @@ def _delta(seed=0) -> dict[str, np.ndarray]:
             "embed/embedding": rng.normal(size=(30, 8)).astype(np.float32)}
 
 
-SMALL_CHUNKS = Limits(max_chunk_elements=1000)  # several chunks per tensor, so the ordering rules bite
+SMALL_CHUNKS = Limits(max_chunk_elements=1024)  # several chunks per tensor, so the ordering rules bite
 
 
 def _shapes(delta):
@@ -80,7 +80,7 @@ def test_chunks_cut_tensors_at_the_chunk_size_in_name_order():
     assert [t.name for t in head.tensors] == sorted(_delta())
     chunks = list(contribution_chunks(head, _delta()))
     # 3200 values -> 4 chunks, 50 -> 1, 240 -> 1
-    assert [(c.tensor, c.offset) for c in chunks] == [(0, 0), (0, 1000), (0, 2000), (0, 3000), (1, 0), (2, 0)]
+    assert [(c.tensor, c.offset) for c in chunks] == [(0, 0), (0, 1024), (0, 2048), (0, 3072), (1, 0), (2, 0)]
 
 
 def _refusal(head, shapes, chunks=(), limits=SMALL_CHUNKS) -> RemoteProtocolError:
@@ -112,14 +112,14 @@ def test_the_receiver_refuses_what_the_model_does_not_have_or_the_codec_cannot_p
     assert error.status_hint == 413 and "more than int8 can encode them into" in str(error)
 
     error = _refusal(head, shapes, [chunks[1]])
-    assert "expected tensor 0 (blocks/0/mlp/kernel) at offset 0, got tensor 0 at offset 1000" in str(error)
+    assert "expected tensor 0 (blocks/0/mlp/kernel) at offset 0, got tensor 0 at offset 1024" in str(error)
     other = ContributionChunk(bytes(16), 0, 0, chunks[0].payload)
     assert "another stream" in str(_refusal(head, shapes, [other]))
     fp32 = ContributionChunk(STREAM, 0, 0, encode_tensor(delta["blocks/0/mlp/kernel"].ravel()[:1000], "fp32",
                                                         zstd_level=None)[:chunk_bound(CODECS["int8"], 1000)])
     assert "not encoded with int8" in str(_refusal(head, shapes, [fp32]))
-    short = ContributionChunk(STREAM, 0, 0, encode_tensor(delta["blocks/0/mlp/kernel"].ravel()[:999], "int8"))
-    assert "holds shape (999,), expected (1000,)" in str(_refusal(head, shapes, [short]))
+    short = ContributionChunk(STREAM, 0, 0, encode_tensor(delta["blocks/0/mlp/kernel"].ravel()[:1023], "int8"))
+    assert "holds shape (1023,), expected (1024,)" in str(_refusal(head, shapes, [short]))
     error = _refusal(head, shapes, chunks[:-1])
     assert "the stream ended with 1 chunk(s) missing (tensor 2 of 3, embed/embedding)" in str(error)
     assert "a chunk after the last one" in str(_refusal(head, shapes, chunks + chunks[-1:]))
