@@ -10,7 +10,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from diloco_node.sync.fragments import plan_fragments
+from diloco_node.sync.fragments import plan_fragments, wire_fit_problems
 from wire.codecs import CODECS, encode_tensor
 from wire.contribution_stream import (
     ContributionAssembler,
@@ -22,7 +22,7 @@ from wire.contribution_stream import (
     plan_chunks,
 )
 from wire.errors import RemoteProtocolError
-from wire.limits import DEFAULT_LIMITS, MAX_CHUNK_ELEMENTS, Limits
+from wire.limits import DEFAULT_LIMITS, MAX_CHUNK_ELEMENTS, MAX_LOG_APPEND_BYTES, Limits
 from wire.messages import ContributionChunk, ContributionOpen, MessageKind, TensorSpec
 
 STREAM = bytes(range(16))
@@ -170,6 +170,9 @@ def test_no_limit_refuses_any_tensor_of_a_7b_model_at_24_fragments(codec):
     tracemalloc.start()
     try:
         assert chunk_problems(shapes, codec) == []
+        # the start-up check: contributions of any codec, commits of int4 (fp32 commits of the
+        # 131M-parameter embedding fragment would exceed the 256 MiB log entry: commits are not streamed)
+        assert wire_fit_problems(plan, shapes, codec, "int4", max_log_append_bytes=MAX_LOG_APPEND_BYTES) == []
         byte_limit = DEFAULT_LIMITS.max_payload(MessageKind.CONTRIBUTION_CHUNK)
         for fragment in plan.fragments:
             expected = {name: shapes[name] for name in fragment.names}

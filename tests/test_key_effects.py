@@ -188,18 +188,17 @@ def test_weight_decay_applies_to_matrices_only() -> None:
 # ------------------------------------------------------------------ [run.sync] codecs
 
 
-def test_codec_up_sizes_the_contribution_checked_against_the_wire() -> None:
-    from wire.codecs.container import MAX_TENSOR_ELEMENTS
-    from wire.limits import MAX_CONTRIBUTION_BYTES, MAX_LOG_APPEND_BYTES
+def test_codec_down_sizes_the_commit_checked_against_the_wire() -> None:
+    from wire.limits import MAX_LOG_APPEND_BYTES
 
-    limits = dict(max_contribution_bytes=MAX_CONTRIBUTION_BYTES, max_log_append_bytes=MAX_LOG_APPEND_BYTES,
-                  max_decoded_elements=MAX_TENSOR_ELEMENTS)
+    limits = dict(max_log_append_bytes=MAX_LOG_APPEND_BYTES)
     shapes = {f"blocks.{i}.mlp.kernel": (12288, 12288) for i in range(8)}  # shapes only
     plan = plan_fragments(shapes, 8, 32, 1)
     assert wire_fit_problems(plan, shapes, "int4", "int4", **limits) == []
-    problems = wire_fit_problems(plan, shapes, "fp32", "int4", **limits)
-    assert any("its contribution (fp32" in p for p in problems)
-    assert not any("its commit" in p for p in problems)
+    # codec_up no longer matters (contributions are streamed in chunks); codec_down does
+    assert wire_fit_problems(plan, shapes, "fp32", "int4", **limits) == []
+    problems = wire_fit_problems(plan, shapes, "int4", "fp32", **limits)
+    assert any("its commit (fp32" in p for p in problems)
 
 
 def test_secret_file_is_the_run_secret_and_so_the_run_id(tmp_path: Path) -> None:

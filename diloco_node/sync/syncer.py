@@ -253,7 +253,8 @@ class Syncer:
         if result.outer_gradient is None:
             return MergedRound(p, state.round(p), result, b"", None, decision_reason)
         encoded = encode_named(result.outer_gradient, sync.codec_down)
-        return MergedRound(p, state.round(p) + 1, result, encoded, decode_named(encoded), decision_reason,
+        decoded = decode_named(encoded, max_elements=self.plan.fragments[p].num_elements)
+        return MergedRound(p, state.round(p) + 1, result, encoded, decoded, decision_reason,
                            self.norm_ref.get(p))
 
     def plan_commit(self, p: int, rnd: OpenRound, state: GlobalState,
