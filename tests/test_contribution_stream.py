@@ -127,7 +127,7 @@ def test_the_receiver_refuses_what_the_model_does_not_have_or_the_codec_cannot_p
     huge = ContributionOpen(1, 5, 2, 8, 800, "int8", "site-a", STREAM, MAX_CHUNK_ELEMENTS + 1,
                             tuple(TensorSpec(n, s) for n, s in sorted(shapes.items())))
     error = _refusal(huge, shapes, limits=DEFAULT_LIMITS)
-    assert error.status_hint == 413 and "over the limit of 16,777,216 values per chunk" in str(error)
+    assert error.status_hint == 413 and "over the limit of 4,194,304 values per chunk" in str(error)
 
 
 def test_a_failed_assembler_stays_failed():

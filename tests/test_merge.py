@@ -707,7 +707,7 @@ def test_any_peer_garbage_gives_a_result_never_an_exception(garbage) -> None:
 # ------------------------------------------------------------------ contributions kept encoded
 
 
-def _encoded(delta: dict[str, np.ndarray], max_chunk_elements: int = 1 << 24):
+def _encoded(delta: dict[str, np.ndarray], max_chunk_elements: int = 1 << 22):
     """What the lease holder keeps of a streamed contribution (wire 2.1): its chunks, encoded."""
     from wire.contribution_stream import ContributionAssembler, contribution_chunks, open_for
     from wire.limits import Limits

@@ -133,8 +133,9 @@ def _refused(why: str, status: int = 400) -> RemoteProtocolError:
 
 def squared_norm(values: np.ndarray) -> float:
     """Sum of squares in float64 with numpy's own pairwise reduction (the merge's norm, same bits)."""
-    flat = np.asarray(values, dtype=np.float64).ravel()
-    return float(np.add.reduce(flat * flat))
+    squares = np.array(values, dtype=np.float64).ravel()  # our own copy: squared in place
+    np.multiply(squares, squares, out=squares)
+    return float(np.add.reduce(squares))
 
 
 class EncodedDelta(Mapping[str, np.ndarray]):

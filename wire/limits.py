@@ -25,13 +25,15 @@ MAX_HEADER_MAP_BYTES = 256 * KiB
 # senders: an int4 delta of a ~500M-parameter fragment. Current senders stream a contribution as
 # ContributionOpen + ContributionChunks, which no whole-fragment cap limits (below).
 MAX_CONTRIBUTION_BYTES = 256 * MiB
-# One ContributionChunk's encoded payload. The receiver buffers, checks and decodes one chunk at a
-# time, so this (and the chunk's decoded size, below) is what a contribution's transfer costs in
-# memory, whatever the fragment's size. 64 MiB at 4 Mbit/s is ~130 s, inside the frame deadline.
-MAX_CONTRIBUTION_CHUNK_BYTES = 64 * MiB
-# Values per chunk: 2^24 float32 values are 64 MiB decoded. With this, the largest tensor of a 70B
-# model (a 128k x 8192 embedding, 2^30 values) is 64 chunks; no tensor is too large for the wire.
-MAX_CHUNK_ELEMENTS = 1 << 24
+# Values per chunk of a streamed contribution. The receiver buffers, checks and decodes one chunk at
+# a time (and measures its norm in float64), so this is what a contribution's transfer costs in
+# memory whatever the fragment's size: 2^22 values are 16 MiB decoded, ~80 MiB with the decode and
+# norm temporaries. The largest tensor of a 70B model (a 128k x 8192 embedding, 2^30 values) is 256
+# chunks of a few hundred bytes of framing each; no tensor is too large for the wire.
+MAX_CHUNK_ELEMENTS = 1 << 22
+# One ContributionChunk's encoded payload: a chunk of MAX_CHUNK_ELEMENTS values in the largest codec
+# (fp32, 4 bytes a value) plus its codec header. 16 MiB at 4 Mbit/s is ~35 s, inside the deadline.
+MAX_CONTRIBUTION_CHUNK_BYTES = 16 * MiB + 4 * KiB
 # A log append carries merged outer gradients (same size class as a contribution); the replica
 # needs each whole entry to apply it, so it is buffered and this bounds memory per stream.
 MAX_LOG_APPEND_BYTES = 256 * MiB
