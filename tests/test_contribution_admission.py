@@ -42,18 +42,18 @@ START = 1000.0
 
 
 def _driver(members: dict[str, tuple[coord.MemberRole, coord.MemberState]], executor: Executor | None = None,
-            step_s: float | None = None) -> tuple[RoundDriver, Syncer, FakeClock]:
+            step_s: float | None = None, manifest: RunManifest = MANIFEST) -> tuple[RoundDriver, Syncer, FakeClock]:
     initial = {n: np.zeros(shape, np.float32) for n, shape in SHAPES.items()}
-    plan = plan_fragments(SHAPES, MANIFEST.sync.fragments, MANIFEST.sync.period, MANIFEST.sync.overlap)
-    syncer = Syncer(MANIFEST, plan, [n for n in SHAPES if is_embedding(n)])
+    plan = plan_fragments(SHAPES, manifest.sync.fragments, manifest.sync.period, manifest.sync.overlap)
+    syncer = Syncer(manifest, plan, [n for n in SHAPES if is_embedding(n)])
     if step_s is not None:
         syncer.prime(step_s=step_s)
     clock = FakeClock(START)
     records = {name: SimpleNamespace(role=role, state=state) for name, (role, state) in members.items()}
     core = SimpleNamespace(is_lease_holder=lambda now: True, election=SimpleNamespace(leader_id="lead"),
                            membership=SimpleNamespace(members=records))
-    driver = RoundDriver(node_id="lead", manifest=MANIFEST, plan=plan, syncer=syncer,
-                         replica=Replica(plan, initial, MANIFEST.outer), coordination=core,
+    driver = RoundDriver(node_id="lead", manifest=manifest, plan=plan, syncer=syncer,
+                         replica=Replica(plan, initial, manifest.outer), coordination=core,
                          addresses=AddressBook(), client=None, executor=executor or InlineExecutor(), clock=clock,
                          tasks=TaskSet(), dispatch=lambda actions: None, replica_behind=lambda: "held in tests",
                          report_error=pytest.fail, contributions_sent=NullCounter(), merges_proposed=NullCounter())

@@ -188,6 +188,26 @@ def test_weight_decay_applies_to_matrices_only() -> None:
 # ------------------------------------------------------------------ [run.sync] codecs
 
 
+async def test_codec_up_is_the_codec_a_learner_streams_its_contribution_in() -> None:
+    from test_contribution_admission import LEARNER, MANIFEST, SHAPES, _driver
+
+    from diloco_node.learn.learner_thread import DueFragment
+
+    sizes = {}
+    for codec in ("int8", "fp32"):
+        manifest = dataclasses.replace(MANIFEST, sync=dataclasses.replace(MANIFEST.sync, codec_up=codec))
+        driver, syncer, _ = _driver({"lead": LEARNER}, manifest=manifest)  # we hold the lease: streamed to ourselves
+        names = driver.plan.fragments[1].names
+        rng = np.random.default_rng(0)
+        delta = {n: rng.standard_normal(SHAPES[n]).astype(np.float32) for n in names}  # zstd cannot shrink it
+        await driver._send_contribution(DueFragment(1, 0, 8, 8 * 32, delta, step=8))
+        kept = syncer.rounds[1].pending["lead"][0].delta
+        sizes[codec] = kept.encoded_bytes
+        assert all(np.allclose(kept[n], delta[n], rtol=0, atol=0.05) for n in names)  # int8: half a scale step
+    values = sum(int(np.prod(SHAPES[n])) for n in names)
+    assert sizes["fp32"] >= 4 * values > 2 * sizes["int8"]  # 4 bytes a value, about 1 (+ block padding)
+
+
 def test_codec_down_sizes_the_commit_checked_against_the_wire() -> None:
     from wire.limits import MAX_LOG_APPEND_BYTES
 
