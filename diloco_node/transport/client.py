@@ -279,16 +279,19 @@ class PeerClient:
                     message = await anext(iterator)
                 except StopAsyncIteration:
                     message = None
-                except BaseException as error:  # the producer failed: stop the upload, report its error
-                    failure.append(error)
+                except Exception as error:  # the producer failed: stop the upload, report its error
+                    failure.append(error)  # (not a cancellation: aiohttp cancels the body when the peer refuses)
                     raise
 
         try:
-            return await self._post(base_url.rstrip("/") + kind_path(first.KIND), body(), None, peer, deadline_s)
+            replies = await self._post(base_url.rstrip("/") + kind_path(first.KIND), body(), None, peer, deadline_s)
         except TransportError:
             if failure:
                 raise failure[0] from None
             raise
+        if failure:
+            raise failure[0]
+        return replies
 
     async def _encode(self, message: Message, to: str) -> bytes:
         nonce = os.urandom(NONCE_BYTES)
