@@ -727,6 +727,7 @@ class JoinRequest(Message):
     advertise_url: str
     role: Role
     manifest_digest: bytes
+    status_url: str = ""  # optional: where browsers reach my operator routes ("" none / at advertise_url)
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -734,6 +735,7 @@ class JoinRequest(Message):
         _text(owner, "advertise_url", self.advertise_url, max_chars=MAX_URL_CHARS, pattern=URL_PATTERN)
         object.__setattr__(self, "role", _role(owner, self.role))
         _blob(owner, "manifest_digest", self.manifest_digest, exact=DIGEST_BYTES)
+        _text(owner, "status_url", self.status_url, max_chars=MAX_URL_CHARS, pattern=URL_PATTERN, allow_empty=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -744,6 +746,7 @@ class Member:
     advertise_url: str
     role: Role
     voter: bool
+    status_url: str = ""  # optional, as in JoinRequest
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -751,6 +754,7 @@ class Member:
         _text(owner, "advertise_url", self.advertise_url, max_chars=MAX_URL_CHARS, pattern=URL_PATTERN)
         object.__setattr__(self, "role", _role(owner, self.role))
         _boolean(owner, "voter", self.voter)
+        _text(owner, "status_url", self.status_url, max_chars=MAX_URL_CHARS, pattern=URL_PATTERN, allow_empty=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -784,7 +788,8 @@ class Membership(Message):
 
     def to_wire(self) -> tuple[dict[str, Any], bytes]:
         members = [{"node_id": m.node_id, "advertise_url": m.advertise_url, "role": m.role.value,
-                    "voter": m.voter} for m in self.members]
+                    "voter": m.voter, **({"status_url": m.status_url} if m.status_url else {})}
+                   for m in self.members]
         return {"epoch": self.epoch, "config_index": self.config_index, "members": members}, self.payload
 
     @classmethod
@@ -806,7 +811,7 @@ class Membership(Message):
                 if key not in item:
                     raise _fail(owner, f"members[{position}].{key}", "missing")
             members.append(Member(node_id=item["node_id"], advertise_url=item["advertise_url"],
-                                  role=item["role"], voter=item["voter"]))
+                                  role=item["role"], voter=item["voter"], status_url=item.get("status_url", "")))
         return cls(epoch=field_map["epoch"], config_index=field_map["config_index"],
                    members=tuple(members), payload=payload)
 

@@ -174,6 +174,10 @@ class NodeConfig:
     # Operator routes (/status, /metrics, /livez, /readyz, /) on a listener of their own; with TLS
     # on and this unset: 127.0.0.1 at the listen port + 1 (loopback: operators are local or tunnel).
     status_listen: HostPort | None = None
+    # Where browsers reach this node's operator routes when they are not at `advertise` (TLS on);
+    # members advertise it to each other so the live page can read every member's /series.
+    # "": derived from status_listen when that is not a wildcard, else none.
+    status_url: str = ""
     mesh: MeshShape = MeshShape()  # [node.mesh]: this site's devices laid out (learn/mesh.py)
     cluster: ClusterSpec = ClusterSpec()  # [node.cluster]: the hosts of a multi-host site
 
@@ -184,6 +188,8 @@ class NodeConfig:
         _require(self.role in ROLES, f"role = {self.role!r}: must be one of {', '.join(ROLES)}")
         _require(self.log_level in LOG_LEVELS, f"log_level = {self.log_level!r}: must be one of {', '.join(LOG_LEVELS)}")
         _check_advertise(self.advertise)
+        if self.status_url:
+            _check_advertise(self.status_url, "status_url", "browsers")
         for peer in self.bootstrap:
             _require(HostPort.parse(_hostport_of_url(self.advertise), "advertise") != peer,
                      f"bootstrap = {str(peer)!r}: points at this node's own advertise address; "
@@ -256,9 +262,9 @@ TLS_CREDENTIALS = {"tls_cert_file": "diloco-tls-cert", "tls_key_file": "diloco-t
                    "tls_ca_file": "diloco-tls-ca", "tls_crl_file": "diloco-tls-crl"}
 
 
-def _check_advertise(url: str) -> None:
+def _check_advertise(url: str, key: str = "advertise", who: str = "the other sites") -> None:
     parts = urlsplit(url)
-    hint = f"advertise = {url!r}: expected http(s)://HOST:PORT reachable by the other sites"
+    hint = f"{key} = {url!r}: expected http(s)://HOST:PORT reachable by {who}"
     _require(parts.scheme in ("http", "https"), hint)
     try:
         port = parts.port
@@ -331,6 +337,8 @@ _NODE_HELP = {
     "tls_ca_file": "the run CA's certificate: peers' certificates are verified against it alone",
     "tls_crl_file": "the run CA's revocation list (PEM; `diloco-node certs revoke` writes it)",
     "status_listen": "HOST:PORT of the operator routes' own listener (default with TLS: 127.0.0.1:<listen port + 1>)",
+    "status_url": "URL browsers use to reach this node's operator routes, advertised to members for the live "
+                  "page (default with TLS: http://<status_listen> unless a wildcard; without TLS: advertise)",
 }
 _NODE_KINDS = {
     "node_id": "str", "listen": "hostport", "advertise": "str", "source_address": "optip",
@@ -342,7 +350,7 @@ _NODE_KINDS = {
     "data.source": "str", "data.paths": "pathlist", "data.tokenizer": "pathstr", "data.token_dtype": "str",
     "data.eval_fraction": "float", "data.seed": "int",
     "tls_cert_file": "optpath", "tls_key_file": "optpath", "tls_ca_file": "optpath", "tls_crl_file": "optpath",
-    "status_listen": "opthostport",
+    "status_listen": "opthostport", "status_url": "str",
 }
 # [node.data] is a table of its own: its keys are "data.<name>" (env DILOCO_DATA_<NAME>, --set data.<name>=).
 NODE_DATA_PREFIX = "data."
@@ -864,6 +872,10 @@ def _fill_derived(values: dict[str, Any], sources: dict[str, str], environ: Mapp
         listen = values["listen"]
         values["status_listen"] = HostPort("127.0.0.1", listen.port + 1 if listen.port < 65535 else listen.port - 1)
         sources["status_listen"] = "derived:listen"
+    status_listen: HostPort | None = values["status_listen"]
+    if not values["status_url"] and status_listen is not None and not status_listen.is_wildcard:
+        values["status_url"] = status_listen.url("http")  # the operator listener speaks plain HTTP
+        sources["status_url"] = "derived:status_listen"
     if sources["data_dir"] == "default" and environ.get("STATE_DIRECTORY"):
         # systemd's StateDirectory= sets this (colon-separated when several are configured).
         values["data_dir"] = Path(environ["STATE_DIRECTORY"].split(":")[0])

@@ -8,7 +8,8 @@ checking norm outliers from its first round instead of starting without a refere
 carries the fragment, its new round and the fragment digest after applying. Every replica
 applies entries in log order; an entry whose round is already in the state (a joiner that
 downloaded a newer fragment) is skipped; a gap or a digest mismatch marks the fragment as
-diverged so the node fetches it from a peer.
+diverged so the node fetches it from a peer. An EVICTION entry adds its site to `evictions`
+(sync/evictions.py), which checkpoints and every fragment's download bytes carry.
 
 No I/O and no clock here.
 """
@@ -27,6 +28,7 @@ import numpy as np
 
 from bootstrap.entries import EntryKind, LogEntry
 from diloco_node.config.manifest import OuterOptimizer, StopSpec
+from diloco_node.sync.evictions import EvictionError, Evictions
 from diloco_node.sync.fragments import FragmentPlan
 from diloco_node.sync.global_state import GlobalState, GlobalStateError
 from diloco_node.sync.state_codec import (
@@ -34,6 +36,7 @@ from diloco_node.sync.state_codec import (
     StateCodecError,
     decode_fragment,
     encode_fragment,
+    evictions_from_checkpoint,
     from_checkpoint,
     to_checkpoint,
 )
@@ -120,7 +123,9 @@ class Replica:
         # every replica ends at the same index with the same state.
         self.merged: list[tuple[int, int]] = [(0, 0)] * plan.num_fragments
         self.commit_wall: list[float] = [0.0] * plan.num_fragments  # newest commit's planning time
-        self._bytes_cache: dict[int, tuple[int, bytes, bytes]] = {}  # p -> (round, bytes, sha256)
+        self.evictions = Evictions()  # sites removed from this run for good (never undone)
+        # p -> (round, evictions known, bytes, sha256): the bytes carry the evictions too
+        self._bytes_cache: dict[int, tuple[int, int, bytes, bytes]] = {}
 
     # ---- the leader's preview ---------------------------------------------------------------
 
@@ -149,6 +154,12 @@ class Replica:
         return self.stop.reached(*self.merged_totals, elapsed)
 
     def _apply(self, entry: LogEntry) -> ApplyOutcome:
+        if entry.kind is EntryKind.EVICTION:
+            try:
+                record = self.evictions.apply_entry(entry.payload, entry.index)
+            except EvictionError as error:  # the lease holder checked it: only a bug gets here
+                return ApplyOutcome(False, None, f"{error}; ignored")
+            return ApplyOutcome(True, None, record.refusal())
         if entry.kind is not EntryKind.OUTER_COMMIT:
             return ApplyOutcome(False, None, f"{entry.kind.value}: nothing to apply")
         complete = self.completion()
@@ -191,7 +202,8 @@ class Replica:
         """Fragment p's replicated state: the global state's part plus the norm reference and totals."""
         tokens, steps = self.merged[p]
         return dataclasses.replace(self.state.fragment_state(p), norm_ref=self.norm_refs.get(p),
-                                   merged_tokens=tokens, merged_steps=steps, commit_wall=self.commit_wall[p])
+                                   merged_tokens=tokens, merged_steps=steps, commit_wall=self.commit_wall[p],
+                                   evicted=tuple(self.evictions.records()))
 
     def install_states(self, states: Sequence[FragmentState], expected_digest: str | None = None) -> str:
         """Replace the whole replicated state (all-or-nothing, GlobalStateError); returns its digest."""
@@ -200,19 +212,21 @@ class Replica:
         ordered = sorted(states, key=lambda s: s.fragment)
         self.merged = [(s.merged_tokens, s.merged_steps) for s in ordered]
         self.commit_wall = [s.commit_wall for s in ordered]
+        for state in states:  # the register only grows: what we applied ourselves stays
+            self.evictions.merge(state.evicted)
         self._bytes_cache.clear()
         return digest
 
     def fragment_bytes(self, p: int) -> tuple[int, bytes, bytes]:
         """(round, download bytes, sha256) of fragment p as it is now (cached per round)."""
-        round_ = self.state.round(p)
+        round_, evicted = self.state.round(p), len(self.evictions)
         cached = self._bytes_cache.get(p)
-        if cached is not None and cached[0] == round_:
-            return cached
+        if cached is not None and cached[:2] == (round_, evicted):
+            return round_, cached[2], cached[3]
         data = encode_fragment(self.fragment_state(p))
-        result = (round_, data, hashlib.sha256(data).digest())
-        self._bytes_cache[p] = result
-        return result
+        digest = hashlib.sha256(data).digest()
+        self._bytes_cache[p] = (round_, evicted, data, digest)
+        return round_, data, digest
 
     def install_fragment_bytes(self, p: int, data: bytes) -> str:
         """Replace fragment p from a peer's download bytes (checked fully before anything changes)."""
@@ -232,16 +246,21 @@ class Replica:
             self.norm_refs[p] = state.norm_ref
         self.merged[p] = (state.merged_tokens, state.merged_steps)
         self.commit_wall[p] = state.commit_wall
+        self.evictions.merge(state.evicted)
         self._bytes_cache.pop(p, None)
         self.diverged.discard(p)
         return digest
 
     def checkpoint_entries(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """(metadata, arrays) of the replicated state for a checkpoint (the caller adds its own)."""
-        return to_checkpoint([self.fragment_state(p) for p in range(self.plan.num_fragments)], self.state.digest())
+        return to_checkpoint([self.fragment_state(p) for p in range(self.plan.num_fragments)], self.state.digest(),
+                             self.evictions)
 
     def restore_checkpoint(self, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> str:
         """Replace the replicated state from a checkpoint's metadata and arrays, verified against
         the digest it promises; StateCodecError or GlobalStateError (nothing changed) otherwise."""
         states, digest = from_checkpoint(meta, arrays, self.plan)
-        return self.install_states(states, expected_digest=digest)
+        evicted = evictions_from_checkpoint(meta)
+        installed = self.install_states(states, expected_digest=digest)
+        self.evictions.merge(evicted.records())
+        return installed

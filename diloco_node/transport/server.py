@@ -47,7 +47,7 @@ from aiohttp import http_exceptions, web
 
 from diloco_node.transport.counters import TrafficCounters
 from diloco_node.transport.routes import FRAME_CONTENT_TYPE, ROUTE_PREFIX, SENDER_HEADER, kind_from_name, kind_name
-from diloco_node.transport.tls import certified_node_id
+from diloco_node.transport.tls import certificate_sha256, certified_node_id
 from wire.auth import ANY_MEMBER, MAC_BYTES, NONCE_BYTES, AuthContext, FrameVerifier
 from wire.errors import RemoteProtocolError
 from wire.frames import (
@@ -173,6 +173,10 @@ class _Stream:
 
 
 MessageHandler = Callable[[Message, Peer], Awaitable[Message | None]]
+# Why a peer is refused for good (an eviction), from its node id and certificate fingerprint; None
+# admits it. Asked before a request's body is read (the certificate) and at its first frame (the
+# authenticated sender).
+PeerGate = Callable[[str | None, str | None], str | None]
 SinkOpener = Callable[[Message, Peer, int], Awaitable[PayloadSink]]
 SequenceOpener = Callable[[Message, Peer], Awaitable[SequenceConsumer]]
 
@@ -232,6 +236,10 @@ class PeerServer:
         self._streams_total = 0
         self._pending: dict[_Stream, None] = {}  # unauthenticated streams, oldest first
         self._pending_by_address: dict[str, int] = {}
+        self.gate: PeerGate = lambda node_id, fingerprint: None  # the daemon sets its eviction check
+        # Certificate fingerprints each certified node id presented, so an eviction can name them.
+        # Bounded: only verified certificates of the run's CA get here, a few per member.
+        self.seen_certificates: dict[str, set[str]] = {}
 
     # ---- wiring -----------------------------------------------------------------------------
 
@@ -310,6 +318,12 @@ class PeerServer:
             certified, why = self._certified(request)
             if certified is None:
                 return 403, why
+            fingerprint = self._fingerprint(request)
+            refused = self.gate(certified, fingerprint)
+            if refused is not None:
+                return 403, refused
+            if fingerprint is not None:
+                self.seen_certificates.setdefault(certified, set()).add(fingerprint)
         address = request.remote or "unknown"
         per_address = self.options.max_unauthenticated_streams_per_address
         if self._pending_by_address.get(address, 0) >= per_address:
@@ -320,6 +334,11 @@ class PeerServer:
     def _certified(request: web.Request) -> tuple[str | None, str]:
         transport = request.transport
         return certified_node_id(transport.get_extra_info("ssl_object") if transport is not None else None)
+
+    @staticmethod
+    def _fingerprint(request: web.Request) -> str | None:
+        transport = request.transport
+        return certificate_sha256(transport.get_extra_info("ssl_object") if transport is not None else None)
 
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
         """`Expect: 100-continue` (big uploads): refuse before the client sends any body byte."""
@@ -406,6 +425,9 @@ class PeerServer:
             # The MAC proves "a member of the run"; the certificate proves which one.
             raise RemoteProtocolError(f"the connection's certificate names {stream.certified!r} but the frame is "
                                       f"from {sender!r}: a member cannot speak for another", 403)
+        refused = self.gate(sender, None)
+        if refused is not None:  # with or without TLS: an evicted member's frames change nothing
+            raise RemoteProtocolError(refused, 403)
         self._unpend(stream)
         per_peer = self.limits.max_concurrent_streams_per_peer
         if self._streams.get(sender, 0) >= per_peer:
