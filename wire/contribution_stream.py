@@ -99,6 +99,13 @@ def plan_chunks(shapes: Mapping[str, Sequence[int]], codec_name: str,
     return [ChunkPlan(name, tuple(int(d) for d in shapes[name]), per_chunk) for name in sorted(shapes)]
 
 
+def max_encoded_bytes(head: ContributionOpen) -> int:
+    """Most payload bytes the chunks this open announces can carry (the codec's bound, chunk by chunk)."""
+    codec = _codec(head.codec)
+    return sum(chunk_bound(codec, values) for spec in head.tensors
+               for _, values in ChunkPlan(spec.name, spec.shape, head.chunk_elements).chunk_sizes())
+
+
 def chunk_problems(shapes: Mapping[str, Sequence[int]], codec_name: str, limits: Limits = DEFAULT_LIMITS) -> list[str]:
     """Why some tensor of these could not be streamed (empty: every tensor can).
 

@@ -40,7 +40,13 @@ from diloco_node.sync.syncer import CommitPlan, OpenRound, Syncer
 from diloco_node.transport import PeerClient, TransportError
 from wire import messages as wire
 from wire.codecs import decode_named
-from wire.contribution_stream import ContributionAssembler, EncodedDelta, contribution_chunks, open_for
+from wire.contribution_stream import (
+    ContributionAssembler,
+    EncodedDelta,
+    contribution_chunks,
+    max_encoded_bytes,
+    open_for,
+)
 from wire.errors import RemoteProtocolError
 from wire.limits import DEFAULT_LIMITS, Limits
 from wire.messages import STREAM_ID_BYTES
@@ -48,8 +54,11 @@ from wire.messages import STREAM_ID_BYTES
 log = logging.getLogger("diloco_node.daemon")
 
 # A contribution upload may take this long before it is dropped (the learner sends again at its
-# next slot, with the steps of both).
+# next slot, with the steps of both) ...
 CONTRIBUTION_DEADLINE_S = 60.0
+# ... plus the time its largest possible size takes at this rate (4 Mbit/s, the slowest inter-site
+# link planned for): a 7B model's int4 fragment at P = 24 (~160 MB) may take ~5 minutes there.
+CONTRIBUTION_MIN_RATE_BYTES_PER_S = 512 * 1024
 # Contributions being received per learner: a learner sends one fragment per slot, so a second one
 # while its first is still arriving (or, wire 2.0, decoding) is a flood (429).
 MAX_DECODES_PER_LEARNER = 1
@@ -131,8 +140,8 @@ class RoundDriver:
             return
         started = self.clock.monotonic()
         try:
-            await self.client.send_sequence(url, self._frames(head, due.delta), peer=leader,
-                                            deadline_s=CONTRIBUTION_DEADLINE_S)
+            deadline_s = CONTRIBUTION_DEADLINE_S + max_encoded_bytes(head) / CONTRIBUTION_MIN_RATE_BYTES_PER_S
+            await self.client.send_sequence(url, self._frames(head, due.delta), peer=leader, deadline_s=deadline_s)
         except TransportError as error:
             log.info("%s: contribution for fragment %d not delivered: %s", self.node_id, due.fragment, error)
             return
