@@ -188,18 +188,37 @@ def test_weight_decay_applies_to_matrices_only() -> None:
 # ------------------------------------------------------------------ [run.sync] codecs
 
 
-def test_codec_up_sizes_the_contribution_checked_against_the_wire() -> None:
-    from wire.codecs.container import MAX_TENSOR_ELEMENTS
-    from wire.limits import MAX_CONTRIBUTION_BYTES, MAX_LOG_APPEND_BYTES
+async def test_codec_up_is_the_codec_a_learner_streams_its_contribution_in() -> None:
+    from test_contribution_admission import LEARNER, MANIFEST, SHAPES, _driver
 
-    limits = dict(max_contribution_bytes=MAX_CONTRIBUTION_BYTES, max_log_append_bytes=MAX_LOG_APPEND_BYTES,
-                  max_decoded_elements=MAX_TENSOR_ELEMENTS)
+    from diloco_node.learn.learner_thread import DueFragment
+
+    sizes = {}
+    for codec in ("int8", "fp32"):
+        manifest = dataclasses.replace(MANIFEST, sync=dataclasses.replace(MANIFEST.sync, codec_up=codec))
+        driver, syncer, _ = _driver({"lead": LEARNER}, manifest=manifest)  # we hold the lease: streamed to ourselves
+        names = driver.plan.fragments[1].names
+        rng = np.random.default_rng(0)
+        delta = {n: rng.standard_normal(SHAPES[n]).astype(np.float32) for n in names}  # zstd cannot shrink it
+        await driver._send_contribution(DueFragment(1, 0, 8, 8 * 32, delta, step=8))
+        kept = syncer.rounds[1].pending["lead"][0].delta
+        sizes[codec] = kept.encoded_bytes
+        assert all(np.allclose(kept[n], delta[n], rtol=0, atol=0.05) for n in names)  # int8: half a scale step
+    values = sum(int(np.prod(SHAPES[n])) for n in names)
+    assert sizes["fp32"] >= 4 * values > 2 * sizes["int8"]  # 4 bytes a value, about 1 (+ block padding)
+
+
+def test_codec_down_sizes_the_commit_checked_against_the_wire() -> None:
+    from wire.limits import MAX_LOG_APPEND_BYTES
+
+    limits = dict(max_log_append_bytes=MAX_LOG_APPEND_BYTES)
     shapes = {f"blocks.{i}.mlp.kernel": (12288, 12288) for i in range(8)}  # shapes only
     plan = plan_fragments(shapes, 8, 32, 1)
     assert wire_fit_problems(plan, shapes, "int4", "int4", **limits) == []
-    problems = wire_fit_problems(plan, shapes, "fp32", "int4", **limits)
-    assert any("its contribution (fp32" in p for p in problems)
-    assert not any("its commit" in p for p in problems)
+    # codec_up no longer matters (contributions are streamed in chunks); codec_down does
+    assert wire_fit_problems(plan, shapes, "fp32", "int4", **limits) == []
+    problems = wire_fit_problems(plan, shapes, "int4", "fp32", **limits)
+    assert any("its commit (fp32" in p for p in problems)
 
 
 def test_secret_file_is_the_run_secret_and_so_the_run_id(tmp_path: Path) -> None:

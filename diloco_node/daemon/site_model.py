@@ -30,8 +30,7 @@ from diloco_node.learn.synthetic_learner import SyntheticLearner
 from diloco_node.sync.fragments import FragmentPlan, plan_fragments, wire_fit_problems
 from diloco_node.sync.replica import Replica
 from diloco_node.sync.syncer import Syncer
-from wire.codecs.container import MAX_TENSOR_ELEMENTS
-from wire.limits import MAX_CONTRIBUTION_BYTES, MAX_LOG_APPEND_BYTES
+from wire.limits import MAX_LOG_APPEND_BYTES
 
 log = logging.getLogger("diloco_node.daemon")
 
@@ -85,9 +84,7 @@ def build_site_model(manifest: RunManifest, *, learner: bool, data: SiteData | N
     sync = manifest.sync
     plan = plan_fragments(shapes, sync.fragments, sync.period, sync.overlap)
     too_big = wire_fit_problems(plan, shapes, sync.codec_up, sync.codec_down,
-                                max_contribution_bytes=MAX_CONTRIBUTION_BYTES,
-                                max_log_append_bytes=MAX_LOG_APPEND_BYTES,
-                                max_decoded_elements=MAX_TENSOR_ELEMENTS)
+                                max_log_append_bytes=MAX_LOG_APPEND_BYTES)
     if too_big:
         raise ConfigError("the run's fragments do not fit the wire limits: " + "; ".join(too_big))
     replica = Replica(plan, initial, manifest.outer, manifest.stop, manifest.founded_at)

@@ -178,7 +178,8 @@ class Replica:
             return ApplyOutcome(False, p, f"fragment {p}: commit of round {round_} but state is at {current}", True)
         try:
             payload = CommitPayload.decode(entry.payload)
-            gradient = decode_named(payload.delta)
+            # bounded by the fragment's own size (not a fixed cap: a 7B model's fragments pass 2^28 values)
+            gradient = decode_named(payload.delta, max_elements=self.plan.fragments[p].num_elements)
             digest = self.state.apply_outer_gradient(p, gradient)
         except (RemoteProtocolError, GlobalStateError, ValueError) as error:
             self.diverged.add(p)
