@@ -7,6 +7,8 @@ the lease holder's death to the next commit under a healthy majority).
 
     .venv/bin/python benchmarks/coordination.py --seeds 10000 --json coordination.json
     .venv/bin/python benchmarks/coordination.py --seeds 200 --broken vote_without_log_check
+    .venv/bin/python benchmarks/coordination.py --seeds 2000 --relays 2   # payloads down a relay tree
+    .venv/bin/python benchmarks/coordination.py --seeds 200 --relays 2 --broken relay_accept_unverified
 
 Any failing seed replays exactly: `--first-seed S --seeds 1 --verbose`.
 """
@@ -27,6 +29,9 @@ from bootstrap.simulation import SimConfig, SimResult, run_seed  # noqa: E402
 from bootstrap.simulation.broken import BROKEN_VARIANTS  # noqa: E402
 from bootstrap.simulation.harness import DEFAULT_CHAOS_S  # noqa: E402
 
+# Broken variants of the relay plane are settings of the simulation, not node classes.
+BROKEN_RELAY_VARIANTS = {"relay_accept_unverified": {"relay_verify": False}}
+
 
 def percentile(sorted_values: list[float], fraction: float) -> float | None:
     if not sorted_values:
@@ -37,7 +42,7 @@ def percentile(sorted_values: list[float], fraction: float) -> float | None:
 
 def _run(job: tuple[int, SimConfig, str | None]) -> SimResult:
     seed, config, broken = job
-    factory = BROKEN_VARIANTS[broken] if broken else CoordinatorNode
+    factory = BROKEN_VARIANTS.get(broken, CoordinatorNode) if broken else CoordinatorNode
     return run_seed(seed, config, factory)
 
 
@@ -78,6 +83,11 @@ def summarize(results: list[SimResult], args: argparse.Namespace, config: SimCon
         "virtual_s_total": round(sum(r.virtual_s for r in results), 1),
         "events_total": sum(r.events for r in results),
         "outer_commits_total": sum(r.commits for r in results),
+        "relay_fanout": config.relay_fanout,
+        "relay_holder_sends_per_commit": (round(sum(r.relay_holder_sends for r in results)
+                                                / max(1, sum(r.commits for r in results)), 3)
+                                          if config.relay_fanout else None),
+        "relay_altered_payloads_refused": sum(r.relay_refused for r in results),
         "wall_s": round(wall_s, 1),
         "jobs": args.jobs,
     }
@@ -89,14 +99,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--chaos-s", type=float, default=DEFAULT_CHAOS_S, help="virtual seconds of faults per schedule")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (the machine may be shared)")
-    parser.add_argument("--broken", choices=sorted(BROKEN_VARIANTS), help="run a deliberately broken variant")
+    parser.add_argument("--broken", choices=sorted([*BROKEN_VARIANTS, *BROKEN_RELAY_VARIANTS]),
+                        help="run a deliberately broken variant")
+    parser.add_argument("--relays", type=int, default=0, metavar="FANOUT",
+                        help="commit payloads travel down a relay tree of this fan-out (0: the holder sends all)")
     parser.add_argument("--json", type=Path, help="write the summary here")
     parser.add_argument("--verbose", action="store_true", help="print each failing seed's faults and violations")
     args = parser.parse_args(argv)
     if args.seeds < 1:
         parser.error("--seeds must be >= 1")
 
-    config = SimConfig(chaos_s=args.chaos_s)
+    if args.broken in BROKEN_RELAY_VARIANTS and not args.relays:
+        parser.error(f"--broken {args.broken} needs --relays FANOUT")
+    if args.relays < 0:
+        parser.error("--relays must be >= 0")
+    config = SimConfig(chaos_s=args.chaos_s, relay_fanout=args.relays,
+                       **BROKEN_RELAY_VARIANTS.get(args.broken or "", {}))
     jobs = [(seed, config, args.broken) for seed in range(args.first_seed, args.first_seed + args.seeds)]
     started = time.perf_counter()
     results: list[SimResult] = []

@@ -10,6 +10,11 @@ Sections of the JSON report (`--json PATH`):
   this section), alternating plain and TLS runs `TLS_PAIRS` times; `tls_cost` = 1 - best TLS / best
   plain throughput (target <= 0.03), and the direct (uncapped) TLS throughput, which shows the
   encryption's CPU cost on this host.
+- "contribution_memory" (`--contribution-memory`, or `--contribution-memory-only`): in one process,
+  tracemalloc peaks of the lease holder receiving one int4 contribution of a fragment of
+  `--contribution-params` parameters (default 100M) as one wire 2.0 frame (buffered, decoded whole)
+  and as a wire 2.1 stream (chunk by chunk, kept encoded), and of merging K = 4 such contributions
+  held decoded (as 2.0 did) or encoded (as now). MiB = 2^20 bytes in this section.
 
 Sender, receiver and link emulator run as separate processes (this file with `--role`, and
 `diloco-node linkemu`), so each one's memory is its own. MB = 10^6 bytes throughout.
@@ -246,6 +251,82 @@ def measure_codec_section(num_elements: int, repeats: int) -> list[dict]:
              "decode_MBps": round(row["decode_MBps"], 1), "ratio": round(row["ratio"], 3)} for row in rows]
 
 
+def measure_contribution_memory(params: int, k: int = 4) -> dict:
+    """Receive path and merge memory for one fragment, whole-frame (2.0) against streamed (2.1)."""
+    import gc
+    import tracemalloc
+
+    import numpy as np
+
+    from diloco_node.sync.global_state import FragmentHistory
+    from diloco_node.sync.merge import Contribution, ContributionCaps, merge_contributions
+    from wire.codecs import decode_named, encode_named
+    from wire.contribution_stream import ContributionAssembler, contribution_chunks, open_for
+
+    mib = 1 << 20
+    side = 2048
+    shapes = {f"blocks/{i}/w": (side, side) for i in range(max(1, round(params / side**2)))}
+    fp32 = 4 * sum(a * b for a, b in shapes.values())
+
+    def delta(seed: int) -> dict:
+        rng = np.random.default_rng(seed)
+        return {name: 0.01 * rng.standard_normal(shape, dtype=np.float32) for name, shape in shapes.items()}
+
+    def traced(fn):
+        gc.collect()
+        tracemalloc.start()
+        started = time.perf_counter()
+        out = fn()
+        elapsed = time.perf_counter() - started
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return out, peak, elapsed
+
+    def streamed(values: dict):
+        head = open_for(shapes, fragment=0, base_index=0, base_round=0, c_steps=1, c_tokens=1, codec="int4",
+                        learner_id="a", stream=bytes(16))
+        chunks = list(contribution_chunks(head, values))  # the sender's work, before measuring
+
+        def receive():
+            assembler = ContributionAssembler(head, shapes)
+            for chunk in chunks:
+                assembler.add(chunk)
+            return assembler.finish()
+        return receive, len(chunks)
+
+    first = delta(1)
+    payload = encode_named(first, "int4")
+    frame_bytes = len(payload)
+    decoded, whole_peak, whole_s = traced(lambda: decode_named(payload, expected=shapes))
+    receive, chunk_count = streamed(first)
+    encoded, stream_peak, stream_s = traced(receive)
+    del decoded, payload, first
+    kept = [encoded] + [streamed(delta(10 + i))[0]() for i in range(1, k)]
+    rng = np.random.default_rng(0)
+    current = {name: rng.standard_normal(shape, dtype=np.float32) for name, shape in shapes.items()}
+    history = FragmentHistory(fragment=0, capacity=2)
+    history.record(0, current)
+    caps = ContributionCaps(1000, 1000)
+
+    def merge(deltas):
+        contributions = [Contribution(f"l{i}", 0, 0, d, 10, 5000) for i, d in enumerate(deltas)]
+        return lambda: merge_contributions(contributions, current, history, caps=caps, embedding_names=[])
+    _, merge_encoded_peak, merge_encoded_s = traced(merge(kept))
+    as_decoded = [{name: e[name] for name in e} for e in kept]
+    _, merge_decoded_peak, merge_decoded_s = traced(merge(as_decoded))
+    return {
+        "params": sum(a * b for a, b in shapes.values()), "fp32_mib": round(fp32 / mib, 1),
+        "whole_frame": {"frame_mib": round(frame_bytes / mib, 1), "decode_peak_mib": round(whole_peak / mib, 1),
+                        "held_mib": round(fp32 / mib, 1), "seconds": round(whole_s, 2)},
+        "streamed": {"chunks": chunk_count, "transient_peak_mib": round(stream_peak / mib, 1),
+                     "held_mib": round(encoded.encoded_bytes / mib, 1), "seconds": round(stream_s, 2)},
+        "merge": {"k": k, "held_decoded_mib": round(k * fp32 / mib, 1),
+                  "held_encoded_mib": round(sum(e.encoded_bytes for e in kept) / mib, 1),
+                  "peak_from_decoded_mib": round(merge_decoded_peak / mib, 1), "seconds_from_decoded": round(merge_decoded_s, 1),
+                  "peak_from_encoded_mib": round(merge_encoded_peak / mib, 1), "seconds_from_encoded": round(merge_encoded_s, 1)},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the report to this file")
@@ -254,6 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-codecs", action="store_true")
     parser.add_argument("--tls", action="store_true", help="add the TLS section: capped transfer with and without TLS")
     parser.add_argument("--tls-only", action="store_true", help="run only the TLS section")
+    parser.add_argument("--contribution-memory", action="store_true",
+                        help="add the contribution_memory section (receive path and merge, 2.0 vs 2.1)")
+    parser.add_argument("--contribution-memory-only", action="store_true", help="run only that section")
+    parser.add_argument("--contribution-params", type=int, default=100_000_000,
+                        help="parameters of the fragment in the contribution_memory section")
     parser.add_argument("--role", choices=["receiver", "sender"], help=argparse.SUPPRESS)
     parser.add_argument("--tls-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
@@ -265,13 +351,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "sender":
         asyncio.run(_sender(args.url, args.bytes, args.tls_dir))
         return 0
-    if args.tls_only:
-        report: dict = {"tls": measure_tls()}
+    if args.contribution_memory_only:
+        report: dict = {"contribution_memory": measure_contribution_memory(args.contribution_params)}
+    elif args.tls_only:
+        report = {"tls": measure_tls()}
     else:
         report = {"codecs": [] if args.skip_codecs else measure_codec_section(args.codec_elements, args.codec_repeats),
                   "transfer": measure_transfer()}
         if args.tls:
             report["tls"] = measure_tls()
+        if args.contribution_memory:
+            report["contribution_memory"] = measure_contribution_memory(args.contribution_params)
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:

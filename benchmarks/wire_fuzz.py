@@ -7,7 +7,9 @@ random bytes, and correctly MAC'd frames with arbitrary header maps. Any excepti
 RemoteProtocolError out of the decoder is a bug: it is printed and the exit status is 1.
 
 Then it streams one large contribution (default 256 MiB) through the decoder in 64 KiB reads and
-reports MB/s and how much the peak RSS grew (the bounded-memory promise).
+reports MB/s and how much the peak RSS grew (the bounded-memory promise), and feeds damaged streamed
+contributions (wire 2.1: chunks cut, flipped, reordered, swapped between tensors or streams) to the
+receiver's `ContributionAssembler`: it must refuse them with RemoteProtocolError and nothing else.
 
     .venv/bin/python benchmarks/wire_fuzz.py --examples 100000
 
@@ -208,15 +210,78 @@ def stream_big(size_mb: int, read_kib: int = 64) -> None:
           f"(from {rss_before:.0f} MiB)")
 
 
+def fuzz_streams(examples: int, seed: int) -> int:
+    """Damaged chunk sequences into ContributionAssembler: only RemoteProtocolError may come out."""
+    import numpy as np
+
+    from wire.contribution_stream import ContributionAssembler, contribution_chunks, open_for
+    from wire.errors import RemoteProtocolError
+    from wire.limits import Limits
+    from wire.messages import ContributionChunk
+
+    rng = random.Random(seed)
+    limits = Limits(max_chunk_elements=256)
+    counts: collections.Counter[str] = collections.Counter()
+    bugs = 0
+    for i in range(examples):
+        shapes = {f"t{j}": tuple(rng.randint(0, 40) for _ in range(rng.randint(0, 3))) for j in range(rng.randint(1, 4))}
+        codec = rng.choice(("int4", "int8", "fp32", "bf16", "e3m0"))
+        delta = {n: np.random.default_rng(i).standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+        head = open_for(shapes, fragment=0, base_index=0, base_round=0, c_steps=1, c_tokens=1, codec=codec,
+                        learner_id="site-a", stream=bytes(16), limits=limits)
+        chunks = list(contribution_chunks(head, delta))
+        damage = rng.choice(("none", "flip", "cut", "drop", "swap", "stream", "extend"))
+        k = rng.randrange(len(chunks))
+        c = chunks[k]
+        if damage == "flip" and c.payload:
+            payload = bytearray(c.payload)
+            payload[rng.randrange(len(payload))] ^= 1 << rng.randrange(8)
+            chunks[k] = ContributionChunk(c.stream, c.tensor, c.offset, bytes(payload))
+        elif damage == "cut":
+            chunks[k] = ContributionChunk(c.stream, c.tensor, c.offset, c.payload[:rng.randrange(len(c.payload) + 1)])
+        elif damage == "drop":
+            del chunks[k]
+        elif damage == "swap" and len(chunks) > 1:
+            j = rng.randrange(len(chunks))
+            chunks[k], chunks[j] = chunks[j], chunks[k]
+        elif damage == "stream":
+            chunks[k] = ContributionChunk(bytes([1]) * 16, c.tensor, c.offset, c.payload)
+        elif damage == "extend":
+            chunks.append(c)
+        try:
+            assembler = ContributionAssembler(head, shapes, limits)
+            for chunk in chunks:
+                assembler.add(chunk)
+            got = assembler.finish()
+            for name in shapes:
+                assert got[name].shape == tuple(shapes[name]) and np.all(np.isfinite(got[name]))
+            counts[f"{damage}: accepted"] += 1
+        except RemoteProtocolError as error:
+            counts[f"{damage}: {error.status_hint}"] += 1
+        except Exception:  # noqa: BLE001 - a bug report, not error handling
+            bugs += 1
+            print(f"BUG in stream example {i} ({damage}, seed {seed}):", file=sys.stderr)
+            traceback.print_exc(limit=6)
+            if bugs >= 5:
+                break
+    print(f"fuzzed {examples} streamed contributions, bugs: {bugs}")
+    for key in sorted(counts):
+        print(f"  {key:<36} {counts[key]:>8}")
+    return bugs
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--examples", type=int, default=100_000, help="fuzz examples (default 100000)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stream-mb", type=int, default=256, help="size of the streamed payload, 0 to skip")
+    parser.add_argument("--stream-examples", type=int, default=2_000,
+                        help="damaged streamed contributions for the assembler (default 2000)")
     args = parser.parse_args()
     if args.stream_mb:
         stream_big(args.stream_mb)  # first, so the RSS growth is not hidden by the fuzz loop's peak
     bugs = fuzz(args.examples, args.seed)
+    bugs += fuzz_streams(args.stream_examples, args.seed)
     return 1 if bugs else 0
 
 

@@ -10,6 +10,7 @@ rule lives in election.py, replog.py and membership.py.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,6 +115,9 @@ class CoordinatorNode:
         self.leave_started_at = 0.0
         self.left = False
         self.last_membership_reason = ""
+        # Sites evicted from this run (the host's replicated register, applied from EVICTION
+        # entries): removed from the configuration, never added back, never replicated to.
+        self.is_evicted: Callable[[str], bool] = lambda node_id: False
 
     # ------------------------------------------------------------ queries
 
@@ -324,7 +328,7 @@ class CoordinatorNode:
             ):
                 targets.add(node_id)
         targets.discard(self.node_id)
-        return sorted(targets)
+        return sorted(t for t in targets if not self.is_evicted(t))
 
     def _replicate_to_all(self, now: float) -> list[Action]:
         actions: list[Action] = []
@@ -365,6 +369,9 @@ class CoordinatorNode:
             if change:
                 break
             record = self.membership.record(node_id)
+            if node_id != self.node_id and self.is_evicted(node_id):
+                change = ("remove", node_id)
+                break
             if record is None or node_id == self.node_id:
                 continue
             if record.state is MemberState.LEFT:
@@ -376,6 +383,7 @@ class CoordinatorNode:
             for node_id in self.membership.alive_ids():
                 record = self.membership.record(node_id)
                 if (node_id not in voters and record is not None and record.state is MemberState.ALIVE
+                        and not self.is_evicted(node_id)
                         and self.log.match_index.get(node_id, 0) >= self.log.commit_index):
                     change = ("add", node_id)
                     break

@@ -19,6 +19,7 @@ class EntryKind(str, enum.Enum):
     OUTER_COMMIT = "outer_commit"  # a merged outer gradient for one fragment round (opaque bytes)
     MEMBERSHIP = "membership"  # the new voting configuration, effective as soon as it is appended
     NOOP = "noop"  # appended by every new lease holder so it can commit entries of older epochs
+    EVICTION = "eviction"  # an operator removed a site for this run (opaque bytes, like OUTER_COMMIT)
 
 
 @dataclass(frozen=True, slots=True)

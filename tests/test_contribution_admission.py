@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import tracemalloc
 from concurrent.futures import Executor, Future
@@ -28,6 +29,7 @@ from wire import messages as wire
 from wire.codecs import decode_named, encode_named
 from wire.codecs.layout import DIM, FIXED_HEADER, NAME_LEN, NDIM
 from wire.errors import RemoteProtocolError
+from wire.limits import Limits
 
 from conftest import InlineExecutor, NullCounter
 
@@ -40,18 +42,18 @@ START = 1000.0
 
 
 def _driver(members: dict[str, tuple[coord.MemberRole, coord.MemberState]], executor: Executor | None = None,
-            step_s: float | None = None) -> tuple[RoundDriver, Syncer, FakeClock]:
+            step_s: float | None = None, manifest: RunManifest = MANIFEST) -> tuple[RoundDriver, Syncer, FakeClock]:
     initial = {n: np.zeros(shape, np.float32) for n, shape in SHAPES.items()}
-    plan = plan_fragments(SHAPES, MANIFEST.sync.fragments, MANIFEST.sync.period, MANIFEST.sync.overlap)
-    syncer = Syncer(MANIFEST, plan, [n for n in SHAPES if is_embedding(n)])
+    plan = plan_fragments(SHAPES, manifest.sync.fragments, manifest.sync.period, manifest.sync.overlap)
+    syncer = Syncer(manifest, plan, [n for n in SHAPES if is_embedding(n)])
     if step_s is not None:
         syncer.prime(step_s=step_s)
     clock = FakeClock(START)
     records = {name: SimpleNamespace(role=role, state=state) for name, (role, state) in members.items()}
     core = SimpleNamespace(is_lease_holder=lambda now: True, election=SimpleNamespace(leader_id="lead"),
                            membership=SimpleNamespace(members=records))
-    driver = RoundDriver(node_id="lead", manifest=MANIFEST, plan=plan, syncer=syncer,
-                         replica=Replica(plan, initial, MANIFEST.outer), coordination=core,
+    driver = RoundDriver(node_id="lead", manifest=manifest, plan=plan, syncer=syncer,
+                         replica=Replica(plan, initial, manifest.outer), coordination=core,
                          addresses=AddressBook(), client=None, executor=executor or InlineExecutor(), clock=clock,
                          tasks=TaskSet(), dispatch=lambda actions: None, replica_behind=lambda: "held in tests",
                          report_error=pytest.fail, contributions_sent=NullCounter(), merges_proposed=NullCounter())
@@ -160,7 +162,7 @@ async def test_one_decode_at_a_time_per_learner() -> None:
     first = asyncio.create_task(driver.on_contribution(_message(driver, "a")))
     while not executor.parked:
         await asyncio.sleep(0)
-    with pytest.raises(RemoteProtocolError, match="a contribution from a is already being decoded") as refused:
+    with pytest.raises(RemoteProtocolError, match="a contribution from a is already being received") as refused:
         await driver.on_contribution(_message(driver, "a", p=1))
     assert refused.value.status_hint == 429
     other = asyncio.create_task(driver.on_contribution(_message(driver, "b")))  # another learner is not held
@@ -188,3 +190,69 @@ def test_round_latency_is_observed_when_a_commit_includes_our_contribution() -> 
     driver.fragment_committed(1, ("a", "lead"))
     assert latency.value() == 1.0
     assert driver.round_latency._registry.registry.get_sample_value("diloco_round_latency_seconds_sum") == 7.0
+
+
+# ------------------------------------------------------------------ streamed contributions (wire 2.1)
+
+
+def _stream(driver: RoundDriver, learner: str, p: int = 0, c_steps: int = 8, value: float = 0.01):
+    from wire.contribution_stream import contribution_chunks, open_for
+
+    names = driver.plan.fragments[p].names
+    delta = {n: np.full(SHAPES[n], value, np.float32) for n in names}
+    head = open_for({n: SHAPES[n] for n in names}, fragment=p, base_index=0, base_round=0, c_steps=c_steps,
+                    c_tokens=c_steps * 32, codec=MANIFEST.sync.codec_up, learner_id=learner, stream=bytes(16),
+                    limits=Limits(max_chunk_elements=16))  # several chunks per tensor
+    return head, list(contribution_chunks(head, delta))
+
+
+async def _deliver(driver: RoundDriver, head, chunks) -> None:
+    receiving = driver.open_contribution(head)
+    try:
+        for chunk in chunks:
+            await receiving.part(chunk)
+    except BaseException as error:
+        await receiving.abort(str(error))
+        raise
+    await receiving.finish()
+
+
+async def test_a_streamed_contribution_is_admitted_like_one_frame_and_kept_encoded() -> None:
+    from wire.contribution_stream import EncodedDelta
+
+    driver, syncer, _ = _driver({"a": LEARNER, "w": (coord.MemberRole.WITNESS, coord.MemberState.ALIVE)})
+    with pytest.raises(RemoteProtocolError) as refused:
+        driver.open_contribution(_stream(driver, "w")[0])
+    assert refused.value.status_hint == 403 and str(refused.value) == "contribution refused: w is a witness, not a learner"
+    head, chunks = _stream(driver, "a")
+    assert len(chunks) > len(head.tensors)
+    await _deliver(driver, head, chunks)
+    contribution = syncer.rounds[0].pending["a"][0]
+    assert isinstance(contribution.delta, EncodedDelta)  # the syncer holds the encoded bytes, not fp32
+    for name in driver.plan.fragments[0].names:
+        np.testing.assert_allclose(contribution.delta[name], 0.01, rtol=0.08)
+    assert driver._decoding == {}
+
+
+async def test_a_bad_chunk_refuses_the_stream_and_frees_the_learners_slot() -> None:
+    driver, syncer, _ = _driver({"a": LEARNER})
+    head, chunks = _stream(driver, "a")
+    receiving = driver.open_contribution(head)
+    with pytest.raises(RemoteProtocolError, match="already being received") as refused:
+        driver.open_contribution(_stream(driver, "a", p=1)[0])  # its first is still arriving
+    assert refused.value.status_hint == 429
+    await receiving.part(chunks[0])
+    with pytest.raises(RemoteProtocolError, match="expected tensor 0 .* at offset 16, got tensor 0 at offset 0"):
+        await receiving.part(chunks[0])
+    await receiving.abort("the transport refused the stream")
+    assert driver._decoding == {} and syncer.rounds == {}
+    with pytest.raises(RemoteProtocolError, match="1 chunk\\(s\\) missing"):
+        await _deliver(driver, head, chunks[:-1])
+    assert driver._decoding == {} and syncer.rounds == {}
+    other = _stream(driver, "a", p=1)[0]
+    wrong = dataclasses.replace(other, tensors=other.tensors[1:])
+    with pytest.raises(RemoteProtocolError, match="for fragment 1: .*missing") as refused:
+        driver.open_contribution(wrong)
+    assert refused.value.status_hint == 400 and driver._decoding == {}
+    await _deliver(driver, head, chunks)
+    assert set(syncer.rounds[0].pending) == {"a"}

@@ -7,7 +7,7 @@ referenced test is renamed or removed. The proof is in the referenced tests. Whe
 the component a key configures rather than the key itself, the wiring (key -> component) is named
 in the test or in a second entry. Tests under tests/integration/ or in modules marked
 `integration` run outside the default suite (`-m 'not integration'`); keys observed only there
-are listed in `INTEGRATION_ONLY`.
+are listed in `INTEGRATION_ONLY` (empty now).
 """
 
 from __future__ import annotations
@@ -34,12 +34,14 @@ OBSERVED: dict[str, tuple[str, ...]] = {
                 CLUSTER + "test_three_sites_commit_and_agree"),
     "listen": ("tests/integration/test_launcher.py::test_a_site_behind_a_link_answers_through_it_and_close_leaves_nothing",
                TLS + "test_tls_keys_derive_https_and_a_loopback_status_listener"),
-    "advertise": ("tests/integration/test_launcher.py::test_a_site_behind_a_link_answers_through_it_and_close_leaves_nothing",),
+    "advertise": (E + "test_advertise_is_the_url_the_site_announces_to_members",
+                  "tests/integration/test_launcher.py::test_a_site_behind_a_link_answers_through_it_and_close_leaves_nothing",),
     "source_address": ("tests/test_transport.py::test_the_client_connects_from_its_configured_source_address",
                        E + "test_source_address_reaches_the_peer_client_options"),
     "bootstrap": ("tests/test_join_retry.py::test_a_starting_peer_is_asked_again_with_backoff_until_the_deadline",
                   CLUSTER + "test_fourth_site_joins_mid_run_and_is_merged"),
-    "data_dir": (CLUSTER + "test_sigterm_then_restart_resumes_at_the_same_index_with_identical_state",),
+    "data_dir": (E + "test_data_dir_is_where_the_daemon_keeps_its_state_and_finds_its_identity",
+                 CLUSTER + "test_sigterm_then_restart_resumes_at_the_same_index_with_identical_state",),
     "secret_file": (E + "test_secret_file_is_the_run_secret_and_so_the_run_id",
                     CLUSTER + "test_wrong_secret_is_refused_and_changes_nothing"),
     "secret_credential": (E + "test_secret_credential_names_the_systemd_credential_the_secret_is_read_from",),
@@ -52,14 +54,18 @@ OBSERVED: dict[str, tuple[str, ...]] = {
                        "tests/test_transport_timeouts.py::test_the_node_config_timeouts_become_the_transport_bounds"),
     "heartbeat_interval_s": (E + "test_heartbeat_interval_s_is_how_often_the_lease_holder_sends_appends",),
     "lease_timeout_s": (E + "test_lease_timeout_s_is_how_long_a_cut_off_holder_keeps_its_lease",),
-    # No test sets two values; the restart-from-checkpoint tests depend on the launcher's 3 s.
-    "checkpoint_interval_s": (CLUSTER + "test_sigkill_coordinator_fails_over_and_restarts_from_checkpoint",),
+    "checkpoint_interval_s": (E + "test_checkpoint_interval_s_is_how_often_the_daemon_checkpoints",
+                              CLUSTER + "test_sigkill_coordinator_fails_over_and_restarts_from_checkpoint",),
     "checkpoint_keep": (E + "test_checkpoint_keep_is_how_many_checkpoints_stay_on_disk",),
     "log_retain_entries": (E + "test_log_retain_entries_is_the_tail_kept_below_the_checkpoint",
                            "tests/test_daemon_compaction_cluster.py::test_logs_compact_and_stay_bounded"),
     "eval_interval_commits": ("tests/test_daemon_parts.py::test_the_evaluator_runs_every_n_commits_one_at_a_time_on_a_consistent_state",
                               "tests/test_daemon_parts.py::test_a_witness_or_a_disabled_evaluator_never_evaluates"),
     "eval_batches": (E + "test_eval_batches_is_how_many_windows_each_evaluation_scores",),
+    "learner": ("tests/test_synthetic_learner.py::test_the_node_keys_select_the_synthetic_learner_and_bad_values_are_config_errors",
+                "tests/integration/test_synthetic_cluster.py::test_two_synthetic_learners_commit_rounds_with_equal_digests"),
+    "synthetic_steps_per_s": ("tests/test_synthetic_learner.py::test_the_thread_steps_at_its_rate_and_stops",
+                              "tests/integration/test_synthetic_cluster.py::test_two_synthetic_learners_commit_rounds_with_equal_digests"),
     # ---------------------------------------------------------------- [node.data]
     "data.source": ("tests/test_data.py::test_text_files_and_globs",
                     "tests/test_data.py::test_stdlib_corpus_loads_with_disjoint_eval_files"),
@@ -77,6 +83,8 @@ OBSERVED: dict[str, tuple[str, ...]] = {
     "tls_ca_file": (TLS + "test_bad_certificates_are_refused_at_the_handshake",),
     "tls_crl_file": (TLS + "test_bad_certificates_are_refused_at_the_handshake",),
     "status_listen": (TLS + "test_tls_keys_derive_https_and_a_loopback_status_listener",),
+    "status_url": ("tests/test_page.py::test_a_node_advertises_its_operator_url_when_tls_moves_it",
+                   "tests/test_page.py::test_a_members_status_url_is_learned_from_its_join_and_passed_on"),
     # ---------------------------------------------------------------- [node.mesh], [node.cluster]
     "mesh.data": ("tests/test_mesh.py::test_axis_sizes_resolve_against_the_device_count",),
     "mesh.fsdp": ("tests/test_mesh.py::test_layout_rule_shards_the_largest_divisible_dimension_and_replicates_small_tensors",
@@ -84,9 +92,15 @@ OBSERVED: dict[str, tuple[str, ...]] = {
     "mesh.microbatches": ("tests/test_mesh.py::test_the_global_batch_must_split_over_devices_and_microbatches",),
     "cluster.coordinator": ("tests/test_cluster.py::test_a_one_host_site_initialises_no_cluster",
                             "tests/integration/test_site_cluster.py::test_diloco_node_run_on_two_hosts_is_one_site_whose_process_0_is_the_daemon"),
-    "cluster.num_processes": ("tests/integration/test_site_cluster.py::test_diloco_node_run_on_two_hosts_is_one_site_whose_process_0_is_the_daemon",),
-    "cluster.process_id": ("tests/integration/test_site_cluster.py::test_diloco_node_run_on_two_hosts_is_one_site_whose_process_0_is_the_daemon",),
-    "cluster.heartbeat_timeout_s": ("tests/integration/test_site_host_loss.py::test_a_killed_follower_takes_the_site_down_and_a_restart_resumes_it_from_its_checkpoint",),
+    "cluster.num_processes": (E + "test_cluster_keys_are_what_the_site_joins_its_jax_cluster_with",
+                              E + "test_cluster_heartbeat_timeout_and_num_processes_decide_when_and_whom_a_stalled_step_blames",
+                              "tests/integration/test_site_cluster.py::test_diloco_node_run_on_two_hosts_is_one_site_whose_process_0_is_the_daemon",),
+    "cluster.process_id": (E + "test_cluster_keys_are_what_the_site_joins_its_jax_cluster_with",
+                           E + "test_cluster_process_id_above_0_is_a_follower_host_that_reads_no_secret",
+                           "tests/integration/test_site_cluster.py::test_diloco_node_run_on_two_hosts_is_one_site_whose_process_0_is_the_daemon",),
+    "cluster.heartbeat_timeout_s": (E + "test_cluster_keys_are_what_the_site_joins_its_jax_cluster_with",
+                                    E + "test_cluster_heartbeat_timeout_and_num_processes_decide_when_and_whom_a_stalled_step_blames",
+                                    "tests/integration/test_site_host_loss.py::test_a_killed_follower_takes_the_site_down_and_a_restart_resumes_it_from_its_checkpoint",),
     # ---------------------------------------------------------------- [run.model], [run.data]
     "run.model.factory": (E + "test_model_factory_vocab_size_and_seq_len_shape_the_model",
                           "tests/test_factory.py::test_a_users_factory_trains_with_its_own_loss_and_embeddings"),
@@ -124,8 +138,9 @@ OBSERVED: dict[str, tuple[str, ...]] = {
                              "tests/test_quorum.py::test_grace_window_formula"),
     "run.sync.grace_cap_s": ("tests/test_quorum.py::test_policy_from_the_run_manifest",
                              "tests/test_quorum.py::test_grace_window_formula"),
-    "run.sync.codec_up": (E + "test_codec_up_sizes_the_contribution_checked_against_the_wire",),
-    "run.sync.codec_down": ("tests/test_fragments.py::test_fragments_too_big_for_the_wire_are_refused_before_training",),
+    "run.sync.codec_up": (E + "test_codec_up_is_the_codec_a_learner_streams_its_contribution_in",),
+    "run.sync.codec_down": ("tests/test_fragments.py::test_fragments_too_big_for_a_commit_are_refused_before_training",
+                            E + "test_codec_down_sizes_the_commit_checked_against_the_wire"),
     "run.sync.merge": (E + "test_sync_merge_and_weighting_change_the_merged_outer_gradient",
                        "tests/test_merge.py::test_embeddings_use_the_weighted_mean_and_other_tensors_rda"),
     "run.sync.weighting": (E + "test_sync_merge_and_weighting_change_the_merged_outer_gradient",
@@ -149,10 +164,9 @@ OBSERVED: dict[str, tuple[str, ...]] = {
     "run.seed": (E + "test_run_seed_is_the_initial_model",),
 }
 
-# Keys whose effect only a multi-process (integration) test observes: the daemon wires them
-# inside `Node` (daemon/node.py), which no in-process test constructs.
-INTEGRATION_ONLY = frozenset({"advertise", "data_dir", "checkpoint_interval_s",
-                              "cluster.num_processes", "cluster.process_id", "cluster.heartbeat_timeout_s"})
+# Keys whose effect only a multi-process (integration) test observes: none any more (the daemon's
+# own wiring of the last six is driven in-process by tests/test_key_effects.py).
+INTEGRATION_ONLY: frozenset[str] = frozenset()
 
 
 @lru_cache(maxsize=None)

@@ -188,18 +188,37 @@ def test_weight_decay_applies_to_matrices_only() -> None:
 # ------------------------------------------------------------------ [run.sync] codecs
 
 
-def test_codec_up_sizes_the_contribution_checked_against_the_wire() -> None:
-    from wire.codecs.container import MAX_TENSOR_ELEMENTS
-    from wire.limits import MAX_CONTRIBUTION_BYTES, MAX_LOG_APPEND_BYTES
+async def test_codec_up_is_the_codec_a_learner_streams_its_contribution_in() -> None:
+    from test_contribution_admission import LEARNER, MANIFEST, SHAPES, _driver
 
-    limits = dict(max_contribution_bytes=MAX_CONTRIBUTION_BYTES, max_log_append_bytes=MAX_LOG_APPEND_BYTES,
-                  max_decoded_elements=MAX_TENSOR_ELEMENTS)
+    from diloco_node.learn.learner_thread import DueFragment
+
+    sizes = {}
+    for codec in ("int8", "fp32"):
+        manifest = dataclasses.replace(MANIFEST, sync=dataclasses.replace(MANIFEST.sync, codec_up=codec))
+        driver, syncer, _ = _driver({"lead": LEARNER}, manifest=manifest)  # we hold the lease: streamed to ourselves
+        names = driver.plan.fragments[1].names
+        rng = np.random.default_rng(0)
+        delta = {n: rng.standard_normal(SHAPES[n]).astype(np.float32) for n in names}  # zstd cannot shrink it
+        await driver._send_contribution(DueFragment(1, 0, 8, 8 * 32, delta, step=8))
+        kept = syncer.rounds[1].pending["lead"][0].delta
+        sizes[codec] = kept.encoded_bytes
+        assert all(np.allclose(kept[n], delta[n], rtol=0, atol=0.05) for n in names)  # int8: half a scale step
+    values = sum(int(np.prod(SHAPES[n])) for n in names)
+    assert sizes["fp32"] >= 4 * values > 2 * sizes["int8"]  # 4 bytes a value, about 1 (+ block padding)
+
+
+def test_codec_down_sizes_the_commit_checked_against_the_wire() -> None:
+    from wire.limits import MAX_LOG_APPEND_BYTES
+
+    limits = dict(max_log_append_bytes=MAX_LOG_APPEND_BYTES)
     shapes = {f"blocks.{i}.mlp.kernel": (12288, 12288) for i in range(8)}  # shapes only
     plan = plan_fragments(shapes, 8, 32, 1)
     assert wire_fit_problems(plan, shapes, "int4", "int4", **limits) == []
-    problems = wire_fit_problems(plan, shapes, "fp32", "int4", **limits)
-    assert any("its contribution (fp32" in p for p in problems)
-    assert not any("its commit" in p for p in problems)
+    # codec_up no longer matters (contributions are streamed in chunks); codec_down does
+    assert wire_fit_problems(plan, shapes, "fp32", "int4", **limits) == []
+    problems = wire_fit_problems(plan, shapes, "int4", "fp32", **limits)
+    assert any("its commit (fp32" in p for p in problems)
 
 
 def test_secret_file_is_the_run_secret_and_so_the_run_id(tmp_path: Path) -> None:
@@ -370,3 +389,199 @@ def test_node_id_and_role_are_what_the_daemon_calls_itself_and_how_it_joins(tmp_
     assert daemon.node_id == f"site-{role}" and daemon.role.value == member_role  # the role it joins the run with
     served = daemon.status.document(0.0).to_dict()  # what /status serves
     assert served["node_id"] == f"site-{role}" and served["role"] == role
+
+
+# ------------------------------------------------------------------ keys observed in the daemon itself
+# (before issue 12's follow-up these were observed only by integration tests; each test below
+# changes the key and watches the daemon's own code, in the default suite)
+
+
+class _YieldingClock:
+    """A fake monotonic clock whose sleep moves time on and lets other tasks run."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        import asyncio
+
+        self.now += seconds
+        await asyncio.sleep(0)
+
+
+class _Horizon(Exception):
+    pass
+
+
+def _daemon(tmp_path: Path, clock: _YieldingClock, **overrides: str):
+    from diloco_node.daemon.node import Node
+
+    effective = load_config(None, {}, {"node_id": "a", "listen": "127.0.0.1:7070", "data_dir": str(tmp_path),
+                                       **overrides})
+    return Node(effective, environ={}, clock=clock)
+
+
+@pytest.mark.parametrize("interval, checkpoints", [(10.0, 9), (30.0, 3)])
+async def test_checkpoint_interval_s_is_how_often_the_daemon_checkpoints(tmp_path: Path, interval: float,
+                                                                          checkpoints: int) -> None:
+    """The daemon's periodic job (daemon/node.py `_periodic`) on a fake clock, for 100 s."""
+    from types import SimpleNamespace
+
+    clock = _YieldingClock()
+    daemon = _daemon(tmp_path, clock, checkpoint_interval_s=str(interval))
+    taken: list[float] = []
+
+    def refresh(now: float) -> None:
+        if now >= 1100.0:
+            raise _Horizon
+
+    async def checkpoint() -> None:
+        taken.append(clock.now)
+
+    async def refresh_members(voters) -> None:
+        pass
+
+    daemon._ready = True
+    daemon._update_readiness = lambda: None
+    daemon.feed = SimpleNamespace(refresh=refresh)
+    daemon._periodic_checkpoint = checkpoint
+    daemon.identity = SimpleNamespace(refresh_members=refresh_members)
+    daemon.coordination = SimpleNamespace(core=SimpleNamespace(log=SimpleNamespace(config=SimpleNamespace(voters=()))))
+    with pytest.raises(_Horizon):
+        await daemon._periodic()
+    assert taken == [1000.0 + interval * (i + 1) for i in range(checkpoints)]
+
+
+@pytest.mark.parametrize("processes, timeout_s, warned, suspect", [
+    (2, 8, True, "process 1"), (3, 8, True, "another of the site's processes"), (2, 40, False, "")])
+async def test_cluster_heartbeat_timeout_and_num_processes_decide_when_and_whom_a_stalled_step_blames(
+        tmp_path: Path, processes: int, timeout_s: int, warned: bool, suspect: str) -> None:
+    """daemon/node.py `_watch_cluster_learner`: a learner stalled 5 s in one step is reported once a
+    quarter of cluster.heartbeat_timeout_s has passed, naming the suspect by cluster.num_processes."""
+    import time
+    from types import SimpleNamespace
+
+    clock = _YieldingClock()
+    daemon = _daemon(tmp_path, clock, **{"cluster.num_processes": str(processes),
+                                         "cluster.coordinator": "127.0.0.1:1234",
+                                         "cluster.heartbeat_timeout_s": str(timeout_s)})
+    learner = SimpleNamespace(error=None, steps=1, last_step_at=time.monotonic(), is_alive=lambda: True)
+    daemon.learner = learner
+    watch = __import__("asyncio").ensure_future(daemon._watch_cluster_learner())
+    for _ in range(4):  # the first checks see the learner train
+        await clock.sleep(0.25)
+    learner.steps, learner.last_step_at = 2, time.monotonic() - 5.0  # one step now stuck for 5 s
+    for _ in range(8):
+        await clock.sleep(0.25)
+    learner.error = RuntimeError("collective failed")  # the site goes down: the watch ends
+    await watch
+    errors = [e.message for e in daemon.status.document(clock.now).last_errors]
+    stalls = [e for e in errors if "waited" in e]
+    assert bool(stalls) is warned
+    if warned:
+        assert f"may have lost {suspect}" in stalls[0]
+        assert f"cluster.heartbeat_timeout_s = {timeout_s} s" in stalls[0]
+    assert daemon._site_failed and "collective failed" in daemon.exit_reason
+
+
+def test_cluster_keys_are_what_the_site_joins_its_jax_cluster_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    """learn/cluster.py `initialize`: the three keys reach jax.distributed.initialize."""
+    import jax
+
+    from diloco_node.config.site_devices import ClusterSpec
+    from diloco_node.learn import cluster
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *args, **kwargs: calls.append((args, kwargs)))
+    monkeypatch.setattr(jax.config, "update", lambda *args: None)
+    assert not cluster.initialize(ClusterSpec())  # one host: no cluster at all
+    cluster.initialize(ClusterSpec("10.0.0.1:9000", num_processes=2, process_id=1, heartbeat_timeout_s=10))
+    cluster.initialize(ClusterSpec("10.0.0.1:9000", num_processes=4, process_id=3, heartbeat_timeout_s=60))
+    assert [(args, kwargs["heartbeat_timeout_seconds"]) for args, kwargs in calls] == [
+        (("10.0.0.1:9000", 2, 1), 10), (("10.0.0.1:9000", 4, 3), 60)]
+
+
+def test_cluster_process_id_above_0_is_a_follower_host_that_reads_no_secret(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restore_root_logger: None) -> None:
+    """cli/run.py: process 0 is the site (it needs the run secret); any other process only joins
+    the site's JAX cluster, so a missing secret does not stop it."""
+    from diloco_node import cli
+    from diloco_node.learn import cluster
+
+    class Joined(Exception):
+        pass
+
+    def joined(spec) -> bool:
+        raise Joined(spec.process_id)
+
+    monkeypatch.setattr(cluster, "initialize", joined)
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax-cache"))  # run() only sets defaults
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    for name in ("CREDENTIALS_DIRECTORY", "DILOCO_SECRET_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    argv = ["run", "--node-id", "a", "--data-dir", str(tmp_path), "--set", "cluster.num_processes=2",
+            "--set", "cluster.coordinator=127.0.0.1:1234"]
+    assert cli.main([*argv, "--set", "cluster.process_id=0"]) == 2  # the site itself: no secret, exit 2
+    with pytest.raises(Joined, match="1"):
+        cli.main([*argv, "--set", "cluster.process_id=1"])
+
+
+@pytest.mark.parametrize("advertise", ["http://10.1.2.3:7070", "http://site-a.example:9000"])
+async def test_advertise_is_the_url_the_site_announces_to_members(tmp_path: Path, advertise: str) -> None:
+    """daemon/identity.py: a site's own address book entry and the JoinRequest it announces."""
+    from diloco_node.config.manifest import RunManifest
+    from diloco_node.daemon.identity import SiteIdentity
+    from diloco_node.daemon.replica_store import ReplicaStore
+    from bootstrap.messages import MemberRole
+
+    sent: list[tuple[str, object]] = []
+
+    class Client:
+        async def send(self, url, message, **kwargs):
+            sent.append((url, message))
+            return []
+
+    effective = load_config(None, {}, {"node_id": "a", "listen": "127.0.0.1:7070", "advertise": advertise,
+                                       "data_dir": str(tmp_path)})
+    identity = SiteIdentity(effective, ReplicaStore(tmp_path / "coordination"), Client(), MemberRole.LEARNER)
+    identity.manifest = RunManifest()
+    identity.addresses.learn("b", "http://10.9.9.9:7070")
+    await identity.announce()
+    assert identity.addresses.url("a") == advertise
+    assert [(url, m.node_id, m.advertise_url) for url, m in sent] == [("http://10.9.9.9:7070", "a", advertise)]
+
+
+async def test_data_dir_is_where_the_daemon_keeps_its_state_and_finds_its_identity(tmp_path: Path) -> None:
+    """daemon/node.py `run`: two data directories, each holding another node's identity: the daemon
+    reads the one `data_dir` names, refuses it (exit 2, changing nothing) and made its stores there."""
+    import json
+    import socket
+
+    from diloco_node.daemon.node import Node
+    from diloco_node.testbed.launcher import write_secret
+
+    secret = write_secret(tmp_path / "secret")
+    outcomes = {}
+    for owner in ("b", "c"):
+        data = tmp_path / f"data-{owner}"
+        (data / "coordination").mkdir(parents=True)
+        identity = {"node_id": owner, "role": "learner", "manifest": {}, "addresses": {}}
+        (data / "coordination" / "identity.json").write_text(json.dumps(identity))
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        effective = load_config(None, {}, {"node_id": "a", "listen": f"127.0.0.1:{port}", "data_dir": str(data),
+                                           "secret_file": str(secret)})
+        daemon = Node(effective, environ={})
+        outcomes[owner] = (await daemon.run(), daemon.exit_reason, sorted(p.name for p in data.iterdir()))
+        assert json.loads((data / "coordination" / "identity.json").read_text()) == identity  # unchanged
+    for owner in ("b", "c"):
+        code, reason, made = outcomes[owner]
+        assert code == 2 and reason == f"data_dir {tmp_path / f'data-{owner}'} belongs to node {owner!r}, not 'a'"
+        assert {"checkpoints", "coordination"} <= set(made)

@@ -702,3 +702,74 @@ def test_any_peer_garbage_gives_a_result_never_an_exception(garbage) -> None:
             assert merged.shape == shape and merged.dtype == np.float32 and np.all(np.isfinite(merged))
     else:  # only as a norm outlier against tiny but well-formed garbage deltas
         assert "x the round median" in dict(result.rejected)["a"]
+
+
+# ------------------------------------------------------------------ contributions kept encoded
+
+
+def _encoded(delta: dict[str, np.ndarray], max_chunk_elements: int = 1 << 22):
+    """What the lease holder keeps of a streamed contribution (wire 2.1): its chunks, encoded."""
+    from wire.contribution_stream import ContributionAssembler, contribution_chunks, open_for
+    from wire.limits import Limits
+
+    limits = Limits(max_chunk_elements=max_chunk_elements)
+    shapes = {n: a.shape for n, a in delta.items()}
+    head = open_for(shapes, fragment=0, base_index=0, base_round=0, c_steps=1, c_tokens=1, codec="int8",
+                    learner_id="x", stream=bytes(16), limits=limits)
+    assembler = ContributionAssembler(head, shapes, limits)
+    for chunk in contribution_chunks(head, delta):
+        assembler.add(chunk)
+    return assembler.finish()
+
+
+def test_encoded_contributions_merge_to_the_same_bits_as_their_decoded_values() -> None:
+    encoded = {name: _encoded(_delta(seed)) for seed, name in enumerate("abcd")}
+    decoded = {name: {n: e[n] for n in e} for name, e in encoded.items()}
+    bases = {"a": 5, "b": 5, "c": 4, "d": 3}  # two stale ones: rebased tensor by tensor
+    for method in ("rda", "mean"):
+        kept = _merge([_contribution(n, bases[n], delta=encoded[n]) for n in "abcd"], method=method)
+        plain = _merge([_contribution(n, bases[n], delta=decoded[n]) for n in "abcd"], method=method)
+        assert kept.reason == plain.reason and kept.delta_norms == plain.delta_norms
+        assert kept.outer_gradient is not None and plain.outer_gradient is not None
+        for name in SHAPES:
+            assert kept.outer_gradient[name].tobytes() == plain.outer_gradient[name].tobytes()
+    # a norm outlier is judged on the norms measured on arrival, with the same reason
+    loud = _encoded(_delta(7, scale=1.0))
+    result = _merge([_contribution(n, delta=encoded[n]) for n in "abc"] + [_contribution("z", delta=loud)])
+    plain = _merge([_contribution(n, delta=decoded[n]) for n in "abc"] + [_contribution("z", delta=dict(loud))])
+    assert [learner for learner, _ in result.rejected] == ["z"] and "x the round median" in result.rejected[0][1]
+    assert result.rejected == plain.rejected
+
+
+def test_a_tensor_cut_into_chunks_has_the_norm_of_its_values() -> None:
+    rng = np.random.default_rng(3)
+    delta = {"w": rng.standard_normal((40, 50)).astype(np.float32), "b": rng.standard_normal(300).astype(np.float32)}
+    whole, chunked = _encoded(delta), _encoded(delta, max_chunk_elements=300)  # 256 values: two int8 blocks
+    for name in delta:
+        assert np.array_equal(whole[name], chunked[name])  # chunks are whole blocks: same quantization
+        assert chunked.tensor_norms[name] == pytest.approx(whole.tensor_norms[name], rel=1e-12)
+
+
+def test_the_merge_holds_one_fragment_of_fp32_not_one_per_contribution() -> None:
+    import tracemalloc
+
+    shapes = {f"blocks/{i}/w": (512, 512) for i in range(8)}  # 2M parameters, 8 MiB of fp32
+    fragment_bytes = sum(4 * math.prod(s) for s in shapes.values())
+    rng = np.random.default_rng(0)
+    current = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    history = FragmentHistory(fragment=0, capacity=2)
+    history.record(0, current)
+    contributions = []
+    for k in range(8):
+        delta = {n: (0.01 * rng.standard_normal(s)).astype(np.float32) for n, s in shapes.items()}
+        contributions.append(Contribution(f"l{k}", 0, 0, _encoded(delta), 10, 5000))
+        del delta
+    tracemalloc.start()
+    try:
+        result = merge_contributions(contributions, current, history, caps=CAPS, embedding_names=[])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.outer_gradient is not None and len(result.accepted) == 8
+    # the result (1x), one tensor's float64 accumulator and the vector in hand: far below K = 8 copies
+    assert peak < 2 * fragment_bytes, f"peak {peak / fragment_bytes:.2f} x the fragment's fp32"

@@ -37,8 +37,8 @@ from diloco_node.sync.fragments import is_embedding, plan_fragments
 from diloco_node.sync.merge import Contribution
 from diloco_node.sync.replica import Replica
 from diloco_node.sync.syncer import Syncer
-from wire import messages as wire
 from wire.codecs import decode_named, encode_named
+from wire.contribution_stream import contribution_chunks, open_for
 
 from conftest import InlineExecutor, NullCounter
 
@@ -153,9 +153,15 @@ async def run_daemon_side(initial) -> tuple[list[tuple[float, int, str, bytes]],
 
     for offset, learner, p, c_steps in SCRIPT:
         await advance_to(START + offset)
-        _, payload = _contribution(initial, plan, learner, p, c_steps, offset)
-        message = wire.FragmentContribution(p, 0, 0, c_steps, c_steps * 32, MANIFEST.sync.codec_up, learner, payload)
-        await driver.accept(message, transfer_s=TRANSFER_S)
+        # The daemon receives it streamed, chunk by chunk, and keeps it encoded (wire 2.1).
+        delta = _delta(initial, plan, learner, p, offset)
+        head = open_for({n: a.shape for n, a in delta.items()}, fragment=p, base_index=0, base_round=0,
+                        c_steps=c_steps, c_tokens=c_steps * 32, codec=MANIFEST.sync.codec_up, learner_id=learner,
+                        stream=bytes(16))
+        receiving = driver.receive_contribution(head, transfer_s=TRANSFER_S)
+        for chunk in contribution_chunks(head, delta):
+            await receiving.part(chunk)
+        await receiving.finish()
         await settle()
     await advance_to(START + 60.0)
     await tasks.close()

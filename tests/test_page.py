@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
+import subprocess
 
 import pytest
 from aiohttp import web
@@ -145,3 +147,110 @@ async def test_without_a_series_the_endpoint_answers_no_samples():
     async with TestClient(TestServer(app)) as c:
         body = await (await c.get("/series")).json()
     assert body["schema"] == SERIES_SCHEMA and body["samples"] == [] and body["capacity"] == 0
+
+
+# ------------------------------------------------------------------ status_url: every member's /series under TLS
+
+def _tls_overrides(root, site: str = "a") -> dict[str, str]:
+    from diloco_node.ops import pki
+    if not (root / "ca" / pki.CA_CERT).exists():
+        pki.init_ca(root / "ca")
+        pki.issue_site(root / "ca", site, root / site)
+    return {"tls_cert_file": str(root / site / pki.SITE_CERT), "tls_key_file": str(root / site / pki.SITE_KEY),
+            "tls_ca_file": str(root / "ca" / pki.CA_CERT)}
+
+
+def test_a_node_advertises_its_operator_url_when_tls_moves_it(tmp_path):
+    from diloco_node.config.settings import ConfigError, load_config
+
+    def node(**overrides):
+        return load_config(None, {}, {"listen": "127.0.0.1:7100", **overrides}).node
+
+    assert node().status_url == ""  # without TLS the operator routes are at advertise
+    tls = _tls_overrides(tmp_path)
+    assert node(**tls).status_url == "http://127.0.0.1:7101"  # derived from the loopback status_listen
+    assert node(status_listen="192.0.2.7:9000", **tls).status_url == "http://192.0.2.7:9000"
+    assert node(status_listen="0.0.0.0:9000", **tls).status_url == ""  # a wildcard is no address to give
+    explicit = node(status_listen="0.0.0.0:9000", status_url="https://status.site-a.example:443", **tls)
+    assert explicit.status_url == "https://status.site-a.example:443"
+    with pytest.raises(ConfigError, match=r"status_url = 'status.example': expected http\(s\)://HOST:PORT "
+                                          r"reachable by browsers"):
+        node(status_url="status.example", **tls)
+
+
+def test_status_url_crosses_the_wire_and_older_members_simply_omit_it():
+    from wire.messages import JoinRequest, Member, Membership, Role
+
+    request = JoinRequest("b", "https://b:7070", Role.LEARNER, b"\x01" * 32, status_url="http://b:7071")
+    fields, payload = request.to_wire()
+    assert JoinRequest.from_wire(fields, payload) == request
+    del fields["status_url"]  # what a member built before the field existed sends
+    assert JoinRequest.from_wire(fields, payload).status_url == ""
+    members = (Member("a", "https://a:7070", Role.LEARNER, True, status_url="http://a:7071"),
+               Member("c", "https://c:7070", Role.WITNESS, False))
+    fields, payload = Membership(3, 7, members, b"{}").to_wire()
+    assert [sorted(m) for m in fields["members"]] == [["advertise_url", "node_id", "role", "status_url", "voter"],
+                                                      ["advertise_url", "node_id", "role", "voter"]]
+    assert Membership.from_wire(fields, payload).members == members
+    with pytest.raises(Exception, match="status_url"):
+        Member("a", "https://a:7070", Role.LEARNER, True, status_url="not a url")
+
+
+async def test_a_members_status_url_is_learned_from_its_join_and_passed_on():
+    import random
+
+    from bootstrap.coordinator_node import CoordinatorNode, PersistentState
+    from diloco_node.clock import FakeClock as Clock
+    from diloco_node.config.manifest import RunManifest
+    from diloco_node.daemon.coordination import CoordinationIO
+    from diloco_node.daemon.peers import AddressBook
+    from diloco_node.daemon.tasks import TaskSet
+    from diloco_node.ops.status import MemberStatus, StatusDocument
+    from wire.messages import JoinRequest, Role
+
+    class NoDisk:
+        def sync(self, persistent, prepared=None):
+            pass
+
+        def observe(self, core):
+            pass
+
+    class Signed:
+        node_id = "b"
+
+    manifest = RunManifest()
+    core = CoordinatorNode("a", PersistentState.founding(["a"]), now=0.0, rng=random.Random(0))
+    core.tick(10.0)
+    book = AddressBook({"a": "https://a:7070"})
+    book.learn_status_url("a", "http://a:7071")
+    tasks = TaskSet()
+    io = CoordinationIO(core=core, persistent=core.persistent, store=NoDisk(), history=NoDisk(), client=None,
+                        addresses=book, clock=Clock(10.0), tasks=tasks, on_apply=lambda e: None,
+                        on_restore_snapshot=lambda s: None, after_step=lambda: None,
+                        remember_member=lambda node, url, role: book.learn(node, url, role),
+                        report_error=lambda m: None)
+    try:
+        answer = await io.on_join_request(JoinRequest("b", "https://b:7070", Role.LEARNER, manifest.digest_bytes(),
+                                                      status_url="http://b:7071"), Signed(), manifest)
+    finally:
+        await tasks.close()
+    assert {m.node_id: m.status_url for m in answer.members} == {"a": "http://a:7071", "b": "http://b:7071"}
+    # /status lists it per member; a document from an older node (no status_url) reads as "".
+    doc = StatusDocument("a", "r", "learner", True, 1, "a", 1, "",
+                         members=(MemberStatus("b", "https://b:7070", "learner", True, status_url=book.status_url("b")),))
+    raw = doc.to_dict()
+    assert raw["members"][0]["status_url"] == "http://b:7071"
+    del raw["members"][0]["status_url"]
+    assert StatusDocument.from_dict(raw).members[0].status_url == ""
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the page's JavaScript")
+def test_the_page_reads_each_members_series_at_its_status_url_and_never_at_a_tls_peer_port():
+    source = re.search(r"^function seriesBase\(m\) \{.*\}$", page_html(), re.M)
+    assert source is not None, "page.html must define seriesBase(m) on one line"
+    members = [{"url": "https://b:7070", "status_url": "http://b:7071"},  # TLS, advertised: there
+               {"url": "https://c:7070", "status_url": ""},  # TLS, none advertised: not tried
+               {"url": "http://d:7070", "status_url": ""}]  # no TLS: the shared port
+    script = source.group(0) + f"\nconsole.log(JSON.stringify({json.dumps(members)}.map(seriesBase)));"
+    out = subprocess.run(["node", "-e", script], capture_output=True, text=True, timeout=30, check=True).stdout
+    assert json.loads(out) == ["http://b:7071", "", "http://d:7070"]

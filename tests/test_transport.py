@@ -554,3 +554,107 @@ async def _until(condition, timeout: float = 5.0) -> None:
     async with asyncio.timeout(timeout):
         while not condition():
             await asyncio.sleep(0.01)
+
+
+# ---- sequences: an opening frame, then its parts, one chunked body -------------------------------
+
+
+class _Sequence:
+    """A SequenceConsumer that records what it got and declares room for `parts` small parts."""
+
+    def __init__(self, head: Message, peer: Peer, parts: int, log: list[str]) -> None:
+        self.head, self.peer, self.parts_due, self.log = head, peer, parts, log
+        self.parts: list[Message] = []
+
+    @property
+    def max_remaining_bytes(self) -> int:
+        return 1024 * (self.parts_due - len(self.parts))
+
+    @property
+    def frames_left(self) -> int:
+        return self.parts_due - len(self.parts)
+
+    async def part(self, message: Message) -> None:
+        self.parts.append(message)
+        self.log.append("part")
+
+    async def finish(self) -> Message | None:
+        self.log.append("finish")
+        return HeartbeatAck(epoch=1, follower="b", seq=len(self.parts), match_index=0)
+
+    async def abort(self, reason: str) -> None:
+        self.log.append(f"abort: {reason}")
+
+
+def _sequence_server(parts_due: int) -> tuple[PeerServer, list[_Sequence], list[str]]:
+    server = _server()
+    opened: list[_Sequence] = []
+    log: list[str] = []
+
+    async def open_consumer(head: Message, peer: Peer) -> _Sequence:
+        log.append("open")
+        opened.append(_Sequence(head, peer, parts_due, log))
+        return opened[-1]
+
+    server.on_sequence(MessageKind.CONTRIBUTION_OPEN, MessageKind.CONTRIBUTION_CHUNK, open_consumer)
+    return server, opened, log
+
+
+def _stream_open() -> Message:
+    from wire.messages import ContributionOpen, TensorSpec
+
+    return ContributionOpen(0, 1, 1, 4, 64, "int4", "a", bytes(16), 8, (TensorSpec("w", (8, 4)),))
+
+
+def _stream_chunk(i: int, size: int = 100) -> Message:
+    from wire.messages import ContributionChunk
+
+    return ContributionChunk(bytes(16), 0, 8 * i, bytes([i]) * size)
+
+
+async def _frames(*messages: Message, fail: Exception | None = None) -> AsyncIterator[Message]:
+    for message in messages:
+        await asyncio.sleep(0)
+        yield message
+    if fail is not None:
+        raise fail
+
+
+async def test_a_sequence_arrives_frame_by_frame_in_one_chunked_body() -> None:
+    server, opened, log = _sequence_server(parts_due=4)
+    async with _serving(server) as url, _client() as client:
+        parts = [_stream_chunk(i) for i in range(4)]
+        replies = await client.send_sequence(url, _frames(_stream_open(), *parts), peer="b")
+    (consumer,) = opened
+    assert log == ["open", "part", "part", "part", "part", "finish"]
+    assert consumer.head == _stream_open() and consumer.parts == parts and consumer.peer.node_id == "a"
+    assert replies == [HeartbeatAck(epoch=1, follower="b", seq=4, match_index=0)]
+
+
+async def test_a_sequence_is_bounded_by_what_its_opening_frame_declared() -> None:
+    server, opened, log = _sequence_server(parts_due=2)  # room for 2 parts of ~1 KiB each
+    async with _serving(server) as url, _client() as client:
+        with pytest.raises(PeerRefused) as refused:
+            big = [_stream_chunk(i, 512 * 1024) for i in range(8)]  # 4 MiB: far past the declaration
+            await client.send_sequence(url, _frames(_stream_open(), *big), peer="b")
+        assert refused.value.status == 413 and "CONTRIBUTION_OPEN body exceeds the limit" in refused.value.reason
+        assert log[0] == "open" and log[-1].startswith("abort: stream failed")
+        log.clear()
+        with pytest.raises(PeerRefused) as refused:
+            await client.send_sequence(url, _frames(_stream_open(), _stream_open()), peer="b")
+        assert refused.value.status == 400
+        assert "contribution-open body continues with contribution-chunk frames, got CONTRIBUTION_OPEN" in refused.value.reason
+        assert log[0] == "open" and log[-1].startswith("abort")
+        with pytest.raises(PeerRefused) as refused:  # a part alone has no route
+            await client.send(url, _stream_chunk(0), peer="b")
+        assert refused.value.status == 404
+
+
+async def test_a_failing_producer_aborts_the_upload_with_its_own_error() -> None:
+    server, opened, log = _sequence_server(parts_due=4)
+    async with _serving(server) as url, _client() as client:
+        with pytest.raises(ValueError, match="encoder broke"):
+            await client.send_sequence(url, _frames(_stream_open(), _stream_chunk(0), fail=ValueError("encoder broke")),
+                                       peer="b")
+        await _until(lambda: log and log[-1].startswith("abort"))
+    assert "finish" not in log

@@ -39,8 +39,12 @@ from wire.messages import (
     MAX_NAME_CHARS,
     MAX_NODE_ID_CHARS,
     MAX_REASON_CHARS,
+    MAX_STREAM_TENSORS,
+    STREAM_ID_BYTES,
     U63_MAX,
     CommitNotice,
+    ContributionChunk,
+    ContributionOpen,
     FragmentContribution,
     Heartbeat,
     HeartbeatAck,
@@ -58,6 +62,7 @@ from wire.messages import (
     Role,
     SnapshotChunk,
     SnapshotRequest,
+    TensorSpec,
     VoteReply,
     VoteRequest,
 )
@@ -226,6 +231,22 @@ class ExampleMessages:
     def leave(self) -> Leave:
         return Leave(node_id=self.node_id(), reason=self.text(self.rng.choice((80, MAX_REASON_CHARS))))
 
+    def tensor_spec(self, name: str) -> TensorSpec:
+        return TensorSpec(name=name, shape=tuple(self.uint() for _ in range(self.rng.randrange(4))))
+
+    def contribution_open(self) -> ContributionOpen:
+        names = {self.text(self.rng.choice((12, 60))) or "w" for _ in range(self.rng.randint(1, 6))}
+        return ContributionOpen(fragment=self.uint(), base_index=self.uint(), base_round=self.uint(),
+                                c_steps=self.uint(), c_tokens=self.uint(), codec=self.name(),
+                                learner_id=self.node_id(), stream=self.rng.randbytes(STREAM_ID_BYTES),
+                                chunk_elements=self.rng.randint(1, U63_MAX),
+                                tensors=tuple(self.tensor_spec(name) for name in sorted(names)))
+
+    def contribution_chunk(self) -> ContributionChunk:
+        return ContributionChunk(stream=self.rng.randbytes(STREAM_ID_BYTES),
+                                 tensor=self.rng.randrange(MAX_STREAM_TENSORS), offset=self.uint(),
+                                 payload=self.blob())
+
 
 _BUILDERS: dict[MessageKind, Callable[[ExampleMessages], Message]] = {
     MessageKind.FRAGMENT_CONTRIBUTION: ExampleMessages.fragment_contribution,
@@ -243,6 +264,8 @@ _BUILDERS: dict[MessageKind, Callable[[ExampleMessages], Message]] = {
     MessageKind.LOG_READ_REQUEST: ExampleMessages.log_read_request,
     MessageKind.LOG_READ_REPLY: ExampleMessages.log_read_reply,
     MessageKind.LEAVE: ExampleMessages.leave,
+    MessageKind.CONTRIBUTION_OPEN: ExampleMessages.contribution_open,
+    MessageKind.CONTRIBUTION_CHUNK: ExampleMessages.contribution_chunk,
 }
 _KINDS: Sequence[MessageKind] = tuple(MessageKind)
 _ROLES: Sequence[Role] = tuple(Role)

@@ -21,9 +21,19 @@ MiB = 1024 * KiB
 # no buffer limit of its own, so this bound is what keeps parsing cheap.
 MAX_HEADER_MAP_BYTES = 256 * KiB
 
-# Largest encoded fragment delta we accept: an int4 delta of a ~500M-parameter fragment is ~250 MB.
-# The receiver may stream it (wire.frames stream_kinds), so this bounds time, not memory.
+# Largest single-frame contribution (FragmentContribution, wire 2.0), still accepted from older
+# senders: an int4 delta of a ~500M-parameter fragment. Current senders stream a contribution as
+# ContributionOpen + ContributionChunks, which no whole-fragment cap limits (below).
 MAX_CONTRIBUTION_BYTES = 256 * MiB
+# Values per chunk of a streamed contribution. The receiver buffers, checks and decodes one chunk at
+# a time (and measures its norm in float64), so this is what a contribution's transfer costs in
+# memory whatever the fragment's size: 2^22 values are 16 MiB decoded, ~80 MiB with the decode and
+# norm temporaries. The largest tensor of a 70B model (a 128k x 8192 embedding, 2^30 values) is 256
+# chunks of a few hundred bytes of framing each; no tensor is too large for the wire.
+MAX_CHUNK_ELEMENTS = 1 << 22
+# One ContributionChunk's encoded payload: a chunk of MAX_CHUNK_ELEMENTS values in the largest codec
+# (fp32, 4 bytes a value) plus its codec header. 16 MiB at 4 Mbit/s is ~35 s, inside the deadline.
+MAX_CONTRIBUTION_CHUNK_BYTES = 16 * MiB + 4 * KiB
 # A log append carries merged outer gradients (same size class as a contribution); the replica
 # needs each whole entry to apply it, so it is buffered and this bounds memory per stream.
 MAX_LOG_APPEND_BYTES = 256 * MiB
@@ -38,6 +48,7 @@ NO_PAYLOAD = 0
 
 DEFAULT_MAX_PAYLOAD_BYTES: Mapping[int, int] = MappingProxyType({
     MessageKind.FRAGMENT_CONTRIBUTION: MAX_CONTRIBUTION_BYTES,
+    MessageKind.CONTRIBUTION_CHUNK: MAX_CONTRIBUTION_CHUNK_BYTES,
     MessageKind.LOG_APPEND: MAX_LOG_APPEND_BYTES,
     MessageKind.LOG_READ_REPLY: MAX_LOG_READ_REPLY_BYTES,
     MessageKind.SNAPSHOT_CHUNK: MAX_SNAPSHOT_CHUNK_BYTES,
@@ -102,10 +113,12 @@ class Limits:
     replay_cache_max_nonces: int = REPLAY_CACHE_MAX_NONCES
     clock_skew_allowance_s: float = CLOCK_SKEW_ALLOWANCE_S
     max_payload_chunk_bytes: int = MAX_PAYLOAD_CHUNK_BYTES
+    max_chunk_elements: int = MAX_CHUNK_ELEMENTS
 
     def __post_init__(self) -> None:
         for name in ("max_header_map_bytes", "max_decompressed_bytes", "max_concurrent_streams_per_peer",
-                     "replay_cache_max_nonces", "max_payload_chunk_bytes", "min_transfer_bytes_per_s"):
+                     "replay_cache_max_nonces", "max_payload_chunk_bytes", "min_transfer_bytes_per_s",
+                     "max_chunk_elements"):
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ValueError(f"Limits.{name} must be a positive int, got {value!r}")

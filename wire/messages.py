@@ -46,6 +46,13 @@ DIGEST_BYTES = 32
 # a hostile map cannot blow the stack or make equality checks quadratic.
 MAX_METADATA_DEPTH = 6
 MAX_METADATA_ITEMS = 4096
+# A streamed contribution names its tensors up front: at most this many (a 70B model has ~700), each
+# name at most this long (the tensor codec's own name bound), each shape at most this many dims.
+MAX_STREAM_TENSORS = 1 << 16
+MAX_TENSOR_NAME_CHARS = 1024
+MAX_TENSOR_NDIM = 32
+# Random id shared by the frames of one streamed contribution, so no frame of another stream fits.
+STREAM_ID_BYTES = 16
 # Batches: one LogAppend / LogReadReply carries at most this many entries (pagination, not a cap on
 # the log), and a membership lists at most this many members (sites, not machines).
 MAX_ENTRIES_PER_MESSAGE = 1024
@@ -71,6 +78,8 @@ class MessageKind(enum.IntEnum):
     LOG_READ_REQUEST = 13
     LOG_READ_REPLY = 14
     LEAVE = 15
+    CONTRIBUTION_OPEN = 16  # wire 2.1: a contribution streamed tensor by tensor (docs/WIRE.md)
+    CONTRIBUTION_CHUNK = 17
 
 
 class Role(enum.StrEnum):
@@ -329,6 +338,131 @@ class FragmentContribution(Message):
             _uint(owner, name, getattr(self, name))
         _name(owner, "codec", self.codec)
         _node_id(owner, "learner_id", self.learner_id)
+        _payload(owner, self.payload)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One tensor a streamed contribution will carry: its parameter name and shape (C order)."""
+
+    name: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _text(owner, "name", self.name, max_chars=MAX_TENSOR_NAME_CHARS)
+        if not isinstance(self.shape, (list, tuple)):
+            raise _fail(owner, "shape", f"must be a sequence of ints, got {type(self.shape).__name__}")
+        if len(self.shape) > MAX_TENSOR_NDIM:
+            raise _fail(owner, "shape", f"more than {MAX_TENSOR_NDIM} dimensions ({len(self.shape)})")
+        for position, dim in enumerate(self.shape):
+            _uint(owner, f"shape[{position}]", dim)
+        object.__setattr__(self, "shape", tuple(self.shape))
+
+    @property
+    def num_elements(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class ContributionOpen(Message):
+    """The first frame of a streamed contribution (wire 2.1): who, against which version, and what
+    follows.
+
+    The fields of FragmentContribution, plus `stream` (random bytes every ContributionChunk of this
+    contribution repeats), `chunk_elements` (every chunk carries this many values of its tensor,
+    except a tensor's last, which carries the rest) and `tensors`, in the order they are sent. The
+    receiver checks the list against the fragment's own tensors and shapes before any chunk.
+    """
+
+    KIND: ClassVar[MessageKind] = MessageKind.CONTRIBUTION_OPEN
+    fragment: int
+    base_index: int
+    base_round: int
+    c_steps: int
+    c_tokens: int
+    codec: str
+    learner_id: str
+    stream: bytes
+    chunk_elements: int
+    tensors: tuple[TensorSpec, ...]
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        for name in ("fragment", "base_index", "base_round", "c_steps", "c_tokens"):
+            _uint(owner, name, getattr(self, name))
+        _name(owner, "codec", self.codec)
+        _node_id(owner, "learner_id", self.learner_id)
+        _blob(owner, "stream", self.stream, exact=STREAM_ID_BYTES)
+        _uint(owner, "chunk_elements", self.chunk_elements)
+        if self.chunk_elements < 1:
+            raise _fail(owner, "chunk_elements", "must be >= 1")
+        if not isinstance(self.tensors, (list, tuple)):
+            raise _fail(owner, "tensors", f"must be a sequence of TensorSpec, got {type(self.tensors).__name__}")
+        if not 1 <= len(self.tensors) <= MAX_STREAM_TENSORS:
+            raise _fail(owner, "tensors", f"must list 1 to {MAX_STREAM_TENSORS} tensors, got {len(self.tensors)}")
+        seen: set[str] = set()
+        for position, spec in enumerate(self.tensors):
+            if not isinstance(spec, TensorSpec):
+                raise _fail(owner, f"tensors[{position}]", f"must be a TensorSpec, got {type(spec).__name__}")
+            if spec.name in seen:
+                raise _fail(owner, f"tensors[{position}]", f"duplicate tensor name {spec.name!r}")
+            seen.add(spec.name)
+        object.__setattr__(self, "tensors", tuple(self.tensors))
+
+    def to_wire(self) -> tuple[dict[str, Any], bytes]:
+        field_map, _ = super(ContributionOpen, self).to_wire()
+        field_map["tensors"] = [{"name": t.name, "shape": list(t.shape)} for t in self.tensors]
+        return field_map, b""
+
+    @classmethod
+    def from_wire(cls, field_map: Mapping[str, Any], payload: bytes) -> Self:
+        owner = cls.__name__
+        if payload:
+            raise LocalProtocolError(f"{owner} carries no payload, got {len(payload)} bytes")
+        kwargs: dict[str, Any] = {}
+        for spec in fields(cls):  # type: ignore[arg-type]
+            if spec.name not in field_map:
+                raise LocalProtocolError(f"{owner}.{spec.name}: missing")
+            kwargs[spec.name] = field_map[spec.name]
+        described = kwargs["tensors"]
+        if not isinstance(described, (list, tuple)):
+            raise _fail(owner, "tensors", "must be an array of tensor maps")
+        if len(described) > MAX_STREAM_TENSORS:
+            raise _fail(owner, "tensors", f"more than {MAX_STREAM_TENSORS} tensors ({len(described)})")
+        tensors = []
+        for position, item in enumerate(described):
+            if not isinstance(item, Mapping):
+                raise _fail(owner, f"tensors[{position}]", "must be a map")
+            for key in ("name", "shape"):
+                if key not in item:
+                    raise _fail(owner, f"tensors[{position}].{key}", "missing")
+            tensors.append(TensorSpec(name=item["name"], shape=item["shape"]))
+        kwargs["tensors"] = tuple(tensors)
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class ContributionChunk(Message):
+    """One block of one tensor of a streamed contribution (wire 2.1).
+
+    `tensor` indexes the ContributionOpen's `tensors`, `offset` is the first value's position in
+    the tensor's flattened (C order) values; `payload` is a one-tensor wire.codecs message of the
+    open's codec holding the next min(chunk_elements, remaining) values as a 1-D tensor. Chunks
+    come in order: tensor by tensor, offsets ascending without gaps.
+    """
+
+    KIND: ClassVar[MessageKind] = MessageKind.CONTRIBUTION_CHUNK
+    stream: bytes
+    tensor: int
+    offset: int
+    payload: bytes
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _blob(owner, "stream", self.stream, exact=STREAM_ID_BYTES)
+        _uint(owner, "tensor", self.tensor, maximum=MAX_STREAM_TENSORS - 1)
+        _uint(owner, "offset", self.offset)
         _payload(owner, self.payload)
 
 
@@ -593,6 +727,7 @@ class JoinRequest(Message):
     advertise_url: str
     role: Role
     manifest_digest: bytes
+    status_url: str = ""  # optional: where browsers reach my operator routes ("" none / at advertise_url)
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -600,6 +735,7 @@ class JoinRequest(Message):
         _text(owner, "advertise_url", self.advertise_url, max_chars=MAX_URL_CHARS, pattern=URL_PATTERN)
         object.__setattr__(self, "role", _role(owner, self.role))
         _blob(owner, "manifest_digest", self.manifest_digest, exact=DIGEST_BYTES)
+        _text(owner, "status_url", self.status_url, max_chars=MAX_URL_CHARS, pattern=URL_PATTERN, allow_empty=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -610,6 +746,7 @@ class Member:
     advertise_url: str
     role: Role
     voter: bool
+    status_url: str = ""  # optional, as in JoinRequest
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -617,6 +754,7 @@ class Member:
         _text(owner, "advertise_url", self.advertise_url, max_chars=MAX_URL_CHARS, pattern=URL_PATTERN)
         object.__setattr__(self, "role", _role(owner, self.role))
         _boolean(owner, "voter", self.voter)
+        _text(owner, "status_url", self.status_url, max_chars=MAX_URL_CHARS, pattern=URL_PATTERN, allow_empty=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -650,7 +788,8 @@ class Membership(Message):
 
     def to_wire(self) -> tuple[dict[str, Any], bytes]:
         members = [{"node_id": m.node_id, "advertise_url": m.advertise_url, "role": m.role.value,
-                    "voter": m.voter} for m in self.members]
+                    "voter": m.voter, **({"status_url": m.status_url} if m.status_url else {})}
+                   for m in self.members]
         return {"epoch": self.epoch, "config_index": self.config_index, "members": members}, self.payload
 
     @classmethod
@@ -672,7 +811,7 @@ class Membership(Message):
                 if key not in item:
                     raise _fail(owner, f"members[{position}].{key}", "missing")
             members.append(Member(node_id=item["node_id"], advertise_url=item["advertise_url"],
-                                  role=item["role"], voter=item["voter"]))
+                                  role=item["role"], voter=item["voter"], status_url=item.get("status_url", "")))
         return cls(epoch=field_map["epoch"], config_index=field_map["config_index"],
                    members=tuple(members), payload=payload)
 
@@ -797,6 +936,6 @@ MESSAGE_TYPES: Mapping[MessageKind, type[Message]] = {
     cls.KIND: cls
     for cls in (FragmentContribution, LogAppend, LogAck, CommitNotice, VoteRequest, VoteReply, Heartbeat,
                 HeartbeatAck, JoinRequest, Membership, SnapshotRequest, SnapshotChunk, LogReadRequest,
-                LogReadReply, Leave)
+                LogReadReply, Leave, ContributionOpen, ContributionChunk)
 }
 assert len(MESSAGE_TYPES) == len(MessageKind), "every kind needs exactly one message class"

@@ -32,6 +32,7 @@ from bootstrap.messages import (
     Send,
 )
 from bootstrap.simulation.checker import InvariantChecker, chain_digest
+from bootstrap.simulation.relays import Metadata, PayloadHop, PayloadRequest, RelayPlane
 from wire.errors import ProtocolError
 
 NodeFactory = Callable[..., CoordinatorNode]
@@ -53,6 +54,10 @@ FAULT_WEIGHTS: dict[str, float] = {
     "join": 0.7,
     "leave": 0.4,
     "workload": 1.0,
+}
+# Faults that exist only when relays are on (so schedules without relays replay as before).
+RELAY_FAULT_WEIGHTS: dict[str, float] = {
+    "corrupt_relay": 1.0,  # a member starts altering the payload bytes it forwards
 }
 
 
@@ -87,6 +92,10 @@ class SimConfig:
     remove_dead_after_s: float = 6.0  # short so membership changes happen within a schedule
     measure_failover: bool = True
     faults: tuple[str, ...] = tuple(FAULT_WEIGHTS)
+    # Relayed payloads (bootstrap/simulation/relays.py): 0 = off, the holder sends every byte.
+    relay_fanout: int = 0
+    relay_timeout_s: float = 0.5  # a follower without a payload this long asks the next source up
+    relay_verify: bool = True  # False only for the broken variant that stores bytes unchecked
 
 
 @dataclass(slots=True)
@@ -100,6 +109,8 @@ class SimResult:
     commits: int
     trace_digest: int
     faults: list[str]
+    relay_holder_sends: int = 0  # payload copies sent by lease holders (relays on)
+    relay_refused: int = 0  # altered payloads caught by their digest (relays on)
 
 
 @dataclass(slots=True)
@@ -127,7 +138,7 @@ class _Host:
         self.clock_rate = rate
 
 
-_TICK, _DELIVER, _FAULT, _WORKLOAD = 0, 1, 2, 3
+_TICK, _DELIVER, _FAULT, _WORKLOAD, _RELAY, _RELAY_TIMER = 0, 1, 2, 3, 4, 5
 
 
 class Simulation:
@@ -160,6 +171,8 @@ class Simulation:
         count = self.rng.randint(self.config.min_nodes, self.config.max_nodes)
         founders = [f"n{i}" for i in range(count)]
         self.checker = InvariantChecker()
+        self.relays = (RelayPlane(self.config.relay_fanout, self.config.relay_timeout_s, self.config.relay_verify)
+                       if self.config.relay_fanout else None)
         for node_id in founders:
             role = MemberRole.WITNESS if self.rng.random() < 0.25 else MemberRole.LEARNER
             self.hosts[node_id] = _Host(node_id, PersistentState.founding(founders), role)
@@ -173,18 +186,23 @@ class Simulation:
         self._schedule(self.workload_interval, _WORKLOAD, self._workload_generation, None)
         self.run_until(cfg.warmup_s)
         t = cfg.warmup_s
+        weights = FAULT_WEIGHTS | RELAY_FAULT_WEIGHTS
+        faults = tuple(f for f in cfg.faults if f not in RELAY_FAULT_WEIGHTS or self.relays is not None)
+        if self.relays is not None:
+            faults += tuple(f for f in RELAY_FAULT_WEIGHTS if f not in faults)
         while True:
             t += self.rng.expovariate(1.0 / cfg.mean_fault_gap_s)
             if t >= cfg.warmup_s + cfg.chaos_s:
                 break
-            self._schedule(t, _FAULT, self.rng.choices(cfg.faults, [FAULT_WEIGHTS[f] for f in cfg.faults])[0], None)
+            self._schedule(t, _FAULT, self.rng.choices(faults, [weights[f] for f in faults])[0], None)
         self.run_until(cfg.warmup_s + cfg.chaos_s)
         failover = None
         if not self.stopped:
             self.heal_everything()
             failover = self._check_liveness()
         return SimResult(self.seed, len(self.hosts), list(self.checker.violations), failover, self.now,
-                         self.events, self.commits, self.trace, self.faults_applied)
+                         self.events, self.commits, self.trace, self.faults_applied,
+                         self.relays.holder_sends if self.relays else 0, self.relays.refused if self.relays else 0)
 
     def run_until(self, deadline: float, stop: Callable[[], bool] | None = None) -> bool:
         """Process events up to `deadline`; True as soon as `stop()` holds after an event."""
@@ -199,6 +217,11 @@ class Simulation:
                 self._on_deliver(a, b)  # type: ignore[arg-type]
             elif kind == _FAULT:
                 self.inject(a)  # type: ignore[arg-type]
+            elif kind == _RELAY:
+                self._on_relay(a, b)  # type: ignore[arg-type]
+            elif kind == _RELAY_TIMER:
+                if self.relays is not None and self.hosts[a].node is not None:  # type: ignore[index]
+                    self.relays.on_timer(self, a, b)  # type: ignore[arg-type]
             elif a == self._workload_generation:
                 self._on_workload()
             if stop is not None and stop():
@@ -276,6 +299,10 @@ class Simulation:
             self._skew(host)
             self._start(host, join=True)
             note = f"join {node_id}"
+        elif fault == "corrupt_relay" and self.relays is not None and alive:
+            host = self.rng.choice(alive)
+            self.relays.corrupting.add(host.node_id)
+            note = f"corrupt relay {host.node_id}"
         elif fault == "leave" and len(alive) > 3:
             host = self.rng.choice(alive)
             self._dispatch(host, lambda node, local: node.leave(local))
@@ -289,6 +316,8 @@ class Simulation:
         host.node = None
         host.generation += 1
         self.leaders.pop(node_id, None)
+        if self.relays is not None:
+            self.relays.on_crash(node_id)
 
     def heal_everything(self) -> None:
         """End of chaos: a clean network and every crashed (not departed) node restarted."""
@@ -399,10 +428,41 @@ class Simulation:
         self._dispatch(host, lambda node, local: node.tick(local))
         self._schedule(self.now + self.config.tick_interval_s, _TICK, node_id, generation)
 
-    def _on_deliver(self, node_id: str, message: Message) -> None:
+    def _on_deliver(self, node_id: str, message: Message | Metadata) -> None:
         host = self.hosts[node_id]
+        if host.node is None:
+            return
+        if isinstance(message, Metadata):
+            assert self.relays is not None
+            self.relays.on_metadata(self, node_id, message, lambda assembled: self._handle(host, assembled))
+            return
+        self._handle(host, message)
+
+    def _handle(self, host: _Host, message: Message) -> None:
         if host.node is not None:
             self._dispatch(host, lambda node, local: node.handle(message, local), message)
+
+    def _on_relay(self, node_id: str, item: PayloadHop | PayloadRequest) -> None:
+        host = self.hosts[node_id]
+        if host.node is None or self.relays is None:
+            return  # a crashed relay forwards nothing
+        if isinstance(item, PayloadRequest):
+            self.relays.on_fetch(self, node_id, item)
+        else:
+            self.relays.on_payload(self, node_id, item, lambda assembled: self._handle(host, assembled))
+
+    def relay_send(self, source: str, to: str, item: PayloadHop | PayloadRequest) -> None:
+        """Payload-plane traffic: the same partitions, cut links and loss as every other message."""
+        if not self._link_passes(source, to):
+            return
+        delay = self.config.base_delay_s + self.rng.expovariate(1.0 / self.jitter)
+        self._schedule(self.now + delay, _RELAY, to, item)
+
+    def relay_timer(self, delay: float, node_id: str, wait_id: int) -> None:
+        self._schedule(self.now + delay, _RELAY_TIMER, node_id, wait_id)
+
+    def is_lease_holder(self, node_id: str) -> bool:
+        return self.current_lease_holder() == node_id
 
     def set_workload(self, interval_s: float) -> None:
         """Change the proposal period now: the pending proposal of the old period is dropped."""
@@ -472,17 +532,23 @@ class Simulation:
 
     # ------------------------------------------------------------ network
 
+    def _link_passes(self, source: str, to: str) -> bool:
+        if self.groups and self.groups.get(source, 0) != self.groups.get(to, 0):
+            return False
+        if to not in self.hosts or (source, to) in self.one_way:
+            return False
+        return not (self.loss and self.rng.random() < self.loss)
+
     def _send(self, source: str, send: Send) -> None:
-        if self.groups and self.groups.get(source, 0) != self.groups.get(send.to, 0):
+        if not self._link_passes(source, send.to):
             return
-        if send.to not in self.hosts or (source, send.to) in self.one_way:
-            return
-        if self.loss and self.rng.random() < self.loss:
-            return
+        message: Message | Metadata = send.message
+        if self.relays is not None and isinstance(message, AppendEntries) and any(e.payload for e in message.entries):
+            message = self.relays.outgoing(self, source, message)  # metadata direct, bytes down the tree
         copies = 2 if self.duplicate and self.rng.random() < self.duplicate else 1
         for _ in range(copies):
             delay = self.config.base_delay_s + self.rng.expovariate(1.0 / self.jitter)
-            self._schedule(self.now + delay, _DELIVER, send.to, send.message)
+            self._schedule(self.now + delay, _DELIVER, send.to, message)
 
     def _schedule(self, time: float, kind: int, a: object, b: object) -> None:
         self._seq += 1

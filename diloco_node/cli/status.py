@@ -180,6 +180,14 @@ def render_table(doc: StatusDocument) -> str:
         f"tokens/s {_human(learner.tokens_per_s)}",
         f"bytes sent {_bytes(doc.bytes.sent)}  received {_bytes(doc.bytes.received)}  uptime {doc.uptime_s:.0f}s",
     ]
+    if doc.tls.enabled:
+        tls = doc.tls
+        lines.append(f"tls certificate {tls.node_id or '(names no node id)'}  expires {tls.not_after} "
+                     f"({tls.days_left:.1f} days)  CA {tls.ca_subject}  CRL {'yes' if tls.crl_loaded else 'no'}  "
+                     f"sha256 {tls.fingerprint[:16]}")
+        if tls.reload_error:
+            lines.append(f"tls reload FAILED (still serving the certificates loaded {tls.loaded_at}): "
+                         f"{tls.reload_error}")
     if doc.fragments:
         lines.append("fragment rounds " + " ".join(f"{f.fragment}:{f.round}" for f in doc.fragments))
     if doc.members:

@@ -58,6 +58,8 @@ __all__ = [
 
 ROLES = ("learner", "witness")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# How a learner site produces its deltas: "jax" trains; "synthetic" draws random ones (benchmarks).
+LEARNER_KINDS = ("jax", "synthetic")
 ENV_PREFIX = "DILOCO_"
 # Never read as configuration: room for test harnesses and experiments without tripping the
 # unknown-variable check.
@@ -165,6 +167,10 @@ class NodeConfig:
     log_retain_entries: int = DEFAULT_LOG_RETAIN_ENTRIES
     eval_interval_commits: int = 50
     eval_batches: int = 8
+    # "synthetic": random deltas at `synthetic_steps_per_s` instead of training (learn/
+    # synthetic_learner.py), for benchmarks and tests of the data plane; never for a real run.
+    learner: str = "jax"
+    synthetic_steps_per_s: float = 10.0
     data: SiteData = SiteData()  # [node.data]: what this site trains on
     # Mutual TLS between sites (docs/OPERATIONS.md, "Mutual TLS"): all three files, or none (off).
     tls_cert_file: Path | None = None
@@ -174,6 +180,10 @@ class NodeConfig:
     # Operator routes (/status, /metrics, /livez, /readyz, /) on a listener of their own; with TLS
     # on and this unset: 127.0.0.1 at the listen port + 1 (loopback: operators are local or tunnel).
     status_listen: HostPort | None = None
+    # Where browsers reach this node's operator routes when they are not at `advertise` (TLS on);
+    # members advertise it to each other so the live page can read every member's /series.
+    # "": derived from status_listen when that is not a wildcard, else none.
+    status_url: str = ""
     mesh: MeshShape = MeshShape()  # [node.mesh]: this site's devices laid out (learn/mesh.py)
     cluster: ClusterSpec = ClusterSpec()  # [node.cluster]: the hosts of a multi-host site
 
@@ -184,6 +194,8 @@ class NodeConfig:
         _require(self.role in ROLES, f"role = {self.role!r}: must be one of {', '.join(ROLES)}")
         _require(self.log_level in LOG_LEVELS, f"log_level = {self.log_level!r}: must be one of {', '.join(LOG_LEVELS)}")
         _check_advertise(self.advertise)
+        if self.status_url:
+            _check_advertise(self.status_url, "status_url", "browsers")
         for peer in self.bootstrap:
             _require(HostPort.parse(_hostport_of_url(self.advertise), "advertise") != peer,
                      f"bootstrap = {str(peer)!r}: points at this node's own advertise address; "
@@ -204,6 +216,11 @@ class NodeConfig:
         _require(self.eval_interval_commits >= 0,
                  f"eval_interval_commits = {self.eval_interval_commits}: must be >= 0 (0: never evaluate)")
         _require(1 <= self.eval_batches <= 1024, f"eval_batches = {self.eval_batches}: must be in [1, 1024]")
+        _require(self.learner in LEARNER_KINDS,
+                 f"learner = {self.learner!r}: must be one of {', '.join(LEARNER_KINDS)} "
+                 "(synthetic is for benchmarks and tests: it does not train)")
+        _require(math.isfinite(self.synthetic_steps_per_s) and self.synthetic_steps_per_s > 0,
+                 f"synthetic_steps_per_s = {self.synthetic_steps_per_s}: must be a positive number of steps per second")
         self._check_tls()
 
     def _check_tls(self) -> None:
@@ -256,9 +273,9 @@ TLS_CREDENTIALS = {"tls_cert_file": "diloco-tls-cert", "tls_key_file": "diloco-t
                    "tls_ca_file": "diloco-tls-ca", "tls_crl_file": "diloco-tls-crl"}
 
 
-def _check_advertise(url: str) -> None:
+def _check_advertise(url: str, key: str = "advertise", who: str = "the other sites") -> None:
     parts = urlsplit(url)
-    hint = f"advertise = {url!r}: expected http(s)://HOST:PORT reachable by the other sites"
+    hint = f"{key} = {url!r}: expected http(s)://HOST:PORT reachable by {who}"
     _require(parts.scheme in ("http", "https"), hint)
     try:
         port = parts.port
@@ -320,6 +337,8 @@ _NODE_HELP = {
     "log_retain_entries": "log entries kept below the newest checkpoint when compacting (lagging peers replay these)",
     "eval_interval_commits": "evaluate the global model on this site's eval split every N applied commits (0: never)",
     "eval_batches": "batches (of run.inner.batch_size windows) in each evaluation",
+    "learner": "jax (trains the model) or synthetic (random deltas, no training: benchmarks and tests only)",
+    "synthetic_steps_per_s": "steps per second of a synthetic learner (learner = synthetic only)",
     "data.source": "[node.data] what this site trains on: stdlib, text or tokens",
     "data.paths": "[node.data] files, directories (text) and globs, read in order as one stream",
     "data.tokenizer": "[node.data] a local tokenizer.json: text is tokenized with it; token files declare it",
@@ -331,6 +350,8 @@ _NODE_HELP = {
     "tls_ca_file": "the run CA's certificate: peers' certificates are verified against it alone",
     "tls_crl_file": "the run CA's revocation list (PEM; `diloco-node certs revoke` writes it)",
     "status_listen": "HOST:PORT of the operator routes' own listener (default with TLS: 127.0.0.1:<listen port + 1>)",
+    "status_url": "URL browsers use to reach this node's operator routes, advertised to members for the live "
+                  "page (default with TLS: http://<status_listen> unless a wildcard; without TLS: advertise)",
 }
 _NODE_KINDS = {
     "node_id": "str", "listen": "hostport", "advertise": "str", "source_address": "optip",
@@ -339,10 +360,11 @@ _NODE_KINDS = {
     "log_level": "str", "connect_timeout_s": "float", "read_timeout_s": "float",
     "heartbeat_interval_s": "float", "lease_timeout_s": "float", "checkpoint_interval_s": "float",
     "checkpoint_keep": "int", "log_retain_entries": "int", "eval_interval_commits": "int", "eval_batches": "int",
+    "learner": "str", "synthetic_steps_per_s": "float",
     "data.source": "str", "data.paths": "pathlist", "data.tokenizer": "pathstr", "data.token_dtype": "str",
     "data.eval_fraction": "float", "data.seed": "int",
     "tls_cert_file": "optpath", "tls_key_file": "optpath", "tls_ca_file": "optpath", "tls_crl_file": "optpath",
-    "status_listen": "opthostport",
+    "status_listen": "opthostport", "status_url": "str",
 }
 # [node.data] is a table of its own: its keys are "data.<name>" (env DILOCO_DATA_<NAME>, --set data.<name>=).
 NODE_DATA_PREFIX = "data."
@@ -864,6 +886,10 @@ def _fill_derived(values: dict[str, Any], sources: dict[str, str], environ: Mapp
         listen = values["listen"]
         values["status_listen"] = HostPort("127.0.0.1", listen.port + 1 if listen.port < 65535 else listen.port - 1)
         sources["status_listen"] = "derived:listen"
+    status_listen: HostPort | None = values["status_listen"]
+    if not values["status_url"] and status_listen is not None and not status_listen.is_wildcard:
+        values["status_url"] = status_listen.url("http")  # the operator listener speaks plain HTTP
+        sources["status_url"] = "derived:status_listen"
     if sources["data_dir"] == "default" and environ.get("STATE_DIRECTORY"):
         # systemd's StateDirectory= sets this (colon-separated when several are configured).
         values["data_dir"] = Path(environ["STATE_DIRECTORY"].split(":")[0])

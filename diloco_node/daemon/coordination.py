@@ -5,7 +5,9 @@ module is the only place that performs them: after every call into the core the 
 synced to disk *before* any resulting message leaves (replica_store.py); `Send` actions go to a
 per-peer outbox drained by one worker task; `ApplyEntry` and `RestoreSnapshot` go to the state
 keeper (state_transfer.py). It also answers the coordination part of the peer API (votes,
-appends, heartbeats, leaves, joins) and drives the core's timer.
+appends, heartbeats, leaves, joins), drives the core's timer, and carries out an operator's
+eviction as the lease holder (`evict`; the register is sync/evictions.py). Nothing is sent to an
+evicted site.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from typing import Any
 
 from bootstrap import messages as coord
 from bootstrap.coordinator_node import CoordinatorNode, PersistentState
-from bootstrap.entries import LogEntry, Snapshot
+from bootstrap.entries import EntryKind, LogEntry, Snapshot
 from diloco_node.clock import Clock
 from diloco_node.config.manifest import RunManifest
 from diloco_node.daemon import peers
 from diloco_node.daemon.history_hooks import DaemonHistory
 from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.daemon.tasks import TaskSet
+from diloco_node.sync.evictions import EvictionError, EvictionRecord, encode_payload
 from diloco_node.transport import PeerClient, PeerRefused, PeerUnreachable
 from wire import messages as wire
 from wire.errors import LocalProtocolError, RemoteProtocolError
@@ -110,7 +113,7 @@ class CoordinationIO:
     # ------------------------------------------------------------------ messages out
 
     def send(self, to: str, message: coord.Message) -> None:
-        if to == self.node_id:
+        if to == self.node_id or self.core.is_evicted(to):
             return
         outbox = self._outboxes.get(to)
         if outbox is None:
@@ -255,15 +258,64 @@ class CoordinationIO:
         self.same_sender(message.node_id, peer, "JoinRequest")
         if message.manifest_digest == manifest.digest_bytes():
             self.remember_member(message.node_id, message.advertise_url, message.role.value)
+            self.addresses.learn_status_url(message.node_id, message.status_url)
             self.revive(message.node_id, peers.role_from_wire(message.role), even_if_left=True)
             log.info("%s admitted %s (%s, %s)", self.node_id, message.node_id, message.role.value,
                      message.advertise_url)
         voters = self.core.log.config.voters
         members = tuple(wire.Member(node_id, url, wire.Role(self.addresses.role(node_id) or "learner"),
-                                    node_id in voters)
-                        for node_id, url in self.addresses.items())
+                                    node_id in voters, status_url=self.addresses.status_url(node_id))
+                        for node_id, url in self.addresses.items()
+                        if not self.core.is_evicted(node_id))  # a joiner never contacts an evicted site
         return wire.Membership(self.core.epoch, self.core.log.latest_config_index(), members,
                                manifest.canonical_bytes())
+
+    # ------------------------------------------------------------------ evicting (operator)
+
+    async def evict(self, node_id: str, reason: str, fingerprints: list[str],
+                    evicted: Callable[[str], EvictionRecord | None], wait_s: float) -> tuple[int, dict[str, Any]]:
+        """An operator evicts `node_id` for this run: as the lease holder, append the EVICTION entry
+        and wait up to `wait_s` for it to apply here. Returns (HTTP status, JSON body).
+
+        200: evicted (now, or already); 202: appended, not applied yet; 400: a bad request;
+        404: no such member; 409: not the lease holder (the body names it), or the holder cannot
+        append now. A refusal changes nothing.
+        """
+        core = self.core
+        if node_id == self.node_id:
+            return 400, {"error": f"{self.node_id} cannot evict itself: ask another member's operator listener"}
+        already = evicted(node_id)
+        if already is not None:
+            return 200, {"node_id": node_id, "index": already.index, "committed": True,
+                         "message": already.refusal() + " (already)"}
+        known = (node_id in core.log.config.voters or core.membership.record(node_id) is not None
+                 or self.addresses.url(node_id) is not None)
+        if not known:
+            return 404, {"error": f"no member {node_id!r} in this run"}
+        now = self.clock.monotonic()
+        if not core.is_lease_holder(now):
+            holder = core.election.leader_id
+            return 409, {"error": f"{self.node_id} does not hold the lease: run `diloco-node evict` against "
+                                  f"the lease holder's operator listener"
+                                  + (f" ({holder})" if holder else " (none right now; try again shortly)"),
+                         "lease_holder": holder, "lease_holder_url": self.addresses.url(holder) if holder else None}
+        try:
+            payload = encode_payload(node_id, fingerprints, reason)
+        except EvictionError as error:
+            return 400, {"error": str(error)}
+        entry, why, actions = core.propose(now, EntryKind.EVICTION, payload)
+        if entry is None:
+            return 409, {"error": f"cannot append the eviction: {why}"}
+        self.dispatch(actions)
+        log.warning("%s evicts %s at index %d: %s", self.node_id, node_id, entry.index, reason or "(no reason)")
+        deadline = now + wait_s
+        while evicted(node_id) is None and self.clock.monotonic() < deadline:
+            await self.clock.sleep(TICK_S)
+        record = evicted(node_id)
+        if record is None:
+            return 202, {"node_id": node_id, "index": entry.index, "committed": False,
+                         "message": f"eviction of {node_id} appended at index {entry.index}, not committed yet"}
+        return 200, {"node_id": node_id, "index": record.index, "committed": True, "message": record.refusal()}
 
     # ------------------------------------------------------------------ leaving
 

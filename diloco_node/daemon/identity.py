@@ -21,9 +21,10 @@ from diloco_node.learn import data as data_lib
 from diloco_node.learn import factory
 from diloco_node.config.settings import ConfigError, EffectiveConfig, check_joiner_manifest
 from diloco_node.daemon import peers
-from diloco_node.daemon.join import negotiate
+from diloco_node.daemon.join import JoinRefused, negotiate
 from diloco_node.daemon.replica_store import ReplicaStore
-from diloco_node.transport import PeerClient, TransportError
+from diloco_node.sync.evictions import EVICTED_MARK
+from diloco_node.transport import PeerClient, PeerRefused, TransportError
 from wire import messages as wire
 
 log = logging.getLogger("diloco_node.daemon")
@@ -44,6 +45,7 @@ class SiteIdentity:
         self.role = role
         self.addresses = peers.AddressBook({self.node_id: effective.node.advertise})
         self.addresses.learn(self.node_id, effective.node.advertise, effective.node.role)
+        self.addresses.learn_status_url(self.node_id, effective.node.status_url)
         self.manifest: RunManifest | None = None
         self.bootstrap_url: str | None = None  # the peer a joiner joined through
 
@@ -74,7 +76,8 @@ class SiteIdentity:
             await loop.run_in_executor(None, self._check_before_admission, theirs)
 
         manifest, membership, via = await negotiate(self.client, urls, self.effective, self.node_id,
-                                                    cfg.advertise, peers.role_to_wire(self.role), check_model)
+                                                    cfg.advertise, peers.role_to_wire(self.role), check_model,
+                                                    status_url=cfg.status_url)
         self.manifest = manifest
         self.learn_members(membership)
         self.bootstrap_url = via
@@ -116,6 +119,8 @@ class SiteIdentity:
         changed = False
         for member in membership.members:
             changed |= self.addresses.learn(member.node_id, member.advertise_url, member.role.value)
+            if member.node_id != self.node_id:  # our own is what our config says
+                self.addresses.learn_status_url(member.node_id, member.status_url)
         if changed and self.manifest is not None:
             self.save()
 
@@ -123,7 +128,7 @@ class SiteIdentity:
         """Tell every member we know that we are here (joiners, and restarts after a leave)."""
         assert self.manifest is not None
         request = wire.JoinRequest(self.node_id, self.effective.node.advertise, peers.role_to_wire(self.role),
-                                   self.manifest.digest_bytes())
+                                   self.manifest.digest_bytes(), status_url=self.effective.node.status_url)
 
         async def one(url: str) -> None:
             try:
@@ -131,6 +136,8 @@ class SiteIdentity:
                     if isinstance(reply, wire.Membership):
                         self.learn_members(reply)
             except TransportError as error:
+                if isinstance(error, PeerRefused) and error.status == 403 and EVICTED_MARK in error.reason:
+                    raise JoinRefused(error.reason, permanent=True) from None  # exit 3: a restart cannot help
                 log.info("announce to %s failed: %s", url, error)
 
         await asyncio.gather(*(one(url) for node_id, url in self.addresses.items() if node_id != self.node_id))

@@ -34,7 +34,7 @@ from bootstrap.election import LeaseTiming
 from diloco_node.clock import Clock, SystemClock, process_age_s
 from diloco_node.config.settings import ConfigError, EffectiveConfig, NodeConfig, run_id_for
 from diloco_node.daemon.coordination import CoordinationIO
-from diloco_node.daemon.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, exit_status_for
+from diloco_node.daemon.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_REFUSED, exit_status_for
 from diloco_node.daemon.history_hooks import DaemonHistory
 from diloco_node.daemon.history_ring import HISTORY_RING_DIR, DiskHistories
 from diloco_node.daemon.identity import SiteIdentity
@@ -47,13 +47,14 @@ from diloco_node.daemon.persistence import Checkpointer
 from diloco_node.daemon.readiness import ReadinessFacts, readiness
 from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.daemon.rounds import RoundDriver
-from diloco_node.daemon.site_model import SiteModel, build_site_model, prepare_learner
+from diloco_node.daemon.site_model import SiteModel, build_site_model, prepare_learner, prepare_synthetic_learner
 from diloco_node.daemon.state_transfer import StateKeeper
 from diloco_node.daemon.status_feed import StatusFeed
 from diloco_node.daemon.evaluation import GlobalEvaluator
 from diloco_node.daemon.tasks import TaskSet, closed_on_cleanup
 from diloco_node.learn.cluster import failure_reason, share_manifest
 from diloco_node.learn.learner_thread import DueFragment, LearnerThread
+from diloco_node.learn.synthetic_learner import SyntheticLearner
 from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore
 from diloco_node.ops.liveness import Liveness, StepPace, liveness
 from diloco_node.ops.page import StatusSeries
@@ -117,6 +118,7 @@ class Node:
         self._stop = asyncio.Event()
         self.exit_reason = ""
         self._site_failed = False  # a multi-host site lost a host: exit 1 without leaving the run
+        self._evicted = ""  # the run evicted this site (an applied EVICTION entry names it): exit 3
         # Built by run(), in this order; None until then.
         self.loop: asyncio.AbstractEventLoop | None = None
         self.executor: ThreadPoolExecutor | None = None
@@ -134,7 +136,7 @@ class Node:
         self.coordination: CoordinationIO | None = None
         self.rounds: RoundDriver | None = None
         self.feed: StatusFeed | None = None
-        self.learner: LearnerThread | None = None
+        self.learner: LearnerThread | SyntheticLearner | None = None
         self._ready = False
         self._status_line = StatusLineThrottle()
         self._periodic_task: asyncio.Task[Any] | None = None
@@ -174,6 +176,8 @@ class Node:
             return EXIT_CONFIG if isinstance(error, ConfigError) else EXIT_FAILED
         run_id = run_id_for(secret)
         self.status.set_run_id(run_id)
+        if tls is not None:
+            self._show_tls(tls)
         auth = AuthContext(run_id, self.node_id, key)
         verifier = FrameVerifier(run_id, key, node_id=self.node_id)  # frames must be addressed to us
         self.executor = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix=f"pool-{self.node_id}")
@@ -197,7 +201,9 @@ class Node:
         self.server.install(app)
         operator_listen = self.cfg.operator_listen  # None: operator routes share the peer port
         operator_app = app if operator_listen is None else web.Application(client_max_size=1024 ** 2)
-        operator_app.add_routes(operator_routes(self._status_document, self.metrics, self._live, self.samples))
+        operator_app.add_routes(operator_routes(self._status_document, self.metrics, self._live, self.samples,
+                                                evict=self._evict))
+        self.server.gate = self._eviction_gate
         # Resources live as long as the app; cleanup runs in reverse order of set-up.
         app.cleanup_ctx.append(closed_on_cleanup(
             lambda: self.executor.shutdown(wait=False, cancel_futures=True),
@@ -280,7 +286,14 @@ class Node:
             if outcome is not None:
                 self._report_tls_reload(tls, "TLS files changed", outcome)
 
+    def _show_tls(self, tls: SiteTls) -> None:
+        facts = tls.facts
+        self.status.set_tls(node_id=facts.node_id, fingerprint=facts.fingerprint, not_after_unix=facts.not_after_unix,
+                            ca_subject=facts.ca_subject, crl_loaded=facts.crl_loaded,
+                            loaded_at_unix=tls.loaded_at_unix, reloads=tls.reloads, reload_error=tls.last_reload_error)
+
     def _report_tls_reload(self, tls: SiteTls, why: str, outcome: str) -> None:
+        self._show_tls(tls)
         if tls.last_reload_error:
             self._error(f"{why}: {outcome}")  # shown in /status: the site still runs on the old files
         else:
@@ -312,7 +325,7 @@ class Node:
         site = self.site = await loop.run_in_executor(
             None, lambda: build_site_model(manifest, learner=self.role is coord.MemberRole.LEARNER,
                                            data=self.cfg.data, cache_dir=self.cfg.data_dir / DATA_CACHE_DIR,
-                                           mesh_shape=self.cfg.mesh))
+                                           mesh_shape=self.cfg.mesh, synthetic=self.cfg.learner == "synthetic"))
         if site.devices is not None:
             self.status.set_devices(site.devices)
             log.info("%s: training on %s", self.node_id, site.devices)
@@ -336,6 +349,9 @@ class Node:
             history=self.history)
         keeper.after_apply = self._after_apply
         plan, restored = self.checkpointer.restore(persistent, identity.has_peers())
+        evicted = replica.evictions.record(self.node_id)
+        if evicted is not None:
+            raise JoinRefused(evicted.refusal(), permanent=True)  # every member refuses us anyway
         if plan.install_floor:
             keeper.plan_install(plan.install_floor)
         # The learner's starting base: the global state as of now (copied; a download replaces it).
@@ -353,10 +369,16 @@ class Node:
         # itself and downloads the global state: the two are independent until training starts.
         preparing = None
         if self.role is coord.MemberRole.LEARNER:
-            preparing = asyncio.ensure_future(loop.run_in_executor(None, lambda: prepare_learner(
-                site, node_id=self.node_id, base=base, restored=restored,
-                on_contribution=self._from_learner_contribution, on_progress=self._from_learner_progress,
-                min_step_interval_s=self._min_step_interval_s)))
+            if self.cfg.learner == "synthetic":  # benchmarks and tests of the data plane only
+                preparing = asyncio.ensure_future(loop.run_in_executor(None, lambda: prepare_synthetic_learner(
+                    site, node_id=self.node_id, base=base, restored=restored,
+                    on_contribution=self._from_learner_contribution, on_progress=self._from_learner_progress,
+                    steps_per_s=self.cfg.synthetic_steps_per_s)))
+            else:
+                preparing = asyncio.ensure_future(loop.run_in_executor(None, lambda: prepare_learner(
+                    site, node_id=self.node_id, base=base, restored=restored,
+                    on_contribution=self._from_learner_contribution, on_progress=self._from_learner_progress,
+                    min_step_interval_s=self._min_step_interval_s)))
         if download is not None:
             await identity.announce()
             started = self.now()
@@ -380,6 +402,11 @@ class Node:
             self._start_training(await preparing, fresh=restored is None)
         self._after_apply(replica.applied_index)  # a restart of a complete run ends at once
         await self._stop.wait()
+        if self._evicted:
+            log.error("%s: %s; stopping", self.node_id, self._evicted)
+            self.exit_reason = self._evicted
+            await self._shutdown()
+            return EXIT_REFUSED
         if self._site_failed:
             # No leave and no final checkpoint (the learner's state is gone with its host): the
             # site restarts from its last periodic checkpoint and catches up, like a crashed site.
@@ -411,6 +438,7 @@ class Node:
         core = CoordinatorNode(self.node_id, persistent, now=self.now(), rng=random.Random(os.urandom(16)),
                                applied_index=replica.applied_index, role=self.role, address=self.cfg.advertise,
                                options=options)
+        core.is_evicted = replica.evictions.__contains__
         self.store.sync(persistent)
         coordination = self.coordination = CoordinationIO(
             core=core, persistent=persistent, store=self.store, history=self.history, client=self.client,
@@ -430,7 +458,7 @@ class Node:
                                store=self.store, client=self.client, server=self.server, loop_lag=self.loop_lag)
         self.history.start(core, replica.applied_index, self.site.manifest.sync)
 
-    def _start_training(self, learner: LearnerThread, *, fresh: bool) -> None:
+    def _start_training(self, learner: LearnerThread | SyntheticLearner, *, fresh: bool) -> None:
         """Bring the compiled learner up to the replica's current global state and start stepping.
 
         Training starts as soon as the global state is in place (founded, restored or downloaded):
@@ -473,6 +501,25 @@ class Node:
     def _after_coordination_step(self) -> None:
         if self.rounds is not None:
             self.rounds.lease_check()
+        if not self._evicted and self.site is not None:
+            record = self.site.replica.evictions.record(self.node_id)
+            if record is not None:
+                self._evicted = record.refusal()
+                self._stop.set()
+
+    # ------------------------------------------------------------------ eviction
+
+    def _eviction_gate(self, node_id: str | None, fingerprint: str | None) -> str | None:
+        """The transport's check of every peer: refused for good once the run evicted it."""
+        return self.site.replica.evictions.refusal(node_id, fingerprint) if self.site is not None else None
+
+    async def _evict(self, node_id: str, reason: str) -> tuple[int, dict[str, Any]]:
+        """`POST /evict` on the operator listener (`diloco-node evict`): see CoordinationIO.evict."""
+        if self.coordination is None or self.site is None or self.server is None:
+            return 503, {"error": f"{self.node_id} is still starting"}
+        fingerprints = sorted(self.server.seen_certificates.get(node_id, ()))
+        return await self.coordination.evict(node_id, reason, fingerprints, self.site.replica.evictions.record,
+                                             wait_s=2 * self.cfg.lease_timeout_s)
 
     async def _watch_cluster_learner(self) -> None:
         """A multi-host site cannot train on without one of its hosts (its JAX cluster is broken

@@ -14,7 +14,7 @@ from diloco_node.config.manifest import RunManifest
 from diloco_node.daemon.coordination import CoordinationIO
 from diloco_node.daemon.rounds import RoundDriver
 from diloco_node.daemon.state_transfer import StateKeeper
-from diloco_node.transport import PeerServer
+from diloco_node.transport import PeerServer, SequenceConsumer
 from wire import messages as wire
 from wire.errors import RemoteProtocolError
 
@@ -33,6 +33,8 @@ class PeerApi:
                               (wire.MessageKind.SNAPSHOT_REQUEST, self.snapshot),
                               (wire.MessageKind.FRAGMENT_CONTRIBUTION, self.contribution)):
             server.on_message(kind, handler)
+        server.on_sequence(wire.MessageKind.CONTRIBUTION_OPEN, wire.MessageKind.CONTRIBUTION_CHUNK,
+                           self.contribution_stream)
 
     def _part(self, part: Any) -> Any:
         if part is None:
@@ -64,3 +66,9 @@ class PeerApi:
         coordination.check_open()
         coordination.same_sender(message.learner_id, peer, "FragmentContribution")
         await self._part(self._rounds()).on_contribution(message)
+
+    async def contribution_stream(self, head: wire.ContributionOpen, peer: Any) -> SequenceConsumer:
+        coordination: CoordinationIO = self._part(self._coordination())
+        coordination.check_open()
+        coordination.same_sender(head.learner_id, peer, "ContributionOpen")
+        return self._part(self._rounds()).open_contribution(head)

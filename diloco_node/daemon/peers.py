@@ -35,7 +35,8 @@ from wire import messages as wire
 from wire.errors import LocalProtocolError, RemoteProtocolError
 
 # Log entry kinds on the wire are short lowercase names (wire.messages.NAME_PATTERN).
-_KIND_TO_WIRE = {EntryKind.OUTER_COMMIT: "commit", EntryKind.MEMBERSHIP: "membership", EntryKind.NOOP: "noop"}
+_KIND_TO_WIRE = {EntryKind.OUTER_COMMIT: "commit", EntryKind.MEMBERSHIP: "membership", EntryKind.NOOP: "noop",
+                 EntryKind.EVICTION: "eviction"}
 _KIND_FROM_WIRE = {name: kind for kind, name in _KIND_TO_WIRE.items()}
 # The wire kind of the log entry that stands for an InstallSnapshot (see the module docstring).
 SNAPSHOT_ENTRY_KIND = "snapshot"
@@ -179,11 +180,21 @@ def role_from_wire(role: wire.Role) -> coord.MemberRole:
 
 
 class AddressBook:
-    """Node id -> advertised URL of every member we have heard of (persisted with the replica)."""
+    """Node id -> advertised URL of every member we have heard of (persisted with the replica), and
+    the operator URLs members advertise for browsers (`status_url`; learned again at every start)."""
 
     def __init__(self, entries: Mapping[str, str] | None = None) -> None:
         self._urls: dict[str, str] = dict(entries or {})
         self._roles: dict[str, str] = {}
+        self._status_urls: dict[str, str] = {}
+
+    def learn_status_url(self, node_id: str, url: str) -> None:
+        """A member's advertised operator URL ("" says nothing: an older member, or none set)."""
+        if url:
+            self._status_urls[node_id] = url
+
+    def status_url(self, node_id: str) -> str:
+        return self._status_urls.get(node_id, "")
 
     def learn(self, node_id: str, url: str, role: str | None = None) -> bool:
         """Record an address; True when it is new or changed."""

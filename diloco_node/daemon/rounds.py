@@ -1,10 +1,13 @@
 """The fragment round on the real clock: contributions to and from the network, the lease holder's merges.
 
 Both directions of a round live here:
-- learner -> lease holder: a due fragment's delta is encoded in the codec pool and sent to the
-  current lease holder (or handed to our own syncer when we hold the lease);
-- lease holder: contributions are decoded and added to the sans-IO `Syncer`, whose decisions this
-  module only turns into timers (wake-at) or a merge in the codec pool followed by a log proposal.
+- learner -> lease holder: a due fragment's delta is streamed to the current lease holder, one
+  chunk encoded in the codec pool at a time (wire 2.1, wire/contribution_stream.py), or handed
+  chunk by chunk to our own syncer when we hold the lease;
+- lease holder: each chunk is checked and decoded in the codec pool as it arrives and kept encoded;
+  the whole contribution goes to the sans-IO `Syncer`, whose decisions this module only turns into
+  timers (wake-at) or a merge in the codec pool followed by a log proposal. Single-frame
+  contributions of wire 2.0 senders are still decoded whole.
 Lease changes reset or seed the syncer. Everything this driver needs is handed to its constructor.
 """
 
@@ -14,9 +17,12 @@ import asyncio
 import functools
 import logging
 import math
-from collections.abc import Callable
+import os
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from concurrent.futures import Executor
 from typing import Any
+
+import numpy as np
 
 from bootstrap import messages as coord
 from bootstrap.coordinator_node import CoordinatorNode
@@ -33,16 +39,28 @@ from diloco_node.sync.replica import Replica
 from diloco_node.sync.syncer import CommitPlan, OpenRound, Syncer
 from diloco_node.transport import PeerClient, TransportError
 from wire import messages as wire
-from wire.codecs import decode_named, encode_named
+from wire.codecs import decode_named
+from wire.contribution_stream import (
+    ContributionAssembler,
+    EncodedDelta,
+    contribution_chunks,
+    max_encoded_bytes,
+    open_for,
+)
 from wire.errors import RemoteProtocolError
+from wire.limits import DEFAULT_LIMITS, Limits
+from wire.messages import STREAM_ID_BYTES
 
 log = logging.getLogger("diloco_node.daemon")
 
 # A contribution upload may take this long before it is dropped (the learner sends again at its
-# next slot, with the steps of both).
+# next slot, with the steps of both) ...
 CONTRIBUTION_DEADLINE_S = 60.0
-# Decodes in flight per learner: a learner sends one fragment per slot, so a second one while the
-# first is still decoding is a flood (429); each decode holds up to a fragment's fp32 size.
+# ... plus the time its largest possible size takes at this rate (4 Mbit/s, the slowest inter-site
+# link planned for): a 7B model's int4 fragment at P = 24 (~160 MB) may take ~5 minutes there.
+CONTRIBUTION_MIN_RATE_BYTES_PER_S = 512 * 1024
+# Contributions being received per learner: a learner sends one fragment per slot, so a second one
+# while its first is still arriving (or, wire 2.0, decoding) is a flood (429).
 MAX_DECODES_PER_LEARNER = 1
 # A learner's steps claim for fragment p may exceed the period H by what the time since its previous
 # accepted contribution for p allows at the syncer's step-time estimate, times this slack (a
@@ -68,6 +86,8 @@ class RoundDriver:
         self.coordination = coordination
         self.addresses = addresses
         self.client = client
+        # Chunk sizes and per-chunk limits: the transport's, so what we send passes what peers check.
+        self.limits: Limits = client.limits if client is not None else DEFAULT_LIMITS
         self.executor = executor
         self.clock = clock
         self.tasks = tasks
@@ -96,30 +116,50 @@ class RoundDriver:
         self.tasks.spawn(self._send_contribution(due), name=f"contribution-{due.fragment}")
 
     async def _send_contribution(self, due: DueFragment) -> None:
-        loop = asyncio.get_running_loop()
-        codec = self.manifest.sync.codec_up
-        payload = await loop.run_in_executor(self.executor, lambda: encode_named(due.delta, codec))
-        message = wire.FragmentContribution(due.fragment, self.replica.applied_index, due.base_round,
-                                            due.c_steps, due.c_tokens, codec, self.node_id, payload)
         leader = self.coordination.election.leader_id
         if leader is None:
             return  # no lease holder: the next slot carries these steps too
+        head = open_for({name: np.shape(values) for name, values in due.delta.items()}, fragment=due.fragment,
+                        base_index=self.replica.applied_index, base_round=due.base_round, c_steps=due.c_steps,
+                        c_tokens=due.c_tokens, codec=self.manifest.sync.codec_up, learner_id=self.node_id,
+                        stream=os.urandom(STREAM_ID_BYTES), limits=self.limits)
         self.contributions_sent.inc()
         self._sent_at.setdefault(due.fragment, self.clock.monotonic())
         if leader == self.node_id:
-            await self.accept(message, transfer_s=0.0)
+            receiving = self.receive_contribution(head, transfer_s=0.0)
+            try:
+                async for chunk in self._encoded_chunks(head, due.delta):
+                    await receiving.part(chunk)
+            except BaseException as error:
+                await receiving.abort(f"{type(error).__name__}: {error}")
+                raise
+            await receiving.finish()
             return
         url = self.addresses.url(leader)
         if url is None:
             return
         started = self.clock.monotonic()
         try:
-            await self.client.send(url, message, peer=leader, deadline_s=CONTRIBUTION_DEADLINE_S)
+            deadline_s = CONTRIBUTION_DEADLINE_S + max_encoded_bytes(head) / CONTRIBUTION_MIN_RATE_BYTES_PER_S
+            await self.client.send_sequence(url, self._frames(head, due.delta), peer=leader, deadline_s=deadline_s)
         except TransportError as error:
             log.info("%s: contribution for fragment %d not delivered: %s", self.node_id, due.fragment, error)
             return
         if self.transfer is not None:
             self.transfer.observe(self.clock.monotonic() - started, kind="contribution")
+
+    async def _frames(self, head: wire.ContributionOpen, delta: Mapping[str, np.ndarray]) -> AsyncIterator[wire.Message]:
+        yield head
+        async for chunk in self._encoded_chunks(head, delta):
+            yield chunk
+
+    async def _encoded_chunks(self, head: wire.ContributionOpen,
+                              delta: Mapping[str, np.ndarray]) -> AsyncIterator[wire.ContributionChunk]:
+        """The chunks, each encoded in the codec pool when the consumer is ready for it."""
+        loop = asyncio.get_running_loop()
+        chunks: Iterator[wire.ContributionChunk] = contribution_chunks(head, delta)
+        while (chunk := await loop.run_in_executor(self.executor, next, chunks, None)) is not None:
+            yield chunk
 
     def fragment_committed(self, p: int, contributors: tuple[str, ...]) -> None:
         """A commit of fragment p was applied: the round latency of our contribution, if it is in."""
@@ -151,26 +191,78 @@ class RoundDriver:
         period = self.plan.period
         return period + math.ceil(STEPS_TIME_SLACK * max(0.0, now - since) / step_s)
 
-    async def on_contribution(self, message: wire.FragmentContribution) -> None:
-        """A peer's contribution (its sender already checked against the frame's signer)."""
-        learner = message.learner_id
+    def _admission_problem(self, learner: str) -> RemoteProtocolError | None:
         problem = self.contributor_problem(learner)
         if problem:
-            raise RemoteProtocolError(f"contribution refused: {problem}", 403)
+            return RemoteProtocolError(f"contribution refused: {problem}", 403)
         if not self.coordination.is_lease_holder(self.clock.monotonic()):
             leader = self.coordination.election.leader_id
-            raise RemoteProtocolError(f"{self.node_id} does not hold the lease (lease holder: {leader})", 409)
+            return RemoteProtocolError(f"{self.node_id} does not hold the lease (lease holder: {leader})", 409)
         if self._decoding.get(learner, 0) >= MAX_DECODES_PER_LEARNER:
-            raise RemoteProtocolError(f"a contribution from {learner} is already being decoded", 429)
+            return RemoteProtocolError(f"a contribution from {learner} is already being received", 429)
+        return None
+
+    def _hold_slot(self, learner: str) -> Callable[[], None]:
+        """Count a contribution of `learner` in flight; the returned call (idempotent) releases it."""
         self._decoding[learner] = self._decoding.get(learner, 0) + 1
-        try:
-            await self.accept(message, transfer_s=None, cap_steps=True)
-        finally:
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
             left = self._decoding[learner] - 1
             if left:
                 self._decoding[learner] = left
             else:
                 del self._decoding[learner]
+        return release
+
+    def open_contribution(self, head: wire.ContributionOpen) -> ContributionReceiver:
+        """A peer's streamed contribution opens (its sender already checked against the frame's signer):
+        admitted or refused here, before any chunk is read."""
+        error = self._admission_problem(head.learner_id)
+        if error is not None:
+            raise error
+        return self.receive_contribution(head, transfer_s=None, cap_steps=True)
+
+    def receive_contribution(self, head: wire.ContributionOpen, *, transfer_s: float | None,
+                             cap_steps: bool = False) -> ContributionReceiver:
+        p = head.fragment
+        if not 0 <= p < self.plan.num_fragments:
+            raise RemoteProtocolError(f"fragment {p} does not exist in this run", 400)
+        try:
+            assembler = ContributionAssembler(head, self._fragment_shapes(p), self.limits)
+        except RemoteProtocolError as error:
+            raise RemoteProtocolError(f"contribution from {head.learner_id} for fragment {p}: {error}",
+                                      error.status_hint) from None
+        return ContributionReceiver(self, assembler, self._hold_slot(head.learner_id), transfer_s, cap_steps)
+
+    async def on_contribution(self, message: wire.FragmentContribution) -> None:
+        """A wire 2.0 single-frame contribution (its sender already checked against the frame's
+        signer), decoded whole: bounded by MAX_CONTRIBUTION_BYTES and the fragment's own shapes."""
+        error = self._admission_problem(message.learner_id)
+        if error is not None:
+            raise error
+        release = self._hold_slot(message.learner_id)
+        try:
+            p = message.fragment
+            if not 0 <= p < self.plan.num_fragments:
+                raise RemoteProtocolError(f"fragment {p} does not exist in this run", 400)
+            loop = asyncio.get_running_loop()
+            # Names and shapes are checked against the fragment before anything is decompressed, and the
+            # decode is bounded by the fragment's own elements (a 33 KB message once declared 1 GiB).
+            decode = functools.partial(decode_named, message.payload, expected=self._fragment_shapes(p))
+            try:
+                delta = await loop.run_in_executor(self.executor, decode)
+            except (RemoteProtocolError, ValueError) as error:
+                raise RemoteProtocolError(f"contribution from {message.learner_id} for fragment {p}: {error}",
+                                          400) from None
+            self.accept(message.learner_id, p, message.base_round, delta, message.c_steps, message.c_tokens,
+                        transfer_s=None, cap_steps=True)
+        finally:
+            release()
 
     def _fragment_shapes(self, p: int) -> dict[str, tuple[int, ...]]:
         shapes = self._shapes.get(p)
@@ -178,31 +270,20 @@ class RoundDriver:
             shapes = self._shapes[p] = {n: tuple(a.shape) for n, a in self.replica.state.fragment_params(p).items()}
         return shapes
 
-    async def accept(self, message: wire.FragmentContribution, transfer_s: float | None, *,
-                     cap_steps: bool = False) -> None:
-        p = message.fragment
-        if not 0 <= p < self.plan.num_fragments:
-            raise RemoteProtocolError(f"fragment {p} does not exist in this run", 400)
-        loop = asyncio.get_running_loop()
-        # Names and shapes are checked against the fragment before anything is decompressed, and the
-        # decode is bounded by the fragment's own elements (a 33 KB message once declared 1 GiB).
-        decode = functools.partial(decode_named, message.payload, expected=self._fragment_shapes(p))
-        try:
-            delta = await loop.run_in_executor(self.executor, decode)
-        except (RemoteProtocolError, ValueError) as error:
-            raise RemoteProtocolError(f"contribution from {message.learner_id} for fragment {p}: {error}", 400) from None
+    def accept(self, learner: str, p: int, base_round: int, delta: Mapping[str, np.ndarray], c_steps: int,
+               c_tokens: int, *, transfer_s: float | None, cap_steps: bool = False) -> None:
+        """A whole, checked contribution: cap its steps claim, hand it to the syncer, look at the round."""
         now = self.clock.monotonic()
-        c_steps, c_tokens = message.c_steps, message.c_tokens
-        allowed = self.steps_allowed(message.learner_id, p, now) if cap_steps else None
+        allowed = self.steps_allowed(learner, p, now) if cap_steps else None
         if allowed is not None and c_steps > allowed:
             per_step = self.syncer.caps.max_tokens_per_step
             log.info("%s: %s claims %d steps for fragment %d; %d are possible since its previous contribution: "
-                     "capped", self.node_id, message.learner_id, c_steps, p, allowed)
+                     "capped", self.node_id, learner, c_steps, p, allowed)
             c_tokens = min(c_tokens, allowed * per_step)
             c_steps = allowed
-        contribution = Contribution(message.learner_id, p, message.base_round, delta, c_steps, c_tokens)
+        contribution = Contribution(learner, p, base_round, delta, c_steps, c_tokens)
         if cap_steps:
-            self._accepted_at[(message.learner_id, p)] = now
+            self._accepted_at[(learner, p)] = now
         self.syncer.add(contribution, now, transfer_s=transfer_s)
         self.evaluate(p)
 
@@ -294,3 +375,48 @@ class RoundDriver:
     def quorum_reason(self) -> str:
         """The syncer's last decision per fragment (held ones say why), for /status."""
         return "; ".join(f"p{p}: {reason}" for p, reason in sorted(self.syncer.last_decision.items()))
+
+
+class ContributionReceiver:
+    """One streamed contribution arriving at the lease holder (a transport SequenceConsumer).
+
+    Each chunk is checked and decoded in the codec pool as it arrives (one chunk's values in memory),
+    and kept encoded; once the stream is complete the contribution, still encoded, goes to the syncer.
+    """
+
+    def __init__(self, driver: RoundDriver, assembler: ContributionAssembler, release: Callable[[], None],
+                 transfer_s: float | None, cap_steps: bool) -> None:
+        self._driver = driver
+        self._assembler = assembler
+        self._release = release
+        self._transfer_s = transfer_s
+        self._cap_steps = cap_steps
+
+    @property
+    def max_remaining_bytes(self) -> int:
+        return self._assembler.max_remaining_bytes
+
+    @property
+    def frames_left(self) -> int:
+        return self._assembler.chunks_left
+
+    async def part(self, message: wire.Message) -> None:
+        if not isinstance(message, wire.ContributionChunk):
+            raise RemoteProtocolError(f"a contribution continues with ContributionChunk frames, got "
+                                      f"{type(message).__name__}", 400)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._driver.executor, self._assembler.add, message)
+
+    async def finish(self) -> None:
+        try:
+            delta: EncodedDelta = self._assembler.finish()
+            head = self._assembler.head
+            self._driver.accept(head.learner_id, head.fragment, head.base_round, delta, head.c_steps, head.c_tokens,
+                                transfer_s=self._transfer_s, cap_steps=self._cap_steps)
+        finally:
+            self._release()
+
+    async def abort(self, reason: str) -> None:
+        log.info("%s: contribution from %s for fragment %d dropped: %s", self._driver.node_id,
+                 self._assembler.head.learner_id, self._assembler.head.fragment, reason)
+        self._release()

@@ -26,11 +26,11 @@ from diloco_node.learn.inner import InnerLearner
 from diloco_node.learn.cluster import BoundaryFollowing
 from diloco_node.learn.learner_thread import DueFragment, LearnerSnapshot, LearnerThread
 from diloco_node.learn.mesh import build_site_mesh
+from diloco_node.learn.synthetic_learner import SyntheticLearner
 from diloco_node.sync.fragments import FragmentPlan, plan_fragments, wire_fit_problems
 from diloco_node.sync.replica import Replica
 from diloco_node.sync.syncer import Syncer
-from wire.codecs.container import MAX_TENSOR_ELEMENTS
-from wire.limits import MAX_CONTRIBUTION_BYTES, MAX_LOG_APPEND_BYTES
+from wire.limits import MAX_LOG_APPEND_BYTES
 
 log = logging.getLogger("diloco_node.daemon")
 
@@ -62,16 +62,19 @@ def open_learner_data(manifest: RunManifest, data: SiteData, cache_dir: Path | N
 
 
 def build_site_model(manifest: RunManifest, *, learner: bool, data: SiteData | None = None,
-                     cache_dir: Path | None = None, mesh_shape: MeshShape = MeshShape()) -> SiteModel:
+                     cache_dir: Path | None = None, mesh_shape: MeshShape = MeshShape(),
+                     synthetic: bool = False) -> SiteModel:
     """Learners and witnesses build the same model from the manifest alone (its factory, options,
     vocabulary and context), checked against the run's sealed parameter signature. A learner also
     opens its own data (`data`, default the stdlib; tokenized text is cached in `cache_dir`);
     witnesses read none. A learner trains on every device of the site, laid out by `[node.mesh]`
-    (learn/mesh.py)."""
+    (learn/mesh.py). A `synthetic` learner (benchmarks and tests, learn/synthetic_learner.py) reads
+    no data and builds no model to train: its site is built like a witness's."""
     factory.check_signature(manifest)
-    corpus = open_learner_data(manifest, data or SiteData(), cache_dir) if learner else None
-    site_mesh = build_site_mesh(mesh_shape) if learner else None
-    inner = InnerLearner(manifest.model, manifest.inner, manifest.seed, site_mesh=site_mesh) if learner else None
+    trains = learner and not synthetic
+    corpus = open_learner_data(manifest, data or SiteData(), cache_dir) if trains else None
+    site_mesh = build_site_mesh(mesh_shape) if trains else None
+    inner = InnerLearner(manifest.model, manifest.inner, manifest.seed, site_mesh=site_mesh) if trains else None
     if inner is not None and not inner.site_mesh.multi_process:
         initial = inner.get_flat()
     else:  # a witness, or a multi-host site (no process alone can read its parameters): the same seed
@@ -81,9 +84,7 @@ def build_site_model(manifest: RunManifest, *, learner: bool, data: SiteData | N
     sync = manifest.sync
     plan = plan_fragments(shapes, sync.fragments, sync.period, sync.overlap)
     too_big = wire_fit_problems(plan, shapes, sync.codec_up, sync.codec_down,
-                                max_contribution_bytes=MAX_CONTRIBUTION_BYTES,
-                                max_log_append_bytes=MAX_LOG_APPEND_BYTES,
-                                max_decoded_elements=MAX_TENSOR_ELEMENTS)
+                                max_log_append_bytes=MAX_LOG_APPEND_BYTES)
     if too_big:
         raise ConfigError("the run's fragments do not fit the wire limits: " + "; ".join(too_big))
     replica = Replica(plan, initial, manifest.outer, manifest.stop, manifest.founded_at)
@@ -110,4 +111,20 @@ def prepare_learner(site: SiteModel, *, node_id: str, base: tuple[Mapping[str, n
                  restored.tokens)
     seconds = learner.compile()
     log.info("%s: training step compiled in %.1f s", node_id, seconds)
+    return learner
+
+
+def prepare_synthetic_learner(site: SiteModel, *, node_id: str, base: tuple[Mapping[str, np.ndarray], list[int]],
+                              restored: LearnerSnapshot | None, on_contribution: Callable[[DueFragment], None],
+                              on_progress: Callable[[int, float, int], None], steps_per_s: float) -> SyntheticLearner:
+    """The synthetic learner of `[node] learner = "synthetic"`: random deltas of the model's shapes
+    at `steps_per_s`, no training (benchmarks and tests of the data plane only)."""
+    shapes = {n: tuple(a.shape) for n, a in base[0].items()}
+    learner = SyntheticLearner(node_id=node_id, manifest=site.manifest, plan=site.plan, shapes=shapes,
+                               global_rounds=base[1], on_contribution=on_contribution, on_progress=on_progress,
+                               steps_per_s=steps_per_s)
+    if restored is not None:
+        learner.restore(restored)
+    log.warning("%s: SYNTHETIC learner at %g steps/s: random deltas, no training (benchmarks and tests only)",
+                node_id, steps_per_s)
     return learner

@@ -209,14 +209,19 @@ class StateKeeper:
             self._repairing.discard(p)
 
     def repair_peers(self) -> list[str]:
-        """The lease holder first (it is the most up to date), then every other member."""
+        """The lease holder first (it is the most up to date), then every other member (never an
+        evicted site: its bytes are no longer trusted)."""
         leader = self.leader_id()
+        if leader in self.replica.evictions:
+            leader = None
         urls = [self.addresses.url(leader)] if leader and leader != self.node_id and self.addresses.url(leader) else []
-        return urls + [u for n, u in self.addresses.items() if n != self.node_id and u not in urls]
+        return urls + [u for n, u in self.addresses.items()
+                       if n != self.node_id and u not in urls and n not in self.replica.evictions]
 
     def _join_peers(self) -> list[str]:
         first = self.bootstrap_url
-        others = [url for node_id, url in self.addresses.items() if node_id != self.node_id and url != first]
+        others = [url for node_id, url in self.addresses.items()
+                  if node_id != self.node_id and url != first and node_id not in self.replica.evictions]
         return ([first] if first else []) + others
 
     # ------------------------------------------------------------------ serving peers

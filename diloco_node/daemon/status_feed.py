@@ -15,7 +15,7 @@ from diloco_node.daemon.loop_monitor import LagWindow
 from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.daemon.rounds import RoundDriver
 from diloco_node.daemon.state_transfer import StateKeeper
-from diloco_node.ops.status import FragmentStatus, MemberStatus, QuorumStatus, StatusBuilder
+from diloco_node.ops.status import EvictedStatus, FragmentStatus, MemberStatus, QuorumStatus, StatusBuilder
 from diloco_node.transport import PeerClient, PeerServer
 
 # The quorum reason shown on /status is cut to this many characters (one line per fragment).
@@ -46,6 +46,7 @@ class StatusFeed:
         for node_id, record in sorted(core.membership.members.items()):
             heard = self.coordination.last_ok.get(node_id) if node_id != core.node_id else None
             members.append(MemberStatus(node_id=node_id, url=self.coordination.addresses.url(node_id) or record.address,
+                                        status_url=self.coordination.addresses.status_url(node_id),
                                         role=record.role.value, alive=record.state is coord.MemberState.ALIVE,
                                         voter=node_id in voters,
                                         last_seen_s=None if heard is None else round(now - heard, 3)))
@@ -63,6 +64,7 @@ class StatusFeed:
             commit_index=replica.applied_index, state_digest=self.state_digest(),
             members=members, quorum=quorum,
             fragments=[FragmentStatus(p, r) for p, r in enumerate(replica.state.rounds())])
+        self.status.set_evicted([EvictedStatus(r.node_id, r.index, r.reason) for r in replica.evictions.records()])
         self.status.set_log(first_index=self.store.log_first_index, size_bytes=self.store.log_bytes)
         self.status.set_loop_lag(worst_s=self.loop_lag.worst_recent_s, stalls=self.loop_lag.stalls)
 

@@ -15,13 +15,15 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import math
 import re
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
 from diloco_node.ops.liveness import ALIVE, Liveness
 from diloco_node.ops.page import StatusSeries, page_routes
@@ -56,6 +58,9 @@ class MemberStatus:
     alive: bool
     voter: bool = True
     last_seen_s: float | None = None  # seconds since we last heard from it (None: never, or self)
+    # Where a browser reaches the member's operator routes (/series) when not at `url` (TLS on);
+    # "" when the member advertised none (then they are at `url`, or not reachable from a browser).
+    status_url: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +78,32 @@ class EvalStatus:
     loss: float | None = None
     commit_index: int = 0
     seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EvictedStatus:
+    """A site evicted from this run (`diloco-node evict`): refused by every member from `index` on."""
+
+    node_id: str
+    index: int
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TlsStatus:
+    """The site's own TLS certificate, as loaded (`enabled` false: TLS is off, the rest empty)."""
+
+    enabled: bool = False
+    node_id: str = ""  # the certificate's diloco-node://<node_id> URI SAN
+    fingerprint: str = ""  # SHA-256 of the certificate (DER), hex
+    not_after: str = ""  # expiry, ISO 8601 UTC
+    expires_in_s: float = 0.0  # seconds until then, as of this document (negative once expired)
+    days_left: float = 0.0  # the same in days (2 decimals)
+    ca_subject: str = ""  # the run CA's subject
+    crl_loaded: bool = False  # a tls_crl_file is in use
+    loaded_at: str = ""  # when the certificates in use were loaded (start or reload), ISO 8601 UTC
+    reloads: int = 0  # successful reloads since start
+    reload_error: str = ""  # the last failed reload's error; "" after a good load
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +190,8 @@ class StatusDocument:
     loop_lag_s: float = 0.0  # worst event-loop lag of the last 10-20 s (daemon/loop_monitor.py)
     loop_stalls: int = 0  # event-loop stalls of >= 1 s since the process started
     devices: DeviceStatus = field(default_factory=DeviceStatus)  # what the learner trains on
+    tls: TlsStatus = field(default_factory=TlsStatus)  # this site's certificate (TLS on)
+    evicted: tuple[EvictedStatus, ...] = ()  # sites evicted from this run, by node id
     schema: str = STATUS_SCHEMA
 
     @property
@@ -210,6 +243,10 @@ class StatusDocument:
             loop_stalls=int(_get(raw, "loop_stalls", int)) if "loop_stalls" in raw else 0,
             # Older nodes have no devices: an absent object reads as "not reported".
             devices=DeviceStatus.from_dict(raw.get("devices", {})),
+            # Older nodes, and TLS off: an absent object reads as "TLS off".
+            tls=_build(TlsStatus, raw.get("tls", {}), "tls"),
+            evicted=tuple(_build(EvictedStatus, e, f"evicted[{i}]")
+                          for i, e in enumerate(raw.get("evicted", []) or [])),
         )
 
     @classmethod
@@ -219,6 +256,10 @@ class StatusDocument:
         except (ValueError, UnicodeDecodeError) as exc:
             raise StatusFormatError(f"status: not JSON: {exc}") from None
         return cls.from_dict(raw)
+
+
+def _iso_utc(unix: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(unix))
 
 
 def _jsonable(value: Any) -> Any:
@@ -285,6 +326,9 @@ class StatusBuilder:
         self._sent = 0
         self._received = 0
         self._errors: deque[tuple[float, str]] = deque(maxlen=max_recent_errors)
+        self._tls: TlsStatus | None = None
+        self._tls_not_after_unix = 0.0
+        self.wall: Callable[[], float] = time.time  # only for the certificate's time to expiry
 
     def set_run_id(self, run_id: str) -> None:
         """A joiner learns the run id only after joining."""
@@ -302,6 +346,10 @@ class StatusBuilder:
             self._base = dataclasses.replace(
                 self._base, epoch=epoch, coordinator=coordinator, commit_index=commit_index,
                 state_digest=state_digest, members=tuple(members), quorum=quorum, fragments=tuple(fragments))
+
+    def set_evicted(self, evicted: Sequence[EvictedStatus]) -> None:
+        with self._lock:
+            self._base = dataclasses.replace(self._base, evicted=tuple(evicted))
 
     def set_log(self, *, first_index: int, size_bytes: int) -> None:
         """The replicated log's first held index and its size on disk (compaction at work)."""
@@ -333,6 +381,15 @@ class StatusBuilder:
                 self._errors.append((now, f"learner loss is {loss} at step {step}"))
             self._learner = LearnerStatus(step=step, loss=loss if finite else None, tokens=tokens)
 
+    def set_tls(self, *, node_id: str, fingerprint: str, not_after_unix: float, ca_subject: str, crl_loaded: bool,
+                loaded_at_unix: float, reloads: int, reload_error: str) -> None:
+        """The site's certificate as loaded (at start, and after every reload attempt)."""
+        tls = TlsStatus(enabled=True, node_id=node_id, fingerprint=fingerprint, not_after=_iso_utc(not_after_unix),
+                        ca_subject=ca_subject, crl_loaded=crl_loaded, loaded_at=_iso_utc(loaded_at_unix),
+                        reloads=reloads, reload_error=reload_error[:MAX_ERROR_CHARS])
+        with self._lock:
+            self._tls, self._tls_not_after_unix = tls, not_after_unix
+
     def set_evaluation(self, evaluation: EvalStatus) -> None:
         with self._lock:
             self._base = dataclasses.replace(self._base, evaluation=evaluation)
@@ -354,7 +411,13 @@ class StatusBuilder:
                 bytes=ByteCounters(self._sent, self._received),
                 uptime_s=max(0.0, now - self._started_at),
                 last_errors=tuple(RecentError(round(now - t, 3), m) for t, m in reversed(self._errors)),
+                tls=self._tls_now() if self._tls is not None else TlsStatus(),
             )
+
+    def _tls_now(self) -> TlsStatus:
+        assert self._tls is not None
+        left = self._tls_not_after_unix - self.wall()
+        return dataclasses.replace(self._tls, expires_in_s=round(left, 1), days_left=round(left / 86400, 2))
 
     def _rate(self, now: float) -> float:
         if len(self._samples) < 2 or now - self._samples[-1][0] > self._window_s:
@@ -560,6 +623,9 @@ def status_families(doc: StatusDocument) -> list[MetricFamily]:
         one("diloco_event_loop_stalls_total", "counter", "Event-loop stalls of 1 s or more.", doc.loop_stalls),
         MetricFamily("diloco_fragment_round", "gauge", "Committed round per fragment.",
                      tuple(({"fragment": str(f.fragment)}, float(f.round)) for f in doc.fragments)),
+        *([one("diloco_tls_cert_expiry_seconds", "gauge",
+                "Seconds until this site's TLS certificate expires (negative once expired).",
+                doc.tls.expires_in_s)] if doc.tls.enabled else []),
         one("diloco_learner_devices", "gauge", "Devices the learner trains on, over all hosts of the site.",
             doc.devices.count, {"platform": doc.devices.platform, "processes": str(doc.devices.processes),
                                 "data": str(doc.devices.mesh.data), "fsdp": str(doc.devices.mesh.fsdp)}),
@@ -568,7 +634,7 @@ def status_families(doc: StatusDocument) -> list[MetricFamily]:
 
 
 _EMPTY_DOCUMENT = StatusDocument(node_id="x", run_id="", role="learner", ready=False, epoch=0, coordinator=None,
-                                 commit_index=0, state_digest="")
+                                 commit_index=0, state_digest="", tls=TlsStatus(enabled=True))  # every family
 STATUS_METRIC_NAMES = frozenset(f.name for f in status_families(_EMPTY_DOCUMENT))
 
 
@@ -583,8 +649,23 @@ def render_metrics(doc: StatusDocument, registry: MetricsRegistry | None = None)
 # HTTP routes
 
 
+# `POST /evict` body: {"node_id": ..., "reason": ...}; a few hundred bytes at most.
+MAX_EVICT_BODY_BYTES = 4096
+# (node id, reason) -> (HTTP status, JSON body): the daemon's eviction (daemon/coordination.py).
+Evict = Callable[[str, str], Awaitable[tuple[int, dict[str, Any]]]]
+
+
+def is_loopback(remote: str | None) -> bool:
+    """Whether a request's peer address is this host's loopback (an operator on the host itself)."""
+    try:
+        return remote is not None and ipaddress.ip_address(remote.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
 def operator_routes(snapshot: Callable[[], StatusDocument], registry: MetricsRegistry | None = None,
-                    live: Callable[[], Liveness] = lambda: ALIVE, series: StatusSeries | None = None) -> "web.RouteTableDef":
+                    live: Callable[[], Liveness] = lambda: ALIVE, series: StatusSeries | None = None,
+                    evict: Evict | None = None) -> "web.RouteTableDef":
     """aiohttp routes for the operator API; `snapshot()` builds the current document.
 
     `/` and `/series` (the live page and its time series) come from ops/page.py; `series` is the
@@ -594,6 +675,10 @@ def operator_routes(snapshot: Callable[[], StatusDocument], registry: MetricsReg
     script waits on it); `/livez` is 200 while `live()` says alive (the event loop answering is
     most of the proof; `live` adds "the training thread has neither crashed nor stalled"), else
     503 with the reason.
+
+    `POST /evict` (when `evict` is given) removes a site from the run for good: it is answered only
+    to a client on this host's loopback (403 otherwise, whatever the listener's address), since
+    without TLS the operator routes share the public peer port.
     """
     from aiohttp import web
 
@@ -619,6 +704,26 @@ def operator_routes(snapshot: Callable[[], StatusDocument], registry: MetricsReg
         if doc.ready:
             return web.Response(text="ready\n")
         return web.Response(status=503, text=f"not ready: {doc.ready_reason or 'starting'}\n")
+
+    if evict is not None:
+        @routes.post("/evict")
+        async def evict_route(request: web.Request) -> web.Response:
+            if not is_loopback(request.remote):
+                return web.json_response({"error": f"/evict is answered only on this host's loopback, "
+                                                   f"not to {request.remote}"}, status=403)
+            if request.content_length is None or request.content_length > MAX_EVICT_BODY_BYTES:
+                return web.json_response({"error": f"the body must be a JSON object of at most "
+                                                   f"{MAX_EVICT_BODY_BYTES} bytes with a Content-Length"}, status=400)
+            try:
+                body = json.loads(await request.read())
+            except (ValueError, UnicodeDecodeError) as error:
+                return web.json_response({"error": f"the body is not JSON: {error}"}, status=400)
+            node_id, reason = (body.get("node_id"), body.get("reason", "")) if isinstance(body, dict) else (None, "")
+            if not isinstance(node_id, str) or not node_id or not isinstance(reason, str):
+                return web.json_response({"error": 'the body must be {"node_id": "<id>", "reason": "<text>"}'},
+                                         status=400)
+            status, answer = await evict(node_id, reason)
+            return web.json_response(answer, status=status)
 
     page_routes(routes, lambda: snapshot().node_id, series)
     return routes

@@ -196,38 +196,35 @@ def wire_fit_problems(
     codec_up: str,
     codec_down: str,
     *,
-    max_contribution_bytes: int,
     max_log_append_bytes: int,
-    max_decoded_elements: int,
 ) -> list[str]:
     """Why some fragment's messages could never cross the wire (empty: every fragment fits).
 
-    A contribution (codec_up) and a commit (codec_down) carry one whole fragment; a fragment too
-    big for the wire limits would be refused by every peer on every try while its learner kept
-    training, so a node checks this before it starts. The sizes are the codecs' own upper bounds
-    (before zstd, which may only shrink them).
+    A contribution (codec_up) is streamed tensor by tensor in chunks (wire/contribution_stream.py),
+    so no fragment or tensor is too large for it: only a chunk must fit the per-chunk limits, and
+    the plan cuts every tensor so that it does (checked here all the same, from the shapes alone).
+    A commit (codec_down) still carries one whole fragment in one log entry (decoded as one message,
+    bounded by the fragment's own size): a fragment too big for the log entry limit would be refused by every peer on every try while its
+    learner kept training, so a node checks this before it starts. The sizes are the codecs' own
+    upper bounds (before zstd, which may only shrink them).
     """
     from wire.codecs.container import CODECS  # local: the plan itself needs no codec
+    from wire.contribution_stream import chunk_problems
 
-    problems = []
+    problems = [f"contribution: {why}" for why in chunk_problems(shapes, codec_up)]
     total = sum(f.num_elements for f in plan.fragments)
     for fragment in plan.fragments:
         decoded = fragment.num_elements
-        if decoded > max_decoded_elements:
-            problems.append(f"fragment {fragment.index} holds {decoded:,} parameters; a message decodes to at most "
-                            f"{max_decoded_elements:,}")
-        for role, codec, limit in (("contribution", codec_up, max_contribution_bytes),
-                                   ("commit", codec_down, max_log_append_bytes)):
-            scheme = CODECS[codec]
-            size = WIRE_OVERHEAD_BYTES + sum(
-                scheme.estimate_encoded_size(math.prod(shapes[n]), max(1, len(shapes[n]))) for n in fragment.names)
-            if size > limit:
-                problems.append(f"fragment {fragment.index}: its {role} ({codec}, {decoded:,} parameters) can reach "
-                                f"{size / 2**20:,.0f} MiB, over the {limit / 2**20:,.0f} MiB wire limit")
+        scheme = CODECS[codec_down]
+        size = WIRE_OVERHEAD_BYTES + sum(
+            scheme.estimate_encoded_size(math.prod(shapes[n]), max(1, len(shapes[n]))) for n in fragment.names)
+        if size > max_log_append_bytes:
+            problems.append(f"fragment {fragment.index}: its commit ({codec_down}, {decoded:,} parameters) can reach "
+                            f"{size / 2**20:,.0f} MiB, over the {max_log_append_bytes / 2**20:,.0f} MiB wire limit")
     if problems:
         largest = max(f.num_elements for f in plan.fragments)
         problems.append(f"the model has {total:,} parameters in {len(plan.fragments)} fragment(s), the largest "
                         f"{largest:,}: raise run.sync.fragments (and run.sync.period with it) or pick a smaller "
-                        "codec so that every fragment fits")
+                        "codec_down so that every fragment's commit fits")
     return problems
 

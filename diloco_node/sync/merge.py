@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Collection, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -160,34 +160,56 @@ def rda(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
     (RDA of a single vector is that vector; returning it exactly avoids a float round trip).
     """
     w = _check_weights(vectors, weights)
-    positive = [i for i in range(len(vectors)) if w[i] > 0]
+    return _rda_fold(iter(vectors), w, np.shape(vectors[0]))
+
+
+def _rda_fold(vectors: Iterable[np.ndarray], w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """RDA over vectors produced one at a time (the merge decodes each when it is needed), so only
+    the float64 direction and the vector in hand are in memory. Same operations, same order, same
+    bits as folding a list."""
+    positive = [i for i in range(len(w)) if w[i] > 0]
     if len(positive) == 1:
-        return np.array(vectors[positive[0]], dtype=np.float32, copy=True)
+        for i, v in enumerate(vectors):
+            if i == positive[0]:
+                return np.array(v, dtype=np.float32, copy=True)
     total = float(w.sum())
     radius = 0.0
-    direction = np.zeros(np.shape(vectors[0]), dtype=np.float64)
-    for i in positive:
-        v = np.asarray(vectors[i], dtype=np.float64)
-        n = _norm64(v)
+    direction = np.zeros(shape, dtype=np.float64)
+    for i, v in enumerate(vectors):
+        if not w[i] > 0:
+            continue
+        v64 = np.array(v, dtype=np.float64)  # a float64 copy of our own, scaled in place below
+        n = _norm64(v64)
         radius += w[i] * n
         if n > 0.0:
-            direction += (w[i] / n) * v
+            np.multiply(v64, w[i] / n, out=v64)  # elementwise: the bits of (w / n) * v
+            direction += v64
+        del v64
     radius /= total
     direction /= total
     d_norm = _norm64(direction)
     if d_norm == 0.0:  # all zero, or directions cancel exactly: no direction to go
-        return np.zeros(np.shape(vectors[0]), dtype=np.float32)
-    return ((radius / d_norm) * direction).astype(np.float32)
+        return np.zeros(shape, dtype=np.float32)
+    direction *= radius / d_norm  # elementwise: the bits of (radius / d_norm) * direction
+    return direction.astype(np.float32)
 
 
 def weighted_mean(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
     """sum w v / sum w, accumulated in float64, returned float32."""
     w = _check_weights(vectors, weights)
-    acc = np.zeros(np.shape(vectors[0]), dtype=np.float64)
+    return _mean_fold(iter(vectors), w, np.shape(vectors[0]))
+
+
+def _mean_fold(vectors: Iterable[np.ndarray], w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    acc = np.zeros(shape, dtype=np.float64)
     for i, v in enumerate(vectors):
         if w[i] > 0:
-            acc += w[i] * np.asarray(v, dtype=np.float64)
-    return (acc / float(w.sum())).astype(np.float32)
+            v64 = np.array(v, dtype=np.float64)
+            np.multiply(v64, w[i], out=v64)
+            acc += v64
+            del v64
+    acc /= float(w.sum())
+    return acc.astype(np.float32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,32 +288,72 @@ def _tokens_per_step_text(c_tokens: int, c_steps: int) -> str:
         return f"> {_fmt(sys.float_info.max)}"
 
 
-def _check_shape_and_values(
-    c: Contribution, current: Mapping[str, np.ndarray]
-) -> tuple[dict[str, np.ndarray] | None, str | None]:
-    """The delta as float32 arrays, or a reason naming what is wrong."""
+@runtime_checkable
+class PrevalidatedDelta(Protocol):
+    """A delta whose tensors were checked when it arrived (a streamed contribution, kept encoded:
+    wire.contribution_stream.EncodedDelta): its `shapes`, and `tensor_norms` measured then. Its
+    values are finite float32 by construction, so the merge reads each tensor once, when merging."""
+
+    shapes: Mapping[str, tuple[int, ...]]
+    tensor_norms: Mapping[str, float]
+
+
+def _names_problem(c: Contribution, current: Mapping[str, np.ndarray]) -> str | None:
     names = set(c.delta)
     expected = set(current)
-    if names != expected:
-        missing = sorted(expected - names)
-        extra = sorted(str(n) for n in names - expected)  # a peer's names need not even be strings
-        parts = []
-        if missing:
-            parts.append("missing " + ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else ""))
-        if extra:
-            parts.append("unexpected " + ", ".join(extra[:3]) + (" ..." if len(extra) > 3 else ""))
-        return None, "tensor names do not match the fragment: " + "; ".join(parts)
-    out: dict[str, np.ndarray] = {}
-    for name in sorted(names):
-        arr, why = finite_float32(c.delta[name], name, np.shape(current[name]))
-        if arr is None:
-            return None, why
-        out[name] = arr
-    return out, None
+    if names == expected:
+        return None
+    missing = sorted(expected - names)
+    extra = sorted(str(n) for n in names - expected)  # a peer's names need not even be strings
+    parts = []
+    if missing:
+        parts.append("missing " + ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else ""))
+    if extra:
+        parts.append("unexpected " + ", ".join(extra[:3]) + (" ..." if len(extra) > 3 else ""))
+    return "tensor names do not match the fragment: " + "; ".join(parts)
 
 
-def _fragment_norm(tensors: Mapping[str, np.ndarray]) -> float:
-    return math.sqrt(sum(_norm64(t) ** 2 for t in tensors.values()))
+def _delta_norm(c: Contribution, current: Mapping[str, np.ndarray]) -> tuple[float | None, str | None]:
+    """The delta's fragment-wide L2 norm (float64), or a reason naming what is wrong with it.
+
+    Tensor by tensor: a plain mapping's tensors are checked (floating, exact shape, finite within
+    float32) one at a time and dropped again; a prevalidated delta brings its shapes and norms.
+    """
+    why = _names_problem(c, current)
+    if why is not None:
+        return None, why
+    norms = []
+    if isinstance(c.delta, PrevalidatedDelta):
+        for name in sorted(current):
+            shape = tuple(np.shape(current[name]))
+            if tuple(c.delta.shapes[name]) != shape:
+                return None, f"{name} has shape {tuple(c.delta.shapes[name])}, expected {shape}"
+            norms.append(float(c.delta.tensor_norms[name]))
+    else:
+        for name in sorted(current):
+            arr, why = finite_float32(c.delta[name], name, np.shape(current[name]))
+            if arr is None:
+                return None, why
+            norms.append(_norm64(arr))
+    return math.sqrt(sum(n ** 2 for n in norms)), None
+
+
+def _delta_tensor(c: Contribution, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """One tensor of an already validated delta, as float32 (decoded now if it is kept encoded)."""
+    if isinstance(c.delta, PrevalidatedDelta):
+        return c.delta[name]
+    arr, why = finite_float32(c.delta[name], name, shape)
+    assert arr is not None, why  # _delta_norm accepted this delta
+    return arr
+
+
+def _outer_tensor(c: Contribution, name: str, current: Mapping[str, np.ndarray],
+                  base: Mapping[str, np.ndarray] | None) -> np.ndarray:
+    """Contribution c's outer gradient for one tensor: its delta, rebased when its base is older."""
+    d = _delta_tensor(c, name, np.shape(current[name]))
+    if base is None:
+        return d
+    return rebase({name: d}, base, current)[name]
 
 
 def merge_contributions(
@@ -331,7 +393,7 @@ def merge_contributions(
         rejected.append((learner, f"rejected learner {learner}: {why}"))
 
     # 1. per-contribution checks that need no other contribution
-    candidates: list[tuple[Contribution, dict[str, np.ndarray], float, float]] = []  # (c, delta, weight, |delta|)
+    candidates: list[tuple[Contribution, float, float]] = []  # (c, weight, |delta|)
     seen: set[str] = set()
     for c in sorted(contributions, key=lambda c: c.learner):  # stable: same-learner order kept
         if c.learner in seen:
@@ -362,14 +424,14 @@ def merge_contributions(
             notes.append(f"tokens/step {_tokens_per_step_text(c.c_tokens, c.c_steps)} capped at {caps.max_tokens_per_step}")
         if notes and weighting == "tokens":
             capped.append((c.learner, "; ".join(notes)))
-        delta, why = _check_shape_and_values(c, current)
-        if delta is None:
+        norm, why = _delta_norm(c, current)
+        if norm is None:
             reject(c.learner, why or "invalid delta")
             continue
-        candidates.append((c, delta, weight, _fragment_norm(delta)))
+        candidates.append((c, weight, norm))
 
     # 2. norm outliers against the round median and the running reference
-    norms = [n for _, _, _, n in candidates]
+    norms = [n for _, _, n in candidates]
     round_median = float(np.median(norms)) if norms else None
     limits: list[tuple[float, str]] = []
     # A zero reference (e.g. most learners sent all-zero deltas) cannot define "too large".
@@ -377,35 +439,36 @@ def merge_contributions(
         limits.append((round_median, "the round median"))
     if reference_norm is not None and math.isfinite(reference_norm) and reference_norm > 0:
         limits.append((reference_norm, "the running reference"))
-    survivors: list[tuple[Contribution, dict[str, np.ndarray], float]] = []
-    for c, delta, weight, n in candidates:
+    survivors: list[tuple[Contribution, float]] = []
+    for c, weight, n in candidates:
         over = [(ref, label) for ref, label in limits if n > norm_outlier_factor * ref]
         if over:
             ref, label = over[0]
             reject(c.learner, f"norm {_fmt(n)} is {n / ref:.1f}x {label} {_fmt(ref)} (limit {norm_outlier_factor:g}x)")
             continue
-        survivors.append((c, delta, weight))
+        survivors.append((c, weight))
 
-    # 3. rebase stale contributions onto the current version
-    accepted_items: list[tuple[str, dict[str, np.ndarray], float]] = []
+    # 3. stale contributions: their base must still be in the history, and the rebased values finite.
+    # Checked tensor by tensor before merging (the accepted set decides the weights); the merge
+    # below rebases each tensor again rather than keeping K rebased fragments in memory.
+    accepted_items: list[tuple[Contribution, Mapping[str, np.ndarray] | None, float]] = []  # (c, base, weight)
     rebased_count = 0
-    for c, delta, weight in survivors:
+    for c, weight in survivors:
         if c.base_round == current_round:
-            accepted_items.append((c.learner, delta, weight))
+            accepted_items.append((c, None, weight))
             continue
         base = history.version(c.base_round)
         if base is None:
             reject(c.learner, f"base round {c.base_round} has been evicted (history keeps rounds "
                               f"{history.oldest_round}..{current_round})")
             continue
-        rebased = rebase(delta, base, current)
-        if not all(np.all(np.isfinite(t)) for t in rebased.values()):
+        if not all(np.all(np.isfinite(_outer_tensor(c, name, current, base))) for name in sorted(current)):
             reject(c.learner, f"non-finite values after rebasing from round {c.base_round}")
             continue
-        accepted_items.append((c.learner, rebased, weight))
+        accepted_items.append((c, base, weight))
         rebased_count += 1
 
-    delta_norms = tuple((c.learner, n) for c, _, _, n in candidates)
+    delta_norms = tuple((c.learner, n) for c, _, n in candidates)
     rejected_sorted = tuple(sorted(rejected))
     total = len(contributions)
     if not accepted_items:
@@ -415,17 +478,19 @@ def merge_contributions(
             reason = f"nothing to merge for fragment {fragment}: all {total} contribution(s) rejected"
         return MergeResult(None, (), rejected_sorted, reason, (), round_median, delta_norms)
 
-    # 4. merge tensor by tensor
-    weights = [w for _, _, w in accepted_items]
+    # 4. merge tensor by tensor, each contribution's tensor decoded (and rebased) when it is folded in:
+    # one tensor's float64 accumulator and one contribution's tensor in memory, besides the result
+    weights = np.asarray([w for _, _, w in accepted_items], dtype=np.float64)  # each finite and > 0 (step 1)
     embeddings = set(embedding_names)
     outer: dict[str, np.ndarray] = {}
     for name in sorted(current):
-        vectors = [d[name] for _, d, _ in accepted_items]
+        shape = tuple(np.shape(current[name]))
+        vectors = (_outer_tensor(c, name, current, base) for c, base, _ in accepted_items)
         if method == "rda" and name not in embeddings:
-            outer[name] = rda(vectors, weights)
+            outer[name] = _rda_fold(vectors, weights, shape)
         else:
-            outer[name] = weighted_mean(vectors, weights)
-    accepted = tuple((learner, w) for learner, _, w in accepted_items)
+            outer[name] = _mean_fold(vectors, weights, shape)
+    accepted = tuple((c.learner, w) for c, _, w in accepted_items)
     how = f"{method}, {'token-weighted' if weighting == 'tokens' else 'uniform weights'}"
     reason = (f"merged {len(accepted)} of {total} contribution(s) for fragment {fragment} at round {current_round} "
               f"({how}): " + ", ".join(f"{learner} w={_fmt(w)}" for learner, w in accepted))

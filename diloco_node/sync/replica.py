@@ -8,7 +8,8 @@ checking norm outliers from its first round instead of starting without a refere
 carries the fragment, its new round and the fragment digest after applying. Every replica
 applies entries in log order; an entry whose round is already in the state (a joiner that
 downloaded a newer fragment) is skipped; a gap or a digest mismatch marks the fragment as
-diverged so the node fetches it from a peer.
+diverged so the node fetches it from a peer. An EVICTION entry adds its site to `evictions`
+(sync/evictions.py), which checkpoints and every fragment's download bytes carry.
 
 No I/O and no clock here.
 """
@@ -27,6 +28,7 @@ import numpy as np
 
 from bootstrap.entries import EntryKind, LogEntry, PayloadUnavailable
 from diloco_node.config.manifest import OuterOptimizer, StopSpec
+from diloco_node.sync.evictions import EvictionError, Evictions
 from diloco_node.sync.fragments import FragmentPlan
 from diloco_node.sync.global_state import GlobalState, GlobalStateError
 from diloco_node.sync.state_codec import (
@@ -34,6 +36,7 @@ from diloco_node.sync.state_codec import (
     StateCodecError,
     decode_fragment,
     encode_fragment,
+    evictions_from_checkpoint,
     from_checkpoint,
     to_checkpoint,
 )
@@ -119,7 +122,9 @@ class Replica:
         # every replica ends at the same index with the same state.
         self.merged: list[tuple[int, int]] = [(0, 0)] * plan.num_fragments
         self.commit_wall: list[float] = [0.0] * plan.num_fragments  # newest commit's planning time
-        self._bytes_cache: dict[int, tuple[int, bytes, bytes]] = {}  # p -> (round, bytes, sha256)
+        self.evictions = Evictions()  # sites removed from this run for good (never undone)
+        # p -> (round, evictions known, bytes, sha256): the bytes carry the evictions too
+        self._bytes_cache: dict[int, tuple[int, int, bytes, bytes]] = {}
 
     # ---- the leader's preview ---------------------------------------------------------------
 
@@ -147,6 +152,12 @@ class Replica:
         return self.stop.reached(*self.merged_totals, elapsed)
 
     def _apply(self, entry: LogEntry) -> ApplyOutcome:
+        if entry.kind is EntryKind.EVICTION:
+            try:
+                record = self.evictions.apply_entry(entry.payload_bytes(), entry.index)
+            except EvictionError as error:  # the lease holder checked it: only a bug gets here
+                return ApplyOutcome(False, None, f"{error}; ignored")
+            return ApplyOutcome(True, None, record.refusal())
         if entry.kind is not EntryKind.OUTER_COMMIT:
             return ApplyOutcome(False, None, f"{entry.kind.value}: nothing to apply")
         complete = self.completion()
@@ -165,7 +176,8 @@ class Replica:
             return ApplyOutcome(False, p, f"fragment {p}: commit of round {round_} but state is at {current}", True)
         try:
             payload = CommitPayload.decode(entry.payload_bytes())
-            gradient = decode_named(payload.delta)
+            # bounded by the fragment's own size (not a fixed cap: a 7B model's fragments pass 2^28 values)
+            gradient = decode_named(payload.delta, max_elements=self.plan.fragments[p].num_elements)
             digest = self.state.apply_outer_gradient(p, gradient)
         except (RemoteProtocolError, GlobalStateError, ValueError, PayloadUnavailable) as error:
             # PayloadUnavailable: the entry's bytes are no longer on this node's disk; the
@@ -191,7 +203,8 @@ class Replica:
         (`copies=False`: the state's own read-only arrays, see `GlobalState.fragment_state`)."""
         tokens, steps = self.merged[p]
         return dataclasses.replace(self.state.fragment_state(p, copies=copies), norm_ref=self.norm_refs.get(p),
-                                   merged_tokens=tokens, merged_steps=steps, commit_wall=self.commit_wall[p])
+                                   merged_tokens=tokens, merged_steps=steps, commit_wall=self.commit_wall[p],
+                                   evicted=tuple(self.evictions.records()))
 
     def install_states(self, states: Sequence[FragmentState], expected_digest: str | None = None) -> str:
         """Replace the whole replicated state (all-or-nothing, GlobalStateError); returns its digest."""
@@ -200,19 +213,21 @@ class Replica:
         ordered = sorted(states, key=lambda s: s.fragment)
         self.merged = [(s.merged_tokens, s.merged_steps) for s in ordered]
         self.commit_wall = [s.commit_wall for s in ordered]
+        for state in states:  # the register only grows: what we applied ourselves stays
+            self.evictions.merge(state.evicted)
         self._bytes_cache.clear()
         return digest
 
     def fragment_bytes(self, p: int) -> tuple[int, bytes, bytes]:
         """(round, download bytes, sha256) of fragment p as it is now (cached per round)."""
-        round_ = self.state.round(p)
+        round_, evicted = self.state.round(p), len(self.evictions)
         cached = self._bytes_cache.get(p)
-        if cached is not None and cached[0] == round_:
-            return cached
+        if cached is not None and cached[:2] == (round_, evicted):
+            return round_, cached[2], cached[3]
         data = encode_fragment(self.fragment_state(p, copies=False))
-        result = (round_, data, hashlib.sha256(data).digest())
-        self._bytes_cache[p] = result
-        return result
+        digest = hashlib.sha256(data).digest()
+        self._bytes_cache[p] = (round_, evicted, data, digest)
+        return round_, data, digest
 
     def install_fragment_bytes(self, p: int, data: bytes) -> str:
         """Replace fragment p from a peer's download bytes (checked fully before anything changes)."""
@@ -232,6 +247,7 @@ class Replica:
             self.norm_refs[p] = state.norm_ref
         self.merged[p] = (state.merged_tokens, state.merged_steps)
         self.commit_wall[p] = state.commit_wall
+        self.evictions.merge(state.evicted)
         self._bytes_cache.pop(p, None)
         self.diverged.discard(p)
         return digest
@@ -241,10 +257,13 @@ class Replica:
         # The state's own arrays, not copies: they are never changed in place, so a checkpoint
         # written on the disk thread while commits are applied still holds this one state.
         return to_checkpoint([self.fragment_state(p, copies=False) for p in range(self.plan.num_fragments)],
-                             self.state.digest())
+                             self.state.digest(), self.evictions)
 
     def restore_checkpoint(self, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> str:
         """Replace the replicated state from a checkpoint's metadata and arrays, verified against
         the digest it promises; StateCodecError or GlobalStateError (nothing changed) otherwise."""
         states, digest = from_checkpoint(meta, arrays, self.plan)
-        return self.install_states(states, expected_digest=digest)
+        evicted = evictions_from_checkpoint(meta)
+        installed = self.install_states(states, expected_digest=digest)
+        self.evictions.merge(evicted.records())
+        return installed

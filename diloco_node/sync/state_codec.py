@@ -10,10 +10,11 @@ in memory; this module gives them their names and their serialized forms:
   "momentum/<tensor>" and "history/<round>/<tensor>". The fragment digest hashes the first two
   names (`current_arrays`), so the digest layout and every serialized form name tensors alike.
 - checkpoint entries (`to_checkpoint` / `from_checkpoint`): the named arrays of every fragment under
-  "global/", plus metadata {"rounds", "state_digest", "norm_refs"}; a checkpoint holds other
-  arrays (the learner's) beside them.
+  "global/", plus metadata {"rounds", "state_digest", "norm_refs"} and, once a site was evicted,
+  "evicted" (`evictions_from_checkpoint`); a checkpoint holds other arrays (the learner's) beside them.
 - download bytes (`encode_fragment` / `decode_fragment`): what a peer serves for one fragment of a
-  state download: a msgpack map of the metadata and the named arrays as [shape, raw <f4 bytes].
+  state download: a msgpack map of the metadata and the named arrays as [shape, raw <f4 bytes],
+  plus "evicted" once a site was evicted (absent reads as none: older peers interoperate).
 
 Decoding checks structure only (names, integer rounds, byte lengths, the norm reference); whether
 the arrays fit a run's plan and are finite is `GlobalState`'s check when it installs them.
@@ -31,6 +32,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from diloco_node.sync.evictions import EvictionError, EvictionRecord, Evictions
 from diloco_node.sync.fragments import FragmentPlan
 
 PARAMS = "params"
@@ -64,6 +66,9 @@ class FragmentState:
     merged_tokens: int = 0
     merged_steps: int = 0
     commit_wall: float = 0.0  # the newest commit's planning time (unix seconds; [run.stop] wall_s)
+    # The run's evicted sites (sync/evictions.py): run-wide, not the fragment's, but carried by
+    # every fragment's download bytes so a joiner learns them whichever fragment it fetches.
+    evicted: tuple[EvictionRecord, ...] = ()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,7 +157,8 @@ def _checked_int(what: str, value: Any) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def to_checkpoint(fragments: Sequence[FragmentState], state_digest: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def to_checkpoint(fragments: Sequence[FragmentState], state_digest: str,
+                  evicted: Evictions | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """(metadata, arrays) of the whole global state for a checkpoint; fragments in index order."""
     meta: dict[str, Any] = {
         "rounds": [f.round for f in fragments],
@@ -161,6 +167,8 @@ def to_checkpoint(fragments: Sequence[FragmentState], state_digest: str) -> tupl
         "merged": [[f.merged_tokens, f.merged_steps] for f in fragments],
         "commit_wall": [f.commit_wall for f in fragments],
     }
+    if evicted:
+        meta["evicted"] = evicted.to_plain()
     arrays = {CHECKPOINT_PREFIX + name: array for f in fragments for name, array in fragment_arrays(f).items()}
     return meta, arrays
 
@@ -202,6 +210,14 @@ def from_checkpoint(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
     return states, digest
 
 
+def evictions_from_checkpoint(meta: Mapping[str, Any]) -> Evictions:
+    """The evicted sites a checkpoint records (none in checkpoints written before evictions existed)."""
+    try:
+        return Evictions.from_plain(meta.get("evicted", []), "checkpoint: evicted")
+    except EvictionError as error:
+        raise StateCodecError(str(error)) from None
+
+
 def params_from_checkpoint(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The global model's current parameters from a checkpoint's arrays (e.g. to evaluate it)."""
     prefix = f"{CHECKPOINT_PREFIX}{PARAMS}/"
@@ -224,6 +240,8 @@ def encode_fragment(state: FragmentState) -> bytes:
         fields["norm_ref"] = state.norm_ref
     fields["merged"] = [state.merged_tokens, state.merged_steps]
     fields["commit_wall"] = state.commit_wall
+    if state.evicted:
+        fields["evicted"] = [r.to_plain() for r in state.evicted]
     return msgpack.packb(fields, use_bin_type=True)
 
 
@@ -244,7 +262,11 @@ def decode_fragment(data: bytes) -> FragmentState:
     state = from_fragment_arrays(fragment, round_, arrays, raw.get("norm_ref"))
     tokens, steps = _checked_merged(f"fragment {fragment} bytes: 'merged'", raw.get("merged", [0, 0]))
     wall = _checked_wall(f"fragment {fragment} bytes: 'commit_wall'", raw.get("commit_wall", 0.0))
-    return dataclasses.replace(state, merged_tokens=tokens, merged_steps=steps, commit_wall=wall)
+    try:
+        evicted = tuple(Evictions.from_plain(raw.get("evicted", []), f"fragment {fragment} bytes: evicted").records())
+    except EvictionError as error:
+        raise StateCodecError(str(error)) from None
+    return dataclasses.replace(state, merged_tokens=tokens, merged_steps=steps, commit_wall=wall, evicted=evicted)
 
 
 def _unpacked_array(fragment: int, name: Any, item: Any) -> np.ndarray:

@@ -5,7 +5,9 @@ holder's) and in the in-process runner (`sim/runner.py`, virtual clock): the sam
 calls, so the parity benchmark measures the algorithm users run. Per fragment:
 
 1. `add(contribution, now)`: a round opens at its first contribution; a newer contribution of the
-   same learner replaces its older one (it includes those steps).
+   same learner replaces its older one (it includes those steps). A streamed contribution is held
+   as it arrived, encoded (`wire.contribution_stream.EncodedDelta`); the merge decodes it tensor by
+   tensor, so waiting contributions cost their encoded size, not their fp32 size.
 2. `decide(p, now, live, blocked=...)`: merge now, wake at a time, or held, each with a reason
    (`quorum.decide_round` for K + grace + the round rate limit; "held" when the caller cannot take
    a merge now, e.g. its replica lags its own log). The caller turns wake-at into a timer.
@@ -253,7 +255,8 @@ class Syncer:
         if result.outer_gradient is None:
             return MergedRound(p, state.round(p), result, b"", None, decision_reason)
         encoded = encode_named(result.outer_gradient, sync.codec_down)
-        return MergedRound(p, state.round(p) + 1, result, encoded, decode_named(encoded), decision_reason,
+        decoded = decode_named(encoded, max_elements=self.plan.fragments[p].num_elements)
+        return MergedRound(p, state.round(p) + 1, result, encoded, decoded, decision_reason,
                            self.norm_ref.get(p))
 
     def plan_commit(self, p: int, rnd: OpenRound, state: GlobalState,

@@ -18,7 +18,7 @@ from diloco_node.transport.client import (
 from diloco_node.transport.counters import PeerTraffic, TrafficCounters
 from diloco_node.transport.guard import ConnectionGuard
 from diloco_node.transport.routes import SENDER_HEADER, kind_path
-from diloco_node.transport.server import PEER_SERVER, Peer, PayloadSink, PeerServer, ServerOptions
+from diloco_node.transport.server import PEER_SERVER, PayloadSink, Peer, PeerServer, SequenceConsumer, ServerOptions
 
 __all__ = [
     "ClientOptions",
@@ -28,6 +28,7 @@ __all__ = [
     "SENDER_HEADER",
     "Peer",
     "PayloadSink",
+    "SequenceConsumer",
     "PeerClient",
     "PeerRefused",
     "PeerServer",

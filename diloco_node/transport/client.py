@@ -1,7 +1,9 @@
 """The peer API's client side: one aiohttp session per node, messages out, authenticated replies in.
 
 `send(url, *messages)` posts small messages (one body, one or more frames of one kind) and returns
-the peer's replies. `send_stream(url, head, payload)` uploads one large payload as a streamed frame
+the peer's replies. `send_sequence(url, frames)` posts a body of frames produced one at a time (an
+opening frame, then its parts: a streamed contribution) with chunked transfer encoding, so neither
+the whole body nor its length is ever needed up front. `send_stream(url, head, payload)` uploads one large payload as a streamed frame
 with bounded memory whatever its size: the payload comes from a bytes-like object (sent as slices,
 never copied) or an async iterator of chunks, and aiohttp drains the socket as it goes
 (backpressure). Timeouts are per read (`sock_read`), per connect, and per stall of an upload; a
@@ -249,6 +251,48 @@ class PeerClient:
                 raise misuse[0] from None
             raise
 
+    async def send_sequence(self, base_url: str, frames: AsyncIterable[Message], *, peer: str | None = None,
+                            deadline_s: float | None = None) -> list[Message]:
+        """Post the messages `frames` yields (the first names the route) as one chunked body.
+
+        Each message is encoded (in the thread pool when big) only when the socket has taken the
+        previous one, so memory holds one frame whatever the body's size. An exception raised by
+        `frames` aborts the upload and is raised here unchanged.
+        """
+        iterator = aiter(frames)
+        try:
+            first = await anext(iterator)
+        except StopAsyncIteration:
+            raise LocalProtocolError("send_sequence needs at least one message") from None
+        to = peer or ANY_MEMBER
+        failure: list[BaseException] = []
+
+        async def body() -> AsyncIterator[bytes | memoryview]:
+            message: Message | None = first
+            while message is not None:
+                frame = await self._encode(message, to)
+                view = memoryview(frame)
+                for start in range(0, len(view), self.options.upload_chunk_bytes):
+                    yield view[start:start + self.options.upload_chunk_bytes]
+                del view, frame
+                try:
+                    message = await anext(iterator)
+                except StopAsyncIteration:
+                    message = None
+                except Exception as error:  # the producer failed: stop the upload, report its error
+                    failure.append(error)  # (not a cancellation: aiohttp cancels the body when the peer refuses)
+                    raise
+
+        try:
+            replies = await self._post(base_url.rstrip("/") + kind_path(first.KIND), body(), None, peer, deadline_s)
+        except TransportError:
+            if failure:
+                raise failure[0] from None
+            raise
+        if failure:
+            raise failure[0]
+        return replies
+
     async def _encode(self, message: Message, to: str) -> bytes:
         nonce = os.urandom(NONCE_BYTES)
         now_unix = self._wall_clock()
@@ -258,8 +302,9 @@ class PeerClient:
         encode = functools.partial(encode_frame, message, self._auth, now_unix=now_unix, nonce=nonce, to=to)
         return await loop.run_in_executor(self._executor, encode)
 
-    async def _post(self, url: str, body: AsyncIterable[bytes | memoryview] | bytes, length: int,
+    async def _post(self, url: str, body: AsyncIterable[bytes | memoryview] | bytes, length: int | None,
                     peer: str | None, deadline_s: float | None) -> list[Message]:
+        """POST `body` (`length` None: unknown, sent with chunked transfer encoding)."""
         if self._session is None:
             raise LocalProtocolError("PeerClient is not started")
         peer_key = peer or _origin(url)
@@ -276,7 +321,9 @@ class PeerClient:
         traffic.requests_sent += 1
         loop = asyncio.get_running_loop()
         stall_s = self.limits.read_timeout_s
-        headers = {SENDER_HEADER: self._auth.sender, "Content-Type": FRAME_CONTENT_TYPE, "Content-Length": str(length)}
+        headers = {SENDER_HEADER: self._auth.sender, "Content-Type": FRAME_CONTENT_TYPE}
+        if length is not None:
+            headers["Content-Length"] = str(length)
         try:
             async with asyncio.timeout(deadline_s) as deadline, asyncio.timeout(stall_s) as stall:
                 if isinstance(body, bytes):
@@ -289,7 +336,7 @@ class PeerClient:
                 # Big bodies ask first (Expect: 100-continue): a refusal decidable from the headers
                 # (413, 429, 404) then costs no body bytes and cannot race our upload.
                 async with self._session.post(url, data=data, headers=headers,
-                                              expect100=length > INLINE_BODY_MAX_BYTES,
+                                              expect100=length is None or length > INLINE_BODY_MAX_BYTES,
                                               **tls_options) as response:  # type: ignore[arg-type]
                     stall.reschedule(None)  # from here on sock_read bounds each read
                     if response.status != 200:

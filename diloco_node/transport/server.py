@@ -19,7 +19,12 @@ Handlers are registered per message kind by the composition root:
 - `on_message(kind, handler)`: `async def handler(message, peer) -> reply | None` for whole messages;
 - `on_stream(kind, open_sink)`: `async def open_sink(head, peer, payload_length) -> PayloadSink` for
   kinds whose payload is streamed (bounded memory whatever its size). The sink gets the chunks,
-  then `finish()` once the payload matched its authenticated digest, or `abort(reason)`.
+  then `finish()` once the payload matched its authenticated digest, or `abort(reason)`;
+- `on_sequence(open_kind, part_kind, open_consumer)`: a body that is one `open_kind` frame followed
+  by any number of `part_kind` frames, each authenticated and handed over as it completes
+  (`async def open_consumer(head, peer) -> SequenceConsumer`; a streamed contribution). The body is
+  bounded by what the consumer says its declaration still allows (`max_remaining_bytes`), so its
+  size follows the model's shapes rather than a fixed cap; memory is one frame.
 
 Decoding batches of 64 KiB or more (SHA-256 of payloads, msgpack) and encoding big replies run in a
 thread pool, never on the event loop.
@@ -42,7 +47,7 @@ from aiohttp import http_exceptions, web
 
 from diloco_node.transport.counters import TrafficCounters
 from diloco_node.transport.routes import FRAME_CONTENT_TYPE, ROUTE_PREFIX, SENDER_HEADER, kind_from_name, kind_name
-from diloco_node.transport.tls import certified_node_id
+from diloco_node.transport.tls import certificate_sha256, certified_node_id
 from wire.auth import ANY_MEMBER, MAC_BYTES, NONCE_BYTES, AuthContext, FrameVerifier
 from wire.errors import RemoteProtocolError
 from wire.frames import (
@@ -96,6 +101,10 @@ STREAMED_REPLY_MIN_BYTES = 256 * KiB
 # for at most this long) so the answer reaches the client before the connection closes under it.
 REFUSAL_DRAIN_BYTES = 8 * MiB
 REFUSAL_DRAIN_S = 1.0
+# A sequence's body is bounded by its consumer's declared payload bytes plus this much per frame
+# still due: a part frame's header map is a few hundred bytes (auth keys, stream id, indices), so a
+# body that outgrows this is padding what no honest sender pads (413).
+SEQUENCE_FRAME_OVERHEAD_BYTES = 4 * KiB
 # Refusal reasons are sent back as text; a peer should not be able to make us echo megabytes.
 MAX_REASON_CHARS = 512
 
@@ -123,6 +132,32 @@ class PayloadSink(Protocol):
         ...
 
 
+class SequenceConsumer(Protocol):
+    """Receives the frames that follow a sequence's opening frame, one authenticated frame at a time."""
+
+    @property
+    def max_remaining_bytes(self) -> int:
+        """Most payload bytes the frames still due may carry (bounds the rest of the body)."""
+        ...
+
+    @property
+    def frames_left(self) -> int:
+        """Most frames still due (each adds its header's bytes to the body's bound)."""
+        ...
+
+    async def part(self, message: Message) -> None:
+        """One more frame, checked and kept (raise RemoteProtocolError to refuse the stream)."""
+        ...
+
+    async def finish(self) -> Message | None:
+        """The body ended: the sequence must be complete; return the reply, if any."""
+        ...
+
+    async def abort(self, reason: str) -> None:
+        """The stream failed: discard what was received."""
+        ...
+
+
 @dataclasses.dataclass(slots=True, eq=False)
 class _Stream:
     """One request body being read: its slot, and what the deadlines and rate checks need."""
@@ -138,7 +173,12 @@ class _Stream:
 
 
 MessageHandler = Callable[[Message, Peer], Awaitable[Message | None]]
+# Why a peer is refused for good (an eviction), from its node id and certificate fingerprint; None
+# admits it. Asked before a request's body is read (the certificate) and at its first frame (the
+# authenticated sender).
+PeerGate = Callable[[str | None, str | None], str | None]
 SinkOpener = Callable[[Message, Peer, int], Awaitable[PayloadSink]]
+SequenceOpener = Callable[[Message, Peer], Awaitable[SequenceConsumer]]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -191,10 +231,15 @@ class PeerServer:
         self._wall_clock = wall_clock  # only for frame timestamps (replay window); deadlines use the loop
         self._handlers: dict[MessageKind, MessageHandler] = {}
         self._sinks: dict[MessageKind, SinkOpener] = {}
+        self._sequences: dict[MessageKind, tuple[MessageKind, SequenceOpener]] = {}  # open kind -> (part kind, opener)
         self._streams: dict[str, int] = {}  # authenticated streams per member
         self._streams_total = 0
         self._pending: dict[_Stream, None] = {}  # unauthenticated streams, oldest first
         self._pending_by_address: dict[str, int] = {}
+        self.gate: PeerGate = lambda node_id, fingerprint: None  # the daemon sets its eviction check
+        # Certificate fingerprints each certified node id presented, so an eviction can name them.
+        # Bounded: only verified certificates of the run's CA get here, a few per member.
+        self.seen_certificates: dict[str, set[str]] = {}
 
     # ---- wiring -----------------------------------------------------------------------------
 
@@ -206,8 +251,13 @@ class PeerServer:
         self._check_unregistered(kind)
         self._sinks[kind] = open_sink
 
+    def on_sequence(self, open_kind: MessageKind, part_kind: MessageKind, open_consumer: SequenceOpener) -> None:
+        """Bodies of one `open_kind` frame then `part_kind` frames, on the `open_kind` route."""
+        self._check_unregistered(open_kind)
+        self._sequences[open_kind] = (part_kind, open_consumer)
+
     def _check_unregistered(self, kind: MessageKind) -> None:
-        if kind in self._handlers or kind in self._sinks:
+        if kind in self._handlers or kind in self._sinks or kind in self._sequences:
             raise ValueError(f"a handler for {kind.name} is already registered")
 
     def install(self, app: web.Application) -> None:
@@ -230,10 +280,14 @@ class PeerServer:
                 "unauthenticated_streams": len(self._pending), "peers": self.counters.snapshot()}
 
     def body_limit(self, kind: MessageKind) -> int:
-        """Largest request body for `kind`: one frame of the largest allowed size (or a small batch)."""
+        """Largest request body for `kind`: one frame of the largest allowed size (or a small batch).
+        A sequence's body may grow past this once its opening frame declared what follows."""
         limits = self.limits
-        largest_frame = FIXED_HEADER_BYTES + limits.max_header_map_bytes + MAC_BYTES + limits.max_payload(kind)
+        largest_frame = self._frame_bound(limits.max_payload(kind))
         return max(largest_frame, self.options.min_body_limit_bytes)
+
+    def _frame_bound(self, payload_bytes: int) -> int:
+        return FIXED_HEADER_BYTES + self.limits.max_header_map_bytes + MAC_BYTES + payload_bytes
 
     # ---- one request ------------------------------------------------------------------------
 
@@ -250,19 +304,26 @@ class PeerServer:
         """Everything decidable from the request line and headers: the route's kind, or a refusal."""
         name = request.match_info["kind"]
         kind = kind_from_name(name)
-        if kind is None or (kind not in self._handlers and kind not in self._sinks):
+        if kind is None or (kind not in self._handlers and kind not in self._sinks and kind not in self._sequences):
             return 404, f"no handler for {name[:64]!r} on this node"
         encoding = request.headers.get("Content-Encoding", "identity").lower()
         if encoding != "identity":
             # aiohttp would inflate it: a decompression bomb past our byte counts.
             return 415, f"Content-Encoding {encoding[:32]!r} is not accepted; send frames as-is"
         limit = self.body_limit(kind)
-        if request.content_length is not None and request.content_length > limit:
+        # A sequence's body is bounded once its opening frame says what follows (see _consume).
+        if kind not in self._sequences and request.content_length is not None and request.content_length > limit:
             return 413, f"{kind.name} body of {request.content_length} bytes exceeds the limit of {limit}"
         if self._certified_senders:
             certified, why = self._certified(request)
             if certified is None:
                 return 403, why
+            fingerprint = self._fingerprint(request)
+            refused = self.gate(certified, fingerprint)
+            if refused is not None:
+                return 403, refused
+            if fingerprint is not None:
+                self.seen_certificates.setdefault(certified, set()).add(fingerprint)
         address = request.remote or "unknown"
         per_address = self.options.max_unauthenticated_streams_per_address
         if self._pending_by_address.get(address, 0) >= per_address:
@@ -273,6 +334,11 @@ class PeerServer:
     def _certified(request: web.Request) -> tuple[str | None, str]:
         transport = request.transport
         return certified_node_id(transport.get_extra_info("ssl_object") if transport is not None else None)
+
+    @staticmethod
+    def _fingerprint(request: web.Request) -> str | None:
+        transport = request.transport
+        return certificate_sha256(transport.get_extra_info("ssl_object") if transport is not None else None)
 
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
         """`Expect: 100-continue` (big uploads): refuse before the client sends any body byte."""
@@ -359,6 +425,9 @@ class PeerServer:
             # The MAC proves "a member of the run"; the certificate proves which one.
             raise RemoteProtocolError(f"the connection's certificate names {stream.certified!r} but the frame is "
                                       f"from {sender!r}: a member cannot speak for another", 403)
+        refused = self.gate(sender, None)
+        if refused is not None:  # with or without TLS: an evicted member's frames change nothing
+            raise RemoteProtocolError(refused, 403)
         self._unpend(stream)
         per_peer = self.limits.max_concurrent_streams_per_peer
         if self._streams.get(sender, 0) >= per_peer:
@@ -422,6 +491,8 @@ class PeerServer:
         limit = self.body_limit(kind)
         replies: list[Message] = []
         sink: PayloadSink | None = None
+        sequence = self._sequences.get(kind)
+        consumer: SequenceConsumer | None = None
         frame_started: float | None = None
         try:
             while True:
@@ -435,7 +506,22 @@ class PeerServer:
                 if stream.sender is None and decoder.authenticated_sender is not None:
                     self._authenticated(stream, decoder.authenticated_sender)
                 for event in events:
-                    if isinstance(event, Received):
+                    if isinstance(event, Received) and sequence is not None:
+                        part_kind, open_consumer = sequence
+                        if consumer is None:
+                            peer = self._peer(event.sender, event.sent_at_unix, event.message.KIND, kind, claimed,
+                                              stream, request)
+                            consumer = await open_consumer(event.message, peer)
+                            # From here the body may carry what the opening frame declared, no more.
+                            limit = (stream.received + self.options.decode_batch_bytes + consumer.max_remaining_bytes
+                                     + consumer.frames_left * SEQUENCE_FRAME_OVERHEAD_BYTES)
+                        else:
+                            if event.message.KIND is not part_kind:
+                                raise RemoteProtocolError(f"a {kind_name(kind)} body continues with {kind_name(part_kind)} "
+                                                          f"frames, got {event.message.KIND.name}", 400)
+                            self._peer(event.sender, event.sent_at_unix, part_kind, part_kind, claimed, stream, request)
+                            await consumer.part(event.message)
+                    elif isinstance(event, Received):
                         peer = self._peer(event.sender, event.sent_at_unix, event.message.KIND, kind, claimed,
                                           stream, request)
                         reply = await self._handlers[kind](event.message, peer)
@@ -457,6 +543,11 @@ class PeerServer:
                 if not data:
                     if stream.sender is None:
                         raise RemoteProtocolError("the body held no frame", 400)
+                    if consumer is not None:
+                        done, consumer = consumer, None
+                        reply = await done.finish()
+                        if reply is not None:
+                            replies.append(reply)
                     return replies
                 if decoder.between_frames:
                     frame_started = None
@@ -465,6 +556,8 @@ class PeerServer:
         except BaseException as error:
             if sink is not None:
                 await sink.abort(f"stream failed: {error or type(error).__name__}")
+            if consumer is not None:
+                await consumer.abort(f"stream failed: {error or type(error).__name__}")
             raise
 
     async def _read_some(self, request: web.Request, stream: _Stream, frame_started: float | None,

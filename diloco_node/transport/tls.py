@@ -15,15 +15,23 @@ context object switches per connection to the newest in its `sni_callback`).
 `certified_node_id(ssl_object)` is the identity the server compares with the sender of every frame
 on that connection: the single URI SAN `diloco-node://<node_id>` of the verified client
 certificate (diloco_node/ops/pki.py writes it; docs/OPERATIONS.md documents it).
+`SiteTls.facts` describes the site's own certificate as loaded (node id, fingerprint, expiry, CA,
+CRL) for /status and the expiry gauge. `certificate_sha256(ssl_object)` is a peer certificate's fingerprint, which an eviction records
+(diloco_node/sync/evictions.py) so the evicted site's certificate is refused for the rest of the run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import ssl
+import time
 from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +110,44 @@ def certified_node_id(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> tuple
     return ids[0], f"certificate names {ids[0]!r}"
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class CertificateFacts:
+    """The site's own certificate as loaded: what an operator checks before it expires."""
+
+    node_id: str  # its diloco-node://<node_id> URI SAN ("" when it names none)
+    fingerprint: str  # SHA-256 of the certificate (DER), 64 lowercase hex digits
+    not_after_unix: float
+    ca_subject: str  # the run CA's subject (RFC 4514), the first certificate of tls_ca_file
+    crl_loaded: bool
+
+
+def read_facts(files: TlsFiles) -> CertificateFacts:
+    """Facts of the (already loaded) files; TlsError naming the file if one cannot be parsed."""
+    try:
+        cert = x509.load_pem_x509_certificate(files.cert.read_bytes())
+        ca = x509.load_pem_x509_certificate(files.ca.read_bytes())
+    except (OSError, ValueError) as error:
+        raise TlsError(f"TLS certificate {files.cert} / CA {files.ca}: cannot be read: {error}") from None
+    try:
+        uris = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+            x509.UniformResourceIdentifier)
+    except x509.ExtensionNotFound:
+        uris = []
+    ids = [u[len(NODE_ID_URI_PREFIX):] for u in uris if u.startswith(NODE_ID_URI_PREFIX)]
+    return CertificateFacts(node_id=ids[0] if len(ids) == 1 else "",
+                            fingerprint=hashlib.sha256(cert.public_bytes(Encoding.DER)).hexdigest(),
+                            not_after_unix=cert.not_valid_after_utc.timestamp(),
+                            ca_subject=ca.subject.rfc4514_string(), crl_loaded=files.crl is not None)
+
+
+def certificate_sha256(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> str | None:
+    """The SHA-256 of the peer's verified certificate (DER), as 64 lowercase hex digits; None without one."""
+    if ssl_object is None:
+        return None
+    der = ssl_object.getpeercert(binary_form=True)
+    return hashlib.sha256(der).hexdigest() if der else None
+
+
 class SiteTls:
     """The site's current TLS contexts, rebuilt from its files on demand."""
 
@@ -109,6 +155,8 @@ class SiteTls:
         self.files = files
         self._stamps = self._file_stamps()
         self._current = build_contexts(files)  # TlsError at start-up: the daemon refuses to start
+        self.facts = read_facts(files)
+        self.loaded_at_unix = time.time()  # when the certificates in use were loaded (start or reload)
         self.reloads = 0
         self.last_reload_error = ""
         # The server context handed to aiohttp stays the same object; every connection is moved
@@ -145,11 +193,14 @@ class SiteTls:
         stamps = self._file_stamps()
         try:
             contexts = build_contexts(self.files)
+            facts = read_facts(self.files)
         except TlsError as error:
             self._stamps = stamps  # retried when a file changes again, not on every check
             self.last_reload_error = str(error)
             return f"TLS reload failed, keeping the previous certificates: {error}"
         self._current = contexts
+        self.facts = facts
+        self.loaded_at_unix = time.time()
         self._stamps = stamps
         self.reloads += 1
         self.last_reload_error = ""

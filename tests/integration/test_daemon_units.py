@@ -188,9 +188,11 @@ async def test_fragment_download_resumes_at_the_offset_on_another_peer() -> None
     await download.run()
     assert target.state.digest() == source.state.digest()
     assert download.max_commit_index == 7
-    # Fragment 0: one chunk from the dying peer, then the next peer continues at offset 64, not 0.
+    # Fragment 0: one chunk from the dying peer, then the next peer continues at offset 64, not 0
+    # (the requests pipelined to the dying peer behind the first one fail with it).
     fragment0 = [(url, offset) for url, p, offset in client.requests if p == 0]
-    assert fragment0[:3] == [("http://dies", 0), ("http://dies", 64), ("http://works", 64)]
+    assert fragment0[0] == ("http://dies", 0)
+    assert [offset for url, offset in fragment0 if url == "http://works"][0] == 64
 
 
 def _syncer_with(replica: Replica, value: float) -> tuple:
