@@ -45,6 +45,7 @@ def test_the_run_is_complete_when_every_fragment_has_merged_the_limit_and_no_lat
     late = replica.apply(_commit(replica, 5, 0, 10, 1))
     assert not late.applied and not late.diverged and "the run is complete" in late.reason
     assert replica.state.digest() == digest and replica.applied_index == 5
+    assert replica.completed_at_index == 4  # the completing commit, not the last index applied
 
 
 def test_steps_limit_and_no_limit() -> None:

@@ -424,7 +424,8 @@ class Node:
         completion = self.site.replica.completion()
         if completion and not self.completed:
             self.completed = completion
-            log.info("%s: the run is complete at commit %d: %s", self.node_id, applied_index, completion)
+            at = self.site.replica.completed_at_index or applied_index  # a downloaded state: as of its index
+            log.info("%s: the run is complete at commit %d: %s", self.node_id, at, completion)
             self.status.set_ready(False, f"run complete: {completion}")
             if self.learner is not None:
                 self.learner.stop()  # at its next step boundary; joined in _shutdown

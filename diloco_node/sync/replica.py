@@ -112,6 +112,7 @@ class Replica:
         self.founded_at = founded_at
         self.state = GlobalState(plan, initial, outer)
         self.applied_index = 0
+        self.completed_at_index: int | None = None  # the commit that completed the run, when applied here
         self.diverged: set[int] = set()
         self.last_reason = "initial state"
         # Per fragment, the reference delta norm carried by the newest applied commit: a node that
@@ -135,7 +136,12 @@ class Replica:
     # ---- applying committed entries ---------------------------------------------------------
 
     def apply(self, entry: LogEntry) -> ApplyOutcome:
+        was_complete = self.completion() is not None
         outcome = self._apply(entry)
+        if not was_complete and self.completion() is not None:
+            # The completing commit: later entries (a membership change, a new holder's no-op)
+            # are applied past it, and a site that catches up in one batch must name this one.
+            self.completed_at_index = entry.index
         self.applied_index = entry.index
         self.last_reason = f"#{entry.index}: {outcome.reason}"
         return outcome
