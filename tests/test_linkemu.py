@@ -82,6 +82,18 @@ async def test_bandwidth_cap_slows_a_transfer_down(link: LinkEmulator) -> None:
     assert time.monotonic() - start >= (len(payload) - 64 * 1024) / rate * 0.9
 
 
+async def test_connections_through_one_link_share_its_cap(link: LinkEmulator) -> None:
+    # A pool of connections (pipelined requests) must not multiply the link's rate.
+    rate = 2_000_000  # bytes/s
+    link.set_bandwidth(rate, (Direction.UP,))
+    payloads = [os.urandom(500_000) for _ in range(3)]
+    start = time.monotonic()
+    echoed = await asyncio.gather(*(_roundtrip(link.port, p) for p in payloads))
+    assert echoed == payloads
+    # 1.5 MB through one 2 MB/s link: 0.75 s, less one burst. Per-connection buckets took 0.25 s.
+    assert time.monotonic() - start >= (sum(map(len, payloads)) - 64 * 1024) / rate * 0.9
+
+
 async def test_slicer_delivers_identical_bytes_in_small_pieces(link: LinkEmulator, echo_port: int) -> None:
     link.set_slicer(7, delay_s=0.0005, directions=(Direction.UP,))
     payload = os.urandom(5_000)

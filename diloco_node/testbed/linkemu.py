@@ -4,7 +4,8 @@ Modelled on toxiproxy. One `LinkEmulator` listens on a local port and forwards e
 connection to one upstream address. While it runs, a test, a benchmark or the demo can change the
 link's behaviour per direction ("up" = client to upstream, "down" = upstream to client):
 
-- bandwidth cap (token bucket, bytes/s), latency with jitter (per chunk, order kept),
+- bandwidth cap (token bucket, bytes/s, per direction, shared by every connection through the
+  link, as a real link's capacity is), latency with jitter (per chunk, order kept),
 - slicer (writes split into tiny pieces with small delays, to exercise incremental decoders),
 - stall (data hangs for N seconds, then every connection is closed),
 - reset (connections are torn down with a TCP RST now, optionally every new one too),
@@ -175,6 +176,9 @@ class LinkEmulator:
         self.read_chunk_bytes = read_chunk_bytes
         self.stats = LinkStats()
         self._shape = {Direction.UP: Shape(), Direction.DOWN: Shape()}
+        # One bucket per direction for the whole link: a client that opens several connections
+        # (a pool, pipelined requests) shares the link's rate instead of multiplying it.
+        self._buckets = {Direction.UP: _TokenBucket(read_chunk_bytes), Direction.DOWN: _TokenBucket(read_chunk_bytes)}
         self._blackhole = False
         self._blocked_sources: frozenset[str] = frozenset()
         self._stalled = False
@@ -450,7 +454,7 @@ class LinkEmulator:
         queued_bytes = 0
         space = asyncio.Event()
         ready = asyncio.Event()
-        bucket = _TokenBucket(self.read_chunk_bytes)
+        bucket = self._buckets[direction]
         last_due = 0.0
         eof = False
 
