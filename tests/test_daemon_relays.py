@@ -170,3 +170,22 @@ def test_held_payloads_are_bounded_and_read_from_the_log_once_settled():
     assert store.held_bytes == 10 and store.get(digests[2]) == b"seven"  # now served from the log
     store.settle(digests[1], 8, 2)  # not in the log: kept in memory
     assert store.get(digests[1]) == b"\x01" * 10
+
+
+def test_once_the_entry_is_in_the_log_its_bytes_leave_memory_and_are_served_from_the_log():
+    async def scenario() -> None:
+        net, tasks = cluster(["a", "b"])
+        log: dict[tuple[int, int], bytes] = {}
+        b = net.nodes["b"]
+        b.store = b.relay.store = HeldPayloads(lambda index, epoch: log.get((index, epoch)))
+        out = net.nodes["a"].relayed_append(holders_append(), plan_relay_tree("a", ["b"], 1), leader_commit=4)
+        await settle_network()
+        assert b.store.held_bytes == len(PAYLOAD)
+        completed = await b.complete(out)
+        log[(6, 3)] = completed.entries[1].payload  # what the core appended
+        b.settle(out)  # the append as it came: relayed entries name their digests
+        assert b.store.held_bytes == 0
+        assert b.on_fetch(wire.PayloadFetch(out.entries[1].payload_sha256), "c").payload == PAYLOAD
+        await tasks.close()
+
+    asyncio.run(scenario())

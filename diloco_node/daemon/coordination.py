@@ -258,7 +258,7 @@ class CoordinationIO:
         self.leader_commit = max(self.leader_commit, message.leader_commit)
         reply = self.dispatch(actions, reply_to=peer.node_id, reply_type=coord.AppendResponse)
         if relayed is not None:
-            self.relays.settle(message)
+            self.relays.settle(relayed)  # the entries it names that are now in the log
         self.after_step()
         if reply is None:
             return None
