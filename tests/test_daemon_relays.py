@@ -30,6 +30,8 @@ class FakeNet:
         self.dead: set[str] = set()
         self.lost: set[str] = set()  # message kinds silently lost on the way
         self.sent: list[tuple[str, str, str]] = []  # (from, to, kind)
+        self.in_flight: dict[str, int] = {}  # fetches being answered, per answering member
+        self.most_in_flight = 0
 
     def client(self, me: str) -> FakeClient:
         return FakeClient(self, me)
@@ -51,7 +53,13 @@ class FakeClient:
             if isinstance(message, wire.PayloadPush):
                 node.on_push(message, self.me)
                 return []
-            return [node.on_fetch(message, self.me)]
+            self.net.in_flight[peer] = self.net.in_flight.get(peer, 0) + 1
+            self.net.most_in_flight = max(self.net.most_in_flight, self.net.in_flight[peer])
+            try:
+                await asyncio.sleep(0.01)  # a transfer takes time
+                return [node.on_fetch(message, self.me)]
+            finally:
+                self.net.in_flight[peer] -= 1
         except RemoteProtocolError as error:
             raise PeerRefused(url, error.status_hint, str(error)) from None
 
@@ -186,6 +194,26 @@ def test_once_the_entry_is_in_the_log_its_bytes_leave_memory_and_are_served_from
         b.settle(out)  # the append as it came: relayed entries name their digests
         assert b.store.held_bytes == 0
         assert b.on_fetch(wire.PayloadFetch(out.entries[1].payload_sha256), "c").payload == PAYLOAD
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_catching_up_follower_fetches_committed_payloads_at_once_one_at_a_time_per_source():
+    async def scenario() -> None:
+        net, tasks = cluster(["a", "b"], hold_s=0.4, timeout_s=0.3)
+        payloads = [bytes([i]) * 5000 for i in range(1, 5)]
+        entries = tuple(LogEntry(2, 10 + i, EntryKind.OUTER_COMMIT, p, fragment=0, round=i)
+                        for i, p in enumerate(payloads))
+        net.lost.add("PayloadPush")  # b was still starting when these were pushed
+        out = net.nodes["a"].relayed_append(coord.AppendEntries(2, "a", 9, 2, entries, 13, sent_at=0.0),
+                                            plan_relay_tree("a", ["b"], 1), leader_commit=13)
+        started = asyncio.get_running_loop().time()
+        completed = await net.nodes["b"].complete(out)
+        # Committed (index <= leader_commit): fetched without waiting a relay timeout (0.3 s) first.
+        assert asyncio.get_running_loop().time() - started < 0.3
+        assert [e.payload for e in completed.entries] == payloads
+        assert net.most_in_flight == 1  # one fetch at a time from the holder: never a flood of streams
         await tasks.close()
 
     asyncio.run(scenario())

@@ -153,6 +153,9 @@ class _Missing:
 
     holder: str
     last_wanted: float
+    # Already committed when first wanted: its push went out long ago (this node was down or
+    # still starting), so waiting a relay timeout for it is pointless: fetch at once.
+    urgent: bool = False
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -178,6 +181,10 @@ class RelayIO:
         self._digests: OrderedDict[tuple[int, int], tuple[bytes, int]] = OrderedDict()  # (index, epoch) -> digest, size
         self._queues: dict[str, _PushQueue] = {}
         self._missing: dict[bytes, _Missing] = {}
+        # One fetch in flight per source: a catching-up follower wants many payloads at once, and
+        # a peer admits only a few streams from one member (the rest would be refused, 429).
+        self._fetch_slots: dict[str, asyncio.Semaphore] = {}
+        self._fetching: set[tuple[str, bytes]] = set()
         # What this node did, for tests, /status and the benchmark: copies pushed as the root,
         # copies forwarded as a relay, fetch answers served, fetches sent, pushes refused.
         self.counts = {"pushed": 0, "forwarded": 0, "served": 0, "fetched": 0, "refused": 0}
@@ -249,10 +256,11 @@ class RelayIO:
 
     async def complete(self, message: wire.LogAppend) -> wire.LogAppend:
         """A relayed append with its bytes filled in: the longest prefix whose bytes are here after at most hold_s."""
-        wanted = [e.payload_sha256 for e in message.entries if e.relayed and e.payload_sha256 not in self.store]
+        wanted = {e.payload_sha256: e.index <= message.leader_commit for e in message.entries
+                  if e.relayed and e.payload_sha256 not in self.store}
         if wanted:
             now = self.monotonic()
-            events = [self._want(digest, message.leader, now).arrived for digest in dict.fromkeys(wanted)]
+            events = [self._want(digest, message.leader, now, urgent).arrived for digest, urgent in wanted.items()]
             waits = [asyncio.ensure_future(event.wait()) for event in events]
             try:
                 await asyncio.wait(waits, timeout=self.hold_s, return_when=asyncio.ALL_COMPLETED)
@@ -278,10 +286,10 @@ class RelayIO:
                 if missing is not None:
                     missing.arrived.set()
 
-    def _want(self, digest: bytes, holder: str, now: float) -> _Missing:
+    def _want(self, digest: bytes, holder: str, now: float, urgent: bool) -> _Missing:
         missing = self._missing.get(digest)
         if missing is None:
-            missing = self._missing[digest] = _Missing(holder, now)
+            missing = self._missing[digest] = _Missing(holder, now, urgent)
             self.tasks.spawn(self._fetch_loop(digest, missing), name=f"relay-fetch-{digest.hex()[:8]}")
         missing.holder, missing.last_wanted = holder, now
         return missing
@@ -291,11 +299,12 @@ class RelayIO:
         attempt = 0
         try:
             while not missing.arrived.is_set() and self.monotonic() - missing.last_wanted < GIVE_UP_S:
-                try:
-                    await asyncio.wait_for(missing.arrived.wait(), self.relay.timeout_s)
-                    break
-                except TimeoutError:
-                    pass
+                if attempt > 0 or not missing.urgent:
+                    try:
+                        await asyncio.wait_for(missing.arrived.wait(), self.relay.timeout_s)
+                        break
+                    except TimeoutError:
+                        pass
                 if digest in self.store:
                     break
                 tree = self.trees.get(missing.holder)
@@ -304,23 +313,29 @@ class RelayIO:
                 source = sources[min(attempt, len(sources) - 1)]
                 attempt += 1
                 # Not awaited here: a stalled source must not stop the climb to the next one.
-                self.tasks.spawn(self._fetch_from(source, digest), name=f"relay-fetch-from-{source}")
+                if (source, digest) not in self._fetching:
+                    self._fetching.add((source, digest))
+                    self.tasks.spawn(self._fetch_from(source, digest), name=f"relay-fetch-from-{source}")
         finally:
             if self._missing.get(digest) is missing:
                 del self._missing[digest]
             missing.arrived.set()  # a holder still waiting gives up now rather than at its hold time
 
     async def _fetch_from(self, source: str, digest: bytes) -> None:
-        url = self.url_of(source)
-        if url is None:
-            return
-        self.counts["fetched"] += 1
         try:
-            replies = await self.client.send(url, wire.PayloadFetch(digest), peer=source,
-                                             deadline_s=TRANSFER_DEADLINE_S)
+            slot = self._fetch_slots.setdefault(source, asyncio.Semaphore(1))
+            async with slot:
+                url = self.url_of(source)
+                if url is None or digest in self.store:
+                    return
+                self.counts["fetched"] += 1
+                replies = await self.client.send(url, wire.PayloadFetch(digest), peer=source,
+                                                 deadline_s=TRANSFER_DEADLINE_S)
         except (PeerRefused, PeerUnreachable) as error:
             log.debug("payload fetch from %s: %s", source, error)
             return
+        finally:
+            self._fetching.discard((source, digest))
         for reply in replies:
             if isinstance(reply, wire.PayloadPush) and reply.digest == digest and not reply.root:
                 try:
