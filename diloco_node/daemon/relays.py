@@ -185,7 +185,7 @@ class RelayIO:
         # a peer admits only a few streams from one member (the rest would be refused, 429).
         self._fetch_slots: dict[str, asyncio.Semaphore] = {}
         self._fetching: set[tuple[str, bytes]] = set()
-        # What this node did, for tests, /status and the benchmark: copies pushed as the root,
+        # What this node did (read by tests; not on /status yet): copies pushed as the root,
         # copies forwarded as a relay, fetch answers served, fetches sent, pushes refused.
         self.counts = {"pushed": 0, "forwarded": 0, "served": 0, "fetched": 0, "refused": 0}
 
