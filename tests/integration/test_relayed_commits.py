@@ -2,11 +2,12 @@
 
 The lease holder must send each commit payload about once (its byte counter over its log's growth),
 every site must apply the same commits (equal digests), and after the holder's first relay is
-SIGKILLed the sites below it must fetch from higher up so commits go on.
+stalled (SIGSTOP) or SIGKILLed, the sites below it must fetch from higher up so commits go on.
 """
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -61,6 +62,30 @@ def test_relayed_commits_leave_the_holder_fanout_times_and_agree(relayed_run: Cl
     index = cluster.common_commit_index(set(NAMES), 60)
     assert index >= start + 12 and len(cluster.history[index]) == 1, cluster.history.get(index)
     assert cluster.conflicting_indices() == {} and cluster.shared_indices() >= 1
+
+
+def test_a_stalled_relay_is_routed_around_and_catches_up_when_it_resumes(relayed_run: Cluster) -> None:
+    cluster = relayed_run
+    statuses = cluster.poll()
+    holder = cluster.coordinator(statuses)
+    assert holder is not None
+    relay = sorted(n for n in NAMES if n != holder)[0]  # the first relay: every other follower is below it
+    start = max(d["commit_index"] for d in statuses.values())
+    cluster.sites[relay].signal(signal.SIGSTOP)
+    stalled_at = time.monotonic()
+    others = {n for n in NAMES if n != relay}
+    try:
+        # `poll` skips a site that does not answer, so the stalled one is simply absent.
+        cluster.wait_for("8 more commits on every site but the stalled relay", lambda s: others <= set(s)
+                         and min(s[n]["commit_index"] for n in others) >= start + 8, 120)
+        print(f"8 commits past the stalled relay {relay} in {time.monotonic() - stalled_at:.1f} s")
+    finally:
+        cluster.sites[relay].signal(signal.SIGCONT)
+    target = max(d["commit_index"] for d in cluster.poll().values())
+    cluster.wait_for(f"{relay} resumed and caught up", lambda s: relay in s and s[relay]["commit_index"] >= target, 60)
+    index = cluster.common_commit_index(set(NAMES), 60)
+    assert len(cluster.history[index]) == 1
+    assert cluster.conflicting_indices() == {}
 
 
 def test_a_killed_relay_is_routed_around_and_commits_go_on(relayed_run: Cluster) -> None:
