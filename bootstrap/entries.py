@@ -7,7 +7,7 @@ and `majorities_can_be_disjoint`), so "majority" means the same thing everywhere
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from wire.errors import LocalProtocolError
@@ -73,18 +73,51 @@ def majorities_can_be_disjoint(a: ClusterConfig, b: ClusterConfig) -> bool:
     return need_a + need_b <= shared
 
 
+class PayloadUnavailable(LookupError):
+    """A stored payload can no longer be read (its entry was truncated or compacted away, or the
+    stored record is damaged). The storage layer's errors for that derive from this."""
+
+
+class StoredPayload:
+    """An entry's payload bytes kept outside memory (the daemon's log file): `read()` fetches them.
+
+    This module does no I/O: the reader is a callable the storage layer supplies. Memory holds an
+    entry's metadata and this reference; the bytes (a merged fragment delta, megabytes) are read
+    when an entry is sent, applied or rewritten. `read` raises `PayloadUnavailable` (or the
+    storage's subclass of it) when the bytes are gone.
+    """
+
+    __slots__ = ("size", "_read")
+
+    def __init__(self, size: int, read: Callable[[], bytes]) -> None:
+        if not isinstance(size, int) or size < 0:
+            raise LocalProtocolError(f"stored payload size must be an int >= 0, got {size!r}")
+        self.size = size
+        self._read = read
+
+    def read(self) -> bytes:
+        data = self._read()
+        if len(data) != self.size:
+            raise LocalProtocolError(f"stored payload: read {len(data)} bytes, expected {self.size}")
+        return data
+
+    def __repr__(self) -> str:
+        return f"StoredPayload({self.size} bytes)"
+
+
 @dataclass(frozen=True, slots=True)
 class LogEntry:
     """One replicated entry: opaque payload bytes plus the metadata the daemon and the log need.
 
-    `digest` is the daemon's digest of the fragment state after applying (opaque here);
-    `config` is set exactly for MEMBERSHIP entries.
+    `payload` is the bytes themselves or a `StoredPayload` (bytes that live in the log file);
+    read it with `payload_bytes()`. `digest` is the daemon's digest of the fragment state after
+    applying (opaque here); `config` is set exactly for MEMBERSHIP entries.
     """
 
     epoch: int
     index: int
     kind: EntryKind
-    payload: bytes = b""
+    payload: bytes | StoredPayload = b""
     fragment: int | None = None
     round: int | None = None
     digest: str = ""
@@ -97,14 +130,23 @@ class LogEntry:
             raise LocalProtocolError(f"entry index must be an int >= 1, got {self.index!r}")
         if not isinstance(self.kind, EntryKind):
             raise LocalProtocolError(f"entry kind must be an EntryKind, got {self.kind!r}")
-        if not isinstance(self.payload, bytes):
-            raise LocalProtocolError(f"entry payload must be bytes, got {type(self.payload).__name__}")
+        if not isinstance(self.payload, (bytes, StoredPayload)):
+            raise LocalProtocolError(f"entry payload must be bytes or a StoredPayload, "
+                                     f"got {type(self.payload).__name__}")
         if (self.kind is EntryKind.MEMBERSHIP) != (self.config is not None):
             raise LocalProtocolError("a config is carried by, and only by, membership entries")
         for name in ("fragment", "round"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise LocalProtocolError(f"entry {name} must be None or an int >= 0, got {value!r}")
+
+    def payload_bytes(self) -> bytes:
+        """The payload's bytes (read from storage when they are stored there)."""
+        return self.payload if isinstance(self.payload, bytes) else self.payload.read()
+
+    @property
+    def payload_size(self) -> int:
+        return len(self.payload) if isinstance(self.payload, bytes) else self.payload.size
 
     def describe(self) -> str:
         extra = f" {self.config.describe()}" if self.config is not None else ""

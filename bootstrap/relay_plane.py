@@ -60,7 +60,7 @@ class Metadata:
     tree: RelayTree
 
     def digests(self) -> list[bytes]:
-        return [payload_digest(e.payload) for e in self.message.entries if e.payload]
+        return [payload_digest(e.payload_bytes()) for e in self.message.entries if e.payload_size]
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,13 +146,14 @@ class PayloadRelay:
             raise LocalProtocolError(f"{self.node_id} sends appends down a tree rooted at {tree.root}")
         actions: list[RelayAction] = []
         for entry in message.entries:
-            if not entry.payload:
+            if not entry.payload_size:
                 continue
-            digest = payload_digest(entry.payload)
-            self.store.put(digest, entry.payload)
+            payload = entry.payload_bytes()  # read from the log file when it is stored there
+            digest = payload_digest(payload)
+            self.store.put(digest, payload)
             if digest not in self.pushed:
                 self.pushed.add(digest)
-                actions += [SendPayload(child, PayloadHop(digest, entry.payload, tree))
+                actions += [SendPayload(child, PayloadHop(digest, payload, tree))
                             for child in tree.children.get(self.node_id, ())]
         return Metadata(message, tree), actions
 
@@ -227,8 +228,8 @@ class PayloadRelay:
         """
         entries = []
         for entry in metadata.message.entries:
-            if entry.payload:
-                held = self.store.get(payload_digest(entry.payload))
+            if entry.payload_size:
+                held = self.store.get(payload_digest(entry.payload_bytes()))
                 if held is None:
                     return replace(metadata.message, entries=tuple(entries)), False
                 entry = replace(entry, payload=held)

@@ -199,3 +199,19 @@ def test_bad_inputs_are_refused_before_writing(tmp_path):
         assert store.sequences() == []
     with pytest.raises(ValueError, match="keep = 1"):
         CheckpointStore(tmp_path, keep=1)
+
+
+def test_verify_streams_the_same_checks_and_returns_the_metadata(tmp_path):
+    """Compaction's read-back check: the checksum over the body in chunks, the metadata out."""
+    from diloco_node.ops.checkpoint import verify_checkpoint_file
+    path = tmp_path / "ckpt-000000000001.bin"
+    write_checkpoint_file(path, 1, {"applied_index": 7}, _state(1))
+    assert verify_checkpoint_file(path, chunk_bytes=64) == {"applied_index": 7}
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01  # in the last array, far past the index
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        verify_checkpoint_file(path, chunk_bytes=64)
+    path.write_bytes(bytes(data[:-10]))
+    with pytest.raises(CheckpointError, match="truncated or padded"):
+        verify_checkpoint_file(path)

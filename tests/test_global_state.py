@@ -263,3 +263,27 @@ def test_malformed_states_are_refused_and_change_nothing(change, message) -> Non
     with pytest.raises(GlobalStateError, match=message):
         target.install(_states_with(change))
     assert target.digest() == before and target.rounds() == (1, 0, 0)
+
+
+def test_shared_views_are_read_only_and_stay_as_of_when_taken() -> None:
+    """`copies=False` hands out the state's own arrays (a learner's base, a checkpoint): nobody can
+    change them, and a later step makes new arrays instead of changing them."""
+    state = _state()
+    params = state.fragment_params(1, copies=False)
+    frozen = state.fragment_state(1, copies=False)
+    before = {n: a.copy() for n, a in params.items()}
+    for arr in (*params.values(), *frozen.momentum.values()):
+        with pytest.raises(ValueError, match="read-only"):
+            arr[...] = 0
+    state.apply_outer_gradient(1, _grad(state, 1, 0))
+    assert all(np.array_equal(params[n], before[n]) for n in before)
+    assert not all(np.array_equal(state.fragment_params(1)[n], before[n]) for n in before)
+
+
+def test_digest_after_previews_the_step_without_changing_the_state() -> None:
+    state = _state()
+    grad = _grad(state, 2, 5)
+    digest_before = state.fragment_digest(2)
+    preview = state.digest_after(2, grad)
+    assert state.fragment_digest(2) == digest_before and state.round(2) == 0
+    assert state.apply_outer_gradient(2, grad) == preview

@@ -20,7 +20,7 @@ def entry_identity(entry: LogEntry) -> bytes:
     """What "the same entry" means: every field that the application could observe."""
     config = entry.config.describe() if entry.config is not None else ""
     header = f"{entry.epoch}|{entry.index}|{entry.kind.value}|{entry.fragment}|{entry.round}|{entry.digest}|{config}|"
-    return header.encode() + entry.payload
+    return header.encode() + entry.payload_bytes()
 
 
 def chain_digest(previous: bytes, entry: LogEntry) -> bytes:

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from bootstrap.coordinator_node import CoordinatorNode
 from bootstrap.election import Role
-from bootstrap.entries import EntryKind, LogEntry
+from bootstrap.entries import EntryKind, LogEntry, PayloadUnavailable
 from diloco_node.ops.history import HISTORY_FILE_NAME, FsyncPolicy, HistoryWriter
 from diloco_node.sync.replica import CommitPayload
 from wire.errors import RemoteProtocolError
@@ -63,7 +63,10 @@ def entry_digest(entry: LogEntry) -> str:
     field(b"" if entry.round is None else str(entry.round).encode())
     field(entry.digest.encode())
     field(b"" if entry.config is None else ",".join(entry.config.sorted_voters()).encode())
-    field(entry.payload)
+    try:
+        field(entry.payload_bytes())
+    except PayloadUnavailable:  # the bytes left this node's disk: recorded as such, not invented
+        field(b"\0payload unavailable")
     return h.hexdigest()
 
 
@@ -72,8 +75,8 @@ def commit_contributors(entry: LogEntry) -> list[str]:
     if entry.kind is not EntryKind.OUTER_COMMIT:
         return []
     try:
-        return list(CommitPayload.decode(entry.payload).contributors)
-    except RemoteProtocolError:
+        return list(CommitPayload.decode(entry.payload_bytes()).contributors)
+    except (RemoteProtocolError, PayloadUnavailable):
         return []  # the replica refuses it at apply time and says why; the history stays honest
 
 

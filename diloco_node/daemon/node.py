@@ -36,6 +36,7 @@ from diloco_node.config.settings import ConfigError, EffectiveConfig, NodeConfig
 from diloco_node.daemon.coordination import CoordinationIO
 from diloco_node.daemon.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_REFUSED, exit_status_for
 from diloco_node.daemon.history_hooks import DaemonHistory
+from diloco_node.daemon.history_ring import HISTORY_RING_DIR, DiskHistories
 from diloco_node.daemon.identity import SiteIdentity
 from diloco_node.daemon.join import JoinRefused
 from diloco_node.daemon.loop_monitor import LagWindow, watch_loop_lag
@@ -191,6 +192,7 @@ class Node:
                 ).install(self.server)
         data_dir = Path(self.cfg.data_dir)
         self.store = ReplicaStore(data_dir / "coordination")
+        self.histories = DiskHistories(data_dir / HISTORY_RING_DIR)  # fragment versions for rebasing
         self.history = DaemonHistory.open(data_dir, self.node_id, pace_s=self._min_step_interval_s)
         self.identity = SiteIdentity(self.effective, self.store, self.client, self.role)
         app = web.Application(client_max_size=1024 ** 2)
@@ -206,7 +208,7 @@ class Node:
         app.cleanup_ctx.append(closed_on_cleanup(
             lambda: self.executor.shutdown(wait=False, cancel_futures=True),
             lambda: self.disk_executor.shutdown(wait=False, cancel_futures=True),
-            self.store.close, self.history.close, checkpoints.close, self.notifier.close,
+            self.store.close, self.histories.close, self.history.close, checkpoints.close, self.notifier.close,
             lambda: self.evaluator is not None and self.evaluator.close()))
         app.cleanup_ctx.append(self.client.cleanup_ctx)  # the peer session
         runner = web.AppRunner(app, access_log=None)
@@ -329,6 +331,7 @@ class Node:
             log.info("%s: training on %s", self.node_id, site.devices)
         self._mark_phase("state built")
         replica = site.replica
+        replica.state.use_history(self.histories)  # on disk: no fp32 copy of the model per kept round
         self.checkpointer = Checkpointer(node_id=self.node_id, checkpoints=checkpoints, store=self.store,
                                          replica=replica, disk_executor=self.disk_executor,
                                          retain_entries=self.cfg.log_retain_entries, report_error=self._error)
@@ -469,7 +472,7 @@ class Node:
             learner.adopt_global(state.all_params(), list(state.rounds()))
         else:  # a restored learner keeps its own weights; fragments committed since arrive as offers
             for p in range(self.site.plan.num_fragments):
-                learner.offer_fragment(p, state.round(p), state.fragment_params(p))
+                learner.offer_fragment(p, state.round(p), state.fragment_params(p, copies=False))
         self.learner = self.keeper.learner = learner
         learner.start()
         learner.begin_training()

@@ -50,7 +50,7 @@ def entry_to_wire(entry: LogEntry) -> wire.LogEntry:
     if entry.config is not None:
         metadata["voters"] = entry.config.sorted_voters()
     return wire.LogEntry(index=entry.index, epoch=entry.epoch, kind=_KIND_TO_WIRE[entry.kind],
-                         metadata=metadata, payload=entry.payload)
+                         metadata=metadata, payload=entry.payload_bytes())
 
 
 def relayed_entry_to_wire(entry: LogEntry, digest: bytes, size: int) -> wire.LogEntry:

@@ -30,7 +30,7 @@ from diloco_node.learn.learner_thread import (
     snapshot_from_checkpoint,
     snapshot_meta_and_arrays,
 )
-from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore, read_checkpoint_file
+from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore, verify_checkpoint_file
 from diloco_node.sync.replica import Replica
 
 log = logging.getLogger("diloco_node.daemon")
@@ -151,8 +151,9 @@ class Checkpointer:
             log.debug("%s: %s", self.node_id, reason)
             return
         try:
-            checkpoint = await loop.run_in_executor(self.disk_executor, read_checkpoint_file, path)
-            verified = int(checkpoint.meta["applied_index"])
+            # Streamed: the check costs a chunk of memory, not a second copy of the state.
+            meta = await loop.run_in_executor(self.disk_executor, verify_checkpoint_file, path)
+            verified = int(meta["applied_index"])
         except (CheckpointError, KeyError, TypeError, ValueError) as error:
             self.report_error(f"checkpoint {path.name} did not verify; log not compacted: {error}")
             return

@@ -18,15 +18,26 @@ called after every batch of actions and before sending them; it writes only what
   written by a rewrite, so a damaged header is corruption and refuses to load;
 - `identity.json`: node id, role, run manifest and the address book (rewritten when changed).
 
+Payloads live in `log.bin`, not in memory: once an entry is on disk (appended, rewritten or
+loaded) the in-memory log keeps its metadata and a `StoredPayload` that reads the record back
+(CRC checked, index and epoch compared) whenever the entry is sent to a follower, applied,
+rewritten or compacted. Only payloads up to `INLINE_PAYLOAD_BYTES` (no-ops, membership) stay in
+memory. The store knows where each entry's record is in the current file and moves that map with
+every rewrite and compaction, so a reference stays valid for as long as its entry is in the log.
+
 The snapshot's application state is not stored here: the global state lives in the node's
 checkpoints (diloco_node/ops/checkpoint.py) and a lagging node fetches it from peers (join.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import io
 import json
 import os
 import struct
+import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +47,7 @@ import msgpack
 
 from bootstrap.coordinator_node import PersistentState
 from bootstrap.election import ElectionState
-from bootstrap.entries import ClusterConfig, EntryKind, LogEntry, Snapshot
+from bootstrap.entries import ClusterConfig, EntryKind, LogEntry, PayloadUnavailable, Snapshot, StoredPayload
 from bootstrap.replog import LogStore
 from diloco_node.ops.checkpoint import fsync_dir
 
@@ -44,6 +55,9 @@ _RECORD_HEAD = struct.Struct("<II")
 # One entry holds one merged fragment delta; bigger than this is a corrupt length field.
 MAX_RECORD_BYTES = 512 * 1024 * 1024
 _SNAPSHOT_KEY = "snapshot"
+# Payloads up to this size stay in memory (no-ops, membership, tests' small entries): a reference
+# and a read per use would cost more than the bytes.
+INLINE_PAYLOAD_BYTES = 4096
 INITIAL_SNAPSHOT = Snapshot(0, 0, ClusterConfig())
 
 
@@ -75,6 +89,10 @@ class ReplicaStoreError(Exception):
     """The durable coordination state is unreadable; the message names the file."""
 
 
+class PayloadGone(ReplicaStoreError, PayloadUnavailable):
+    """An entry's payload is no longer in log.bin (truncated or compacted away) or its record is damaged."""
+
+
 def _temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
@@ -95,7 +113,7 @@ def _record(body: bytes) -> bytes:
 
 def _encode_entry(entry: LogEntry) -> bytes:
     voters = entry.config.sorted_voters() if entry.config is not None else None
-    return _record(msgpack.packb([entry.epoch, entry.index, entry.kind.value, entry.payload, entry.fragment,
+    return _record(msgpack.packb([entry.epoch, entry.index, entry.kind.value, entry.payload_bytes(), entry.fragment,
                                   entry.round, entry.digest, voters], use_bin_type=True))
 
 
@@ -126,14 +144,24 @@ def _decode_body(body: Any, offset: int, path: Path) -> LogEntry | Snapshot:
 
 def decode_log(data: bytes, path: Path) -> tuple[Snapshot, list[LogEntry], int]:
     """(snapshot, entries, byte length of the valid prefix): a torn tail is cut off."""
+    snapshot, located, valid = _scan_log(io.BytesIO(data), len(data), path)
+    return snapshot, [entry for entry, _, _ in located], valid
+
+
+def _scan_log(handle: Any, size: int, path: Path) -> tuple[Snapshot, list[tuple[LogEntry, int, int]], int]:
+    """Read a log record by record from `handle` (`size` bytes): (snapshot, [(entry, record offset,
+    record length)], byte length of the valid prefix). Entries carry their payload bytes; the
+    caller decides what stays in memory (one record is in memory at a time)."""
     snapshot = INITIAL_SNAPSHOT
-    entries: list[LogEntry] = []
+    entries: list[tuple[LogEntry, int, int]] = []
     offset = 0
-    while offset + _RECORD_HEAD.size <= len(data):
-        length, crc = _RECORD_HEAD.unpack_from(data, offset)
+    while offset + _RECORD_HEAD.size <= size:
+        handle.seek(offset)
+        length, crc = _RECORD_HEAD.unpack(handle.read(_RECORD_HEAD.size))
         start = offset + _RECORD_HEAD.size
-        complete = length <= MAX_RECORD_BYTES and start + length <= len(data)
-        if not complete or zlib.crc32(data[start:start + length]) != crc:
+        complete = length <= MAX_RECORD_BYTES and start + length <= size
+        body = handle.read(length) if complete else b""
+        if not complete or zlib.crc32(body) != crc:
             if offset == 0 and complete:
                 # Only an append can be torn, and a header is written by an atomic rewrite: a
                 # complete first record that fails its checksum is damage, and dropping it
@@ -141,22 +169,36 @@ def decode_log(data: bytes, path: Path) -> tuple[Snapshot, list[LogEntry], int]:
                 raise ReplicaStoreError(f"{path}: the first record fails its checksum; the log is damaged")
             break
         try:
-            body = msgpack.unpackb(data[start:start + length], raw=False)
+            unpacked = msgpack.unpackb(body, raw=False)
         except (ValueError, msgpack.UnpackException) as error:
             raise ReplicaStoreError(f"{path}: record at byte {offset} is not msgpack: {error}") from None
-        record = _decode_body(body, offset, path)
+        del body
+        record = _decode_body(unpacked, offset, path)
         if isinstance(record, Snapshot):
             if offset != 0:
                 raise ReplicaStoreError(f"{path}: a snapshot header at byte {offset}; only the first record may be one")
             snapshot = record
         else:
-            expected = entries[-1].index + 1 if entries else snapshot.last_index + 1
+            expected = entries[-1][0].index + 1 if entries else snapshot.last_index + 1
             if record.index != expected:
-                after = f"entry {entries[-1].index}" if entries else f"the snapshot through {snapshot.last_index}"
+                after = f"entry {entries[-1][0].index}" if entries else f"the snapshot through {snapshot.last_index}"
                 raise ReplicaStoreError(f"{path}: entry {record.index} follows {after}")
-            entries.append(record)
+            entries.append((record, offset, _RECORD_HEAD.size + length))
         offset = start + length
     return snapshot, entries, offset
+
+
+def _write_records(handle: Any, start: int, entries: list[LogEntry]) -> tuple[list[tuple[int, int, int, int]], int]:
+    """Append `entries` as records at byte `start` of `handle`, one payload in memory at a time.
+    Returns ([(index, epoch, record offset, record length)], end offset)."""
+    located = []
+    offset = start
+    for entry in entries:
+        record = _encode_entry(entry)
+        handle.write(record)
+        located.append((entry.index, entry.epoch, offset, len(record)))
+        offset += len(record)
+    return located, offset
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +209,7 @@ class PreparedLog:
     count: int  # entries written after the header
     last: tuple[int, int] | None  # (index, epoch) of the last of them
     size: int
+    located: tuple[tuple[int, int, int, int], ...] = ()  # (index, epoch, offset, length) of each record
 
     def fits(self, snapshot: Snapshot, entries: list[LogEntry]) -> bool:
         """True when `entries` (after `snapshot`) start with exactly the entries written."""
@@ -191,6 +234,12 @@ class ReplicaStore:
         self._written_identity: str | None = None
         self._log_bytes = 0
         self._log_handle: Any = None
+        # Where each entry's record is in the current log.bin: index -> (epoch, offset, length).
+        # Read by StoredPayload readers on any thread, replaced on the loop: under the lock, with
+        # the read descriptor (reopened after a rename).
+        self._locations: dict[int, tuple[int, int, int]] = {}
+        self._read_lock = threading.Lock()
+        self._read_fd = -1
 
     # ---- what is on disk --------------------------------------------------------------------
 
@@ -235,13 +284,16 @@ class ReplicaStore:
         self._compaction_path.unlink(missing_ok=True)
         snapshot, entries = INITIAL_SNAPSHOT, []
         if self._log_path.exists():
-            data = self._log_path.read_bytes()
-            snapshot, entries, valid = decode_log(data, self._log_path)
-            if valid != len(data):
+            with open(self._log_path, "rb") as handle:
+                size = os.fstat(handle.fileno()).st_size
+                snapshot, located, valid = _scan_log(handle, size, self._log_path)
+            if valid != size:
                 with open(self._log_path, "r+b") as handle:
                     handle.truncate(valid)
                     os.fsync(handle.fileno())
             self._log_bytes = valid
+            self._set_locations([(e.index, e.epoch, offset, length) for e, offset, length in located], replace=True)
+            entries = [self._stored(e) for e, _, _ in located]
         self._written_election = (election.current_epoch, election.voted_for)
         self._written_snapshot = (snapshot.last_index, snapshot.last_epoch)
         self._written_count = len(entries)
@@ -278,28 +330,98 @@ class ReplicaStore:
         elif not prefix_intact:
             self._rewrite(snapshot, entries)
         elif len(entries) > count:
-            self._append(entries[count:])
+            self._append(entries, count)
         if prepared is not None:  # the state moved on differently (e.g. a snapshot was installed)
             self.discard_prepared()
         self._written_snapshot = (snapshot.last_index, snapshot.last_epoch)
         self._written_last = (entries[-1].index, entries[-1].epoch) if entries else None
         self._written_count = len(entries)
 
-    def _append(self, new: list[LogEntry]) -> None:
+    def _append(self, entries: list[LogEntry], start: int) -> None:
+        """Append `entries[start:]`; in memory they then keep only a reference to their payload."""
         if self._log_handle is None:
             self._log_handle = open(self._log_path, "ab")
-        data = b"".join(_encode_entry(e) for e in new)
-        self._log_handle.write(data)
+        located, end = _write_records(self._log_handle, self._log_bytes, entries[start:])
         self._log_handle.flush()
         os.fsync(self._log_handle.fileno())
-        self._log_bytes += len(data)
+        self._log_bytes = end
+        self._set_locations(located)
+        self._store_payloads(entries, start)
 
     def _rewrite(self, snapshot: Snapshot, entries: list[LogEntry]) -> None:
-        """Header and entries in one atomic replacement: compaction and truncation are crash-safe."""
+        """Header and entries in one atomic replacement: compaction and truncation are crash-safe.
+
+        Written record by record (payloads read from the old file) to the temp file, then renamed."""
         self.close()
-        data = encode_log(snapshot, entries)
-        _atomic_write(self._log_path, data)
-        self._log_bytes = len(data)
+        temp = _temp_path(self._log_path)
+        header = _encode_snapshot(snapshot)
+        with open(temp, "wb") as handle:
+            handle.write(header)
+            located, end = _write_records(handle, len(header), entries)
+            handle.flush()
+            os.fsync(handle.fileno())
+        self._replace_log(temp, located)
+        self._log_bytes = end
+        self._store_payloads(entries, 0)
+
+    # ---- payloads on disk -----------------------------------------------------------------------
+
+    def _replace_log(self, written: Path, located: list[tuple[int, int, int, int]]) -> None:
+        """Rename `written` over log.bin and switch readers to it in one step: a reader on another
+        thread sees the old file with the old map or the new file with the new map, never a mix."""
+        with self._read_lock:
+            os.replace(written, self._log_path)
+            if self._read_fd >= 0:
+                os.close(self._read_fd)
+                self._read_fd = -1
+            self._locations = {index: (epoch, offset, length) for index, epoch, offset, length in located}
+        fsync_dir(self.directory)
+
+    def _set_locations(self, located: list[tuple[int, int, int, int]], replace: bool = False) -> None:
+        with self._read_lock:
+            if replace:
+                self._locations = {}
+            for index, epoch, offset, length in located:
+                self._locations[index] = (epoch, offset, length)
+
+    def _stored(self, entry: LogEntry) -> LogEntry:
+        """`entry` with its payload as a reference into log.bin (small payloads stay inline)."""
+        if isinstance(entry.payload, StoredPayload) or len(entry.payload) <= INLINE_PAYLOAD_BYTES:
+            return entry
+        reader = functools.partial(self.read_payload, entry.index, entry.epoch)
+        return dataclasses.replace(entry, payload=StoredPayload(len(entry.payload), reader))
+
+    def _store_payloads(self, entries: list[LogEntry], start: int) -> None:
+        """Swap the payloads of `entries[start:]` (just written) for references, in place: the
+        core's log list is the one that holds them for as long as they are in the log."""
+        for position in range(start, len(entries)):
+            entries[position] = self._stored(entries[position])
+
+    def read_payload(self, index: int, epoch: int) -> bytes:
+        """The payload of entry `index` of `epoch` from log.bin (any thread): the record's CRC,
+        index and epoch are checked. ReplicaStoreError when the log no longer holds that entry
+        (truncated or compacted away) or the record is damaged."""
+        with self._read_lock:
+            location = self._locations.get(index)
+            if location is None or location[0] != epoch:
+                raise PayloadGone(f"{self._log_path}: entry {index} of epoch {epoch} is no longer in the log")
+            _, offset, length = location
+            if self._read_fd < 0:
+                self._read_fd = os.open(self._log_path, os.O_RDONLY)
+            record = _pread_all(self._read_fd, length, offset)
+        if len(record) != length:
+            raise PayloadGone(f"{self._log_path}: entry {index}: short read at byte {offset}")
+        size, crc = _RECORD_HEAD.unpack_from(record)
+        body = memoryview(record)[_RECORD_HEAD.size:]
+        if size != len(body) or zlib.crc32(body) != crc:
+            raise PayloadGone(f"{self._log_path}: entry {index}: the record at byte {offset} fails its checksum")
+        try:
+            entry = _decode_body(msgpack.unpackb(body, raw=False), offset, self._log_path)
+        except (ValueError, msgpack.UnpackException) as error:
+            raise PayloadGone(f"{self._log_path}: entry {index}: not msgpack: {error}") from None
+        if not isinstance(entry, LogEntry) or (entry.index, entry.epoch) != (index, epoch):
+            raise PayloadGone(f"{self._log_path}: the record at byte {offset} is not entry {index} of epoch {epoch}")
+        return entry.payload_bytes()
 
     # ---- compaction, written mostly off the event loop -----------------------------------------
 
@@ -321,29 +443,46 @@ class ReplicaStore:
         if committed and committed[0].index != snapshot.last_index + 1:
             raise ReplicaStoreError(f"compaction: entry {committed[0].index} does not follow the snapshot "
                                     f"through {snapshot.last_index}")
-        data = encode_log(snapshot, committed)
+        header = _encode_snapshot(snapshot)
         with open(self._compaction_path, "wb") as handle:
-            handle.write(data)
+            handle.write(header)
+            located, end = _write_records(handle, len(header), committed)  # payloads read from log.bin
             handle.flush()
             os.fsync(handle.fileno())
         last = (committed[-1].index, committed[-1].epoch) if committed else None
-        return PreparedLog((snapshot.last_index, snapshot.last_epoch), len(committed), last, len(data))
+        return PreparedLog((snapshot.last_index, snapshot.last_epoch), len(committed), last, end, tuple(located))
 
     def discard_prepared(self) -> None:
         self._compaction_path.unlink(missing_ok=True)
 
     def _finish_compaction(self, prepared: PreparedLog, entries: list[LogEntry]) -> None:
         self.close()
-        rest = b"".join(_encode_entry(e) for e in entries[prepared.count:])
         with open(self._compaction_path, "ab") as handle:
-            handle.write(rest)
+            located, end = _write_records(handle, prepared.size, entries[prepared.count:])
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(self._compaction_path, self._log_path)
-        fsync_dir(self.directory)
-        self._log_bytes = prepared.size + len(rest)
+        self._replace_log(self._compaction_path, [*prepared.located, *located])
+        self._log_bytes = end
+        self._store_payloads(entries, 0)
 
     def close(self) -> None:
+        """Close the files (reads reopen what they need)."""
         if self._log_handle is not None:
             self._log_handle.close()
             self._log_handle = None
+        with self._read_lock:
+            if self._read_fd >= 0:
+                os.close(self._read_fd)
+                self._read_fd = -1
+
+
+def _pread_all(fd: int, length: int, offset: int) -> bytes:
+    parts = []
+    while length > 0:
+        part = os.pread(fd, length, offset)
+        if not part:
+            break
+        parts.append(part)
+        length -= len(part)
+        offset += len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)

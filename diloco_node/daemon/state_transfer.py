@@ -111,8 +111,9 @@ class StateKeeper:
         """Hand the current fragment p to the learner; `contributors` of the commit that made it
         (none for a downloaded or repaired fragment: the learner keeps its unsent work on top)."""
         if self.learner is not None:
-            self.learner.offer_fragment(p, self.replica.state.round(p), self.replica.state.fragment_params(p),
-                                        contributors)
+            # The state's own read-only arrays: the learner keeps them as its base without a copy.
+            self.learner.offer_fragment(p, self.replica.state.round(p),
+                                        self.replica.state.fragment_params(p, copies=False), contributors)
 
     # ------------------------------------------------------------------ replacing the state
 

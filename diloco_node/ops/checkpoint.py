@@ -197,6 +197,49 @@ def read_checkpoint_file(path: Path) -> Checkpoint:
     return _decode_body(path, body)
 
 
+def verify_checkpoint_file(path: Path, chunk_bytes: int = 8 * 1024 * 1024) -> dict[str, Any]:
+    """Check one checkpoint file's checksum without loading it, and return its metadata.
+
+    The same checks as `read_checkpoint_file` (header, length, sha256 of the body, the index),
+    reading `chunk_bytes` at a time: compaction's "does the checkpoint read back intact" costs a
+    chunk of memory, not the model. `CheckpointError` naming the file otherwise.
+    """
+    digest = hashlib.sha256()
+    try:
+        with path.open("rb") as handle:
+            header = handle.read(HEADER_BYTES)
+            if len(header) < HEADER_BYTES:
+                raise CheckpointError(f"{path}: truncated: {len(header)} bytes, shorter than the {HEADER_BYTES}-byte header")
+            magic, version, _flags, body_len, checksum = _HEADER.unpack(header)
+            if magic != MAGIC:
+                raise CheckpointError(f"{path}: not a diloco-node checkpoint (magic {magic!r})")
+            if version != FORMAT_VERSION:
+                raise CheckpointError(f"{path}: format version {version}, this build reads {FORMAT_VERSION}")
+            if os.fstat(handle.fileno()).st_size - HEADER_BYTES != body_len:
+                raise CheckpointError(f"{path}: truncated or padded: header says {body_len} body bytes")
+            head = handle.read(min(body_len, _INDEX_LEN.size + MAX_INDEX_BYTES))
+            digest.update(head)
+            while chunk := handle.read(chunk_bytes):
+                digest.update(chunk)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if digest.digest() != checksum:
+        raise CheckpointError(f"{path}: checksum mismatch (sha256 of the body differs from the header): corrupt")
+    if len(head) < _INDEX_LEN.size:
+        raise CheckpointError(f"{path}: body too short for its index")
+    (index_len,) = _INDEX_LEN.unpack_from(head, 0)
+    if index_len > MAX_INDEX_BYTES or _INDEX_LEN.size + index_len > len(head):
+        raise CheckpointError(f"{path}: index length {index_len} out of bounds")
+    try:
+        meta = msgpack.unpackb(head[_INDEX_LEN.size:_INDEX_LEN.size + index_len], raw=False,
+                               strict_map_key=True)["meta"]
+    except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+        raise CheckpointError(f"{path}: bad index: {exc}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: bad index: meta is not a map")
+    return meta
+
+
 def _decode_body(path: Path, body: bytearray) -> Checkpoint:
     # The checksum matched, so a failure below means a writer bug or a forged file: still refuse clearly.
     (index_len,) = _INDEX_LEN.unpack_from(body, 0)

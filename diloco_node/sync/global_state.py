@@ -2,8 +2,10 @@
 
 Every replica applies the same committed outer gradients in the same order with the same
 elementwise float32 arithmetic (`outer.nesterov_step`), so replicas stay bit-identical; the sha256
-digests prove it. A bounded `FragmentHistory` of past versions lets the syncer rebase
-contributions made against an older round. `fragment_state`/`install` hand fragments out and take
+digests prove it. A bounded history of past versions per fragment lets the syncer rebase
+contributions made against an older round: `FragmentHistory` keeps it in memory (the default,
+what the in-process runner and the tests use); the daemon injects a ring on disk
+(`daemon/history_ring.py`) through `use_history`, so the history costs no memory per version. `fragment_state`/`install` hand fragments out and take
 them in as `state_codec.FragmentState` values: the one form behind checkpoints, state downloads and
 the digest's tensor names.
 
@@ -15,8 +17,8 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -28,7 +30,8 @@ from diloco_node.sync.state_codec import FragmentState, current_arrays
 # How many versions of each fragment (current included) are kept for rebasing. A contribution is
 # made against the version its learner last applied; with one fragment round per period H and
 # overlap tau << H, honest learners are at most a round or two behind. 8 covers learners that
-# missed a few merges while costing 8 copies of the model in memory on the syncer.
+# missed a few merges; kept in memory that is 7 copies of the model beside the current one, which
+# is why the daemon keeps them on disk (daemon/history_ring.py).
 DEFAULT_HISTORY_LEN = 8
 # Rounds are hashed as signed 64-bit integers (see the digest layout in docs/MERGE.md); a larger one
 # from a serialized state would get into the state and make every later digest fail.
@@ -40,10 +43,40 @@ class GlobalStateError(ValueError):
     """An outer gradient, installed state or request does not fit the global state; nothing was changed."""
 
 
-class FragmentHistory:
-    """A bounded ring of one fragment's past parameter versions, by round (newest = current).
+class VersionHistory(Protocol):
+    """What the global state and the merge need from one fragment's history of versions.
 
-    Stored arrays are read-only, so `version` can hand them out without copying.
+    `record` is handed the fragment's new current arrays, which the global state never changes
+    in place (every step makes new arrays), so a history may keep them by reference.
+    """
+
+    fragment: int
+    capacity: int
+
+    def record(self, round_: int, params: Mapping[str, np.ndarray]) -> None: ...
+
+    def version(self, round_: int) -> Mapping[str, np.ndarray] | None: ...
+
+    @property
+    def newest_round(self) -> int: ...
+
+    @property
+    def oldest_round(self) -> int: ...
+
+    def rounds(self) -> tuple[int, ...]: ...
+
+    def __len__(self) -> int: ...
+
+
+# (fragment, capacity) -> an empty history for it.
+HistoryFactory = Callable[[int, int], VersionHistory]
+
+
+class FragmentHistory:
+    """A bounded ring of one fragment's past parameter versions in memory, by round (newest = current).
+
+    Stored arrays are read-only, so `version` can hand them out without copying; the current
+    version is the global state's own arrays (frozen, not copied), so only older versions cost memory.
     """
 
     def __init__(self, fragment: int, capacity: int = DEFAULT_HISTORY_LEN) -> None:
@@ -57,11 +90,7 @@ class FragmentHistory:
         """Add the version of `round_` (must be newer than every kept one); evicts the oldest."""
         if self._versions and round_ <= self.newest_round:
             raise ValueError(f"fragment {self.fragment}: round {round_} is not newer than {self.newest_round}")
-        frozen = {}
-        for name, arr in params.items():
-            copy = np.array(arr, dtype=_DTYPE, copy=True)
-            copy.setflags(write=False)
-            frozen[name] = copy
+        frozen = {name: _frozen(arr) for name, arr in params.items()}
         self._versions[round_] = frozen
         while len(self._versions) > self.capacity:
             self._versions.popitem(last=False)
@@ -98,23 +127,42 @@ class GlobalState:
         initial_params: Mapping[str, np.ndarray],
         outer: OuterOptimizer,
         history_len: int = DEFAULT_HISTORY_LEN,
+        history_factory: HistoryFactory | None = None,
     ) -> None:
         self.plan = plan
         self.outer = outer
         self.history_len = history_len
+        self._history_factory: HistoryFactory = history_factory or FragmentHistory
         params = _validated_tensors(plan, initial_params, "initial parameters")
         self._params: list[dict[str, np.ndarray]] = []
         self._momentum: list[dict[str, np.ndarray]] = []
         self._rounds: list[int] = []
-        self._histories: list[FragmentHistory] = []
+        self._histories: list[VersionHistory] = []
         for fragment in plan.fragments:
-            p_params = {n: params[n] for n in fragment.names}
+            p_params = {n: _freeze_own(params[n]) for n in fragment.names}
             self._params.append(p_params)
-            self._momentum.append({n: np.zeros_like(a) for n, a in p_params.items()})
+            self._momentum.append({n: _freeze_own(np.zeros_like(a)) for n, a in p_params.items()})
             self._rounds.append(0)
-            history = FragmentHistory(fragment.index, history_len)
+            history = self._history_factory(fragment.index, history_len)
             history.record(0, p_params)
             self._histories.append(history)
+
+    def use_history(self, factory: HistoryFactory) -> None:
+        """Keep every fragment's history in histories made by `factory` from now on (e.g. on disk).
+
+        The versions kept so far move over, oldest first, so nothing a stale contribution may
+        need is lost.
+        """
+        rings = []
+        for p, old in enumerate(self._histories):
+            ring = factory(p, self.history_len)
+            for r in old.rounds():
+                version = old.version(r)
+                assert version is not None
+                ring.record(r, version)
+            rings.append(ring)
+        self._history_factory = factory
+        self._histories = rings
 
     # --- reading -----------------------------------------------------------------------------
 
@@ -129,9 +177,12 @@ class GlobalState:
         if not 0 <= p < self.plan.num_fragments:
             raise GlobalStateError(f"fragment {p} out of range 0..{self.plan.num_fragments - 1}")
 
-    def fragment_params(self, p: int) -> dict[str, np.ndarray]:
-        """Copies of fragment p's current parameters."""
+    def fragment_params(self, p: int, *, copies: bool = True) -> dict[str, np.ndarray]:
+        """Fragment p's current parameters: copies, or (`copies=False`) the state's own read-only
+        arrays, which a step replaces and never changes (what the learner keeps as its base)."""
         self._check_index(p)
+        if not copies:
+            return dict(self._params[p])
         return {n: a.copy() for n, a in self._params[p].items()}
 
     def momentum(self, p: int) -> dict[str, np.ndarray]:
@@ -150,7 +201,7 @@ class GlobalState:
     def rounds(self) -> tuple[int, ...]:
         return tuple(self._rounds)
 
-    def history(self, p: int) -> FragmentHistory:
+    def history(self, p: int) -> VersionHistory:
         self._check_index(p)
         return self._histories[p]
 
@@ -166,21 +217,39 @@ class GlobalState:
         non-finite values, and a step whose result would not be finite.
         """
         self._check_index(p)
-        grads = _validated_fragment_tensors(self._shapes(p), outer_gradient, f"outer gradient for fragment {p}")
-        new_params: dict[str, np.ndarray] = {}
-        new_momentum: dict[str, np.ndarray] = {}
-        for name in sorted(grads):
-            theta, buf = nesterov_step(self._params[p][name], self._momentum[p][name], grads[name],
-                                       self.outer.lr, self.outer.momentum)
-            if not (np.all(np.isfinite(theta)) and np.all(np.isfinite(buf))):
-                raise GlobalStateError(f"outer step on fragment {p} would make {name} non-finite; not applied")
-            new_params[name] = theta
-            new_momentum[name] = buf
+        new_params, new_momentum = self._stepped(p, self._params[p], self._momentum[p], outer_gradient)
         self._params[p] = new_params
         self._momentum[p] = new_momentum
         self._rounds[p] += 1
         self._histories[p].record(self._rounds[p], new_params)
         return self.fragment_digest(p)
+
+    def digest_after(self, p: int, outer_gradient: Mapping[str, np.ndarray]) -> str:
+        """The digest fragment p would have after `apply_outer_gradient` (state untouched).
+
+        Costs one stepped copy of fragment p, not of the model. Raises like the step itself.
+        """
+        self._check_index(p)
+        # One read of each: an apply on another thread replaces these, never changes them.
+        params, momentum, round_ = self._params[p], self._momentum[p], self._rounds[p]
+        new_params, new_momentum = self._stepped(p, params, momentum, outer_gradient)
+        return _fragment_digest(p, round_ + 1, new_params, new_momentum)
+
+    def _stepped(self, p: int, params: Mapping[str, np.ndarray], momentum: Mapping[str, np.ndarray],
+                 outer_gradient: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """New (params, momentum) of fragment p after one Nesterov step; GlobalStateError if invalid."""
+        # Only read by the step: checked, not copied (a copy of the fragment less at every apply).
+        grads = _validated_fragment_tensors(self._shapes(p), outer_gradient, f"outer gradient for fragment {p}",
+                                            copy=False)
+        new_params: dict[str, np.ndarray] = {}
+        new_momentum: dict[str, np.ndarray] = {}
+        for name in sorted(grads):
+            theta, buf = nesterov_step(params[name], momentum[name], grads[name], self.outer.lr, self.outer.momentum)
+            if not (np.all(np.isfinite(theta)) and np.all(np.isfinite(buf))):
+                raise GlobalStateError(f"outer step on fragment {p} would make {name} non-finite; not applied")
+            new_params[name] = _freeze_own(theta)
+            new_momentum[name] = _freeze_own(buf)
+        return new_params, new_momentum
 
     # --- digests -----------------------------------------------------------------------------
 
@@ -204,11 +273,13 @@ class GlobalState:
 
     # --- serialization (names and forms: state_codec.py) -----------------------------------
 
-    def fragment_state(self, p: int, include_history: bool = False) -> FragmentState:
-        """Fragment p as a `FragmentState` of copies (without the norm reference: the replica's).
+    def fragment_state(self, p: int, include_history: bool = False, *, copies: bool = True) -> FragmentState:
+        """Fragment p as a `FragmentState` (without the norm reference: the replica's).
 
         History (older versions for rebasing) is optional: a syncer's state wants it, a joiner does
-        not need it (contributions against evicted rounds are rejected by reason).
+        not need it (contributions against evicted rounds are rejected by reason). `copies=False`
+        hands out the state's own read-only arrays (a step makes new ones, so they stay as of
+        now): what a checkpoint or a serialization wants, without a copy of the model.
         """
         self._check_index(p)
         history: dict[int, dict[str, np.ndarray]] = {}
@@ -216,6 +287,8 @@ class GlobalState:
             ring = self._histories[p]
             history = {r: {n: a.copy() for n, a in ring.version(r).items()}  # type: ignore[union-attr]
                        for r in ring.rounds() if r != self._rounds[p]}
+        if not copies:
+            return FragmentState(p, self._rounds[p], dict(self._params[p]), dict(self._momentum[p]), history)
         return FragmentState(p, self._rounds[p], self.fragment_params(p), self.momentum(p), history)
 
     def fragment_states(self, include_history: bool = False) -> list[FragmentState]:
@@ -250,6 +323,7 @@ class GlobalState:
     def _copy_with(self, parsed: list[tuple]) -> GlobalState:
         clone = GlobalState.__new__(GlobalState)
         clone.plan, clone.outer, clone.history_len = self.plan, self.outer, self.history_len
+        clone._history_factory = self._history_factory
         clone._params = list(self._params)
         clone._momentum = list(self._momentum)
         clone._rounds = list(self._rounds)
@@ -283,14 +357,33 @@ class GlobalState:
         return p, round_, params, momentum, history
 
     def _install(self, p: int, round_: int, params: dict, momentum: dict, history: dict) -> None:
+        params = {n: _freeze_own(a) for n, a in params.items()}
+        momentum = {n: _freeze_own(a) for n, a in momentum.items()}
         self._params[p] = params
         self._momentum[p] = momentum
         self._rounds[p] = round_
-        ring = FragmentHistory(p, self.history_len)
+        ring = self._history_factory(p, self.history_len)
         for r in sorted(history):  # the ring keeps the newest history_len versions
             ring.record(r, history[r])
         ring.record(round_, params)
         self._histories[p] = ring
+
+
+def _frozen(arr: Any) -> np.ndarray:
+    """A read-only float32 array with `arr`'s values: `arr` itself when it already is one, else a
+    frozen copy (a caller's writable array is never frozen under its feet)."""
+    if isinstance(arr, np.ndarray) and arr.dtype == _DTYPE and not arr.flags.writeable:
+        return arr
+    copy = np.array(arr, dtype=_DTYPE, copy=True)
+    copy.setflags(write=False)
+    return copy
+
+
+def _freeze_own(arr: np.ndarray) -> np.ndarray:
+    """Freeze an array this module just made (nobody else holds it): no copy. The current
+    versions are shared with the history, so nobody may change them in place."""
+    arr.setflags(write=False)
+    return arr
 
 
 def _validated_tensors(plan: FragmentPlan, tensors: Any, what: str) -> dict[str, np.ndarray]:
@@ -302,12 +395,14 @@ def _validated_tensors(plan: FragmentPlan, tensors: Any, what: str) -> dict[str,
     return {n: _validated_array(tensors[n], n, None, what) for n in sorted(expected)}
 
 
-def _validated_fragment_tensors(shapes: Mapping[str, tuple[int, ...]], tensors: Any, what: str) -> dict[str, np.ndarray]:
-    """Own float32 copies of exactly the fragment's tensors with the given shapes, finite."""
+def _validated_fragment_tensors(shapes: Mapping[str, tuple[int, ...]], tensors: Any, what: str,
+                                copy: bool = True) -> dict[str, np.ndarray]:
+    """Exactly the fragment's tensors with the given shapes, finite, as float32: own copies, or
+    (`copy=False`, for input that is only read) possibly the caller's arrays."""
     if not isinstance(tensors, Mapping):
         raise GlobalStateError(f"{what}: expected a mapping of name -> array")
     _check_names(set(tensors), set(shapes), what)
-    return {n: _validated_array(tensors[n], n, shapes[n], what) for n in sorted(shapes)}
+    return {n: _validated_array(tensors[n], n, shapes[n], what, copy) for n in sorted(shapes)}
 
 
 def _check_names(got: set, expected: set, what: str) -> None:
@@ -317,11 +412,11 @@ def _check_names(got: set, expected: set, what: str) -> None:
         raise GlobalStateError(f"{what}: tensor names differ (missing {missing}, unexpected {extra})")
 
 
-def _validated_array(value: Any, name: str, shape: tuple | None, what: str) -> np.ndarray:
+def _validated_array(value: Any, name: str, shape: tuple | None, what: str, copy: bool = True) -> np.ndarray:
     arr, why = finite_float32(value, name, shape)
     if arr is None:
         raise GlobalStateError(f"{what}: {why}")
-    return np.array(arr, dtype=_DTYPE, copy=True)
+    return np.array(arr, dtype=_DTYPE, copy=True) if copy else np.asarray(arr, dtype=_DTYPE)
 
 
 def _fragment_digest(p: int, round_: int, params: Mapping[str, np.ndarray], momentum: Mapping[str, np.ndarray]) -> str:
@@ -334,7 +429,6 @@ def _fragment_digest(p: int, round_: int, params: Mapping[str, np.ndarray], mome
             h.update(field_bytes)
         h.update(struct.pack("<q", data.ndim))
         h.update(struct.pack(f"<{data.ndim}q", *data.shape))
-        raw = data.tobytes()
-        h.update(struct.pack("<q", len(raw)))
-        h.update(raw)
+        h.update(struct.pack("<q", data.nbytes))
+        h.update(data.reshape(-1).view(np.uint8))  # the raw bytes, hashed in place (no copy)
     return h.hexdigest()

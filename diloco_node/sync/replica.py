@@ -26,7 +26,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from bootstrap.entries import EntryKind, LogEntry
+from bootstrap.entries import EntryKind, LogEntry, PayloadUnavailable
 from diloco_node.config.manifest import OuterOptimizer, StopSpec
 from diloco_node.sync.evictions import EvictionError, Evictions
 from diloco_node.sync.fragments import FragmentPlan
@@ -111,7 +111,6 @@ class Replica:
         self.stop = stop or StopSpec()
         self.founded_at = founded_at
         self.state = GlobalState(plan, initial, outer)
-        self._scratch = GlobalState(plan, initial, outer)  # for digests of not-yet-committed steps
         self.applied_index = 0
         self.diverged: set[int] = set()
         self.last_reason = "initial state"
@@ -131,8 +130,7 @@ class Replica:
 
     def digest_after(self, p: int, outer_gradient: Mapping[str, np.ndarray]) -> str:
         """The digest fragment p will have once this gradient is applied (state untouched)."""
-        self._scratch.install_fragment(self.state.fragment_state(p))
-        return self._scratch.apply_outer_gradient(p, outer_gradient)
+        return self.state.digest_after(p, outer_gradient)
 
     # ---- applying committed entries ---------------------------------------------------------
 
@@ -156,7 +154,7 @@ class Replica:
     def _apply(self, entry: LogEntry) -> ApplyOutcome:
         if entry.kind is EntryKind.EVICTION:
             try:
-                record = self.evictions.apply_entry(entry.payload, entry.index)
+                record = self.evictions.apply_entry(entry.payload_bytes(), entry.index)
             except EvictionError as error:  # the lease holder checked it: only a bug gets here
                 return ApplyOutcome(False, None, f"{error}; ignored")
             return ApplyOutcome(True, None, record.refusal())
@@ -177,11 +175,13 @@ class Replica:
             self.diverged.add(p)
             return ApplyOutcome(False, p, f"fragment {p}: commit of round {round_} but state is at {current}", True)
         try:
-            payload = CommitPayload.decode(entry.payload)
+            payload = CommitPayload.decode(entry.payload_bytes())
             # bounded by the fragment's own size (not a fixed cap: a 7B model's fragments pass 2^28 values)
             gradient = decode_named(payload.delta, max_elements=self.plan.fragments[p].num_elements)
             digest = self.state.apply_outer_gradient(p, gradient)
-        except (RemoteProtocolError, GlobalStateError, ValueError) as error:
+        except (RemoteProtocolError, GlobalStateError, ValueError, PayloadUnavailable) as error:
+            # PayloadUnavailable: the entry's bytes are no longer on this node's disk; the
+            # fragment is fetched from a peer like after any other entry that cannot be applied.
             self.diverged.add(p)
             return ApplyOutcome(False, p, f"fragment {p} round {round_} could not be applied: {error}", True)
         if entry.digest and digest != entry.digest:
@@ -198,10 +198,11 @@ class Replica:
 
     # ---- the replicated state out and in (names and forms: state_codec.py) -----------------
 
-    def fragment_state(self, p: int) -> FragmentState:
-        """Fragment p's replicated state: the global state's part plus the norm reference and totals."""
+    def fragment_state(self, p: int, *, copies: bool = True) -> FragmentState:
+        """Fragment p's replicated state: the global state's part plus the norm reference and totals
+        (`copies=False`: the state's own read-only arrays, see `GlobalState.fragment_state`)."""
         tokens, steps = self.merged[p]
-        return dataclasses.replace(self.state.fragment_state(p), norm_ref=self.norm_refs.get(p),
+        return dataclasses.replace(self.state.fragment_state(p, copies=copies), norm_ref=self.norm_refs.get(p),
                                    merged_tokens=tokens, merged_steps=steps, commit_wall=self.commit_wall[p],
                                    evicted=tuple(self.evictions.records()))
 
@@ -223,7 +224,7 @@ class Replica:
         cached = self._bytes_cache.get(p)
         if cached is not None and cached[:2] == (round_, evicted):
             return round_, cached[2], cached[3]
-        data = encode_fragment(self.fragment_state(p))
+        data = encode_fragment(self.fragment_state(p, copies=False))
         digest = hashlib.sha256(data).digest()
         self._bytes_cache[p] = (round_, evicted, data, digest)
         return round_, data, digest
@@ -253,8 +254,10 @@ class Replica:
 
     def checkpoint_entries(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """(metadata, arrays) of the replicated state for a checkpoint (the caller adds its own)."""
-        return to_checkpoint([self.fragment_state(p) for p in range(self.plan.num_fragments)], self.state.digest(),
-                             self.evictions)
+        # The state's own arrays, not copies: they are never changed in place, so a checkpoint
+        # written on the disk thread while commits are applied still holds this one state.
+        return to_checkpoint([self.fragment_state(p, copies=False) for p in range(self.plan.num_fragments)],
+                             self.state.digest(), self.evictions)
 
     def restore_checkpoint(self, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> str:
         """Replace the replicated state from a checkpoint's metadata and arrays, verified against
