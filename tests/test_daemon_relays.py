@@ -217,3 +217,24 @@ def test_a_catching_up_follower_fetches_committed_payloads_at_once_one_at_a_time
         await tasks.close()
 
     asyncio.run(scenario())
+
+
+def test_an_entry_whose_payload_is_in_the_log_file_is_read_once_and_relayed():
+    from bootstrap.entries import StoredPayload
+
+    async def scenario() -> None:
+        net, tasks = cluster(["a", "b"])
+        reads = []
+        stored = StoredPayload(len(PAYLOAD), lambda: reads.append(1) or PAYLOAD)
+        entry = LogEntry(3, 6, EntryKind.OUTER_COMMIT, stored, fragment=0, round=1)
+        message = coord.AppendEntries(3, "a", 5, 3, (entry,), 4, sent_at=0.0)
+        tree = plan_relay_tree("a", ["b"], 1)
+        out = net.nodes["a"].relayed_append(message, tree, leader_commit=4)
+        net.nodes["a"].relayed_append(message, tree, leader_commit=4)  # to another follower: no new read
+        await settle_network()
+        assert out.entries[0].payload_sha256 == hashlib.sha256(PAYLOAD).digest()
+        assert len(reads) == 1
+        assert (await net.nodes["b"].complete(out)).entries[0].payload == PAYLOAD
+        await tasks.close()
+
+    asyncio.run(scenario())

@@ -24,7 +24,7 @@ from typing import Any
 
 from bootstrap import messages as coord
 from bootstrap.coordinator_node import CoordinatorNode, PersistentState
-from bootstrap.entries import EntryKind, LogEntry, Snapshot
+from bootstrap.entries import EntryKind, LogEntry, PayloadUnavailable, Snapshot
 from diloco_node.clock import Clock
 from diloco_node.config.manifest import RunManifest
 from diloco_node.daemon import peers
@@ -94,7 +94,12 @@ class CoordinationIO:
 
     def _log_payload(self, index: int, epoch: int) -> bytes | None:
         entry = self.core.log.entry_at(index)
-        return entry_bytes(entry) if entry is not None and entry.epoch == epoch else None
+        if entry is None or entry.epoch != epoch:
+            return None
+        try:
+            return entry_bytes(entry)
+        except PayloadUnavailable:  # compacted or damaged since: a fetcher asks another source
+            return None
 
     # ------------------------------------------------------------------ core steps
 
@@ -173,7 +178,7 @@ class CoordinationIO:
             return
         out: wire.Message | None
         if (self.relays.fanout > 0 and isinstance(message, coord.AppendEntries)
-                and any(entry.payload for entry in message.entries)):
+                and any(entry.payload_size for entry in message.entries)):
             # Metadata to every follower as before; the bytes once per entry down the relay tree.
             out = self.relays.relayed_append(message, holder_tree(self.core, self.relays.fanout),
                                              leader_commit=message.leader_commit)

@@ -66,9 +66,8 @@ MAX_KNOWN_POSITIONS = 4096
 
 
 def entry_bytes(entry: LogEntry) -> bytes:
-    """An entry's payload bytes, wherever the log keeps them (in memory, or on disk behind `payload_bytes`)."""
-    read = getattr(entry, "payload_bytes", None)
-    return read() if callable(read) else entry.payload
+    """An entry's payload bytes, wherever the log keeps them (in memory, or read from the log file)."""
+    return entry.payload_bytes()
 
 
 class HeldPayloads:
@@ -191,12 +190,13 @@ class RelayIO:
 
     # ------------------------------------------------------------------ as lease holder
 
-    def digest_of(self, entry: LogEntry) -> tuple[bytes, int]:
-        """SHA-256 and size of an entry's payload, computed once per (index, epoch) (an entry never changes)."""
+    def digest_of(self, entry: LogEntry, payload: bytes | None = None) -> tuple[bytes, int]:
+        """SHA-256 and size of an entry's payload (`payload`: its bytes, when already read), computed
+        once per (index, epoch): an entry never changes."""
         key = (entry.index, entry.epoch)
         known = self._digests.get(key)
         if known is None:
-            payload = entry_bytes(entry)
+            payload = entry_bytes(entry) if payload is None else payload
             known = self._digests[key] = (payload_digest(payload), len(payload))
             while len(self._digests) > MAX_KNOWN_POSITIONS:
                 self._digests.popitem(last=False)
@@ -207,13 +207,15 @@ class RelayIO:
         fresh = []
         described = []
         for entry in message.entries:
-            digest, size = self.digest_of(entry)
-            if size == 0:
+            if entry.payload_size == 0:
                 described.append(peers.entry_to_wire(entry))
                 continue
+            # A payload stored in the log file is read once: for its digest and, if new, its push.
+            payload = None if (entry.index, entry.epoch) in self._digests else entry_bytes(entry)
+            digest, size = self.digest_of(entry, payload)
             described.append(peers.relayed_entry_to_wire(entry, digest, size))
             if digest not in self.relay.pushed:
-                fresh.append(replace(entry, payload=entry_bytes(entry)))
+                fresh.append(replace(entry, payload=entry_bytes(entry) if payload is None else payload))
         for entry in fresh:
             # One entry at a time (the relay plane pushes what it was not given before), so the
             # plane hashes each payload once, not every time an append is sent to some follower.
