@@ -12,7 +12,8 @@ Measured per run, over a window of --duration seconds after every site is ready:
 - commits: fragment commits (outer_commit entries) the lease holder committed in the window;
 - coordinator_egress_per_commit_over_delta: bytes the holder sent (its /status byte counter)
   per commit, divided by the encoded delta (the log's growth per commit on the holder);
-  today the holder sends each commit to every other site, so expect about sites - 1;
+  without relays the holder sends each commit to every other site, so expect about sites - 1;
+  with `--fanout F` (the sites' `[node] relay_fanout`) about min(F, sites - 1);
 - commit_to_applied_s {p50, p99}: from the holder's `commit` event to each other site's
   `apply` event of the same entry (history.jsonl, wall clock of the one machine);
 - peak_rss_mb {node: MB}: VmHWM of each daemon process (/proc/<pid>/status) at the end,
@@ -20,14 +21,15 @@ Measured per run, over a window of --duration seconds after every site is ready:
 - rss_bytes_per_param {node: bytes}: the same per model parameter;
 - state_mb: global parameters + momentum (8 bytes a parameter);
 - link_utilization: bytes the holder sent / (link rate x window x (sites - 1)), since its
-  commits leave through sites - 1 emulated links, and each site's own bytes in and out / (link
+  commits leave through sites - 1 emulated links (min(fanout, sites - 1) with relays), and each site's own bytes in and out / (link
   rate x window).
 
     python benchmarks/dataplane.py --json out.json [--preset baseline | --quick]
     python benchmarks/dataplane.py --json out.json --params 100m --sites 4 --duration 60
 
 Figures depend on the machine and its load; the JSON records the load average. Peak RSS does
-not depend on load. Relays are not built yet: `--fanout` is refused.
+not depend on load. `--fanout F` turns relayed commits on (docs/OPERATIONS.md "Relayed commits")
+for the runs given by flags, or for every run of a preset.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -84,6 +86,7 @@ class RunSpec:
     duration_s: float = 60.0
     link_mbit: float = 1000.0
     latency_ms: float = 10.0
+    fanout: int = 0  # [node] relay_fanout of every site (0: no relays, the holder sends to all)
 
 
 PRESETS: dict[str, list[RunSpec]] = {
@@ -140,7 +143,7 @@ def settings_for(spec: RunSpec) -> tuple[str, ...]:
             "checkpoint_interval_s=36000", "eval_interval_commits=0",
             # a loaded machine stalls event loops for seconds while big frames are hashed:
             # leases long enough that the holder does not change during a run
-            "heartbeat_interval_s=3.0", "lease_timeout_s=30.0")
+            "heartbeat_interval_s=3.0", "lease_timeout_s=30.0", f"relay_fanout={spec.fanout}")
 
 
 def guarded(check):
@@ -193,8 +196,8 @@ def run_one(spec: RunSpec, root: Path, startup_s: float) -> dict:
     # Witnesses first: the founder then commits nothing while the others download the state (on
     # a loaded machine a founder that trains and serves downloads at once stalls them for minutes).
     roles = {n: ("witness" if i < spec.witnesses else "learner") for i, n in enumerate(names)}
-    out: dict = {"params": n_params, "model": spec.params, "sites": spec.sites, "fanout": spec.sites - 1,
-                 "relays": False, "spec": asdict(spec), "roles": roles, "settings": list(settings)}
+    out: dict = {"params": n_params, "model": spec.params, "sites": spec.sites,
+                 "fanout": spec.fanout if spec.fanout else spec.sites - 1, "relays": spec.fanout > 0, "spec": asdict(spec), "roles": roles, "settings": list(settings)}
     print(f"run {spec}", flush=True)
     started = time.monotonic()
     with Cluster.create(root) as cluster:
@@ -261,7 +264,8 @@ def run_one(spec: RunSpec, root: Path, startup_s: float) -> dict:
         out["state_mb"] = round(8 * n_params / MB, 1)
         rate_Bps = spec.link_mbit * 1e6 / 8
         out["link_utilization"] = {
-            "holder_egress": sent / (rate_Bps * window * max(1, spec.sites - 1)),
+            # commits leave the holder through this many links: every follower's, or the tree's first level
+            "holder_egress": sent / (rate_Bps * window * max(1, min(out["fanout"], spec.sites - 1))),
             "per_node": {n: {"in": (after[n]["bytes"]["received"] - before[n]["bytes"]["received"]) / (rate_Bps * window),
                              "out": (after[n]["bytes"]["sent"] - before[n]["bytes"]["sent"]) / (rate_Bps * window)}
                          for n in names if n in after and n in before}}
@@ -295,22 +299,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--link-mbit", type=float, default=1000.0, help="emulated link rate into each site")
     parser.add_argument("--latency-ms", type=float, default=10.0)
     parser.add_argument("--steps-per-s", type=float, default=2.0, help="synthetic learner step rate")
-    parser.add_argument("--fanout", type=int, help="relay fan-out (not available: relays are not built yet)")
+    parser.add_argument("--fanout", type=int, default=0,
+                        help="relay fan-out: every site's [node] relay_fanout (0: no relays)")
     parser.add_argument("--startup-s", type=float, default=600.0, help="give up on a run not ready by then")
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories (logs, histories)")
     args = parser.parse_args(argv)
-    if args.fanout is not None:
-        parser.error("--fanout: relays are not built yet; today the lease holder sends every commit to "
-                     "every site (fanout = sites - 1)")
+    if not 0 <= args.fanout <= 16:
+        parser.error(f"--fanout {args.fanout}: must be in [0, 16] (0: no relays)")
     if args.quick:
-        runs = PRESETS["quick"]
+        runs = [replace(spec, fanout=args.fanout) for spec in PRESETS["quick"]]
     elif args.preset:
-        runs = PRESETS[args.preset]
+        runs = [replace(spec, fanout=args.fanout) for spec in PRESETS[args.preset]]
     else:
         if args.sites < 2 or not 0 <= args.witnesses < args.sites:
             parser.error(f"--sites {args.sites} --witnesses {args.witnesses}: need >= 2 sites and >= 1 learner")
         runs = [RunSpec(args.params, args.sites, args.witnesses, args.fragments, args.period, args.steps_per_s,
-                        args.duration, args.link_mbit, args.latency_ms)]
+                        args.duration, args.link_mbit, args.latency_ms, args.fanout)]
     # SIGTERM unwinds like Ctrl-C, so every daemon and link this run started is stopped.
     signal.signal(signal.SIGTERM, _interrupt)
     root = Path(tempfile.mkdtemp(prefix="diloco-dataplane-"))

@@ -1,4 +1,4 @@
-"""benchmarks/dataplane.py: the flags it refuses, and (slow) a `--quick` run's JSON schema."""
+"""benchmarks/dataplane.py: the flags it refuses, `--fanout` reaching the sites, and (slow) a `--quick` run's JSON schema."""
 
 from __future__ import annotations
 
@@ -12,11 +12,21 @@ import pytest
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "dataplane.py"
 
 
-def test_fanout_is_refused_until_relays_exist(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, str(SCRIPT), "--json", str(tmp_path / "x.json"), "--fanout", "2"],
+def test_a_fanout_outside_0_to_16_is_refused(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(SCRIPT), "--json", str(tmp_path / "x.json"), "--fanout", "17"],
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "relays are not built yet" in done.stderr
+    assert done.returncode == 2 and "--fanout 17: must be in [0, 16]" in done.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_fanout_becomes_every_sites_relay_fanout() -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import dataplane
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    assert "relay_fanout=2" in dataplane.settings_for(dataplane.RunSpec("1m", 4, fanout=2))
+    assert "relay_fanout=0" in dataplane.settings_for(dataplane.RunSpec("1m", 4))
 
 
 @pytest.mark.slow

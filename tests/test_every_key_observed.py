@@ -66,6 +66,8 @@ OBSERVED: dict[str, tuple[str, ...]] = {
                 "tests/integration/test_synthetic_cluster.py::test_two_synthetic_learners_commit_rounds_with_equal_digests"),
     "synthetic_steps_per_s": ("tests/test_synthetic_learner.py::test_the_thread_steps_at_its_rate_and_stops",
                               "tests/integration/test_synthetic_cluster.py::test_two_synthetic_learners_commit_rounds_with_equal_digests"),
+    "relay_fanout": ("tests/test_daemon_relays.py::test_relay_fanout_is_validated_and_defaults_off",
+                     "tests/integration/test_relayed_commits.py::test_relayed_commits_leave_the_holder_fanout_times_and_agree"),
     # ---------------------------------------------------------------- [node.data]
     "data.source": ("tests/test_data.py::test_text_files_and_globs",
                     "tests/test_data.py::test_stdlib_corpus_loads_with_disjoint_eval_files"),

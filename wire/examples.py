@@ -52,6 +52,8 @@ from wire.messages import (
     Leave,
     LogAck,
     LogAppend,
+    PayloadFetch,
+    PayloadPush,
     LogEntry,
     LogReadReply,
     LogReadRequest,
@@ -166,6 +168,25 @@ class ExampleMessages:
                               metadata=self.metadata(), payload=self.blob())
                      for i in range(count))
 
+    def relayed_entries(self, first_index: int, max_epoch: int) -> tuple[LogEntry, ...]:
+        """As `entries`, some of them relayed (bytes named by SHA-256 and size, wire 2.2)."""
+        return tuple(LogEntry(index=e.index, epoch=e.epoch, kind=e.kind, metadata=e.metadata, payload=b"",
+                              payload_sha256=self.digest(), payload_size=self.rng.randint(1, U63_MAX))
+                     if self.flag() else e
+                     for e in self.entries(first_index, max_epoch))
+
+    def relay_tree(self) -> tuple[str, dict[str, str]]:
+        """A root and a parent map: each member hangs under the root or an earlier member."""
+        root = self.node_id()
+        placed, parent = [root], {}
+        for _ in range(self.rng.randrange(MAX_EXAMPLE_MEMBERS + 1)):
+            member = self.node_id()
+            if member in placed:
+                continue
+            parent[member] = self.rng.choice(placed)
+            placed.append(member)
+        return root, parent
+
     def member(self) -> Member:
         return Member(self.node_id(), self.url(), self.role(), self.flag())
 
@@ -179,7 +200,7 @@ class ExampleMessages:
     def log_append(self) -> LogAppend:
         epoch, prev_index = self.rng.randrange(_INDEX_SPAN), self.rng.randrange(_INDEX_SPAN)
         return LogAppend(epoch=epoch, leader=self.node_id(), prev_index=prev_index, prev_epoch=self.uint(),
-                         entries=self.entries(prev_index + 1, epoch), leader_commit=self.uint())
+                         entries=self.relayed_entries(prev_index + 1, epoch), leader_commit=self.uint())
 
     def log_ack(self) -> LogAck:
         return LogAck(epoch=self.uint(), follower=self.node_id(), index=self.uint(), success=self.flag())
@@ -247,6 +268,13 @@ class ExampleMessages:
                                  tensor=self.rng.randrange(MAX_STREAM_TENSORS), offset=self.uint(),
                                  payload=self.blob())
 
+    def payload_push(self) -> PayloadPush:
+        root, parent = self.relay_tree() if self.flag() else ("", {})
+        return PayloadPush(digest=self.digest(), root=root, parent=parent, payload=self.blob() or b"\x00")
+
+    def payload_fetch(self) -> PayloadFetch:
+        return PayloadFetch(digest=self.digest())
+
 
 _BUILDERS: dict[MessageKind, Callable[[ExampleMessages], Message]] = {
     MessageKind.FRAGMENT_CONTRIBUTION: ExampleMessages.fragment_contribution,
@@ -266,6 +294,8 @@ _BUILDERS: dict[MessageKind, Callable[[ExampleMessages], Message]] = {
     MessageKind.LEAVE: ExampleMessages.leave,
     MessageKind.CONTRIBUTION_OPEN: ExampleMessages.contribution_open,
     MessageKind.CONTRIBUTION_CHUNK: ExampleMessages.contribution_chunk,
+    MessageKind.PAYLOAD_PUSH: ExampleMessages.payload_push,
+    MessageKind.PAYLOAD_FETCH: ExampleMessages.payload_fetch,
 }
 _KINDS: Sequence[MessageKind] = tuple(MessageKind)
 _ROLES: Sequence[Role] = tuple(Role)

@@ -43,7 +43,9 @@ MAGIC = b"DLCO"
 # 2.0: the header map names the recipient ("to"); a 1.x receiver would ignore it and accept a
 # frame replayed to it from another member's traffic, so the change is incompatible.
 WIRE_MAJOR = 2
-WIRE_MINOR = 1  # 2.1: streamed contributions (ContributionOpen, ContributionChunk)
+# 2.1: streamed contributions (ContributionOpen, ContributionChunk).
+# 2.2: relayed log payloads (PayloadPush, PayloadFetch; LogAppend entries by SHA-256 and size).
+WIRE_MINOR = 2
 FIXED_HEADER = struct.Struct(">4sBBHIIQ")
 FIXED_HEADER_BYTES = FIXED_HEADER.size  # 24
 DIGEST_BYTES = 32

@@ -57,6 +57,9 @@ STREAM_ID_BYTES = 16
 # the log), and a membership lists at most this many members (sites, not machines).
 MAX_ENTRIES_PER_MESSAGE = 1024
 MAX_MEMBERS = 1024
+# A relay tree (PayloadPush) makes each node send at most this many copies; more is not a tree but
+# the holder's broadcast again, and a hostile tree must not make a relay send to a thousand peers.
+MAX_RELAY_FANOUT = 16
 INT64_MIN = -(2**63)
 
 
@@ -80,6 +83,8 @@ class MessageKind(enum.IntEnum):
     LEAVE = 15
     CONTRIBUTION_OPEN = 16  # wire 2.1: a contribution streamed tensor by tensor (docs/WIRE.md)
     CONTRIBUTION_CHUNK = 17
+    PAYLOAD_PUSH = 18  # wire 2.2: a relayed log entry's payload bytes (docs/WIRE.md)
+    PAYLOAD_FETCH = 19
 
 
 class Role(enum.StrEnum):
@@ -478,6 +483,9 @@ class LogEntry:
     `kind` is a short name ("commit", "membership", "noop", ...); `metadata` carries its structured
     fields (fragment, round, contributors and weights, state digest); `payload` its bulk bytes
     (the encoded merged outer gradient for a commit).
+
+    A *relayed* entry (wire 2.2, only in LogAppend) carries no bytes: `payload_sha256` and
+    `payload_size` name the payload, whose bytes travel down a relay tree in PayloadPush frames.
     """
 
     index: int
@@ -485,6 +493,8 @@ class LogEntry:
     kind: str
     metadata: Mapping[str, Any]
     payload: bytes
+    payload_sha256: bytes = b""  # set: a relayed entry (payload empty, bytes come by PayloadPush)
+    payload_size: int = 0  # a relayed entry's payload length
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -492,7 +502,22 @@ class LogEntry:
         _uint(owner, "epoch", self.epoch)
         _name(owner, "kind", self.kind)
         _payload(owner, self.payload)
+        _blob(owner, "payload_sha256", self.payload_sha256)
+        _uint(owner, "payload_size", self.payload_size)
+        if self.payload_sha256:
+            _blob(owner, "payload_sha256", self.payload_sha256, exact=DIGEST_BYTES)
+            if self.payload:
+                raise _fail(owner, "payload", "a relayed entry (payload_sha256 set) carries no bytes")
+            if self.payload_size < 1:
+                raise _fail(owner, "payload_size", "a relayed entry's payload is at least 1 byte")
+        elif self.payload_size:
+            raise _fail(owner, "payload_size", "set without payload_sha256")
         object.__setattr__(self, "metadata", freeze_metadata(self.metadata, where=f"{owner}.metadata"))
+
+    @property
+    def relayed(self) -> bool:
+        """True when the bytes are not here but named by `payload_sha256` (see the class docstring)."""
+        return bool(self.payload_sha256)
 
 
 def _entries(owner: str, value: object) -> tuple[LogEntry, ...]:
@@ -509,9 +534,12 @@ def _entries(owner: str, value: object) -> tuple[LogEntry, ...]:
 
 
 def _entries_to_wire(entries: tuple[LogEntry, ...]) -> tuple[list[dict[str, Any]], bytes]:
+    # A relayed entry has no `payload_length`: a 2.1 receiver refuses it ("missing") rather than
+    # taking it for an entry with an empty payload.
     described = [
         {"index": e.index, "epoch": e.epoch, "kind": e.kind, "metadata": FrozenMap(e.metadata).thaw(),
-         "payload_length": len(e.payload)}
+         **({"payload_sha256": e.payload_sha256, "payload_size": e.payload_size} if e.relayed
+            else {"payload_length": len(e.payload)})}
         for e in entries
     ]
     return described, b"".join(e.payload for e in entries)
@@ -528,9 +556,18 @@ def _entries_from_wire(owner: str, described: object, payload: bytes) -> tuple[L
         where = f"entries[{position}]"
         if not isinstance(item, Mapping):
             raise _fail(owner, where, "must be a map")
-        for key in ("index", "epoch", "kind", "metadata", "payload_length"):
+        relayed = "payload_sha256" in item
+        for key in ("index", "epoch", "kind", "metadata",
+                    *(("payload_size",) if relayed else ("payload_length",))):
             if key not in item:
                 raise _fail(owner, f"{where}.{key}", "missing")
+        if relayed:
+            if "payload_length" in item:
+                raise _fail(owner, f"{where}.payload_length", "a relayed entry (payload_sha256) carries no bytes")
+            entries.append(LogEntry(index=item["index"], epoch=item["epoch"], kind=item["kind"],
+                                    metadata=item["metadata"], payload=b"",
+                                    payload_sha256=item["payload_sha256"], payload_size=item["payload_size"]))
+            continue
         length = item["payload_length"]
         _uint(owner, f"{where}.payload_length", length)
         if offset + length > len(payload):
@@ -915,6 +952,8 @@ class LogReadReply(Message):
         _uint(owner, "commit_index", self.commit_index)
         _uint(owner, "first_index", self.first_index)
         entries = _entries(owner, self.entries)
+        if any(entry.relayed for entry in entries):
+            raise _fail(owner, "entries", "a log read carries every entry's bytes (no relayed entries)")
         if entries and entries[-1].index > self.commit_index:
             raise _fail(owner, "entries", f"entry {entries[-1].index} is past commit index {self.commit_index}")
         object.__setattr__(self, "entries", entries)
@@ -932,10 +971,88 @@ class LogReadReply(Message):
                    entries=_entries_from_wire(cls.__name__, field_map["entries"], payload))
 
 
+# ---------------------------------------------------------------------------------------------
+# Relayed payloads (wire 2.2)
+# ---------------------------------------------------------------------------------------------
+
+
+def check_relay_tree(owner: str, root: str, parent: Mapping[str, str]) -> None:
+    """Raise LocalProtocolError unless `parent` is a tree rooted at `root` with fan-out <= MAX_RELAY_FANOUT."""
+    if not isinstance(parent, Mapping):
+        raise _fail(owner, "parent", f"must be a map of node id to node id, got {type(parent).__name__}")
+    if len(parent) > MAX_MEMBERS:
+        raise _fail(owner, "parent", f"more than {MAX_MEMBERS} members ({len(parent)})")
+    if not root:
+        if parent:
+            raise _fail(owner, "parent", "a push without a root (a fetch answer) carries no tree")
+        return
+    _node_id(owner, "root", root)
+    children: dict[str, int] = {}
+    for child, up in parent.items():
+        _node_id(owner, "parent key", child)
+        _node_id(owner, f"parent[{child}]", up)
+        children[up] = children.get(up, 0) + 1
+        if children[up] > MAX_RELAY_FANOUT:
+            raise _fail(owner, "parent", f"{up!r} would send to more than {MAX_RELAY_FANOUT} members")
+    if root in parent:
+        raise _fail(owner, "parent", f"the root {root!r} has a parent")
+    for child in parent:
+        node, hops = child, 0
+        while node != root:
+            node = parent.get(node, "")
+            hops += 1
+            if not node:
+                raise _fail(owner, "parent", f"{child!r} does not lead to the root {root!r}")
+            if hops > len(parent):
+                raise _fail(owner, "parent", f"{child!r} is on a cycle")
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadPush(Message):
+    """A relayed log entry's payload: bytes claimed to have SHA-256 `digest`.
+
+    Pushed down the relay tree, `root` (the lease holder) and `parent` (member -> the member that
+    sends it the bytes) say whom the receiver passes them to: the members whose parent it is. As
+    the answer to a PayloadFetch, `root` is "" and `parent` empty: keep, do not pass on. The
+    receiver checks the digest before it keeps or forwards anything, so a relay cannot alter bytes
+    undetected.
+    """
+
+    KIND: ClassVar[MessageKind] = MessageKind.PAYLOAD_PUSH
+    digest: bytes
+    root: str
+    parent: Mapping[str, str]
+    payload: bytes
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _blob(owner, "digest", self.digest, exact=DIGEST_BYTES)
+        _text(owner, "root", self.root, max_chars=MAX_NODE_ID_CHARS, allow_empty=True)
+        check_relay_tree(owner, self.root, self.parent)
+        object.__setattr__(self, "parent", FrozenMap(self.parent))
+        _payload(owner, self.payload)
+        if not self.payload:
+            raise _fail(owner, "payload", "a relayed payload is at least 1 byte")
+
+    def to_wire(self) -> tuple[dict[str, Any], bytes]:
+        return {"digest": self.digest, "root": self.root, "parent": dict(self.parent)}, self.payload
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadFetch(Message):
+    """Ask a member for the payload with SHA-256 `digest`: answered by a PayloadPush without a tree, or 404."""
+
+    KIND: ClassVar[MessageKind] = MessageKind.PAYLOAD_FETCH
+    digest: bytes
+
+    def __post_init__(self) -> None:
+        _blob(type(self).__name__, "digest", self.digest, exact=DIGEST_BYTES)
+
+
 MESSAGE_TYPES: Mapping[MessageKind, type[Message]] = {
     cls.KIND: cls
     for cls in (FragmentContribution, LogAppend, LogAck, CommitNotice, VoteRequest, VoteReply, Heartbeat,
                 HeartbeatAck, JoinRequest, Membership, SnapshotRequest, SnapshotChunk, LogReadRequest,
-                LogReadReply, Leave, ContributionOpen, ContributionChunk)
+                LogReadReply, Leave, ContributionOpen, ContributionChunk, PayloadPush, PayloadFetch)
 }
 assert len(MESSAGE_TYPES) == len(MessageKind), "every kind needs exactly one message class"

@@ -60,6 +60,9 @@ ROLES = ("learner", "witness")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # How a learner site produces its deltas: "jax" trains; "synthetic" draws random ones (benchmarks).
 LEARNER_KINDS = ("jax", "synthetic")
+# Largest relay fan-out a node accepts (bootstrap/relay_tree.py MAX_FANOUT: beyond it a tree is the
+# holder sending to everyone again). Kept here so the config layer does not import the core.
+MAX_RELAY_FANOUT = 16
 ENV_PREFIX = "DILOCO_"
 # Never read as configuration: room for test harnesses and experiments without tripping the
 # unknown-variable check.
@@ -171,6 +174,9 @@ class NodeConfig:
     # synthetic_learner.py), for benchmarks and tests of the data plane; never for a real run.
     learner: str = "jax"
     synthetic_steps_per_s: float = 10.0
+    # Relayed commits (docs/COORDINATION.md, "Relayed payloads"): as lease holder, send each commit
+    # payload to this many sites and let them pass it on down a tree; 0 sends it to every follower.
+    relay_fanout: int = 0
     data: SiteData = SiteData()  # [node.data]: what this site trains on
     # Mutual TLS between sites (docs/OPERATIONS.md, "Mutual TLS"): all three files, or none (off).
     tls_cert_file: Path | None = None
@@ -221,6 +227,9 @@ class NodeConfig:
                  "(synthetic is for benchmarks and tests: it does not train)")
         _require(math.isfinite(self.synthetic_steps_per_s) and self.synthetic_steps_per_s > 0,
                  f"synthetic_steps_per_s = {self.synthetic_steps_per_s}: must be a positive number of steps per second")
+        _require(0 <= self.relay_fanout <= MAX_RELAY_FANOUT,
+                 f"relay_fanout = {self.relay_fanout}: must be in [0, {MAX_RELAY_FANOUT}] "
+                 "(0: no relays; 2 or 3 typical)")
         self._check_tls()
 
     def _check_tls(self) -> None:
@@ -339,6 +348,8 @@ _NODE_HELP = {
     "eval_batches": "batches (of run.inner.batch_size windows) in each evaluation",
     "learner": "jax (trains the model) or synthetic (random deltas, no training: benchmarks and tests only)",
     "synthetic_steps_per_s": "steps per second of a synthetic learner (learner = synthetic only)",
+    "relay_fanout": "as lease holder, send each commit payload to this many sites, which relay it on "
+                    "(0: send it to every follower)",
     "data.source": "[node.data] what this site trains on: stdlib, text or tokens",
     "data.paths": "[node.data] files, directories (text) and globs, read in order as one stream",
     "data.tokenizer": "[node.data] a local tokenizer.json: text is tokenized with it; token files declare it",
@@ -360,7 +371,7 @@ _NODE_KINDS = {
     "log_level": "str", "connect_timeout_s": "float", "read_timeout_s": "float",
     "heartbeat_interval_s": "float", "lease_timeout_s": "float", "checkpoint_interval_s": "float",
     "checkpoint_keep": "int", "log_retain_entries": "int", "eval_interval_commits": "int", "eval_batches": "int",
-    "learner": "str", "synthetic_steps_per_s": "float",
+    "learner": "str", "synthetic_steps_per_s": "float", "relay_fanout": "int",
     "data.source": "str", "data.paths": "pathlist", "data.tokenizer": "pathstr", "data.token_dtype": "str",
     "data.eval_fraction": "float", "data.seed": "int",
     "tls_cert_file": "optpath", "tls_key_file": "optpath", "tls_ca_file": "optpath", "tls_crl_file": "optpath",

@@ -5,9 +5,13 @@ module is the only place that performs them: after every call into the core the 
 synced to disk *before* any resulting message leaves (replica_store.py); `Send` actions go to a
 per-peer outbox drained by one worker task; `ApplyEntry` and `RestoreSnapshot` go to the state
 keeper (state_transfer.py). It also answers the coordination part of the peer API (votes,
-appends, heartbeats, leaves, joins), drives the core's timer, and carries out an operator's
-eviction as the lease holder (`evict`; the register is sync/evictions.py). Nothing is sent to an
-evicted site.
+appends, heartbeats, leaves, joins, relayed payloads), drives the core's timer, and carries out an
+operator's eviction as the lease holder (`evict`; the register is sync/evictions.py). Nothing is
+sent to an evicted site.
+
+Relayed commits (relays.py): with `relay_fanout` > 0 this node, as lease holder, sends appends
+with payloads by digest and the bytes down a relay tree; every node answers relayed appends,
+pushes and fetches whatever its own setting.
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ from typing import Any
 
 from bootstrap import messages as coord
 from bootstrap.coordinator_node import CoordinatorNode, PersistentState
-from bootstrap.entries import EntryKind, LogEntry, Snapshot
+from bootstrap.entries import EntryKind, LogEntry, PayloadUnavailable, Snapshot
 from diloco_node.clock import Clock
 from diloco_node.config.manifest import RunManifest
 from diloco_node.daemon import peers
 from diloco_node.daemon.history_hooks import DaemonHistory
+from diloco_node.daemon.relays import DEFAULT_HOLD_S, RelayIO, entry_bytes, holder_tree
 from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.sync.evictions import EvictionError, EvictionRecord, encode_payload
@@ -55,7 +60,8 @@ class CoordinationIO:
                  history: DaemonHistory, client: PeerClient, addresses: peers.AddressBook, clock: Clock,
                  tasks: TaskSet, on_apply: Callable[[LogEntry], None],
                  on_restore_snapshot: Callable[[Snapshot], None], after_step: Callable[[], None],
-                 remember_member: Callable[[str, str, str], None], report_error: Callable[[str], None]) -> None:
+                 remember_member: Callable[[str, str, str], None], report_error: Callable[[str], None],
+                 relay_fanout: int = 0, relay_hold_s: float = DEFAULT_HOLD_S) -> None:
         self.core = core
         self.node_id = core.node_id
         self.persistent = persistent
@@ -74,6 +80,26 @@ class CoordinationIO:
         self.leader_commit = 0  # highest commit index a lease holder told us
         self.last_ok: dict[str, float] = {}  # peer -> last successful exchange (monotonic)
         self._outboxes: dict[str, _Outbox] = {}
+        # Relayed payloads: as holder only when relay_fanout > 0; as follower and relay always.
+        self.relays = RelayIO(node_id=self.node_id, fanout=relay_fanout, client=client, url_of=self.url_of,
+                              from_log=self._log_payload, tasks=tasks, monotonic=clock.monotonic,
+                              hold_s=relay_hold_s, timeout_s=min(relay_hold_s / 2, 0.5))
+
+    def url_of(self, peer: str) -> str | None:
+        url = self.addresses.url(peer)
+        if url is None:
+            record = self.core.membership.record(peer)
+            url = record.address if record is not None and record.address else None
+        return url
+
+    def _log_payload(self, index: int, epoch: int) -> bytes | None:
+        entry = self.core.log.entry_at(index)
+        if entry is None or entry.epoch != epoch:
+            return None
+        try:
+            return entry_bytes(entry)
+        except PayloadUnavailable:  # compacted or damaged since: a fetcher asks another source
+            return None
 
     # ------------------------------------------------------------------ core steps
 
@@ -140,10 +166,7 @@ class CoordinationIO:
                     log.exception("delivery of %s to %s failed: %s", type(message).__name__, peer, error)
 
     async def _deliver(self, peer: str, message: coord.Message) -> None:
-        url = self.addresses.url(peer)
-        if url is None:
-            record = self.core.membership.record(peer)
-            url = record.address if record is not None and record.address else None
+        url = self.url_of(peer)
         if url is None:
             return  # learned from a configuration entry before its address: the member refresh fixes it
         if (isinstance(message, (coord.AppendEntries, coord.InstallSnapshot))
@@ -153,8 +176,15 @@ class CoordinationIO:
             # paused, or the link stalled): a follower would take it as the holder being alive and
             # refuse every candidate for another lease time. Dropping a message is always safe.
             return
-        out = peers.to_wire(message, epoch=self.core.epoch, commit_index=self.core.log.commit_index,
-                                 last_index=self.core.log.last_index)
+        out: wire.Message | None
+        if (self.relays.fanout > 0 and isinstance(message, coord.AppendEntries)
+                and any(entry.payload_size for entry in message.entries)):
+            # Metadata to every follower as before; the bytes once per entry down the relay tree.
+            out = self.relays.relayed_append(message, holder_tree(self.core, self.relays.fanout),
+                                             leader_commit=message.leader_commit)
+        else:
+            out = peers.to_wire(message, epoch=self.core.epoch, commit_index=self.core.log.commit_index,
+                                last_index=self.core.log.last_index)
         if out is None:
             return
         try:
@@ -218,6 +248,12 @@ class CoordinationIO:
     async def on_log_append(self, message: wire.LogAppend, peer: Any) -> wire.Message | None:
         self.check_open()
         self.same_sender(message.leader, peer, "LogAppend")
+        relayed = message if any(entry.relayed for entry in message.entries) else None
+        if relayed is not None:
+            # Held until the bytes come down the tree (at most the hold time), then the prefix
+            # whose bytes are here is taken: possibly none, which is a heartbeat.
+            message = await self.relays.complete(relayed)
+            self.check_open()
         try:
             actions = self.handle(peers.append_from_wire(message))
         except LocalProtocolError as error:
@@ -226,10 +262,27 @@ class CoordinationIO:
             raise RemoteProtocolError(f"LogAppend from {peer.node_id} refused: {error}", 409) from None
         self.leader_commit = max(self.leader_commit, message.leader_commit)
         reply = self.dispatch(actions, reply_to=peer.node_id, reply_type=coord.AppendResponse)
+        if relayed is not None:
+            self.relays.settle(relayed)  # the entries it names that are now in the log
         self.after_step()
         if reply is None:
             return None
         return peers.to_wire(reply, epoch=self.core.epoch, commit_index=0, last_index=0)
+
+    async def on_payload_push(self, message: wire.PayloadPush, peer: Any) -> None:
+        """Relayed payload bytes: kept and passed on when their SHA-256 matches (relays.py)."""
+        self.check_open()
+        self._refuse_evicted(peer.node_id, "PayloadPush")
+        self.relays.on_push(message, peer.node_id)
+
+    async def on_payload_fetch(self, message: wire.PayloadFetch, peer: Any) -> wire.Message:
+        self.check_open()
+        self._refuse_evicted(peer.node_id, "PayloadFetch")
+        return self.relays.on_fetch(message, peer.node_id)
+
+    def _refuse_evicted(self, node_id: str, what: str) -> None:
+        if self.core.is_evicted(node_id):
+            raise RemoteProtocolError(f"{what} from {node_id}: evicted from this run", 403)
 
     async def on_heartbeat(self, message: wire.Heartbeat, peer: Any) -> wire.Message | None:
         self.check_open()

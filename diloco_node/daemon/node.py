@@ -445,7 +445,8 @@ class Node:
             core=core, persistent=persistent, store=self.store, history=self.history, client=self.client,
             addresses=self.identity.addresses, clock=self.clock, tasks=self.tasks, on_apply=self.keeper.apply,
             on_restore_snapshot=self.keeper.on_restore_snapshot, after_step=self._after_coordination_step,
-            remember_member=self.identity.remember, report_error=self._error)
+            remember_member=self.identity.remember, report_error=self._error,
+            relay_fanout=self.cfg.relay_fanout, relay_hold_s=min(1.0, self.cfg.lease_timeout_s / 4))
         self.rounds = RoundDriver(
             node_id=self.node_id, manifest=self.site.manifest, plan=self.site.plan, syncer=self.site.syncer,
             replica=replica, coordination=core, addresses=self.identity.addresses, client=self.client,

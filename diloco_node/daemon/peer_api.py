@@ -31,7 +31,9 @@ class PeerApi:
                               (wire.MessageKind.HEARTBEAT, self.heartbeat), (wire.MessageKind.LEAVE, self.leave),
                               (wire.MessageKind.JOIN_REQUEST, self.join),
                               (wire.MessageKind.SNAPSHOT_REQUEST, self.snapshot),
-                              (wire.MessageKind.FRAGMENT_CONTRIBUTION, self.contribution)):
+                              (wire.MessageKind.FRAGMENT_CONTRIBUTION, self.contribution),
+                              (wire.MessageKind.PAYLOAD_PUSH, self.payload_push),
+                              (wire.MessageKind.PAYLOAD_FETCH, self.payload_fetch)):
             server.on_message(kind, handler)
         server.on_sequence(wire.MessageKind.CONTRIBUTION_OPEN, wire.MessageKind.CONTRIBUTION_CHUNK,
                            self.contribution_stream)
@@ -46,6 +48,12 @@ class PeerApi:
 
     async def append(self, message: wire.LogAppend, peer: Any) -> wire.Message | None:
         return await self._part(self._coordination()).on_log_append(message, peer)
+
+    async def payload_push(self, message: wire.PayloadPush, peer: Any) -> None:
+        return await self._part(self._coordination()).on_payload_push(message, peer)
+
+    async def payload_fetch(self, message: wire.PayloadFetch, peer: Any) -> wire.Message:
+        return await self._part(self._coordination()).on_payload_fetch(message, peer)
 
     async def heartbeat(self, message: wire.Heartbeat, peer: Any) -> wire.Message | None:
         return await self._part(self._coordination()).on_heartbeat(message, peer)

@@ -27,6 +27,7 @@ Everything here is pure: no I/O, no clock.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from bootstrap import messages as coord
@@ -52,8 +53,16 @@ def entry_to_wire(entry: LogEntry) -> wire.LogEntry:
                          metadata=metadata, payload=entry.payload_bytes())
 
 
+def relayed_entry_to_wire(entry: LogEntry, digest: bytes, size: int) -> wire.LogEntry:
+    """An entry whose payload travels down the relay tree: named by its SHA-256 and size (wire 2.2)."""
+    described = entry_to_wire(replace(entry, payload=b""))
+    return replace(described, payload_sha256=digest, payload_size=size)
+
+
 def entry_from_wire(entry: wire.LogEntry) -> LogEntry:
     """A peer's entry as a coordination entry; anything malformed is the peer's error (400)."""
+    if entry.relayed:  # its bytes must have been filled in (relays.RelayIO.complete) before this
+        raise RemoteProtocolError(f"log entry {entry.index}: relayed payload not received", 400)
     kind = _KIND_FROM_WIRE.get(entry.kind)
     if kind is None:
         raise RemoteProtocolError(f"log entry {entry.index}: unknown kind {entry.kind!r}", 400)

@@ -1,0 +1,240 @@
+"""The daemon's relayed-payload I/O (diloco_node/daemon/relays.py), in process: several `RelayIO`s
+joined by a fake peer client, real asyncio with short waits."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import pytest
+
+from bootstrap import messages as coord
+from bootstrap.entries import EntryKind, LogEntry
+from bootstrap.relay_tree import plan_relay_tree
+from diloco_node.config.manifest import ConfigError
+from diloco_node.config.settings import load_config
+from diloco_node.daemon.relays import HeldPayloads, RelayIO
+from diloco_node.daemon.tasks import TaskSet
+from diloco_node.transport import PeerRefused, PeerUnreachable
+from wire import messages as wire
+from wire.errors import RemoteProtocolError
+
+PAYLOAD = b"merged fragment delta " * 1000
+
+
+class FakeNet:
+    """Routes one node's sends to another node's RelayIO; `dead` members are unreachable."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, RelayIO] = {}
+        self.dead: set[str] = set()
+        self.lost: set[str] = set()  # message kinds silently lost on the way
+        self.sent: list[tuple[str, str, str]] = []  # (from, to, kind)
+        self.in_flight: dict[str, int] = {}  # fetches being answered, per answering member
+        self.most_in_flight = 0
+
+    def client(self, me: str) -> FakeClient:
+        return FakeClient(self, me)
+
+
+class FakeClient:
+    def __init__(self, net: FakeNet, me: str) -> None:
+        self.net, self.me = net, me
+
+    async def send(self, url: str, message: wire.Message, *, peer: str, deadline_s: float) -> list[wire.Message]:
+        self.net.sent.append((self.me, peer, type(message).__name__))
+        await asyncio.sleep(0)
+        if peer in self.net.dead:
+            raise PeerUnreachable(url, "connection refused")
+        if type(message).__name__ in self.net.lost:
+            raise PeerUnreachable(url, "deadline passed")
+        node = self.net.nodes[peer]
+        try:
+            if isinstance(message, wire.PayloadPush):
+                node.on_push(message, self.me)
+                return []
+            self.net.in_flight[peer] = self.net.in_flight.get(peer, 0) + 1
+            self.net.most_in_flight = max(self.net.most_in_flight, self.net.in_flight[peer])
+            try:
+                await asyncio.sleep(0.01)  # a transfer takes time
+                return [node.on_fetch(message, self.me)]
+            finally:
+                self.net.in_flight[peer] -= 1
+        except RemoteProtocolError as error:
+            raise PeerRefused(url, error.status_hint, str(error)) from None
+
+
+def cluster(names: list[str], *, hold_s: float = 0.5, timeout_s: float = 0.05) -> tuple[FakeNet, TaskSet]:
+    net, tasks = FakeNet(), TaskSet()
+    loop = asyncio.get_running_loop()
+    for name in names:
+        net.nodes[name] = RelayIO(node_id=name, fanout=1 if name == names[0] else 0, client=net.client(name),
+                                  url_of=lambda peer: f"http://{peer}", from_log=lambda index, epoch: None,
+                                  tasks=tasks, monotonic=loop.time, hold_s=hold_s, timeout_s=timeout_s)
+    return net, tasks
+
+
+def holders_append() -> coord.AppendEntries:
+    entries = (LogEntry(3, 5, EntryKind.NOOP), LogEntry(3, 6, EntryKind.OUTER_COMMIT, PAYLOAD, fragment=0, round=1))
+    return coord.AppendEntries(3, "a", 4, 3, entries, 4, sent_at=0.0)
+
+
+async def settle_network() -> None:
+    for _ in range(50):
+        await asyncio.sleep(0)
+
+
+def test_relay_fanout_is_validated_and_defaults_off():
+    assert load_config(None, {}, {}).node.relay_fanout == 0
+    assert load_config(None, {}, {"relay_fanout": "2"}).node.relay_fanout == 2
+    for bad in ("-1", "17"):
+        with pytest.raises(ConfigError, match=r"relay_fanout = .*: must be in \[0, 16\]"):
+            load_config(None, {}, {"relay_fanout": bad})
+
+
+def test_the_holder_sends_the_bytes_once_and_they_travel_down_the_chain():
+    async def scenario() -> None:
+        net, tasks = cluster(["a", "b", "c", "d"])
+        a = net.nodes["a"]
+        tree = plan_relay_tree("a", ["b", "c", "d"], 1)  # a -> b -> c -> d
+        out = a.relayed_append(holders_append(), tree, leader_commit=4)
+        again = a.relayed_append(holders_append(), tree, leader_commit=4)  # resent to another follower
+        await settle_network()
+        # The metadata names the bytes; the noop travels as it is.
+        assert not out.entries[0].relayed and out.entries[1].relayed
+        assert out.entries[1].payload_sha256 == hashlib.sha256(PAYLOAD).digest() == again.entries[1].payload_sha256
+        assert out.entries[1].payload == b"" and out.entries[1].payload_size == len(PAYLOAD)
+        pushes = [(src, dst) for src, dst, kind in net.sent if kind == "PayloadPush"]
+        assert pushes == [("a", "b"), ("b", "c"), ("c", "d")]
+        completed = await net.nodes["d"].complete(out)
+        assert [e.payload for e in completed.entries] == [b"", PAYLOAD]
+        assert a.counts["pushed"] == 1 and net.nodes["b"].counts["forwarded"] == 1
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_follower_under_a_dead_relay_fetches_from_the_holder_within_its_hold():
+    async def scenario() -> None:
+        net, tasks = cluster(["a", "b", "c"], hold_s=1.0, timeout_s=0.05)
+        net.dead.add("b")  # the only relay between a and c
+        tree = plan_relay_tree("a", ["b", "c"], 1)
+        out = net.nodes["a"].relayed_append(holders_append(), tree, leader_commit=4)
+        net.nodes["c"].trees["a"] = tree  # as learned from an earlier push
+        started = asyncio.get_running_loop().time()
+        completed = await net.nodes["c"].complete(out)
+        waited = asyncio.get_running_loop().time() - started
+        assert [e.payload for e in completed.entries] == [b"", PAYLOAD]
+        fetches = [dst for src, dst, kind in net.sent if src == "c" and kind == "PayloadFetch"]
+        assert fetches[:2] == ["b", "a"]  # parent first, then the holder
+        assert waited < 1.0  # well within the hold: two relay timeouts and a fetch
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
+def test_without_the_bytes_the_append_is_answered_with_the_prefix_it_can_take():
+    async def scenario() -> None:
+        net, tasks = cluster(["a", "b"], hold_s=0.15, timeout_s=0.05)
+        net.lost.update({"PayloadPush", "PayloadFetch"})  # the holder's push is lost, and every fetch
+        out = net.nodes["a"].relayed_append(holders_append(), plan_relay_tree("a", ["b"], 1), leader_commit=4)
+        started = asyncio.get_running_loop().time()
+        completed = await net.nodes["b"].complete(out)
+        assert asyncio.get_running_loop().time() - started >= 0.14  # it held the append for its hold time
+        assert [e.index for e in completed.entries] == [5]  # the noop; the commit waits for its bytes
+        assert completed.leader_commit == 4 and completed.prev_index == 4
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
+def test_altered_bytes_are_refused_kept_nowhere_and_not_forwarded():
+    async def scenario() -> None:
+        net, tasks = cluster(["a", "b", "c"])
+        tree = plan_relay_tree("a", ["b", "c"], 1)
+        digest = hashlib.sha256(PAYLOAD).digest()
+        forged = wire.PayloadPush(digest, "a", dict(tree.parent), PAYLOAD[:-1] + b"!")
+        with pytest.raises(RemoteProtocolError, match="do not have SHA-256") as refused:
+            net.nodes["b"].on_push(forged, "a")
+        assert refused.value.status_hint == 400
+        await settle_network()
+        assert digest not in net.nodes["b"].store and net.sent == []
+        with pytest.raises(RemoteProtocolError, match="holds no payload") as missing:
+            net.nodes["b"].on_fetch(wire.PayloadFetch(digest), "c")
+        assert missing.value.status_hint == 404
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
+def test_held_payloads_are_bounded_and_read_from_the_log_once_settled():
+    log = {(7, 2): b"seven"}
+    store = HeldPayloads(lambda index, epoch: log.get((index, epoch)), max_items=2, max_bytes=100)
+    digests = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
+    for i, digest in enumerate(digests):
+        store.put(digest, bytes([i]) * 10)
+    assert digests[0] not in store and store.get(digests[2]) == b"\x02" * 10  # the oldest went first
+    store.settle(digests[2], 7, 2)
+    assert store.held_bytes == 10 and store.get(digests[2]) == b"seven"  # now served from the log
+    store.settle(digests[1], 8, 2)  # not in the log: kept in memory
+    assert store.get(digests[1]) == b"\x01" * 10
+
+
+def test_once_the_entry_is_in_the_log_its_bytes_leave_memory_and_are_served_from_the_log():
+    async def scenario() -> None:
+        net, tasks = cluster(["a", "b"])
+        log: dict[tuple[int, int], bytes] = {}
+        b = net.nodes["b"]
+        b.store = b.relay.store = HeldPayloads(lambda index, epoch: log.get((index, epoch)))
+        out = net.nodes["a"].relayed_append(holders_append(), plan_relay_tree("a", ["b"], 1), leader_commit=4)
+        await settle_network()
+        assert b.store.held_bytes == len(PAYLOAD)
+        completed = await b.complete(out)
+        log[(6, 3)] = completed.entries[1].payload  # what the core appended
+        b.settle(out)  # the append as it came: relayed entries name their digests
+        assert b.store.held_bytes == 0
+        assert b.on_fetch(wire.PayloadFetch(out.entries[1].payload_sha256), "c").payload == PAYLOAD
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_catching_up_follower_fetches_committed_payloads_at_once_one_at_a_time_per_source():
+    async def scenario() -> None:
+        net, tasks = cluster(["a", "b"], hold_s=0.4, timeout_s=0.3)
+        payloads = [bytes([i]) * 5000 for i in range(1, 5)]
+        entries = tuple(LogEntry(2, 10 + i, EntryKind.OUTER_COMMIT, p, fragment=0, round=i)
+                        for i, p in enumerate(payloads))
+        net.lost.add("PayloadPush")  # b was still starting when these were pushed
+        out = net.nodes["a"].relayed_append(coord.AppendEntries(2, "a", 9, 2, entries, 13, sent_at=0.0),
+                                            plan_relay_tree("a", ["b"], 1), leader_commit=13)
+        started = asyncio.get_running_loop().time()
+        completed = await net.nodes["b"].complete(out)
+        # Committed (index <= leader_commit): fetched without waiting a relay timeout (0.3 s) first.
+        assert asyncio.get_running_loop().time() - started < 0.3
+        assert [e.payload for e in completed.entries] == payloads
+        assert net.most_in_flight == 1  # one fetch at a time from the holder: never a flood of streams
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_entry_whose_payload_is_in_the_log_file_is_read_once_and_relayed():
+    from bootstrap.entries import StoredPayload
+
+    async def scenario() -> None:
+        net, tasks = cluster(["a", "b"])
+        reads = []
+        stored = StoredPayload(len(PAYLOAD), lambda: reads.append(1) or PAYLOAD)
+        entry = LogEntry(3, 6, EntryKind.OUTER_COMMIT, stored, fragment=0, round=1)
+        message = coord.AppendEntries(3, "a", 5, 3, (entry,), 4, sent_at=0.0)
+        tree = plan_relay_tree("a", ["b"], 1)
+        out = net.nodes["a"].relayed_append(message, tree, leader_commit=4)
+        net.nodes["a"].relayed_append(message, tree, leader_commit=4)  # to another follower: no new read
+        await settle_network()
+        assert out.entries[0].payload_sha256 == hashlib.sha256(PAYLOAD).digest()
+        assert len(reads) == 1
+        assert (await net.nodes["b"].complete(out)).entries[0].payload == PAYLOAD
+        await tasks.close()
+
+    asyncio.run(scenario())
