@@ -5,8 +5,9 @@
     python benchmarks/chaos.py goodput   # one learner down a third of the time: decoupled
                                          # goodput >= 0.85, synchronous <= 0.6
     python benchmarks/chaos.py all
-Options: --seed N, --duration S (override), --standin (engine self-test with stand-in nodes;
-its figures say nothing about the daemon), --out FILE (the JSON reports).
+Options: --seed N, --duration S (override), --relays FANOUT (every daemon relays commits down a
+tree of that fan-out), --standin (engine self-test with stand-in nodes; its figures say nothing
+about the daemon), --out FILE (the JSON reports).
 
 Heavy: the soak runs every mode for the full duration (about 25 minutes for both). Run it once,
 alone, and say in any figure you quote whether the machine was shared.
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=None)
     parser.add_argument("--lease", type=float, default=3.0)
     parser.add_argument("--standin", action="store_true")
+    parser.add_argument("--relays", type=int, default=0, metavar="FANOUT",
+                        help="every daemon relays commits with this fan-out ([node] relay_fanout; 0: off)")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -51,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         config = ChaosConfig(workdir=workdir / name, seed=args.seed, lease_s=args.lease, **preset)
         if args.standin:
             config = standin_config(config)
-        launcher = StandinLauncher() if args.standin else DaemonLauncher()
+        if args.standin and args.relays:
+            parser.error("--relays needs real daemons (not --standin)")
+        extra = (f"relay_fanout={args.relays}",) if args.relays else ()
+        launcher = StandinLauncher() if args.standin else DaemonLauncher(extra_settings=extra)
         started = time.monotonic()
         print(f"{name}: {config.duration_s:.0f}s per mode, histories under {config.workdir}", file=sys.stderr)
         report = run_chaos(config, launcher)

@@ -13,6 +13,7 @@ import pytest
 from diloco_node.testbed.chaos.harness import (
     ChaosConfig,
     DaemonLauncher,
+    HarnessError,
     NodeSlot,
     StandinLauncher,
     partition_cuts,
@@ -153,6 +154,17 @@ def test_each_daemon_sends_from_its_own_loopback_address(tmp_path):
     argv = launcher.argv(slot, "127.0.0.1:5001")
     assert argv[argv.index("--source-address") + 1] == "127.0.0.12"
     assert argv[argv.index("--listen") + 1] == "127.0.0.1:4000"  # /status is polled here, not via the link
+
+
+def test_extra_settings_reach_every_daemon_and_bad_ones_are_refused_before_any_start(tmp_path):
+    launcher = DaemonLauncher(extra_settings=("relay_fanout=2",))
+    launcher.prepare(tmp_path, 1, 3.0, 0.5, seed=0)
+    slot = NodeSlot("n1", "learner", 4000, "127.0.0.1:4001", "127.0.0.11", tmp_path / "d", tmp_path / "l", True)
+    argv = launcher.argv(slot, None)
+    assert "relay_fanout=2" in [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+    bad = DaemonLauncher(extra_settings=("relay_fanout=99",))
+    with pytest.raises(HarnessError, match="relay_fanout"):
+        bad.prepare(tmp_path / "bad", 1, 3.0, 0.5, seed=0)
 
 
 @pytest.mark.integration

@@ -254,8 +254,10 @@ class DaemonLauncher:
     # (daemon.node.STATUS_REFRESH_S).
     status_lag_s = 0.25
 
-    def __init__(self, config_template: Path | None = None) -> None:
+    def __init__(self, config_template: Path | None = None, extra_settings: tuple[str, ...] = ()) -> None:
+        """`extra_settings`: `key=value` node settings for every daemon (e.g. `relay_fanout=2`)."""
         self.config_template = config_template
+        self.extra_settings = tuple(extra_settings)
         self._config: Path | None = None
         self._secret: Path | None = None
         self._overrides: list[str] = []
@@ -269,7 +271,7 @@ class DaemonLauncher:
         self._config.write_text(text)
         # Mode and timing always come from the harness, whatever the template says.
         self._overrides = [f"run.sync.min_quorum={min_quorum}", f"lease_timeout_s={lease_s}",
-                           f"heartbeat_interval_s={heartbeat_s}"]
+                           f"heartbeat_interval_s={heartbeat_s}", *self.extra_settings]
         from diloco_node.config.settings import ConfigError, load_config
 
         try:
