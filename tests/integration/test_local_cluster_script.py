@@ -32,6 +32,16 @@ DEADLINE_S = 180.0
 STOP_TIMEOUT_S = 60.0
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """SIGINT back to its default in the script, as a terminal gives it.
+
+    A test run started in the background of a non-interactive shell (`pytest ... &`, as CI jobs
+    often are) has SIGINT ignored, every child inherits that, and bash cannot trap a signal that
+    was ignored when it started: the script would never see the Ctrl-C.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _two_free_ports() -> int:
     """A port p with p + 1 free too (the script uses BASE_PORT and BASE_PORT + 1 here)."""
     for _ in range(50):
@@ -91,7 +101,7 @@ def test_local_cluster_script_starts_two_sites_retries_a_failed_join_and_stops_t
     output_path = tmp_path / "script.out"
     with output_path.open("wb") as output:
         script = subprocess.Popen(["bash", str(SCRIPT)], env=environ, stdout=output, stderr=subprocess.STDOUT,
-                                  cwd=tmp_path, start_new_session=True)
+                                  cwd=tmp_path, start_new_session=True, preexec_fn=_ctrl_c_as_in_a_terminal)
     try:
         documents: list[dict[str, Any] | None] = [None, None]
         deadline = time.monotonic() + DEADLINE_S
