@@ -7,6 +7,7 @@ it started is killed at teardown, also when an assertion fails.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -32,14 +34,20 @@ DEADLINE_S = 180.0
 STOP_TIMEOUT_S = 60.0
 
 
-def _ctrl_c_as_in_a_terminal() -> None:
-    """SIGINT back to its default in the script, as a terminal gives it.
+@contextlib.contextmanager
+def _ctrl_c_as_in_a_terminal() -> Iterator[None]:
+    """Start children with SIGINT handled, as a terminal gives it.
 
     A test run started in the background of a non-interactive shell (`pytest ... &`, as CI jobs
     often are) has SIGINT ignored, every child inherits that, and bash cannot trap a signal that
-    was ignored when it started: the script would never see the Ctrl-C.
+    was ignored when it started: the script would never see the Ctrl-C. A handled signal is reset
+    to its default in the child at exec, so a handler here for the duration of the start is enough.
     """
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _two_free_ports() -> int:
@@ -100,8 +108,9 @@ def test_local_cluster_script_starts_two_sites_retries_a_failed_join_and_stops_t
                         "READY_TIMEOUT_S": str(int(DEADLINE_S))})
     output_path = tmp_path / "script.out"
     with output_path.open("wb") as output:
-        script = subprocess.Popen(["bash", str(SCRIPT)], env=environ, stdout=output, stderr=subprocess.STDOUT,
-                                  cwd=tmp_path, start_new_session=True, preexec_fn=_ctrl_c_as_in_a_terminal)
+        with _ctrl_c_as_in_a_terminal():
+            script = subprocess.Popen(["bash", str(SCRIPT)], env=environ, stdout=output, stderr=subprocess.STDOUT,
+                                      cwd=tmp_path, start_new_session=True)
     try:
         documents: list[dict[str, Any] | None] = [None, None]
         deadline = time.monotonic() + DEADLINE_S
