@@ -28,7 +28,7 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, BinaryIO, Mapping
 
 import msgpack
 import numpy as np
@@ -172,21 +172,27 @@ def write_checkpoint_file(path: Path, sequence: int, meta: Mapping[str, Any], ar
     return HEADER_BYTES + layout.body_len
 
 
+def _checked_header(path: Path, handle: BinaryIO) -> tuple[int, bytes]:
+    """(body length, sha256 of the body) from a checkpoint's header, after checking it and the file's length."""
+    header = handle.read(HEADER_BYTES)
+    if len(header) < HEADER_BYTES:
+        raise CheckpointError(f"{path}: truncated: {len(header)} bytes, shorter than the {HEADER_BYTES}-byte header")
+    magic, version, _flags, body_len, checksum = _HEADER.unpack(header)
+    if magic != MAGIC:
+        raise CheckpointError(f"{path}: not a diloco-node checkpoint (magic {magic!r})")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format version {version}, this build reads {FORMAT_VERSION}")
+    actual = os.fstat(handle.fileno()).st_size - HEADER_BYTES
+    if actual != body_len:
+        raise CheckpointError(f"{path}: truncated or padded: header says {body_len} body bytes, file has {actual}")
+    return body_len, checksum
+
+
 def read_checkpoint_file(path: Path) -> Checkpoint:
     """Load and verify one checkpoint file; any problem raises `CheckpointError` naming the file."""
     try:
         with path.open("rb") as handle:
-            header = handle.read(HEADER_BYTES)
-            if len(header) < HEADER_BYTES:
-                raise CheckpointError(f"{path}: truncated: {len(header)} bytes, shorter than the {HEADER_BYTES}-byte header")
-            magic, version, _flags, body_len, checksum = _HEADER.unpack(header)
-            if magic != MAGIC:
-                raise CheckpointError(f"{path}: not a diloco-node checkpoint (magic {magic!r})")
-            if version != FORMAT_VERSION:
-                raise CheckpointError(f"{path}: format version {version}, this build reads {FORMAT_VERSION}")
-            actual = os.fstat(handle.fileno()).st_size - HEADER_BYTES
-            if actual != body_len:
-                raise CheckpointError(f"{path}: truncated or padded: header says {body_len} body bytes, file has {actual}")
+            body_len, checksum = _checked_header(path, handle)
             body = bytearray(body_len)
             if handle.readinto(body) != body_len:
                 raise CheckpointError(f"{path}: short read")
@@ -207,16 +213,7 @@ def verify_checkpoint_file(path: Path, chunk_bytes: int = 8 * 1024 * 1024) -> di
     digest = hashlib.sha256()
     try:
         with path.open("rb") as handle:
-            header = handle.read(HEADER_BYTES)
-            if len(header) < HEADER_BYTES:
-                raise CheckpointError(f"{path}: truncated: {len(header)} bytes, shorter than the {HEADER_BYTES}-byte header")
-            magic, version, _flags, body_len, checksum = _HEADER.unpack(header)
-            if magic != MAGIC:
-                raise CheckpointError(f"{path}: not a diloco-node checkpoint (magic {magic!r})")
-            if version != FORMAT_VERSION:
-                raise CheckpointError(f"{path}: format version {version}, this build reads {FORMAT_VERSION}")
-            if os.fstat(handle.fileno()).st_size - HEADER_BYTES != body_len:
-                raise CheckpointError(f"{path}: truncated or padded: header says {body_len} body bytes")
+            body_len, checksum = _checked_header(path, handle)
             head = handle.read(min(body_len, _INDEX_LEN.size + MAX_INDEX_BYTES))
             digest.update(head)
             while chunk := handle.read(chunk_bytes):
