@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from bootstrap.messages import AppendEntries
+from bootstrap.messages import AppendEntries, MemberState
 from bootstrap.relay_plane import (
     Deliver,
     Metadata,
@@ -113,8 +113,7 @@ class RelayPlane:
         node = sim.hosts[holder].node
         assert node is not None
         members = set(node.log.config.voters) | set(node.membership.members)
-        unhealthy = {m for m in members if (state := node.membership.state_of(m)) is not None
-                     and state.value != "alive"}
+        unhealthy = {m for m in members if node.membership.state_of(m) not in (None, MemberState.ALIVE)}
         return plan_relay_tree(holder, members, self.fanout, unhealthy)
 
     def _run(self, sim: Simulation, node_id: str, actions: Iterable[RelayAction],
