@@ -59,8 +59,11 @@ def test_load_run_secret_strips_one_trailing_newline(tmp_path):
     secret = os.urandom(16).hex().encode()  # 32 characters, as `openssl rand -hex 16` prints
     assert load_run_secret(write_secret(tmp_path, secret + b"\n")) == secret
     assert load_run_secret(write_secret(tmp_path, secret + b"\r\n")) == secret
-    raw = os.urandom(40)
+    # Random bytes that do not end in a newline are kept whole (os.urandom alone would end in
+    # b"\n" once in 256 runs, and that byte would rightly be stripped).
+    raw = os.urandom(39) + b"\xff"
     assert load_run_secret(write_secret(tmp_path, raw)) == raw
+    assert load_run_secret(write_secret(tmp_path, raw + b"\n")) == raw
 
 
 def test_load_run_secret_allows_group_read(tmp_path):
