@@ -22,9 +22,10 @@ Sans-IO: events and `now` in, actions out; the payload store is injected.
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from bootstrap.messages import AppendEntries
 from bootstrap.relay_tree import RelayTree
@@ -38,6 +39,10 @@ DEFAULT_PARTIAL_EVERY_S = 0.25
 DEFAULT_RELAY_TIMEOUT_S = 0.5
 # Held-back messages per node; the holder resends anyway, so dropping the oldest loses only time.
 MAX_WAITING_MESSAGES = 16
+# Digests a holder remembers having pushed (32 B each, most recent first kept). An entry older than
+# the last few thousand commits that is sent again goes down the tree again: extra traffic for a
+# follower that far behind, never a safety question (the bytes are still checked by digest).
+MAX_PUSHED_DIGESTS = 4096
 
 
 def payload_digest(payload: bytes) -> bytes:
@@ -45,11 +50,15 @@ def payload_digest(payload: bytes) -> bytes:
 
 
 class PayloadStore(Protocol):
-    """Where a node keeps payload bytes by digest (the daemon: its log files; the simulation: a dict)."""
+    """Where a node keeps payload bytes by digest (the daemon: spool and log files; the simulation: a dict).
 
-    def get(self, digest: bytes) -> bytes | None: ...
+    What it keeps is opaque here: bytes, or the host's handle to bytes it verified itself (a
+    daemon receiving a streamed payload hashes it chunk by chunk and hands over a spool file).
+    """
 
-    def put(self, digest: bytes, payload: bytes) -> None: ...
+    def get(self, digest: bytes) -> Any | None: ...
+
+    def put(self, digest: bytes, payload: Any) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +74,13 @@ class Metadata:
 
 @dataclass(frozen=True, slots=True)
 class PayloadHop:
-    """Payload bytes claimed to have `digest`; `tree` says where to pass them on (None: a fetch answer)."""
+    """Payload bytes claimed to have `digest`; `tree` says where to pass them on (None: a fetch answer).
+
+    `payload` is bytes, or (`on_verified`) the host's handle to bytes it already checked.
+    """
 
     digest: bytes
-    payload: bytes
+    payload: Any
     tree: RelayTree | None
 
 
@@ -126,7 +138,8 @@ class PayloadRelay:
     timeout_s: float = DEFAULT_RELAY_TIMEOUT_S
     partial_every_s: float = DEFAULT_PARTIAL_EVERY_S
     verify: bool = True  # False only in the simulation's deliberately broken variant
-    pushed: set[bytes] = field(default_factory=set)  # digests this node sent into a tree as holder
+    # Digests this node sent into a tree as holder, oldest first, at most MAX_PUSHED_DIGESTS.
+    pushed: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     waiting: dict[int, _Waiting] = field(default_factory=dict)
     last_partial: dict[str, tuple[float, int]] = field(default_factory=dict)  # holder -> (time, end index)
     next_wait_id: int = 0
@@ -152,10 +165,17 @@ class PayloadRelay:
             digest = payload_digest(payload)
             self.store.put(digest, payload)
             if digest not in self.pushed:
-                self.pushed.add(digest)
+                self.mark_pushed(digest)
                 actions += [SendPayload(child, PayloadHop(digest, payload, tree))
                             for child in tree.children.get(self.node_id, ())]
         return Metadata(message, tree), actions
+
+    def mark_pushed(self, digest: bytes) -> None:
+        """Remember that `digest` went down a tree (forgetting the oldest past MAX_PUSHED_DIGESTS)."""
+        self.pushed[digest] = None
+        self.pushed.move_to_end(digest)
+        while len(self.pushed) > MAX_PUSHED_DIGESTS:
+            self.pushed.popitem(last=False)
 
     # ------------------------------------------------------------ as follower
 
@@ -201,6 +221,10 @@ class PayloadRelay:
         if self.verify and payload_digest(hop.payload) != hop.digest:
             self.refused += 1  # altered on the way: dropped, and fetched again from higher up
             return []
+        return self.on_verified(hop)
+
+    def on_verified(self, hop: PayloadHop) -> list[RelayAction]:
+        """Bytes the host already checked against `hop.digest` (hashed while they streamed in)."""
         new = self.store.get(hop.digest) is None
         self.store.put(hop.digest, hop.payload)
         actions: list[RelayAction] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,7 @@ from bootstrap.entries import EntryKind, LogEntry
 from bootstrap.relay_tree import plan_relay_tree
 from diloco_node.config.manifest import ConfigError
 from diloco_node.config.settings import load_config
-from diloco_node.daemon.relays import HeldPayloads, RelayIO
+from diloco_node.daemon.relays import HeldPayloads, RelayIO, SpooledPayload
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.transport import PeerRefused, PeerUnreachable
 from wire import messages as wire
@@ -32,6 +33,7 @@ class FakeNet:
         self.sent: list[tuple[str, str, str]] = []  # (from, to, kind)
         self.in_flight: dict[str, int] = {}  # fetches being answered, per answering member
         self.most_in_flight = 0
+        self.chunks = 0  # PayloadChunks delivered
 
     def client(self, me: str) -> FakeClient:
         return FakeClient(self, me)
@@ -56,22 +58,70 @@ class FakeClient:
             self.net.in_flight[peer] = self.net.in_flight.get(peer, 0) + 1
             self.net.most_in_flight = max(self.net.most_in_flight, self.net.in_flight[peer])
             try:
-                await asyncio.sleep(0.01)  # a transfer takes time
-                return [node.on_fetch(message, self.me)]
+                await asyncio.sleep(0.01)  # a request takes time
+                node.on_fetch(message, self.me)  # the bytes come back as a stream of their own
+                return []
             finally:
                 self.net.in_flight[peer] -= 1
         except RemoteProtocolError as error:
             raise PeerRefused(url, error.status_hint, str(error)) from None
 
+    async def send_sequence(self, url: str, frames, *, peer: str, deadline_s: float) -> list[wire.Message]:
+        """What PeerServer.on_sequence does with a body: the open, then each chunk, then finish."""
+        iterator = aiter(frames)
+        head = await anext(iterator)
+        self.net.sent.append((self.me, peer, type(head).__name__))
+        await asyncio.sleep(0)
+        if peer in self.net.dead:
+            raise PeerUnreachable(url, "connection refused")
+        if type(head).__name__ in self.net.lost:
+            raise PeerUnreachable(url, "deadline passed")
+        consumer = None
+        try:
+            consumer = await self.net.nodes[peer].open_payload_stream(head, self.me)
+            async for chunk in iterator:
+                self.net.chunks += 1
+                await consumer.part(chunk)
+            done, consumer = consumer, None
+            await done.finish()
+            return []
+        except RemoteProtocolError as error:
+            raise PeerRefused(url, error.status_hint, str(error)) from None
+        finally:
+            if consumer is not None:
+                await consumer.abort("the body broke off")
 
-def cluster(names: list[str], *, hold_s: float = 0.5, timeout_s: float = 0.05) -> tuple[FakeNet, TaskSet]:
+
+def cluster(root: Path, names: list[str], *, hold_s: float = 0.5, timeout_s: float = 0.05,
+            chunk_bytes: int = 4096, **options) -> tuple[FakeNet, TaskSet]:
+    """RelayIOs named `names` (the first one the holder, fan-out 1), each spooling under root/<name>,
+    streaming in chunks of `chunk_bytes` (PAYLOAD is several)."""
     net, tasks = FakeNet(), TaskSet()
     loop = asyncio.get_running_loop()
     for name in names:
-        net.nodes[name] = RelayIO(node_id=name, fanout=1 if name == names[0] else 0, client=net.client(name),
-                                  url_of=lambda peer: f"http://{peer}", from_log=lambda index, epoch: None,
-                                  tasks=tasks, monotonic=loop.time, hold_s=hold_s, timeout_s=timeout_s)
+        net.nodes[name] = node = RelayIO(
+            node_id=name, fanout=1 if name == names[0] else 0, client=net.client(name),
+            url_of=lambda peer: f"http://{peer}", from_log=lambda index, epoch: None, tasks=tasks,
+            monotonic=loop.time, spool_dir=root / name, hold_s=hold_s, timeout_s=timeout_s, **options)
+        node.chunk_bytes = chunk_bytes
+        node.open_payload_stream = _opener(node)
     return net, tasks
+
+
+def _opener(node: RelayIO):
+    async def open_payload_stream(head: wire.PayloadOpen, sender: str):
+        return node.open_stream(head, sender)
+    return open_payload_stream
+
+
+async def completed_payloads(node: RelayIO, append: wire.LogAppend) -> list[bytes]:
+    """Each entry's payload bytes in the prefix `complete` gives (spooled ones read from their file)."""
+    prefix, payloads = await node.complete(append)
+    out = []
+    for entry in prefix.entries:
+        payload = payloads.get(entry.index, entry.payload)
+        out.append(payload if isinstance(payload, bytes) else payload.read())
+    return out
 
 
 def holders_append() -> coord.AppendEntries:
@@ -80,8 +130,9 @@ def holders_append() -> coord.AppendEntries:
 
 
 async def settle_network() -> None:
-    for _ in range(50):
-        await asyncio.sleep(0)
+    """Let pushes run (spool writes and reads go through worker threads: real time, not just turns)."""
+    for _ in range(40):
+        await asyncio.sleep(0.005)
 
 
 def test_relay_fanout_is_validated_and_defaults_off():
@@ -92,9 +143,9 @@ def test_relay_fanout_is_validated_and_defaults_off():
             load_config(None, {}, {"relay_fanout": bad})
 
 
-def test_the_holder_sends_the_bytes_once_and_they_travel_down_the_chain():
+def test_the_holder_sends_the_bytes_once_and_they_travel_down_the_chain(tmp_path):
     async def scenario() -> None:
-        net, tasks = cluster(["a", "b", "c", "d"])
+        net, tasks = cluster(tmp_path, ["a", "b", "c", "d"])
         a = net.nodes["a"]
         tree = plan_relay_tree("a", ["b", "c", "d"], 1)  # a -> b -> c -> d
         out = a.relayed_append(holders_append(), tree, leader_commit=4)
@@ -104,27 +155,27 @@ def test_the_holder_sends_the_bytes_once_and_they_travel_down_the_chain():
         assert not out.entries[0].relayed and out.entries[1].relayed
         assert out.entries[1].payload_sha256 == hashlib.sha256(PAYLOAD).digest() == again.entries[1].payload_sha256
         assert out.entries[1].payload == b"" and out.entries[1].payload_size == len(PAYLOAD)
-        pushes = [(src, dst) for src, dst, kind in net.sent if kind == "PayloadPush"]
+        pushes = [(src, dst) for src, dst, kind in net.sent if kind == "PayloadOpen"]
         assert pushes == [("a", "b"), ("b", "c"), ("c", "d")]
-        completed = await net.nodes["d"].complete(out)
-        assert [e.payload for e in completed.entries] == [b"", PAYLOAD]
+        assert net.chunks == 3 * 6  # 22,000 bytes in chunks of 4,096, three times
+        assert await completed_payloads(net.nodes["d"], out) == [b"", PAYLOAD]
         assert a.counts["pushed"] == 1 and net.nodes["b"].counts["forwarded"] == 1
         await tasks.close()
 
     asyncio.run(scenario())
 
 
-def test_a_follower_under_a_dead_relay_fetches_from_the_holder_within_its_hold():
+def test_a_follower_under_a_dead_relay_fetches_from_the_holder_within_its_hold(tmp_path):
     async def scenario() -> None:
-        net, tasks = cluster(["a", "b", "c"], hold_s=1.0, timeout_s=0.05)
+        net, tasks = cluster(tmp_path, ["a", "b", "c"], hold_s=1.0, timeout_s=0.05)
         net.dead.add("b")  # the only relay between a and c
         tree = plan_relay_tree("a", ["b", "c"], 1)
         out = net.nodes["a"].relayed_append(holders_append(), tree, leader_commit=4)
         net.nodes["c"].trees["a"] = tree  # as learned from an earlier push
         started = asyncio.get_running_loop().time()
-        completed = await net.nodes["c"].complete(out)
+        payloads = await completed_payloads(net.nodes["c"], out)
         waited = asyncio.get_running_loop().time() - started
-        assert [e.payload for e in completed.entries] == [b"", PAYLOAD]
+        assert payloads == [b"", PAYLOAD]
         fetches = [dst for src, dst, kind in net.sent if src == "c" and kind == "PayloadFetch"]
         assert fetches[:2] == ["b", "a"]  # parent first, then the holder
         assert waited < 1.0  # well within the hold: two relay timeouts and a fetch
@@ -133,13 +184,13 @@ def test_a_follower_under_a_dead_relay_fetches_from_the_holder_within_its_hold()
     asyncio.run(scenario())
 
 
-def test_without_the_bytes_the_append_is_answered_with_the_prefix_it_can_take():
+def test_without_the_bytes_the_append_is_answered_with_the_prefix_it_can_take(tmp_path):
     async def scenario() -> None:
-        net, tasks = cluster(["a", "b"], hold_s=0.15, timeout_s=0.05)
-        net.lost.update({"PayloadPush", "PayloadFetch"})  # the holder's push is lost, and every fetch
+        net, tasks = cluster(tmp_path, ["a", "b"], hold_s=0.15, timeout_s=0.05)
+        net.lost.update({"PayloadOpen", "PayloadFetch"})  # the holder's push is lost, and every fetch
         out = net.nodes["a"].relayed_append(holders_append(), plan_relay_tree("a", ["b"], 1), leader_commit=4)
         started = asyncio.get_running_loop().time()
-        completed = await net.nodes["b"].complete(out)
+        completed, _ = await net.nodes["b"].complete(out)
         assert asyncio.get_running_loop().time() - started >= 0.14  # it held the append for its hold time
         assert [e.index for e in completed.entries] == [5]  # the noop; the commit waits for its bytes
         assert completed.leader_commit == 4 and completed.prev_index == 4
@@ -148,9 +199,9 @@ def test_without_the_bytes_the_append_is_answered_with_the_prefix_it_can_take():
     asyncio.run(scenario())
 
 
-def test_altered_bytes_are_refused_kept_nowhere_and_not_forwarded():
+def test_altered_bytes_are_refused_kept_nowhere_and_not_forwarded(tmp_path):
     async def scenario() -> None:
-        net, tasks = cluster(["a", "b", "c"])
+        net, tasks = cluster(tmp_path, ["a", "b", "c"])
         tree = plan_relay_tree("a", ["b", "c"], 1)
         digest = hashlib.sha256(PAYLOAD).digest()
         forged = wire.PayloadPush(digest, "a", dict(tree.parent), PAYLOAD[:-1] + b"!")
@@ -180,50 +231,56 @@ def test_held_payloads_are_bounded_and_read_from_the_log_once_settled():
     assert store.get(digests[1]) == b"\x01" * 10
 
 
-def test_once_the_entry_is_in_the_log_its_bytes_leave_memory_and_are_served_from_the_log():
+def test_once_the_entry_is_in_the_log_its_bytes_leave_memory_and_are_served_from_the_log(tmp_path):
     async def scenario() -> None:
-        net, tasks = cluster(["a", "b"])
+        net, tasks = cluster(tmp_path, ["a", "b", "c"])
         log: dict[tuple[int, int], bytes] = {}
         b = net.nodes["b"]
         b.store = b.relay.store = HeldPayloads(lambda index, epoch: log.get((index, epoch)))
+        b._from_log = lambda index, epoch: log.get((index, epoch))
         out = net.nodes["a"].relayed_append(holders_append(), plan_relay_tree("a", ["b"], 1), leader_commit=4)
         await settle_network()
-        assert b.store.held_bytes == len(PAYLOAD)
-        completed = await b.complete(out)
-        log[(6, 3)] = completed.entries[1].payload  # what the core appended
+        digest = out.entries[1].payload_sha256
+        spooled = b.store.held(digest)
+        assert isinstance(spooled, SpooledPayload) and spooled.path.exists() and b.store.held_bytes == len(PAYLOAD)
+        log[(6, 3)] = (await completed_payloads(b, out))[1]  # what the core appended
         b.settle(out)  # the append as it came: relayed entries name their digests
-        assert b.store.held_bytes == 0
-        assert b.on_fetch(wire.PayloadFetch(out.entries[1].payload_sha256), "c").payload == PAYLOAD
+        assert b.store.held_bytes == 0 and not spooled.path.exists()  # the spool file went
+        assert spooled.read() == PAYLOAD  # a reader holding the old reference now reads the log
+        b.on_fetch(wire.PayloadFetch(digest), "c")
+        await settle_network()
+        assert ("b", "c", "PayloadOpen") in net.sent and net.nodes["c"].store.get(digest).read() == PAYLOAD
         await tasks.close()
 
     asyncio.run(scenario())
 
 
-def test_a_catching_up_follower_fetches_committed_payloads_at_once_one_at_a_time_per_source():
+def test_a_catching_up_follower_fetches_committed_payloads_at_once_one_at_a_time_per_source(tmp_path):
     async def scenario() -> None:
-        net, tasks = cluster(["a", "b"], hold_s=0.4, timeout_s=0.3)
+        net, tasks = cluster(tmp_path, ["a", "b"], hold_s=0.4, timeout_s=0.3)
         payloads = [bytes([i]) * 5000 for i in range(1, 5)]
         entries = tuple(LogEntry(2, 10 + i, EntryKind.OUTER_COMMIT, p, fragment=0, round=i)
                         for i, p in enumerate(payloads))
-        net.lost.add("PayloadPush")  # b was still starting when these were pushed
+        net.lost.add("PayloadOpen")  # b was still starting when these were pushed
         out = net.nodes["a"].relayed_append(coord.AppendEntries(2, "a", 9, 2, entries, 13, sent_at=0.0),
                                             plan_relay_tree("a", ["b"], 1), leader_commit=13)
         started = asyncio.get_running_loop().time()
-        completed = await net.nodes["b"].complete(out)
+        net.lost.discard("PayloadOpen")  # from here, fetch answers stream back
+        completed = await completed_payloads(net.nodes["b"], out)
         # Committed (index <= leader_commit): fetched without waiting a relay timeout (0.3 s) first.
         assert asyncio.get_running_loop().time() - started < 0.3
-        assert [e.payload for e in completed.entries] == payloads
+        assert completed == payloads
         assert net.most_in_flight == 1  # one fetch at a time from the holder: never a flood of streams
         await tasks.close()
 
     asyncio.run(scenario())
 
 
-def test_an_entry_whose_payload_is_in_the_log_file_is_read_once_and_relayed():
+def test_an_entry_whose_payload_is_in_the_log_file_is_read_once_and_relayed(tmp_path):
     from bootstrap.entries import StoredPayload
 
     async def scenario() -> None:
-        net, tasks = cluster(["a", "b"])
+        net, tasks = cluster(tmp_path, ["a", "b"])
         reads = []
         stored = StoredPayload(len(PAYLOAD), lambda: reads.append(1) or PAYLOAD)
         entry = LogEntry(3, 6, EntryKind.OUTER_COMMIT, stored, fragment=0, round=1)
@@ -234,7 +291,7 @@ def test_an_entry_whose_payload_is_in_the_log_file_is_read_once_and_relayed():
         await settle_network()
         assert out.entries[0].payload_sha256 == hashlib.sha256(PAYLOAD).digest()
         assert len(reads) == 1
-        assert (await net.nodes["b"].complete(out)).entries[0].payload == PAYLOAD
+        assert await completed_payloads(net.nodes["b"], out) == [PAYLOAD]
         await tasks.close()
 
     asyncio.run(scenario())

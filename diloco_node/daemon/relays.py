@@ -5,12 +5,19 @@ The I/O side of `bootstrap/relay_plane.py` (docs/COORDINATION.md, "Relayed paylo
 - **As lease holder** (`[node] relay_fanout` > 0), `relayed_append` turns an outgoing
   `AppendEntries` into a wire LogAppend whose payload-bearing entries are *relayed* (SHA-256 and
   size, no bytes), and the first time an entry leaves, `PayloadRelay.outgoing` pushes its bytes to
-  the tree's first level. Pushes go through one queue and worker per peer of their own, so a slow
-  push never delays a heartbeat or an append.
-- **On every node**, a PayloadPush is checked against its digest (`PayloadRelay.on_payload`) before
-  anything is kept or forwarded; verified bytes are kept in a bounded in-memory store until the
-  entry is in the log (`settle`), and passed on to this node's children in the pushed tree.
-  A PayloadFetch is answered from that store or from the log.
+  the tree's first level. With `relay_fanout` = 0 only payloads over `INLINE_PAYLOAD_MAX_BYTES`
+  are relayed, in a star (the holder pushes to every member itself); smaller ones stay inline.
+  Pushes go through one queue and worker per peer of their own, so a slow push never delays a
+  heartbeat or an append.
+- **Bytes travel streamed** (wire 2.3): a PayloadOpen (digest, size, tree) then PayloadChunks of
+  at most 16 MiB, sent with `PeerClient.send_sequence`. A receiver (`open_stream`) checks the
+  declared size against the run's bound (the largest commit its model can make), checks each
+  chunk's place and size, writes it to a spool file under the node's data directory and hashes it
+  off the event loop; a short stream or a wrong digest is refused (400) and its file deleted.
+  Verified files are kept in a bounded store (`HeldPayloads`) until the entry is in the log
+  (`settle`), and passed on to this node's children chunk by chunk from the file. A PayloadFetch
+  is answered at once (200, no body) and the bytes stream back to the asker the same way, from
+  the spool or the log. A 2.2 single-frame PayloadPush is still accepted.
 - **As follower**, `complete` holds a relayed LogAppend (the HTTP request stays open) until every
   payload it names is here, at most `hold_s`; meanwhile a fetch loop per missing digest asks the
   next source up the tree every `timeout_s` (parent, each ancestor, the holder last:
@@ -27,22 +34,29 @@ the request's, not a separate delivery. The fetch loop below follows the same cl
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import io
 import logging
+import os
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from pathlib import Path
+from typing import Any, BinaryIO
 
 from bootstrap import messages as coord
 from bootstrap.coordinator_node import CoordinatorNode
-from bootstrap.entries import LogEntry
+from bootstrap.entries import LogEntry, PayloadUnavailable, StoredPayload
 from bootstrap.relay_plane import PayloadHop, PayloadRelay, PayloadRequest, SendPayload, payload_digest
 from bootstrap.relay_tree import RelayTree, plan_relay_tree
 from diloco_node.daemon import peers
 from diloco_node.daemon.tasks import TaskSet
+from diloco_node.sync.fragments import WIRE_OVERHEAD_BYTES, FragmentPlan
 from diloco_node.transport import PeerClient, PeerRefused, PeerUnreachable
 from wire import messages as wire
-from wire.errors import RemoteProtocolError
+from wire.errors import LocalProtocolError, RemoteProtocolError
+from wire.limits import MAX_RELAYED_PAYLOAD_BYTES
+from wire.payload_stream import PayloadAssembler, commit_size_bound, stream_chunk_bytes
 
 log = logging.getLogger("diloco_node.daemon")
 
@@ -51,16 +65,24 @@ log = logging.getLogger("diloco_node.daemon")
 DEFAULT_HOLD_S = 1.0
 # Seconds without a payload before a follower asks the next source up the tree.
 DEFAULT_TIMEOUT_S = 0.5
-# A push or a fetch answer may carry a 256 MiB payload over a slow link; a stalled peer costs a
-# push queue this long, never a heartbeat (fetches climb on meanwhile: they do not wait for it).
+# A push or a fetch answer is given this long plus its size at the slowest planned link (4 Mbit/s);
+# a stalled peer costs a push queue that long, never a heartbeat (fetches climb on meanwhile).
 TRANSFER_DEADLINE_S = 60.0
+SLOWEST_LINK_BYTES_PER_S = 512 * 1024
+# With relay_fanout = 0 the holder still sends bigger payloads by digest and streams their bytes to
+# every member itself (a star): one frame would not carry them, and a follower must not buffer them.
+# Smaller ones stay inline in the append, as before relays existed.
+INLINE_PAYLOAD_MAX_BYTES = 32 * 1024 * 1024
+# Spool files are read and written this much at a time (one chunk of the stream).
+SPOOL_SUBDIR = "relay-spool"
 # A fetch loop stops when no append has named its digest for this long (the holder moved on).
 GIVE_UP_S = 30.0
 # Payload copies queued per peer for pushing; the oldest is dropped past it (the peer fetches it).
 MAX_QUEUED_PUSHES = 4
-# Verified payloads kept in memory until their entry is in the log (then the log holds them).
+# Verified payloads kept (spool files on disk; a holder's own or a 2.2 push's bytes in memory) until
+# their entry is in the log (then the log holds them); past either bound the oldest goes.
 MAX_HELD_PAYLOADS = 16
-MAX_HELD_BYTES = 2 * 1024**3
+MAX_HELD_BYTES = 4 * 1024**3
 # Digests remembered with the log position of their entry, to serve fetches from the log.
 MAX_KNOWN_POSITIONS = 4096
 
@@ -70,36 +92,97 @@ def entry_bytes(entry: LogEntry) -> bytes:
     return entry.payload_bytes()
 
 
-class HeldPayloads:
-    """The `PayloadStore` of the relay plane: verified bytes by SHA-256, in memory until the log holds them.
+class SpooledPayload:
+    """Verified payload bytes in a spool file; once the file is gone (its entry is in the log and
+    the file was deleted), read from the log through `fallback` instead."""
 
-    Bounded by count and bytes (the oldest go first: the holder resends, a child fetches). Bytes
-    whose entry is in the log are read back from the log (`settle` records where).
+    __slots__ = ("path", "size", "digest", "_fallback")
+
+    def __init__(self, path: Path, size: int, digest: bytes,
+                 fallback: Callable[[], bytes | None] = lambda: None) -> None:
+        self.path, self.size, self.digest = path, size, digest
+        self._fallback = fallback
+
+    def open(self) -> BinaryIO:
+        try:
+            return open(self.path, "rb")
+        except FileNotFoundError:
+            data = self._fallback()
+            if data is None:
+                raise PayloadUnavailable(f"relayed payload {self.digest.hex()[:16]}..: its spool file "
+                                         f"{self.path.name} is gone and the log does not hold it") from None
+            return io.BytesIO(data)
+
+    def read(self) -> bytes:
+        with self.open() as handle:
+            return handle.read()
+
+    def pieces(self, piece_bytes: int) -> Iterator[bytes]:
+        with self.open() as handle:
+            while piece := handle.read(piece_bytes):
+                yield piece
+
+    def set_fallback(self, fallback: Callable[[], bytes | None]) -> None:
+        self._fallback = fallback
+
+    def as_stored(self) -> StoredPayload:
+        """A log entry's payload that the log store copies into log.bin piece by piece."""
+        return StoredPayload(self.size, self.read, pieces=self.pieces, transient=True)
+
+    def delete(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def __repr__(self) -> str:
+        return f"SpooledPayload({self.path.name}, {self.size} bytes)"
+
+
+def payload_size(payload: bytes | SpooledPayload) -> int:
+    return payload.size if isinstance(payload, SpooledPayload) else len(payload)
+
+
+class HeldPayloads:
+    """The `PayloadStore` of the relay plane: verified payloads by SHA-256 until the log holds them.
+
+    A payload is a `SpooledPayload` (a streamed one, on disk) or bytes (the holder's own while it
+    pushes them, or a 2.2 single-frame push). Bounded by count and bytes (the oldest go first, their
+    spool files deleted: the holder resends, a child fetches). Once an entry is in the log its spool
+    file is deleted and its bytes are read back from the log (`settle` records where).
     """
 
     def __init__(self, from_log: Callable[[int, int], bytes | None], *, max_items: int = MAX_HELD_PAYLOADS,
                  max_bytes: int = MAX_HELD_BYTES) -> None:
         self._from_log = from_log  # (index, epoch) -> the log entry's bytes, or None
-        self._held: OrderedDict[bytes, bytes] = OrderedDict()
+        self._held: OrderedDict[bytes, bytes | SpooledPayload] = OrderedDict()
         self._positions: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
         self._max_items, self._max_bytes = max_items, max_bytes
         self.held_bytes = 0
 
-    def get(self, digest: bytes) -> bytes | None:
+    def get(self, digest: bytes) -> bytes | SpooledPayload | None:
         payload = self._held.get(digest)
         if payload is not None:
             return payload
         position = self._positions.get(digest)
         return self._from_log(*position) if position is not None else None
 
-    def put(self, digest: bytes, payload: bytes) -> None:
+    def held(self, digest: bytes) -> bytes | SpooledPayload | None:
+        """The payload if kept here (not read back from the log)."""
+        return self._held.get(digest)
+
+    def put(self, digest: bytes, payload: bytes | SpooledPayload) -> None:
         if digest in self._held or digest in self._positions:
+            if isinstance(payload, SpooledPayload) and self._held.get(digest) is not payload:
+                payload.delete()  # a second copy of bytes already here
             return
         self._held[digest] = payload
-        self.held_bytes += len(payload)
+        self.held_bytes += payload_size(payload)
         while self._held and (len(self._held) > self._max_items or self.held_bytes > self._max_bytes):
             _, dropped = self._held.popitem(last=False)
-            self.held_bytes -= len(dropped)
+            self._drop(dropped)
+
+    def _drop(self, payload: bytes | SpooledPayload) -> None:
+        self.held_bytes -= payload_size(payload)
+        if isinstance(payload, SpooledPayload):
+            payload.delete()
 
     def settle(self, digest: bytes, index: int, epoch: int) -> None:
         """The entry (index, epoch) with these bytes is in the log: serve it from there from now on."""
@@ -111,23 +194,57 @@ class HeldPayloads:
             self._positions.popitem(last=False)
         dropped = self._held.pop(digest, None)
         if dropped is not None:
-            self.held_bytes -= len(dropped)
+            self._drop(dropped)
+
+    def clear(self) -> None:
+        """Forget (and delete) everything kept: the node stops."""
+        while self._held:
+            self._drop(self._held.popitem()[1])
+
+    @property
+    def spooled(self) -> int:
+        return sum(1 for payload in self._held.values() if isinstance(payload, SpooledPayload))
 
     def __contains__(self, digest: bytes) -> bool:
-        return self.get(digest) is not None
+        return digest in self._held or self.get(digest) is not None
+
+    def __len__(self) -> int:
+        """Payloads kept here (not counting those read back from the log)."""
+        return len(self._held)
+
+
+def run_payload_bound(plan: FragmentPlan, shapes: Mapping[str, Sequence[int]], codec_down: str) -> int:
+    """The most bytes a relayed payload of this run may declare: the largest fragment's commit in
+    `codec_down` (docs/WIRE.md, "Streamed relayed payloads"), from the model's shapes alone."""
+    return commit_size_bound(({name: shapes[name] for name in fragment.names} for fragment in plan.fragments),
+                             codec_down, overhead_bytes=WIRE_OVERHEAD_BYTES)
+
+
+def _tree_members(core: CoordinatorNode) -> set[str]:
+    return {m for m in set(core.log.config.voters) | set(core.membership.members)
+            if m != core.node_id and not core.is_evicted(m)
+            and core.membership.state_of(m) is not coord.MemberState.LEFT}
 
 
 def holder_tree(core: CoordinatorNode, fanout: int) -> RelayTree:
-    """The lease holder's relay tree: voters and known members, minus evicted ones; what SWIM doubts goes last."""
-    members = {m for m in set(core.log.config.voters) | set(core.membership.members)
-               if m != core.node_id and not core.is_evicted(m)
-               and core.membership.state_of(m) is not coord.MemberState.LEFT}
+    """The lease holder's relay tree: voters and known members, minus evicted ones; what SWIM doubts goes last.
+    Fan-out 0 (relays off): a star, the holder sends to every member itself."""
+    members = _tree_members(core)
+    if fanout == 0:
+        return star_tree(core.node_id, members)
     unhealthy = {m for m in members if (state := core.membership.state_of(m)) is not None
                  and state is not coord.MemberState.ALIVE}
     return plan_relay_tree(core.node_id, members, fanout, unhealthy)
 
 
-def tree_from_wire(push: wire.PayloadPush) -> RelayTree | None:
+def star_tree(root: str, members: set[str]) -> RelayTree:
+    """Every member's parent is `root` (it goes out as no tree: nobody passes the bytes on)."""
+    ordered = tuple(sorted(members))
+    return RelayTree(root=root, fanout=max(1, len(ordered)), parent={m: root for m in ordered},
+                     children={root: ordered, **{m: () for m in ordered}})
+
+
+def tree_from_wire(push: wire.PayloadPush | wire.PayloadOpen) -> RelayTree | None:
     """The tree a push names (already checked by the wire layer), or None for a fetch answer."""
     if not push.root:
         return None
@@ -163,32 +280,63 @@ class RelayIO:
 
     def __init__(self, *, node_id: str, fanout: int, client: PeerClient, url_of: Callable[[str], str | None],
                  from_log: Callable[[int, int], bytes | None], tasks: TaskSet,
-                 monotonic: Callable[[], float], hold_s: float = DEFAULT_HOLD_S,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 monotonic: Callable[[], float], spool_dir: Path, hold_s: float = DEFAULT_HOLD_S,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, max_payload_bytes: int = MAX_RELAYED_PAYLOAD_BYTES,
+                 inline_max_bytes: int = INLINE_PAYLOAD_MAX_BYTES) -> None:
         if not hold_s > 0 or not timeout_s > 0:
             raise ValueError(f"relay hold_s and timeout_s must be > 0, got {hold_s!r}, {timeout_s!r}")
         self.node_id = node_id
-        self.fanout = fanout  # 0: this node, as lease holder, sends payloads inside its appends
+        # 0: as lease holder, payloads up to inline_max_bytes go inside the appends, bigger ones
+        # by digest with their bytes streamed to every member (a star).
+        self.fanout = fanout
+        self.inline_max_bytes = inline_max_bytes
         self.client = client
         self.url_of = url_of
         self.tasks = tasks
         self.monotonic = monotonic
         self.hold_s = hold_s
+        # The most bytes a peer's PayloadOpen may declare: the largest commit the run's model can make.
+        self.max_payload_bytes = max_payload_bytes
+        self.chunk_bytes = stream_chunk_bytes()
+        self.spool_dir = Path(spool_dir)
+        self.spool_dir.mkdir(parents=True, exist_ok=True)
+        for leftover in self.spool_dir.iterdir():  # a previous run's: unverified or no longer needed
+            leftover.unlink(missing_ok=True)
         self.store = HeldPayloads(from_log)
+        self._from_log = from_log
         self.relay = PayloadRelay(node_id, self.store, timeout_s=timeout_s)
         self.trees: dict[str, RelayTree] = {}  # holder -> the last tree it pushed to us
         self._digests: OrderedDict[tuple[int, int], tuple[bytes, int]] = OrderedDict()  # (index, epoch) -> digest, size
         self._queues: dict[str, _PushQueue] = {}
         self._missing: dict[bytes, _Missing] = {}
+        self._incoming: dict[bytes, set[_PayloadReceiver]] = {}  # streams arriving now, by digest
+        self._spool_serial = 0
         # One fetch in flight per source: a catching-up follower wants many payloads at once, and
         # a peer admits only a few streams from one member (the rest would be refused, 429).
         self._fetch_slots: dict[str, asyncio.Semaphore] = {}
         self._fetching: set[tuple[str, bytes]] = set()
-        # What this node did (read by tests; not on /status yet): copies pushed as the root,
-        # copies forwarded as a relay, fetch answers served, fetches sent, pushes refused.
-        self.counts = {"pushed": 0, "forwarded": 0, "served": 0, "fetched": 0, "refused": 0}
+        # What this node did (/status "relays", /metrics diloco_relay_*): copies pushed as the root,
+        # copies forwarded as a relay, fetch answers served, fetches sent, streams refused; and the
+        # payload bytes of copies pushed and forwarded (served answers count as forwarded bytes).
+        self.counts = {"pushed": 0, "forwarded": 0, "served": 0, "fetched": 0, "refused": 0,
+                       "pushed_bytes": 0, "forwarded_bytes": 0}
+
+    def status(self) -> dict[str, Any]:
+        """The relay part of /status: the counters and what is held now."""
+        return {**self.counts, "fanout": self.fanout, "held": len(self.store), "spooled": self.store.spooled,
+                "held_bytes": self.store.held_bytes, "max_payload_bytes": self.max_payload_bytes}
+
+    def close(self) -> None:
+        """The node stops: delete what the spool holds (the log has what it needs)."""
+        self.store.clear()
 
     # ------------------------------------------------------------------ as lease holder
+
+    def relays(self, entry: LogEntry) -> bool:
+        """Whether this node, as holder, sends `entry`'s payload by digest (else inline)."""
+        if entry.payload_size == 0:
+            return False
+        return self.fanout > 0 or entry.payload_size > self.inline_max_bytes
 
     def digest_of(self, entry: LogEntry, payload: bytes | None = None) -> tuple[bytes, int]:
         """SHA-256 and size of an entry's payload (`payload`: its bytes, when already read), computed
@@ -207,7 +355,7 @@ class RelayIO:
         fresh = []
         described = []
         for entry in message.entries:
-            if entry.payload_size == 0:
+            if not self.relays(entry):
                 described.append(peers.entry_to_wire(entry))
                 continue
             # A payload stored in the log file is read once: for its digest and, if new, its push.
@@ -227,37 +375,59 @@ class RelayIO:
 
     # ------------------------------------------------------------------ pushes and fetches in
 
-    def on_push(self, push: wire.PayloadPush, sender: str) -> None:
-        """Bytes from `sender`: kept and forwarded if their SHA-256 is `push.digest`, else refused (400)."""
-        tree = tree_from_wire(push)
+    def open_stream(self, head: wire.PayloadOpen, sender: str) -> _PayloadReceiver:
+        """A streamed payload from `sender` begins: its receiver (the transport's SequenceConsumer).
+        Refused at once (413) when it declares more than the run's largest commit."""
+        try:
+            assembler = PayloadAssembler(head, self.max_payload_bytes)
+        except RemoteProtocolError:
+            self.counts["refused"] += 1
+            raise
+        self._spool_serial += 1
+        path = self.spool_dir / f"{head.digest.hex()[:16]}-{self._spool_serial}.part"
+        return _PayloadReceiver(self, assembler, sender, path)
+
+    def accept(self, head: wire.PayloadOpen | wire.PayloadPush, payload: bytes | SpooledPayload, sender: str) -> None:
+        """Verified bytes from `sender`: kept, passed on down the tree they came with, waiters woken."""
+        tree = tree_from_wire(head)
         if tree is not None and tree.root != self.node_id:
             self.trees[tree.root] = tree
         if tree is not None and tree.root == self.node_id:
             tree = None  # our own payload pushed back to us: keep, never forward
-        refused = self.relay.refused
-        actions = self.relay.on_payload(PayloadHop(push.digest, push.payload, tree))
-        if self.relay.refused != refused:
-            self.counts["refused"] += 1
-            raise RemoteProtocolError(f"PayloadPush from {sender}: the bytes do not have SHA-256 "
-                                      f"{push.digest.hex()[:16]}..; nothing kept", 400)
+        actions = self.relay.on_verified(PayloadHop(head.digest, payload, tree))
+        if isinstance(payload, SpooledPayload) and self.store.held(head.digest) is not payload:
+            payload.delete()  # already had it (or it was dropped at once by the bounds)
         self._perform(actions, as_root=False)
-        missing = self._missing.get(push.digest)
+        missing = self._missing.get(head.digest)
         if missing is not None:
             missing.arrived.set()
 
-    def on_fetch(self, fetch: wire.PayloadFetch, requester: str) -> wire.PayloadPush:
-        """The bytes with `fetch.digest`, as a PayloadPush without a tree; 404 when this node has none."""
-        actions = self.relay.on_request(PayloadRequest(requester, fetch.digest))
-        if not actions:
+    def on_push(self, push: wire.PayloadPush, sender: str) -> None:
+        """A 2.2 single-frame push: kept and forwarded if its SHA-256 is `push.digest`, else refused (400)."""
+        if payload_digest(push.payload) != push.digest:
+            self.counts["refused"] += 1
+            self.relay.refused += 1
+            raise RemoteProtocolError(f"PayloadPush from {sender}: the bytes do not have SHA-256 "
+                                      f"{push.digest.hex()[:16]}..; nothing kept", 400)
+        self.accept(push, push.payload, sender)
+
+    def on_fetch(self, fetch: wire.PayloadFetch, requester: str) -> None:
+        """Answered at once; the bytes with `fetch.digest` then stream to `requester`. 404 when this node has none."""
+        payload = self.store.get(fetch.digest)
+        if payload is None:
             raise RemoteProtocolError(f"{self.node_id} holds no payload {fetch.digest.hex()[:16]}..", 404)
         self.counts["served"] += 1
-        hop = actions[0].hop  # type: ignore[union-attr]
-        return wire.PayloadPush(hop.digest, "", {}, hop.payload)
+        self._enqueue(requester, PayloadHop(fetch.digest, payload, None))
 
     # ------------------------------------------------------------------ as follower
 
-    async def complete(self, message: wire.LogAppend) -> wire.LogAppend:
-        """A relayed append with its bytes filled in: the longest prefix whose bytes are here after at most hold_s."""
+    async def complete(self, message: wire.LogAppend) -> tuple[wire.LogAppend, dict[int, StoredPayload | bytes]]:
+        """The longest prefix of a relayed append whose bytes are here after at most hold_s.
+
+        Returns the prefix with each relayed entry's bytes left out (an empty payload) and the
+        payloads by entry index: a spooled one as a `StoredPayload` the log store copies into
+        log.bin piece by piece, so the bytes never sit in memory whole.
+        """
         wanted = {e.payload_sha256: e.index <= message.leader_commit for e in message.entries
                   if e.relayed and e.payload_sha256 not in self.store}
         if wanted:
@@ -270,14 +440,20 @@ class RelayIO:
                 for wait in waits:
                     wait.cancel()
         entries = []
+        payloads: dict[int, StoredPayload | bytes] = {}
         for entry in message.entries:
             if entry.relayed:
                 payload = self.store.get(entry.payload_sha256)
                 if payload is None:
                     break
-                entry = wire.LogEntry(entry.index, entry.epoch, entry.kind, entry.metadata, payload)
+                if isinstance(payload, SpooledPayload):
+                    payload.set_fallback(lambda i=entry.index, e=entry.epoch: self._from_log(i, e))
+                    payloads[entry.index] = payload.as_stored()
+                else:
+                    payloads[entry.index] = payload
+                entry = wire.LogEntry(entry.index, entry.epoch, entry.kind, entry.metadata, b"")
             entries.append(entry)
-        return replace(message, entries=tuple(entries))
+        return replace(message, entries=tuple(entries)), payloads
 
     def settle(self, message: wire.LogAppend) -> None:
         """After the core took `message`: bytes of relayed entries now in the log are served from there."""
@@ -296,9 +472,15 @@ class RelayIO:
         missing.holder, missing.last_wanted = holder, now
         return missing
 
+    def _progress(self, digest: bytes) -> int:
+        """Bytes received so far by the streams of `digest` arriving now (a moving stream is no stall)."""
+        return sum(receiver.assembler.received for receiver in self._incoming.get(digest, ()))
+
     async def _fetch_loop(self, digest: bytes, missing: _Missing) -> None:
-        """Every timeout without the bytes, ask the next source up the tree (the holder last, then again)."""
+        """Every timeout without the bytes, ask the next source up the tree (the holder last, then again).
+        A timeout in which a stream of these bytes made progress does not count."""
         attempt = 0
+        seen = -1
         try:
             while not missing.arrived.is_set() and self.monotonic() - missing.last_wanted < GIVE_UP_S:
                 if attempt > 0 or not missing.urgent:
@@ -309,6 +491,10 @@ class RelayIO:
                         pass
                 if digest in self.store:
                     break
+                progress = self._progress(digest)
+                if progress > seen and self._incoming.get(digest):
+                    seen = progress
+                    continue
                 tree = self.trees.get(missing.holder)
                 sources = (tree.fetch_sources(self.node_id) if tree is not None and self.node_id in tree.parent
                            else ()) or (missing.holder,)
@@ -338,6 +524,7 @@ class RelayIO:
             return
         finally:
             self._fetching.discard((source, digest))
+        # Wire 2.3: no reply, the bytes stream back (open_stream). A 2.2 source answers with them.
         for reply in replies:
             if isinstance(reply, wire.PayloadPush) and reply.digest == digest and not reply.root:
                 try:
@@ -371,14 +558,118 @@ class RelayIO:
             while queue.pending:
                 hop = queue.pending.pop(0)
                 url = self.url_of(peer)
-                if url is None or hop.tree is None:
+                if url is None:
                     continue
-                push = wire.PayloadPush(hop.digest, hop.tree.root, dict(hop.tree.parent), hop.payload)
                 try:
-                    await self.client.send(url, push, peer=peer, deadline_s=TRANSFER_DEADLINE_S)
+                    await self._stream_to(url, peer, hop)
                 except (PeerRefused, PeerUnreachable) as error:
                     log.info("payload push to %s failed (it will fetch): %s", peer, error)
                 except asyncio.CancelledError:
                     raise
                 except Exception:  # one bad exchange must not stop the worker
                     log.exception("payload push to %s failed", peer)
+
+    async def _stream_to(self, url: str, peer: str, hop: PayloadHop) -> None:
+        """Stream `hop`'s bytes to `peer`: a PayloadOpen naming the tree, then chunks read one at a time.
+
+        A tree in which no member passes the bytes on (a star) goes out as no tree: the receiver
+        keeps them, as it would a fetch answer, and a star of any size fits the wire's fan-out bound.
+        """
+        tree = hop.tree
+        if tree is None or all(not tree.children.get(member) for member in tree.parent):
+            root, parent = "", {}
+        else:
+            root, parent = tree.root, dict(tree.parent)
+        size = payload_size(hop.payload)
+        head = wire.PayloadOpen(os.urandom(wire.STREAM_ID_BYTES), hop.digest, size, self.chunk_bytes, root, parent)
+        await self.client.send_sequence(url, _stream_frames(head, hop.payload), peer=peer,
+                                        deadline_s=TRANSFER_DEADLINE_S + size / SLOWEST_LINK_BYTES_PER_S)
+        self.counts["pushed_bytes" if tree is not None and tree.root == self.node_id else "forwarded_bytes"] += size
+
+
+async def _stream_frames(head: wire.PayloadOpen, payload: bytes | SpooledPayload) -> AsyncIterator[wire.Message]:
+    """The open, then each chunk; a spool file is read one chunk at a time in a worker thread."""
+    yield head
+    if isinstance(payload, bytes):
+        for offset in range(0, len(payload), head.chunk_bytes):
+            yield wire.PayloadChunk(head.stream, offset, payload[offset:offset + head.chunk_bytes])
+        return
+    handle = await asyncio.to_thread(payload.open)
+    try:
+        offset = 0
+        while offset < head.size:
+            piece = await asyncio.to_thread(handle.read, min(head.chunk_bytes, head.size - offset))
+            if not piece:
+                raise LocalProtocolError(f"{payload!r} ended after {offset} of {head.size} bytes")
+            yield wire.PayloadChunk(head.stream, offset, piece)
+            offset += len(piece)
+    finally:
+        handle.close()
+
+
+class _PayloadReceiver:
+    """One streamed payload arriving (the transport's SequenceConsumer): checked chunk by chunk,
+    spooled to a file and hashed in a worker thread; kept only if whole and of the declared digest."""
+
+    def __init__(self, io: RelayIO, assembler: PayloadAssembler, sender: str, path: Path) -> None:
+        self.io, self.assembler, self.sender, self.path = io, assembler, sender, path
+        self._hasher = hashlib.sha256()
+        self._file: BinaryIO | None = None
+        self._done = False
+        io._incoming.setdefault(assembler.head.digest, set()).add(self)
+
+    @property
+    def max_remaining_bytes(self) -> int:
+        return self.assembler.max_remaining_bytes
+
+    @property
+    def frames_left(self) -> int:
+        return self.assembler.frames_left
+
+    async def part(self, message: wire.Message) -> None:
+        if not isinstance(message, wire.PayloadChunk):
+            raise RemoteProtocolError(f"a PayloadOpen body continues with PayloadChunks, got {type(message).__name__}")
+        self.assembler.check(message)
+        await asyncio.to_thread(self._write, message.payload)
+
+    def _write(self, data: bytes) -> None:
+        if self._file is None:
+            self._file = open(self.path, "wb")
+        self._file.write(data)
+        self._hasher.update(data)
+
+    async def finish(self) -> None:
+        await asyncio.to_thread(self._close)
+        try:
+            self.assembler.finish(self._hasher.digest())
+        except RemoteProtocolError:
+            self._discard()
+            self.io.counts["refused"] += 1
+            raise
+        self._forget()
+        head = self.assembler.head
+        self.io.accept(head, SpooledPayload(self.path, head.size, head.digest), self.sender)
+        return None
+
+    async def abort(self, reason: str) -> None:
+        await asyncio.to_thread(self._close)
+        self._discard()
+        log.info("payload stream from %s dropped: %s", self.sender, reason)
+
+    def _close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _discard(self) -> None:
+        self._forget()
+        self.path.unlink(missing_ok=True)
+
+    def _forget(self) -> None:
+        if not self._done:
+            self._done = True
+            receivers = self.io._incoming.get(self.assembler.head.digest)
+            if receivers is not None:
+                receivers.discard(self)
+                if not receivers:
+                    del self.io._incoming[self.assembler.head.digest]

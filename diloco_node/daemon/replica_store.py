@@ -50,10 +50,14 @@ from bootstrap.election import ElectionState
 from bootstrap.entries import ClusterConfig, EntryKind, LogEntry, PayloadUnavailable, Snapshot, StoredPayload
 from bootstrap.replog import LogStore
 from diloco_node.ops.checkpoint import fsync_dir
+from wire.limits import MAX_RELAYED_PAYLOAD_BYTES
 
 _RECORD_HEAD = struct.Struct("<II")
-# One entry holds one merged fragment delta; bigger than this is a corrupt length field.
-MAX_RECORD_BYTES = 512 * 1024 * 1024
+# One entry holds one merged fragment delta (at most wire.limits.MAX_RELAYED_PAYLOAD_BYTES) and its
+# fields; bigger than this is a corrupt length field.
+MAX_RECORD_BYTES = MAX_RELAYED_PAYLOAD_BYTES + (1 << 20)
+# A payload kept outside memory is copied into a record this much at a time (CRC computed as it goes).
+WRITE_PIECE_BYTES = 4 * 1024 * 1024
 _SNAPSHOT_KEY = "snapshot"
 # Payloads up to this size stay in memory (no-ops, membership, tests' small entries): a reference
 # and a read per use would cost more than the bytes.
@@ -188,16 +192,55 @@ def _scan_log(handle: Any, size: int, path: Path) -> tuple[Snapshot, list[tuple[
     return snapshot, entries, offset
 
 
+def _bin_header(size: int) -> bytes:
+    """msgpack's bin header for `size` bytes (the form msgpack.packb itself picks)."""
+    if size < 1 << 8:
+        return struct.pack(">BB", 0xC4, size)
+    if size < 1 << 16:
+        return struct.pack(">BH", 0xC5, size)
+    return struct.pack(">BI", 0xC6, size)
+
+
+def _write_entry(handle: Any, entry: LogEntry) -> int:
+    """Write `entry`'s record to `handle`; returns its length.
+
+    A payload kept outside memory (`StoredPayload`: a spool file, or the old log during a rewrite)
+    is copied a piece at a time: the record is the same msgpack array `_encode_entry` makes, its
+    parts packed around the payload's bin header, and its CRC is computed over the pieces in a first
+    pass (the header that carries it comes first in the file), so no whole payload is in memory.
+    """
+    payload = entry.payload
+    if not isinstance(payload, StoredPayload):
+        record = _encode_entry(entry)
+        handle.write(record)
+        return len(record)
+    packer = msgpack.Packer(use_bin_type=True)
+    voters = entry.config.sorted_voters() if entry.config is not None else None
+    head = (packer.pack_array_header(8) + packer.pack(entry.epoch) + packer.pack(entry.index)
+            + packer.pack(entry.kind.value) + _bin_header(payload.size))
+    tail = packer.pack(entry.fragment) + packer.pack(entry.round) + packer.pack(entry.digest) + packer.pack(voters)
+    crc = zlib.crc32(head)
+    for piece in payload.pieces(WRITE_PIECE_BYTES):
+        crc = zlib.crc32(piece, crc)
+    crc = zlib.crc32(tail, crc)
+    length = len(head) + payload.size + len(tail)
+    handle.write(_RECORD_HEAD.pack(length, crc))
+    handle.write(head)
+    for piece in payload.pieces(WRITE_PIECE_BYTES):
+        handle.write(piece)
+    handle.write(tail)
+    return _RECORD_HEAD.size + length
+
+
 def _write_records(handle: Any, start: int, entries: list[LogEntry]) -> tuple[list[tuple[int, int, int, int]], int]:
-    """Append `entries` as records at byte `start` of `handle`, one payload in memory at a time.
-    Returns ([(index, epoch, record offset, record length)], end offset)."""
+    """Append `entries` as records at byte `start` of `handle`, at most one payload (or one piece of
+    one) in memory at a time. Returns ([(index, epoch, record offset, record length)], end offset)."""
     located = []
     offset = start
     for entry in entries:
-        record = _encode_entry(entry)
-        handle.write(record)
-        located.append((entry.index, entry.epoch, offset, len(record)))
-        offset += len(record)
+        length = _write_entry(handle, entry)
+        located.append((entry.index, entry.epoch, offset, length))
+        offset += length
     return located, offset
 
 
@@ -385,11 +428,18 @@ class ReplicaStore:
                 self._locations[index] = (epoch, offset, length)
 
     def _stored(self, entry: LogEntry) -> LogEntry:
-        """`entry` with its payload as a reference into log.bin (small payloads stay inline)."""
-        if isinstance(entry.payload, StoredPayload) or len(entry.payload) <= INLINE_PAYLOAD_BYTES:
+        """`entry` with its payload as a reference into log.bin (small payloads stay inline; a
+        transient one, e.g. in a relay's spool file, is replaced: log.bin holds it now)."""
+        payload = entry.payload
+        if isinstance(payload, StoredPayload):
+            if not payload.transient:
+                return entry
+            if payload.size <= INLINE_PAYLOAD_BYTES:
+                return dataclasses.replace(entry, payload=payload.read())
+        elif len(payload) <= INLINE_PAYLOAD_BYTES:
             return entry
         reader = functools.partial(self.read_payload, entry.index, entry.epoch)
-        return dataclasses.replace(entry, payload=StoredPayload(len(entry.payload), reader))
+        return dataclasses.replace(entry, payload=StoredPayload(entry.payload_size, reader))
 
     def _store_payloads(self, entries: list[LogEntry], start: int) -> None:
         """Swap the payloads of `entries[start:]` (just written) for references, in place: the
