@@ -295,3 +295,149 @@ def test_an_entry_whose_payload_is_in_the_log_file_is_read_once_and_relayed(tmp_
         await tasks.close()
 
     asyncio.run(scenario())
+
+
+def spool_files(node: RelayIO) -> list[str]:
+    return sorted(path.name for path in node.spool_dir.iterdir())
+
+
+async def stream_frames(head: wire.PayloadOpen, payload: bytes, chunk_bytes: int):
+    yield head
+    for offset in range(0, len(payload), chunk_bytes):
+        yield wire.PayloadChunk(head.stream, offset, payload[offset:offset + chunk_bytes])
+
+
+def test_streamed_bytes_are_spooled_to_a_file_and_forwarded_chunk_by_chunk_from_it(tmp_path):
+    async def scenario() -> None:
+        net, tasks = cluster(tmp_path, ["a", "b", "c"])
+        out = net.nodes["a"].relayed_append(holders_append(), plan_relay_tree("a", ["b", "c"], 1), leader_commit=4)
+        await settle_network()
+        digest = out.entries[1].payload_sha256
+        for name in ("b", "c"):
+            spooled = net.nodes[name].store.held(digest)
+            # On disk under the node's spool directory, not in memory; b read it back to forward it.
+            assert isinstance(spooled, SpooledPayload) and spooled.path.parent == tmp_path / name
+            assert spooled.path.read_bytes() == PAYLOAD and spool_files(net.nodes[name]) == [spooled.path.name]
+        assert net.nodes["b"].counts["forwarded"] == 1 and net.nodes["b"].counts["forwarded_bytes"] == len(PAYLOAD)
+        assert net.nodes["a"].counts["pushed_bytes"] == len(PAYLOAD)
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("damage, status, problem", [
+    (lambda p: p[:-1] + b"!", 400, "do not have SHA-256"),  # altered by a relay
+    (lambda p: p[:16384], 400, "ended after 16,384 of 22,000 bytes"),  # cut short after whole chunks
+])
+def test_a_stream_with_altered_or_missing_bytes_is_refused_and_its_spool_file_deleted(tmp_path, damage, status,
+                                                                                      problem):
+    async def scenario() -> None:
+        net, tasks = cluster(tmp_path, ["a", "b", "c"])
+        b = net.nodes["b"]
+        tree = plan_relay_tree("a", ["b", "c"], 1)
+        digest = hashlib.sha256(PAYLOAD).digest()
+        head = wire.PayloadOpen(b"s" * 16, digest, len(PAYLOAD), 4096, "a", dict(tree.parent))
+        with pytest.raises(PeerRefused, match=problem) as refused:
+            await net.client("a").send_sequence("http://b", stream_frames(head, damage(PAYLOAD), 4096),
+                                                peer="b", deadline_s=1.0)
+        assert refused.value.status == status
+        await settle_network()
+        assert digest not in b.store and spool_files(b) == [] and b.counts["refused"] == 1
+        assert not [sent for sent in net.sent if sent[0] == "b"]  # nothing forwarded
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_body_that_breaks_off_leaves_no_spool_file(tmp_path):
+    async def scenario() -> None:
+        net, tasks = cluster(tmp_path, ["a", "b"])
+        b = net.nodes["b"]
+        head = wire.PayloadOpen(b"s" * 16, hashlib.sha256(PAYLOAD).digest(), len(PAYLOAD), 4096, "", {})
+
+        async def broken():
+            async for frame in stream_frames(head, PAYLOAD[:8192], 4096):
+                yield frame
+            raise ConnectionResetError("the link went down")
+
+        with pytest.raises(ConnectionResetError):
+            await net.client("a").send_sequence("http://b", broken(), peer="b", deadline_s=1.0)
+        assert spool_files(b) == [] and len(b.store) == 0 and b._incoming == {}
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_declared_size_over_the_runs_bound_is_refused_before_any_byte_is_spooled(tmp_path):
+    async def scenario() -> None:
+        net, tasks = cluster(tmp_path, ["a", "b"], max_payload_bytes=len(PAYLOAD))
+        b = net.nodes["b"]
+        for size, refused in ((len(PAYLOAD) + 1, True), (len(PAYLOAD), False)):
+            head = wire.PayloadOpen(b"s" * 16, hashlib.sha256(PAYLOAD).digest(), size, 4096, "", {})
+            if refused:
+                with pytest.raises(RemoteProtocolError, match="declares 22,001 bytes, more than the 22,000") as error:
+                    b.open_stream(head, "a")
+                assert error.value.status_hint == 413 and spool_files(b) == []
+            else:
+                assert b.open_stream(head, "a").max_remaining_bytes == len(PAYLOAD)
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
+def test_relays_off_a_big_payload_goes_by_digest_to_every_member_in_a_star_and_small_ones_inline(tmp_path):
+    from diloco_node.daemon.relays import star_tree
+
+    async def scenario() -> None:
+        net, tasks = cluster(tmp_path, ["a", "b", "c", "d"], inline_max_bytes=len(PAYLOAD) - 1)
+        a = net.nodes["a"]
+        a.fanout = 0  # relays off: the holder is every member's parent
+        small = LogEntry(3, 7, EntryKind.OUTER_COMMIT, b"small delta", fragment=1, round=1)
+        message = coord.AppendEntries(3, "a", 4, 3, (*holders_append().entries, small), 4, sent_at=0.0)
+        assert [a.relays(entry) for entry in message.entries] == [False, True, False]
+        out = a.relayed_append(message, star_tree("a", {"b", "c", "d"}), leader_commit=4)
+        assert [e.relayed for e in out.entries] == [False, True, False] and out.entries[2].payload == b"small delta"
+        await settle_network()
+        pushes = sorted((src, dst) for src, dst, kind in net.sent if kind == "PayloadOpen")
+        assert pushes == [("a", "b"), ("a", "c"), ("a", "d")]  # nobody forwards: they got no tree
+        for name in ("b", "c", "d"):
+            assert await completed_payloads(net.nodes[name], out) == [b"", PAYLOAD, b"small delta"]
+        assert a.counts["pushed"] == 3 and a.counts["pushed_bytes"] == 3 * len(PAYLOAD)
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_spooled_entry_is_written_to_the_log_file_piece_by_piece_and_then_read_from_there(tmp_path):
+    from bootstrap.coordinator_node import PersistentState
+    from bootstrap.election import ElectionState
+    from bootstrap.entries import StoredPayload
+    from bootstrap.replog import LogStore
+    from diloco_node.daemon import replica_store
+    from diloco_node.daemon.replica_store import INITIAL_SNAPSHOT, ReplicaStore
+
+    payload = bytes(range(256)) * 40_000  # ~10 MiB: several write pieces
+    spool = tmp_path / "spool.part"
+    spool.write_bytes(payload)
+    spooled = SpooledPayload(spool, len(payload), hashlib.sha256(payload).digest())
+    pieces: list[int] = []
+
+    def counted(piece_bytes: int):
+        for piece in spooled.pieces(piece_bytes):
+            pieces.append(len(piece))
+            yield piece
+
+    stored = StoredPayload(len(payload), spooled.read, pieces=counted, transient=True)
+    store = ReplicaStore(tmp_path / "coordination")
+    entries = [LogEntry(1, 1, EntryKind.NOOP), LogEntry(1, 2, EntryKind.OUTER_COMMIT, stored, fragment=0, round=1)]
+    state = PersistentState(ElectionState(1, None), LogStore(INITIAL_SNAPSHOT, entries))
+    store.sync(state)
+    assert pieces and max(pieces) <= replica_store.WRITE_PIECE_BYTES and sum(pieces) == 2 * len(payload)  # CRC, then copy
+    kept = state.log.entries[-1].payload
+    assert isinstance(kept, StoredPayload) and not kept.transient  # now a reference into log.bin
+    spool.unlink()
+    assert store.read_payload(2, 1) == payload == kept.read()
+    store.close()
+    reloaded = ReplicaStore(tmp_path / "coordination")
+    assert reloaded.load_persistent().log.entries[-1].payload_bytes() == payload  # a valid record, CRC and all
+    reloaded.close()
