@@ -394,7 +394,7 @@ def test_relays_off_a_big_payload_goes_by_digest_to_every_member_in_a_star_and_s
         a.fanout = 0  # relays off: the holder is every member's parent
         small = LogEntry(3, 7, EntryKind.OUTER_COMMIT, b"small delta", fragment=1, round=1)
         message = coord.AppendEntries(3, "a", 4, 3, (*holders_append().entries, small), 4, sent_at=0.0)
-        assert [a.relays(entry) for entry in message.entries] == [False, True, False]
+        assert a.relayed_entries(message.entries) == {6}
         out = a.relayed_append(message, star_tree("a", {"b", "c", "d"}), leader_commit=4)
         assert [e.relayed for e in out.entries] == [False, True, False] and out.entries[2].payload == b"small delta"
         await settle_network()
@@ -441,3 +441,16 @@ def test_a_spooled_entry_is_written_to_the_log_file_piece_by_piece_and_then_read
     reloaded = ReplicaStore(tmp_path / "coordination")
     assert reloaded.load_persistent().log.entries[-1].payload_bytes() == payload  # a valid record, CRC and all
     reloaded.close()
+
+
+def test_relays_off_an_append_of_many_inline_payloads_sends_the_ones_past_its_inline_budget_by_digest(
+        tmp_path, monkeypatch):
+    from diloco_node.daemon import relays
+
+    monkeypatch.setattr(relays, "INLINE_APPEND_MAX_BYTES", 3 * 1000)
+    holder = RelayIO(node_id="a", fanout=0, client=None, url_of=lambda peer: None, from_log=lambda i, e: None,
+                     tasks=None, monotonic=lambda: 0.0, spool_dir=tmp_path, inline_max_bytes=1000)
+    catch_up = tuple(LogEntry(3, 10 + i, EntryKind.OUTER_COMMIT, b"x" * 1000) for i in range(16))
+    # A lagging follower gets 16 entries at once: three fit the append's budget, the rest go by digest.
+    assert holder.relayed_entries(catch_up) == {entry.index for entry in catch_up[3:]}
+    assert holder.relayed_entries(catch_up[:3] + (LogEntry(3, 13, EntryKind.NOOP),)) == set()

@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import hashlib
+import math
+import tracemalloc
 
 import pytest
+from test_contribution_stream import llama_shapes
 
+from diloco_node.daemon.replica_store import MAX_RECORD_BYTES
+from diloco_node.sync.fragments import WIRE_OVERHEAD_BYTES, plan_fragments, wire_fit_problems
+from wire.codecs import CODECS
 from wire.errors import LocalProtocolError, RemoteProtocolError
 from wire.frames import WIRE_MINOR
-from wire.limits import MAX_PAYLOAD_STREAM_CHUNK_BYTES, MAX_RELAYED_PAYLOAD_BYTES, MiB
+from wire.limits import (
+    DEFAULT_LIMITS,
+    MAX_LOG_APPEND_BYTES,
+    MAX_PAYLOAD_STREAM_CHUNK_BYTES,
+    MAX_RELAYED_PAYLOAD_BYTES,
+    MiB,
+)
 from wire.messages import MessageKind, PayloadChunk, PayloadOpen
 from wire.payload_stream import (
     MIN_PAYLOAD_BOUND_BYTES,
@@ -112,3 +124,39 @@ def test_the_bound_is_the_largest_fragments_commit_within_a_floor_and_the_ceilin
     assert commit_size_bound([{"e": (2**20, 2**10)}], "fp32", overhead_bytes=0) == MAX_RELAYED_PAYLOAD_BYTES
     with pytest.raises(ValueError, match="unknown codec 'nope'"):
         commit_size_bound(big, "nope", overhead_bytes=0)
+
+
+@pytest.mark.parametrize("codec", sorted(CODECS))
+def test_no_limit_refuses_the_commit_of_any_fragment_of_a_7b_model_at_24_fragments(codec):
+    """Every codec (fp32 included) as codec_down: the commit of every fragment of LLaMA-7B at P = 24
+    passes every limit of the streamed path, checked from the shapes alone (nothing allocated)."""
+    shapes = llama_shapes()
+    plan = plan_fragments(shapes, 24, 48, 1)
+    fragments = [{name: shapes[name] for name in fragment.names} for fragment in plan.fragments]
+    tracemalloc.start()
+    try:
+        # The receiver's bound: the largest fragment's commit, what a node computes from its manifest.
+        bound = commit_size_bound(fragments, codec, overhead_bytes=WIRE_OVERHEAD_BYTES)
+        assert bound <= MAX_RELAYED_PAYLOAD_BYTES < MAX_RECORD_BYTES  # a declared payload fits a log.bin record
+        # The start-up check a node runs before training (site_model.py) passes: no fragment refused.
+        assert wire_fit_problems(plan, shapes, "int4", codec, max_log_append_bytes=MAX_RELAYED_PAYLOAD_BYTES) == []
+        chunk_bytes = stream_chunk_bytes()
+        chunk_limit = DEFAULT_LIMITS.max_payload(MessageKind.PAYLOAD_CHUNK)
+        for fragment in fragments:
+            commit = WIRE_OVERHEAD_BYTES + sum(CODECS[codec].estimate_encoded_size(math.prod(s), len(s))
+                                               for s in fragment.values())
+            assert commit <= bound
+            head = PayloadOpen(STREAM, b"d" * 32, commit, chunk_bytes, "", {})
+            assembler = PayloadAssembler(head, bound)  # the receiver takes the declaration
+            assert assembler.frames_left == head.chunks == -(-commit // chunk_bytes)
+            assert all(length <= chunk_limit for _, length in chunk_spans(commit, chunk_bytes))
+        if codec == "fp32":  # the embedding fragment: 131M values, ~501 MiB, over the 256 MiB frame limit
+            assert bound > MAX_LOG_APPEND_BYTES
+        # ... and one byte more than the bound is refused from the declaration alone.
+        with pytest.raises(RemoteProtocolError, match="more than the") as error:
+            PayloadAssembler(PayloadOpen(STREAM, b"d" * 32, bound + 1, chunk_bytes, "", {}), bound)
+        assert error.value.status_hint == 413
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20  # shapes and plans only: no payload was allocated

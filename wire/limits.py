@@ -41,12 +41,12 @@ MAX_LOG_APPEND_BYTES = 256 * MiB
 # receiver buffers one chunk, spools it to disk and hashes it, so a chunk, not the payload, is what
 # a transfer costs in memory. 16 MiB at 4 Mbit/s is ~35 s, inside the deadline.
 MAX_PAYLOAD_STREAM_CHUNK_BYTES = 16 * MiB
-# The most a PayloadOpen may declare whatever the run: below the log file's record bound
-# (daemon/replica_store.py), which the payload and its entry's fields must fit. The receiver's own
-# bound is tighter: the largest commit the run's model shapes and codec_down can produce
-# (wire/payload_stream.py, `commit_size_bound`); this ceiling only caps it (an fp32 commit of a 7B
-# model's embedding fragment at P = 24 is ~501 MiB).
-MAX_RELAYED_PAYLOAD_BYTES = 1024 * MiB
+# The most a PayloadOpen may declare whatever the run: what one log.bin record can hold (its length
+# is a u32; daemon/replica_store.py) less room for the entry's own fields. The receiver's own bound
+# is tighter: the largest commit the run's model shapes and codec_down can produce
+# (wire/payload_stream.py, `commit_size_bound`); this ceiling only caps it. (An fp32 commit of a
+# 7B model at P = 24 is ~1.1 GiB: a 288M-parameter fragment; int8 ~280 MiB, int4 ~140 MiB.)
+MAX_RELAYED_PAYLOAD_BYTES = 4096 * MiB - 16 * MiB
 # A log read reply is the catch-up version of log append: same size class.
 MAX_LOG_READ_REPLY_BYTES = 256 * MiB
 # Snapshots are fetched in resumable chunks; a chunk is kept small so a broken link loses little.

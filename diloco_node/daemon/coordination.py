@@ -181,7 +181,7 @@ class CoordinationIO:
             # refuse every candidate for another lease time. Dropping a message is always safe.
             return
         out: wire.Message | None
-        if isinstance(message, coord.AppendEntries) and any(self.relays.relays(entry) for entry in message.entries):
+        if isinstance(message, coord.AppendEntries) and self.relays.relayed_entries(message.entries):
             # Metadata to every follower as before; the bytes once per entry down the relay tree
             # (relays off: the big ones only, streamed to every follower by the holder itself).
             out = self.relays.relayed_append(message, holder_tree(self.core, self.relays.fanout),

@@ -73,6 +73,9 @@ SLOWEST_LINK_BYTES_PER_S = 512 * 1024
 # every member itself (a star): one frame would not carry them, and a follower must not buffer them.
 # Smaller ones stay inline in the append, as before relays existed.
 INLINE_PAYLOAD_MAX_BYTES = 32 * 1024 * 1024
+# ... and an append carries at most this many inline payload bytes in all (a catching-up follower is
+# sent up to 16 entries at once; the rest of them go by digest), well inside the 256 MiB frame.
+INLINE_APPEND_MAX_BYTES = 128 * 1024 * 1024
 # Spool files are read and written this much at a time (one chunk of the stream).
 SPOOL_SUBDIR = "relay-spool"
 # A fetch loop stops when no append has named its digest for this long (the holder moved on).
@@ -332,11 +335,21 @@ class RelayIO:
 
     # ------------------------------------------------------------------ as lease holder
 
-    def relays(self, entry: LogEntry) -> bool:
-        """Whether this node, as holder, sends `entry`'s payload by digest (else inline)."""
-        if entry.payload_size == 0:
-            return False
-        return self.fanout > 0 or entry.payload_size > self.inline_max_bytes
+    def relayed_entries(self, entries: Sequence[LogEntry]) -> set[int]:
+        """Indices of the entries whose payloads this node, as holder, sends by digest (the rest inline):
+        every payload with relays on; with them off, those over `inline_max_bytes`, and those that
+        would take the append's inline bytes past INLINE_APPEND_MAX_BYTES."""
+        relayed: set[int] = set()
+        inline = 0
+        for entry in entries:
+            size = entry.payload_size
+            if size == 0:
+                continue
+            if self.fanout > 0 or size > self.inline_max_bytes or inline + size > INLINE_APPEND_MAX_BYTES:
+                relayed.add(entry.index)
+            else:
+                inline += size
+        return relayed
 
     def digest_of(self, entry: LogEntry, payload: bytes | None = None) -> tuple[bytes, int]:
         """SHA-256 and size of an entry's payload (`payload`: its bytes, when already read), computed
@@ -354,8 +367,9 @@ class RelayIO:
         """The wire form of the holder's append with payloads by digest; new payloads start down the tree."""
         fresh = []
         described = []
+        relayed = self.relayed_entries(message.entries)
         for entry in message.entries:
-            if not self.relays(entry):
+            if entry.index not in relayed:
                 described.append(peers.entry_to_wire(entry))
                 continue
             # A payload stored in the log file is read once: for its digest and, if new, its push.

@@ -50,12 +50,12 @@ from bootstrap.election import ElectionState
 from bootstrap.entries import ClusterConfig, EntryKind, LogEntry, PayloadUnavailable, Snapshot, StoredPayload
 from bootstrap.replog import LogStore
 from diloco_node.ops.checkpoint import fsync_dir
-from wire.limits import MAX_RELAYED_PAYLOAD_BYTES
 
 _RECORD_HEAD = struct.Struct("<II")
 # One entry holds one merged fragment delta (at most wire.limits.MAX_RELAYED_PAYLOAD_BYTES) and its
-# fields; bigger than this is a corrupt length field.
-MAX_RECORD_BYTES = MAX_RELAYED_PAYLOAD_BYTES + (1 << 20)
+# fields; the record's u32 length field can say no more than this (a torn length is caught by the
+# file's end and the CRC).
+MAX_RECORD_BYTES = 2**32 - 1
 # A payload kept outside memory is copied into a record this much at a time (CRC computed as it goes).
 WRITE_PIECE_BYTES = 4 * 1024 * 1024
 _SNAPSHOT_KEY = "snapshot"
