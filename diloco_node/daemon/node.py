@@ -655,6 +655,7 @@ class Node:
         # an inconsistent global state from peers.
         await self.checkpointer.checkpoint(self.learner)
         self.store.sync(coordination.persistent)
+        coordination.relays.close()  # its spool files: the log holds every payload it took
         replica = self.site.replica
         log.info("%s: stopped cleanly at index %d digest %s", self.node_id, replica.applied_index,
                  replica.state.digest())
