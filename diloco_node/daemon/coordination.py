@@ -21,6 +21,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from bootstrap import messages as coord
@@ -30,7 +31,7 @@ from diloco_node.clock import Clock
 from diloco_node.config.manifest import RunManifest
 from diloco_node.daemon import peers
 from diloco_node.daemon.history_hooks import DaemonHistory
-from diloco_node.daemon.relays import SPOOL_SUBDIR, DEFAULT_HOLD_S, RelayIO, entry_bytes, holder_tree
+from diloco_node.daemon.relays import DEFAULT_HOLD_S, RelayIO, entry_bytes, holder_tree
 from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.sync.evictions import EvictionError, EvictionRecord, encode_payload
@@ -64,7 +65,7 @@ class CoordinationIO:
                  on_restore_snapshot: Callable[[Snapshot], None], after_step: Callable[[], None],
                  remember_member: Callable[[str, str, str], None], report_error: Callable[[str], None],
                  relay_fanout: int = 0, relay_hold_s: float = DEFAULT_HOLD_S,
-                 relay_max_payload_bytes: int = MAX_RELAYED_PAYLOAD_BYTES) -> None:
+                 relay_max_payload_bytes: int = MAX_RELAYED_PAYLOAD_BYTES, relay_spool_dir: Path | None = None) -> None:
         self.core = core
         self.node_id = core.node_id
         self.persistent = persistent
@@ -86,7 +87,7 @@ class CoordinationIO:
         # Relayed payloads: as holder only when relay_fanout > 0; as follower and relay always.
         self.relays = RelayIO(node_id=self.node_id, fanout=relay_fanout, client=client, url_of=self.url_of,
                               from_log=self._log_payload, tasks=tasks, monotonic=clock.monotonic,
-                              spool_dir=store.directory / SPOOL_SUBDIR, hold_s=relay_hold_s,
+                              spool_dir=relay_spool_dir, hold_s=relay_hold_s,
                               timeout_s=min(relay_hold_s / 2, 0.5), max_payload_bytes=relay_max_payload_bytes)
 
     def url_of(self, peer: str) -> str | None:

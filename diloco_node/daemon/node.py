@@ -45,7 +45,7 @@ from diloco_node.daemon.notify import BackgroundNotifier, StatusLineThrottle
 from diloco_node.daemon.peer_api import PeerApi
 from diloco_node.daemon.persistence import Checkpointer
 from diloco_node.daemon.readiness import ReadinessFacts, readiness
-from diloco_node.daemon.relays import run_payload_bound
+from diloco_node.daemon.relays import SPOOL_SUBDIR, run_payload_bound
 from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.daemon.rounds import RoundDriver
 from diloco_node.daemon.site_model import SiteModel, build_site_model, prepare_learner, prepare_synthetic_learner
@@ -449,7 +449,8 @@ class Node:
             remember_member=self.identity.remember, report_error=self._error,
             relay_fanout=self.cfg.relay_fanout, relay_hold_s=min(1.0, self.cfg.lease_timeout_s / 4),
             relay_max_payload_bytes=(run_payload_bound(self.site.plan, self.site.shapes, self.site.manifest.sync.codec_down)
-                                     if self.site.shapes is not None else MAX_RELAYED_PAYLOAD_BYTES))
+                                     if self.site.shapes is not None else MAX_RELAYED_PAYLOAD_BYTES),
+            relay_spool_dir=self.store.directory / SPOOL_SUBDIR)
         self.rounds = RoundDriver(
             node_id=self.node_id, manifest=self.site.manifest, plan=self.site.plan, syncer=self.site.syncer,
             replica=replica, coordination=core, addresses=self.identity.addresses, client=self.client,

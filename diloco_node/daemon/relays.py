@@ -38,6 +38,8 @@ import hashlib
 import io
 import logging
 import os
+import shutil
+import tempfile
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -283,7 +285,7 @@ class RelayIO:
 
     def __init__(self, *, node_id: str, fanout: int, client: PeerClient, url_of: Callable[[str], str | None],
                  from_log: Callable[[int, int], bytes | None], tasks: TaskSet,
-                 monotonic: Callable[[], float], spool_dir: Path, hold_s: float = DEFAULT_HOLD_S,
+                 monotonic: Callable[[], float], spool_dir: Path | None, hold_s: float = DEFAULT_HOLD_S,
                  timeout_s: float = DEFAULT_TIMEOUT_S, max_payload_bytes: int = MAX_RELAYED_PAYLOAD_BYTES,
                  inline_max_bytes: int = INLINE_PAYLOAD_MAX_BYTES) -> None:
         if not hold_s > 0 or not timeout_s > 0:
@@ -301,10 +303,13 @@ class RelayIO:
         # The most bytes a peer's PayloadOpen may declare: the largest commit the run's model can make.
         self.max_payload_bytes = max_payload_bytes
         self.chunk_bytes = stream_chunk_bytes()
-        self.spool_dir = Path(spool_dir)
-        self.spool_dir.mkdir(parents=True, exist_ok=True)
-        for leftover in self.spool_dir.iterdir():  # a previous run's: unverified or no longer needed
-            leftover.unlink(missing_ok=True)
+        # Where streamed payloads are written (None: a temporary directory, made when first needed
+        # and removed at close; for nodes without a data directory, i.e. tests).
+        self._own_spool = spool_dir is None
+        self._spool_dir = None if spool_dir is None else Path(spool_dir)
+        if self._spool_dir is not None and self._spool_dir.exists():
+            for leftover in self._spool_dir.iterdir():  # a previous run's: unverified or no longer needed
+                leftover.unlink(missing_ok=True)
         self.store = HeldPayloads(from_log)
         self._from_log = from_log
         self.relay = PayloadRelay(node_id, self.store, timeout_s=timeout_s)
@@ -329,9 +334,18 @@ class RelayIO:
         return {**self.counts, "fanout": self.fanout, "held": len(self.store), "spooled": self.store.spooled,
                 "held_bytes": self.store.held_bytes, "max_payload_bytes": self.max_payload_bytes}
 
+    @property
+    def spool_dir(self) -> Path:
+        if self._spool_dir is None:
+            self._spool_dir = Path(tempfile.mkdtemp(prefix="diloco-relay-spool-"))
+        self._spool_dir.mkdir(parents=True, exist_ok=True)
+        return self._spool_dir
+
     def close(self) -> None:
         """The node stops: delete what the spool holds (the log has what it needs)."""
         self.store.clear()
+        if self._own_spool and self._spool_dir is not None:
+            shutil.rmtree(self._spool_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ as lease holder
 
