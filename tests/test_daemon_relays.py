@@ -454,3 +454,22 @@ def test_relays_off_an_append_of_many_inline_payloads_sends_the_ones_past_its_in
     # A lagging follower gets 16 entries at once: three fit the append's budget, the rest go by digest.
     assert holder.relayed_entries(catch_up) == {entry.index for entry in catch_up[3:]}
     assert holder.relayed_entries(catch_up[:3] + (LogEntry(3, 13, EntryKind.NOOP),)) == set()
+
+
+def test_bytes_already_in_the_log_are_referred_to_not_read_until_used(tmp_path):
+    reads: list[tuple[int, int]] = []
+    log = {(7, 2): b"seven"}
+
+    def from_log(index: int, epoch: int) -> bytes | None:
+        reads.append((index, epoch))
+        return log.get((index, epoch))
+
+    store = HeldPayloads(from_log, in_log=lambda index, epoch: (index, epoch) in log)
+    digest = hashlib.sha256(b"seven").digest()
+    store.put(digest, b"seven")
+    store.settle(digest, 7, 2)
+    assert digest in store and reads == []  # membership and settling ask the log, never read it
+    reference = store.reference(digest, 5)
+    assert reads == [] and reference.transient and reference.read() == b"seven" and reads == [(7, 2)]
+    del log[(7, 2)]  # compacted away since
+    assert digest not in store and store.reference(digest, 5) is None

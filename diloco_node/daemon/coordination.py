@@ -86,7 +86,8 @@ class CoordinationIO:
         self._outboxes: dict[str, _Outbox] = {}
         # Relayed payloads: as holder only when relay_fanout > 0; as follower and relay always.
         self.relays = RelayIO(node_id=self.node_id, fanout=relay_fanout, client=client, url_of=self.url_of,
-                              from_log=self._log_payload, tasks=tasks, monotonic=clock.monotonic,
+                              from_log=self._log_payload, in_log=self._in_log, tasks=tasks,
+                              monotonic=clock.monotonic,
                               spool_dir=relay_spool_dir, hold_s=relay_hold_s,
                               timeout_s=min(relay_hold_s / 2, 0.5), max_payload_bytes=relay_max_payload_bytes)
 
@@ -96,6 +97,10 @@ class CoordinationIO:
             record = self.core.membership.record(peer)
             url = record.address if record is not None and record.address else None
         return url
+
+    def _in_log(self, index: int, epoch: int) -> bool:
+        entry = self.core.log.entry_at(index)
+        return entry is not None and entry.epoch == epoch
 
     def _log_payload(self, index: int, epoch: int) -> bytes | None:
         entry = self.core.log.entry_at(index)

@@ -155,8 +155,11 @@ class HeldPayloads:
     """
 
     def __init__(self, from_log: Callable[[int, int], bytes | None], *, max_items: int = MAX_HELD_PAYLOADS,
-                 max_bytes: int = MAX_HELD_BYTES) -> None:
+                 max_bytes: int = MAX_HELD_BYTES, in_log: Callable[[int, int], bool] | None = None) -> None:
         self._from_log = from_log  # (index, epoch) -> the log entry's bytes, or None
+        # (index, epoch) -> whether the log holds that entry, without reading its payload (the
+        # default reads it: fine for small payloads and tests)
+        self._in_log = in_log or (lambda index, epoch: from_log(index, epoch) is not None)
         self._held: OrderedDict[bytes, bytes | SpooledPayload] = OrderedDict()
         self._positions: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
         self._max_items, self._max_bytes = max_items, max_bytes
@@ -168,6 +171,25 @@ class HeldPayloads:
             return payload
         position = self._positions.get(digest)
         return self._from_log(*position) if position is not None else None
+
+    def reference(self, digest: bytes, size: int) -> bytes | SpooledPayload | StoredPayload | None:
+        """The payload without reading it whole: kept here, or a reader of the log entry holding it."""
+        payload = self._held.get(digest)
+        if payload is not None:
+            return payload
+        position = self._positions.get(digest)
+        if position is None or not self._in_log(*position):
+            return None
+
+        def read(index: int = position[0], epoch: int = position[1]) -> bytes:
+            data = self._from_log(index, epoch)
+            if data is None:
+                raise PayloadUnavailable(f"relayed payload {digest.hex()[:16]}..: entry {index} left the log")
+            return data
+
+        # Transient: if the core appends it (the same bytes at another index), the log store writes
+        # them into that entry's own record and refers to that, not to this one.
+        return StoredPayload(size, read, transient=True)
 
     def held(self, digest: bytes) -> bytes | SpooledPayload | None:
         """The payload if kept here (not read back from the log)."""
@@ -191,7 +213,7 @@ class HeldPayloads:
 
     def settle(self, digest: bytes, index: int, epoch: int) -> None:
         """The entry (index, epoch) with these bytes is in the log: serve it from there from now on."""
-        if self._from_log(index, epoch) is None:
+        if not self._in_log(index, epoch):
             return
         self._positions[digest] = (index, epoch)
         self._positions.move_to_end(digest)
@@ -211,7 +233,10 @@ class HeldPayloads:
         return sum(1 for payload in self._held.values() if isinstance(payload, SpooledPayload))
 
     def __contains__(self, digest: bytes) -> bool:
-        return digest in self._held or self.get(digest) is not None
+        if digest in self._held:
+            return True
+        position = self._positions.get(digest)
+        return position is not None and self._in_log(*position)
 
     def __len__(self) -> int:
         """Payloads kept here (not counting those read back from the log)."""
@@ -285,6 +310,7 @@ class RelayIO:
 
     def __init__(self, *, node_id: str, fanout: int, client: PeerClient, url_of: Callable[[str], str | None],
                  from_log: Callable[[int, int], bytes | None], tasks: TaskSet,
+                 in_log: Callable[[int, int], bool] | None = None,
                  monotonic: Callable[[], float], spool_dir: Path | None, hold_s: float = DEFAULT_HOLD_S,
                  timeout_s: float = DEFAULT_TIMEOUT_S, max_payload_bytes: int = MAX_RELAYED_PAYLOAD_BYTES,
                  inline_max_bytes: int = INLINE_PAYLOAD_MAX_BYTES) -> None:
@@ -310,7 +336,7 @@ class RelayIO:
         if self._spool_dir is not None and self._spool_dir.exists():
             for leftover in self._spool_dir.iterdir():  # a previous run's: unverified or no longer needed
                 leftover.unlink(missing_ok=True)
-        self.store = HeldPayloads(from_log)
+        self.store = HeldPayloads(from_log, in_log=in_log)
         self._from_log = from_log
         self.relay = PayloadRelay(node_id, self.store, timeout_s=timeout_s)
         self.trees: dict[str, RelayTree] = {}  # holder -> the last tree it pushed to us
@@ -471,7 +497,7 @@ class RelayIO:
         payloads: dict[int, StoredPayload | bytes] = {}
         for entry in message.entries:
             if entry.relayed:
-                payload = self.store.get(entry.payload_sha256)
+                payload = self.store.reference(entry.payload_sha256, entry.payload_size)
                 if payload is None:
                     break
                 if isinstance(payload, SpooledPayload):
