@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from bootstrap.entries import LogEntry
 from bootstrap.messages import AppendEntries
 from bootstrap.relay_tree import RelayTree
 from wire.errors import LocalProtocolError
@@ -153,16 +154,25 @@ class PayloadRelay:
 
     # ------------------------------------------------------------ as lease holder
 
-    def outgoing(self, message: AppendEntries, tree: RelayTree) -> tuple[Metadata, list[RelayAction]]:
-        """An append about to leave the holder: its bytes kept, new ones pushed to the tree's first level."""
+    def outgoing(self, message: AppendEntries, tree: RelayTree,
+                 digest_of: Callable[[LogEntry], bytes] | None = None) -> tuple[Metadata, list[RelayAction]]:
+        """An append about to leave the holder: its bytes kept, new ones pushed to the tree's first level.
+
+        `digest_of`: the host's digest of an entry's payload (computed once, reading it a piece at
+        a time); the payload is then kept and pushed as the entry holds it (bytes, or the host's
+        reference to them). Without it, the bytes are read and hashed here.
+        """
         if tree.root != self.node_id:
             raise LocalProtocolError(f"{self.node_id} sends appends down a tree rooted at {tree.root}")
         actions: list[RelayAction] = []
         for entry in message.entries:
             if not entry.payload_size:
                 continue
-            payload = entry.payload_bytes()  # read from the log file when it is stored there
-            digest = payload_digest(payload)
+            if digest_of is None:
+                payload: Any = entry.payload_bytes()  # read from the log file when it is stored there
+                digest = payload_digest(payload)
+            else:
+                payload, digest = entry.payload, digest_of(entry)
             self.store.put(digest, payload)
             if digest not in self.pushed:
                 self.mark_pushed(digest)

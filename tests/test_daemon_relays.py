@@ -276,21 +276,31 @@ def test_a_catching_up_follower_fetches_committed_payloads_at_once_one_at_a_time
     asyncio.run(scenario())
 
 
-def test_an_entry_whose_payload_is_in_the_log_file_is_read_once_and_relayed(tmp_path):
+def test_an_entry_whose_payload_is_in_the_log_file_is_hashed_once_off_the_loop_and_streamed_in_pieces(tmp_path):
     from bootstrap.entries import StoredPayload
 
     async def scenario() -> None:
         net, tasks = cluster(tmp_path, ["a", "b"])
-        reads = []
-        stored = StoredPayload(len(PAYLOAD), lambda: reads.append(1) or PAYLOAD)
+        reads: list[int] = []  # piece sizes read from "log.bin"
+
+        def pieces(piece_bytes: int):
+            for offset in range(0, len(PAYLOAD), piece_bytes):
+                reads.append(min(piece_bytes, len(PAYLOAD) - offset))
+                yield PAYLOAD[offset:offset + piece_bytes]
+
+        stored = StoredPayload(len(PAYLOAD), lambda: pytest.fail("read whole"), pieces=pieces)
         entry = LogEntry(3, 6, EntryKind.OUTER_COMMIT, stored, fragment=0, round=1)
         message = coord.AppendEntries(3, "a", 5, 3, (entry,), 4, sent_at=0.0)
         tree = plan_relay_tree("a", ["b"], 1)
-        out = net.nodes["a"].relayed_append(message, tree, leader_commit=4)
-        net.nodes["a"].relayed_append(message, tree, leader_commit=4)  # to another follower: no new read
+        a = net.nodes["a"]
+        await a.prepare(message.entries)  # the holder hashes it in a worker thread, once
+        assert reads == [len(PAYLOAD)]  # one 4 MiB piece at most
+        out = a.relayed_append(message, tree, leader_commit=4)
+        a.relayed_append(message, tree, leader_commit=4)  # to another follower: no new read, no new push
         await settle_network()
         assert out.entries[0].payload_sha256 == hashlib.sha256(PAYLOAD).digest()
-        assert len(reads) == 1
+        # Hashed once, then read once more for the one copy pushed, a chunk (4096 bytes) at a time.
+        assert reads[1:] == [4096] * 5 + [len(PAYLOAD) - 5 * 4096]
         assert await completed_payloads(net.nodes["b"], out) == [PAYLOAD]
         await tasks.close()
 
@@ -457,19 +467,25 @@ def test_relays_off_an_append_of_many_inline_payloads_sends_the_ones_past_its_in
 
 
 def test_bytes_already_in_the_log_are_referred_to_not_read_until_used(tmp_path):
-    reads: list[tuple[int, int]] = []
-    log = {(7, 2): b"seven"}
+    from bootstrap.entries import StoredPayload
 
-    def from_log(index: int, epoch: int) -> bytes | None:
-        reads.append((index, epoch))
-        return log.get((index, epoch))
-
-    store = HeldPayloads(from_log, in_log=lambda index, epoch: (index, epoch) in log)
+    reads: list[int] = []
+    in_log = StoredPayload(5, lambda: reads.append(1) or b"seven")
+    log = {(7, 2): in_log}
+    store = HeldPayloads(lambda index, epoch: log.get((index, epoch)))
     digest = hashlib.sha256(b"seven").digest()
     store.put(digest, b"seven")
     store.settle(digest, 7, 2)
-    assert digest in store and reads == []  # membership and settling ask the log, never read it
-    reference = store.reference(digest, 5)
-    assert reads == [] and reference.transient and reference.read() == b"seven" and reads == [(7, 2)]
+    assert digest in store and store.get(digest) is in_log and reads == []  # a reference, not read
     del log[(7, 2)]  # compacted away since
-    assert digest not in store and store.reference(digest, 5) is None
+    assert digest not in store and store.get(digest) is None
+
+
+def test_a_payload_from_the_log_given_to_the_core_again_is_written_into_its_own_record(tmp_path):
+    from bootstrap.entries import StoredPayload
+    from diloco_node.daemon.relays import entry_payload
+
+    logged = StoredPayload(5, lambda: b"seven")
+    again = entry_payload(logged)
+    assert again.transient and again.read() == b"seven" and not logged.transient
+    assert entry_payload(b"bytes") == b"bytes"

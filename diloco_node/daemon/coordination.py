@@ -26,12 +26,12 @@ from typing import Any
 
 from bootstrap import messages as coord
 from bootstrap.coordinator_node import CoordinatorNode, PersistentState
-from bootstrap.entries import EntryKind, LogEntry, PayloadUnavailable, Snapshot
+from bootstrap.entries import EntryKind, LogEntry, Snapshot
 from diloco_node.clock import Clock
 from diloco_node.config.manifest import RunManifest
 from diloco_node.daemon import peers
 from diloco_node.daemon.history_hooks import DaemonHistory
-from diloco_node.daemon.relays import DEFAULT_HOLD_S, RelayIO, entry_bytes, holder_tree
+from diloco_node.daemon.relays import DEFAULT_HOLD_S, RelayIO, holder_tree
 from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.sync.evictions import EvictionError, EvictionRecord, encode_payload
@@ -86,8 +86,7 @@ class CoordinationIO:
         self._outboxes: dict[str, _Outbox] = {}
         # Relayed payloads: as holder only when relay_fanout > 0; as follower and relay always.
         self.relays = RelayIO(node_id=self.node_id, fanout=relay_fanout, client=client, url_of=self.url_of,
-                              from_log=self._log_payload, in_log=self._in_log, tasks=tasks,
-                              monotonic=clock.monotonic,
+                              from_log=self._log_payload, tasks=tasks, monotonic=clock.monotonic,
                               spool_dir=relay_spool_dir, hold_s=relay_hold_s,
                               timeout_s=min(relay_hold_s / 2, 0.5), max_payload_bytes=relay_max_payload_bytes)
 
@@ -98,18 +97,14 @@ class CoordinationIO:
             url = record.address if record is not None and record.address else None
         return url
 
-    def _in_log(self, index: int, epoch: int) -> bool:
-        entry = self.core.log.entry_at(index)
-        return entry is not None and entry.epoch == epoch
-
-    def _log_payload(self, index: int, epoch: int) -> bytes | None:
+    def _log_payload(self, index: int, epoch: int) -> Any:
+        """Entry (index, epoch)'s payload as the log keeps it (bytes, or a reference into log.bin:
+        nothing read), or None when the log no longer holds it (a reader of a reference whose record
+        was compacted or damaged since gets PayloadUnavailable; a fetcher then asks another source)."""
         entry = self.core.log.entry_at(index)
         if entry is None or entry.epoch != epoch:
             return None
-        try:
-            return entry_bytes(entry)
-        except PayloadUnavailable:  # compacted or damaged since: a fetcher asks another source
-            return None
+        return entry.payload
 
     # ------------------------------------------------------------------ core steps
 
@@ -179,6 +174,11 @@ class CoordinationIO:
         url = self.url_of(peer)
         if url is None:
             return  # learned from a configuration entry before its address: the member refresh fixes it
+        relayed = isinstance(message, coord.AppendEntries) and bool(self.relays.relayed_entries(message.entries))
+        if relayed:
+            # New payloads are hashed off the event loop (a large commit takes a second or more),
+            # before the lease check below: the message leaves only if the lease outlived it.
+            await self.relays.prepare(message.entries)  # type: ignore[union-attr]  # (an AppendEntries)
         if (isinstance(message, (coord.AppendEntries, coord.InstallSnapshot))
                 and not (message.epoch == self.core.epoch
                          and self.core.election.may_act_as_leader(self.clock.monotonic()))):
@@ -187,7 +187,7 @@ class CoordinationIO:
             # refuse every candidate for another lease time. Dropping a message is always safe.
             return
         out: wire.Message | None
-        if isinstance(message, coord.AppendEntries) and self.relays.relayed_entries(message.entries):
+        if relayed:
             # Metadata to every follower as before; the bytes once per entry down the relay tree
             # (relays off: the big ones only, streamed to every follower by the holder itself).
             out = self.relays.relayed_append(message, holder_tree(self.core, self.relays.fanout),

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import io
 import logging
 import os
 import shutil
@@ -78,8 +77,10 @@ INLINE_PAYLOAD_MAX_BYTES = 32 * 1024 * 1024
 # ... and an append carries at most this many inline payload bytes in all (a catching-up follower is
 # sent up to 16 entries at once; the rest of them go by digest), well inside the 256 MiB frame.
 INLINE_APPEND_MAX_BYTES = 128 * 1024 * 1024
-# Spool files are read and written this much at a time (one chunk of the stream).
+# Under the node's coordination directory: where streamed payloads are written as they arrive.
 SPOOL_SUBDIR = "relay-spool"
+# Payloads kept outside memory are hashed this much at a time.
+HASH_PIECE_BYTES = 4 * 1024 * 1024
 # A fetch loop stops when no append has named its digest for this long (the holder moved on).
 GIVE_UP_S = 30.0
 # Payload copies queued per peer for pushing; the oldest is dropped past it (the peer fetches it).
@@ -104,30 +105,36 @@ class SpooledPayload:
     __slots__ = ("path", "size", "digest", "_fallback")
 
     def __init__(self, path: Path, size: int, digest: bytes,
-                 fallback: Callable[[], bytes | None] = lambda: None) -> None:
+                 fallback: Callable[[], Payload | None] = lambda: None) -> None:
         self.path, self.size, self.digest = path, size, digest
         self._fallback = fallback
 
-    def open(self) -> BinaryIO:
-        try:
-            return open(self.path, "rb")
-        except FileNotFoundError:
-            data = self._fallback()
-            if data is None:
-                raise PayloadUnavailable(f"relayed payload {self.digest.hex()[:16]}..: its spool file "
-                                         f"{self.path.name} is gone and the log does not hold it") from None
-            return io.BytesIO(data)
+    def _logged(self) -> Payload:
+        payload = self._fallback()
+        if payload is None:
+            raise PayloadUnavailable(f"relayed payload {self.digest.hex()[:16]}..: its spool file "
+                                     f"{self.path.name} is gone and the log does not hold it")
+        return payload
 
     def read(self) -> bytes:
-        with self.open() as handle:
-            return handle.read()
+        try:
+            with open(self.path, "rb") as handle:
+                return handle.read()
+        except FileNotFoundError:
+            logged = self._logged()
+            return logged if isinstance(logged, bytes) else logged.read()
 
     def pieces(self, piece_bytes: int) -> Iterator[bytes]:
-        with self.open() as handle:
+        try:
+            handle = open(self.path, "rb")
+        except FileNotFoundError:
+            yield from payload_pieces(self._logged(), piece_bytes)
+            return
+        with handle:  # once open, the bytes stay readable even if the file is deleted meanwhile
             while piece := handle.read(piece_bytes):
                 yield piece
 
-    def set_fallback(self, fallback: Callable[[], bytes | None]) -> None:
+    def set_fallback(self, fallback: Callable[[], Payload | None]) -> None:
         self._fallback = fallback
 
     def as_stored(self) -> StoredPayload:
@@ -141,61 +148,74 @@ class SpooledPayload:
         return f"SpooledPayload({self.path.name}, {self.size} bytes)"
 
 
-def payload_size(payload: bytes | SpooledPayload) -> int:
-    return payload.size if isinstance(payload, SpooledPayload) else len(payload)
+# A payload as the relay I/O handles it: bytes (small, or a 2.2 push), a spool file, or the log's
+# own reference to an entry's bytes in log.bin. Only `payload_pieces` reads the last two.
+Payload = bytes | SpooledPayload | StoredPayload
+
+
+def payload_size(payload: Payload) -> int:
+    return len(payload) if isinstance(payload, bytes) else payload.size
+
+
+def payload_pieces(payload: Payload, piece_bytes: int) -> Iterator[bytes]:
+    """The payload's bytes in order, at most `piece_bytes` at a time (one piece in memory)."""
+    if isinstance(payload, bytes):
+        for offset in range(0, len(payload), piece_bytes):
+            yield payload[offset:offset + piece_bytes]
+        return
+    yield from payload.pieces(piece_bytes)
+
+
+def hash_payload(payload: Payload) -> tuple[bytes, int]:
+    """SHA-256 and size, read a piece at a time (a stored record's CRC is checked by the end)."""
+    hasher = hashlib.sha256()
+    size = 0
+    for piece in payload_pieces(payload, HASH_PIECE_BYTES):
+        hasher.update(piece)
+        size += len(piece)
+    return hasher.digest(), size
+
+
+def entry_payload(payload: Payload) -> Payload:
+    """`payload` as a new log entry's payload: a reference into log.bin (another entry's record)
+    becomes transient, so the log store writes the bytes into the new entry's own record."""
+    if isinstance(payload, StoredPayload) and not payload.transient:
+        return StoredPayload(payload.size, payload.read, pieces=payload.pieces, transient=True)
+    return payload
 
 
 class HeldPayloads:
     """The `PayloadStore` of the relay plane: verified payloads by SHA-256 until the log holds them.
 
-    A payload is a `SpooledPayload` (a streamed one, on disk) or bytes (the holder's own while it
-    pushes them, or a 2.2 single-frame push). Bounded by count and bytes (the oldest go first, their
+    A payload is a `SpooledPayload` (a streamed one, on disk), the log's reference to an entry's
+    bytes (the holder's own while it pushes them), or bytes (small ones, a 2.2 single-frame push). Bounded by count and bytes (the oldest go first, their
     spool files deleted: the holder resends, a child fetches). Once an entry is in the log its spool
     file is deleted and its bytes are read back from the log (`settle` records where).
     """
 
-    def __init__(self, from_log: Callable[[int, int], bytes | None], *, max_items: int = MAX_HELD_PAYLOADS,
-                 max_bytes: int = MAX_HELD_BYTES, in_log: Callable[[int, int], bool] | None = None) -> None:
-        self._from_log = from_log  # (index, epoch) -> the log entry's bytes, or None
-        # (index, epoch) -> whether the log holds that entry, without reading its payload (the
-        # default reads it: fine for small payloads and tests)
-        self._in_log = in_log or (lambda index, epoch: from_log(index, epoch) is not None)
-        self._held: OrderedDict[bytes, bytes | SpooledPayload] = OrderedDict()
+    def __init__(self, from_log: Callable[[int, int], Payload | None], *, max_items: int = MAX_HELD_PAYLOADS,
+                 max_bytes: int = MAX_HELD_BYTES) -> None:
+        # (index, epoch) -> the log entry's payload as the log keeps it (bytes, or its reference
+        # into log.bin: nothing read), or None when the log no longer holds that entry
+        self._from_log = from_log
+        self._held: OrderedDict[bytes, Payload] = OrderedDict()
         self._positions: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
         self._max_items, self._max_bytes = max_items, max_bytes
         self.held_bytes = 0
 
-    def get(self, digest: bytes) -> bytes | SpooledPayload | None:
+    def get(self, digest: bytes) -> Payload | None:
+        """The payload with this digest, kept here or in the log (a reference: nothing is read)."""
         payload = self._held.get(digest)
         if payload is not None:
             return payload
         position = self._positions.get(digest)
         return self._from_log(*position) if position is not None else None
 
-    def reference(self, digest: bytes, size: int) -> bytes | SpooledPayload | StoredPayload | None:
-        """The payload without reading it whole: kept here, or a reader of the log entry holding it."""
-        payload = self._held.get(digest)
-        if payload is not None:
-            return payload
-        position = self._positions.get(digest)
-        if position is None or not self._in_log(*position):
-            return None
-
-        def read(index: int = position[0], epoch: int = position[1]) -> bytes:
-            data = self._from_log(index, epoch)
-            if data is None:
-                raise PayloadUnavailable(f"relayed payload {digest.hex()[:16]}..: entry {index} left the log")
-            return data
-
-        # Transient: if the core appends it (the same bytes at another index), the log store writes
-        # them into that entry's own record and refers to that, not to this one.
-        return StoredPayload(size, read, transient=True)
-
-    def held(self, digest: bytes) -> bytes | SpooledPayload | None:
+    def held(self, digest: bytes) -> Payload | None:
         """The payload if kept here (not read back from the log)."""
         return self._held.get(digest)
 
-    def put(self, digest: bytes, payload: bytes | SpooledPayload) -> None:
+    def put(self, digest: bytes, payload: Payload) -> None:
         if digest in self._held or digest in self._positions:
             if isinstance(payload, SpooledPayload) and self._held.get(digest) is not payload:
                 payload.delete()  # a second copy of bytes already here
@@ -206,14 +226,14 @@ class HeldPayloads:
             _, dropped = self._held.popitem(last=False)
             self._drop(dropped)
 
-    def _drop(self, payload: bytes | SpooledPayload) -> None:
+    def _drop(self, payload: Payload) -> None:
         self.held_bytes -= payload_size(payload)
         if isinstance(payload, SpooledPayload):
             payload.delete()
 
     def settle(self, digest: bytes, index: int, epoch: int) -> None:
         """The entry (index, epoch) with these bytes is in the log: serve it from there from now on."""
-        if not self._in_log(index, epoch):
+        if self._from_log(index, epoch) is None:
             return
         self._positions[digest] = (index, epoch)
         self._positions.move_to_end(digest)
@@ -233,10 +253,7 @@ class HeldPayloads:
         return sum(1 for payload in self._held.values() if isinstance(payload, SpooledPayload))
 
     def __contains__(self, digest: bytes) -> bool:
-        if digest in self._held:
-            return True
-        position = self._positions.get(digest)
-        return position is not None and self._in_log(*position)
+        return self.get(digest) is not None
 
     def __len__(self) -> int:
         """Payloads kept here (not counting those read back from the log)."""
@@ -309,8 +326,7 @@ class RelayIO:
     """One node's relayed-payload I/O: pushes out, pushes and fetches in, appends held until their bytes come."""
 
     def __init__(self, *, node_id: str, fanout: int, client: PeerClient, url_of: Callable[[str], str | None],
-                 from_log: Callable[[int, int], bytes | None], tasks: TaskSet,
-                 in_log: Callable[[int, int], bool] | None = None,
+                 from_log: Callable[[int, int], Payload | None], tasks: TaskSet,
                  monotonic: Callable[[], float], spool_dir: Path | None, hold_s: float = DEFAULT_HOLD_S,
                  timeout_s: float = DEFAULT_TIMEOUT_S, max_payload_bytes: int = MAX_RELAYED_PAYLOAD_BYTES,
                  inline_max_bytes: int = INLINE_PAYLOAD_MAX_BYTES) -> None:
@@ -336,7 +352,7 @@ class RelayIO:
         if self._spool_dir is not None and self._spool_dir.exists():
             for leftover in self._spool_dir.iterdir():  # a previous run's: unverified or no longer needed
                 leftover.unlink(missing_ok=True)
-        self.store = HeldPayloads(from_log, in_log=in_log)
+        self.store = HeldPayloads(from_log)
         self._from_log = from_log
         self.relay = PayloadRelay(node_id, self.store, timeout_s=timeout_s)
         self.trees: dict[str, RelayTree] = {}  # holder -> the last tree it pushed to us
@@ -391,20 +407,35 @@ class RelayIO:
                 inline += size
         return relayed
 
-    def digest_of(self, entry: LogEntry, payload: bytes | None = None) -> tuple[bytes, int]:
-        """SHA-256 and size of an entry's payload (`payload`: its bytes, when already read), computed
-        once per (index, epoch): an entry never changes."""
+    def digest_of(self, entry: LogEntry) -> tuple[bytes, int]:
+        """SHA-256 and size of an entry's payload, computed once per (index, epoch) (an entry never
+        changes), read a piece at a time; `prepare` computes them off the event loop beforehand."""
         key = (entry.index, entry.epoch)
         known = self._digests.get(key)
         if known is None:
-            payload = entry_bytes(entry) if payload is None else payload
-            known = self._digests[key] = (payload_digest(payload), len(payload))
-            while len(self._digests) > MAX_KNOWN_POSITIONS:
-                self._digests.popitem(last=False)
+            known = self._remember(key, hash_payload(entry.payload))
         return known
 
+    def _remember(self, key: tuple[int, int], digest: tuple[bytes, int]) -> tuple[bytes, int]:
+        self._digests[key] = digest
+        while len(self._digests) > MAX_KNOWN_POSITIONS:
+            self._digests.popitem(last=False)
+        return digest
+
+    async def prepare(self, entries: Sequence[LogEntry]) -> None:
+        """Hash, in a worker thread, the payloads of `entries` that will go by digest and were not
+        hashed yet (a commit of a large model is a second or more of SHA-256: not on the event loop)."""
+        relayed = self.relayed_entries(entries)
+        for entry in entries:
+            key = (entry.index, entry.epoch)
+            if entry.index in relayed and key not in self._digests:
+                self._remember(key, await asyncio.to_thread(hash_payload, entry.payload))
+
     def relayed_append(self, message: coord.AppendEntries, tree: RelayTree, *, leader_commit: int) -> wire.LogAppend:
-        """The wire form of the holder's append with payloads by digest; new payloads start down the tree."""
+        """The wire form of the holder's append with payloads by digest; new payloads start down the tree.
+
+        The payloads are not read here: new ones are pushed as the log's references to them and
+        streamed from log.bin a chunk at a time."""
         fresh = []
         described = []
         relayed = self.relayed_entries(message.entries)
@@ -412,16 +443,15 @@ class RelayIO:
             if entry.index not in relayed:
                 described.append(peers.entry_to_wire(entry))
                 continue
-            # A payload stored in the log file is read once: for its digest and, if new, its push.
-            payload = None if (entry.index, entry.epoch) in self._digests else entry_bytes(entry)
-            digest, size = self.digest_of(entry, payload)
+            digest, size = self.digest_of(entry)
             described.append(peers.relayed_entry_to_wire(entry, digest, size))
             if digest not in self.relay.pushed:
-                fresh.append(replace(entry, payload=entry_bytes(entry) if payload is None else payload))
+                fresh.append(entry)
         for entry in fresh:
             # One entry at a time (the relay plane pushes what it was not given before), so the
             # plane hashes each payload once, not every time an append is sent to some follower.
-            _, actions = self.relay.outgoing(replace(message, prev_index=entry.index - 1, entries=(entry,)), tree)
+            _, actions = self.relay.outgoing(replace(message, prev_index=entry.index - 1, entries=(entry,)), tree,
+                                             digest_of=lambda e: self.digest_of(e)[0])
             self._perform(actions, as_root=True)
             self.store.settle(self.digest_of(entry)[0], entry.index, entry.epoch)
         return wire.LogAppend(message.epoch, message.leader_id, message.prev_index, message.prev_epoch,
@@ -441,7 +471,7 @@ class RelayIO:
         path = self.spool_dir / f"{head.digest.hex()[:16]}-{self._spool_serial}.part"
         return _PayloadReceiver(self, assembler, sender, path)
 
-    def accept(self, head: wire.PayloadOpen | wire.PayloadPush, payload: bytes | SpooledPayload, sender: str) -> None:
+    def accept(self, head: wire.PayloadOpen | wire.PayloadPush, payload: Payload, sender: str) -> None:
         """Verified bytes from `sender`: kept, passed on down the tree they came with, waiters woken."""
         tree = tree_from_wire(head)
         if tree is not None and tree.root != self.node_id:
@@ -497,14 +527,16 @@ class RelayIO:
         payloads: dict[int, StoredPayload | bytes] = {}
         for entry in message.entries:
             if entry.relayed:
-                payload = self.store.reference(entry.payload_sha256, entry.payload_size)
+                payload = self.store.get(entry.payload_sha256)
                 if payload is None:
                     break
                 if isinstance(payload, SpooledPayload):
+                    # Once this entry is in the log and the file deleted, readers still holding it
+                    # (a forward under way, the entry being applied) read the log instead.
                     payload.set_fallback(lambda i=entry.index, e=entry.epoch: self._from_log(i, e))
                     payloads[entry.index] = payload.as_stored()
                 else:
-                    payloads[entry.index] = payload
+                    payloads[entry.index] = entry_payload(payload)
                 entry = wire.LogEntry(entry.index, entry.epoch, entry.kind, entry.metadata, b"")
             entries.append(entry)
         return replace(message, entries=tuple(entries)), payloads
@@ -641,24 +673,28 @@ class RelayIO:
         self.counts["pushed_bytes" if tree is not None and tree.root == self.node_id else "forwarded_bytes"] += size
 
 
-async def _stream_frames(head: wire.PayloadOpen, payload: bytes | SpooledPayload) -> AsyncIterator[wire.Message]:
-    """The open, then each chunk; a spool file is read one chunk at a time in a worker thread."""
+async def _stream_frames(head: wire.PayloadOpen, payload: Payload) -> AsyncIterator[wire.Message]:
+    """The open, then each chunk, read one at a time in a worker thread (a spool file, log.bin)."""
     yield head
-    if isinstance(payload, bytes):
-        for offset in range(0, len(payload), head.chunk_bytes):
-            yield wire.PayloadChunk(head.stream, offset, payload[offset:offset + head.chunk_bytes])
-        return
-    handle = await asyncio.to_thread(payload.open)
+    pieces = payload_pieces(payload, head.chunk_bytes)
+    buffer = bytearray()
+    offset = 0
     try:
-        offset = 0
-        while offset < head.size:
-            piece = await asyncio.to_thread(handle.read, min(head.chunk_bytes, head.size - offset))
-            if not piece:
-                raise LocalProtocolError(f"{payload!r} ended after {offset} of {head.size} bytes")
-            yield wire.PayloadChunk(head.stream, offset, piece)
-            offset += len(piece)
+        while True:
+            piece = await asyncio.to_thread(next, pieces, None)
+            if piece is None:
+                break
+            buffer += piece
+            while len(buffer) >= head.chunk_bytes or (buffer and offset + len(buffer) == head.size):
+                chunk = bytes(buffer[:head.chunk_bytes])
+                del buffer[:head.chunk_bytes]
+                yield wire.PayloadChunk(head.stream, offset, chunk)
+                offset += len(chunk)
     finally:
-        handle.close()
+        pieces.close()
+    if offset != head.size or buffer:
+        raise LocalProtocolError(f"payload {head.digest.hex()[:16]}.. gave {offset + len(buffer)} bytes, "
+                                 f"declared {head.size}")
 
 
 class _PayloadReceiver:

@@ -39,6 +39,7 @@ import os
 import struct
 import threading
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -192,6 +193,17 @@ def _scan_log(handle: Any, size: int, path: Path) -> tuple[Snapshot, list[tuple[
     return snapshot, entries, offset
 
 
+def _record_parts(entry: LogEntry) -> tuple[bytes, bytes]:
+    """An entry record's msgpack body without its payload: what comes before the payload's bytes
+    (array header, epoch, index, kind, bin header) and after them (fragment, round, digest, voters)."""
+    packer = msgpack.Packer(use_bin_type=True)
+    voters = entry.config.sorted_voters() if entry.config is not None else None
+    head = (packer.pack_array_header(8) + packer.pack(entry.epoch) + packer.pack(entry.index)
+            + packer.pack(entry.kind.value) + _bin_header(entry.payload_size))
+    tail = packer.pack(entry.fragment) + packer.pack(entry.round) + packer.pack(entry.digest) + packer.pack(voters)
+    return head, tail
+
+
 def _bin_header(size: int) -> bytes:
     """msgpack's bin header for `size` bytes (the form msgpack.packb itself picks)."""
     if size < 1 << 8:
@@ -214,11 +226,7 @@ def _write_entry(handle: Any, entry: LogEntry) -> int:
         record = _encode_entry(entry)
         handle.write(record)
         return len(record)
-    packer = msgpack.Packer(use_bin_type=True)
-    voters = entry.config.sorted_voters() if entry.config is not None else None
-    head = (packer.pack_array_header(8) + packer.pack(entry.epoch) + packer.pack(entry.index)
-            + packer.pack(entry.kind.value) + _bin_header(payload.size))
-    tail = packer.pack(entry.fragment) + packer.pack(entry.round) + packer.pack(entry.digest) + packer.pack(voters)
+    head, tail = _record_parts(entry)
     crc = zlib.crc32(head)
     for piece in payload.pieces(WRITE_PIECE_BYTES):
         crc = zlib.crc32(piece, crc)
@@ -439,7 +447,9 @@ class ReplicaStore:
         elif len(payload) <= INLINE_PAYLOAD_BYTES:
             return entry
         reader = functools.partial(self.read_payload, entry.index, entry.epoch)
-        return dataclasses.replace(entry, payload=StoredPayload(entry.payload_size, reader))
+        prefix = len(_record_parts(entry)[0])
+        pieces = functools.partial(self.read_payload_pieces, entry.index, entry.epoch, prefix, entry.payload_size)
+        return dataclasses.replace(entry, payload=StoredPayload(entry.payload_size, reader, pieces=pieces))
 
     def _store_payloads(self, entries: list[LogEntry], start: int) -> None:
         """Swap the payloads of `entries[start:]` (just written) for references, in place: the
@@ -472,6 +482,45 @@ class ReplicaStore:
         if not isinstance(entry, LogEntry) or (entry.index, entry.epoch) != (index, epoch):
             raise PayloadGone(f"{self._log_path}: the record at byte {offset} is not entry {index} of epoch {epoch}")
         return entry.payload_bytes()
+
+    def read_payload_pieces(self, index: int, epoch: int, prefix: int, size: int, piece_bytes: int) -> Iterator[bytes]:
+        """The payload of entry `index` of `epoch` from log.bin, `piece_bytes` at a time (any thread),
+        without the record in memory. `prefix` is the body's length before the payload (`_record_parts`).
+
+        The record's CRC covers all of it, so it is known good only at the end: a damaged record
+        raises PayloadGone after its last piece (a caller that must not act on bad bytes, like a
+        hash taken before sending, finishes reading first). The pieces come from the file that held
+        the entry when reading started, even if a rewrite replaces log.bin meanwhile.
+        """
+        with self._read_lock:
+            location = self._locations.get(index)
+            if location is None or location[0] != epoch:
+                raise PayloadGone(f"{self._log_path}: entry {index} of epoch {epoch} is no longer in the log")
+            _, offset, length = location
+            fd = os.open(self._log_path, os.O_RDONLY)
+        try:
+            head = _pread_all(fd, _RECORD_HEAD.size + prefix, offset)
+            if len(head) != _RECORD_HEAD.size + prefix:
+                raise PayloadGone(f"{self._log_path}: entry {index}: short read at byte {offset}")
+            body_length, crc = _RECORD_HEAD.unpack_from(head)
+            if body_length != length - _RECORD_HEAD.size or prefix + size > body_length:
+                raise PayloadGone(f"{self._log_path}: entry {index}: the record at byte {offset} is not "
+                                  f"{size} payload bytes long")
+            running = zlib.crc32(memoryview(head)[_RECORD_HEAD.size:])
+            position = offset + _RECORD_HEAD.size + prefix
+            end = position + size
+            while position < end:
+                piece = _pread_all(fd, min(piece_bytes, end - position), position)
+                if not piece:
+                    raise PayloadGone(f"{self._log_path}: entry {index}: short read at byte {position}")
+                running = zlib.crc32(piece, running)
+                position += len(piece)
+                yield piece
+            rest = _pread_all(fd, offset + length - end, end)
+            if zlib.crc32(rest, running) != crc:
+                raise PayloadGone(f"{self._log_path}: entry {index}: the record at byte {offset} fails its checksum")
+        finally:
+            os.close(fd)
 
     # ---- compaction, written mostly off the event loop -----------------------------------------
 
