@@ -650,6 +650,8 @@ class RelayIO:
                     await self._stream_to(url, peer, hop)
                 except (PeerRefused, PeerUnreachable) as error:
                     log.info("payload push to %s failed (it will fetch): %s", peer, error)
+                except PayloadUnavailable as error:  # its entry left the log (truncated, compacted)
+                    log.info("payload push to %s dropped: %s", peer, error)
                 except asyncio.CancelledError:
                     raise
                 except Exception:  # one bad exchange must not stop the worker
