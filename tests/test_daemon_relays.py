@@ -489,3 +489,22 @@ def test_a_payload_from_the_log_given_to_the_core_again_is_written_into_its_own_
     again = entry_payload(logged)
     assert again.transient and again.read() == b"seven" and not logged.transient
     assert entry_payload(b"bytes") == b"bytes"
+
+
+def test_a_stream_of_bytes_already_here_is_declined_before_its_first_chunk(tmp_path):
+    async def scenario() -> None:
+        net, tasks = cluster(tmp_path, ["a", "b"])
+        out = net.nodes["a"].relayed_append(holders_append(), plan_relay_tree("a", ["b"], 1), leader_commit=4)
+        await settle_network()
+        b = net.nodes["b"]
+        digest = out.entries[1].payload_sha256
+        assert digest in b.store and net.chunks == 6
+        head = wire.PayloadOpen(b"t" * 16, digest, len(PAYLOAD), 4096, "", {})
+        with pytest.raises(PeerRefused, match="already holds payload") as declined:
+            await net.client("a").send_sequence("http://b", stream_frames(head, PAYLOAD, 4096), peer="b",
+                                                deadline_s=1.0)
+        assert declined.value.status == 409 and net.chunks == 6  # not one more chunk went
+        assert b.counts["refused"] == 0 and spool_files(b) == [b.store.held(digest).path.name]
+        await tasks.close()
+
+    asyncio.run(scenario())

@@ -461,12 +461,16 @@ class RelayIO:
 
     def open_stream(self, head: wire.PayloadOpen, sender: str) -> _PayloadReceiver:
         """A streamed payload from `sender` begins: its receiver (the transport's SequenceConsumer).
-        Refused at once (413) when it declares more than the run's largest commit."""
+        Refused at once (413) when it declares more than the run's largest commit, and (409, not
+        counted as a refusal) when these bytes are here already: a push racing a fetch answer, or
+        a resend, costs a round trip instead of the whole payload."""
         try:
             assembler = PayloadAssembler(head, self.max_payload_bytes)
         except RemoteProtocolError:
             self.counts["refused"] += 1
             raise
+        if head.digest in self.store:
+            raise RemoteProtocolError(f"{self.node_id} already holds payload {head.digest.hex()[:16]}..", 409)
         self._spool_serial += 1
         path = self.spool_dir / f"{head.digest.hex()[:16]}-{self._spool_serial}.part"
         return _PayloadReceiver(self, assembler, sender, path)
@@ -648,7 +652,12 @@ class RelayIO:
                     continue
                 try:
                     await self._stream_to(url, peer, hop)
-                except (PeerRefused, PeerUnreachable) as error:
+                except PeerRefused as error:
+                    if error.status == 409:  # it had the bytes already
+                        log.debug("payload push to %s not needed: %s", peer, error)
+                    else:
+                        log.info("payload push to %s refused (it will fetch): %s", peer, error)
+                except PeerUnreachable as error:
                     log.info("payload push to %s failed (it will fetch): %s", peer, error)
                 except PayloadUnavailable as error:  # its entry left the log (truncated, compacted)
                     log.info("payload push to %s dropped: %s", peer, error)
