@@ -695,6 +695,11 @@ async def _stream_frames(head: wire.PayloadOpen, payload: Payload) -> AsyncItera
             piece = await asyncio.to_thread(next, pieces, None)
             if piece is None:
                 break
+            if not buffer and (len(piece) == head.chunk_bytes or offset + len(piece) == head.size) \
+                    and len(piece) <= head.chunk_bytes:
+                yield wire.PayloadChunk(head.stream, offset, bytes(piece))  # the usual case: no copy
+                offset += len(piece)
+                continue
             buffer += piece
             while len(buffer) >= head.chunk_bytes or (buffer and offset + len(buffer) == head.size):
                 chunk = bytes(buffer[:head.chunk_bytes])
