@@ -48,7 +48,7 @@ from typing import Any, BinaryIO
 from bootstrap import messages as coord
 from bootstrap.coordinator_node import CoordinatorNode
 from bootstrap.entries import LogEntry, PayloadUnavailable, StoredPayload
-from bootstrap.relay_plane import PayloadHop, PayloadRelay, PayloadRequest, SendPayload, payload_digest
+from bootstrap.relay_plane import PayloadHop, PayloadRelay, SendPayload, payload_digest
 from bootstrap.relay_tree import RelayTree, plan_relay_tree
 from diloco_node.daemon import peers
 from diloco_node.daemon.tasks import TaskSet
@@ -91,11 +91,6 @@ MAX_HELD_PAYLOADS = 16
 MAX_HELD_BYTES = 4 * 1024**3
 # Digests remembered with the log position of their entry, to serve fetches from the log.
 MAX_KNOWN_POSITIONS = 4096
-
-
-def entry_bytes(entry: LogEntry) -> bytes:
-    """An entry's payload bytes, wherever the log keeps them (in memory, or read from the log file)."""
-    return entry.payload_bytes()
 
 
 class SpooledPayload:
@@ -188,9 +183,10 @@ class HeldPayloads:
     """The `PayloadStore` of the relay plane: verified payloads by SHA-256 until the log holds them.
 
     A payload is a `SpooledPayload` (a streamed one, on disk), the log's reference to an entry's
-    bytes (the holder's own while it pushes them), or bytes (small ones, a 2.2 single-frame push). Bounded by count and bytes (the oldest go first, their
-    spool files deleted: the holder resends, a child fetches). Once an entry is in the log its spool
-    file is deleted and its bytes are read back from the log (`settle` records where).
+    bytes (the holder's own while it pushes them), or bytes (small ones, a 2.2 single-frame push).
+    Bounded by count and bytes (the oldest go first, their spool files deleted: the holder
+    resends, a child fetches). Once an entry is in the log its spool file is deleted and its bytes
+    are read back from the log (`settle` records where).
     """
 
     def __init__(self, from_log: Callable[[int, int], Payload | None], *, max_items: int = MAX_HELD_PAYLOADS,
