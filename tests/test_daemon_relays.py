@@ -508,3 +508,84 @@ def test_a_stream_of_bytes_already_here_is_declined_before_its_first_chunk(tmp_p
         await tasks.close()
 
     asyncio.run(scenario())
+
+
+def test_over_real_http_a_payload_streams_into_the_spool_and_a_fetch_streams_back(tmp_path):
+    """The transport's on_sequence feeds open_stream frame by frame: loopback HTTP, two nodes."""
+    from aiohttp import web
+
+    from diloco_node.transport import PeerClient, PeerServer
+    from wire.auth import AuthContext, FrameVerifier, derive_frame_key
+
+    run, key = "run-relays", derive_frame_key(b"r" * 32)
+    payload = bytes(range(256)) * 1000  # 256,000 bytes: 63 chunks of 4,096 and a short one
+
+    async def scenario() -> None:
+        tasks = TaskSet()
+        loop = asyncio.get_running_loop()
+        urls: dict[str, str] = {}
+        nodes: dict[str, RelayIO] = {}
+        runners = []
+        clients = []
+        for name in ("a", "b"):
+            client = PeerClient(AuthContext(run, name, key), FrameVerifier(run, key, node_id=name))
+            await client.start()
+            clients.append(client)
+            node = nodes[name] = RelayIO(node_id=name, fanout=1, client=client, url_of=urls.get,
+                                         from_log=lambda index, epoch: None, tasks=tasks, monotonic=loop.time,
+                                         spool_dir=tmp_path / name, max_payload_bytes=len(payload))
+            node.chunk_bytes = 4096
+            server = PeerServer(AuthContext(run, name, key), FrameVerifier(run, key, node_id=name))
+
+            async def opener(head, peer, node=node):
+                return node.open_stream(head, peer.node_id)
+
+            async def fetch(message, peer, node=node):
+                node.on_fetch(message, peer.node_id)
+
+            server.on_sequence(wire.MessageKind.PAYLOAD_OPEN, wire.MessageKind.PAYLOAD_CHUNK, opener)
+            server.on_message(wire.MessageKind.PAYLOAD_FETCH, fetch)
+            app = web.Application()
+            server.install(app)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            runners.append(runner)
+            urls[name] = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            a, b = nodes["a"], nodes["b"]
+            entry = LogEntry(3, 6, EntryKind.OUTER_COMMIT, payload, fragment=0, round=1)
+            out = a.relayed_append(coord.AppendEntries(3, "a", 5, 3, (entry,), 4, sent_at=0.0),
+                                   plan_relay_tree("a", ["b"], 1), leader_commit=4)
+            digest = out.entries[0].payload_sha256
+            for _ in range(200):
+                if digest in b.store:
+                    break
+                await asyncio.sleep(0.01)
+            spooled = b.store.held(digest)
+            assert isinstance(spooled, SpooledPayload) and spooled.read() == payload
+            assert a.counts["pushed_bytes"] == len(payload)
+            # b serves a fetch: here a itself asks, having dropped its own copy (its log holds none).
+            a.store.clear()
+            assert digest not in a.store
+            await a._fetch_from("b", digest)
+            for _ in range(200):
+                if digest in a.store:
+                    break
+                await asyncio.sleep(0.01)
+            assert a.store.held(digest).read() == payload and b.counts["served"] == 1
+            # A declaration over b's bound never reaches the spool: refused by the open alone.
+            head = wire.PayloadOpen(b"x" * 16, digest, len(payload) + 1, 4096, "", {})
+            with pytest.raises(PeerRefused, match="more than the 256,000 bytes") as refused:
+                await clients[0].send_sequence(urls["b"], stream_frames(head, payload + b"!", 4096), peer="b",
+                                               deadline_s=5.0)
+            assert refused.value.status == 413 and len(spool_files(b)) == 1
+        finally:
+            await tasks.close()
+            for client in clients:
+                await client.close()
+            for runner in runners:
+                await runner.cleanup()
+
+    asyncio.run(scenario())
