@@ -14,8 +14,14 @@ attack comes from other loopback addresses than the sites use, the way a strange
    holder; the holder's peak RSS growth (sampled every 10 ms) against the fragment's fp32 size.
 5. claims: a non-member's contribution claiming 2^40 tokens (status and reason), and a member's
    contribution claiming 2^40 tokens (what the merge caps it to, from the holder's log).
+6. stream bomb: the same decompression bomb inside a member's *streamed* contribution (wire 2.1,
+   a ContributionOpen naming the fragment's real tensors, then one ContributionChunk whose codec
+   message declares 2^28 values), three at once; the answers and the holder's peak RSS growth.
+7. stream stall: a member opens a streamed contribution, sends one valid chunk and then nothing;
+   how long the holder keeps the stream before cutting it, and whether commits go on meanwhile.
 
     python benchmarks/attacks.py --json attacks.json [--window 30]
+    python benchmarks/attacks.py --json attacks.json --only stream     # 6 and 7 only
 
 Figures depend on the machine and its load (two shared cores here): run it alone, report the load.
 """
@@ -32,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -46,7 +53,8 @@ from diloco_node.transport import PeerClient, PeerRefused, SENDER_HEADER, kind_p
 from wire.auth import AuthContext, FrameVerifier, derive_frame_key, load_run_secret  # noqa: E402
 from wire.codecs.layout import DIM, FIXED_HEADER, NAME_LEN, NDIM  # noqa: E402
 from wire.frames import encode_frame  # noqa: E402
-from wire.messages import FragmentContribution, MessageKind, VoteRequest  # noqa: E402
+from wire.contribution_stream import contribution_chunks, open_for  # noqa: E402
+from wire.messages import ContributionChunk, FragmentContribution, MessageKind, VoteRequest  # noqa: E402
 
 STARTUP_S = 300.0
 GiB = 1 << 30
@@ -214,6 +222,29 @@ async def idle_connections(url: str, count: int) -> dict:
 # ---- 4. bomb, 5. claims -----------------------------------------------------------------------
 
 
+class _PeakRss:
+    """The peak resident set of a process, sampled every 10 ms while the block runs."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.base = pid, rss_bytes(pid)
+        self.peak = self.base
+        self._task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> "_PeakRss":
+        async def sample() -> None:
+            while True:
+                self.peak = max(self.peak, rss_bytes(self.pid))
+                await asyncio.sleep(0.01)
+        self._task = asyncio.create_task(sample())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self.peak = max(self.peak, rss_bytes(self.pid))
+
+
 def bomb_payload(name: str, elements: int) -> bytes:
     header = FIXED_HEADER.pack(b"DLTC", 1, 1, 1, 0, 0, 1)  # version 1, fp32, zstd, no block, one tensor
     raw = name.encode()
@@ -252,35 +283,22 @@ async def bombs(cluster: Cluster, holder: str, sender: str, count: int = 3) -> d
     fragment_fp32 = 4 * sum(int(np.prod(shapes[n])) for n in fragments[0])
     payload = bomb_payload(name, GiB // 4)
     client = await member_client(cluster.secret_file, sender)
-    pid = cluster.sites[holder].pid
-    base = rss_bytes(pid)
-    peak = base
-    sampling = True
-
-    async def sample() -> None:
-        nonlocal peak
-        while sampling:
-            peak = max(peak, rss_bytes(pid))
-            await asyncio.sleep(0.01)
-
-    sampler = asyncio.create_task(sample())
-    outcomes = []
+    outcomes: list[str] = []
     try:
-        async def send() -> str:
-            message = FragmentContribution(0, 0, 0, 8, 8 * 128, codec, sender, payload)
-            try:
-                await client.send(cluster.sites[holder].url, message, peer=holder, deadline_s=60)
-                return "accepted"
-            except PeerRefused as refused:
-                return f"{refused.status} {refused.reason[:160]}"
-        outcomes = await asyncio.gather(*(send() for _ in range(count)))
-        await asyncio.sleep(1.0)
+        async with _PeakRss(cluster.sites[holder].pid) as rss:
+            async def send() -> str:
+                message = FragmentContribution(0, 0, 0, 8, 8 * 128, codec, sender, payload)
+                try:
+                    await client.send(cluster.sites[holder].url, message, peer=holder, deadline_s=60)
+                    return "accepted"
+                except PeerRefused as refused:
+                    return f"{refused.status} {refused.reason[:160]}"
+            outcomes = list(await asyncio.gather(*(send() for _ in range(count))))
+            await asyncio.sleep(1.0)
     finally:
-        sampling = False
-        await sampler
         await client.close()
     return {"payload_bytes": len(payload), "declared_decoded_bytes": GiB, "at_once": count,
-            "answers": outcomes, "rss_growth_bytes": peak - base, "fragment_fp32_bytes": fragment_fp32}
+            "answers": outcomes, "rss_growth_bytes": rss.peak - rss.base, "fragment_fp32_bytes": fragment_fp32}
 
 
 async def claims(cluster: Cluster, holder: str, member: str) -> dict:
@@ -301,10 +319,87 @@ async def claims(cluster: Cluster, holder: str, member: str) -> dict:
     return out
 
 
+# ---- 6. stream bomb, 7. stream stall -----------------------------------------------------------
+
+
+def _stream_open(fragment: int, shapes: dict, names: tuple[str, ...], codec: str, sender: str):
+    return open_for({n: shapes[n] for n in names}, fragment=fragment, base_index=0, base_round=0, c_steps=8,
+                    c_tokens=8 * 128, codec=codec, learner_id=sender, stream=os.urandom(16))
+
+
+async def stream_bombs(cluster: Cluster, holder: str, sender: str, count: int = 3) -> dict:
+    shapes, fragments, codec = fragment_shapes()
+    head = _stream_open(0, shapes, fragments[0], codec, sender)
+    # Bombs as the first chunk of the first tensor, where the open allows chunk_elements values:
+    # 2^28 fp32 zeros (1 GiB decoded from ~33 KB: more bytes than the run's codec may spend on the
+    # chunk's values, and the wrong codec), and 2^24 zeros in the run's own codec (64 MiB decoded
+    # from a few KB: few enough bytes to pass the byte check, so the decode's bound must refuse it).
+    from wire.codecs import encode_named
+
+    name = head.tensors[0].name
+    chunks = {
+        "1024 MiB fp32": ContributionChunk(head.stream, 0, 0, bomb_payload(name, GiB // 4)),
+        f"64 MiB {codec}": ContributionChunk(head.stream, 0, 0, encode_named(
+            {"": np.zeros(1 << 24, np.float32)}, codec, zstd_level=19)),
+    }
+    client = await member_client(cluster.secret_file, sender)
+    outcomes: list[str] = []
+    try:
+        async with _PeakRss(cluster.sites[holder].pid) as rss:
+            async def send(bomb: ContributionChunk) -> str:
+                async def frames():
+                    yield head
+                    yield bomb
+                try:
+                    await client.send_sequence(cluster.sites[holder].url, frames(), peer=holder, deadline_s=60)
+                    return "accepted"
+                except PeerRefused as refused:
+                    return f"{refused.status} {refused.reason[:160]}"
+            # one stream per member at a time (a second is refused 429): the bombs go in turn
+            for label, bomb in chunks.items():
+                for _ in range(count):
+                    outcomes.append(f"{label} in {len(bomb.payload):,} bytes: {await send(bomb)}")
+            await asyncio.sleep(1.0)
+    finally:
+        await client.close()
+    return {"chunk_values_allowed": head.chunk_elements, "sent": count * len(chunks), "answers": outcomes,
+            "rss_growth_bytes": rss.peak - rss.base}
+
+
+async def stream_stall(cluster: Cluster, holder: str, sender: str) -> dict:
+    shapes, fragments, codec = fragment_shapes()
+    names = fragments[1]
+    head = _stream_open(1, shapes, names, codec, sender)
+    delta = {n: np.full(shapes[n], 1e-3, np.float32) for n in names}
+    client = await member_client(cluster.secret_file, sender)
+    status_before = cluster.poll()[holder].get("commit_index", 0)
+    started = time.monotonic()
+
+    async def frames():
+        yield head
+        yield next(contribution_chunks(head, delta))
+        await asyncio.sleep(3600)  # and then nothing: the holder must cut the stream
+
+    try:
+        await client.send_sequence(cluster.sites[holder].url, frames(), peer=holder, deadline_s=600)
+        answer = "accepted"
+    except PeerRefused as refused:
+        answer = f"{refused.status} {refused.reason[:160]}"
+    except Exception as error:  # the holder closing the connection mid-body is an answer too
+        answer = f"{type(error).__name__}: {str(error)[:160]}"
+    finally:
+        await client.close()
+    held_s = time.monotonic() - started
+    return {"answer": answer, "held_s": round(held_s, 2),
+            "holder_commits_meanwhile": cluster.poll()[holder].get("commit_index", 0) - status_before}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--window", type=float, default=30.0, help="seconds per commit-rate window")
+    parser.add_argument("--only", choices=("all", "stream"), default="all",
+                        help="stream: only the attacks on streamed contributions (6 and 7)")
     args = parser.parse_args()
     report: dict = {"load_before": load_average(), "window_s": args.window}
     with tempfile.TemporaryDirectory(prefix="diloco-attacks-") as tmp, Cluster.create(Path(tmp)) as cluster:
@@ -315,31 +410,40 @@ def main() -> None:
                          and s["a"].get("coordinator") == "a", STARTUP_S)
         time.sleep(5.0)
         holder, follower = "a", "b"
-        report["unattacked_commits_per_s"] = round(commits_over(cluster, holder, args.window), 3)
-        report["slowloris_follower"] = attack_window(cluster, follower, holder, args.window)
-        report["slowloris_holder"] = attack_window(cluster, holder, holder, args.window)
-        report["unattacked_after_commits_per_s"] = round(commits_over(cluster, holder, args.window), 3)
-        for key in ("slowloris_follower", "slowloris_holder"):
-            report[key]["vs_unattacked"] = round(report[key]["commits_per_s"] / max(
-                1e-9, min(report["unattacked_commits_per_s"], report["unattacked_after_commits_per_s"])), 3)
-        pid = cluster.sites[follower].pid
-        before = rss_bytes(pid)
-        statuses = asyncio.run(sender_flood(cluster.sites[follower].url, 5000))
-        time.sleep(2.0)
-        report["sender_flood"] = {"requests": 5000, "statuses": statuses, "rss_before": before,
-                                  "rss_after": rss_bytes(pid), "rss_growth_bytes": rss_bytes(pid) - before,
-                                  "peers_in_status": sorted(cluster.poll()[follower].get("transport", {})
-                                                            .get("peers", {}))}
-        report["idle"] = asyncio.run(idle_connections(cluster.sites[follower].url, 300))
-        report["bomb"] = asyncio.run(bombs(cluster, holder, follower))
-        report["claims"] = asyncio.run(claims(cluster, holder, follower))
+        report["stream_bomb"] = asyncio.run(stream_bombs(cluster, holder, follower))
+        report["stream_stall"] = asyncio.run(stream_stall(cluster, holder, follower))
+        if args.only == "all":
+            run_single_frame_attacks(cluster, holder, follower, args.window, report)
         log = cluster.sites[holder].log_text()
         report["holder_log_tracebacks"] = log.count("Traceback")
         report["holder_log_refusal_lines"] = len(re.findall(r"refused .* with \d{3}", log))
+        report["holder_log_refusals_by_status"] = dict(Counter(re.findall(r"refused .* with (\d{3})", log)))
         report["digests_agree"] = not cluster.conflicting_indices()
     report["load_after"] = load_average()
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
+
+
+def run_single_frame_attacks(cluster: Cluster, holder: str, follower: str, window_s: float, report: dict) -> None:
+    """Attacks 1 to 5 (single-frame contributions and raw connections), written into `report`."""
+    report["unattacked_commits_per_s"] = round(commits_over(cluster, holder, window_s), 3)
+    report["slowloris_follower"] = attack_window(cluster, follower, holder, window_s)
+    report["slowloris_holder"] = attack_window(cluster, holder, holder, window_s)
+    report["unattacked_after_commits_per_s"] = round(commits_over(cluster, holder, window_s), 3)
+    for key in ("slowloris_follower", "slowloris_holder"):
+        report[key]["vs_unattacked"] = round(report[key]["commits_per_s"] / max(
+            1e-9, min(report["unattacked_commits_per_s"], report["unattacked_after_commits_per_s"])), 3)
+    pid = cluster.sites[follower].pid
+    before = rss_bytes(pid)
+    statuses = asyncio.run(sender_flood(cluster.sites[follower].url, 5000))
+    time.sleep(2.0)
+    report["sender_flood"] = {"requests": 5000, "statuses": statuses, "rss_before": before,
+                              "rss_after": rss_bytes(pid), "rss_growth_bytes": rss_bytes(pid) - before,
+                              "peers_in_status": sorted(cluster.poll()[follower].get("transport", {})
+                                                        .get("peers", {}))}
+    report["idle"] = asyncio.run(idle_connections(cluster.sites[follower].url, 300))
+    report["bomb"] = asyncio.run(bombs(cluster, holder, follower))
+    report["claims"] = asyncio.run(claims(cluster, holder, follower))
 
 
 if __name__ == "__main__":

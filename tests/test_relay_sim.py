@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bootstrap.simulation import SimConfig, Simulation, run_seed
 
-RELAY_SEEDS = 300
+RELAY_SEEDS = 150  # 2000 in benchmarks/coordination.py --relays 2
 RELAY_CONFIG = SimConfig(chaos_s=12.0, warmup_s=4.0, relay_fanout=2)
 
 

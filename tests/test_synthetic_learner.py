@@ -4,6 +4,7 @@ counters only, its step rate, and the `[node]` keys that select it."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -129,3 +130,21 @@ def test_the_node_keys_select_the_synthetic_learner_and_bad_values_are_config_er
         load_config(None, {}, {"learner": "fake"})
     with pytest.raises(ConfigError, match="synthetic_steps_per_s = 0.0: must be a positive"):
         load_config(None, {}, {"synthetic_steps_per_s": "0"})
+
+
+def test_a_training_learner_restarted_on_a_synthetic_checkpoint_starts_from_the_global_state() -> None:
+    from diloco_node.daemon.persistence import learner_to_resume
+    from diloco_node.learn.learner_thread import snapshot_from_checkpoint, snapshot_meta_and_arrays
+
+    learner = _learner([])
+    learner.adopt_global({}, [3, 4])
+    # the checkpoint's learner part, written and read back as the daemon does
+    meta, arrays = snapshot_meta_and_arrays(learner.request_state().result(timeout=5))
+    assert arrays == {}  # counters only: a synthetic learner has no weights to keep
+    snapshot = snapshot_from_checkpoint(meta, arrays)
+    assert snapshot.base_rounds == [3, 4]
+    assert learner_to_resume(snapshot, "jax", "s1") is None  # nothing to resume: start from the global state
+    assert learner_to_resume(snapshot, "synthetic", "s1") is snapshot  # its own counters resume
+    trained = dataclasses.replace(snapshot, params={"w": np.zeros(2, np.float32)})
+    assert learner_to_resume(trained, "jax", "s1") is trained
+    assert learner_to_resume(None, "jax", "s1") is None

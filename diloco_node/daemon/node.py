@@ -43,7 +43,7 @@ from diloco_node.daemon.loop_monitor import LagWindow, watch_loop_lag
 from diloco_node.daemon.metrics import DaemonSeries
 from diloco_node.daemon.notify import BackgroundNotifier, StatusLineThrottle
 from diloco_node.daemon.peer_api import PeerApi
-from diloco_node.daemon.persistence import Checkpointer
+from diloco_node.daemon.persistence import Checkpointer, learner_to_resume
 from diloco_node.daemon.readiness import ReadinessFacts, readiness
 from diloco_node.daemon.relays import SPOOL_SUBDIR, run_payload_bound
 from diloco_node.daemon.replica_store import ReplicaStore
@@ -350,6 +350,7 @@ class Node:
             history=self.history)
         keeper.after_apply = self._after_apply
         plan, restored = self.checkpointer.restore(persistent, identity.has_peers())
+        restored = learner_to_resume(restored, self.cfg.learner, self.node_id)
         evicted = replica.evictions.record(self.node_id)
         if evicted is not None:
             raise JoinRefused(evicted.refusal(), permanent=True)  # every member refuses us anyway

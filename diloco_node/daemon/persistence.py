@@ -68,6 +68,21 @@ def restart_plan(*, checkpoint_index: int | None, snapshot_index: int, log_last_
                        f"{snapshot_index}: installing the global state from peers")
 
 
+def learner_to_resume(snapshot: LearnerSnapshot | None, learner_kind: str, node_id: str) -> LearnerSnapshot | None:
+    """The checkpointed learner a `learner_kind` learner resumes from, or None to start from the global state.
+
+    A synthetic learner (`[node] learner = "synthetic"`) checkpoints its counters only, no
+    weights. A training learner restarted on such a checkpoint has nothing of its own to resume:
+    it starts from the global state like a fresh one (nothing is lost: synthetic deltas carry no
+    learning). Any learner resumes the counters of a training learner's checkpoint.
+    """
+    if snapshot is not None and learner_kind != "synthetic" and not snapshot.params:
+        log.warning("%s: the checkpoint's learner holds no weights (written by a synthetic learner); "
+                    "the %s learner starts from the global state", node_id, learner_kind)
+        return None
+    return snapshot
+
+
 class Checkpointer:
     def __init__(self, *, node_id: str, checkpoints: CheckpointStore, store: ReplicaStore, replica: Replica,
                  disk_executor: Executor, retain_entries: int, report_error: Callable[[str], None]) -> None:

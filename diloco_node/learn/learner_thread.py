@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco_node.learn import data as data_lib
+from diloco_node.learn.handoffs import LearnerHandoffs
 from diloco_node.sync.apply import ApplyRule, FragmentCounters, apply_merge
 from diloco_node.sync.fragments import FragmentPlan
 from diloco_node.learn.inner import InnerLearner
@@ -104,7 +103,7 @@ def learner_index(node_id: str) -> int:
     return int.from_bytes(hashlib.sha256(node_id.encode()).digest()[:4], "little")
 
 
-class LearnerThread(threading.Thread):
+class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
     def __init__(
         self,
         *,
@@ -120,7 +119,7 @@ class LearnerThread(threading.Thread):
         inner: InnerLearner | None = None,
         following: BoundaryFollowing | None = None,
     ) -> None:
-        super().__init__(name=f"learner-{node_id}", daemon=True)
+        super().__init__(f"learner-{node_id}")
         self.node_id = node_id  # the learner's name in commits' contributor lists
         self.plan = plan
         self.manifest = manifest
@@ -155,11 +154,7 @@ class LearnerThread(threading.Thread):
         self._on_progress = on_progress
         self._min_step_interval_s = min_step_interval_s
         self._apply_rule = ApplyRule.from_sync_spec(manifest.sync)
-        self._lock = threading.Lock()
         self._offers: dict[int, _Offer] = {}
-        self._state_requests: list[Future[LearnerSnapshot]] = []
-        self._stop_requested = threading.Event()
-        self._go = threading.Event()
         self.stopped_at_step: int | None = None
         self.error: BaseException | None = None
         self.last_step_at = time.monotonic()
@@ -212,9 +207,6 @@ class LearnerThread(threading.Thread):
         self.c_steps = [0] * self.plan.num_fragments
         self.c_tokens = [0] * self.plan.num_fragments
 
-    def begin_training(self) -> None:
-        self._go.set()
-
     # ---- thread-safe hand-offs ----------------------------------------------------------------
 
     def offer_fragment(self, p: int, round_: int, params: dict[str, np.ndarray],
@@ -231,22 +223,6 @@ class LearnerThread(threading.Thread):
             if current is None or current.round < round_:
                 earlier = current.contributors_by_round if current is not None else ()
                 self._offers[p] = _Offer(round_, params, on_device, earlier + ((round_, frozenset(contributors)),))
-
-    def request_state(self) -> Future[LearnerSnapshot]:
-        future: Future[LearnerSnapshot] = Future()
-        with self._lock:
-            self._state_requests.append(future)
-        if not self._go.is_set() or not self.is_alive():
-            self._answer_state_requests()
-        return future
-
-    def stop(self) -> None:
-        self._stop_requested.set()
-        self._go.set()
-
-    @property
-    def stop_requested(self) -> bool:
-        return self._stop_requested.is_set()
 
     @property
     def steps(self) -> int:
@@ -392,8 +368,7 @@ class LearnerThread(threading.Thread):
                                               read.step))
 
     def _answer_state_requests(self, snap: LearnerSnapshot | None = None) -> None:
-        with self._lock:
-            requests, self._state_requests = self._state_requests, []
+        requests = self._take_state_requests()
         if not requests:
             return
         if snap is None and self._following is not None:
@@ -412,9 +387,7 @@ class LearnerThread(threading.Thread):
                 opt_leaves=[np.asarray(leaf) for leaf in jax.tree.leaves(self._inner.opt_state)],
                 base_rounds=list(self.base_rounds), c_steps=list(self.c_steps), c_tokens=list(self.c_tokens),
                 sampler=self._sampler.state())
-        for future in requests:
-            if not future.done():
-                future.set_result(snap)
+        self._resolve(requests, snap)
 
     # ---- a multi-host site: every process at every boundary (learn/cluster.py) --------------
 

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Collection, Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
 
 from diloco_node.config.manifest import RunManifest
+from diloco_node.learn.handoffs import LearnerHandoffs
 from diloco_node.learn.learner_thread import DueFragment, LearnerSnapshot
 from diloco_node.sync.apply import ApplyRule
 from diloco_node.sync.fragments import FragmentPlan
@@ -47,7 +46,7 @@ class _Offer:
     contributors: frozenset[str]
 
 
-class SyntheticLearner(threading.Thread):
+class SyntheticLearner(LearnerHandoffs[LearnerSnapshot]):
     """Steps at `steps_per_s` and hands over random deltas on the fragment schedule."""
 
     def __init__(self, *, node_id: str, manifest: RunManifest, plan: FragmentPlan,
@@ -59,7 +58,7 @@ class SyntheticLearner(threading.Thread):
         missing = sorted(set(plan.names) - set(shapes))
         if missing:
             raise ValueError(f"the fragment plan names tensors without a shape: {missing[:5]}")
-        super().__init__(name=f"synthetic-learner-{node_id}", daemon=True)
+        super().__init__(f"synthetic-learner-{node_id}")
         self.node_id = node_id
         self.plan = plan
         self.manifest = manifest
@@ -79,11 +78,7 @@ class SyntheticLearner(threading.Thread):
         self._tokens = 0
         self._on_contribution = on_contribution
         self._on_progress = on_progress
-        self._lock = threading.Lock()
         self._offers: dict[int, _Offer] = {}
-        self._state_requests: list[Future[LearnerSnapshot]] = []
-        self._stop_requested = threading.Event()
-        self._go = threading.Event()
         self.stopped_at_step: int | None = None
         self.error: BaseException | None = None
         self.last_step_at = time.monotonic()
@@ -108,9 +103,6 @@ class SyntheticLearner(threading.Thread):
         self.c_steps = [0] * self.plan.num_fragments
         self.c_tokens = [0] * self.plan.num_fragments
 
-    def begin_training(self) -> None:
-        self._go.set()
-
     # ---- thread-safe hand-offs ----------------------------------------------------------------
 
     def offer_fragment(self, p: int, round_: int, params: Mapping[str, np.ndarray],
@@ -121,22 +113,6 @@ class SyntheticLearner(threading.Thread):
             if current is None or current.round < round_:
                 earlier = current.contributors if current is not None else frozenset()
                 self._offers[p] = _Offer(round_, earlier | frozenset(contributors))
-
-    def request_state(self) -> Future[LearnerSnapshot]:
-        future: Future[LearnerSnapshot] = Future()
-        with self._lock:
-            self._state_requests.append(future)
-        if not self._go.is_set() or not self.is_alive():
-            self._answer_state_requests()
-        return future
-
-    def stop(self) -> None:
-        self._stop_requested.set()
-        self._go.set()
-
-    @property
-    def stop_requested(self) -> bool:
-        return self._stop_requested.is_set()
 
     @property
     def steps(self) -> int:
@@ -213,14 +189,11 @@ class SyntheticLearner(threading.Thread):
                 self.c_steps[p], self.c_tokens[p] = 0, 0
 
     def _answer_state_requests(self) -> None:
-        with self._lock:
-            requests, self._state_requests = self._state_requests, []
+        requests = self._take_state_requests()
         if not requests:
             return
         # No weights and no optimizer state: a checkpoint keeps the counters only.
         snap = LearnerSnapshot(step=self._steps, tokens=self._tokens, params={}, opt_leaves=[],
                                base_rounds=list(self.base_rounds), c_steps=list(self.c_steps),
                                c_tokens=list(self.c_tokens), sampler="")
-        for future in requests:
-            if not future.done():
-                future.set_result(snap)
+        self._resolve(requests, snap)
