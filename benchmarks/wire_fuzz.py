@@ -9,7 +9,10 @@ RemoteProtocolError out of the decoder is a bug: it is printed and the exit stat
 Then it streams one large contribution (default 256 MiB) through the decoder in 64 KiB reads and
 reports MB/s and how much the peak RSS grew (the bounded-memory promise), and feeds damaged streamed
 contributions (wire 2.1: chunks cut, flipped, reordered, swapped between tensors or streams) to the
-receiver's `ContributionAssembler`: it must refuse them with RemoteProtocolError and nothing else.
+receiver's `ContributionAssembler`: it must refuse them with RemoteProtocolError and nothing else;
+and damaged streamed relayed payloads (wire 2.3: chunks cut, flipped, dropped, swapped, repeated, of
+another stream, sizes over the bound) to `PayloadAssembler`: refused with RemoteProtocolError, and
+every stream it accepts is exactly the declared bytes.
 
     .venv/bin/python benchmarks/wire_fuzz.py --examples 100000
 
@@ -270,18 +273,81 @@ def fuzz_streams(examples: int, seed: int) -> int:
     return bugs
 
 
+def fuzz_payload_streams(examples: int, seed: int) -> int:
+    """Damaged relayed payload streams into PayloadAssembler: only RemoteProtocolError may come out,
+    and whatever it accepts is byte for byte the payload the open declared."""
+    from wire.errors import RemoteProtocolError
+    from wire.messages import PayloadChunk, PayloadOpen
+    from wire.payload_stream import PayloadAssembler, chunk_spans
+
+    rng = random.Random(seed)
+    counts: collections.Counter[str] = collections.Counter()
+    bugs = 0
+    for i in range(examples):
+        payload = rng.randbytes(rng.randint(1, 3000))
+        chunk_bytes = rng.randint(1, 700)
+        bound = len(payload) + rng.choice((0, 0, 1, 1000))
+        head = PayloadOpen(bytes(16), hashlib.sha256(payload).digest(), len(payload), chunk_bytes, "", {})
+        chunks = [PayloadChunk(head.stream, offset, payload[offset:offset + length])
+                  for offset, length in chunk_spans(len(payload), chunk_bytes)]
+        damage = rng.choice(("none", "flip", "cut", "drop", "swap", "stream", "extend", "oversize"))
+        k = rng.randrange(len(chunks))
+        c = chunks[k]
+        if damage == "flip":
+            data = bytearray(c.payload)
+            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+            chunks[k] = PayloadChunk(c.stream, c.offset, bytes(data))
+        elif damage == "cut" and len(c.payload) > 1:
+            chunks[k] = PayloadChunk(c.stream, c.offset, c.payload[:rng.randrange(1, len(c.payload))])
+        elif damage == "drop":
+            del chunks[k]
+        elif damage == "swap" and len(chunks) > 1:
+            j = rng.randrange(len(chunks))
+            chunks[k], chunks[j] = chunks[j], chunks[k]
+        elif damage == "stream":
+            chunks[k] = PayloadChunk(bytes([1]) * 16, c.offset, c.payload)
+        elif damage == "extend":
+            chunks.append(c)
+        elif damage == "oversize":
+            bound = len(payload) - 1
+        try:
+            assembler = PayloadAssembler(head, bound)
+            kept = hashlib.sha256()
+            parts = []
+            for chunk in chunks:
+                assembler.check(chunk)
+                kept.update(chunk.payload)
+                parts.append(chunk.payload)
+            assembler.finish(kept.digest())
+            assert b"".join(parts) == payload, "an accepted stream is not the declared payload"
+            counts[f"{damage}: accepted"] += 1
+        except RemoteProtocolError as error:
+            counts[f"{damage}: {error.status_hint}"] += 1
+        except Exception:  # noqa: BLE001 - a bug report, not error handling
+            bugs += 1
+            print(f"BUG in payload stream example {i} ({damage}, seed {seed}):", file=sys.stderr)
+            traceback.print_exc(limit=6)
+            if bugs >= 5:
+                break
+    print(f"fuzzed {examples} streamed relayed payloads, bugs: {bugs}")
+    for key in sorted(counts):
+        print(f"  {key:<36} {counts[key]:>8}")
+    return bugs
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--examples", type=int, default=100_000, help="fuzz examples (default 100000)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stream-mb", type=int, default=256, help="size of the streamed payload, 0 to skip")
     parser.add_argument("--stream-examples", type=int, default=2_000,
-                        help="damaged streamed contributions for the assembler (default 2000)")
+                        help="damaged streamed contributions and relayed payloads for the assemblers (default 2000)")
     args = parser.parse_args()
     if args.stream_mb:
         stream_big(args.stream_mb)  # first, so the RSS growth is not hidden by the fuzz loop's peak
     bugs = fuzz(args.examples, args.seed)
     bugs += fuzz_streams(args.stream_examples, args.seed)
+    bugs += fuzz_payload_streams(args.stream_examples, args.seed)
     return 1 if bugs else 0
 
 

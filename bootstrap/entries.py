@@ -7,7 +7,7 @@ and `majorities_can_be_disjoint`), so "majority" means the same thing everywhere
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from wire.errors import LocalProtocolError
@@ -85,15 +85,23 @@ class StoredPayload:
     entry's metadata and this reference; the bytes (a merged fragment delta, megabytes) are read
     when an entry is sent, applied or rewritten. `read` raises `PayloadUnavailable` (or the
     storage's subclass of it) when the bytes are gone.
+
+    `pieces` (optional) reads the same bytes a piece at a time, so a writer can copy them without
+    holding them whole; without it, `pieces` yields `read()` once. `transient`: the bytes are not
+    in the log file yet (a relayed payload in its spool file): the log store writes them from here
+    and then keeps its own reference instead.
     """
 
-    __slots__ = ("size", "_read")
+    __slots__ = ("size", "_read", "_pieces", "transient")
 
-    def __init__(self, size: int, read: Callable[[], bytes]) -> None:
+    def __init__(self, size: int, read: Callable[[], bytes], *,
+                 pieces: Callable[[int], Iterator[bytes]] | None = None, transient: bool = False) -> None:
         if not isinstance(size, int) or size < 0:
             raise LocalProtocolError(f"stored payload size must be an int >= 0, got {size!r}")
         self.size = size
         self._read = read
+        self._pieces = pieces
+        self.transient = transient
 
     def read(self) -> bytes:
         data = self._read()
@@ -101,8 +109,22 @@ class StoredPayload:
             raise LocalProtocolError(f"stored payload: read {len(data)} bytes, expected {self.size}")
         return data
 
+    def pieces(self, piece_bytes: int) -> Iterator[bytes]:
+        """The bytes in order, at most `piece_bytes` at a time (checked to add up to `size`)."""
+        if self._pieces is None:
+            yield self.read()
+            return
+        total = 0
+        for piece in self._pieces(piece_bytes):
+            total += len(piece)
+            if total > self.size:
+                break
+            yield piece
+        if total != self.size:
+            raise LocalProtocolError(f"stored payload: read {total} bytes, expected {self.size}")
+
     def __repr__(self) -> str:
-        return f"StoredPayload({self.size} bytes)"
+        return f"StoredPayload({self.size} bytes{', transient' if self.transient else ''})"
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,10 +22,12 @@ Sans-IO: events and `now` in, actions out; the payload store is injected.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
+from bootstrap.entries import LogEntry
 from bootstrap.messages import AppendEntries
 from bootstrap.relay_tree import RelayTree
 from wire.errors import LocalProtocolError
@@ -38,6 +40,10 @@ DEFAULT_PARTIAL_EVERY_S = 0.25
 DEFAULT_RELAY_TIMEOUT_S = 0.5
 # Held-back messages per node; the holder resends anyway, so dropping the oldest loses only time.
 MAX_WAITING_MESSAGES = 16
+# Digests a holder remembers having pushed (32 B each, most recent first kept). An entry older than
+# the last few thousand commits that is sent again goes down the tree again: extra traffic for a
+# follower that far behind, never a safety question (the bytes are still checked by digest).
+MAX_PUSHED_DIGESTS = 4096
 
 
 def payload_digest(payload: bytes) -> bytes:
@@ -45,11 +51,15 @@ def payload_digest(payload: bytes) -> bytes:
 
 
 class PayloadStore(Protocol):
-    """Where a node keeps payload bytes by digest (the daemon: its log files; the simulation: a dict)."""
+    """Where a node keeps payload bytes by digest (the daemon: spool and log files; the simulation: a dict).
 
-    def get(self, digest: bytes) -> bytes | None: ...
+    What it keeps is opaque here: bytes, or the host's handle to bytes it verified itself (a
+    daemon receiving a streamed payload hashes it chunk by chunk and hands over a spool file).
+    """
 
-    def put(self, digest: bytes, payload: bytes) -> None: ...
+    def get(self, digest: bytes) -> Any | None: ...
+
+    def put(self, digest: bytes, payload: Any) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +75,13 @@ class Metadata:
 
 @dataclass(frozen=True, slots=True)
 class PayloadHop:
-    """Payload bytes claimed to have `digest`; `tree` says where to pass them on (None: a fetch answer)."""
+    """Payload bytes claimed to have `digest`; `tree` says where to pass them on (None: a fetch answer).
+
+    `payload` is bytes, or (`on_verified`) the host's handle to bytes it already checked.
+    """
 
     digest: bytes
-    payload: bytes
+    payload: Any
     tree: RelayTree | None
 
 
@@ -126,7 +139,8 @@ class PayloadRelay:
     timeout_s: float = DEFAULT_RELAY_TIMEOUT_S
     partial_every_s: float = DEFAULT_PARTIAL_EVERY_S
     verify: bool = True  # False only in the simulation's deliberately broken variant
-    pushed: set[bytes] = field(default_factory=set)  # digests this node sent into a tree as holder
+    # Digests this node sent into a tree as holder, oldest first, at most MAX_PUSHED_DIGESTS.
+    pushed: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     waiting: dict[int, _Waiting] = field(default_factory=dict)
     last_partial: dict[str, tuple[float, int]] = field(default_factory=dict)  # holder -> (time, end index)
     next_wait_id: int = 0
@@ -140,22 +154,38 @@ class PayloadRelay:
 
     # ------------------------------------------------------------ as lease holder
 
-    def outgoing(self, message: AppendEntries, tree: RelayTree) -> tuple[Metadata, list[RelayAction]]:
-        """An append about to leave the holder: its bytes kept, new ones pushed to the tree's first level."""
+    def outgoing(self, message: AppendEntries, tree: RelayTree,
+                 digest_of: Callable[[LogEntry], bytes] | None = None) -> tuple[Metadata, list[RelayAction]]:
+        """An append about to leave the holder: its bytes kept, new ones pushed to the tree's first level.
+
+        `digest_of`: the host's digest of an entry's payload (computed once, reading it a piece at
+        a time); the payload is then kept and pushed as the entry holds it (bytes, or the host's
+        reference to them). Without it, the bytes are read and hashed here.
+        """
         if tree.root != self.node_id:
             raise LocalProtocolError(f"{self.node_id} sends appends down a tree rooted at {tree.root}")
         actions: list[RelayAction] = []
         for entry in message.entries:
             if not entry.payload_size:
                 continue
-            payload = entry.payload_bytes()  # read from the log file when it is stored there
-            digest = payload_digest(payload)
+            if digest_of is None:
+                payload: Any = entry.payload_bytes()  # read from the log file when it is stored there
+                digest = payload_digest(payload)
+            else:
+                payload, digest = entry.payload, digest_of(entry)
             self.store.put(digest, payload)
             if digest not in self.pushed:
-                self.pushed.add(digest)
+                self.mark_pushed(digest)
                 actions += [SendPayload(child, PayloadHop(digest, payload, tree))
                             for child in tree.children.get(self.node_id, ())]
         return Metadata(message, tree), actions
+
+    def mark_pushed(self, digest: bytes) -> None:
+        """Remember that `digest` went down a tree (forgetting the oldest past MAX_PUSHED_DIGESTS)."""
+        self.pushed[digest] = None
+        self.pushed.move_to_end(digest)
+        while len(self.pushed) > MAX_PUSHED_DIGESTS:
+            self.pushed.popitem(last=False)
 
     # ------------------------------------------------------------ as follower
 
@@ -201,6 +231,10 @@ class PayloadRelay:
         if self.verify and payload_digest(hop.payload) != hop.digest:
             self.refused += 1  # altered on the way: dropped, and fetched again from higher up
             return []
+        return self.on_verified(hop)
+
+    def on_verified(self, hop: PayloadHop) -> list[RelayAction]:
+        """Bytes the host already checked against `hop.digest` (hashed while they streamed in)."""
         new = self.store.get(hop.digest) is None
         self.store.put(hop.digest, hop.payload)
         actions: list[RelayAction] = []

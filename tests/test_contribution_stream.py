@@ -171,8 +171,8 @@ def test_no_limit_refuses_any_tensor_of_a_7b_model_at_24_fragments(codec):
     tracemalloc.start()
     try:
         assert chunk_problems(shapes, codec) == []
-        # the start-up check: contributions of any codec, commits of int4 (fp32 commits of the
-        # 131M-parameter embedding fragment would exceed the 256 MiB log entry: commits are not streamed)
+        # the start-up check: contributions of any codec, commits of int4 within one log-append frame
+        # (commits of any codec are streamed past it: tests/test_wire_payload_stream.py)
         assert wire_fit_problems(plan, shapes, codec, "int4", max_log_append_bytes=MAX_LOG_APPEND_BYTES) == []
         byte_limit = DEFAULT_LIMITS.max_payload(MessageKind.CONTRIBUTION_CHUNK)
         for fragment in plan.fragments:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,7 @@ from bootstrap.entries import EntryKind, LogEntry
 from bootstrap.relay_tree import plan_relay_tree
 from diloco_node.config.manifest import ConfigError
 from diloco_node.config.settings import load_config
-from diloco_node.daemon.relays import HeldPayloads, RelayIO
+from diloco_node.daemon.relays import HeldPayloads, RelayIO, SpooledPayload
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.transport import PeerRefused, PeerUnreachable
 from wire import messages as wire
@@ -32,6 +33,7 @@ class FakeNet:
         self.sent: list[tuple[str, str, str]] = []  # (from, to, kind)
         self.in_flight: dict[str, int] = {}  # fetches being answered, per answering member
         self.most_in_flight = 0
+        self.chunks = 0  # PayloadChunks delivered
 
     def client(self, me: str) -> FakeClient:
         return FakeClient(self, me)
@@ -56,22 +58,70 @@ class FakeClient:
             self.net.in_flight[peer] = self.net.in_flight.get(peer, 0) + 1
             self.net.most_in_flight = max(self.net.most_in_flight, self.net.in_flight[peer])
             try:
-                await asyncio.sleep(0.01)  # a transfer takes time
-                return [node.on_fetch(message, self.me)]
+                await asyncio.sleep(0.01)  # a request takes time
+                node.on_fetch(message, self.me)  # the bytes come back as a stream of their own
+                return []
             finally:
                 self.net.in_flight[peer] -= 1
         except RemoteProtocolError as error:
             raise PeerRefused(url, error.status_hint, str(error)) from None
 
+    async def send_sequence(self, url: str, frames, *, peer: str, deadline_s: float) -> list[wire.Message]:
+        """What PeerServer.on_sequence does with a body: the open, then each chunk, then finish."""
+        iterator = aiter(frames)
+        head = await anext(iterator)
+        self.net.sent.append((self.me, peer, type(head).__name__))
+        await asyncio.sleep(0)
+        if peer in self.net.dead:
+            raise PeerUnreachable(url, "connection refused")
+        if type(head).__name__ in self.net.lost:
+            raise PeerUnreachable(url, "deadline passed")
+        consumer = None
+        try:
+            consumer = await self.net.nodes[peer].open_payload_stream(head, self.me)
+            async for chunk in iterator:
+                self.net.chunks += 1
+                await consumer.part(chunk)
+            done, consumer = consumer, None
+            await done.finish()
+            return []
+        except RemoteProtocolError as error:
+            raise PeerRefused(url, error.status_hint, str(error)) from None
+        finally:
+            if consumer is not None:
+                await consumer.abort("the body broke off")
 
-def cluster(names: list[str], *, hold_s: float = 0.5, timeout_s: float = 0.05) -> tuple[FakeNet, TaskSet]:
+
+def cluster(root: Path, names: list[str], *, hold_s: float = 0.5, timeout_s: float = 0.05,
+            chunk_bytes: int = 4096, **options) -> tuple[FakeNet, TaskSet]:
+    """RelayIOs named `names` (the first one the holder, fan-out 1), each spooling under root/<name>,
+    streaming in chunks of `chunk_bytes` (PAYLOAD is several)."""
     net, tasks = FakeNet(), TaskSet()
     loop = asyncio.get_running_loop()
     for name in names:
-        net.nodes[name] = RelayIO(node_id=name, fanout=1 if name == names[0] else 0, client=net.client(name),
-                                  url_of=lambda peer: f"http://{peer}", from_log=lambda index, epoch: None,
-                                  tasks=tasks, monotonic=loop.time, hold_s=hold_s, timeout_s=timeout_s)
+        net.nodes[name] = node = RelayIO(
+            node_id=name, fanout=1 if name == names[0] else 0, client=net.client(name),
+            url_of=lambda peer: f"http://{peer}", from_log=lambda index, epoch: None, tasks=tasks,
+            monotonic=loop.time, spool_dir=root / name, hold_s=hold_s, timeout_s=timeout_s, **options)
+        node.chunk_bytes = chunk_bytes
+        node.open_payload_stream = _opener(node)
     return net, tasks
+
+
+def _opener(node: RelayIO):
+    async def open_payload_stream(head: wire.PayloadOpen, sender: str):
+        return node.open_stream(head, sender)
+    return open_payload_stream
+
+
+async def completed_payloads(node: RelayIO, append: wire.LogAppend) -> list[bytes]:
+    """Each entry's payload bytes in the prefix `complete` gives (spooled ones read from their file)."""
+    prefix, payloads = await node.complete(append)
+    out = []
+    for entry in prefix.entries:
+        payload = payloads.get(entry.index, entry.payload)
+        out.append(payload if isinstance(payload, bytes) else payload.read())
+    return out
 
 
 def holders_append() -> coord.AppendEntries:
@@ -80,8 +130,9 @@ def holders_append() -> coord.AppendEntries:
 
 
 async def settle_network() -> None:
-    for _ in range(50):
-        await asyncio.sleep(0)
+    """Let pushes run (spool writes and reads go through worker threads: real time, not just turns)."""
+    for _ in range(40):
+        await asyncio.sleep(0.005)
 
 
 def test_relay_fanout_is_validated_and_defaults_off():
@@ -92,9 +143,9 @@ def test_relay_fanout_is_validated_and_defaults_off():
             load_config(None, {}, {"relay_fanout": bad})
 
 
-def test_the_holder_sends_the_bytes_once_and_they_travel_down_the_chain():
+def test_the_holder_sends_the_bytes_once_and_they_travel_down_the_chain(tmp_path):
     async def scenario() -> None:
-        net, tasks = cluster(["a", "b", "c", "d"])
+        net, tasks = cluster(tmp_path, ["a", "b", "c", "d"])
         a = net.nodes["a"]
         tree = plan_relay_tree("a", ["b", "c", "d"], 1)  # a -> b -> c -> d
         out = a.relayed_append(holders_append(), tree, leader_commit=4)
@@ -104,27 +155,27 @@ def test_the_holder_sends_the_bytes_once_and_they_travel_down_the_chain():
         assert not out.entries[0].relayed and out.entries[1].relayed
         assert out.entries[1].payload_sha256 == hashlib.sha256(PAYLOAD).digest() == again.entries[1].payload_sha256
         assert out.entries[1].payload == b"" and out.entries[1].payload_size == len(PAYLOAD)
-        pushes = [(src, dst) for src, dst, kind in net.sent if kind == "PayloadPush"]
+        pushes = [(src, dst) for src, dst, kind in net.sent if kind == "PayloadOpen"]
         assert pushes == [("a", "b"), ("b", "c"), ("c", "d")]
-        completed = await net.nodes["d"].complete(out)
-        assert [e.payload for e in completed.entries] == [b"", PAYLOAD]
+        assert net.chunks == 3 * 6  # 22,000 bytes in chunks of 4,096, three times
+        assert await completed_payloads(net.nodes["d"], out) == [b"", PAYLOAD]
         assert a.counts["pushed"] == 1 and net.nodes["b"].counts["forwarded"] == 1
         await tasks.close()
 
     asyncio.run(scenario())
 
 
-def test_a_follower_under_a_dead_relay_fetches_from_the_holder_within_its_hold():
+def test_a_follower_under_a_dead_relay_fetches_from_the_holder_within_its_hold(tmp_path):
     async def scenario() -> None:
-        net, tasks = cluster(["a", "b", "c"], hold_s=1.0, timeout_s=0.05)
+        net, tasks = cluster(tmp_path, ["a", "b", "c"], hold_s=1.0, timeout_s=0.05)
         net.dead.add("b")  # the only relay between a and c
         tree = plan_relay_tree("a", ["b", "c"], 1)
         out = net.nodes["a"].relayed_append(holders_append(), tree, leader_commit=4)
         net.nodes["c"].trees["a"] = tree  # as learned from an earlier push
         started = asyncio.get_running_loop().time()
-        completed = await net.nodes["c"].complete(out)
+        payloads = await completed_payloads(net.nodes["c"], out)
         waited = asyncio.get_running_loop().time() - started
-        assert [e.payload for e in completed.entries] == [b"", PAYLOAD]
+        assert payloads == [b"", PAYLOAD]
         fetches = [dst for src, dst, kind in net.sent if src == "c" and kind == "PayloadFetch"]
         assert fetches[:2] == ["b", "a"]  # parent first, then the holder
         assert waited < 1.0  # well within the hold: two relay timeouts and a fetch
@@ -133,13 +184,13 @@ def test_a_follower_under_a_dead_relay_fetches_from_the_holder_within_its_hold()
     asyncio.run(scenario())
 
 
-def test_without_the_bytes_the_append_is_answered_with_the_prefix_it_can_take():
+def test_without_the_bytes_the_append_is_answered_with_the_prefix_it_can_take(tmp_path):
     async def scenario() -> None:
-        net, tasks = cluster(["a", "b"], hold_s=0.15, timeout_s=0.05)
-        net.lost.update({"PayloadPush", "PayloadFetch"})  # the holder's push is lost, and every fetch
+        net, tasks = cluster(tmp_path, ["a", "b"], hold_s=0.15, timeout_s=0.05)
+        net.lost.update({"PayloadOpen", "PayloadFetch"})  # the holder's push is lost, and every fetch
         out = net.nodes["a"].relayed_append(holders_append(), plan_relay_tree("a", ["b"], 1), leader_commit=4)
         started = asyncio.get_running_loop().time()
-        completed = await net.nodes["b"].complete(out)
+        completed, _ = await net.nodes["b"].complete(out)
         assert asyncio.get_running_loop().time() - started >= 0.14  # it held the append for its hold time
         assert [e.index for e in completed.entries] == [5]  # the noop; the commit waits for its bytes
         assert completed.leader_commit == 4 and completed.prev_index == 4
@@ -148,9 +199,9 @@ def test_without_the_bytes_the_append_is_answered_with_the_prefix_it_can_take():
     asyncio.run(scenario())
 
 
-def test_altered_bytes_are_refused_kept_nowhere_and_not_forwarded():
+def test_altered_bytes_are_refused_kept_nowhere_and_not_forwarded(tmp_path):
     async def scenario() -> None:
-        net, tasks = cluster(["a", "b", "c"])
+        net, tasks = cluster(tmp_path, ["a", "b", "c"])
         tree = plan_relay_tree("a", ["b", "c"], 1)
         digest = hashlib.sha256(PAYLOAD).digest()
         forged = wire.PayloadPush(digest, "a", dict(tree.parent), PAYLOAD[:-1] + b"!")
@@ -180,61 +231,361 @@ def test_held_payloads_are_bounded_and_read_from_the_log_once_settled():
     assert store.get(digests[1]) == b"\x01" * 10
 
 
-def test_once_the_entry_is_in_the_log_its_bytes_leave_memory_and_are_served_from_the_log():
+def test_once_the_entry_is_in_the_log_its_bytes_leave_memory_and_are_served_from_the_log(tmp_path):
     async def scenario() -> None:
-        net, tasks = cluster(["a", "b"])
+        net, tasks = cluster(tmp_path, ["a", "b", "c"])
         log: dict[tuple[int, int], bytes] = {}
         b = net.nodes["b"]
         b.store = b.relay.store = HeldPayloads(lambda index, epoch: log.get((index, epoch)))
+        b._from_log = lambda index, epoch: log.get((index, epoch))
         out = net.nodes["a"].relayed_append(holders_append(), plan_relay_tree("a", ["b"], 1), leader_commit=4)
         await settle_network()
-        assert b.store.held_bytes == len(PAYLOAD)
-        completed = await b.complete(out)
-        log[(6, 3)] = completed.entries[1].payload  # what the core appended
+        digest = out.entries[1].payload_sha256
+        spooled = b.store.held(digest)
+        assert isinstance(spooled, SpooledPayload) and spooled.path.exists() and b.store.held_bytes == len(PAYLOAD)
+        log[(6, 3)] = (await completed_payloads(b, out))[1]  # what the core appended
         b.settle(out)  # the append as it came: relayed entries name their digests
-        assert b.store.held_bytes == 0
-        assert b.on_fetch(wire.PayloadFetch(out.entries[1].payload_sha256), "c").payload == PAYLOAD
+        assert b.store.held_bytes == 0 and not spooled.path.exists()  # the spool file went
+        assert spooled.read() == PAYLOAD  # a reader holding the old reference now reads the log
+        b.on_fetch(wire.PayloadFetch(digest), "c")
+        await settle_network()
+        assert ("b", "c", "PayloadOpen") in net.sent and net.nodes["c"].store.get(digest).read() == PAYLOAD
         await tasks.close()
 
     asyncio.run(scenario())
 
 
-def test_a_catching_up_follower_fetches_committed_payloads_at_once_one_at_a_time_per_source():
+def test_a_catching_up_follower_fetches_committed_payloads_at_once_one_at_a_time_per_source(tmp_path):
     async def scenario() -> None:
-        net, tasks = cluster(["a", "b"], hold_s=0.4, timeout_s=0.3)
+        net, tasks = cluster(tmp_path, ["a", "b"], hold_s=0.4, timeout_s=0.3)
         payloads = [bytes([i]) * 5000 for i in range(1, 5)]
         entries = tuple(LogEntry(2, 10 + i, EntryKind.OUTER_COMMIT, p, fragment=0, round=i)
                         for i, p in enumerate(payloads))
-        net.lost.add("PayloadPush")  # b was still starting when these were pushed
+        net.lost.add("PayloadOpen")  # b was still starting when these were pushed
         out = net.nodes["a"].relayed_append(coord.AppendEntries(2, "a", 9, 2, entries, 13, sent_at=0.0),
                                             plan_relay_tree("a", ["b"], 1), leader_commit=13)
         started = asyncio.get_running_loop().time()
-        completed = await net.nodes["b"].complete(out)
+        net.lost.discard("PayloadOpen")  # from here, fetch answers stream back
+        completed = await completed_payloads(net.nodes["b"], out)
         # Committed (index <= leader_commit): fetched without waiting a relay timeout (0.3 s) first.
         assert asyncio.get_running_loop().time() - started < 0.3
-        assert [e.payload for e in completed.entries] == payloads
+        assert completed == payloads
         assert net.most_in_flight == 1  # one fetch at a time from the holder: never a flood of streams
         await tasks.close()
 
     asyncio.run(scenario())
 
 
-def test_an_entry_whose_payload_is_in_the_log_file_is_read_once_and_relayed():
+def test_an_entry_whose_payload_is_in_the_log_file_is_hashed_once_off_the_loop_and_streamed_in_pieces(tmp_path):
     from bootstrap.entries import StoredPayload
 
     async def scenario() -> None:
-        net, tasks = cluster(["a", "b"])
-        reads = []
-        stored = StoredPayload(len(PAYLOAD), lambda: reads.append(1) or PAYLOAD)
+        net, tasks = cluster(tmp_path, ["a", "b"])
+        reads: list[int] = []  # piece sizes read from "log.bin"
+
+        def pieces(piece_bytes: int):
+            for offset in range(0, len(PAYLOAD), piece_bytes):
+                reads.append(min(piece_bytes, len(PAYLOAD) - offset))
+                yield PAYLOAD[offset:offset + piece_bytes]
+
+        stored = StoredPayload(len(PAYLOAD), lambda: pytest.fail("read whole"), pieces=pieces)
         entry = LogEntry(3, 6, EntryKind.OUTER_COMMIT, stored, fragment=0, round=1)
         message = coord.AppendEntries(3, "a", 5, 3, (entry,), 4, sent_at=0.0)
         tree = plan_relay_tree("a", ["b"], 1)
-        out = net.nodes["a"].relayed_append(message, tree, leader_commit=4)
-        net.nodes["a"].relayed_append(message, tree, leader_commit=4)  # to another follower: no new read
+        a = net.nodes["a"]
+        await a.prepare(message.entries)  # the holder hashes it in a worker thread, once
+        assert reads == [len(PAYLOAD)]  # one 4 MiB piece at most
+        out = a.relayed_append(message, tree, leader_commit=4)
+        a.relayed_append(message, tree, leader_commit=4)  # to another follower: no new read, no new push
         await settle_network()
         assert out.entries[0].payload_sha256 == hashlib.sha256(PAYLOAD).digest()
-        assert len(reads) == 1
-        assert (await net.nodes["b"].complete(out)).entries[0].payload == PAYLOAD
+        # Hashed once, then read once more for the one copy pushed, a chunk (4096 bytes) at a time.
+        assert reads[1:] == [4096] * 5 + [len(PAYLOAD) - 5 * 4096]
+        assert await completed_payloads(net.nodes["b"], out) == [PAYLOAD]
         await tasks.close()
+
+    asyncio.run(scenario())
+
+
+def spool_files(node: RelayIO) -> list[str]:
+    return sorted(path.name for path in node.spool_dir.iterdir())
+
+
+async def stream_frames(head: wire.PayloadOpen, payload: bytes, chunk_bytes: int):
+    yield head
+    for offset in range(0, len(payload), chunk_bytes):
+        yield wire.PayloadChunk(head.stream, offset, payload[offset:offset + chunk_bytes])
+
+
+def test_streamed_bytes_are_spooled_to_a_file_and_forwarded_chunk_by_chunk_from_it(tmp_path):
+    async def scenario() -> None:
+        net, tasks = cluster(tmp_path, ["a", "b", "c"])
+        out = net.nodes["a"].relayed_append(holders_append(), plan_relay_tree("a", ["b", "c"], 1), leader_commit=4)
+        await settle_network()
+        digest = out.entries[1].payload_sha256
+        for name in ("b", "c"):
+            spooled = net.nodes[name].store.held(digest)
+            # On disk under the node's spool directory, not in memory; b read it back to forward it.
+            assert isinstance(spooled, SpooledPayload) and spooled.path.parent == tmp_path / name
+            assert spooled.path.read_bytes() == PAYLOAD and spool_files(net.nodes[name]) == [spooled.path.name]
+        assert net.nodes["b"].counts["forwarded"] == 1 and net.nodes["b"].counts["forwarded_bytes"] == len(PAYLOAD)
+        assert net.nodes["a"].counts["pushed_bytes"] == len(PAYLOAD)
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("damage, status, problem", [
+    (lambda p: p[:-1] + b"!", 400, "do not have SHA-256"),  # altered by a relay
+    (lambda p: p[:16384], 400, "ended after 16,384 of 22,000 bytes"),  # cut short after whole chunks
+])
+def test_a_stream_with_altered_or_missing_bytes_is_refused_and_its_spool_file_deleted(tmp_path, damage, status,
+                                                                                      problem):
+    async def scenario() -> None:
+        net, tasks = cluster(tmp_path, ["a", "b", "c"])
+        b = net.nodes["b"]
+        tree = plan_relay_tree("a", ["b", "c"], 1)
+        digest = hashlib.sha256(PAYLOAD).digest()
+        head = wire.PayloadOpen(b"s" * 16, digest, len(PAYLOAD), 4096, "a", dict(tree.parent))
+        with pytest.raises(PeerRefused, match=problem) as refused:
+            await net.client("a").send_sequence("http://b", stream_frames(head, damage(PAYLOAD), 4096),
+                                                peer="b", deadline_s=1.0)
+        assert refused.value.status == status
+        await settle_network()
+        assert digest not in b.store and spool_files(b) == [] and b.counts["refused"] == 1
+        assert not [sent for sent in net.sent if sent[0] == "b"]  # nothing forwarded
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_body_that_breaks_off_leaves_no_spool_file(tmp_path):
+    async def scenario() -> None:
+        net, tasks = cluster(tmp_path, ["a", "b"])
+        b = net.nodes["b"]
+        head = wire.PayloadOpen(b"s" * 16, hashlib.sha256(PAYLOAD).digest(), len(PAYLOAD), 4096, "", {})
+
+        async def broken():
+            async for frame in stream_frames(head, PAYLOAD[:8192], 4096):
+                yield frame
+            raise ConnectionResetError("the link went down")
+
+        with pytest.raises(ConnectionResetError):
+            await net.client("a").send_sequence("http://b", broken(), peer="b", deadline_s=1.0)
+        assert spool_files(b) == [] and len(b.store) == 0 and b._incoming == {}
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_declared_size_over_the_runs_bound_is_refused_before_any_byte_is_spooled(tmp_path):
+    async def scenario() -> None:
+        net, tasks = cluster(tmp_path, ["a", "b"], max_payload_bytes=len(PAYLOAD))
+        b = net.nodes["b"]
+        for size, refused in ((len(PAYLOAD) + 1, True), (len(PAYLOAD), False)):
+            head = wire.PayloadOpen(b"s" * 16, hashlib.sha256(PAYLOAD).digest(), size, 4096, "", {})
+            if refused:
+                with pytest.raises(RemoteProtocolError, match="declares 22,001 bytes, more than the 22,000") as error:
+                    b.open_stream(head, "a")
+                assert error.value.status_hint == 413 and spool_files(b) == []
+            else:
+                assert b.open_stream(head, "a").max_remaining_bytes == len(PAYLOAD)
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
+def test_relays_off_a_big_payload_goes_by_digest_to_every_member_in_a_star_and_small_ones_inline(tmp_path):
+    from diloco_node.daemon.relays import star_tree
+
+    async def scenario() -> None:
+        net, tasks = cluster(tmp_path, ["a", "b", "c", "d"], inline_max_bytes=len(PAYLOAD) - 1)
+        a = net.nodes["a"]
+        a.fanout = 0  # relays off: the holder is every member's parent
+        small = LogEntry(3, 7, EntryKind.OUTER_COMMIT, b"small delta", fragment=1, round=1)
+        message = coord.AppendEntries(3, "a", 4, 3, (*holders_append().entries, small), 4, sent_at=0.0)
+        assert a.relayed_entries(message.entries) == {6}
+        out = a.relayed_append(message, star_tree("a", {"b", "c", "d"}), leader_commit=4)
+        assert [e.relayed for e in out.entries] == [False, True, False] and out.entries[2].payload == b"small delta"
+        await settle_network()
+        pushes = sorted((src, dst) for src, dst, kind in net.sent if kind == "PayloadOpen")
+        assert pushes == [("a", "b"), ("a", "c"), ("a", "d")]  # nobody forwards: they got no tree
+        for name in ("b", "c", "d"):
+            assert await completed_payloads(net.nodes[name], out) == [b"", PAYLOAD, b"small delta"]
+        assert a.counts["pushed"] == 3 and a.counts["pushed_bytes"] == 3 * len(PAYLOAD)
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_spooled_entry_is_written_to_the_log_file_piece_by_piece_and_then_read_from_there(tmp_path):
+    from bootstrap.coordinator_node import PersistentState
+    from bootstrap.election import ElectionState
+    from bootstrap.entries import StoredPayload
+    from bootstrap.replog import LogStore
+    from diloco_node.daemon import replica_store
+    from diloco_node.daemon.replica_store import INITIAL_SNAPSHOT, ReplicaStore
+
+    payload = bytes(range(256)) * 40_000  # ~10 MiB: several write pieces
+    spool = tmp_path / "spool.part"
+    spool.write_bytes(payload)
+    spooled = SpooledPayload(spool, len(payload), hashlib.sha256(payload).digest())
+    pieces: list[int] = []
+
+    def counted(piece_bytes: int):
+        for piece in spooled.pieces(piece_bytes):
+            pieces.append(len(piece))
+            yield piece
+
+    stored = StoredPayload(len(payload), spooled.read, pieces=counted, transient=True)
+    store = ReplicaStore(tmp_path / "coordination")
+    entries = [LogEntry(1, 1, EntryKind.NOOP), LogEntry(1, 2, EntryKind.OUTER_COMMIT, stored, fragment=0, round=1)]
+    state = PersistentState(ElectionState(1, None), LogStore(INITIAL_SNAPSHOT, entries))
+    store.sync(state)
+    assert pieces and max(pieces) <= replica_store.WRITE_PIECE_BYTES and sum(pieces) == 2 * len(payload)  # CRC, then copy
+    kept = state.log.entries[-1].payload
+    assert isinstance(kept, StoredPayload) and not kept.transient  # now a reference into log.bin
+    spool.unlink()
+    assert store.read_payload(2, 1) == payload == kept.read()
+    store.close()
+    reloaded = ReplicaStore(tmp_path / "coordination")
+    assert reloaded.load_persistent().log.entries[-1].payload_bytes() == payload  # a valid record, CRC and all
+    reloaded.close()
+
+
+def test_relays_off_an_append_of_many_inline_payloads_sends_the_ones_past_its_inline_budget_by_digest(
+        tmp_path, monkeypatch):
+    from diloco_node.daemon import relays
+
+    monkeypatch.setattr(relays, "INLINE_APPEND_MAX_BYTES", 3 * 1000)
+    holder = RelayIO(node_id="a", fanout=0, client=None, url_of=lambda peer: None, from_log=lambda i, e: None,
+                     tasks=None, monotonic=lambda: 0.0, spool_dir=tmp_path, inline_max_bytes=1000)
+    catch_up = tuple(LogEntry(3, 10 + i, EntryKind.OUTER_COMMIT, b"x" * 1000) for i in range(16))
+    # A lagging follower gets 16 entries at once: three fit the append's budget, the rest go by digest.
+    assert holder.relayed_entries(catch_up) == {entry.index for entry in catch_up[3:]}
+    assert holder.relayed_entries(catch_up[:3] + (LogEntry(3, 13, EntryKind.NOOP),)) == set()
+
+
+def test_bytes_already_in_the_log_are_referred_to_not_read_until_used(tmp_path):
+    from bootstrap.entries import StoredPayload
+
+    reads: list[int] = []
+    in_log = StoredPayload(5, lambda: reads.append(1) or b"seven")
+    log = {(7, 2): in_log}
+    store = HeldPayloads(lambda index, epoch: log.get((index, epoch)))
+    digest = hashlib.sha256(b"seven").digest()
+    store.put(digest, b"seven")
+    store.settle(digest, 7, 2)
+    assert digest in store and store.get(digest) is in_log and reads == []  # a reference, not read
+    del log[(7, 2)]  # compacted away since
+    assert digest not in store and store.get(digest) is None
+
+
+def test_a_payload_from_the_log_given_to_the_core_again_is_written_into_its_own_record(tmp_path):
+    from bootstrap.entries import StoredPayload
+    from diloco_node.daemon.relays import entry_payload
+
+    logged = StoredPayload(5, lambda: b"seven")
+    again = entry_payload(logged)
+    assert again.transient and again.read() == b"seven" and not logged.transient
+    assert entry_payload(b"bytes") == b"bytes"
+
+
+def test_a_stream_of_bytes_already_here_is_declined_before_its_first_chunk(tmp_path):
+    async def scenario() -> None:
+        net, tasks = cluster(tmp_path, ["a", "b"])
+        out = net.nodes["a"].relayed_append(holders_append(), plan_relay_tree("a", ["b"], 1), leader_commit=4)
+        await settle_network()
+        b = net.nodes["b"]
+        digest = out.entries[1].payload_sha256
+        assert digest in b.store and net.chunks == 6
+        head = wire.PayloadOpen(b"t" * 16, digest, len(PAYLOAD), 4096, "", {})
+        with pytest.raises(PeerRefused, match="already holds payload") as declined:
+            await net.client("a").send_sequence("http://b", stream_frames(head, PAYLOAD, 4096), peer="b",
+                                                deadline_s=1.0)
+        assert declined.value.status == 409 and net.chunks == 6  # not one more chunk went
+        assert b.counts["refused"] == 0 and spool_files(b) == [b.store.held(digest).path.name]
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
+def test_over_real_http_a_payload_streams_into_the_spool_and_a_fetch_streams_back(tmp_path):
+    """The transport's on_sequence feeds open_stream frame by frame: loopback HTTP, two nodes."""
+    from aiohttp import web
+
+    from diloco_node.transport import PeerClient, PeerServer
+    from wire.auth import AuthContext, FrameVerifier, derive_frame_key
+
+    run, key = "run-relays", derive_frame_key(b"r" * 32)
+    payload = bytes(range(256)) * 1000  # 256,000 bytes: 63 chunks of 4,096 and a short one
+
+    async def scenario() -> None:
+        tasks = TaskSet()
+        loop = asyncio.get_running_loop()
+        urls: dict[str, str] = {}
+        nodes: dict[str, RelayIO] = {}
+        runners = []
+        clients = []
+        for name in ("a", "b"):
+            client = PeerClient(AuthContext(run, name, key), FrameVerifier(run, key, node_id=name))
+            await client.start()
+            clients.append(client)
+            node = nodes[name] = RelayIO(node_id=name, fanout=1, client=client, url_of=urls.get,
+                                         from_log=lambda index, epoch: None, tasks=tasks, monotonic=loop.time,
+                                         spool_dir=tmp_path / name, max_payload_bytes=len(payload))
+            node.chunk_bytes = 4096
+            server = PeerServer(AuthContext(run, name, key), FrameVerifier(run, key, node_id=name))
+
+            async def opener(head, peer, node=node):
+                return node.open_stream(head, peer.node_id)
+
+            async def fetch(message, peer, node=node):
+                node.on_fetch(message, peer.node_id)
+
+            server.on_sequence(wire.MessageKind.PAYLOAD_OPEN, wire.MessageKind.PAYLOAD_CHUNK, opener)
+            server.on_message(wire.MessageKind.PAYLOAD_FETCH, fetch)
+            app = web.Application()
+            server.install(app)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            runners.append(runner)
+            urls[name] = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            a, b = nodes["a"], nodes["b"]
+            entry = LogEntry(3, 6, EntryKind.OUTER_COMMIT, payload, fragment=0, round=1)
+            out = a.relayed_append(coord.AppendEntries(3, "a", 5, 3, (entry,), 4, sent_at=0.0),
+                                   plan_relay_tree("a", ["b"], 1), leader_commit=4)
+            digest = out.entries[0].payload_sha256
+            for _ in range(200):
+                if digest in b.store:
+                    break
+                await asyncio.sleep(0.01)
+            spooled = b.store.held(digest)
+            assert isinstance(spooled, SpooledPayload) and spooled.read() == payload
+            assert a.counts["pushed_bytes"] == len(payload)
+            # b serves a fetch: here a itself asks, having dropped its own copy (its log holds none).
+            a.store.clear()
+            assert digest not in a.store
+            await a._fetch_from("b", digest)
+            for _ in range(200):
+                if digest in a.store:
+                    break
+                await asyncio.sleep(0.01)
+            assert a.store.held(digest).read() == payload and b.counts["served"] == 1
+            # A declaration over b's bound never reaches the spool: refused by the open alone.
+            head = wire.PayloadOpen(b"x" * 16, digest, len(payload) + 1, 4096, "", {})
+            with pytest.raises(PeerRefused, match="more than the 256,000 bytes") as refused:
+                await clients[0].send_sequence(urls["b"], stream_frames(head, payload + b"!", 4096), peer="b",
+                                               deadline_s=5.0)
+            assert refused.value.status == 413 and len(spool_files(b)) == 1
+        finally:
+            await tasks.close()
+            for client in clients:
+                await client.close()
+            for runner in runners:
+                await runner.cleanup()
 
     asyncio.run(scenario())

@@ -189,3 +189,26 @@ def test_an_entry_whose_bytes_are_gone_marks_its_fragment_for_refetch(tmp_path: 
     outcome = replica.apply(entry)
     assert outcome.diverged and not outcome.applied and 0 in replica.diverged
     assert "no longer in the log" in outcome.reason
+
+
+def test_a_stored_payload_is_read_in_pieces_and_a_damaged_record_refused_by_its_checksum(tmp_path: Path) -> None:
+    state = _state(_entries(2, 5))
+    store = ReplicaStore(tmp_path)
+    store.sync(state)
+    payload = state.log.entries[2].payload  # entry 3
+    assert isinstance(payload, StoredPayload)
+    pieces = list(payload.pieces(3000))  # straight from log.bin: the record is never whole in memory
+    assert [len(p) for p in pieces] == [3000] * 6 + [2000] and b"".join(pieces) == _payload(31)
+    log = tmp_path / "log.bin"
+    data = bytearray(log.read_bytes())
+    data[-100] ^= 0xFF  # inside entry 5's payload
+    log.write_bytes(bytes(data))
+    damaged = state.log.entries[4].payload.pieces(3000)
+    # The checksum covers the whole record, so a reader learns of the damage at its end, before it
+    # can act on the bytes (a holder hashes a payload whole before it names it in an append).
+    with pytest.raises(ReplicaStoreError, match="entry 5: the record at byte .* fails its checksum"):
+        list(damaged)
+    # A compaction or rewrite copies records piece by piece too: the intact ones come out whole.
+    state.log.entries[:] = state.log.entries[:4]
+    store.sync(state)
+    assert state.log.entries[2].payload_bytes() == _payload(31)

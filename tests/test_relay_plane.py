@@ -129,3 +129,26 @@ def test_bad_settings_are_refused(kwargs, why):
 def test_only_the_root_of_the_tree_sends_appends_down_it():
     with pytest.raises(LocalProtocolError, match="a sends appends down a tree rooted at h"):
         PayloadRelay("a", Store()).outgoing(append(entry(1, b"x")), TREE)
+
+
+def test_the_holders_set_of_pushed_digests_is_bounded_and_forgets_the_oldest():
+    from bootstrap.relay_plane import MAX_PUSHED_DIGESTS
+
+    holder = PayloadRelay("h", Store())
+    first = payload_digest(b"delta-1")
+    holder.outgoing(append(entry(1, b"delta-1")), TREE)
+    for index in range(2, MAX_PUSHED_DIGESTS + 2):
+        holder.mark_pushed(index.to_bytes(32, "big"))
+    assert len(holder.pushed) == MAX_PUSHED_DIGESTS  # 32 B each: ~128 KiB, whatever the run's length
+    assert first not in holder.pushed and (MAX_PUSHED_DIGESTS + 1).to_bytes(32, "big") in holder.pushed
+    # A forgotten entry sent again goes down the tree again: traffic, never a wrong byte.
+    _, actions = holder.outgoing(append(entry(1, b"delta-1")), TREE)
+    assert [a.to for a in actions] == ["a", "b"] and len(holder.pushed) == MAX_PUSHED_DIGESTS
+
+
+def test_bytes_the_host_verified_while_they_streamed_are_kept_and_passed_on_without_rehashing():
+    relay = PayloadRelay("a", Store())
+    handle = object()  # the host's spool file: opaque to the relay plane
+    actions = relay.on_verified(PayloadHop(payload_digest(b"delta-1"), handle, TREE))
+    assert relay.store[payload_digest(b"delta-1")] is handle
+    assert [(x.to, x.hop.payload) for x in actions] == [("c", handle), ("d", handle)]

@@ -469,7 +469,7 @@ def test_limits_refuse_nonsense():
 def test_fixed_header_layout_is_24_bytes_big_endian():
     encoded = frame(LogAck(epoch=2, follower="b", index=7, success=True))
     magic, major, minor, kind, flags, map_length, payload_length = struct.unpack(">4sBBHIIQ", encoded[:24])
-    assert (magic, major, minor, kind, flags, payload_length) == (b"DLCO", 2, 2, 3, 0, 0)
+    assert (magic, major, minor, kind, flags, payload_length) == (b"DLCO", 2, 3, 3, 0, 0)
     assert len(encoded) == 24 + map_length + 32
 
 

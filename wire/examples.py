@@ -31,6 +31,7 @@ from wire.frames import (
     PayloadChunk,
     Received,
 )
+from wire import messages
 from wire.limits import DEFAULT_LIMITS, Limits
 from wire.messages import (
     DIGEST_BYTES,
@@ -53,6 +54,7 @@ from wire.messages import (
     LogAck,
     LogAppend,
     PayloadFetch,
+    PayloadOpen,
     PayloadPush,
     LogEntry,
     LogReadReply,
@@ -275,6 +277,15 @@ class ExampleMessages:
     def payload_fetch(self) -> PayloadFetch:
         return PayloadFetch(digest=self.digest())
 
+    def payload_open(self) -> PayloadOpen:
+        root, parent = self.relay_tree() if self.flag() else ("", {})
+        return PayloadOpen(stream=self.rng.randbytes(STREAM_ID_BYTES), digest=self.digest(),
+                           size=max(1, self.uint()), chunk_bytes=max(1, self.uint()), root=root, parent=parent)
+
+    def payload_chunk(self) -> messages.PayloadChunk:
+        return messages.PayloadChunk(stream=self.rng.randbytes(STREAM_ID_BYTES), offset=self.uint(),
+                                     payload=self.blob() or b"\x00")
+
 
 _BUILDERS: dict[MessageKind, Callable[[ExampleMessages], Message]] = {
     MessageKind.FRAGMENT_CONTRIBUTION: ExampleMessages.fragment_contribution,
@@ -296,6 +307,8 @@ _BUILDERS: dict[MessageKind, Callable[[ExampleMessages], Message]] = {
     MessageKind.CONTRIBUTION_CHUNK: ExampleMessages.contribution_chunk,
     MessageKind.PAYLOAD_PUSH: ExampleMessages.payload_push,
     MessageKind.PAYLOAD_FETCH: ExampleMessages.payload_fetch,
+    MessageKind.PAYLOAD_OPEN: ExampleMessages.payload_open,
+    MessageKind.PAYLOAD_CHUNK: ExampleMessages.payload_chunk,
 }
 _KINDS: Sequence[MessageKind] = tuple(MessageKind)
 _ROLES: Sequence[Role] = tuple(Role)

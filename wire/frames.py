@@ -45,7 +45,9 @@ MAGIC = b"DLCO"
 WIRE_MAJOR = 2
 # 2.1: streamed contributions (ContributionOpen, ContributionChunk).
 # 2.2: relayed log payloads (PayloadPush, PayloadFetch; LogAppend entries by SHA-256 and size).
-WIRE_MINOR = 2
+# 2.3: relayed payloads streamed (PayloadOpen, PayloadChunk); a PayloadFetch is answered by such a
+#      stream back to the asker. PayloadPush is still accepted from a 2.2 sender.
+WIRE_MINOR = 3
 FIXED_HEADER = struct.Struct(">4sBBHIIQ")
 FIXED_HEADER_BYTES = FIXED_HEADER.size  # 24
 DIGEST_BYTES = 32

@@ -37,6 +37,16 @@ MAX_CONTRIBUTION_CHUNK_BYTES = 16 * MiB + 4 * KiB
 # A log append carries merged outer gradients (same size class as a contribution); the replica
 # needs each whole entry to apply it, so it is buffered and this bounds memory per stream.
 MAX_LOG_APPEND_BYTES = 256 * MiB
+# A relayed log entry's payload (a commit) streams as PayloadOpen + PayloadChunks (wire 2.3): the
+# receiver buffers one chunk, spools it to disk and hashes it, so a chunk, not the payload, is what
+# a transfer costs in memory. 16 MiB at 4 Mbit/s is ~35 s, inside the deadline.
+MAX_PAYLOAD_STREAM_CHUNK_BYTES = 16 * MiB
+# The most a PayloadOpen may declare whatever the run: what one log.bin record can hold (its length
+# is a u32; daemon/replica_store.py) less room for the entry's own fields. The receiver's own bound
+# is tighter: the largest commit the run's model shapes and codec_down can produce
+# (wire/payload_stream.py, `commit_size_bound`); this ceiling only caps it. (An fp32 commit of a
+# 7B model at P = 24 is ~1.1 GiB: a 288M-parameter fragment; int8 ~280 MiB, int4 ~140 MiB.)
+MAX_RELAYED_PAYLOAD_BYTES = 4096 * MiB - 16 * MiB
 # A log read reply is the catch-up version of log append: same size class.
 MAX_LOG_READ_REPLY_BYTES = 256 * MiB
 # Snapshots are fetched in resumable chunks; a chunk is kept small so a broken link loses little.
@@ -50,7 +60,8 @@ DEFAULT_MAX_PAYLOAD_BYTES: Mapping[int, int] = MappingProxyType({
     MessageKind.FRAGMENT_CONTRIBUTION: MAX_CONTRIBUTION_BYTES,
     MessageKind.CONTRIBUTION_CHUNK: MAX_CONTRIBUTION_CHUNK_BYTES,
     MessageKind.LOG_APPEND: MAX_LOG_APPEND_BYTES,
-    MessageKind.PAYLOAD_PUSH: MAX_LOG_APPEND_BYTES,  # one relayed log entry's bytes (wire 2.2)
+    MessageKind.PAYLOAD_PUSH: MAX_LOG_APPEND_BYTES,  # one relayed log entry's bytes in one frame (wire 2.2)
+    MessageKind.PAYLOAD_CHUNK: MAX_PAYLOAD_STREAM_CHUNK_BYTES,  # one chunk of a streamed one (wire 2.3)
     MessageKind.LOG_READ_REPLY: MAX_LOG_READ_REPLY_BYTES,
     MessageKind.SNAPSHOT_CHUNK: MAX_SNAPSHOT_CHUNK_BYTES,
     MessageKind.MEMBERSHIP: MAX_MANIFEST_BYTES,

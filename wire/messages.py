@@ -51,7 +51,8 @@ MAX_METADATA_ITEMS = 4096
 MAX_STREAM_TENSORS = 1 << 16
 MAX_TENSOR_NAME_CHARS = 1024
 MAX_TENSOR_NDIM = 32
-# Random id shared by the frames of one streamed contribution, so no frame of another stream fits.
+# Random id shared by the frames of one streamed contribution (or payload), so no frame of another
+# stream fits.
 STREAM_ID_BYTES = 16
 # Batches: one LogAppend / LogReadReply carries at most this many entries (pagination, not a cap on
 # the log), and a membership lists at most this many members (sites, not machines).
@@ -85,6 +86,8 @@ class MessageKind(enum.IntEnum):
     CONTRIBUTION_CHUNK = 17
     PAYLOAD_PUSH = 18  # wire 2.2: a relayed log entry's payload bytes (docs/WIRE.md)
     PAYLOAD_FETCH = 19
+    PAYLOAD_OPEN = 20  # wire 2.3: a relayed log entry's payload streamed in chunks (docs/WIRE.md)
+    PAYLOAD_CHUNK = 21
 
 
 class Role(enum.StrEnum):
@@ -1040,7 +1043,12 @@ class PayloadPush(Message):
 
 @dataclass(frozen=True, slots=True)
 class PayloadFetch(Message):
-    """Ask a member for the payload with SHA-256 `digest`: answered by a PayloadPush without a tree, or 404."""
+    """Ask a member for the payload with SHA-256 `digest`.
+
+    Wire 2.3: answered with an empty 200 at once, the bytes then stream back to the asker as a
+    PayloadOpen without a tree (its own request, so no reply holds the payload); 404 when the
+    member has no such payload. (A 2.2 member answered with a PayloadPush without a tree.)
+    """
 
     KIND: ClassVar[MessageKind] = MessageKind.PAYLOAD_FETCH
     digest: bytes
@@ -1049,10 +1057,75 @@ class PayloadFetch(Message):
         _blob(type(self).__name__, "digest", self.digest, exact=DIGEST_BYTES)
 
 
+@dataclass(frozen=True, slots=True)
+class PayloadOpen(Message):
+    """The first frame of a relayed log entry's payload streamed in chunks (wire 2.3).
+
+    `digest` and `size` name the whole payload (SHA-256, bytes); `chunk_bytes` is what every
+    PayloadChunk of this `stream` carries except the last (the rest); `root` and `parent` are the
+    relay tree as in PayloadPush (empty: keep, do not pass on: a fetch answer, or a push from a
+    holder that sends to every member itself). The receiver checks `size` against the largest
+    payload the run's model can produce before any chunk, and the digest after the last one.
+    """
+
+    KIND: ClassVar[MessageKind] = MessageKind.PAYLOAD_OPEN
+    stream: bytes
+    digest: bytes
+    size: int
+    chunk_bytes: int
+    root: str
+    parent: Mapping[str, str]
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _blob(owner, "stream", self.stream, exact=STREAM_ID_BYTES)
+        _blob(owner, "digest", self.digest, exact=DIGEST_BYTES)
+        _uint(owner, "size", self.size)
+        if self.size < 1:
+            raise _fail(owner, "size", "a relayed payload is at least 1 byte")
+        _uint(owner, "chunk_bytes", self.chunk_bytes)
+        if self.chunk_bytes < 1:
+            raise _fail(owner, "chunk_bytes", "must be >= 1")
+        _text(owner, "root", self.root, max_chars=MAX_NODE_ID_CHARS, allow_empty=True)
+        check_relay_tree(owner, self.root, self.parent)
+        object.__setattr__(self, "parent", FrozenMap(self.parent))
+
+    @property
+    def chunks(self) -> int:
+        """How many PayloadChunks follow."""
+        return -(-self.size // self.chunk_bytes)
+
+    def to_wire(self) -> tuple[dict[str, Any], bytes]:
+        return {"stream": self.stream, "digest": self.digest, "size": self.size, "chunk_bytes": self.chunk_bytes,
+                "root": self.root, "parent": dict(self.parent)}, b""
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadChunk(Message):
+    """The next bytes of a streamed relayed payload (wire 2.3): `payload` starts at byte `offset`.
+
+    Chunks come in order without gaps, each `chunk_bytes` long except the last.
+    """
+
+    KIND: ClassVar[MessageKind] = MessageKind.PAYLOAD_CHUNK
+    stream: bytes
+    offset: int
+    payload: bytes
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _blob(owner, "stream", self.stream, exact=STREAM_ID_BYTES)
+        _uint(owner, "offset", self.offset)
+        _payload(owner, self.payload)
+        if not self.payload:
+            raise _fail(owner, "payload", "a chunk carries at least 1 byte")
+
+
 MESSAGE_TYPES: Mapping[MessageKind, type[Message]] = {
     cls.KIND: cls
     for cls in (FragmentContribution, LogAppend, LogAck, CommitNotice, VoteRequest, VoteReply, Heartbeat,
                 HeartbeatAck, JoinRequest, Membership, SnapshotRequest, SnapshotChunk, LogReadRequest,
-                LogReadReply, Leave, ContributionOpen, ContributionChunk, PayloadPush, PayloadFetch)
+                LogReadReply, Leave, ContributionOpen, ContributionChunk, PayloadPush, PayloadFetch, PayloadOpen,
+                PayloadChunk)
 }
 assert len(MESSAGE_TYPES) == len(MessageKind), "every kind needs exactly one message class"

@@ -10,8 +10,9 @@ operator's eviction as the lease holder (`evict`; the register is sync/evictions
 sent to an evicted site.
 
 Relayed commits (relays.py): with `relay_fanout` > 0 this node, as lease holder, sends appends
-with payloads by digest and the bytes down a relay tree; every node answers relayed appends,
-pushes and fetches whatever its own setting.
+with payloads by digest and the bytes down a relay tree; with 0, only payloads over
+`relays.INLINE_PAYLOAD_MAX_BYTES`, their bytes streamed to every member directly (a star). Every
+node answers relayed appends, streamed payloads and fetches whatever its own setting.
 """
 
 from __future__ import annotations
@@ -19,23 +20,25 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from bootstrap import messages as coord
 from bootstrap.coordinator_node import CoordinatorNode, PersistentState
-from bootstrap.entries import EntryKind, LogEntry, PayloadUnavailable, Snapshot
+from bootstrap.entries import EntryKind, LogEntry, Snapshot
 from diloco_node.clock import Clock
 from diloco_node.config.manifest import RunManifest
 from diloco_node.daemon import peers
 from diloco_node.daemon.history_hooks import DaemonHistory
-from diloco_node.daemon.relays import DEFAULT_HOLD_S, RelayIO, entry_bytes, holder_tree
+from diloco_node.daemon.relays import DEFAULT_HOLD_S, RelayIO, holder_tree
 from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.sync.evictions import EvictionError, EvictionRecord, encode_payload
 from diloco_node.transport import PeerClient, PeerRefused, PeerUnreachable
 from wire import messages as wire
 from wire.errors import LocalProtocolError, RemoteProtocolError
+from wire.limits import MAX_RELAYED_PAYLOAD_BYTES
 
 log = logging.getLogger("diloco_node.daemon")
 
@@ -61,7 +64,8 @@ class CoordinationIO:
                  tasks: TaskSet, on_apply: Callable[[LogEntry], None],
                  on_restore_snapshot: Callable[[Snapshot], None], after_step: Callable[[], None],
                  remember_member: Callable[[str, str, str], None], report_error: Callable[[str], None],
-                 relay_fanout: int = 0, relay_hold_s: float = DEFAULT_HOLD_S) -> None:
+                 relay_fanout: int = 0, relay_hold_s: float = DEFAULT_HOLD_S,
+                 relay_max_payload_bytes: int = MAX_RELAYED_PAYLOAD_BYTES, relay_spool_dir: Path | None = None) -> None:
         self.core = core
         self.node_id = core.node_id
         self.persistent = persistent
@@ -83,7 +87,8 @@ class CoordinationIO:
         # Relayed payloads: as holder only when relay_fanout > 0; as follower and relay always.
         self.relays = RelayIO(node_id=self.node_id, fanout=relay_fanout, client=client, url_of=self.url_of,
                               from_log=self._log_payload, tasks=tasks, monotonic=clock.monotonic,
-                              hold_s=relay_hold_s, timeout_s=min(relay_hold_s / 2, 0.5))
+                              spool_dir=relay_spool_dir, hold_s=relay_hold_s,
+                              timeout_s=min(relay_hold_s / 2, 0.5), max_payload_bytes=relay_max_payload_bytes)
 
     def url_of(self, peer: str) -> str | None:
         url = self.addresses.url(peer)
@@ -92,14 +97,14 @@ class CoordinationIO:
             url = record.address if record is not None and record.address else None
         return url
 
-    def _log_payload(self, index: int, epoch: int) -> bytes | None:
+    def _log_payload(self, index: int, epoch: int) -> Any:
+        """Entry (index, epoch)'s payload as the log keeps it (bytes, or a reference into log.bin:
+        nothing read), or None when the log no longer holds it (a reader of a reference whose record
+        was compacted or damaged since gets PayloadUnavailable; a fetcher then asks another source)."""
         entry = self.core.log.entry_at(index)
         if entry is None or entry.epoch != epoch:
             return None
-        try:
-            return entry_bytes(entry)
-        except PayloadUnavailable:  # compacted or damaged since: a fetcher asks another source
-            return None
+        return entry.payload
 
     # ------------------------------------------------------------------ core steps
 
@@ -169,6 +174,11 @@ class CoordinationIO:
         url = self.url_of(peer)
         if url is None:
             return  # learned from a configuration entry before its address: the member refresh fixes it
+        relayed = isinstance(message, coord.AppendEntries) and bool(self.relays.relayed_entries(message.entries))
+        if relayed:
+            # New payloads are hashed off the event loop (a large commit takes a second or more),
+            # before the lease check below: the message leaves only if the lease outlived it.
+            await self.relays.prepare(message.entries)  # type: ignore[union-attr]  # (an AppendEntries)
         if (isinstance(message, (coord.AppendEntries, coord.InstallSnapshot))
                 and not (message.epoch == self.core.epoch
                          and self.core.election.may_act_as_leader(self.clock.monotonic()))):
@@ -177,9 +187,9 @@ class CoordinationIO:
             # refuse every candidate for another lease time. Dropping a message is always safe.
             return
         out: wire.Message | None
-        if (self.relays.fanout > 0 and isinstance(message, coord.AppendEntries)
-                and any(entry.payload_size for entry in message.entries)):
-            # Metadata to every follower as before; the bytes once per entry down the relay tree.
+        if relayed:
+            # Metadata to every follower as before; the bytes once per entry down the relay tree
+            # (relays off: the big ones only, streamed to every follower by the holder itself).
             out = self.relays.relayed_append(message, holder_tree(self.core, self.relays.fanout),
                                              leader_commit=message.leader_commit)
         else:
@@ -249,13 +259,20 @@ class CoordinationIO:
         self.check_open()
         self.same_sender(message.leader, peer, "LogAppend")
         relayed = message if any(entry.relayed for entry in message.entries) else None
+        payloads: dict[int, Any] = {}
         if relayed is not None:
             # Held until the bytes come down the tree (at most the hold time), then the prefix
             # whose bytes are here is taken: possibly none, which is a heartbeat.
-            message = await self.relays.complete(relayed)
+            message, payloads = await self.relays.complete(relayed)
             self.check_open()
         try:
-            actions = self.handle(peers.append_from_wire(message))
+            append = peers.append_from_wire(message)
+            if payloads and isinstance(append, coord.AppendEntries):
+                # Spooled bytes go to log.bin from their file, piece by piece (replica_store.py).
+                append = replace(append, entries=tuple(
+                    replace(entry, payload=payloads[entry.index]) if entry.index in payloads else entry
+                    for entry in append.entries))
+            actions = self.handle(append)
         except LocalProtocolError as error:
             # The core refuses what cannot happen between honest members (a second leader in the
             # epoch we lead): the peer's violation, answered 409 with the reason, not a 500.
@@ -275,10 +292,17 @@ class CoordinationIO:
         self._refuse_evicted(peer.node_id, "PayloadPush")
         self.relays.on_push(message, peer.node_id)
 
-    async def on_payload_fetch(self, message: wire.PayloadFetch, peer: Any) -> wire.Message:
+    async def on_payload_fetch(self, message: wire.PayloadFetch, peer: Any) -> None:
+        """Answered at once (or 404); the bytes stream back to the asker (relays.py)."""
         self.check_open()
         self._refuse_evicted(peer.node_id, "PayloadFetch")
-        return self.relays.on_fetch(message, peer.node_id)
+        self.relays.on_fetch(message, peer.node_id)
+
+    async def open_payload_stream(self, head: wire.PayloadOpen, peer: Any) -> Any:
+        """A streamed relayed payload begins: its receiver spools, hashes and checks it (relays.py)."""
+        self.check_open()
+        self._refuse_evicted(peer.node_id, "PayloadOpen")
+        return self.relays.open_stream(head, peer.node_id)
 
     def _refuse_evicted(self, node_id: str, what: str) -> None:
         if self.core.is_evicted(node_id):

@@ -45,6 +45,7 @@ from diloco_node.daemon.notify import BackgroundNotifier, StatusLineThrottle
 from diloco_node.daemon.peer_api import PeerApi
 from diloco_node.daemon.persistence import Checkpointer, learner_to_resume
 from diloco_node.daemon.readiness import ReadinessFacts, readiness
+from diloco_node.daemon.relays import SPOOL_SUBDIR, run_payload_bound
 from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.daemon.rounds import RoundDriver
 from diloco_node.daemon.site_model import SiteModel, build_site_model, prepare_learner, prepare_synthetic_learner
@@ -64,7 +65,7 @@ from diloco_node.transport import ClientOptions, ConnectionGuard, PeerClient, Pe
 from diloco_node.transport.tls import SiteTls, TlsError, TlsFiles
 from wire.auth import AuthContext, FrameVerifier, RunSecretError, derive_frame_key, load_run_secret
 from wire.errors import LocalProtocolError
-from wire.limits import DEFAULT_LIMITS, Limits
+from wire.limits import DEFAULT_LIMITS, MAX_RELAYED_PAYLOAD_BYTES, Limits
 
 log = logging.getLogger("diloco_node.daemon")
 
@@ -447,7 +448,10 @@ class Node:
             addresses=self.identity.addresses, clock=self.clock, tasks=self.tasks, on_apply=self.keeper.apply,
             on_restore_snapshot=self.keeper.on_restore_snapshot, after_step=self._after_coordination_step,
             remember_member=self.identity.remember, report_error=self._error,
-            relay_fanout=self.cfg.relay_fanout, relay_hold_s=min(1.0, self.cfg.lease_timeout_s / 4))
+            relay_fanout=self.cfg.relay_fanout, relay_hold_s=min(1.0, self.cfg.lease_timeout_s / 4),
+            relay_max_payload_bytes=(run_payload_bound(self.site.plan, self.site.shapes, self.site.manifest.sync.codec_down)
+                                     if self.site.shapes is not None else MAX_RELAYED_PAYLOAD_BYTES),
+            relay_spool_dir=self.store.directory / SPOOL_SUBDIR)
         self.rounds = RoundDriver(
             node_id=self.node_id, manifest=self.site.manifest, plan=self.site.plan, syncer=self.site.syncer,
             replica=replica, coordination=core, addresses=self.identity.addresses, client=self.client,
@@ -653,6 +657,7 @@ class Node:
         # an inconsistent global state from peers.
         await self.checkpointer.checkpoint(self.learner)
         self.store.sync(coordination.persistent)
+        coordination.relays.close()  # its spool files: the log holds every payload it took
         replica = self.site.replica
         log.info("%s: stopped cleanly at index %d digest %s", self.node_id, replica.applied_index,
                  replica.state.digest())

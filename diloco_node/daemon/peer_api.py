@@ -37,6 +37,7 @@ class PeerApi:
             server.on_message(kind, handler)
         server.on_sequence(wire.MessageKind.CONTRIBUTION_OPEN, wire.MessageKind.CONTRIBUTION_CHUNK,
                            self.contribution_stream)
+        server.on_sequence(wire.MessageKind.PAYLOAD_OPEN, wire.MessageKind.PAYLOAD_CHUNK, self.payload_stream)
 
     def _part(self, part: Any) -> Any:
         if part is None:
@@ -52,8 +53,11 @@ class PeerApi:
     async def payload_push(self, message: wire.PayloadPush, peer: Any) -> None:
         return await self._part(self._coordination()).on_payload_push(message, peer)
 
-    async def payload_fetch(self, message: wire.PayloadFetch, peer: Any) -> wire.Message:
+    async def payload_fetch(self, message: wire.PayloadFetch, peer: Any) -> None:
         return await self._part(self._coordination()).on_payload_fetch(message, peer)
+
+    async def payload_stream(self, head: wire.PayloadOpen, peer: Any) -> SequenceConsumer:
+        return await self._part(self._coordination()).open_payload_stream(head, peer)
 
     async def heartbeat(self, message: wire.Heartbeat, peer: Any) -> wire.Message | None:
         return await self._part(self._coordination()).on_heartbeat(message, peer)

@@ -39,6 +39,7 @@ import os
 import struct
 import threading
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,8 +53,12 @@ from bootstrap.replog import LogStore
 from diloco_node.ops.checkpoint import fsync_dir
 
 _RECORD_HEAD = struct.Struct("<II")
-# One entry holds one merged fragment delta; bigger than this is a corrupt length field.
-MAX_RECORD_BYTES = 512 * 1024 * 1024
+# One entry holds one merged fragment delta (at most wire.limits.MAX_RELAYED_PAYLOAD_BYTES) and its
+# fields; the record's u32 length field can say no more than this (a torn length is caught by the
+# file's end and the CRC).
+MAX_RECORD_BYTES = 2**32 - 1
+# A payload kept outside memory is copied into a record this much at a time (CRC computed as it goes).
+WRITE_PIECE_BYTES = 4 * 1024 * 1024
 _SNAPSHOT_KEY = "snapshot"
 # Payloads up to this size stay in memory (no-ops, membership, tests' small entries): a reference
 # and a read per use would cost more than the bytes.
@@ -188,16 +193,62 @@ def _scan_log(handle: Any, size: int, path: Path) -> tuple[Snapshot, list[tuple[
     return snapshot, entries, offset
 
 
+def _record_parts(entry: LogEntry) -> tuple[bytes, bytes]:
+    """An entry record's msgpack body without its payload: what comes before the payload's bytes
+    (array header, epoch, index, kind, bin header) and after them (fragment, round, digest, voters)."""
+    packer = msgpack.Packer(use_bin_type=True)
+    voters = entry.config.sorted_voters() if entry.config is not None else None
+    head = (packer.pack_array_header(8) + packer.pack(entry.epoch) + packer.pack(entry.index)
+            + packer.pack(entry.kind.value) + _bin_header(entry.payload_size))
+    tail = packer.pack(entry.fragment) + packer.pack(entry.round) + packer.pack(entry.digest) + packer.pack(voters)
+    return head, tail
+
+
+def _bin_header(size: int) -> bytes:
+    """msgpack's bin header for `size` bytes (the form msgpack.packb itself picks)."""
+    if size < 1 << 8:
+        return struct.pack(">BB", 0xC4, size)
+    if size < 1 << 16:
+        return struct.pack(">BH", 0xC5, size)
+    return struct.pack(">BI", 0xC6, size)
+
+
+def _write_entry(handle: Any, entry: LogEntry) -> int:
+    """Write `entry`'s record to `handle`; returns its length.
+
+    A payload kept outside memory (`StoredPayload`: a spool file, or the old log during a rewrite)
+    is copied a piece at a time: the record is the same msgpack array `_encode_entry` makes, its
+    parts packed around the payload's bin header, and its CRC is computed over the pieces in a first
+    pass (the header that carries it comes first in the file), so no whole payload is in memory.
+    """
+    payload = entry.payload
+    if not isinstance(payload, StoredPayload):
+        record = _encode_entry(entry)
+        handle.write(record)
+        return len(record)
+    head, tail = _record_parts(entry)
+    crc = zlib.crc32(head)
+    for piece in payload.pieces(WRITE_PIECE_BYTES):
+        crc = zlib.crc32(piece, crc)
+    crc = zlib.crc32(tail, crc)
+    length = len(head) + payload.size + len(tail)
+    handle.write(_RECORD_HEAD.pack(length, crc))
+    handle.write(head)
+    for piece in payload.pieces(WRITE_PIECE_BYTES):
+        handle.write(piece)
+    handle.write(tail)
+    return _RECORD_HEAD.size + length
+
+
 def _write_records(handle: Any, start: int, entries: list[LogEntry]) -> tuple[list[tuple[int, int, int, int]], int]:
-    """Append `entries` as records at byte `start` of `handle`, one payload in memory at a time.
-    Returns ([(index, epoch, record offset, record length)], end offset)."""
+    """Append `entries` as records at byte `start` of `handle`, at most one payload (or one piece of
+    one) in memory at a time. Returns ([(index, epoch, record offset, record length)], end offset)."""
     located = []
     offset = start
     for entry in entries:
-        record = _encode_entry(entry)
-        handle.write(record)
-        located.append((entry.index, entry.epoch, offset, len(record)))
-        offset += len(record)
+        length = _write_entry(handle, entry)
+        located.append((entry.index, entry.epoch, offset, length))
+        offset += length
     return located, offset
 
 
@@ -385,11 +436,20 @@ class ReplicaStore:
                 self._locations[index] = (epoch, offset, length)
 
     def _stored(self, entry: LogEntry) -> LogEntry:
-        """`entry` with its payload as a reference into log.bin (small payloads stay inline)."""
-        if isinstance(entry.payload, StoredPayload) or len(entry.payload) <= INLINE_PAYLOAD_BYTES:
+        """`entry` with its payload as a reference into log.bin (small payloads stay inline; a
+        transient one, e.g. in a relay's spool file, is replaced: log.bin holds it now)."""
+        payload = entry.payload
+        if isinstance(payload, StoredPayload):
+            if not payload.transient:
+                return entry
+            if payload.size <= INLINE_PAYLOAD_BYTES:
+                return dataclasses.replace(entry, payload=payload.read())
+        elif len(payload) <= INLINE_PAYLOAD_BYTES:
             return entry
         reader = functools.partial(self.read_payload, entry.index, entry.epoch)
-        return dataclasses.replace(entry, payload=StoredPayload(len(entry.payload), reader))
+        prefix = len(_record_parts(entry)[0])
+        pieces = functools.partial(self.read_payload_pieces, entry.index, entry.epoch, prefix, entry.payload_size)
+        return dataclasses.replace(entry, payload=StoredPayload(entry.payload_size, reader, pieces=pieces))
 
     def _store_payloads(self, entries: list[LogEntry], start: int) -> None:
         """Swap the payloads of `entries[start:]` (just written) for references, in place: the
@@ -422,6 +482,45 @@ class ReplicaStore:
         if not isinstance(entry, LogEntry) or (entry.index, entry.epoch) != (index, epoch):
             raise PayloadGone(f"{self._log_path}: the record at byte {offset} is not entry {index} of epoch {epoch}")
         return entry.payload_bytes()
+
+    def read_payload_pieces(self, index: int, epoch: int, prefix: int, size: int, piece_bytes: int) -> Iterator[bytes]:
+        """The payload of entry `index` of `epoch` from log.bin, `piece_bytes` at a time (any thread),
+        without the record in memory. `prefix` is the body's length before the payload (`_record_parts`).
+
+        The record's CRC covers all of it, so it is known good only at the end: a damaged record
+        raises PayloadGone after its last piece (a caller that must not act on bad bytes, like a
+        hash taken before sending, finishes reading first). The pieces come from the file that held
+        the entry when reading started, even if a rewrite replaces log.bin meanwhile.
+        """
+        with self._read_lock:
+            location = self._locations.get(index)
+            if location is None or location[0] != epoch:
+                raise PayloadGone(f"{self._log_path}: entry {index} of epoch {epoch} is no longer in the log")
+            _, offset, length = location
+            fd = os.open(self._log_path, os.O_RDONLY)
+        try:
+            head = _pread_all(fd, _RECORD_HEAD.size + prefix, offset)
+            if len(head) != _RECORD_HEAD.size + prefix:
+                raise PayloadGone(f"{self._log_path}: entry {index}: short read at byte {offset}")
+            body_length, crc = _RECORD_HEAD.unpack_from(head)
+            if body_length != length - _RECORD_HEAD.size or prefix + size > body_length:
+                raise PayloadGone(f"{self._log_path}: entry {index}: the record at byte {offset} is not "
+                                  f"{size} payload bytes long")
+            running = zlib.crc32(memoryview(head)[_RECORD_HEAD.size:])
+            position = offset + _RECORD_HEAD.size + prefix
+            end = position + size
+            while position < end:
+                piece = _pread_all(fd, min(piece_bytes, end - position), position)
+                if not piece:
+                    raise PayloadGone(f"{self._log_path}: entry {index}: short read at byte {position}")
+                running = zlib.crc32(piece, running)
+                position += len(piece)
+                yield piece
+            rest = _pread_all(fd, offset + length - end, end)
+            if zlib.crc32(rest, running) != crc:
+                raise PayloadGone(f"{self._log_path}: entry {index}: the record at byte {offset} fails its checksum")
+        finally:
+            os.close(fd)
 
     # ---- compaction, written mostly off the event loop -----------------------------------------
 

@@ -30,7 +30,7 @@ from diloco_node.learn.synthetic_learner import SyntheticLearner
 from diloco_node.sync.fragments import FragmentPlan, plan_fragments, wire_fit_problems
 from diloco_node.sync.replica import Replica
 from diloco_node.sync.syncer import Syncer
-from wire.limits import MAX_LOG_APPEND_BYTES
+from wire.limits import MAX_RELAYED_PAYLOAD_BYTES
 
 log = logging.getLogger("diloco_node.daemon")
 
@@ -44,6 +44,7 @@ class SiteModel:
     replica: Replica
     syncer: Syncer
     devices: dict | None = None  # the learner's devices and mesh (`SiteMesh.describe()`), None on a witness
+    shapes: Mapping[str, tuple[int, ...]] | None = None  # every parameter's shape (bounds relayed payloads)
 
 
 def open_learner_data(manifest: RunManifest, data: SiteData, cache_dir: Path | None) -> data_lib.Corpus:
@@ -83,14 +84,16 @@ def build_site_model(manifest: RunManifest, *, learner: bool, data: SiteData | N
     shapes = {n: a.shape for n, a in initial.items()}
     sync = manifest.sync
     plan = plan_fragments(shapes, sync.fragments, sync.period, sync.overlap)
+    # A commit bigger than one log-append frame is relayed and streamed (daemon/relays.py), so the
+    # bound is the streamed payload's, not the 256 MiB frame's.
     too_big = wire_fit_problems(plan, shapes, sync.codec_up, sync.codec_down,
-                                max_log_append_bytes=MAX_LOG_APPEND_BYTES)
+                                max_log_append_bytes=MAX_RELAYED_PAYLOAD_BYTES)
     if too_big:
         raise ConfigError("the run's fragments do not fit the wire limits: " + "; ".join(too_big))
     replica = Replica(plan, initial, manifest.outer, manifest.stop, manifest.founded_at)
     syncer = Syncer(manifest, plan, factory.embedding_names(manifest.model, initial))
     return SiteModel(manifest, corpus, inner, plan, replica, syncer,
-                     site_mesh.describe() if site_mesh is not None else None)
+                     site_mesh.describe() if site_mesh is not None else None, shapes)
 
 
 def prepare_learner(site: SiteModel, *, node_id: str, base: tuple[Mapping[str, np.ndarray], list[int]],

@@ -1,4 +1,4 @@
-"""Feeding the node's status document: members, bytes, quorum, fragments, digest, log and loop lag.
+"""Feeding the node's status document: members, bytes, quorum, fragments, digest, log, relays and loop lag.
 
 The document itself (schema, /status, /metrics rendering) is ops/status.py; this module reads the
 daemon's parts every refresh and writes what changed into the builder. The global state's digest
@@ -15,7 +15,14 @@ from diloco_node.daemon.loop_monitor import LagWindow
 from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.daemon.rounds import RoundDriver
 from diloco_node.daemon.state_transfer import StateKeeper
-from diloco_node.ops.status import EvictedStatus, FragmentStatus, MemberStatus, QuorumStatus, StatusBuilder
+from diloco_node.ops.status import (
+    EvictedStatus,
+    FragmentStatus,
+    MemberStatus,
+    QuorumStatus,
+    RelayStatus,
+    StatusBuilder,
+)
 from diloco_node.transport import PeerClient, PeerServer
 
 # The quorum reason shown on /status is cut to this many characters (one line per fragment).
@@ -67,6 +74,7 @@ class StatusFeed:
         self.status.set_evicted([EvictedStatus(r.node_id, r.index, r.reason) for r in replica.evictions.records()])
         self.status.set_log(first_index=self.store.log_first_index, size_bytes=self.store.log_bytes)
         self.status.set_loop_lag(worst_s=self.loop_lag.worst_recent_s, stalls=self.loop_lag.stalls)
+        self.status.set_relays(relay_status(self.coordination.relays.status()))
 
     def state_digest(self) -> str:
         """The global state's digest, recomputed only when the state changed (it hashes the whole
@@ -78,3 +86,8 @@ class StatusFeed:
         elif self._digest_cache[0] != key:
             self._digest_cache = (key, replica.state.digest())
         return self._digest_cache[1]
+
+
+def relay_status(counts: dict[str, Any]) -> RelayStatus:
+    """The /status `relays` object from `RelayIO.status()` (its other keys are for logs and tests)."""
+    return RelayStatus(**{name: int(counts.get(name, 0)) for name in RelayStatus.__dataclass_fields__})

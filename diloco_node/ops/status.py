@@ -113,6 +113,25 @@ class ByteCounters:
 
 
 @dataclass(frozen=True, slots=True)
+class RelayStatus:
+    """Relayed commit payloads at this node (daemon/relays.py): copies it pushed as lease holder,
+    forwarded as a relay, served to fetchers; fetches it sent; streams it refused (wrong digest,
+    short, over the run's bound); payload bytes pushed and forwarded (fetch answers included); and
+    what it keeps now until the log holds it (spool files on disk)."""
+
+    pushed: int = 0
+    forwarded: int = 0
+    served: int = 0
+    fetched: int = 0
+    refused: int = 0
+    pushed_bytes: int = 0
+    forwarded_bytes: int = 0
+    held: int = 0
+    spooled: int = 0
+    held_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class QuorumStatus:
     have: int = 0
     need: int = 0
@@ -192,6 +211,7 @@ class StatusDocument:
     devices: DeviceStatus = field(default_factory=DeviceStatus)  # what the learner trains on
     tls: TlsStatus = field(default_factory=TlsStatus)  # this site's certificate (TLS on)
     evicted: tuple[EvictedStatus, ...] = ()  # sites evicted from this run, by node id
+    relays: RelayStatus = field(default_factory=RelayStatus)  # relayed commit payloads (daemon/relays.py)
     schema: str = STATUS_SCHEMA
 
     @property
@@ -247,6 +267,8 @@ class StatusDocument:
             tls=_build(TlsStatus, raw.get("tls", {}), "tls"),
             evicted=tuple(_build(EvictedStatus, e, f"evicted[{i}]")
                           for i, e in enumerate(raw.get("evicted", []) or [])),
+            # Older nodes have no relay counters: an absent object reads as all zero.
+            relays=_build(RelayStatus, raw.get("relays", {}), "relays"),
         )
 
     @classmethod
@@ -355,6 +377,11 @@ class StatusBuilder:
         """The replicated log's first held index and its size on disk (compaction at work)."""
         with self._lock:
             self._base = dataclasses.replace(self._base, log_first_index=first_index, log_bytes=size_bytes)
+
+    def set_relays(self, relays: RelayStatus) -> None:
+        """The relayed-payload counters (daemon/relays.py, `RelayIO.counts`) and what is held now."""
+        with self._lock:
+            self._base = dataclasses.replace(self._base, relays=relays)
 
     def set_loop_lag(self, *, worst_s: float, stalls: int) -> None:
         """The event loop's recent worst lag and its stall count (daemon/loop_monitor.py)."""
@@ -621,6 +648,21 @@ def status_families(doc: StatusDocument) -> list[MetricFamily]:
         one("diloco_log_bytes", "gauge", "Size of the replicated log on disk.", doc.log_bytes),
         one("diloco_event_loop_lag_seconds", "gauge", "Worst event-loop lag over the last 10-20 s.", doc.loop_lag_s),
         one("diloco_event_loop_stalls_total", "counter", "Event-loop stalls of 1 s or more.", doc.loop_stalls),
+        one("diloco_relay_pushed_total", "counter", "Relayed payload copies pushed as lease holder.",
+            doc.relays.pushed),
+        one("diloco_relay_forwarded_total", "counter", "Relayed payload copies passed on down the tree.",
+            doc.relays.forwarded),
+        one("diloco_relay_served_total", "counter", "Relayed payloads sent to members that fetched them.",
+            doc.relays.served),
+        one("diloco_relay_fetched_total", "counter", "Relayed payload fetches sent.", doc.relays.fetched),
+        one("diloco_relay_refused_total", "counter",
+            "Relayed payload streams refused (wrong digest, short, over the run's bound).", doc.relays.refused),
+        one("diloco_relay_pushed_bytes_total", "counter", "Relayed payload bytes pushed as lease holder.",
+            doc.relays.pushed_bytes),
+        one("diloco_relay_forwarded_bytes_total", "counter",
+            "Relayed payload bytes passed on down the tree or to fetchers.", doc.relays.forwarded_bytes),
+        one("diloco_relay_held_bytes", "gauge", "Relayed payload bytes kept until the log holds them.",
+            doc.relays.held_bytes),
         MetricFamily("diloco_fragment_round", "gauge", "Committed round per fragment.",
                      tuple(({"fragment": str(f.fragment)}, float(f.round)) for f in doc.fragments)),
         *([one("diloco_tls_cert_expiry_seconds", "gauge",

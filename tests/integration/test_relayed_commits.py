@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import time
+import urllib.request
 
 import pytest
 
@@ -62,6 +63,17 @@ def test_relayed_commits_leave_the_holder_fanout_times_and_agree(relayed_run: Cl
     index = cluster.common_commit_index(set(NAMES), 60)
     assert index >= start + 12 and len(cluster.history[index]) == 1, cluster.history.get(index)
     assert cluster.conflicting_indices() == {} and cluster.shared_indices() >= 1
+    # /status "relays": the holder pushed one streamed copy per commit (a chain), the first relay
+    # forwarded them, nobody refused a stream; /metrics carries the same counters.
+    relays = {name: after[name]["relays"] for name in NAMES}
+    pushed = relays[holder]["pushed"] - before[holder]["relays"]["pushed"]
+    assert pushed >= 12 and relays[holder]["pushed_bytes"] > 0, relays[holder]
+    first_relay = sorted(n for n in NAMES if n != holder)[0]
+    assert relays[first_relay]["forwarded"] > 0 and relays[first_relay]["forwarded_bytes"] > 0, relays[first_relay]
+    assert all(r["refused"] == 0 for r in relays.values()), relays
+    metrics = urllib.request.urlopen(cluster.sites[holder].url + "/metrics", timeout=10).read().decode()
+    counted = [line for line in metrics.splitlines() if line.startswith("diloco_relay_pushed_total ")]
+    assert counted and float(counted[0].split()[1]) >= relays[holder]["pushed"], counted
 
 
 def test_a_stalled_relay_is_routed_around_and_catches_up_when_it_resumes(relayed_run: Cluster) -> None:
