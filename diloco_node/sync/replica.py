@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +47,10 @@ from wire.errors import RemoteProtocolError
 
 # A commit payload's msgpack map is a few names and numbers around the delta bytes.
 MAX_COMMIT_METADATA_BYTES = 1 << 20
+# Serialized fragments kept for peers downloading them. A joiner downloads one fragment at a time
+# from each peer (daemon/join.py), so a server needs about one per joiner; a fragment asked for
+# after it left the cache is serialized again (the same bytes: the state has not moved).
+SERVED_FRAGMENTS_CACHED = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,8 +130,12 @@ class Replica:
         self.merged: list[tuple[int, int]] = [(0, 0)] * plan.num_fragments
         self.commit_wall: list[float] = [0.0] * plan.num_fragments  # newest commit's planning time
         self.evictions = Evictions()  # sites removed from this run for good (never undone)
-        # p -> (round, evictions known, bytes, sha256): the bytes carry the evictions too
-        self._bytes_cache: dict[int, tuple[int, int, bytes, bytes]] = {}
+        # p -> (round, evictions known, bytes, sha256) of the fragments served most recently (the
+        # bytes carry the evictions too), oldest first: a joiner fetches a fragment in many chunks,
+        # each a call to `fragment_bytes`, so the bytes are kept while it downloads them; at most
+        # SERVED_FRAGMENTS_CACHED of them, not 8 B/param once every fragment has been served.
+        self._bytes_cache: OrderedDict[int, tuple[int, int, bytes, bytes]] = OrderedDict()
+        self._bytes_lock = threading.Lock()  # peers are served from executor threads
 
     # ---- the leader's preview ---------------------------------------------------------------
 
@@ -227,12 +237,18 @@ class Replica:
     def fragment_bytes(self, p: int) -> tuple[int, bytes, bytes]:
         """(round, download bytes, sha256) of fragment p as it is now (cached per round)."""
         round_, evicted = self.state.round(p), len(self.evictions)
-        cached = self._bytes_cache.get(p)
-        if cached is not None and cached[:2] == (round_, evicted):
-            return round_, cached[2], cached[3]
+        with self._bytes_lock:
+            cached = self._bytes_cache.get(p)
+            if cached is not None and cached[:2] == (round_, evicted):
+                self._bytes_cache.move_to_end(p)
+                return round_, cached[2], cached[3]
+            self._bytes_cache.pop(p, None)  # an older round's bytes: not kept beside the new ones
         data = encode_fragment(self.fragment_state(p, copies=False))
         digest = hashlib.sha256(data).digest()
-        self._bytes_cache[p] = (round_, evicted, data, digest)
+        with self._bytes_lock:
+            self._bytes_cache[p] = (round_, evicted, data, digest)
+            while len(self._bytes_cache) > SERVED_FRAGMENTS_CACHED:
+                self._bytes_cache.popitem(last=False)
         return round_, data, digest
 
     def install_fragment_bytes(self, p: int, data: bytes) -> str:
