@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -135,7 +134,6 @@ class Replica:
         # each a call to `fragment_bytes`, so the bytes are kept while it downloads them; at most
         # SERVED_FRAGMENTS_CACHED of them, not 8 B/param once every fragment has been served.
         self._bytes_cache: OrderedDict[int, tuple[int, int, bytes, bytes]] = OrderedDict()
-        self._bytes_lock = threading.Lock()  # peers are served from executor threads
 
     # ---- the leader's preview ---------------------------------------------------------------
 
@@ -237,18 +235,24 @@ class Replica:
     def fragment_bytes(self, p: int) -> tuple[int, bytes, bytes]:
         """(round, download bytes, sha256) of fragment p as it is now (cached per round)."""
         round_, evicted = self.state.round(p), len(self.evictions)
-        with self._bytes_lock:
-            cached = self._bytes_cache.get(p)
-            if cached is not None and cached[:2] == (round_, evicted):
+        # Peers are served from executor threads; each OrderedDict operation is atomic, and one
+        # that finds the entry gone (another thread evicted it meanwhile) is simply skipped.
+        cached = self._bytes_cache.get(p)
+        if cached is not None and cached[:2] == (round_, evicted):
+            try:
                 self._bytes_cache.move_to_end(p)
-                return round_, cached[2], cached[3]
-            self._bytes_cache.pop(p, None)  # an older round's bytes: not kept beside the new ones
+            except KeyError:
+                pass
+            return round_, cached[2], cached[3]
+        self._bytes_cache.pop(p, None)  # an older round's bytes: not kept beside the new ones
         data = encode_fragment(self.fragment_state(p, copies=False))
         digest = hashlib.sha256(data).digest()
-        with self._bytes_lock:
-            self._bytes_cache[p] = (round_, evicted, data, digest)
-            while len(self._bytes_cache) > SERVED_FRAGMENTS_CACHED:
+        self._bytes_cache[p] = (round_, evicted, data, digest)
+        while len(self._bytes_cache) > SERVED_FRAGMENTS_CACHED:
+            try:
                 self._bytes_cache.popitem(last=False)
+            except KeyError:
+                break
         return round_, data, digest
 
     def install_fragment_bytes(self, p: int, data: bytes) -> str:
