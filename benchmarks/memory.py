@@ -175,13 +175,16 @@ def run_role(args: argparse.Namespace) -> dict[str, Any]:
             for fragment in plan.fragments:
                 p = fragment.index
                 fshapes = {n: shapes[n] for n in fragment.names}
-                current = replica.state.fragment_params(p)
+                # The state's own read-only arrays, as the syncer's merge reads them (no copy).
+                current = replica.state.fragment_params(p, copies=False)
                 # Two learners, one on the current round and one a round or two behind: a stale
                 # contribution is rebased from the history.
                 phases.reset()  # the lease holder's part: merge, encode, digest preview
                 contributions = []
                 for learner_id, lag in (("a", 0), ("b", min(2, replica.state.round(p)))):
-                    delta = {n: rng.standard_normal(s, dtype=np.float32) * 1e-3 for n, s in fshapes.items()}
+                    delta = {n: rng.standard_normal(s, dtype=np.float32) for n, s in fshapes.items()}
+                    for values in delta.values():  # scaled in place: the inputs cost one copy each
+                        values *= 1e-3
                     contributions.append(Contribution(learner_id, p, replica.state.round(p) - lag, delta, 8, 8 * 512))
                 result = merge_contributions(contributions, current, replica.state.history(p), caps=caps,
                                              embedding_names=())

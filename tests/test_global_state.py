@@ -13,6 +13,7 @@ import pytest
 from diloco_node.config.manifest import OuterOptimizer
 from diloco_node.sync.fragments import plan_fragments
 from diloco_node.sync.global_state import FragmentHistory, GlobalState, GlobalStateError
+from diloco_node.sync import outer as outer_module
 from diloco_node.sync.outer import nesterov_step
 
 SHAPES = {
@@ -287,3 +288,41 @@ def test_digest_after_previews_the_step_without_changing_the_state() -> None:
     preview = state.digest_after(2, grad)
     assert state.fragment_digest(2) == digest_before and state.round(2) == 0
     assert state.apply_outer_gradient(2, grad) == preview
+
+
+def test_streamed_step_and_preview_are_the_whole_array_bits(monkeypatch) -> None:
+    # Tensors of several chunks (and a ragged last one): the step written chunk by chunk and the
+    # preview hashed chunk by chunk give the bits and digest of the whole-array Nesterov step.
+    monkeypatch.setattr(outer_module, "STEP_CHUNK_ELEMENTS", 1000)
+    shapes = {"embed/embedding": (37, 101), "blocks/0/w": (2500,), "blocks/0/b": (3,)}
+    rng = np.random.default_rng(3)
+    init = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    state = GlobalState(plan_fragments(shapes, 1, 2, 0), init, OUTER)
+    mu, eta = np.float32(OUTER.momentum), np.float32(OUTER.lr)
+    params, buf = dict(init), {n: np.zeros(s, np.float32) for n, s in shapes.items()}
+    for round_ in range(1, 4):
+        grad = {n: (0.1 * rng.standard_normal(s)).astype(np.float32) for n, s in shapes.items()}
+        preview = state.digest_after(0, grad)
+        for n in shapes:  # the whole-array expressions
+            buf[n] = mu * buf[n] + grad[n]
+            params[n] = params[n] - eta * (grad[n] + mu * buf[n])
+        expected = GlobalState(plan_fragments(shapes, 1, 2, 0), params, OUTER)
+        expected._momentum[0] = buf  # the same arrays the step should produce
+        expected._rounds[0] = round_
+        assert state.apply_outer_gradient(0, grad) == preview == expected.fragment_digest(0)
+        for n in shapes:
+            assert state.fragment_params(0)[n].tobytes() == params[n].tobytes()
+            assert state.momentum(0)[n].tobytes() == buf[n].tobytes()
+
+
+def test_preview_refuses_a_step_that_would_not_be_finite_like_the_step() -> None:
+    state = _state()
+    grad = _grad(state, 0, 1)
+    name = sorted(grad)[-1]
+    grad[name] = np.full_like(grad[name], np.finfo(np.float32).max)
+    with pytest.raises(GlobalStateError, match=f"would make {name} non-finite") as preview_error:
+        state.digest_after(0, grad)
+    with pytest.raises(GlobalStateError) as step_error:
+        state.apply_outer_gradient(0, grad)
+    assert str(preview_error.value) == str(step_error.value)
+    assert state.round(0) == 0

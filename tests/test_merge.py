@@ -37,6 +37,8 @@ from diloco_node.sync.merge import (
     token_weight,
     weighted_mean,
 )
+from diloco_node.sync import merge as merge_module
+from diloco_node.sync import outer as outer_module
 from diloco_node.sync.outer import nesterov_step
 
 CAPS = ContributionCaps(max_tokens_per_step=4096, max_steps=64)
@@ -773,3 +775,63 @@ def test_the_merge_holds_one_fragment_of_fp32_not_one_per_contribution() -> None
     assert result.outer_gradient is not None and len(result.accepted) == 8
     # the result (1x), one tensor's float64 accumulator and the vector in hand: far below K = 8 copies
     assert peak < 2 * fragment_bytes, f"peak {peak / fragment_bytes:.2f} x the fragment's fp32"
+
+
+# --- chunked arithmetic: the same bits as the whole-array expressions -------------------------
+
+
+def _whole_norm64(x: np.ndarray) -> float:
+    """The norm as the merge computed it on whole arrays (a float64 copy and its squares)."""
+    flat = np.asarray(x, dtype=np.float64).ravel()
+    return math.sqrt(float(np.add.reduce(flat * flat)))
+
+
+def _whole_rda(vectors: list[np.ndarray], weights: list[float]) -> np.ndarray:
+    """RDA as whole-array numpy expressions (fragment-sized float64 temporaries)."""
+    w = np.asarray(weights, dtype=np.float64)
+    radius, direction = 0.0, np.zeros(vectors[0].shape, dtype=np.float64)
+    for wi, v in zip(w, vectors):
+        v64 = np.array(v, dtype=np.float64)
+        n = _whole_norm64(v64)
+        radius += wi * n
+        if n > 0.0:
+            direction += v64 * (wi / n)
+    radius /= float(w.sum())
+    direction /= float(w.sum())
+    return (direction * (radius / _whole_norm64(direction))).astype(np.float32)
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 127, 128, 129, 1000, (1 << 16) - 1, 1 << 16, (1 << 16) + 1,
+                                  3 * (1 << 16) + 5, 1_000_003])
+def test_chunked_norm_is_the_whole_array_norm(size: int) -> None:
+    rng = np.random.default_rng(size)
+    x = (rng.standard_normal(size) * np.exp(3 * rng.standard_normal(size))).astype(np.float32)
+    assert merge_module._norm64(x) == _whole_norm64(x)
+
+
+def test_chunked_rda_mean_and_rebase_are_the_whole_array_bits() -> None:
+    # 300,001 values: several chunks and a ragged last one; three vectors of different scales
+    rng = np.random.default_rng(7)
+    shape = (300_001,)
+    vectors = [(s * rng.standard_normal(shape)).astype(np.float32) for s in (0.01, 0.02, 0.5)]
+    weights = [1.0, 3.5, 0.25]
+    assert rda(vectors, weights).tobytes() == _whole_rda(vectors, weights).tobytes()
+    w = np.asarray(weights)
+    mean = (sum(np.asarray(v, np.float64) * wi for v, wi in zip(vectors, w)) / w.sum()).astype(np.float32)
+    assert weighted_mean(vectors, weights).tobytes() == mean.tobytes()
+    now, base = {"t": vectors[0]}, {"t": vectors[1]}
+    expected = np.add(np.subtract(vectors[0], vectors[1], dtype=np.float32), vectors[2], dtype=np.float32)
+    assert rebase({"t": vectors[2]}, base, now)["t"].tobytes() == expected.tobytes()
+
+
+def test_golden_trajectory_is_the_same_bits_with_the_smallest_chunks(monkeypatch) -> None:
+    # Chunks of 128 (the smallest numpy's pairwise split allows) cut every golden tensor; the
+    # trajectory (merged gradients, applied steps, digests) must not change by a bit.
+    default_arrays, default_record = _golden_trajectory()
+    monkeypatch.setattr(merge_module, "CHUNK_ELEMENTS", 128)
+    monkeypatch.setattr(outer_module, "STEP_CHUNK_ELEMENTS", 128)
+    arrays, record = _golden_trajectory()
+    assert record == default_record
+    assert record["final_digest"] == json.loads((FIXTURES / "golden_merge.json").read_text())["final_digest"]
+    for name, arr in default_arrays.items():
+        assert arrays[name].tobytes() == arr.tobytes(), name

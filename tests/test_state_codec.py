@@ -14,6 +14,7 @@ from diloco_node.config.manifest import OuterOptimizer
 from diloco_node.ops.checkpoint import CheckpointStore, read_checkpoint_file
 from diloco_node.sync.fragments import plan_fragments
 from diloco_node.sync.global_state import GlobalStateError
+from diloco_node.sync import replica as replica_module
 from diloco_node.sync.replica import Replica
 from diloco_node.sync.state_codec import (
     FRAGMENT_BYTES_FORMAT,
@@ -85,6 +86,24 @@ def test_download_bytes_follow_an_install_of_the_same_round() -> None:
     stale = served.fragment_bytes(0)[1]
     served.install_fragment_bytes(0, other.fragment_bytes(0)[1])
     assert served.fragment_bytes(0)[1] != stale
+
+
+def test_served_fragment_bytes_are_bounded_and_rebuilt_alike(monkeypatch) -> None:
+    """Serving every fragment keeps the bytes of the most recent few only (not 8 B/param of the
+    whole model); a fragment served again after it left is the same bytes, and a commit replaces
+    its fragment's bytes instead of keeping both rounds."""
+    monkeypatch.setattr(replica_module, "SERVED_FRAGMENTS_CACHED", 2)
+    source = _replica(steps=4)
+    first = [source.fragment_bytes(p) for p in range(PLAN.num_fragments)]
+    assert list(source._bytes_cache) == [1, 2]  # the two served most recently, oldest first
+    assert source.fragment_bytes(0) == first[0]  # rebuilt: the same round, bytes and digest
+    assert list(source._bytes_cache) == [2, 0]
+    assert source.fragment_bytes(2) is not None and list(source._bytes_cache) == [0, 2]
+    grad = {n: np.full(a.shape, 0.01, np.float32) for n, a in source.state.fragment_params(2).items()}
+    source.state.apply_outer_gradient(2, grad)
+    round_, data, _ = source.fragment_bytes(2)
+    assert round_ == first[2][0] + 1 and data != first[2][1]
+    assert len(source._bytes_cache) == 2 and source._bytes_cache[2][0] == round_
 
 
 def _packed(**changes: object) -> bytes:

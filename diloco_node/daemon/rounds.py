@@ -267,7 +267,9 @@ class RoundDriver:
     def _fragment_shapes(self, p: int) -> dict[str, tuple[int, ...]]:
         shapes = self._shapes.get(p)
         if shapes is None:
-            shapes = self._shapes[p] = {n: tuple(a.shape) for n, a in self.replica.state.fragment_params(p).items()}
+            # The state's own arrays (no copy of the fragment just to read its shapes).
+            shapes = self._shapes[p] = {n: tuple(a.shape) for n, a in
+                                        self.replica.state.fragment_params(p, copies=False).items()}
         return shapes
 
     def accept(self, learner: str, p: int, base_round: int, delta: Mapping[str, np.ndarray], c_steps: int,

@@ -15,6 +15,7 @@ Pure: no I/O, no clock. Invalid input raises `GlobalStateError` before anything 
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -24,8 +25,8 @@ import numpy as np
 
 from diloco_node.config.manifest import OuterOptimizer
 from diloco_node.sync.fragments import FragmentPlan
-from diloco_node.sync.outer import finite_float32, nesterov_step
-from diloco_node.sync.state_codec import FragmentState, current_arrays
+from diloco_node.sync.outer import finite_float32, nesterov_chunks
+from diloco_node.sync.state_codec import MOMENTUM, PARAMS, FragmentState, current_arrays
 
 # How many versions of each fragment (current included) are kept for rebasing. A contribution is
 # made against the version its learner last applied; with one fragment round per period H and
@@ -227,28 +228,55 @@ class GlobalState:
     def digest_after(self, p: int, outer_gradient: Mapping[str, np.ndarray]) -> str:
         """The digest fragment p would have after `apply_outer_gradient` (state untouched).
 
-        Costs one stepped copy of fragment p, not of the model. Raises like the step itself.
+        Streamed: the step is computed a chunk at a time and hashed as it goes (the lease holder's
+        preview costs no copy of the fragment). Raises like the step itself.
         """
         self._check_index(p)
         # One read of each: an apply on another thread replaces these, never changes them.
         params, momentum, round_ = self._params[p], self._momentum[p], self._rounds[p]
-        new_params, new_momentum = self._stepped(p, params, momentum, outer_gradient)
-        return _fragment_digest(p, round_ + 1, new_params, new_momentum)
+        grads = self._checked_gradient(p, outer_gradient)
+        lr, mu = self.outer.lr, self.outer.momentum
+        h = _digest_start(p, round_ + 1)
+        # The digest's order: every "momentum/<name>" tensor, then every "params/<name>" one, each
+        # in name order. The first pass also checks both results of every tensor, in the order
+        # `_stepped` does, so a step that would not be finite is refused with the same reason.
+        for name in sorted(grads):
+            _hash_tensor_header(h, f"{MOMENTUM}/{name}", params[name].shape)
+            for _, theta, buf in nesterov_chunks(params[name], momentum[name], grads[name], lr, mu):
+                if not (np.all(np.isfinite(theta)) and np.all(np.isfinite(buf))):
+                    raise GlobalStateError(f"outer step on fragment {p} would make {name} non-finite; not applied")
+                h.update(np.ascontiguousarray(buf, dtype=_DTYPE).view(np.uint8))
+        for name in sorted(grads):
+            _hash_tensor_header(h, f"{PARAMS}/{name}", params[name].shape)
+            for _, theta, _ in nesterov_chunks(params[name], momentum[name], grads[name], lr, mu):
+                h.update(np.ascontiguousarray(theta, dtype=_DTYPE).view(np.uint8))
+        return h.hexdigest()
+
+    def _checked_gradient(self, p: int, outer_gradient: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        # Only read by the step: checked, not copied (a copy of the fragment less at every apply).
+        return _validated_fragment_tensors(self._shapes(p), outer_gradient, f"outer gradient for fragment {p}",
+                                           copy=False)
 
     def _stepped(self, p: int, params: Mapping[str, np.ndarray], momentum: Mapping[str, np.ndarray],
                  outer_gradient: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """New (params, momentum) of fragment p after one Nesterov step; GlobalStateError if invalid."""
-        # Only read by the step: checked, not copied (a copy of the fragment less at every apply).
-        grads = _validated_fragment_tensors(self._shapes(p), outer_gradient, f"outer gradient for fragment {p}",
-                                            copy=False)
+        """New (params, momentum) of fragment p after one Nesterov step; GlobalStateError if invalid.
+
+        Written chunk by chunk into the new arrays: the step's temporaries are one chunk's."""
+        grads = self._checked_gradient(p, outer_gradient)
         new_params: dict[str, np.ndarray] = {}
         new_momentum: dict[str, np.ndarray] = {}
         for name in sorted(grads):
-            theta, buf = nesterov_step(params[name], momentum[name], grads[name], self.outer.lr, self.outer.momentum)
-            if not (np.all(np.isfinite(theta)) and np.all(np.isfinite(buf))):
-                raise GlobalStateError(f"outer step on fragment {p} would make {name} non-finite; not applied")
-            new_params[name] = _freeze_own(theta)
-            new_momentum[name] = _freeze_own(buf)
+            shape = params[name].shape
+            theta_out, buf_out = np.empty(shape, dtype=_DTYPE), np.empty(shape, dtype=_DTYPE)
+            flat_theta, flat_buf = theta_out.reshape(-1), buf_out.reshape(-1)
+            for part, theta, buf in nesterov_chunks(params[name], momentum[name], grads[name],
+                                                    self.outer.lr, self.outer.momentum):
+                if not (np.all(np.isfinite(theta)) and np.all(np.isfinite(buf))):
+                    raise GlobalStateError(f"outer step on fragment {p} would make {name} non-finite; not applied")
+                flat_theta[part] = theta
+                flat_buf[part] = buf
+            new_params[name] = _freeze_own(theta_out)
+            new_momentum[name] = _freeze_own(buf_out)
         return new_params, new_momentum
 
     # --- digests -----------------------------------------------------------------------------
@@ -419,16 +447,26 @@ def _validated_array(value: Any, name: str, shape: tuple | None, what: str, copy
     return np.array(arr, dtype=_DTYPE, copy=True) if copy else np.asarray(arr, dtype=_DTYPE)
 
 
-def _fragment_digest(p: int, round_: int, params: Mapping[str, np.ndarray], momentum: Mapping[str, np.ndarray]) -> str:
+def _digest_start(p: int, round_: int) -> Any:
     h = hashlib.sha256(b"diloco-fragment\0")
     h.update(struct.pack("<qq", p, round_))
+    return h
+
+
+def _hash_tensor_header(h: Any, name: str, shape: tuple[int, ...]) -> None:
+    """A tensor's fields before its raw bytes: name, dtype, shape and byte count, length-prefixed."""
+    for field_bytes in (name.encode(), _DTYPE.str.encode()):
+        h.update(struct.pack("<q", len(field_bytes)))
+        h.update(field_bytes)
+    h.update(struct.pack("<q", len(shape)))
+    h.update(struct.pack(f"<{len(shape)}q", *shape))
+    h.update(struct.pack("<q", math.prod(shape) * _DTYPE.itemsize))
+
+
+def _fragment_digest(p: int, round_: int, params: Mapping[str, np.ndarray], momentum: Mapping[str, np.ndarray]) -> str:
+    h = _digest_start(p, round_)
     for name, arr in sorted(current_arrays(params, momentum).items(), key=lambda item: item[0]):
         data = np.ascontiguousarray(arr, dtype=_DTYPE)
-        for field_bytes in (name.encode(), data.dtype.str.encode()):
-            h.update(struct.pack("<q", len(field_bytes)))
-            h.update(field_bytes)
-        h.update(struct.pack("<q", data.ndim))
-        h.update(struct.pack(f"<{data.ndim}q", *data.shape))
-        h.update(struct.pack("<q", data.nbytes))
+        _hash_tensor_header(h, name, data.shape)
         h.update(data.reshape(-1).view(np.uint8))  # the raw bytes, hashed in place (no copy)
     return h.hexdigest()

@@ -124,7 +124,8 @@ def rebase(
     with np.errstate(over="ignore", invalid="ignore"):  # merge_contributions rejects non-finite results
         for name, d in delta.items():
             moved = np.subtract(current_params[name], base_params[name], dtype=np.float32)
-            out[name] = np.add(moved, d, dtype=np.float32)
+            # Added into `moved` itself: the same float32 sums, one fragment-sized temporary fewer.
+            out[name] = np.add(moved, d, out=moved, dtype=np.float32)
     return out
 
 
@@ -145,11 +146,64 @@ def _check_weights(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> n
     return w
 
 
+# Elements handled at once by the merge's elementwise work and norms (512 KiB of float64): the
+# fragment-sized float64 temporaries of a whole-array expression become chunk-sized ones.
+CHUNK_ELEMENTS = 1 << 16
+
+
 def _norm64(x: np.ndarray) -> float:
-    # numpy's own pairwise sum, not a BLAS dot: BLAS picks a kernel (and summation order) per
-    # CPU, numpy's reduction order is fixed, so norms and the merge are the same bits everywhere.
-    flat = np.asarray(x, dtype=np.float64).ravel()
-    return math.sqrt(float(np.add.reduce(flat * flat)))
+    """L2 norm of x in float64, the bits of `sqrt(np.add.reduce(x64 * x64))` on the whole array.
+
+    numpy's own pairwise sum, not a BLAS dot: BLAS picks a kernel (and summation order) per CPU,
+    numpy's reduction order is fixed, so norms and the merge are the same bits everywhere. The
+    squares are never held whole: `_sum_squares` splits the array exactly where numpy's pairwise
+    summation splits it, so the sum is the same bits with one chunk of float64 in memory.
+    """
+    flat = np.asarray(x).reshape(-1)  # a view of a contiguous array (the merge's always are)
+    return math.sqrt(_sum_squares(flat, 0, flat.size))
+
+
+def _sum_squares(flat: np.ndarray, lo: int, hi: int) -> float:
+    # numpy's pairwise sum of n > 128 values is pairwise(first n2) + pairwise(rest), n2 = n // 2
+    # rounded down to a multiple of 8 (numpy/_core/src/umath/loops_utils.h.src); a reduce over a
+    # contiguous float64 slice is one such pairwise sum (tests/test_merge.py checks both against
+    # the whole-array expression). So recursing the same way down to chunks gives the same bits.
+    n = hi - lo
+    if n <= CHUNK_ELEMENTS:
+        chunk = np.asarray(flat[lo:hi], dtype=np.float64)
+        return float(np.add.reduce(chunk * chunk))
+    half = n // 2
+    half -= half % 8
+    return _sum_squares(flat, lo, lo + half) + _sum_squares(flat, lo + half, hi)
+
+
+def _chunks(size: int) -> Iterable[slice]:
+    return (slice(start, min(start + CHUNK_ELEMENTS, size)) for start in range(0, size, CHUNK_ELEMENTS))
+
+
+def _add_scaled64(acc: np.ndarray, v: np.ndarray, factor: float) -> None:
+    """acc += float64(v) * factor, elementwise (the bits of the whole-array expression), a chunk
+    of float64 at a time instead of a float64 copy of v."""
+    flat_acc, flat_v = acc.reshape(-1), np.asarray(v).reshape(-1)
+    for part in _chunks(flat_acc.size):
+        v64 = np.array(flat_v[part], dtype=np.float64)
+        np.multiply(v64, factor, out=v64)
+        flat_acc[part] += v64
+
+
+def _scaled_float32(acc: np.ndarray, factor: float | None, divisor: float | None = None) -> np.ndarray:
+    """float32 of (acc * factor) or (acc / divisor), elementwise, chunk by chunk into the result;
+    `acc` (float64, ours) is scaled in place on the way."""
+    out = np.empty(acc.shape, dtype=np.float32)
+    flat_acc, flat_out = acc.reshape(-1), out.reshape(-1)
+    for part in _chunks(flat_acc.size):
+        chunk = flat_acc[part]
+        if factor is not None:
+            chunk *= factor
+        else:
+            chunk /= divisor
+        flat_out[part] = chunk
+    return out
 
 
 def rda(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
@@ -178,20 +232,17 @@ def _rda_fold(vectors: Iterable[np.ndarray], w: np.ndarray, shape: tuple[int, ..
     for i, v in enumerate(vectors):
         if not w[i] > 0:
             continue
-        v64 = np.array(v, dtype=np.float64)  # a float64 copy of our own, scaled in place below
-        n = _norm64(v64)
+        n = _norm64(v)
         radius += w[i] * n
         if n > 0.0:
-            np.multiply(v64, w[i] / n, out=v64)  # elementwise: the bits of (w / n) * v
-            direction += v64
-        del v64
+            _add_scaled64(direction, v, w[i] / n)  # elementwise: the bits of (w / n) * v
+        del v
     radius /= total
     direction /= total
     d_norm = _norm64(direction)
     if d_norm == 0.0:  # all zero, or directions cancel exactly: no direction to go
         return np.zeros(shape, dtype=np.float32)
-    direction *= radius / d_norm  # elementwise: the bits of (radius / d_norm) * direction
-    return direction.astype(np.float32)
+    return _scaled_float32(direction, radius / d_norm)  # the bits of (radius / d_norm) * direction
 
 
 def weighted_mean(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
@@ -204,12 +255,9 @@ def _mean_fold(vectors: Iterable[np.ndarray], w: np.ndarray, shape: tuple[int, .
     acc = np.zeros(shape, dtype=np.float64)
     for i, v in enumerate(vectors):
         if w[i] > 0:
-            v64 = np.array(v, dtype=np.float64)
-            np.multiply(v64, w[i], out=v64)
-            acc += v64
-            del v64
-    acc /= float(w.sum())
-    return acc.astype(np.float32)
+            _add_scaled64(acc, v, w[i])
+        del v
+    return _scaled_float32(acc, None, float(w.sum()))
 
 
 @dataclass(frozen=True, slots=True)

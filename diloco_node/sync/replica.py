@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,10 @@ from wire.errors import RemoteProtocolError
 
 # A commit payload's msgpack map is a few names and numbers around the delta bytes.
 MAX_COMMIT_METADATA_BYTES = 1 << 20
+# Serialized fragments kept for peers downloading them. A joiner downloads one fragment at a time
+# from each peer (daemon/join.py), so a server needs about one per joiner; a fragment asked for
+# after it left the cache is serialized again (the same bytes: the state has not moved).
+SERVED_FRAGMENTS_CACHED = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,8 +129,11 @@ class Replica:
         self.merged: list[tuple[int, int]] = [(0, 0)] * plan.num_fragments
         self.commit_wall: list[float] = [0.0] * plan.num_fragments  # newest commit's planning time
         self.evictions = Evictions()  # sites removed from this run for good (never undone)
-        # p -> (round, evictions known, bytes, sha256): the bytes carry the evictions too
-        self._bytes_cache: dict[int, tuple[int, int, bytes, bytes]] = {}
+        # p -> (round, evictions known, bytes, sha256) of the fragments served most recently (the
+        # bytes carry the evictions too), oldest first: a joiner fetches a fragment in many chunks,
+        # each a call to `fragment_bytes`, so the bytes are kept while it downloads them; at most
+        # SERVED_FRAGMENTS_CACHED of them, not 8 B/param once every fragment has been served.
+        self._bytes_cache: OrderedDict[int, tuple[int, int, bytes, bytes]] = OrderedDict()
 
     # ---- the leader's preview ---------------------------------------------------------------
 
@@ -227,12 +235,24 @@ class Replica:
     def fragment_bytes(self, p: int) -> tuple[int, bytes, bytes]:
         """(round, download bytes, sha256) of fragment p as it is now (cached per round)."""
         round_, evicted = self.state.round(p), len(self.evictions)
+        # Peers are served from executor threads; each OrderedDict operation is atomic, and one
+        # that finds the entry gone (another thread evicted it meanwhile) is simply skipped.
         cached = self._bytes_cache.get(p)
         if cached is not None and cached[:2] == (round_, evicted):
+            try:
+                self._bytes_cache.move_to_end(p)
+            except KeyError:
+                pass
             return round_, cached[2], cached[3]
+        self._bytes_cache.pop(p, None)  # an older round's bytes: not kept beside the new ones
         data = encode_fragment(self.fragment_state(p, copies=False))
         digest = hashlib.sha256(data).digest()
         self._bytes_cache[p] = (round_, evicted, data, digest)
+        while len(self._bytes_cache) > SERVED_FRAGMENTS_CACHED:
+            try:
+                self._bytes_cache.popitem(last=False)
+            except KeyError:
+                break
         return round_, data, digest
 
     def install_fragment_bytes(self, p: int, data: bytes) -> str:

@@ -246,8 +246,9 @@ class Syncer:
         """Merge, encode codec_down, decode back."""
         sync = self.manifest.sync
         contributions = [c for c, _, _ in rnd.pending.values()]
+        # The state's own read-only arrays, not copies: an apply replaces them, never changes them.
         result = merge_contributions(
-            contributions, state.fragment_params(p), state.history(p),
+            contributions, state.fragment_params(p, copies=False), state.history(p),
             method=self.rules.method, weighting=self.rules.weighting, caps=self.caps,
             embedding_names=self.embedding_names, reference_norm=self.norm_ref.get(p))
         self.norm_ref.update(p, result.round_median_norm)
