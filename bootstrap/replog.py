@@ -11,7 +11,7 @@ No I/O, no clock: the caller passes epochs and times in.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from bootstrap.entries import ClusterConfig, EntryKind, LogEntry, Snapshot
 from bootstrap.messages import AppendEntries, InstallSnapshot
@@ -244,6 +244,24 @@ class ReplicatedLog:
         start = next_index - self.first_index
         entries = tuple(self.store.entries[start : start + self.max_entries_per_append])
         return AppendEntries(epoch, leader_id, prev_index, prev_epoch, entries, self.commit_index, sent_at)
+
+    def without_acknowledged(self, message: AppendEntries, peer: str) -> AppendEntries:
+        """`message` (built earlier for `peer`, same epoch) less the entries `peer` acknowledged since.
+
+        An append waits in a queue while the previous one to that peer is in flight; when the
+        previous one's acknowledgement covers its entries, sending them again would cost their
+        payloads once more for nothing. What is left starts after the last acknowledged entry,
+        which the follower holds with that epoch (it said so), so the consistency check passes
+        exactly as for a message built now; the commit index is the current one (only committed
+        entries are counted there, so a later figure is as safe as the one built in).
+        """
+        acknowledged = self.match_index.get(peer, 0)
+        if not message.entries or message.entries[0].index > acknowledged:
+            return message
+        kept = tuple(entry for entry in message.entries if entry.index > acknowledged)
+        last_dropped = message.entries[len(message.entries) - len(kept) - 1]
+        return replace(message, prev_index=last_dropped.index, prev_epoch=last_dropped.epoch, entries=kept,
+                       leader_commit=max(message.leader_commit, self.commit_index))
 
     def handle_append_response(self, peer: str, success: bool, match_index: int) -> bool:
         """Update a follower's progress; True when it still lacks entries (send again now)."""

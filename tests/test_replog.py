@@ -49,6 +49,32 @@ def test_append_then_commit_follows_leader_and_applies_in_order_once():
     assert [e.index for e in log.take_committed()] == [3]
 
 
+def test_a_queued_append_loses_the_entries_its_follower_acknowledged_meanwhile_and_still_fits():
+    leader = fresh("a")
+    leader.reset_progress(["b"])
+    for index in (1, 2, 3):
+        leader.append_local(1, EntryKind.OUTER_COMMIT, b"p" * 100, fragment=0, round=index)
+    follower = fresh("b")
+    first = leader.replication_message("b", 1, "a", 1.0)  # in flight
+    leader.append_local(1, EntryKind.OUTER_COMMIT, b"q" * 100, fragment=0, round=4)
+    queued = leader.replication_message("b", 1, "a", 2.0)  # built before the first one's answer
+    assert [e.index for e in queued.entries] == [1, 2, 3, 4]
+    outcome = follower.handle_append(first)
+    assert leader.handle_append_response("b", outcome.success, outcome.match_index) is True
+    leader.advance_commit(CONFIG, 1)
+    trimmed = leader.without_acknowledged(queued, "b")
+    assert [e.index for e in trimmed.entries] == [4]  # 1-3 are not sent a second time
+    assert (trimmed.prev_index, trimmed.prev_epoch, trimmed.sent_at) == (3, 1, 2.0)
+    assert trimmed.leader_commit == leader.commit_index == 3  # the newer commit index rides along
+    outcome = follower.handle_append(trimmed)
+    assert outcome.success and outcome.match_index == 4
+    assert [e.index for e in follower.take_committed()] == [1, 2, 3]
+    # Nothing acknowledged since, or a heartbeat: the message goes as built.
+    assert leader.without_acknowledged(trimmed, "b") is trimmed
+    heartbeat = leader.replication_message("c", 1, "a", 3.0)
+    assert leader.without_acknowledged(heartbeat, "c") is heartbeat
+
+
 def test_gap_is_refused_with_a_hint():
     log = fresh()
     outcome = log.handle_append(append(5, 1, [entry(1, 6)]))

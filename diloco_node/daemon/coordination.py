@@ -174,6 +174,11 @@ class CoordinationIO:
         url = self.url_of(peer)
         if url is None:
             return  # learned from a configuration entry before its address: the member refresh fixes it
+        if isinstance(message, coord.AppendEntries) and message.epoch == self.core.epoch:
+            # Queued behind the previous append to this peer, whose acknowledgement may have
+            # covered these entries meanwhile: sent as built, a heartbeat queued during a large
+            # append would carry its inline payloads a second time.
+            message = self.core.log.without_acknowledged(message, peer)
         relayed = isinstance(message, coord.AppendEntries) and bool(self.relays.relayed_entries(message.entries))
         if relayed:
             # New payloads are hashed off the event loop (a large commit takes a second or more),
