@@ -22,7 +22,10 @@ Measured per run, over a window of --duration seconds after every site is ready:
 - state_mb: global parameters + momentum (8 bytes a parameter);
 - link_utilization: bytes the holder sent / (link rate x window x (sites - 1)), since its
   commits leave through sites - 1 emulated links (min(fanout, sites - 1) with relays), and each site's own bytes in and out / (link
-  rate x window).
+  rate x window);
+- relays {node: counts}: each site's relay counters over the window (/status `relays`): copies
+  pushed as the tree's root, forwarded, fetch answers served, fetches sent, and their bytes;
+  the holder's `served` says how often a site had to climb to it for a payload.
 
     python benchmarks/dataplane.py --json out.json [--preset baseline | --quick]
     python benchmarks/dataplane.py --json out.json --params 100m --sites 4 --duration 60
@@ -257,6 +260,12 @@ def run_one(spec: RunSpec, root: Path, startup_s: float) -> dict:
         out["coordinator_egress_bytes"] = sent
         out["coordinator_egress_per_commit_over_delta"] = (
             sent / len(commits) / delta_bytes if commits and delta_bytes else None)
+        # Where the holder's bytes went: copies pushed as the tree's root (pushed), fetch answers
+        # (served, counted in forwarded_bytes), fetches and forwards at every site, in the window.
+        out["relays"] = {n: {k: after[n]["relays"][k] - before[n]["relays"].get(k, 0)
+                             for k in ("pushed", "forwarded", "served", "fetched", "refused",
+                                       "pushed_bytes", "forwarded_bytes")}
+                         for n in names if "relays" in after.get(n, {}) and "relays" in before.get(n, {})}
         out["commit_to_applied_s"] = {"p50": percentile(delays, 0.5), "p99": percentile(delays, 0.99),
                                       "samples": len(delays)}
         out["peak_rss_mb"] = peak
