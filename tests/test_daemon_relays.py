@@ -184,6 +184,64 @@ def test_a_follower_under_a_dead_relay_fetches_from_the_holder_within_its_hold(t
     asyncio.run(scenario())
 
 
+def test_a_relay_still_awaiting_the_bytes_promises_them_and_its_child_does_not_climb_to_the_holder(tmp_path):
+    async def scenario() -> None:
+        net, tasks = cluster(tmp_path, ["a", "b", "c"], hold_s=3.0, timeout_s=0.2)
+        tree = plan_relay_tree("a", ["b", "c"], 1)  # a -> b -> c
+        for name in ("b", "c"):
+            net.nodes[name].trees["a"] = tree  # as learned from an earlier push
+        net.lost.add("PayloadOpen")  # the holder's push to b is lost
+        out = net.nodes["a"].relayed_append(holders_append(), tree, leader_commit=4)
+        await settle_network()
+        net.lost.clear()
+        a, b, c = (net.nodes[name] for name in "abc")
+        b.relay.timeout_s = 30.0  # b awaits the bytes and has not fetched them yet when c asks
+        b_done = asyncio.ensure_future(completed_payloads(b, out))
+        c_done = asyncio.ensure_future(completed_payloads(c, out))
+        for _ in range(500):  # c's first fetch leaves after one timeout
+            if b.counts["promised"]:
+                break
+            await asyncio.sleep(0.01)
+        assert b.counts["promised"] == 1, f"b made no promise; fetches so far: {net.sent}"
+        a.on_fetch(wire.PayloadFetch(out.entries[1].payload_sha256), "b")  # b's bytes arrive now
+        assert await c_done == [b"", PAYLOAD] and await b_done == [b"", PAYLOAD]
+        fetches = [(src, dst) for src, dst, kind in net.sent if kind == "PayloadFetch"]
+        assert fetches == [("c", "b")]  # c waited on b's promise instead of climbing to a
+        assert b.counts["promised"] == 1 and b.counts["served"] == 1
+        assert a.counts["served"] == 1  # to b only: the holder sent c no copy
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_relay_that_promised_and_never_got_the_bytes_is_routed_around_after_a_bounded_wait(tmp_path):
+    async def scenario() -> None:
+        net, tasks = cluster(tmp_path, ["a", "b", "c"], hold_s=3.0, timeout_s=0.05)
+        tree = plan_relay_tree("a", ["b", "c"], 1)
+        for name in ("b", "c"):
+            net.nodes[name].trees["a"] = tree
+        net.lost.add("PayloadOpen")
+        out = net.nodes["a"].relayed_append(holders_append(), tree, leader_commit=4)
+        await settle_network()
+        b = net.nodes["b"]
+        b.relay.timeout_s = 10.0  # b awaits the bytes but never fetches them in this test
+        b_waiting = asyncio.ensure_future(b.complete(out))
+        await asyncio.sleep(0)
+        net.lost.clear()
+        started = asyncio.get_running_loop().time()
+        c_payloads = await completed_payloads(net.nodes["c"], out)
+        waited = asyncio.get_running_loop().time() - started
+        assert c_payloads == [b"", PAYLOAD]
+        fetches = [(src, dst) for src, dst, kind in net.sent if kind == "PayloadFetch"]
+        assert fetches == [("c", "b"), ("c", "a")]  # the promise ran out, then the holder
+        # One timeout, then the promise (4 timeouts + 22 kB at 16 MiB/s), then one more timeout.
+        assert 0.25 <= waited < 2.0
+        b_waiting.cancel()
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
 def test_without_the_bytes_the_append_is_answered_with_the_prefix_it_can_take(tmp_path):
     async def scenario() -> None:
         net, tasks = cluster(tmp_path, ["a", "b"], hold_s=0.15, timeout_s=0.05)

@@ -344,18 +344,19 @@ def test_relay_counters_reach_status_and_metrics_and_older_documents_read_as_zer
     builder = StatusBuilder("site-a", "run-7f3a", "learner", started_at=100.0)
     # What RelayIO.status() gives (its fanout and bound are for logs, not the document).
     builder.set_relays(relay_status({"pushed": 12, "forwarded": 3, "served": 2, "fetched": 1, "refused": 4,
-                                     "pushed_bytes": 12 << 20, "forwarded_bytes": 5 << 20, "held": 1,
+                                     "promised": 6, "pushed_bytes": 12 << 20, "forwarded_bytes": 5 << 20, "held": 1,
                                      "spooled": 1, "held_bytes": 1 << 20, "fanout": 2, "max_payload_bytes": 9}))
     doc = builder.document(now=101.0)
     raw = json.loads(doc.to_json())
     assert raw["relays"] == {"pushed": 12, "forwarded": 3, "served": 2, "fetched": 1, "refused": 4,
-                             "pushed_bytes": 12 << 20, "forwarded_bytes": 5 << 20, "held": 1, "spooled": 1,
+                             "promised": 6, "pushed_bytes": 12 << 20, "forwarded_bytes": 5 << 20, "held": 1, "spooled": 1,
                              "held_bytes": 1 << 20}
     assert StatusDocument.from_dict(raw) == doc
     lines = render_metrics(doc).splitlines()
     assert "# TYPE diloco_relay_pushed_total counter" in lines
     assert _sample(lines, "diloco_relay_pushed_total") == 12 and _sample(lines, "diloco_relay_refused_total") == 4
     assert _sample(lines, "diloco_relay_forwarded_bytes_total") == 5 << 20
+    assert _sample(lines, "diloco_relay_promised_total") == 6
     assert _sample(lines, "diloco_relay_held_bytes") == 1 << 20
     del raw["relays"]  # a node from before relay counters
     assert StatusDocument.from_dict(raw).relays.pushed == 0

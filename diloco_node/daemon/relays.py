@@ -91,6 +91,17 @@ MAX_HELD_PAYLOADS = 16
 MAX_HELD_BYTES = 4 * 1024**3
 # Digests remembered with the log position of their entry, to serve fetches from the log.
 MAX_KNOWN_POSITIONS = 4096
+# A fetch for bytes a relay is itself receiving or waiting for is promised, not refused: the asker
+# is served when they arrive. Payloads and askers per payload promised at once (a tree's children
+# and a few catching-up members; past either bound the asker gets the 404 and climbs on).
+MAX_PROMISED_PAYLOADS = 16
+MAX_PROMISED_ASKERS = 32
+# An asker given a promise waits this many relay timeouts, plus the payload's time at the planned
+# relay rate below, before it climbs to the next source: a parent still receiving the bytes is no
+# stall, and climbing to the holder would cost the holder's uplink another copy; a parent that
+# died after promising is routed around after that bounded wait.
+PROMISE_TIMEOUTS = 4
+PROMISE_BYTES_PER_S = 16 * 1024 * 1024
 
 
 class SpooledPayload:
@@ -316,6 +327,9 @@ class _Missing:
     # still starting), so waiting a relay timeout for it is pointless: fetch at once.
     urgent: bool = False
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    size: int = 0  # the payload's declared size (0: not known)
+    # Until then a source that answered our fetch is sending the bytes, or will when it has them.
+    promised_until: float = 0.0
 
 
 class RelayIO:
@@ -361,11 +375,12 @@ class RelayIO:
         # a peer admits only a few streams from one member (the rest would be refused, 429).
         self._fetch_slots: dict[str, asyncio.Semaphore] = {}
         self._fetching: set[tuple[str, bytes]] = set()
+        self._promised: dict[bytes, set[str]] = {}  # digest -> askers to serve when its bytes come
         # What this node did (/status "relays", /metrics diloco_relay_*): copies pushed as the root,
         # copies forwarded as a relay, fetch answers served, fetches sent, streams refused; and the
         # payload bytes of copies pushed and forwarded (served answers count as forwarded bytes).
         self.counts = {"pushed": 0, "forwarded": 0, "served": 0, "fetched": 0, "refused": 0,
-                       "pushed_bytes": 0, "forwarded_bytes": 0}
+                       "promised": 0, "pushed_bytes": 0, "forwarded_bytes": 0}
 
     def status(self) -> dict[str, Any]:
         """The relay part of /status: the counters and what is held now."""
@@ -482,6 +497,7 @@ class RelayIO:
         if isinstance(payload, SpooledPayload) and self.store.held(head.digest) is not payload:
             payload.delete()  # already had it (or it was dropped at once by the bounds)
         self._perform(actions, as_root=False)
+        self._serve_promised(head.digest)
         missing = self._missing.get(head.digest)
         if missing is not None:
             missing.arrived.set()
@@ -496,12 +512,40 @@ class RelayIO:
         self.accept(push, push.payload, sender)
 
     def on_fetch(self, fetch: wire.PayloadFetch, requester: str) -> None:
-        """Answered at once; the bytes with `fetch.digest` then stream to `requester`. 404 when this node has none."""
+        """Answered at once; the bytes with `fetch.digest` then stream to `requester`: now, or when
+        they arrive here if this node is receiving or awaiting them itself (a promise). 404 otherwise."""
         payload = self.store.get(fetch.digest)
         if payload is None:
+            if self._promise(fetch.digest, requester):
+                return
             raise RemoteProtocolError(f"{self.node_id} holds no payload {fetch.digest.hex()[:16]}..", 404)
         self.counts["served"] += 1
         self._enqueue(requester, PayloadHop(fetch.digest, payload, None))
+
+    def _promise(self, digest: bytes, requester: str) -> bool:
+        """Promise `requester` the bytes of `digest` if they are on their way here (within bounds)."""
+        if digest not in self._missing and not self._incoming.get(digest):
+            return False
+        askers = self._promised.get(digest)
+        if askers is None:
+            if len(self._promised) >= MAX_PROMISED_PAYLOADS:
+                return False
+            askers = self._promised[digest] = set()
+        if requester not in askers and len(askers) >= MAX_PROMISED_ASKERS:
+            return False
+        askers.add(requester)
+        self.counts["promised"] += 1
+        return True
+
+    def _serve_promised(self, digest: bytes) -> None:
+        """The bytes of `digest` are here (or will not come): stream them to those promised them."""
+        askers = self._promised.pop(digest, ())
+        payload = self.store.get(digest) if askers else None
+        if payload is None:
+            return  # not here after all: the askers' promises run out and they climb on
+        for asker in sorted(askers):
+            self.counts["served"] += 1
+            self._enqueue(asker, PayloadHop(digest, payload, None))
 
     # ------------------------------------------------------------------ as follower
 
@@ -512,11 +556,12 @@ class RelayIO:
         payloads by entry index: a spooled one as a `StoredPayload` the log store copies into
         log.bin piece by piece, so the bytes never sit in memory whole.
         """
-        wanted = {e.payload_sha256: e.index <= message.leader_commit for e in message.entries
+        wanted = {e.payload_sha256: (e.index <= message.leader_commit, e.payload_size) for e in message.entries
                   if e.relayed and e.payload_sha256 not in self.store}
         if wanted:
             now = self.monotonic()
-            events = [self._want(digest, message.leader, now, urgent).arrived for digest, urgent in wanted.items()]
+            events = [self._want(digest, message.leader, now, urgent, size).arrived
+                      for digest, (urgent, size) in wanted.items()]
             waits = [asyncio.ensure_future(event.wait()) for event in events]
             try:
                 await asyncio.wait(waits, timeout=self.hold_s, return_when=asyncio.ALL_COMPLETED)
@@ -550,10 +595,10 @@ class RelayIO:
                 if missing is not None:
                     missing.arrived.set()
 
-    def _want(self, digest: bytes, holder: str, now: float, urgent: bool) -> _Missing:
+    def _want(self, digest: bytes, holder: str, now: float, urgent: bool, size: int = 0) -> _Missing:
         missing = self._missing.get(digest)
         if missing is None:
-            missing = self._missing[digest] = _Missing(holder, now, urgent)
+            missing = self._missing[digest] = _Missing(holder, now, urgent, size=size)
             self.tasks.spawn(self._fetch_loop(digest, missing), name=f"relay-fetch-{digest.hex()[:8]}")
         missing.holder, missing.last_wanted = holder, now
         return missing
@@ -581,6 +626,8 @@ class RelayIO:
                 if progress > seen and self._incoming.get(digest):
                     seen = progress
                     continue
+                if self.monotonic() < missing.promised_until:
+                    continue  # the last source asked is sending them, or will once it has them
                 tree = self.trees.get(missing.holder)
                 sources = (tree.fetch_sources(self.node_id) if tree is not None and self.node_id in tree.parent
                            else ()) or (missing.holder,)
@@ -594,6 +641,7 @@ class RelayIO:
             if self._missing.get(digest) is missing:
                 del self._missing[digest]
             missing.arrived.set()  # a holder still waiting gives up now rather than at its hold time
+            self._serve_promised(digest)  # here now (a settled entry), or never: promises end either way
 
     async def _fetch_from(self, source: str, digest: bytes) -> None:
         try:
@@ -610,6 +658,10 @@ class RelayIO:
             return
         finally:
             self._fetching.discard((source, digest))
+        missing = self._missing.get(digest)
+        if missing is not None and not replies:  # accepted: the bytes stream back now or once it has them
+            missing.promised_until = self.monotonic() + (PROMISE_TIMEOUTS * self.relay.timeout_s
+                                                         + missing.size / PROMISE_BYTES_PER_S)
         # Wire 2.3: no reply, the bytes stream back (open_stream). A 2.2 source answers with them.
         for reply in replies:
             if isinstance(reply, wire.PayloadPush) and reply.digest == digest and not reply.root:

@@ -115,7 +115,8 @@ class ByteCounters:
 @dataclass(frozen=True, slots=True)
 class RelayStatus:
     """Relayed commit payloads at this node (daemon/relays.py): copies it pushed as lease holder,
-    forwarded as a relay, served to fetchers; fetches it sent; streams it refused (wrong digest,
+    forwarded as a relay, served to fetchers; fetches it sent; fetches it promised (bytes it was
+    receiving itself, sent on arrival); streams it refused (wrong digest,
     short, over the run's bound); payload bytes pushed and forwarded (fetch answers included); and
     what it keeps now until the log holds it (spool files on disk)."""
 
@@ -124,6 +125,7 @@ class RelayStatus:
     served: int = 0
     fetched: int = 0
     refused: int = 0
+    promised: int = 0
     pushed_bytes: int = 0
     forwarded_bytes: int = 0
     held: int = 0
@@ -655,6 +657,9 @@ def status_families(doc: StatusDocument) -> list[MetricFamily]:
         one("diloco_relay_served_total", "counter", "Relayed payloads sent to members that fetched them.",
             doc.relays.served),
         one("diloco_relay_fetched_total", "counter", "Relayed payload fetches sent.", doc.relays.fetched),
+        one("diloco_relay_promised_total", "counter",
+            "Relayed payload fetches answered with a promise: the bytes were still on their way here.",
+            doc.relays.promised),
         one("diloco_relay_refused_total", "counter",
             "Relayed payload streams refused (wrong digest, short, over the run's bound).", doc.relays.refused),
         one("diloco_relay_pushed_bytes_total", "counter", "Relayed payload bytes pushed as lease holder.",
