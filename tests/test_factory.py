@@ -190,3 +190,13 @@ def test_the_bytes_factory_takes_options_and_refuses_unknown_ones() -> None:
     assert names["embed/embedding"] == (512, 64) and not any(n.startswith("blocks/1/") for n in names)
     with pytest.raises(factory.ModelFactoryError, match="unknown option.*widht"):
         factory.model_signature(ModelSpec.of(widht=3))
+
+
+def test_flat_initial_parameters_are_the_models_own_bit_for_bit_in_the_same_order() -> None:
+    spec = ModelSpec.of(seq_len=16, size="tiny", num_layers=2, vocab_size=512)
+    expected = model_lib.flat_params(factory.init_params(spec, 7)[1])
+    flat = factory.init_flat_params(spec, 7)
+    assert list(flat) == list(expected)
+    for name, value in expected.items():
+        assert flat[name].dtype == np.float32 and flat[name].flags.owndata
+        assert np.array_equal(flat[name], value), name

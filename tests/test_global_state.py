@@ -99,6 +99,21 @@ def test_fragment_digest_layout_is_the_documented_one() -> None:
     assert state.fragment_digest(p) == h.hexdigest()
 
 
+def test_initial_parameters_are_copied_unless_handed_over() -> None:
+    plan = plan_fragments(SHAPES, 3, 6, 1)
+    initial = _init()
+    copied = GlobalState(plan, initial, OUTER)
+    assert not any(np.shares_memory(a, initial[n])
+                   for p in range(3) for n, a in copied.fragment_params(p, copies=False).items())
+    initial["blocks/0/b"][0] += 1.0  # the caller's arrays are still its own
+    adopted = GlobalState(plan, initial, OUTER, adopt_initial=True)
+    for p in range(3):
+        for name, value in adopted.fragment_params(p, copies=False).items():
+            assert np.shares_memory(value, initial[name])  # kept, not copied: no second model
+            assert not initial[name].flags.writeable  # and frozen: nobody changes the state in place
+    assert adopted.digest() != copied.digest()  # the one changed value is in the adopted state
+
+
 def test_history_keeps_the_newest_versions_for_rebasing() -> None:
     state = _state(history_len=3)
     versions = [state.fragment_params(0)]

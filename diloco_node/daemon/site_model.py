@@ -21,7 +21,6 @@ from diloco_node.config.settings import ConfigError
 from diloco_node.config.site_devices import MeshShape
 from diloco_node.learn import data as data_lib
 from diloco_node.learn import factory
-from diloco_node.learn import model as model_lib
 from diloco_node.learn.inner import InnerLearner
 from diloco_node.learn.cluster import BoundaryFollowing
 from diloco_node.learn.learner_thread import DueFragment, LearnerSnapshot, LearnerThread
@@ -79,8 +78,7 @@ def build_site_model(manifest: RunManifest, *, learner: bool, data: SiteData | N
     if inner is not None and not inner.site_mesh.multi_process:
         initial = inner.get_flat()
     else:  # a witness, or a multi-host site (no process alone can read its parameters): the same seed
-        _, params = factory.init_params(manifest.model, manifest.seed)
-        initial = model_lib.flat_params(params)
+        initial = factory.init_flat_params(manifest.model, manifest.seed)
     shapes = {n: a.shape for n, a in initial.items()}
     sync = manifest.sync
     plan = plan_fragments(shapes, sync.fragments, sync.period, sync.overlap)
@@ -90,7 +88,8 @@ def build_site_model(manifest: RunManifest, *, learner: bool, data: SiteData | N
                                 max_log_append_bytes=MAX_RELAYED_PAYLOAD_BYTES)
     if too_big:
         raise ConfigError("the run's fragments do not fit the wire limits: " + "; ".join(too_big))
-    replica = Replica(plan, initial, manifest.outer, manifest.stop, manifest.founded_at)
+    # `initial` is ours alone (fresh host copies): the replica keeps these arrays, no second copy.
+    replica = Replica(plan, initial, manifest.outer, manifest.stop, manifest.founded_at, adopt_initial=True)
     syncer = Syncer(manifest, plan, factory.embedding_names(manifest.model, initial))
     return SiteModel(manifest, corpus, inner, plan, replica, syncer,
                      site_mesh.describe() if site_mesh is not None else None, shapes)

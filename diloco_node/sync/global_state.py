@@ -129,12 +129,16 @@ class GlobalState:
         outer: OuterOptimizer,
         history_len: int = DEFAULT_HISTORY_LEN,
         history_factory: HistoryFactory | None = None,
+        *,
+        adopt_initial: bool = False,
     ) -> None:
+        """`adopt_initial`: the caller hands over `initial_params` (float32 arrays nobody else
+        writes): they are kept and frozen, not copied, so founding a state costs one model, not two."""
         self.plan = plan
         self.outer = outer
         self.history_len = history_len
         self._history_factory: HistoryFactory = history_factory or FragmentHistory
-        params = _validated_tensors(plan, initial_params, "initial parameters")
+        params = _validated_tensors(plan, initial_params, "initial parameters", copy=not adopt_initial)
         self._params: list[dict[str, np.ndarray]] = []
         self._momentum: list[dict[str, np.ndarray]] = []
         self._rounds: list[int] = []
@@ -414,13 +418,14 @@ def _freeze_own(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
-def _validated_tensors(plan: FragmentPlan, tensors: Any, what: str) -> dict[str, np.ndarray]:
-    """Own float32 copies of exactly the plan's tensors, finite; GlobalStateError otherwise."""
+def _validated_tensors(plan: FragmentPlan, tensors: Any, what: str, copy: bool = True) -> dict[str, np.ndarray]:
+    """Exactly the plan's tensors, finite, as float32: own copies, or (`copy=False`, for arrays the
+    caller hands over) the caller's own float32 arrays; GlobalStateError otherwise."""
     if not isinstance(tensors, Mapping):
         raise GlobalStateError(f"{what}: expected a mapping of name -> array")
     expected = set(plan.names)
     _check_names(set(tensors), expected, what)
-    return {n: _validated_array(tensors[n], n, None, what) for n in sorted(expected)}
+    return {n: _validated_array(tensors[n], n, None, what, copy) for n in sorted(expected)}
 
 
 def _validated_fragment_tensors(shapes: Mapping[str, tuple[int, ...]], tensors: Any, what: str,

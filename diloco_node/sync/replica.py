@@ -111,11 +111,11 @@ class Replica:
     """GlobalState plus the commit-entry rules; `applied_index` is the last log index applied."""
 
     def __init__(self, plan: FragmentPlan, initial: Mapping[str, np.ndarray], outer: OuterOptimizer,
-                 stop: StopSpec | None = None, founded_at: float = 0.0) -> None:
+                 stop: StopSpec | None = None, founded_at: float = 0.0, *, adopt_initial: bool = False) -> None:
         self.plan = plan
         self.stop = stop or StopSpec()
         self.founded_at = founded_at
-        self.state = GlobalState(plan, initial, outer)
+        self.state = GlobalState(plan, initial, outer, adopt_initial=adopt_initial)
         self.applied_index = 0
         self.completed_at_index: int | None = None  # the commit that completed the run, when applied here
         self.diverged: set[int] = set()
