@@ -356,8 +356,11 @@ class Node:
             raise JoinRefused(evicted.refusal(), permanent=True)  # every member refuses us anyway
         if plan.install_floor:
             keeper.plan_install(plan.install_floor)
-        # The learner's starting base: the global state as of now (copied; a download replaces it).
-        base = ({n: a.copy() for n, a in replica.state.all_params().items()}, list(replica.state.rounds()))
+        # The learner's starting base: the global state as of now (a download replaces it). A
+        # training learner gets its own copy; a synthetic one reads only the shapes and a witness
+        # nothing, so they share the state's read-only arrays (a copy is 4 bytes a parameter).
+        trains = self.role is coord.MemberRole.LEARNER and self.cfg.learner != "synthetic"
+        base = (replica.state.all_params(copies=trains), list(replica.state.rounds()))
         download = keeper.begin_join() if mode == "join" else None
         self._start_coordination(persistent)
         assert self.coordination is not None

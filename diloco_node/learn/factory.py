@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import importlib
 from collections.abc import Callable, Collection
 from typing import Any
@@ -154,6 +155,7 @@ def init_flat_params(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
     _, params = init_params(spec, seed)
     leaves: list[Any] = [(path_name(path), leaf) for path, leaf in nnx.to_flat_state(params)]
     del params
+    gc.collect()  # the module built the values in reference cycles: else they outlive `params`
     flat: dict[str, np.ndarray] = {}
     for i, (name, leaf) in enumerate(leaves):
         flat[name] = np.array(leaf, dtype=np.float32)  # a copy: the JAX buffer goes with `leaves[i]`

@@ -195,9 +195,10 @@ class GlobalState:
         self._check_index(p)
         return {n: a.copy() for n, a in self._momentum[p].items()}
 
-    def all_params(self) -> dict[str, np.ndarray]:
-        """Copies of the whole global model as one flat dict (e.g. to evaluate it)."""
-        return {n: a.copy() for params in self._params for n, a in params.items()}
+    def all_params(self, *, copies: bool = True) -> dict[str, np.ndarray]:
+        """The whole global model as one flat dict (e.g. to evaluate it): copies, or (`copies=False`)
+        the state's own read-only arrays, which a step replaces and never changes."""
+        return {n: a.copy() if copies else a for params in self._params for n, a in params.items()}
 
     def round(self, p: int) -> int:
         self._check_index(p)
