@@ -90,6 +90,13 @@ class RunSpec:
     link_mbit: float = 1000.0
     latency_ms: float = 10.0
     fanout: int = 0  # [node] relay_fanout of every site (0: no relays, the holder sends to all)
+    vocab_size: int | None = None  # None: the preset's usual vocabulary (MODELS)
+
+    def model_settings(self) -> dict[str, str]:
+        model = dict(MODELS[self.params])
+        if self.vocab_size is not None:
+            model["run.model.vocab_size"] = str(self.vocab_size)
+        return model
 
 
 PRESETS: dict[str, list[RunSpec]] = {
@@ -126,19 +133,19 @@ def peak_rss_bytes(pid: int | None) -> int | None:
     return None
 
 
-def param_count(params: str) -> int:
-    """Parameters of the model, from its abstract shapes (nothing allocated)."""
+def param_count(spec: RunSpec) -> int:
+    """Parameters of the run's model, from its abstract shapes (nothing allocated)."""
     from diloco_node.config.settings import load_config
     from diloco_node.learn import factory
     import jax
 
-    manifest = load_config(None, {}, {**MODELS[params], "run.model.seq_len": "256"}).run
+    manifest = load_config(None, {}, {**spec.model_settings(), "run.model.seq_len": "256"}).run
     _, state = factory.abstract_model(manifest.model)
     return int(sum(leaf.size for leaf in jax.tree.leaves(state)))
 
 
 def settings_for(spec: RunSpec) -> tuple[str, ...]:
-    model = [f"{k}={v}" for k, v in MODELS[spec.params].items()]
+    model = [f"{k}={v}" for k, v in spec.model_settings().items()]
     return (*model, "run.model.seq_len=256", "run.inner.batch_size=8",
             f"run.sync.fragments={spec.fragments}", f"run.sync.period={spec.period}",
             "learner=synthetic", f"synthetic_steps_per_s={spec.steps_per_s}",
@@ -192,7 +199,7 @@ def commit_latencies(root: Path, holder: str, t0: float, t1: float) -> tuple[lis
 
 
 def run_one(spec: RunSpec, root: Path, startup_s: float) -> dict:
-    n_params = param_count(spec.params)
+    n_params = param_count(spec)
     settings = settings_for(spec)
     link = lambda: LinkShape(bandwidth_mbit=spec.link_mbit, latency_ms=spec.latency_ms)  # noqa: E731
     names = [f"s{i}" for i in range(spec.sites)]
@@ -300,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), help="a named list of runs (default: one run from the flags)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 3 sites of a 1M model for 10 s")
     parser.add_argument("--params", choices=sorted(MODELS), default="100m", help="model size (a llama preset)")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="the model's vocabulary (default: the preset's; 1b's 128,256 makes a 2 GB embedding fragment)")
     parser.add_argument("--sites", type=int, default=4, help="daemons, witnesses included")
     parser.add_argument("--witnesses", type=int, default=1, help="how many of the sites are witnesses")
     parser.add_argument("--fragments", type=int, default=4)
@@ -323,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.sites < 2 or not 0 <= args.witnesses < args.sites:
             parser.error(f"--sites {args.sites} --witnesses {args.witnesses}: need >= 2 sites and >= 1 learner")
         runs = [RunSpec(args.params, args.sites, args.witnesses, args.fragments, args.period, args.steps_per_s,
-                        args.duration, args.link_mbit, args.latency_ms, args.fanout)]
+                        args.duration, args.link_mbit, args.latency_ms, args.fanout, args.vocab_size)]
     # SIGTERM unwinds like Ctrl-C, so every daemon and link this run started is stopped.
     signal.signal(signal.SIGTERM, _interrupt)
     root = Path(tempfile.mkdtemp(prefix="diloco-dataplane-"))

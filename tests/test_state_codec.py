@@ -106,6 +106,29 @@ def test_served_fragment_bytes_are_bounded_and_rebuilt_alike(monkeypatch) -> Non
     assert len(source._bytes_cache) == 2 and source._bytes_cache[2][0] == round_
 
 
+def test_served_fragment_bytes_are_bounded_by_size_too_keeping_the_newest(monkeypatch) -> None:
+    source = _replica(steps=2)
+    sizes = [len(source.fragment_bytes(p)[1]) for p in range(PLAN.num_fragments)]
+    source._bytes_cache.clear()
+    monkeypatch.setattr(replica_module, "SERVED_BYTES_CACHED", sizes[0] + sizes[1])
+    for p in range(PLAN.num_fragments):
+        source.fragment_bytes(p)
+    kept = list(source._bytes_cache)
+    assert kept[-1] == PLAN.num_fragments - 1  # the newest stays
+    assert sum(sizes[p] for p in kept) <= sizes[0] + sizes[1] or len(kept) == 1
+    monkeypatch.setattr(replica_module, "SERVED_BYTES_CACHED", 1)  # smaller than any fragment
+    source.fragment_bytes(0)
+    assert list(source._bytes_cache) == [0]  # still served and kept while it is downloaded
+
+
+def test_fragment_bytes_are_the_arrays_own_bytes_in_order() -> None:
+    state = _replica(steps=1).fragment_state(1)
+    fields = msgpack.unpackb(encode_fragment(state), raw=False)
+    for name, (shape, data) in fields["arrays"].items():
+        assert data == np.ascontiguousarray(fragment_arrays(state)[name], dtype=np.float32).tobytes()
+        assert tuple(shape) == fragment_arrays(state)[name].shape
+
+
 def _packed(**changes: object) -> bytes:
     fields = msgpack.unpackb(encode_fragment(_replica().fragment_state(1)), raw=False)
     fields.update(changes)

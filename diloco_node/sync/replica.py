@@ -50,6 +50,9 @@ MAX_COMMIT_METADATA_BYTES = 1 << 20
 # from each peer (daemon/join.py), so a server needs about one per joiner; a fragment asked for
 # after it left the cache is serialized again (the same bytes: the state has not moved).
 SERVED_FRAGMENTS_CACHED = 4
+# ... and at most this many bytes of them (the newest is kept whatever its size): a large model's
+# embedding fragment alone is GBs, and four of those beside the state would not fit the host.
+SERVED_BYTES_CACHED = 1024**3
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +251,9 @@ class Replica:
         data = encode_fragment(self.fragment_state(p, copies=False))
         digest = hashlib.sha256(data).digest()
         self._bytes_cache[p] = (round_, evicted, data, digest)
-        while len(self._bytes_cache) > SERVED_FRAGMENTS_CACHED:
+        while len(self._bytes_cache) > 1 and (
+                len(self._bytes_cache) > SERVED_FRAGMENTS_CACHED
+                or sum(len(kept[2]) for kept in list(self._bytes_cache.values())) > SERVED_BYTES_CACHED):
             try:
                 self._bytes_cache.popitem(last=False)
             except KeyError:
