@@ -114,6 +114,30 @@ def test_initial_parameters_are_copied_unless_handed_over() -> None:
     assert adopted.digest() != copied.digest()  # the one changed value is in the adopted state
 
 
+def test_digests_and_finiteness_are_remembered_per_fragment_until_it_changes(monkeypatch) -> None:
+    from diloco_node.sync import global_state as module
+
+    hashed: list[int] = []
+    real = module._fragment_digest
+    monkeypatch.setattr(module, "_fragment_digest", lambda p, *rest: hashed.append(p) or real(p, *rest))
+    state, twin = _state(), _state()
+    first = state.digest()
+    assert sorted(hashed) == [0, 1, 2]
+    assert state.digest() == first and len(hashed) == 3  # nothing changed: nothing hashed again
+    hashed.clear()
+    state.apply_outer_gradient(1, _grad(state, 1, 0))  # hashes fragment 1 once, for its return value
+    after = state.digest()
+    assert hashed == [1] and after != first
+    twin.apply_outer_gradient(1, _grad(twin, 1, 0))
+    assert twin.digest() == after  # the same transition, every fragment hashed from scratch
+    hashed.clear()
+    state.install_fragment(twin.fragment_state(2))  # an install counts as a change (hashed to check it)
+    assert state.digest() == after and hashed == [2, 2]
+    assert state.is_finite()
+    monkeypatch.setattr(module.np, "isfinite", lambda a: (_ for _ in ()).throw(AssertionError("rescanned")))
+    assert state.is_finite()  # remembered: no fragment changed since the last check
+
+
 def test_history_keeps_the_newest_versions_for_rebasing() -> None:
     state = _state(history_len=3)
     versions = [state.fragment_params(0)]

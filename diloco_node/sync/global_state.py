@@ -143,6 +143,7 @@ class GlobalState:
         self._momentum: list[dict[str, np.ndarray]] = []
         self._rounds: list[int] = []
         self._histories: list[VersionHistory] = []
+        self._reset_memos()
         for fragment in plan.fragments:
             p_params = {n: _freeze_own(params[n]) for n in fragment.names}
             self._params.append(p_params)
@@ -151,6 +152,19 @@ class GlobalState:
             history = self._history_factory(fragment.index, history_len)
             history.record(0, p_params)
             self._histories.append(history)
+
+    def _reset_memos(self) -> None:
+        """Per fragment: a version that every change of its arrays or round bumps, and the digest
+        and finiteness last computed with the version they saw. The arrays are read-only and only
+        ever replaced, so a memo of the current version is the value recomputing would give; at
+        1B parameters recomputing costs seconds a pass, and the status page and every apply's
+        history line ask for the whole state's digest."""
+        self._versions: list[int] = [0] * self.plan.num_fragments
+        self._digest_memo: list[tuple[int, str] | None] = [None] * self.plan.num_fragments
+        self._finite_memo: list[tuple[int, bool] | None] = [None] * self.plan.num_fragments
+
+    def _changed(self, p: int) -> None:
+        self._versions[p] += 1
 
     def use_history(self, factory: HistoryFactory) -> None:
         """Keep every fragment's history in histories made by `factory` from now on (e.g. on disk).
@@ -212,7 +226,18 @@ class GlobalState:
         return self._histories[p]
 
     def is_finite(self) -> bool:
-        return all(np.all(np.isfinite(a)) for group in (*self._params, *self._momentum) for a in group.values())
+        return all(self._fragment_finite(p) for p in range(self.num_fragments))
+
+    def _fragment_finite(self, p: int) -> bool:
+        version = self._versions[p]
+        memo = self._finite_memo[p]
+        if memo is not None and memo[0] == version:
+            return memo[1]
+        finite = all(bool(np.all(np.isfinite(a))) for group in (self._params[p], self._momentum[p])
+                     for a in group.values())
+        if self._versions[p] == version:  # not replaced meanwhile (another thread may step it)
+            self._finite_memo[p] = (version, finite)
+        return finite
 
     # --- the one transition ------------------------------------------------------------------
 
@@ -227,6 +252,7 @@ class GlobalState:
         self._params[p] = new_params
         self._momentum[p] = new_momentum
         self._rounds[p] += 1
+        self._changed(p)
         self._histories[p].record(self._rounds[p], new_params)
         return self.fragment_digest(p)
 
@@ -294,7 +320,14 @@ class GlobalState:
         docs/MERGE.md) so different splits of the same bytes cannot collide.
         """
         self._check_index(p)
-        return _fragment_digest(p, self._rounds[p], self._params[p], self._momentum[p])
+        version = self._versions[p]
+        memo = self._digest_memo[p]
+        if memo is not None and memo[0] == version:
+            return memo[1]
+        digest = _fragment_digest(p, self._rounds[p], self._params[p], self._momentum[p])
+        if self._versions[p] == version:  # not replaced meanwhile (another thread may step it)
+            self._digest_memo[p] = (version, digest)
+        return digest
 
     def digest(self) -> str:
         """sha256 over the number of fragments and every fragment digest in index order."""
@@ -361,6 +394,7 @@ class GlobalState:
         clone._momentum = list(self._momentum)
         clone._rounds = list(self._rounds)
         clone._histories = list(self._histories)
+        clone._reset_memos()
         for p, round_, params, momentum, _ in parsed:
             clone._params[p], clone._momentum[p], clone._rounds[p] = params, momentum, round_
         return clone
@@ -395,6 +429,7 @@ class GlobalState:
         self._params[p] = params
         self._momentum[p] = momentum
         self._rounds[p] = round_
+        self._changed(p)
         ring = self._history_factory(p, self.history_len)
         for r in sorted(history):  # the ring keeps the newest history_len versions
             ring.record(r, history[r])
