@@ -14,6 +14,7 @@ Pure: no I/O, no clock. Invalid input raises `GlobalStateError` before anything 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import struct
@@ -117,6 +118,18 @@ class FragmentHistory:
 
     def __len__(self) -> int:
         return len(self._versions)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CheckedFragment:
+    """A fragment state `GlobalState.check_fragment` validated (own float32 copies) and hashed."""
+
+    fragment: int
+    round: int
+    params: dict[str, np.ndarray]
+    momentum: dict[str, np.ndarray]
+    history: dict[int, dict[str, np.ndarray]]
+    digest: str
 
 
 class GlobalState:
@@ -364,12 +377,22 @@ class GlobalState:
     def install_fragment(self, state: FragmentState, expected_digest: str | None = None) -> str:
         """Replace one fragment; checks everything (and the digest if given) before changing
         anything. Returns the fragment digest."""
+        return self.install_checked(self.check_fragment(state, expected_digest))
+
+    def check_fragment(self, state: FragmentState, expected_digest: str | None = None) -> CheckedFragment:
+        """`install_fragment`'s checks and digest, changing nothing: the slow half (copies, a
+        finiteness scan and a hash of the fragment), safe to run in a worker thread."""
         p, round_, params, momentum, history = self._validated_state(state)
         digest = _fragment_digest(p, round_, params, momentum)
         if expected_digest is not None and digest != expected_digest:
             raise GlobalStateError(f"fragment {p} state digest {digest[:12]} != expected {expected_digest[:12]}")
-        self._install(p, round_, params, momentum, history)
-        return digest
+        return CheckedFragment(p, round_, params, momentum, history, digest)
+
+    def install_checked(self, checked: CheckedFragment) -> str:
+        """Install what `check_fragment` checked (the quick half); returns the fragment digest."""
+        self._install(checked.fragment, checked.round, checked.params, checked.momentum, checked.history)
+        self._digest_memo[checked.fragment] = (self._versions[checked.fragment], checked.digest)
+        return checked.digest
 
     def install(self, states: Sequence[FragmentState], expected_digest: str | None = None) -> str:
         """Replace the whole state, one `FragmentState` per fragment; all-or-nothing. Returns digest()."""
