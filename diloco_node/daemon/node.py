@@ -356,11 +356,13 @@ class Node:
             raise JoinRefused(evicted.refusal(), permanent=True)  # every member refuses us anyway
         if plan.install_floor:
             keeper.plan_install(plan.install_floor)
-        # The learner's starting base: the global state as of now (a download replaces it). A
-        # training learner gets its own copy; a synthetic one reads only the shapes and a witness
-        # nothing, so they share the state's read-only arrays (a copy is 4 bytes a parameter).
+        # A training learner's starting base: its own copy of the global state as of now (a
+        # download replaces it). Nobody else keeps one: a synthetic learner reads only the shapes,
+        # a witness nothing, and a reference held here would keep every fragment's first arrays
+        # alive after a download replaced them (4 bytes a parameter).
+        rounds = list(replica.state.rounds())
         trains = self.role is coord.MemberRole.LEARNER and self.cfg.learner != "synthetic"
-        base = (replica.state.all_params(copies=trains), list(replica.state.rounds()))
+        base = (replica.state.all_params(), rounds) if trains else None
         download = keeper.begin_join() if mode == "join" else None
         self._start_coordination(persistent)
         assert self.coordination is not None
@@ -376,10 +378,11 @@ class Node:
         if self.role is coord.MemberRole.LEARNER:
             if self.cfg.learner == "synthetic":  # benchmarks and tests of the data plane only
                 preparing = asyncio.ensure_future(loop.run_in_executor(None, lambda: prepare_synthetic_learner(
-                    site, node_id=self.node_id, base=base, restored=restored,
+                    site, node_id=self.node_id, rounds=rounds, restored=restored,
                     on_contribution=self._from_learner_contribution, on_progress=self._from_learner_progress,
                     steps_per_s=self.cfg.synthetic_steps_per_s)))
             else:
+                assert base is not None
                 preparing = asyncio.ensure_future(loop.run_in_executor(None, lambda: prepare_learner(
                     site, node_id=self.node_id, base=base, restored=restored,
                     on_contribution=self._from_learner_contribution, on_progress=self._from_learner_progress,

@@ -116,14 +116,15 @@ def prepare_learner(site: SiteModel, *, node_id: str, base: tuple[Mapping[str, n
     return learner
 
 
-def prepare_synthetic_learner(site: SiteModel, *, node_id: str, base: tuple[Mapping[str, np.ndarray], list[int]],
+def prepare_synthetic_learner(site: SiteModel, *, node_id: str, rounds: list[int],
                               restored: LearnerSnapshot | None, on_contribution: Callable[[DueFragment], None],
                               on_progress: Callable[[int, float, int], None], steps_per_s: float) -> SyntheticLearner:
     """The synthetic learner of `[node] learner = "synthetic"`: random deltas of the model's shapes
     at `steps_per_s`, no training (benchmarks and tests of the data plane only)."""
-    shapes = {n: tuple(a.shape) for n, a in base[0].items()}
+    assert site.shapes is not None
+    shapes = {n: tuple(s) for n, s in site.shapes.items()}
     learner = SyntheticLearner(node_id=node_id, manifest=site.manifest, plan=site.plan, shapes=shapes,
-                               global_rounds=base[1], on_contribution=on_contribution, on_progress=on_progress,
+                               global_rounds=rounds, on_contribution=on_contribution, on_progress=on_progress,
                                steps_per_s=steps_per_s)
     if restored is not None:
         learner.restore(restored)

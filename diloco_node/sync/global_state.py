@@ -379,10 +379,12 @@ class GlobalState:
         anything. Returns the fragment digest."""
         return self.install_checked(self.check_fragment(state, expected_digest))
 
-    def check_fragment(self, state: FragmentState, expected_digest: str | None = None) -> CheckedFragment:
+    def check_fragment(self, state: FragmentState, expected_digest: str | None = None, *,
+                       adopt: bool = False) -> CheckedFragment:
         """`install_fragment`'s checks and digest, changing nothing: the slow half (copies, a
-        finiteness scan and a hash of the fragment), safe to run in a worker thread."""
-        p, round_, params, momentum, history = self._validated_state(state)
+        finiteness scan and a hash of the fragment), safe to run in a worker thread. `adopt`:
+        the caller hands over `state`'s arrays (just decoded, nobody else's): kept, not copied."""
+        p, round_, params, momentum, history = self._validated_state(state, copy=not adopt)
         digest = _fragment_digest(p, round_, params, momentum)
         if expected_digest is not None and digest != expected_digest:
             raise GlobalStateError(f"fragment {p} state digest {digest[:12]} != expected {expected_digest[:12]}")
@@ -422,8 +424,9 @@ class GlobalState:
             clone._params[p], clone._momentum[p], clone._rounds[p] = params, momentum, round_
         return clone
 
-    def _validated_state(self, state: Any) -> tuple:
-        """(p, round, params, momentum, history) as own float32 copies, or GlobalStateError."""
+    def _validated_state(self, state: Any, copy: bool = True) -> tuple:
+        """(p, round, params, momentum, history) as own float32 copies (`copy=False`: the state's
+        own float32 arrays, for a caller that hands them over), or GlobalStateError."""
         if not isinstance(state, FragmentState):
             raise GlobalStateError(f"expected a FragmentState, got {type(state).__name__}")
         p = state.fragment
@@ -435,8 +438,8 @@ class GlobalState:
         if not isinstance(round_, (int, np.integer)) or isinstance(round_, bool) or not 0 <= round_ <= MAX_ROUND:
             raise GlobalStateError(f"fragment {p} state: 'round' must be an integer in [0, {MAX_ROUND}]")
         round_ = int(round_)
-        params = _validated_fragment_tensors(self._shapes(p), state.params, f"fragment {p} state params")
-        momentum = _validated_fragment_tensors(self._shapes(p), state.momentum, f"fragment {p} state momentum")
+        params = _validated_fragment_tensors(self._shapes(p), state.params, f"fragment {p} state params", copy)
+        momentum = _validated_fragment_tensors(self._shapes(p), state.momentum, f"fragment {p} state momentum", copy)
         if not isinstance(state.history, Mapping):
             raise GlobalStateError(f"fragment {p} state: 'history' must be a mapping of round -> params")
         history: dict[int, dict[str, np.ndarray]] = {}

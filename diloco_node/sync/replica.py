@@ -274,7 +274,7 @@ class Replica:
         if state.fragment != p:
             raise RemoteProtocolError(f"fragment {p} bytes hold fragment {state.fragment}", 400)
         try:
-            return state, self.state.check_fragment(state)
+            return state, self.state.check_fragment(state, adopt=True)  # decoded just now: ours
         except GlobalStateError as error:
             raise RemoteProtocolError(f"fragment {p} does not fit this run: {error}", 400) from None
 
