@@ -73,7 +73,7 @@ def _replica(params: int, fragments: int, *, seed: int | None):
         initial[f"block{i:03d}/w"] = (rng.standard_normal(shape, dtype=np.float32) if rng is not None
                                       else np.zeros(shape, np.float32))
     plan = plan_fragments({n: a.shape for n, a in initial.items()}, fragments, 100, 1)
-    return Replica(plan, initial, OuterOptimizer())
+    return Replica(plan, initial, OuterOptimizer(), adopt_initial=True)  # fresh arrays: no second copy
 
 
 # ---- the three servers (one process) -----------------------------------------------------------
