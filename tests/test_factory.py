@@ -200,3 +200,12 @@ def test_flat_initial_parameters_are_the_models_own_bit_for_bit_in_the_same_orde
     for name, value in expected.items():
         assert flat[name].dtype == np.float32 and flat[name].flags.owndata
         assert np.array_equal(flat[name], value), name
+
+
+def test_zero_parameters_have_the_initial_parameters_names_shapes_and_order() -> None:
+    spec = ModelSpec.of(seq_len=16, size="tiny", num_layers=2, vocab_size=512)
+    initial = factory.init_flat_params(spec, 7)
+    zeros = factory.zero_flat_params(spec)
+    assert list(zeros) == list(initial)
+    assert all(zeros[n].shape == a.shape and zeros[n].dtype == np.float32 and not zeros[n].any()
+               for n, a in initial.items())

@@ -326,7 +326,9 @@ class Node:
         site = self.site = await loop.run_in_executor(
             None, lambda: build_site_model(manifest, learner=self.role is coord.MemberRole.LEARNER,
                                            data=self.cfg.data, cache_dir=self.cfg.data_dir / DATA_CACHE_DIR,
-                                           mesh_shape=self.cfg.mesh, synthetic=self.cfg.learner == "synthetic"))
+                                           mesh_shape=self.cfg.mesh, synthetic=self.cfg.learner == "synthetic",
+                                           # a fresh joiner downloads every fragment: no model init
+                                           initial_values=mode != "join"))
         if site.devices is not None:
             self.status.set_devices(site.devices)
             log.info("%s: training on %s", self.node_id, site.devices)

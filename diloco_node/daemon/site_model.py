@@ -63,13 +63,15 @@ def open_learner_data(manifest: RunManifest, data: SiteData, cache_dir: Path | N
 
 def build_site_model(manifest: RunManifest, *, learner: bool, data: SiteData | None = None,
                      cache_dir: Path | None = None, mesh_shape: MeshShape = MeshShape(),
-                     synthetic: bool = False) -> SiteModel:
+                     synthetic: bool = False, initial_values: bool = True) -> SiteModel:
     """Learners and witnesses build the same model from the manifest alone (its factory, options,
     vocabulary and context), checked against the run's sealed parameter signature. A learner also
     opens its own data (`data`, default the stdlib; tokenized text is cached in `cache_dir`);
     witnesses read none. A learner trains on every device of the site, laid out by `[node.mesh]`
     (learn/mesh.py). A `synthetic` learner (benchmarks and tests, learn/synthetic_learner.py) reads
-    no data and builds no model to train: its site is built like a witness's."""
+    no data and builds no model to train: its site is built like a witness's. Without
+    `initial_values` (a fresh joiner, whose download replaces every fragment) a site that does not
+    train starts from zeros instead of initialising the model."""
     factory.check_signature(manifest)
     trains = learner and not synthetic
     corpus = open_learner_data(manifest, data or SiteData(), cache_dir) if trains else None
@@ -77,6 +79,8 @@ def build_site_model(manifest: RunManifest, *, learner: bool, data: SiteData | N
     inner = InnerLearner(manifest.model, manifest.inner, manifest.seed, site_mesh=site_mesh) if trains else None
     if inner is not None and not inner.site_mesh.multi_process:
         initial = inner.get_flat()
+    elif not initial_values:  # every value is about to be downloaded
+        initial = factory.zero_flat_params(manifest.model)
     else:  # a witness, or a multi-host site (no process alone can read its parameters): the same seed
         initial = factory.init_flat_params(manifest.model, manifest.seed)
     shapes = {n: a.shape for n, a in initial.items()}

@@ -164,6 +164,15 @@ def init_flat_params(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
     return flat
 
 
+def zero_flat_params(spec: ModelSpec) -> dict[str, np.ndarray]:
+    """Zeros of every parameter's shape, in `init_flat_params`' names and order, with no model
+    built: for a site whose every fragment a download replaces (a fresh joiner). The pages of
+    `np.zeros` are not resident until written, so a fragment costs memory once it is installed."""
+    _, abstract = abstract_model(recipe(spec))
+    return {path_name(path): np.zeros(tuple(int(d) for d in leaf.shape), np.float32)
+            for path, leaf in nnx.to_flat_state(abstract)}
+
+
 def signature_of(params: nnx.State) -> tuple[TensorSignature, ...]:
     """(name, shape, dtype) of every parameter, sorted by name."""
     return tuple(sorted((path_name(path), tuple(int(d) for d in leaf.shape), str(np.dtype(leaf.dtype)))
