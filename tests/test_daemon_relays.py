@@ -214,6 +214,29 @@ def test_a_relay_still_awaiting_the_bytes_promises_them_and_its_child_does_not_c
     asyncio.run(scenario())
 
 
+def test_a_relay_catching_up_on_committed_entries_promises_nothing_and_its_child_climbs_on(tmp_path):
+    async def scenario() -> None:
+        net, tasks = cluster(tmp_path, ["a", "b", "c"], hold_s=3.0, timeout_s=0.05)
+        tree = plan_relay_tree("a", ["b", "c"], 1)
+        for name in ("b", "c"):
+            net.nodes[name].trees["a"] = tree
+        net.lost.add("PayloadOpen")
+        out = net.nodes["a"].relayed_append(holders_append(), tree, leader_commit=6)  # entry 6 committed
+        await settle_network()
+        b = net.nodes["b"]
+        b.url_of = lambda peer: None  # b wants the bytes too, catching up, but cannot reach anyone
+        b_waiting = asyncio.ensure_future(b.complete(out))
+        await asyncio.sleep(0)
+        net.lost.discard("PayloadOpen")
+        assert await completed_payloads(net.nodes["c"], out) == [b"", PAYLOAD]
+        assert b.counts["promised"] == 0
+        assert ("c", "a", "PayloadFetch") in net.sent  # c climbed on to the holder at its usual pace
+        b_waiting.cancel()
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_relay_that_promised_and_never_got_the_bytes_is_routed_around_after_a_bounded_wait(tmp_path):
     async def scenario() -> None:
         net, tasks = cluster(tmp_path, ["a", "b", "c"], hold_s=3.0, timeout_s=0.05)

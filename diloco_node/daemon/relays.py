@@ -523,8 +523,12 @@ class RelayIO:
         self._enqueue(requester, PayloadHop(fetch.digest, payload, None))
 
     def _promise(self, digest: bytes, requester: str) -> bool:
-        """Promise `requester` the bytes of `digest` if they are on their way here (within bounds)."""
-        if digest not in self._missing and not self._incoming.get(digest):
+        """Promise `requester` the bytes of `digest` if they are on their way here (within bounds):
+        a stream of them is arriving, or this node awaits them as a fresh commit coming down the
+        tree. Not when it is catching up itself (the entry was committed before it asked): the
+        asker is better served by climbing on to a node that has them."""
+        missing = self._missing.get(digest)
+        if not self._incoming.get(digest) and (missing is None or missing.urgent):
             return False
         askers = self._promised.get(digest)
         if askers is None:
@@ -659,7 +663,9 @@ class RelayIO:
         finally:
             self._fetching.discard((source, digest))
         missing = self._missing.get(digest)
-        if missing is not None and not replies:  # accepted: the bytes stream back now or once it has them
+        # Accepted: the bytes stream back now, or once the source has them. A catching-up asker
+        # (committed entries) does not wait on a promise: it climbs on at its usual pace.
+        if missing is not None and not replies and not missing.urgent:
             missing.promised_until = self.monotonic() + (PROMISE_TIMEOUTS * self.relay.timeout_s
                                                          + missing.size / PROMISE_BYTES_PER_S)
         # Wire 2.3: no reply, the bytes stream back (open_stream). A 2.2 source answers with them.
