@@ -184,14 +184,20 @@ def test_a_follower_under_a_dead_relay_fetches_from_the_holder_within_its_hold(t
     asyncio.run(scenario())
 
 
+def chain_whose_first_push_is_lost(root: Path, *, timeout_s: float, leader_commit: int = 4):
+    """a -> b -> c, both knowing the tree; the holder's push of the commit to b was lost. Returns
+    (net, tasks, the append every follower got)."""
+    net, tasks = cluster(root, ["a", "b", "c"], hold_s=3.0, timeout_s=timeout_s)
+    tree = plan_relay_tree("a", ["b", "c"], 1)
+    for name in ("b", "c"):
+        net.nodes[name].trees["a"] = tree  # as learned from an earlier push
+    net.lost.add("PayloadOpen")
+    return net, tasks, net.nodes["a"].relayed_append(holders_append(), tree, leader_commit=leader_commit)
+
+
 def test_a_relay_still_awaiting_the_bytes_promises_them_and_its_child_does_not_climb_to_the_holder(tmp_path):
     async def scenario() -> None:
-        net, tasks = cluster(tmp_path, ["a", "b", "c"], hold_s=3.0, timeout_s=0.2)
-        tree = plan_relay_tree("a", ["b", "c"], 1)  # a -> b -> c
-        for name in ("b", "c"):
-            net.nodes[name].trees["a"] = tree  # as learned from an earlier push
-        net.lost.add("PayloadOpen")  # the holder's push to b is lost
-        out = net.nodes["a"].relayed_append(holders_append(), tree, leader_commit=4)
+        net, tasks, out = chain_whose_first_push_is_lost(tmp_path, timeout_s=0.2)
         await settle_network()
         net.lost.clear()
         a, b, c = (net.nodes[name] for name in "abc")
@@ -216,12 +222,7 @@ def test_a_relay_still_awaiting_the_bytes_promises_them_and_its_child_does_not_c
 
 def test_a_relay_catching_up_on_committed_entries_promises_nothing_and_its_child_climbs_on(tmp_path):
     async def scenario() -> None:
-        net, tasks = cluster(tmp_path, ["a", "b", "c"], hold_s=3.0, timeout_s=0.05)
-        tree = plan_relay_tree("a", ["b", "c"], 1)
-        for name in ("b", "c"):
-            net.nodes[name].trees["a"] = tree
-        net.lost.add("PayloadOpen")
-        out = net.nodes["a"].relayed_append(holders_append(), tree, leader_commit=6)  # entry 6 committed
+        net, tasks, out = chain_whose_first_push_is_lost(tmp_path, timeout_s=0.05, leader_commit=6)  # 6 committed
         await settle_network()
         b = net.nodes["b"]
         b.url_of = lambda peer: None  # b wants the bytes too, catching up, but cannot reach anyone
@@ -239,12 +240,7 @@ def test_a_relay_catching_up_on_committed_entries_promises_nothing_and_its_child
 
 def test_a_relay_that_promised_and_never_got_the_bytes_is_routed_around_after_a_bounded_wait(tmp_path):
     async def scenario() -> None:
-        net, tasks = cluster(tmp_path, ["a", "b", "c"], hold_s=3.0, timeout_s=0.05)
-        tree = plan_relay_tree("a", ["b", "c"], 1)
-        for name in ("b", "c"):
-            net.nodes[name].trees["a"] = tree
-        net.lost.add("PayloadOpen")
-        out = net.nodes["a"].relayed_append(holders_append(), tree, leader_commit=4)
+        net, tasks, out = chain_whose_first_push_is_lost(tmp_path, timeout_s=0.05)
         await settle_network()
         b = net.nodes["b"]
         b.relay.timeout_s = 10.0  # b awaits the bytes but never fetches them in this test
