@@ -55,6 +55,33 @@ def test_bad_device_settings_are_refused_naming_the_key(tmp_path, text, environ,
         load_config(_write(tmp_path, text), environ)
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("attention", '"flash"', "mesh.attention = 'flash': must be one of auto, xla, cudnn, chunked, reference"),
+    ("remat", '"some"', "mesh.remat = 'some': must be one of none, full, dots"),
+    ("platform", '"cuda"', "mesh.platform = 'cuda': must be one of auto, cpu, gpu, tpu"),
+    ("peak_tflops", "-1.0", "mesh.peak_tflops = -1.0: must be a number >= 0"),
+])
+def test_mesh_execution_keys_are_validated_naming_the_key(tmp_path, key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(_write(tmp_path, f"[node.mesh]\n{key} = {value}\n"), {})
+    chosen = load_config(_write(tmp_path, ""), {f"DILOCO_MESH_{key.upper()}": {
+        "attention": "chunked", "remat": "dots", "platform": "cpu", "peak_tflops": "989.5"}[key]}).node.mesh
+    assert getattr(chosen, key) == {"attention": "chunked", "remat": "dots", "platform": "cpu",
+                                    "peak_tflops": 989.5}[key]
+
+
+def test_a_site_that_expects_a_gpu_and_gets_cpu_jax_refuses_to_start():
+    manifest = RunManifest(model=ModelSpec.of("llama", vocab_size=256, seq_len=16, size="1m", num_layers=1,
+                                              d_model=64, d_ff=128),
+                           inner=InnerOptimizer(batch_size=4, warmup_steps=1, total_steps=10),
+                           sync=SyncSpec(fragments=2, period=4, overlap=1))
+    with pytest.raises(ConfigError, match="mesh.platform = 'gpu', but JAX found 'cpu' devices; install JAX for "
+                                          "CUDA into the site's venv: pip install -e '.\\[cuda12\\]'"):
+        build_site_model(manifest, learner=True, mesh_shape=MeshShape(platform="gpu"))
+    site = build_site_model(manifest, learner=True, mesh_shape=MeshShape(platform="cpu"))
+    assert site.devices["platform"] == "cpu"
+
+
 def test_status_shows_the_learners_devices_and_mesh():
     manifest = RunManifest(model=ModelSpec.of("llama", vocab_size=256, seq_len=16, size="1m", num_layers=1,
                                               d_model=64, d_ff=128),

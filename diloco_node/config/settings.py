@@ -393,6 +393,11 @@ _NODE_TABLE_HELP = {
     "mesh.data": "[node.mesh] devices on the data axis (-1: every device fsdp leaves)",
     "mesh.fsdp": "[node.mesh] devices parameters and AdamW state are sharded over (-1: every device data leaves)",
     "mesh.microbatches": "[node.mesh] gradient accumulation: the global batch in this many microbatches",
+    "mesh.attention": "[node.mesh] attention implementation: auto, xla, cudnn (NVIDIA fused flash), chunked "
+                      "(online softmax, memory linear in the context) or reference; same model, other memory/speed",
+    "mesh.remat": "[node.mesh] rematerialisation of the llama blocks: none, full, or dots (save matmul outputs)",
+    "mesh.platform": "[node.mesh] the accelerator this site expects (auto, cpu, gpu, tpu): another one refuses to start",
+    "mesh.peak_tflops": "[node.mesh] peak TFLOP/s of one device for MFU (0: from the table of known devices)",
     "cluster.coordinator": "[node.cluster] HOST:PORT of process 0's jax.distributed service, \"auto\" to detect, "
                            "empty for a one-host site",
     "cluster.num_processes": "[node.cluster] hosts (processes) of this site (scheduler: SLURM_NTASKS)",

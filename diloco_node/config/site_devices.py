@@ -25,6 +25,19 @@ AUTO_COORDINATOR = "auto"
 # a failure, not a blip; a site that is down restarts and catches up, so erring early is cheap.
 HEARTBEAT_TIMEOUT_S = 30
 
+# `[node.mesh] attention`: how the llama factory computes attention (learn/attention.py). Every
+# choice computes the same function; they differ in memory and speed only, so sites of one run
+# may choose differently. "auto": the fused kernel where the platform has one (cuDNN flash on
+# NVIDIA GPUs, bf16), the chunked online-softmax path for long contexts elsewhere, XLA otherwise.
+ATTENTION_CHOICES = ("auto", "xla", "cudnn", "chunked", "reference")
+# `[node.mesh] remat`: what the llama blocks keep for the backward pass. "none" keeps every
+# activation; "full" recomputes each block's forward; "dots" saves only the matmul outputs
+# (jax.checkpoint_policies.dots_with_no_batch_dims_saveable) and recomputes the cheap rest.
+REMAT_CHOICES = ("none", "full", "dots")
+# `[node.mesh] platform`: the accelerator this site expects. "auto" trains on whatever JAX finds;
+# naming one makes a site that got another (a GPU host with CPU JAX installed) refuse to start.
+PLATFORM_CHOICES = ("auto", "cpu", "gpu", "tpu")
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -32,11 +45,19 @@ def _is_int(value: object) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class MeshShape:
-    """`[node.mesh]`: axis sizes (`-1`: every device the other axis leaves) and microbatches."""
+    """`[node.mesh]`: axis sizes (`-1`: every device the other axis leaves), microbatches, and the
+    site's execution choices (attention, remat, platform, peak FLOP/s for MFU). None of these
+    changes the model or its updates, only this site's memory, speed and what it reports."""
 
     data: int = -1
     fsdp: int = 1
     microbatches: int = 1
+    attention: str = "auto"
+    remat: str = "none"
+    platform: str = "auto"
+    # Peak dense bf16 TFLOP/s of ONE device, for MFU; 0: from the table of known devices
+    # (learn/flops.py). Set it for a device the table does not know, or to count another dtype.
+    peak_tflops: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("data", "fsdp"):
@@ -47,6 +68,15 @@ class MeshShape:
             raise ConfigError("mesh.data and mesh.fsdp are both -1: at most one axis takes the remaining devices")
         if not _is_int(self.microbatches) or self.microbatches < 1:
             raise ConfigError(f"mesh.microbatches = {self.microbatches!r}: must be an integer >= 1")
+        for name, choices in (("attention", ATTENTION_CHOICES), ("remat", REMAT_CHOICES),
+                              ("platform", PLATFORM_CHOICES)):
+            value = getattr(self, name)
+            if value not in choices:
+                raise ConfigError(f"mesh.{name} = {value!r}: must be one of {', '.join(choices)}")
+        peak = self.peak_tflops
+        if isinstance(peak, bool) or not isinstance(peak, (int, float)) or not (peak >= 0 and peak < float("inf")):
+            raise ConfigError(f"mesh.peak_tflops = {peak!r}: must be a number >= 0 (TFLOP/s of one device; "
+                              "0: from the table of known devices)")
 
     def resolve(self, device_count: int) -> tuple[int, int]:
         """(data, fsdp) sizes for `device_count` devices; a `ConfigError` when they do not fit."""

@@ -140,9 +140,27 @@ def build_site_mesh(shape: MeshShape, devices: Sequence[Any] | None = None,
                     min_sharded_elements: int = MIN_SHARDED_ELEMENTS) -> SiteMesh:
     """The site's mesh over `devices` (default: every device of every process of the site)."""
     devices = list(jax.devices() if devices is None else devices)
+    check_platform(shape.platform, devices[0].platform)
     data, fsdp = shape.resolve(len(devices))
     mesh = jax.make_mesh((data, fsdp), AXES, axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
     return SiteMesh(mesh, shape.microbatches, min_sharded_elements)
+
+
+# What JAX calls each `[node.mesh] platform` choice's devices (an NVIDIA or AMD GPU is "gpu" to the
+# config; JAX's device platform says "gpu" or "cuda"/"rocm" depending on the plugin).
+_PLATFORM_NAMES = {"cpu": {"cpu"}, "gpu": {"gpu", "cuda", "rocm"}, "tpu": {"tpu"}}
+
+
+def check_platform(expected: str, found: str) -> None:
+    """A site that names its accelerator refuses to start on another one: a GPU host whose venv
+    has CPU JAX would otherwise train, silently, a hundred times slower."""
+    if expected == "auto" or found in _PLATFORM_NAMES[expected]:
+        return
+    hint = {"gpu": "install JAX for CUDA into the site's venv: pip install -e '.[cuda12]' from the clone, and check "
+                   "`python -c 'import jax; print(jax.devices())'` lists the GPUs",
+            "tpu": "install JAX for TPU into the site's venv: pip install -e '.[tpu]' from the clone",
+            "cpu": "unset JAX_PLATFORMS or set JAX_PLATFORMS=cpu, or set mesh.platform to what this host has"}
+    raise ConfigError(f"mesh.platform = {expected!r}, but JAX found {found!r} devices; {hint[expected]}")
 
 
 def place(value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
