@@ -59,3 +59,27 @@ def test_schedule_warms_up_then_decays_to_the_final_fraction():
     assert abs(float(schedule(24)) - 3e-4) < 1e-9
     assert abs(float(schedule(100)) - 3e-4) < 1e-9  # a fast learner past the horizon stays at the floor
     assert float(schedule(10)) > float(schedule(20))
+
+
+def test_each_step_reports_its_gradient_norm_before_clipping_and_its_learning_rate():
+    import jax
+    import optax
+
+    from diloco_node.learn import factory
+    from diloco_node.learn import model as model_lib
+
+    clipped = InnerOptimizer(batch_size=2, lr_peak=3e-3, warmup_steps=4, total_steps=24, grad_clip_norm=1e-3)
+    learner = InnerLearner(CFG, clipped, seed=0)
+    assert learner.last_grad_norm is None
+    x, y = (a[0] for a in _batch(np.random.default_rng(0), 1))
+    before = learner.params
+    graphdef = factory.graphdef_of(CFG)
+    _, grads = jax.value_and_grad(model_lib.loss_fn, argnums=1)(graphdef, jax.tree.map(np.asarray, before), x, y)
+    expected = float(optax.global_norm(grads))
+    learner.step(x, y)
+    # The norm is the raw gradient's, far above the clip it was clipped to.
+    assert expected > 100 * clipped.grad_clip_norm
+    assert np.isclose(float(learner.last_grad_norm), expected, rtol=1e-4)
+    schedule = make_schedule(clipped)
+    assert learner.learning_rate(1) == float(schedule(0)) == 0.0  # the first update of the warm-up
+    assert learner.learning_rate(5) == float(schedule(4)) and np.isclose(learner.learning_rate(5), clipped.lr_peak)

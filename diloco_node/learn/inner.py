@@ -54,7 +54,8 @@ def make_optimizer(inner: InnerOptimizer) -> optax.GradientTransformation:
 
 def _train_step_fn(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, microbatches: int = 1,
                    microbatch_sharding: jax.sharding.Sharding | None = None) -> Callable:
-    """The pure single-learner step: (params, opt_state, inputs, targets) -> (params, opt_state, loss).
+    """The pure single-learner step: (params, opt_state, inputs, targets) -> (params, opt_state,
+    loss, grad_norm).
 
     With `microbatches` > 1 the batch's gradient is accumulated over equal microbatches in a
     `lax.scan` (one microbatch's activations live at a time); the mean of their losses and
@@ -87,9 +88,12 @@ def _train_step_fn(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, mic
 
     def step(params, opt_state, inputs_BxL, targets_BxL):
         loss, grads = batch_loss_and_grads(params, inputs_BxL, targets_BxL)
+        # The batch gradient's global norm before clipping: what an engineer watches for spikes
+        # (the clip in `make_optimizer` hides them from the update, not from this figure).
+        grad_norm = optax.global_norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, loss
+        return params, opt_state, loss, grad_norm
 
     return step
 
@@ -113,7 +117,7 @@ def _compiled_mesh_step(model: ModelSpec, inner: InnerOptimizer, site_mesh: Site
     batch = site_mesh.batch_sharding()
     step = jax.jit(_train_step_fn(graphdef, tx, site_mesh.microbatches, site_mesh.microbatch_sharding()),
                    in_shardings=(param_shardings, opt_shardings, batch, batch),
-                   out_shardings=(param_shardings, opt_shardings, site_mesh.replicated()),
+                   out_shardings=(param_shardings, opt_shardings, site_mesh.replicated(), site_mesh.replicated()),
                    donate_argnums=(0, 1))
     init = jax.jit(tx.init, in_shardings=(param_shardings,), out_shardings=opt_shardings)
     return step, init
@@ -126,7 +130,7 @@ def _compiled_masked_step(model: ModelSpec, inner: InnerOptimizer) -> Callable:
     single = _train_step_fn(graphdef, make_optimizer(inner))
 
     def masked_step(params, opt_state, inputs_MxBxL, targets_MxBxL, mask_M):
-        new_params, new_opt, loss_M = jax.vmap(single)(params, opt_state, inputs_MxBxL, targets_MxBxL)
+        new_params, new_opt, loss_M, _ = jax.vmap(single)(params, opt_state, inputs_MxBxL, targets_MxBxL)
 
         def keep(new, old):
             if not hasattr(new, "ndim") or new.ndim == 0:
@@ -165,26 +169,34 @@ class InnerLearner:
             self._step, init = _compiled_mesh_step(model, inner, site_mesh)
             self.params = site_mesh.put_tree(params)
             self.opt_state = init(self.params)
+        self._schedule = make_schedule(inner)
         self.steps = 0
         self.tokens = 0
+        # The last step's gradient norm (a device scalar; fetch it when convenient), None before one.
+        self.last_grad_norm: jax.Array | None = None
 
     def _put_batch(self, tokens_BxL: np.ndarray) -> Any:
         return tokens_BxL if self.site_mesh is None else self.site_mesh.put_batch(tokens_BxL)
 
     def step(self, inputs_BxL: np.ndarray, targets_BxL: np.ndarray) -> jax.Array:
         """One AdamW step; returns the loss as a device array (fetch it when convenient)."""
-        self.params, self.opt_state, loss = self._step(self.params, self.opt_state, self._put_batch(inputs_BxL),
-                                                       self._put_batch(targets_BxL))
+        self.params, self.opt_state, loss, self.last_grad_norm = self._step(
+            self.params, self.opt_state, self._put_batch(inputs_BxL), self._put_batch(targets_BxL))
         self.steps += 1
         self.tokens += int(np.size(targets_BxL))
         return loss
+
+    def learning_rate(self, step: int) -> float:
+        """The inner learning rate of update number `step` (1 for the first): the schedule at the
+        optimizer's count before that update, as AdamW applied it."""
+        return float(self._schedule(max(0, step - 1)))
 
     def compile_step(self, inputs_BxL: np.ndarray, targets_BxL: np.ndarray) -> None:
         """Compile the jitted step by running it once on throw-away copies (the state is untouched:
         the step donates its inputs, so it must not see the real buffers)."""
         params = jax.tree.map(jnp.copy, self.params)
         opt_state = jax.tree.map(jnp.copy, self.opt_state)
-        _, _, loss = self._step(params, opt_state, self._put_batch(inputs_BxL), self._put_batch(targets_BxL))
+        _, _, loss, _ = self._step(params, opt_state, self._put_batch(inputs_BxL), self._put_batch(targets_BxL))
         jax.block_until_ready(loss)
 
     def compiled_variants(self) -> int:
