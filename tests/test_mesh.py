@@ -56,7 +56,8 @@ def test_layout_rule_shards_the_largest_divisible_dimension_and_replicates_small
     assert mesh.sharded_dim((8, 4)) is None  # below the size floor: replicated
     assert mesh.sharded_dim(()) is None  # AdamW's step count
     assert str(mesh.param_sharding((16, 64)).spec) == str(jax.sharding.PartitionSpec(None, "fsdp"))
-    assert mesh.describe() == {"platform": "cpu", "count": 2, "processes": 1, "mesh": {"data": 1, "fsdp": 2}}
+    assert mesh.describe() == {"platform": "cpu", "count": 2, "processes": 1, "mesh": {"data": 1, "fsdp": 2},
+                               "kind": "cpu", "attention": "auto", "remat": "none"}
     data_only = build_site_mesh(MeshShape(), jax.devices()[:2], min_sharded_elements=1)
     assert data_only.sharded_dim((16, 64)) is None  # fsdp = 1: everything replicated
 

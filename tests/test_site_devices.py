@@ -88,7 +88,8 @@ def test_status_shows_the_learners_devices_and_mesh():
                            inner=InnerOptimizer(batch_size=4, warmup_steps=1, total_steps=10),
                            sync=SyncSpec(fragments=2, period=4, overlap=1))
     site = build_site_model(manifest, learner=True, mesh_shape=MeshShape(data=1, fsdp=-1))
-    assert site.devices == {"platform": "cpu", "count": 2, "processes": 1, "mesh": {"data": 1, "fsdp": 2}}
+    assert site.devices == {"platform": "cpu", "count": 2, "processes": 1, "mesh": {"data": 1, "fsdp": 2},
+                            "kind": "cpu", "attention": "auto", "remat": "none"}
     builder = StatusBuilder("site-a", "run-x", "learner", 0.0)
     builder.set_devices(site.devices)
     served = builder.document(1.0).to_dict()

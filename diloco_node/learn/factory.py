@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import gc
 import importlib
+import logging
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -42,6 +43,7 @@ BUILTIN_FACTORIES = {
     "bytes": "diloco_node.learn.model:byte_transformer",
     "llama": "diloco_node.learn.llama:llama",
 }
+log = logging.getLogger(__name__)
 PROBE_BATCH = 2  # tokens [2, min(seq_len, 16)] probe the call's output shape (abstractly)
 
 Factory = Callable[[dict[str, Any], nnx.Rngs], nnx.Module]
@@ -132,6 +134,63 @@ def abstract_model(spec: ModelSpec) -> tuple[nnx.GraphDef, nnx.State]:
 def graphdef_of(spec: ModelSpec) -> nnx.GraphDef:
     """The model's structure, built once per process (compiled steps key on the spec)."""
     return abstract_model(recipe(spec))[0]
+
+
+@functools.lru_cache(maxsize=16)
+def execution_graphdef(spec: ModelSpec, attention: str = "auto", remat: str = "none") -> nnx.GraphDef:
+    """The model's structure with this site's execution choices (`[node.mesh] attention`, `remat`)
+    compiled in: a module that defines `set_execution(attention=..., remat=...)` (the llama
+    factory does) is told them before it is split, so the choices travel in the graphdef as static
+    attributes. The parameters are the same; a module without the method ignores the choices."""
+    spec = recipe(spec)
+    if (attention, remat) == ("auto", "none"):
+        return graphdef_of(spec)
+    module = nnx.eval_shape(lambda: _call_factory(spec, 0))
+    configure = getattr(module, "set_execution", None)
+    if not callable(configure):
+        log.info("model factory %r has no set_execution(): mesh.attention = %r and mesh.remat = %r do not apply "
+                 "to it", spec.factory, attention, remat)
+        return graphdef_of(spec)
+    try:
+        configure(attention=attention, remat=remat)
+    except Exception as error:
+        raise ModelFactoryError(f"model factory {spec.factory!r}: set_execution(attention={attention!r}, "
+                                f"remat={remat!r}) raised {type(error).__name__}: {error}") from None
+    graphdef, _ = _check_structure(spec, module)
+    return graphdef
+
+
+def sharded_init_fn(spec: ModelSpec, seed: int, shardings: Any) -> Callable[[], nnx.State]:
+    """The jitted initialiser `init_params_sharded` runs (lower and compile it to read XLA's
+    per-device memory analysis of start-up)."""
+    abstract_model(recipe(spec))  # structure and output checked without allocating
+    spec = recipe(spec)
+
+    def build() -> nnx.State:
+        return nnx.split(_call_factory(spec, seed), nnx.Param, ...)[1]
+
+    return jax.jit(build, out_shardings=shardings)
+
+
+def init_params_sharded(spec: ModelSpec, seed: int, shardings: Any, replicated: Any) -> nnx.State:
+    """The freshly initialised parameters created directly in `shardings`' layout (a pytree of
+    shardings shaped like the parameters): the factory runs inside `jit` with those output
+    shardings, so each device computes and holds only its own shard and no device, and no host,
+    ever holds the whole model. Non-finite initial parameters are refused, named.
+
+    The values are those of the same factory and seed compiled as one program: equal to
+    `init_params`' eager ones up to float rounding (XLA fuses the initialisers' arithmetic), not
+    bit for bit. A run's initial state is its founder's, whichever way it was built; every other
+    site downloads it or adopts it (multi-host sites share process 0's)."""
+    params = sharded_init_fn(spec, seed, shardings)()
+    finite = jax.jit(lambda tree: jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]),
+                     out_shardings=replicated)(params)
+    finite_host = np.asarray(finite if finite.is_fully_addressable else finite.addressable_data(0))
+    if not finite_host.all():
+        names = [path_name(path) for path, _ in nnx.to_flat_state(params)]
+        bad = [name for name, ok in zip(names, finite_host) if not ok]
+        raise ModelFactoryError(f"model factory {spec.factory!r}: non-finite initial parameters: {', '.join(bad[:5])}")
+    return params
 
 
 def init_params(spec: ModelSpec, seed: int) -> tuple[nnx.GraphDef, nnx.State]:

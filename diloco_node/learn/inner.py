@@ -90,7 +90,7 @@ def _train_step_fn(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, mic
         loss, grads = batch_loss_and_grads(params, inputs_BxL, targets_BxL)
         # The batch gradient's global norm before clipping: what an engineer watches for spikes
         # (the clip in `make_optimizer` hides them from the update, not from this figure).
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, loss, grad_norm
@@ -110,7 +110,8 @@ def _compiled_mesh_step(model: ModelSpec, inner: InnerOptimizer, site_mesh: Site
     """(step, init) on a site's mesh: the step with every input and output's sharding fixed by the
     layout rule (parameters and moments keep their layout step after step, so a fragment written
     back with its leaf's sharding never recompiles it), and the optimizer's init with the same."""
-    graphdef, abstract = factory.abstract_model(factory.recipe(model))
+    _, abstract = factory.abstract_model(factory.recipe(model))
+    graphdef = factory.execution_graphdef(factory.recipe(model), site_mesh.attention, site_mesh.remat)
     tx = make_optimizer(inner)
     param_shardings = site_mesh.tree_shardings(abstract)
     opt_shardings = site_mesh.tree_shardings(jax.eval_shape(tx.init, abstract))
@@ -142,6 +143,22 @@ def _compiled_masked_step(model: ModelSpec, inner: InnerOptimizer) -> Callable:
     return jax.jit(masked_step, donate_argnums=(0, 1))
 
 
+def _placed_params(abstract: nnx.State, initial: Mapping[str, np.ndarray], site_mesh: SiteMesh) -> nnx.State:
+    """The parameters from host values, each tensor placed straight onto its shards (never whole on
+    one device first); every parameter must be given."""
+    shapes = model_lib.param_shapes(abstract)
+    missing = sorted(set(shapes) - set(initial))
+    if missing:
+        raise KeyError(f"initial values missing for parameter(s): {', '.join(missing[:5])}")
+    placed = {}
+    for name, shape in shapes.items():
+        value = np.asarray(initial[name], dtype=np.float32)
+        if value.shape != shape:
+            raise ValueError(f"parameter {name}: shape {value.shape} != expected {shape}")
+        placed[name] = site_mesh.put(value, site_mesh.param_sharding(shape))
+    return model_lib.load_flat_params(abstract, placed)  # placed float32 arrays are taken as they are
+
+
 class InnerLearner:
     """One learner's local model and AdamW state, stepped by a jitted function with donated buffers.
 
@@ -155,19 +172,26 @@ class InnerLearner:
         if site_mesh is not None:
             site_mesh.check_batch(inner.batch_size)  # before anything is built
         model = factory.recipe(model)
-        graphdef, params = factory.init_params(model, seed)
-        if initial is not None:
-            params = model_lib.load_flat_params(params, initial)
-        self.graphdef = graphdef
         self.site_mesh = site_mesh
         self.tx = make_optimizer(inner)
         if site_mesh is None:
+            graphdef, params = factory.init_params(model, seed)
+            if initial is not None:
+                params = model_lib.load_flat_params(params, initial)
+            self.graphdef = graphdef
             self.params = params
             self.opt_state = self.tx.init(params)
             self._step = _compiled_single_step(model, inner)
         else:
+            # Sharded start-up: parameters and AdamW moments are created in the mesh's layout
+            # (shardings from abstract shapes), so no device holds a whole unsharded model.
             self._step, init = _compiled_mesh_step(model, inner, site_mesh)
-            self.params = site_mesh.put_tree(params)
+            self.graphdef, abstract = factory.abstract_model(model)
+            if initial is None:
+                self.params = factory.init_params_sharded(model, seed, site_mesh.tree_shardings(abstract),
+                                                          site_mesh.replicated())
+            else:  # given values go tensor by tensor to their shards: no model is initialised
+                self.params = _placed_params(abstract, initial, site_mesh)
             self.opt_state = init(self.params)
         self._schedule = make_schedule(inner)
         self.steps = 0

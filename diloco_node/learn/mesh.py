@@ -48,6 +48,10 @@ class SiteMesh:
     mesh: Mesh
     microbatches: int = 1
     min_sharded_elements: int = MIN_SHARDED_ELEMENTS
+    # The site's execution choices (`[node.mesh] attention`, `remat`), compiled into its step: the
+    # same model and update, this site's memory and speed (learn/attention.py).
+    attention: str = "auto"
+    remat: str = "none"
 
     @property
     def data_size(self) -> int:
@@ -70,7 +74,9 @@ class SiteMesh:
         first = self.mesh.devices.flat[0]
         return {"platform": first.platform, "count": self.device_count,
                 "processes": len({d.process_index for d in self.mesh.devices.flat}),
-                "mesh": {"data": self.data_size, "fsdp": self.fsdp_size}}
+                "mesh": {"data": self.data_size, "fsdp": self.fsdp_size},
+                "kind": str(getattr(first, "device_kind", "")),
+                "attention": self.attention, "remat": self.remat}
 
     # ---- the layout rules -------------------------------------------------------------------
 
@@ -143,7 +149,7 @@ def build_site_mesh(shape: MeshShape, devices: Sequence[Any] | None = None,
     check_platform(shape.platform, devices[0].platform)
     data, fsdp = shape.resolve(len(devices))
     mesh = jax.make_mesh((data, fsdp), AXES, axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
-    return SiteMesh(mesh, shape.microbatches, min_sharded_elements)
+    return SiteMesh(mesh, shape.microbatches, min_sharded_elements, shape.attention, shape.remat)
 
 
 # What JAX calls each `[node.mesh] platform` choice's devices (an NVIDIA or AMD GPU is "gpu" to the
