@@ -4,6 +4,8 @@
     .venv/bin/python benchmarks/learner.py --factory bytes --option size=tiny --steps 300
     .venv/bin/python benchmarks/learner.py --devices 1,4 --host-devices 4 --json l.json  # CPU: 4 forced devices
     .venv/bin/python benchmarks/learner.py --devices 8 --mesh-fsdp 2                  # a GPU host (jax[cuda12])
+    .venv/bin/python benchmarks/learner.py --option size=1b --option compute_dtype=\"bfloat16\" \
+        --vocab-size 128256 --seq-len 2048 --batch-size 8 --fragments 24 --period 24 --attention cudnn
 
 Nothing here is specific to a platform: it trains on whatever devices JAX finds (install the
 `cuda12` or `tpu` extra on an accelerator host). `--host-devices N` is for CPU only: it forces N
@@ -20,7 +22,8 @@ mesh with the same batches:
   thread (as the daemon's codec pool does) and, a round trip later, offers a merged fragment back,
   which the thread applies at its next boundary. Fragment traffic flows the whole time.
 
-Reported per device count: steps/s of each and their ratio (daemon / plain; the target is >= 0.95,
+Reported per device count: steps/s, tokens/s and MFU (learn/flops.py: the model's training FLOPs
+per token over the devices' peak; n/a on a CPU) of each, and their ratio (daemon / plain; the target is >= 0.95,
 the goal 0.98: best run over best run, and the median of each daemon run over the plain run just
 before it), the offers applied (to show traffic flowed), and the cost of reading one due
 fragment (device copy, transfer, delta) and writing one merged fragment (placed with each
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import queue
@@ -68,6 +72,7 @@ from flax import nnx  # noqa: E402
 from diloco_node.config.manifest import InnerOptimizer, ModelSpec, RunManifest, SyncSpec  # noqa: E402
 from diloco_node.learn import data as data_lib  # noqa: E402
 from diloco_node.learn import factory  # noqa: E402
+from diloco_node.learn import flops as flops_lib  # noqa: E402
 from diloco_node.learn import model as model_lib  # noqa: E402
 from diloco_node.learn.inner import InnerLearner  # noqa: E402
 from diloco_node.learn.learner_thread import DueFragment, LearnerThread, _copy_fragment  # noqa: E402
@@ -151,8 +156,8 @@ class NetworkStandIn:
 
 def daemon_learner(manifest: RunManifest, tokens: np.ndarray, steps: int, round_trip_s: float,
                    mesh: SiteMesh) -> tuple[float, int, int]:
-    _, params = factory.init_params(manifest.model, manifest.seed)
-    initial = model_lib.flat_params(params)
+    inner = InnerLearner(manifest.model, manifest.inner, manifest.seed, site_mesh=mesh)
+    initial = inner.get_flat()  # one host copy, as a founding site's replica takes it
     plan = plan_fragments({n: a.shape for n, a in initial.items()}, manifest.sync.fragments, manifest.sync.period,
                           manifest.sync.overlap)
     cut = len(tokens) - len(tokens) // 20
@@ -161,8 +166,7 @@ def daemon_learner(manifest: RunManifest, tokens: np.ndarray, steps: int, round_
     network.base = dict(initial)  # type: ignore[attr-defined]
     learner = LearnerThread(node_id="bench", manifest=manifest, plan=plan, corpus=corpus, global_params=initial,
                             global_rounds=[0] * plan.num_fragments, on_contribution=network.on_contribution,
-                            on_progress=lambda step, loss, tokens: None,
-                            inner=InnerLearner(manifest.model, manifest.inner, manifest.seed, site_mesh=mesh))
+                            on_progress=lambda *progress: None, inner=inner)
     network.learner = learner
     learner.compile()
     network.thread.start()
@@ -229,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", default="1", help="device counts to measure, e.g. 1,4 (the first N devices)")
     parser.add_argument("--mesh-fsdp", type=int, default=1, help="the mesh's fsdp axis size (the rest is data)")
     parser.add_argument("--microbatches", type=int, default=1)
+    parser.add_argument("--attention", default="auto", help="[node.mesh] attention (auto, xla, cudnn, chunked, reference)")
+    parser.add_argument("--remat", default="none", help="[node.mesh] remat (none, full, dots)")
+    parser.add_argument("--peak-tflops", type=float, default=0.0,
+                        help="peak TFLOP/s of one device for MFU (0: from the table of known devices)")
     parser.add_argument("--host-devices", type=int, default=None,
                         help="CPU only: force this many host devices (read before JAX starts)")
     parser.add_argument("--json", type=Path)
@@ -242,24 +250,46 @@ def main(argv: list[str] | None = None) -> int:
         devices = jax.devices()[:count]
         if len(devices) < count:
             parser.error(f"--devices {count}: JAX sees only {len(jax.devices())} device(s)")
-        mesh = build_site_mesh(MeshShape(data=-1, fsdp=args.mesh_fsdp, microbatches=args.microbatches), devices)
+        mesh = build_site_mesh(MeshShape(data=-1, fsdp=args.mesh_fsdp, microbatches=args.microbatches,
+                                         attention=args.attention, remat=args.remat), devices)
+        tokens_per_step = args.batch_size * args.seq_len
+        flops_per_token = flops_lib.flops_per_token(manifest.model)
+        peak = flops_lib.peak_flops_per_device(str(getattr(devices[0], "device_kind", "")), args.peak_tflops)
+
+        def mfu_of(steps_per_s: float) -> float | None:
+            return flops_lib.mfu(steps_per_s * tokens_per_step, flops_per_token, len(devices), peak)
+
+        def shown(steps_per_s: float) -> str:
+            value = mfu_of(steps_per_s)
+            return (f"{steps_per_s:.2f} steps/s, {steps_per_s * tokens_per_step:,.0f} tokens/s, MFU "
+                    + (f"{100 * value:.1f}%" if value is not None else "n/a (no known peak)"))
+
         plain_runs, daemon_runs, offers, sent = [], [], 0, 0
         for _ in range(args.repeats):
             plain_runs.append(plain_loop(manifest, tokens, args.steps, mesh))
+            gc.collect()  # the plain loop's model and optimizer state leave the devices before the next
             rate, offers, sent = daemon_learner(manifest, tokens, args.steps, args.round_trip_ms / 1000, mesh)
+            gc.collect()
             daemon_runs.append(rate)
-            print(f"{count} device(s): plain {plain_runs[-1]:.2f} steps/s, daemon learner {rate:.2f} steps/s "
+            print(f"{count} device(s): plain {shown(plain_runs[-1])}; daemon learner {shown(rate)} "
                   f"({offers} merged fragments applied, {sent / 1e6:.1f} MB encoded)", flush=True)
         ratio = max(daemon_runs) / max(plain_runs)
         # Each daemon run right after its plain run sees about the same machine load: the median
         # of those pairs' ratios resists a shared machine's drifting load better than best/best.
         pair_ratio = float(np.median([d / p for d, p in zip(daemon_runs, plain_runs)]))
         costs = fragment_costs(manifest, mesh)
+        gc.collect()
         results.append({"devices": mesh.describe(), "plain_steps_per_s": plain_runs,
                         "daemon_steps_per_s": daemon_runs, "ratio_best": ratio, "ratio_median_of_pairs": pair_ratio,
+                        "tokens_per_step": tokens_per_step, "flops_per_token": flops_per_token,
+                        "peak_flops_per_device": peak,
+                        "plain_tokens_per_s_best": max(plain_runs) * tokens_per_step,
+                        "daemon_tokens_per_s_best": max(daemon_runs) * tokens_per_step,
+                        "plain_mfu_best": mfu_of(max(plain_runs)), "daemon_mfu_best": mfu_of(max(daemon_runs)),
                         "offers_applied_last_run": offers, "bytes_encoded_last_run": sent, "fragment": costs})
         print(f"{count} device(s): daemon learner / plain loop: {ratio:.3f} best/best, {pair_ratio:.3f} median of "
-              f"pairs (target >= 0.95, goal 0.98); one "
+              f"pairs (target >= 0.95, goal 0.98); best: plain {shown(max(plain_runs))}, daemon "
+              f"{shown(max(daemon_runs))}; one "
               f"fragment ({costs['fragment_bytes'] / 1e6:.1f} MB): read {costs['read_ms_median']:.2f} ms, "
               f"write {costs['write_ms_median']:.2f} ms", flush=True)
     report = {
