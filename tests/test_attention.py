@@ -145,44 +145,61 @@ def test_bad_attention_name_names_the_valid_ones() -> None:
 
 # ---- the whole model ----------------------------------------------------------------------
 
-TINY = {"vocab_size": 61, "seq_len": 12, "size": "1m", "d_model": 32, "num_layers": 2, "num_heads": 4,
+# One layer keeps each compilation short; the gradients still flow through every kind of module.
+TINY = {"vocab_size": 61, "seq_len": 12, "size": "1m", "d_model": 32, "num_layers": 1, "num_heads": 4,
         "num_kv_heads": 2, "d_ff": 48}
 TOKENS = np.random.default_rng(3).integers(0, 61, (2, 13)).astype(np.int32)
 INPUTS, TARGETS = TOKENS[:, :-1], TOKENS[:, 1:]
 
 
+@functools.lru_cache(maxsize=None)
 def _loss_and_grads(tie: bool, attention: str = "auto", remat: str = "none", chunk_size: int = 5):
+    """(logits, loss, flat gradients) of the tiny model with these site choices; one compilation."""
     module = llama({**TINY, "tie_embeddings": tie}, nnx.Rngs(params=0))
     module.set_execution(attention, remat, chunk_size=chunk_size)
     graphdef, params = nnx.split(module, nnx.Param)
-    logits = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))(params, INPUTS)
-    loss, grads = jax.jit(jax.value_and_grad(lambda p: model_lib.loss_fn(graphdef, p, INPUTS, TARGETS)))(params)
+
+    def loss_and_logits(p):
+        return model_lib.loss_fn(graphdef, p, INPUTS, TARGETS), nnx.merge(graphdef, p)(INPUTS)
+
+    (loss, logits), grads = jax.jit(jax.value_and_grad(loss_and_logits, has_aux=True))(params)
     return np.asarray(logits), float(loss), model_lib.flat_params(grads)
 
 
+@pytest.fixture(scope="module")
+def reference_model_results():
+    """The reference results, compiled once for the module (in set-up, not in each test's time)."""
+    return {tie: _loss_and_grads(tie, "reference") for tie in (True, False)}
+
+
+# chunk 5 over 12 positions: three chunks, the last padded.
 @pytest.mark.parametrize("tie", [True, False])
-def test_model_logits_and_gradients_equal_across_attention_choices(tie: bool) -> None:
-    # chunk 5 over 12 positions: three chunks, the last padded.
-    logits_ref, loss_ref, grads_ref = _loss_and_grads(tie, "reference")
+@pytest.mark.parametrize("attention", ["xla", "chunked", "auto"])
+def test_model_logits_and_gradients_equal_across_attention_choices(attention: str, tie: bool,
+                                                                    reference_model_results) -> None:
+    logits_ref, loss_ref, grads_ref = reference_model_results[tie]
     assert ("lm_head/kernel" in grads_ref) != tie
-    for attention in ("xla", "chunked", "auto"):
-        logits, loss, grads = _loss_and_grads(tie, attention)
-        np.testing.assert_allclose(logits, logits_ref, atol=1e-5, rtol=0, err_msg=attention)
-        assert abs(loss - loss_ref) < 1e-6, attention
-        assert grads.keys() == grads_ref.keys()
-        for name in grads_ref:
-            np.testing.assert_allclose(grads[name], grads_ref[name], atol=1e-6, rtol=1e-4, err_msg=f"{attention} {name}")
+    logits, loss, grads = _loss_and_grads(tie, attention)
+    np.testing.assert_allclose(logits, logits_ref, atol=1e-5, rtol=0)
+    assert abs(loss - loss_ref) < 1e-6
+    assert grads.keys() == grads_ref.keys()
+    for name in grads_ref:
+        np.testing.assert_allclose(grads[name], grads_ref[name], atol=1e-6, rtol=1e-4, err_msg=name)
 
 
-@pytest.mark.parametrize("tie", [True, False])
-def test_remat_choices_give_equal_losses_and_gradients(tie: bool) -> None:
-    _, loss_ref, grads_ref = _loss_and_grads(tie, "chunked", "none")
+@pytest.mark.parametrize("remat", ["full", "dots"])
+@pytest.mark.parametrize("attention,tie", [("chunked", True), ("reference", False)])
+def test_remat_choices_give_equal_losses_and_gradients(attention: str, tie: bool, remat: str,
+                                                       reference_model_results) -> None:
+    if attention == "reference":
+        _, loss_ref, grads_ref = reference_model_results[tie]
+    else:
+        _, loss_ref, grads_ref = _loss_and_grads(tie, attention, "none")
     assert max(float(np.max(np.abs(g))) for g in grads_ref.values()) > 1e-3
-    for remat in ("full", "dots"):
-        _, loss, grads = _loss_and_grads(tie, "chunked", remat)
-        assert abs(loss - loss_ref) < 1e-6, remat
-        for name in grads_ref:
-            np.testing.assert_allclose(grads[name], grads_ref[name], atol=1e-6, rtol=1e-4, err_msg=f"{remat} {name}")
+    _, loss, grads = _loss_and_grads(tie, attention, remat)
+    assert abs(loss - loss_ref) < 1e-6
+    for name in grads_ref:
+        np.testing.assert_allclose(grads[name], grads_ref[name], atol=1e-6, rtol=1e-4, err_msg=name)
 
 
 def test_remat_changes_what_the_backward_pass_keeps() -> None:
