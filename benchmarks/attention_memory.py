@@ -30,8 +30,9 @@ DEFAULT_VARIANTS = ("reference:none", "xla:none", "reference:full", "chunked:non
 
 
 def layer_step_memory(d_model: int, num_heads: int, num_kv_heads: int, d_ff: int, context: int, batch: int,
-                      dtype: str, attention: str, remat: str, chunk_size: int) -> dict:
-    """XLA's memory analysis of one Block's forward + backward at this shape and choice."""
+                      dtype: str, attention: str, remat: str, chunk_size: int, time_steps: int = 0) -> dict:
+    """XLA's memory analysis of one Block's forward + backward at this shape and choice; with
+    `time_steps`, also the step's mean wall time run on the device (meant for accelerators)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -58,9 +59,20 @@ def layer_step_memory(d_model: int, num_heads: int, num_kv_heads: int, d_ff: int
     temp = int(analysis.temp_size_in_bytes)
     arguments, outputs = int(analysis.argument_size_in_bytes), int(analysis.output_size_in_bytes)
     aliased = int(getattr(analysis, "alias_size_in_bytes", 0))
-    return {"context": context, "attention": attention, "remat": remat, "temp_bytes": temp,
-            "argument_bytes": arguments, "output_bytes": outputs,
-            "peak_bytes": temp + arguments + outputs - aliased, "compile_s": round(seconds, 2)}
+    row = {"context": context, "attention": attention, "remat": remat, "temp_bytes": temp,
+           "argument_bytes": arguments, "output_bytes": outputs,
+           "peak_bytes": temp + arguments + outputs - aliased, "compile_s": round(seconds, 2)}
+    if time_steps:
+        keys = iter(jax.random.split(jax.random.key(0), 1 + len(jax.tree.leaves(params))))
+        real_params = jax.tree.map(lambda a: 0.02 * jax.random.normal(next(keys), a.shape, a.dtype), params)
+        x = jax.random.normal(next(keys), x_BxLxD.shape, x_BxLxD.dtype)
+        jax.block_until_ready(compiled(real_params, x))  # warm-up
+        started = time.perf_counter()
+        for _ in range(time_steps):
+            out = compiled(real_params, x)
+        jax.block_until_ready(out)
+        row["step_ms"] = round(1000 * (time.perf_counter() - started) / time_steps, 3)
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="compute dtype (parameters stay float32); a 1B run computes in bfloat16")
     parser.add_argument("--chunk-size", type=int, default=None, help="chunked attention's chunk (default: its own)")
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), metavar="ATTENTION:REMAT")
+    parser.add_argument("--time", type=int, default=0, metavar="STEPS",
+                        help="also run each step STEPS times and report its mean time (on an accelerator; "
+                             "on a CPU the 8k steps take minutes)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
 
@@ -94,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     for context in args.contexts:
         for attention, remat in variants:
             rows.append(layer_step_memory(args.d_model, args.heads, args.kv_heads, args.d_ff, context, args.batch,
-                                          args.dtype, attention, remat, chunk))
-            print(f"  compiled {attention}/{remat} at {context} in {rows[-1]['compile_s']} s", flush=True)
+                                          args.dtype, attention, remat, chunk, args.time))
+            timed = f", step {rows[-1]['step_ms']} ms" if args.time else ""
+            print(f"  compiled {attention}/{remat} at {context} in {rows[-1]['compile_s']} s{timed}", flush=True)
 
     header = "| attention | remat | " + " | ".join(f"temp {c} | peak {c}" for c in args.contexts) + " |"
     print()
