@@ -234,7 +234,7 @@ def test_set_execution_on_an_abstract_module() -> None:
     abstract.set_execution("xla", "dots")
     graphdef, params = nnx.split(abstract, nnx.Param)
     merged = nnx.merge(graphdef, params)
-    assert (merged.attention, merged.remat, merged.blocks[1].attn.attention) == ("xla", "dots", "xla")
+    assert (merged.attention, merged.remat, merged.blocks[0].attn.attention) == ("xla", "dots", "xla")
     out = jax.eval_shape(lambda p: nnx.merge(graphdef, p)(INPUTS), params)
     assert out.shape == (2, 12, 61)
 
