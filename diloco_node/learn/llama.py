@@ -10,6 +10,10 @@ Flat parameter names: "embed/embedding", "blocks/<i>/attn/{q,k,v,o}/kernel",
 "blocks/<i>/mlp/{gate,up,down}/kernel", "blocks/<i>/{attn_norm,mlp_norm}/scale", "norm/scale",
 and "lm_head/kernel" when the embeddings are not tied. The embedding table is the one parameter
 the merge treats as an embedding (`embedding_names`).
+
+How attention is computed (learn/attention.py) and what the blocks rematerialise are a site's
+choices, not the run's: `Llama.set_execution` sets them on a built (or abstract) module; they
+change memory and speed, never the parameters or the function computed.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from diloco_node.config.site_devices import REMAT_CHOICES
+from diloco_node.learn.attention import DEFAULT_CHUNK_SIZE, causal_attention, check_choice
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -135,6 +142,9 @@ class Attention(nnx.Module):
         self.k = _dense(cfg.d_model, cfg.num_kv_heads * cfg.head_dim, cfg.init_std, dtype, rngs)
         self.v = _dense(cfg.d_model, cfg.num_kv_heads * cfg.head_dim, cfg.init_std, dtype, rngs)
         self.o = _dense(cfg.num_heads * cfg.head_dim, cfg.d_model, out_std, dtype, rngs)
+        # Site execution choices (`Llama.set_execution`): static, so they travel in the GraphDef.
+        self.attention = "auto"
+        self.chunk_size = DEFAULT_CHUNK_SIZE
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         cfg = self.cfg
@@ -143,15 +153,9 @@ class Attention(nnx.Module):
         q_BxLxHxK = rotary(self.q(x_BxLxD).reshape(B, L, H, K), cfg.rope_theta)
         k_BxLxGxK = rotary(self.k(x_BxLxD).reshape(B, L, G, K), cfg.rope_theta)
         v_BxLxGxK = self.v(x_BxLxD).reshape(B, L, G, K)
-        # Each group of H / G query heads reads one key/value head.
-        q_BxLxGxRxK = q_BxLxHxK.reshape(B, L, G, H // G, K)
-        scores_BxGxRxLxL = jnp.einsum("blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxLxGxK).astype(jnp.float32)
-        scores_BxGxRxLxL = scores_BxGxRxLxL / math.sqrt(K)
-        causal_LxL = jnp.tril(jnp.ones((L, L), dtype=bool))
-        scores_BxGxRxLxL = jnp.where(causal_LxL, scores_BxGxRxLxL, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores_BxGxRxLxL, axis=-1).astype(v_BxLxGxK.dtype)
-        out_BxLxGxRxK = jnp.einsum("bgrlm,bmgk->blgrk", weights, v_BxLxGxK)
-        return self.o(out_BxLxGxRxK.reshape(B, L, H * K))
+        out_BxLxHxK = causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, implementation=self.attention,
+                                       chunk_size=self.chunk_size)
+        return self.o(out_BxLxHxK.reshape(B, L, H * K))
 
 
 class SwiGLU(nnx.Module):
@@ -179,6 +183,22 @@ class Block(nnx.Module):
         return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
 
 
+# What `jax.checkpoint` may keep of a block's forward for the backward pass, by `remat` choice:
+# "full" keeps nothing but the block's input (everything recomputed); "dots" keeps the outputs
+# of matmuls without batch dimensions (the projections and MLP), recomputing norms, rotary,
+# activations and attention's batched score products.
+_REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def apply_block(block: Block, x_BxLxD: jax.Array, remat: str = "none") -> jax.Array:
+    """`block(x)`, rematerialised in the backward pass as `remat` (one of REMAT_CHOICES) says."""
+    if remat == "none":
+        return block(x_BxLxD)
+    if remat not in _REMAT_POLICIES:
+        raise ValueError(f"remat = {remat!r}: must be one of {', '.join(REMAT_CHOICES)}")
+    return nnx.remat(lambda b, x: b(x), policy=_REMAT_POLICIES[remat])(block, x_BxLxD)
+
+
 class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
@@ -189,11 +209,30 @@ class Llama(nnx.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.lm_head = _dense(cfg.d_model, cfg.vocab_size, cfg.init_std, dtype, rngs)
+        # Site execution choices: plain attributes, static in `nnx.split`'s GraphDef, so a step
+        # jitted from the graphdef computes with them; no parameter depends on them.
+        self.attention = "auto"
+        self.remat = "none"
+
+    def set_execution(self, attention: str = "auto", remat: str = "none", *,
+                      chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+        """This site's way of computing the same model (`[node.mesh] attention` and `remat`):
+        `attention` one of ATTENTION_CHOICES (learn/attention.py), `remat` one of REMAT_CHOICES
+        ("full": each block's forward recomputed in the backward pass; "dots": only matmul
+        outputs kept). Parameters are untouched; works on an abstract (`nnx.eval_shape`) module."""
+        check_choice(attention)
+        if remat not in REMAT_CHOICES:
+            raise ValueError(f"remat = {remat!r}: must be one of {', '.join(REMAT_CHOICES)}")
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"attention chunk_size = {chunk_size!r}: must be an integer >= 1")
+        self.attention, self.remat = attention, remat
+        for block in self.blocks:
+            block.attn.attention, block.attn.chunk_size = attention, chunk_size
 
     def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
         x_BxLxD = self.embed(tokens_BxL)
         for block in self.blocks:
-            x_BxLxD = block(x_BxLxD)
+            x_BxLxD = apply_block(block, x_BxLxD, self.remat)
         x_BxLxD = self.norm(x_BxLxD)
         if self.cfg.tie_embeddings:
             logits_BxLxV = self.embed.attend(x_BxLxD)
