@@ -39,6 +39,7 @@ from diloco_node.daemon.history_hooks import DaemonHistory
 from diloco_node.daemon.history_ring import HISTORY_RING_DIR, DiskHistories
 from diloco_node.daemon.identity import SiteIdentity
 from diloco_node.daemon.join import JoinRefused
+from diloco_node.daemon.learner_figures import SiteFlops
 from diloco_node.daemon.loop_monitor import LagWindow, watch_loop_lag
 from diloco_node.daemon.metrics import DaemonSeries
 from diloco_node.daemon.notify import BackgroundNotifier, StatusLineThrottle
@@ -138,6 +139,10 @@ class Node:
         self.rounds: RoundDriver | None = None
         self.feed: StatusFeed | None = None
         self.learner: LearnerThread | SyntheticLearner | None = None
+        # MFU's fixed inputs (model FLOPs, devices, peak), resolved off the loop once the site's
+        # model is built; None until then and on a site without a training learner.
+        self.site_flops: SiteFlops | None = None
+        self._figures_seen: Any = None  # the learner's last StepFigures already reported
         self._ready = False
         self._status_line = StatusLineThrottle()
         self._periodic_task: asyncio.Task[Any] | None = None
@@ -332,6 +337,8 @@ class Node:
         if site.devices is not None:
             self.status.set_devices(site.devices)
             log.info("%s: training on %s", self.node_id, site.devices)
+            if self.cfg.learner != "synthetic":
+                self.tasks.spawn(self._resolve_site_flops(manifest.model, site.devices), name="site-flops")
         self._mark_phase("state built")
         replica = site.replica
         replica.state.use_history(self.histories)  # on disk: no fp32 copy of the model per kept round
@@ -497,11 +504,19 @@ class Node:
 
     # ------------------------------------------------------------------ connections between parts
 
+    async def _resolve_site_flops(self, model: Any, devices: Any) -> None:
+        """MFU's inputs, off the loop (a user's model is compiled for XLA's cost analysis)."""
+        loop = asyncio.get_running_loop()
+        self.site_flops = site_flops = await loop.run_in_executor(
+            None, lambda: SiteFlops.resolve(model, devices, self.cfg.mesh.peak_tflops))
+        log.info("%s: %s", self.node_id, site_flops.describe())
+
     def _from_learner_progress(self, step: int, loss: float, tokens: int) -> None:
         """Called in the learner thread after every step (status and history are thread-safe)."""
         self.pace.step(self.now())
         self.status.record_learner(step=step, loss=loss, tokens=tokens, now=self.now())
         learner = self.learner
+        window = self._learner_window(learner)
         if learner is not None:
             # The learner keeps cumulative seconds; the counters take what was added since.
             compute, sync = learner.compute_seconds_total, learner.sync_seconds_total
@@ -509,7 +524,21 @@ class Node:
             self.series.learner_sync_seconds.inc(max(0.0, sync - self._counted_seconds[1]))
             self._counted_seconds = (compute, sync)
             self.series.step_seconds.observe(learner.step_seconds)
-        self.history.learner_step(step, loss, tokens, learner)
+        self.history.learner_step(step, loss, tokens, learner, figures=window)
+
+    def _learner_window(self, learner: Any) -> dict[str, float | None] | None:
+        """The figures of a step window the learner closed since the last call (None: none), with
+        MFU; published on /status (the gauges follow) and returned for the history."""
+        figures = getattr(learner, "figures", None)  # the synthetic learner has none
+        if figures is None or figures is self._figures_seen:
+            return None
+        self._figures_seen = figures
+        site_flops = self.site_flops
+        mfu = site_flops.mfu(figures.tokens_per_s) if site_flops is not None else None
+        self.status.set_learner_figures(step_time_s=figures.step_time_s, mfu=mfu, grad_norm=figures.grad_norm,
+                                        lr=figures.lr)
+        return {"tokens_per_s": figures.tokens_per_s, "step_time_s": figures.step_time_s, "mfu": mfu,
+                "grad_norm": figures.grad_norm, "lr": figures.lr}
 
     def _from_learner_contribution(self, due: DueFragment) -> None:
         """Called in the learner thread: hand over to the loop (never block training)."""

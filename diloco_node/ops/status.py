@@ -65,10 +65,21 @@ class MemberStatus:
 
 @dataclass(frozen=True, slots=True)
 class LearnerStatus:
+    """The learner's progress. `tokens_per_s` is averaged over the last `TOKENS_RATE_WINDOW_S`;
+    `step_time_s` (wall seconds per step), `mfu` (model FLOPs utilisation, learn/flops.py; None
+    where the device's peak is unknown, e.g. a CPU), `grad_norm` (the batch gradient's global norm
+    before clipping) and `lr` (the inner learning rate) are those of the last closed step window
+    (learn/figures.py); None before the first window. A learner without progress within the
+    tokens window shows mfu 0."""
+
     step: int = 0
     loss: float | None = None
     tokens: int = 0
     tokens_per_s: float = 0.0
+    step_time_s: float | None = None
+    mfu: float | None = None
+    grad_norm: float | None = None
+    lr: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,6 +358,8 @@ class StatusBuilder:
         self._window_s = tokens_rate_window_s
         self._samples: deque[tuple[float, int]] = deque()
         self._learner = LearnerStatus()
+        # The last step window's figures (set_learner_figures), kept across record_learner calls.
+        self._figures: dict[str, float | None] = {}
         self._sent = 0
         self._received = 0
         self._errors: deque[tuple[float, str]] = deque(maxlen=max_recent_errors)
@@ -410,6 +423,13 @@ class StatusBuilder:
                 self._errors.append((now, f"learner loss is {loss} at step {step}"))
             self._learner = LearnerStatus(step=step, loss=loss if finite else None, tokens=tokens)
 
+    def set_learner_figures(self, *, step_time_s: float | None, mfu: float | None, grad_norm: float | None,
+                            lr: float | None) -> None:
+        """The figures of the learner's last closed step window (non-finite values read as None)."""
+        figures = {"step_time_s": step_time_s, "mfu": mfu, "grad_norm": grad_norm, "lr": lr}
+        with self._lock:
+            self._figures = {k: (float(v) if v is not None and math.isfinite(v) else None) for k, v in figures.items()}
+
     def set_tls(self, *, node_id: str, fingerprint: str, not_after_unix: float, ca_subject: str, crl_loaded: bool,
                 loaded_at_unix: float, reloads: int, reload_error: str) -> None:
         """The site's certificate as loaded (at start, and after every reload attempt)."""
@@ -434,9 +454,13 @@ class StatusBuilder:
 
     def document(self, now: float) -> StatusDocument:
         with self._lock:
+            rate = self._rate(now)
+            figures = dict(self._figures)
+            if rate == 0.0 and figures.get("mfu") is not None:
+                figures["mfu"] = 0.0  # stalled: no utilisation now, whatever the last window had
             return dataclasses.replace(
                 self._base,
-                learner=dataclasses.replace(self._learner, tokens_per_s=self._rate(now)),
+                learner=dataclasses.replace(self._learner, tokens_per_s=rate, **figures),
                 bytes=ByteCounters(self._sent, self._received),
                 uptime_s=max(0.0, now - self._started_at),
                 last_errors=tuple(RecentError(round(now - t, 3), m) for t, m in reversed(self._errors)),
@@ -622,6 +646,10 @@ def status_families(doc: StatusDocument) -> list[MetricFamily]:
     def one(name: str, kind: str, help: str, value: float, labels: Mapping[str, str] | None = None) -> MetricFamily:
         return MetricFamily(name, kind, help, ((labels or {}, value),))
 
+    def maybe(name: str, help: str, value: float | None) -> MetricFamily:
+        """A gauge with no sample while the value is unknown (absent, not a made-up number)."""
+        return MetricFamily(name, "gauge", help, () if value is None else (({}, value),))
+
     learner = doc.learner
     families = [
         one("diloco_info", "gauge", "Constant 1, labelled with the node's identity.", 1.0,
@@ -643,6 +671,13 @@ def status_families(doc: StatusDocument) -> list[MetricFamily]:
         one("diloco_learner_tokens_total", "counter", "Tokens trained on by this learner.", learner.tokens),
         one("diloco_learner_tokens_per_second", "gauge", "Training throughput over the recent window.",
             learner.tokens_per_s),
+        maybe("diloco_learner_step_time_seconds", "Wall seconds per inner step over the last step window.",
+              learner.step_time_s),
+        maybe("diloco_learner_mfu", "Model FLOPs utilisation (0..1) over the last step window; absent where the "
+              "device's peak is unknown.", learner.mfu),
+        maybe("diloco_learner_grad_norm", "Global norm of the batch gradient before clipping (last step window).",
+              learner.grad_norm),
+        maybe("diloco_learner_lr", "Inner learning rate at the last step window's last step.", learner.lr),
         one("diloco_bytes_sent_total", "counter", "Bytes sent to peers.", doc.bytes.sent),
         one("diloco_bytes_received_total", "counter", "Bytes received from peers.", doc.bytes.received),
         one("diloco_log_first_index", "gauge", "Oldest log index held (older ones are compacted).",
