@@ -62,6 +62,7 @@ from diloco_node.ops.liveness import Liveness, StepPace, liveness
 from diloco_node.ops.page import StatusSeries
 from diloco_node.ops.status import MetricsRegistry, StatusBuilder, operator_routes
 from diloco_node.ops.systemd import SystemdNotifier, extend_while_progressing, run_watchdog
+from diloco_node.ops.tracking import Tracking, check_available
 from diloco_node.transport import ClientOptions, ConnectionGuard, PeerClient, PeerServer
 from diloco_node.transport.tls import SiteTls, TlsError, TlsFiles
 from wire.auth import AuthContext, FrameVerifier, RunSecretError, derive_frame_key, load_run_secret
@@ -143,6 +144,7 @@ class Node:
         # model is built; None until then and on a site without a training learner.
         self.site_flops: SiteFlops | None = None
         self._figures_seen: Any = None  # the learner's last StepFigures already reported
+        self.tracking = Tracking()  # [node.tracking]: none until run() opens the configured ones
         self._ready = False
         self._status_line = StatusLineThrottle()
         self._periodic_task: asyncio.Task[Any] | None = None
@@ -176,6 +178,7 @@ class Node:
                 raise ConfigError(f"run secret: {error}") from None
             checkpoints = CheckpointStore(Path(self.cfg.data_dir) / "checkpoints", self.cfg.checkpoint_keep)
             tls = self._load_tls()
+            check_available(self.cfg.tracking)  # a missing extra: ConfigError saying what to install
         except (ConfigError, CheckpointError) as error:
             log.error("%s", error)
             self.exit_reason = str(error)
@@ -200,6 +203,9 @@ class Node:
         self.store = ReplicaStore(data_dir / "coordination")
         self.histories = DiskHistories(data_dir / HISTORY_RING_DIR)  # fragment versions for rebasing
         self.history = DaemonHistory.open(data_dir, self.node_id, pace_s=self._min_step_interval_s)
+        self.tracking = Tracking.open(self.cfg.tracking, data_dir, self.node_id,
+                                      {"node_id": self.node_id, "run_id": run_id, "role": self.cfg.role})
+        self.status.tracking = self.tracking.status
         self.identity = SiteIdentity(self.effective, self.store, self.client, self.role)
         app = web.Application(client_max_size=1024 ** 2)
         guard = ConnectionGuard()
@@ -215,7 +221,7 @@ class Node:
             lambda: self.executor.shutdown(wait=False, cancel_futures=True),
             lambda: self.disk_executor.shutdown(wait=False, cancel_futures=True),
             self.store.close, self.histories.close, self.history.close, checkpoints.close, self.notifier.close,
-            lambda: self.evaluator is not None and self.evaluator.close()))
+            lambda: self.evaluator is not None and self.evaluator.close(), self.tracking.close))
         app.cleanup_ctx.append(self.client.cleanup_ctx)  # the peer session
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -356,7 +362,7 @@ class Node:
             node_id=self.node_id, manifest=manifest, eval_tokens=site.corpus.eval if site.corpus else None,
             every_commits=self.cfg.eval_interval_commits, batches=self.cfg.eval_batches, replica=replica,
             consistent=keeper.state_consistent, tasks=self.tasks, status=self.status, series=self.series,
-            history=self.history)
+            history=self.history, also=self._track_evaluation)
         keeper.after_apply = self._after_apply
         plan, restored = self.checkpointer.restore(persistent, identity.has_peers())
         restored = learner_to_resume(restored, self.cfg.learner, self.node_id)
@@ -438,6 +444,10 @@ class Node:
     def _after_apply(self, applied_index: int) -> None:
         assert self.site is not None and self.evaluator is not None
         self.evaluator.after_apply(applied_index)
+        if self.tracking.enabled:
+            sent = self.status.byte_counts()
+            self.tracking.log(self._tracked_step(), {"sync/commit_index": applied_index, "sync/bytes_sent": sent.sent,
+                                                     "sync/bytes_received": sent.received})
         completion = self.site.replica.completion()
         if completion and not self.completed:
             self.completed = completion
@@ -504,6 +514,15 @@ class Node:
 
     # ------------------------------------------------------------------ connections between parts
 
+    def _tracked_step(self) -> int:
+        """The trackers' x axis: the learner's step (0 on a witness or before training)."""
+        learner = self.learner
+        return int(learner.steps) if learner is not None else 0
+
+    def _track_evaluation(self, result: Any) -> None:
+        if result.loss is not None:
+            self.tracking.log(self._tracked_step(), {"eval/loss": result.loss})
+
     async def _resolve_site_flops(self, model: Any, devices: Any) -> None:
         """MFU's inputs, off the loop (a user's model is compiled for XLA's cost analysis)."""
         loop = asyncio.get_running_loop()
@@ -525,6 +544,9 @@ class Node:
             self._counted_seconds = (compute, sync)
             self.series.step_seconds.observe(learner.step_seconds)
         self.history.learner_step(step, loss, tokens, learner, figures=window)
+        if window is not None:
+            self.tracking.log(step, {"learner/loss": loss, "learner/tokens": tokens,
+                                     **{f"learner/{name}": value for name, value in window.items()}})
 
     def _learner_window(self, learner: Any) -> dict[str, float | None] | None:
         """The figures of a step window the learner closed since the last call (None: none), with

@@ -118,6 +118,32 @@ class TlsStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class TrackerStatus:
+    """One experiment tracker (ops/tracking.py): where it writes (`target`: a directory, a W&B
+    project), entries written and dropped (queue full, or a failed write), the last failure ("" once
+    writing works again). `enabled` false: the tracker is off, the rest empty."""
+
+    enabled: bool = False
+    target: str = ""
+    written: int = 0
+    dropped: int = 0
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TrackingStatus:
+    tensorboard: TrackerStatus = field(default_factory=TrackerStatus)
+    wandb: TrackerStatus = field(default_factory=TrackerStatus)
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str = "tracking") -> "TrackingStatus":
+        if not isinstance(raw, Mapping):
+            raise StatusFormatError(f"{where}: expected an object, got {type(raw).__name__}")
+        return cls(_build(TrackerStatus, raw.get("tensorboard", {}), where + ".tensorboard"),
+                   _build(TrackerStatus, raw.get("wandb", {}), where + ".wandb"))
+
+
+@dataclass(frozen=True, slots=True)
 class ByteCounters:
     sent: int = 0
     received: int = 0
@@ -225,6 +251,7 @@ class StatusDocument:
     tls: TlsStatus = field(default_factory=TlsStatus)  # this site's certificate (TLS on)
     evicted: tuple[EvictedStatus, ...] = ()  # sites evicted from this run, by node id
     relays: RelayStatus = field(default_factory=RelayStatus)  # relayed commit payloads (daemon/relays.py)
+    tracking: TrackingStatus = field(default_factory=TrackingStatus)  # experiment trackers (ops/tracking.py)
     schema: str = STATUS_SCHEMA
 
     @property
@@ -282,6 +309,8 @@ class StatusDocument:
                           for i, e in enumerate(raw.get("evicted", []) or [])),
             # Older nodes have no relay counters: an absent object reads as all zero.
             relays=_build(RelayStatus, raw.get("relays", {}), "relays"),
+            # Older nodes have no trackers: an absent object reads as both off.
+            tracking=TrackingStatus.from_dict(raw.get("tracking", {})),
         )
 
     @classmethod
@@ -366,6 +395,8 @@ class StatusBuilder:
         self._tls: TlsStatus | None = None
         self._tls_not_after_unix = 0.0
         self.wall: Callable[[], float] = time.time  # only for the certificate's time to expiry
+        # The trackers' counters (ops/tracking.py Tracking.status), read when a document is built.
+        self.tracking: Callable[[], TrackingStatus] | None = None
 
     def set_run_id(self, run_id: str) -> None:
         """A joiner learns the run id only after joining."""
@@ -448,6 +479,10 @@ class StatusBuilder:
             self._sent += sent
             self._received += received
 
+    def byte_counts(self) -> ByteCounters:
+        with self._lock:
+            return ByteCounters(self._sent, self._received)
+
     def record_error(self, message: str, now: float) -> None:
         with self._lock:
             self._errors.append((now, message[:MAX_ERROR_CHARS]))
@@ -465,6 +500,7 @@ class StatusBuilder:
                 uptime_s=max(0.0, now - self._started_at),
                 last_errors=tuple(RecentError(round(now - t, 3), m) for t, m in reversed(self._errors)),
                 tls=self._tls_now() if self._tls is not None else TlsStatus(),
+                tracking=self.tracking() if self.tracking is not None else TrackingStatus(),
             )
 
     def _tls_now(self) -> TlsStatus:
