@@ -60,6 +60,7 @@ from diloco_node.learn.synthetic_learner import SyntheticLearner
 from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore
 from diloco_node.ops.liveness import Liveness, StepPace, liveness
 from diloco_node.ops.page import StatusSeries
+from diloco_node.ops.profiling import ProfileCapture
 from diloco_node.ops.status import MetricsRegistry, StatusBuilder, operator_routes
 from diloco_node.ops.systemd import SystemdNotifier, extend_while_progressing, run_watchdog
 from diloco_node.ops.tracking import Tracking, check_available
@@ -214,7 +215,7 @@ class Node:
         operator_listen = self.cfg.operator_listen  # None: operator routes share the peer port
         operator_app = app if operator_listen is None else web.Application(client_max_size=1024 ** 2)
         operator_app.add_routes(operator_routes(self._status_document, self.metrics, self._live, self.samples,
-                                                evict=self._evict))
+                                                evict=self._evict, profile=ProfileCapture(data_dir).capture))
         self.server.gate = self._eviction_gate
         # Resources live as long as the app; cleanup runs in reverse order of set-up.
         app.cleanup_ctx.append(closed_on_cleanup(

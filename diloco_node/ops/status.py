@@ -771,6 +771,8 @@ def render_metrics(doc: StatusDocument, registry: MetricsRegistry | None = None)
 MAX_EVICT_BODY_BYTES = 4096
 # (node id, reason) -> (HTTP status, JSON body): the daemon's eviction (daemon/coordination.py).
 Evict = Callable[[str, str], Awaitable[tuple[int, dict[str, Any]]]]
+# seconds -> (HTTP status, JSON body): a profiler capture (ops/profiling.py ProfileCapture.capture).
+Profile = Callable[[Any], Awaitable[tuple[int, dict[str, Any]]]]
 
 
 def is_loopback(remote: str | None) -> bool:
@@ -783,7 +785,7 @@ def is_loopback(remote: str | None) -> bool:
 
 def operator_routes(snapshot: Callable[[], StatusDocument], registry: MetricsRegistry | None = None,
                     live: Callable[[], Liveness] = lambda: ALIVE, series: StatusSeries | None = None,
-                    evict: Evict | None = None) -> "web.RouteTableDef":
+                    evict: Evict | None = None, profile: Profile | None = None) -> "web.RouteTableDef":
     """aiohttp routes for the operator API; `snapshot()` builds the current document.
 
     `/` and `/series` (the live page and its time series) come from ops/page.py; `series` is the
@@ -797,6 +799,10 @@ def operator_routes(snapshot: Callable[[], StatusDocument], registry: MetricsReg
     `POST /evict` (when `evict` is given) removes a site from the run for good: it is answered only
     to a client on this host's loopback (403 otherwise, whatever the listener's address), since
     without TLS the operator routes share the public peer port.
+
+    `POST /profile` (when `profile` is given), body {"seconds": N}: a JAX profiler trace of the
+    running daemon (`diloco-node profile`), loopback only for the same reason; answered when the
+    capture is done, with its directory.
     """
     from aiohttp import web
 
@@ -841,6 +847,29 @@ def operator_routes(snapshot: Callable[[], StatusDocument], registry: MetricsReg
                 return web.json_response({"error": 'the body must be {"node_id": "<id>", "reason": "<text>"}'},
                                          status=400)
             status, answer = await evict(node_id, reason)
+            return web.json_response(answer, status=status)
+
+    async def json_body(request: web.Request) -> tuple[Any, web.Response | None]:
+        if not is_loopback(request.remote):
+            return None, web.json_response({"error": f"{request.path} is answered only on this host's loopback, "
+                                                     f"not to {request.remote}"}, status=403)
+        if request.content_length is None or request.content_length > MAX_EVICT_BODY_BYTES:
+            return None, web.json_response({"error": f"the body must be a JSON object of at most "
+                                                     f"{MAX_EVICT_BODY_BYTES} bytes with a Content-Length"}, status=400)
+        try:
+            return json.loads(await request.read()), None
+        except (ValueError, UnicodeDecodeError) as error:
+            return None, web.json_response({"error": f"the body is not JSON: {error}"}, status=400)
+
+    if profile is not None:
+        @routes.post("/profile")
+        async def profile_route(request: web.Request) -> web.Response:
+            body, refused = await json_body(request)
+            if refused is not None:
+                return refused
+            if not isinstance(body, dict) or "seconds" not in body:
+                return web.json_response({"error": 'the body must be {"seconds": <number>}'}, status=400)
+            status, answer = await profile(body["seconds"])
             return web.json_response(answer, status=status)
 
     page_routes(routes, lambda: snapshot().node_id, series)
