@@ -59,7 +59,7 @@ def test_series_is_bounded_oldest_first_with_ages_not_times():
     last = body["samples"][-1]
     assert (last["step"], last["loss"], last["tokens"], last["bytes_sent"], last["bytes_received"]) == (10, 0.4, 1000, 100, 200)
     assert set(last) == {"seq", "age_s", "commit_index", "step", "loss", "eval_loss", "eval_commit_index", "tokens",
-                         "bytes_sent", "bytes_received"}
+                         "bytes_sent", "bytes_received", "tokens_per_s", "step_time_s", "mfu", "grad_norm", "lr"}
 
 
 def test_series_answers_only_samples_after_a_cursor():

@@ -54,7 +54,7 @@ def test_document_has_the_required_fields_and_round_trips():
         assert key in raw
     assert raw["schema"] == STATUS_SCHEMA
     assert set(raw["members"][0]) >= {"node_id", "url", "role", "alive"}
-    assert set(raw["learner"]) == {"step", "loss", "tokens", "tokens_per_s"}
+    assert set(raw["learner"]) == {"step", "loss", "tokens", "tokens_per_s", "step_time_s", "mfu", "grad_norm", "lr"}
     assert raw["bytes"] == {"sent": 5 << 20, "received": 1 << 20}
     assert raw["quorum"] == {"have": 2, "need": 2, "reason": "quorum met: 2 of K=2; grace 0.8s"}
     assert raw["learner"]["tokens_per_s"] == 10_000.0
@@ -158,7 +158,8 @@ def test_one_prefix_counters_total_cumulative_seconds_as_counters_and_histograms
     for name, kind in types.items():
         assert (kind == "counter") == name.endswith("_total"), name
         if "seconds" in name and kind == "gauge":  # instants and windows, never cumulative time
-            assert name in ("diloco_uptime_seconds", "diloco_event_loop_lag_seconds", "process_start_time_seconds"), name
+            assert name in ("diloco_uptime_seconds", "diloco_event_loop_lag_seconds", "diloco_learner_step_time_seconds",
+                            "process_start_time_seconds"), name
     assert types["diloco_learner_compute_seconds_total"] == types["diloco_learner_sync_seconds_total"] == "counter"
     assert "diloco_learner_compute_seconds_total 3.5" in text
     for name in ("diloco_learner_step_seconds", "diloco_round_latency_seconds", "diloco_transfer_seconds"):

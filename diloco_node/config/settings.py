@@ -40,6 +40,7 @@ from urllib.parse import urlsplit
 from diloco_node.config.manifest import MOVED_DATA_KEYS, ConfigError, RunManifest
 from diloco_node.config.site_data import SiteData
 from diloco_node.config.site_devices import ClusterSpec, MeshShape
+from diloco_node.config.site_tracking import TrackingSpec
 from wire.auth import MIN_RUN_SECRET_BYTES
 
 __all__ = [
@@ -192,6 +193,7 @@ class NodeConfig:
     status_url: str = ""
     mesh: MeshShape = MeshShape()  # [node.mesh]: this site's devices laid out (learn/mesh.py)
     cluster: ClusterSpec = ClusterSpec()  # [node.cluster]: the hosts of a multi-host site
+    tracking: TrackingSpec = TrackingSpec()  # [node.tracking]: TensorBoard / W&B (ops/tracking.py)
 
     def __post_init__(self) -> None:
         _require(bool(NODE_ID_PATTERN.match(self.node_id)),
@@ -388,7 +390,7 @@ DEFAULT_LISTEN = "127.0.0.1:7070"
 
 # Nested node tables: `[node.<table>]` keys are "<table>.<name>" (env DILOCO_<TABLE>_<NAME>,
 # `--set <table>.<name>=`), each table one frozen dataclass field of NodeConfig.
-NODE_TABLES: dict[str, type] = {"data": SiteData, "mesh": MeshShape, "cluster": ClusterSpec}
+NODE_TABLES: dict[str, type] = {"data": SiteData, "mesh": MeshShape, "cluster": ClusterSpec, "tracking": TrackingSpec}
 _NODE_TABLE_HELP = {
     "mesh.data": "[node.mesh] devices on the data axis (-1: every device fsdp leaves)",
     "mesh.fsdp": "[node.mesh] devices parameters and AdamW state are sharded over (-1: every device data leaves)",
@@ -404,6 +406,11 @@ _NODE_TABLE_HELP = {
     "cluster.process_id": "[node.cluster] this host's process id, 0 is the site's daemon (scheduler: SLURM_PROCID)",
     "cluster.heartbeat_timeout_s": "[node.cluster] seconds without a host's heartbeat before the whole site "
                                    "stops (a killed host is noticed sooner, by the collectives)",
+    "tracking.tensorboard_dir": "[node.tracking] TensorBoard event files here (relative: under the data dir); \"\": off",
+    "tracking.wandb_project": "[node.tracking] Weights & Biases project (needs the wandb extra); \"\": off",
+    "tracking.wandb_mode": "[node.tracking] W&B mode: offline (no network; `wandb sync` later), online, disabled",
+    "tracking.wandb_entity": "[node.tracking] W&B entity (team or user); \"\": the account's default",
+    "tracking.run_name": "[node.tracking] the run's name in the trackers; \"\": the node id",
 }
 # A scheduler's variables fill cluster keys the node did not set itself.
 _SCHEDULER_ENV = {"cluster.process_id": "SLURM_PROCID", "cluster.num_processes": "SLURM_NTASKS"}

@@ -57,7 +57,8 @@ class GlobalEvaluator:
     @classmethod
     def for_site(cls, *, node_id: str, manifest: RunManifest, eval_tokens: np.ndarray | None, every_commits: int,
                  batches: int, replica: Replica, consistent: Callable[[], bool], tasks: TaskSet,
-                 status: StatusBuilder, series: DaemonSeries, history: DaemonHistory) -> GlobalEvaluator:
+                 status: StatusBuilder, series: DaemonSeries, history: DaemonHistory,
+                 also: Callable[[EvalStatus], None] = lambda result: None) -> GlobalEvaluator:
         """The node's evaluator on its own thread; `close()` it with the node."""
         loss = HeldOutLoss(manifest, eval_tokens, batches) if eval_tokens is not None and every_commits > 0 else None
 
@@ -67,6 +68,7 @@ class GlobalEvaluator:
                 series.eval_loss.set(result.loss)
             series.eval_commit_index.set(result.commit_index)
             history.evaluated(result.commit_index, result.loss, result.seconds)
+            also(result)  # the experiment trackers (ops/tracking.py)
 
         return cls(node_id=node_id, every_commits=every_commits, loss=loss, global_params=replica.state.all_params,
                    consistent=consistent, executor=ThreadPoolExecutor(1, thread_name_prefix=f"eval-{node_id}"),

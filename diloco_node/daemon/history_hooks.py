@@ -20,10 +20,11 @@ runs in the learner thread, everything else on the event loop.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -289,8 +290,11 @@ class DaemonHistory:
             return
         self.writer.record("eval", index=index, detail={"loss": loss, "seconds": seconds})
 
-    def learner_step(self, step: int, loss: float, tokens: int, learner: LearnerView | None) -> None:
-        """One learner step done; the writer batches these into about one event per second."""
+    def learner_step(self, step: int, loss: float, tokens: int, learner: LearnerView | None,
+                     figures: Mapping[str, float | None] | None = None) -> None:
+        """One learner step done; the writer batches these into about one event per second.
+        `figures`: a step window closed at this step (learn/figures.py: tokens_per_s, step_time_s,
+        mfu, grad_norm, lr); the step event that covers it carries them (unknown ones left out)."""
         if self._closed:
             return
         previous, self._last_tokens = self._last_tokens, tokens
@@ -303,6 +307,9 @@ class DaemonHistory:
         extra: dict[str, Any] = {"learner_step": step}
         if loss == loss and abs(loss) != float("inf"):  # JSON has no NaN; a non-finite loss is left out
             extra["loss"] = loss
+        for name, value in (figures or {}).items():
+            if value is not None and math.isfinite(value):
+                extra[name] = value
         self.writer.step(1, new_tokens, 0.0 if waiting else seconds, **extra)
 
     def _past_barrier(self, c_steps: Sequence[int]) -> bool:

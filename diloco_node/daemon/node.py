@@ -39,6 +39,7 @@ from diloco_node.daemon.history_hooks import DaemonHistory
 from diloco_node.daemon.history_ring import HISTORY_RING_DIR, DiskHistories
 from diloco_node.daemon.identity import SiteIdentity
 from diloco_node.daemon.join import JoinRefused
+from diloco_node.daemon.learner_figures import SiteFlops
 from diloco_node.daemon.loop_monitor import LagWindow, watch_loop_lag
 from diloco_node.daemon.metrics import DaemonSeries
 from diloco_node.daemon.notify import BackgroundNotifier, StatusLineThrottle
@@ -59,8 +60,10 @@ from diloco_node.learn.synthetic_learner import SyntheticLearner
 from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore
 from diloco_node.ops.liveness import Liveness, StepPace, liveness
 from diloco_node.ops.page import StatusSeries
+from diloco_node.ops.profiling import ProfileCapture
 from diloco_node.ops.status import MetricsRegistry, StatusBuilder, operator_routes
 from diloco_node.ops.systemd import SystemdNotifier, extend_while_progressing, run_watchdog
+from diloco_node.ops.tracking import Tracking, check_available
 from diloco_node.transport import ClientOptions, ConnectionGuard, PeerClient, PeerServer
 from diloco_node.transport.tls import SiteTls, TlsError, TlsFiles
 from wire.auth import AuthContext, FrameVerifier, RunSecretError, derive_frame_key, load_run_secret
@@ -138,6 +141,11 @@ class Node:
         self.rounds: RoundDriver | None = None
         self.feed: StatusFeed | None = None
         self.learner: LearnerThread | SyntheticLearner | None = None
+        # MFU's fixed inputs (model FLOPs, devices, peak), resolved off the loop once the site's
+        # model is built; None until then and on a site without a training learner.
+        self.site_flops: SiteFlops | None = None
+        self._figures_seen: Any = None  # the learner's last StepFigures already reported
+        self.tracking = Tracking()  # [node.tracking]: none until run() opens the configured ones
         self._ready = False
         self._status_line = StatusLineThrottle()
         self._periodic_task: asyncio.Task[Any] | None = None
@@ -171,6 +179,7 @@ class Node:
                 raise ConfigError(f"run secret: {error}") from None
             checkpoints = CheckpointStore(Path(self.cfg.data_dir) / "checkpoints", self.cfg.checkpoint_keep)
             tls = self._load_tls()
+            check_available(self.cfg.tracking)  # a missing extra: ConfigError saying what to install
         except (ConfigError, CheckpointError) as error:
             log.error("%s", error)
             self.exit_reason = str(error)
@@ -195,6 +204,9 @@ class Node:
         self.store = ReplicaStore(data_dir / "coordination")
         self.histories = DiskHistories(data_dir / HISTORY_RING_DIR)  # fragment versions for rebasing
         self.history = DaemonHistory.open(data_dir, self.node_id, pace_s=self._min_step_interval_s)
+        self.tracking = Tracking.open(self.cfg.tracking, data_dir, self.node_id,
+                                      {"node_id": self.node_id, "run_id": run_id, "role": self.cfg.role})
+        self.status.tracking = self.tracking.status
         self.identity = SiteIdentity(self.effective, self.store, self.client, self.role)
         app = web.Application(client_max_size=1024 ** 2)
         guard = ConnectionGuard()
@@ -203,14 +215,14 @@ class Node:
         operator_listen = self.cfg.operator_listen  # None: operator routes share the peer port
         operator_app = app if operator_listen is None else web.Application(client_max_size=1024 ** 2)
         operator_app.add_routes(operator_routes(self._status_document, self.metrics, self._live, self.samples,
-                                                evict=self._evict))
+                                                evict=self._evict, profile=ProfileCapture(data_dir).capture))
         self.server.gate = self._eviction_gate
         # Resources live as long as the app; cleanup runs in reverse order of set-up.
         app.cleanup_ctx.append(closed_on_cleanup(
             lambda: self.executor.shutdown(wait=False, cancel_futures=True),
             lambda: self.disk_executor.shutdown(wait=False, cancel_futures=True),
             self.store.close, self.histories.close, self.history.close, checkpoints.close, self.notifier.close,
-            lambda: self.evaluator is not None and self.evaluator.close()))
+            lambda: self.evaluator is not None and self.evaluator.close(), self.tracking.close))
         app.cleanup_ctx.append(self.client.cleanup_ctx)  # the peer session
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -332,6 +344,8 @@ class Node:
         if site.devices is not None:
             self.status.set_devices(site.devices)
             log.info("%s: training on %s", self.node_id, site.devices)
+            if self.cfg.learner != "synthetic":
+                self.tasks.spawn(self._resolve_site_flops(manifest.model, site.devices), name="site-flops")
         self._mark_phase("state built")
         replica = site.replica
         replica.state.use_history(self.histories)  # on disk: no fp32 copy of the model per kept round
@@ -349,7 +363,7 @@ class Node:
             node_id=self.node_id, manifest=manifest, eval_tokens=site.corpus.eval if site.corpus else None,
             every_commits=self.cfg.eval_interval_commits, batches=self.cfg.eval_batches, replica=replica,
             consistent=keeper.state_consistent, tasks=self.tasks, status=self.status, series=self.series,
-            history=self.history)
+            history=self.history, also=self._track_evaluation)
         keeper.after_apply = self._after_apply
         plan, restored = self.checkpointer.restore(persistent, identity.has_peers())
         restored = learner_to_resume(restored, self.cfg.learner, self.node_id)
@@ -431,6 +445,10 @@ class Node:
     def _after_apply(self, applied_index: int) -> None:
         assert self.site is not None and self.evaluator is not None
         self.evaluator.after_apply(applied_index)
+        if self.tracking.enabled:
+            sent = self.status.byte_counts()
+            self.tracking.log(self._tracked_step(), {"sync/commit_index": applied_index, "sync/bytes_sent": sent.sent,
+                                                     "sync/bytes_received": sent.received})
         completion = self.site.replica.completion()
         if completion and not self.completed:
             self.completed = completion
@@ -497,11 +515,28 @@ class Node:
 
     # ------------------------------------------------------------------ connections between parts
 
+    def _tracked_step(self) -> int:
+        """The trackers' x axis: the learner's step (0 on a witness or before training)."""
+        learner = self.learner
+        return int(learner.steps) if learner is not None else 0
+
+    def _track_evaluation(self, result: Any) -> None:
+        if result.loss is not None:
+            self.tracking.log(self._tracked_step(), {"eval/loss": result.loss})
+
+    async def _resolve_site_flops(self, model: Any, devices: Any) -> None:
+        """MFU's inputs, off the loop (a user's model is compiled for XLA's cost analysis)."""
+        loop = asyncio.get_running_loop()
+        self.site_flops = site_flops = await loop.run_in_executor(
+            None, lambda: SiteFlops.resolve(model, devices, self.cfg.mesh.peak_tflops))
+        log.info("%s: %s", self.node_id, site_flops.describe())
+
     def _from_learner_progress(self, step: int, loss: float, tokens: int) -> None:
         """Called in the learner thread after every step (status and history are thread-safe)."""
         self.pace.step(self.now())
         self.status.record_learner(step=step, loss=loss, tokens=tokens, now=self.now())
         learner = self.learner
+        window = self._learner_window(learner)
         if learner is not None:
             # The learner keeps cumulative seconds; the counters take what was added since.
             compute, sync = learner.compute_seconds_total, learner.sync_seconds_total
@@ -509,7 +544,24 @@ class Node:
             self.series.learner_sync_seconds.inc(max(0.0, sync - self._counted_seconds[1]))
             self._counted_seconds = (compute, sync)
             self.series.step_seconds.observe(learner.step_seconds)
-        self.history.learner_step(step, loss, tokens, learner)
+        self.history.learner_step(step, loss, tokens, learner, figures=window)
+        if window is not None:
+            self.tracking.log(step, {"learner/loss": loss, "learner/tokens": tokens,
+                                     **{f"learner/{name}": value for name, value in window.items()}})
+
+    def _learner_window(self, learner: Any) -> dict[str, float | None] | None:
+        """The figures of a step window the learner closed since the last call (None: none), with
+        MFU; published on /status (the gauges follow) and returned for the history."""
+        figures = getattr(learner, "figures", None)  # the synthetic learner has none
+        if figures is None or figures is self._figures_seen:
+            return None
+        self._figures_seen = figures
+        site_flops = self.site_flops
+        mfu = site_flops.mfu(figures.tokens_per_s) if site_flops is not None else None
+        self.status.set_learner_figures(step_time_s=figures.step_time_s, mfu=mfu, grad_norm=figures.grad_norm,
+                                        lr=figures.lr)
+        return {"tokens_per_s": figures.tokens_per_s, "step_time_s": figures.step_time_s, "mfu": mfu,
+                "grad_norm": figures.grad_norm, "lr": figures.lr}
 
     def _from_learner_contribution(self, due: DueFragment) -> None:
         """Called in the learner thread: hand over to the loop (never block training)."""

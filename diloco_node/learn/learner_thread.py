@@ -8,7 +8,9 @@ The event loop talks to it only through thread-safe hand-offs:
   learner's state (for checkpoints);
 - `stop()`: finish the current step and exit.
 The thread reports back through callbacks the node passes in (`on_contribution` when fragment
-p is due, `on_progress` after each step); the node marshals them onto the loop.
+p is due, `on_progress` after each step); the node marshals them onto the loop. The figures of
+the latest closed step window (tokens/s, step time, gradient norm, learning rate: learn/figures.py)
+are in `figures`, set before the `on_progress` of the step that closed the window.
 
 On a device mesh (learn/mesh.py) merged fragments are placed with each parameter's own sharding
 and a due fragment is copied on the devices and read one step later, overlapped with the next
@@ -30,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco_node.learn import data as data_lib
+from diloco_node.learn.figures import FigureWindow, StepFigures
 from diloco_node.learn.handoffs import LearnerHandoffs
 from diloco_node.sync.apply import ApplyRule, FragmentCounters, apply_merge
 from diloco_node.sync.fragments import FragmentPlan
@@ -164,6 +167,9 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         # computing due deltas, checkpoint copies). Pacing sleeps are in neither.
         self.compute_seconds_total = 0.0
         self.sync_seconds_total = 0.0
+        # The latest closed window's figures (None until the first window closes); replaced whole.
+        self.figures: StepFigures | None = None
+        self._window = FigureWindow()
 
     # ---- set-up -----------------------------------------------------------------------------
 
@@ -240,6 +246,7 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
             self._go.wait()
             if self._following is not None:
                 self._cluster_start()
+            self._window.begin(time.perf_counter())
             while True:
                 started = time.perf_counter()
                 if self._following is not None:
@@ -251,6 +258,9 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
                     self._boundary()
                 computing = time.perf_counter()
                 x, y = self._sampler.next()
+                # The previous step's gradient norm: done once its loss is fetched below, so
+                # reading it at a window's end never waits on the step being dispatched now.
+                done_grad_norm, done_step = self._inner.last_grad_norm, self._inner.steps
                 # The step is dispatched, not awaited: the loss fetched is the previous step's
                 # (long done), so the host samples the next batch while the device computes this
                 # one. Progress reports run one step behind in their loss, never in their counts.
@@ -268,6 +278,12 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
                 self.step_seconds = computed - computing
                 self.compute_seconds_total += computed - computing
                 self.last_step_at = time.monotonic()
+                figures = self._window.step(
+                    self._inner.steps, tokens, time.perf_counter(),
+                    lambda: (None, 0) if done_grad_norm is None else (_scalar(done_grad_norm), done_step),
+                    self._learning_rate)
+                if figures is not None:
+                    self.figures = figures
                 self._on_progress(self._inner.steps, loss, self._inner.tokens)
                 for p in self.plan.due(self._inner.steps):
                     if self._following is not None:
@@ -288,6 +304,16 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         finally:
             self.stopped_at_step = self._inner.steps
             self._answer_state_requests()
+
+    def _learning_rate(self, step: int) -> float:
+        """The schedule's rate for `step`, evaluated on the host CPU: on the accelerator the tiny
+        computation would queue behind the step in flight and its fetch would wait for it."""
+        try:
+            cpu = jax.devices("cpu")[0]
+        except RuntimeError:  # JAX_PLATFORMS without cpu: the default device, after the step
+            return self._inner.learning_rate(step)
+        with jax.default_device(cpu):
+            return self._inner.learning_rate(step)
 
     def _boundary(self) -> None:
         self.take_offers()

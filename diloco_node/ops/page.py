@@ -1,7 +1,8 @@
 """The live operator page at `/` and the bounded time series behind it (`/series`).
 
 - `StatusSeries`: a ring buffer of recent samples of this node's status document (commit index,
-  training loss, the global model's eval loss, tokens, bytes), taken at most every `interval_s`,
+  training loss, the global model's eval loss, tokens, bytes, the learner's tokens/s, step time,
+  MFU, gradient norm and learning rate), taken at most every `interval_s`,
   so a page opened now still shows the last half hour. Thread-safe; bounded by `capacity`.
 - `page_routes`: aiohttp routes for `/` (one static HTML file with inline CSS and JS, shipped in
   the package: sites may have no internet, so nothing is loaded from elsewhere) and `/series`.
@@ -28,8 +29,8 @@ if TYPE_CHECKING:
     from aiohttp import web
 
 SERIES_SCHEMA = "diloco-node/series/1"
-# 2.5 s x 720 = the last 30 minutes: long enough to see a trend after a coffee break; at ~200
-# bytes a sample the whole buffer is ~150 KB of JSON, and pages fetch only what is new (`after`).
+# 2.5 s x 720 = the last 30 minutes: long enough to see a trend after a coffee break; at ~300
+# bytes a sample the whole buffer is ~220 KB of JSON, and pages fetch only what is new (`after`).
 SERIES_INTERVAL_S = 2.5
 SERIES_CAPACITY = 720
 PAGE_CONTENT_TYPE = "text/html"
@@ -48,6 +49,12 @@ class Sample:
     tokens: int
     bytes_sent: int
     bytes_received: int
+    # The learner's figures (ops/status.py LearnerStatus); None while unknown (MFU on a CPU).
+    tokens_per_s: float = 0.0
+    step_time_s: float | None = None
+    mfu: float | None = None
+    grad_norm: float | None = None
+    lr: float | None = None
 
 
 def _finite(value: float | None) -> float | None:
@@ -84,7 +91,9 @@ class StatusSeries:
                 seq=self._seq, t=now, commit_index=doc.commit_index, step=doc.learner.step,
                 loss=_finite(doc.learner.loss), eval_loss=_finite(doc.evaluation.loss),
                 eval_commit_index=doc.evaluation.commit_index, tokens=doc.learner.tokens,
-                bytes_sent=doc.bytes.sent, bytes_received=doc.bytes.received))
+                bytes_sent=doc.bytes.sent, bytes_received=doc.bytes.received,
+                tokens_per_s=_finite(doc.learner.tokens_per_s) or 0.0, step_time_s=_finite(doc.learner.step_time_s),
+                mfu=_finite(doc.learner.mfu), grad_norm=_finite(doc.learner.grad_norm), lr=_finite(doc.learner.lr)))
         return True
 
     def to_dict(self, node_id: str, after: int = 0) -> dict[str, Any]:

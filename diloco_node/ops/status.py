@@ -65,10 +65,21 @@ class MemberStatus:
 
 @dataclass(frozen=True, slots=True)
 class LearnerStatus:
+    """The learner's progress. `tokens_per_s` is averaged over the last `TOKENS_RATE_WINDOW_S`;
+    `step_time_s` (wall seconds per step), `mfu` (model FLOPs utilisation, learn/flops.py; None
+    where the device's peak is unknown, e.g. a CPU), `grad_norm` (the batch gradient's global norm
+    before clipping) and `lr` (the inner learning rate) are those of the last closed step window
+    (learn/figures.py); None before the first window. A learner without progress within the
+    tokens window shows mfu 0."""
+
     step: int = 0
     loss: float | None = None
     tokens: int = 0
     tokens_per_s: float = 0.0
+    step_time_s: float | None = None
+    mfu: float | None = None
+    grad_norm: float | None = None
+    lr: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +115,32 @@ class TlsStatus:
     loaded_at: str = ""  # when the certificates in use were loaded (start or reload), ISO 8601 UTC
     reloads: int = 0  # successful reloads since start
     reload_error: str = ""  # the last failed reload's error; "" after a good load
+
+
+@dataclass(frozen=True, slots=True)
+class TrackerStatus:
+    """One experiment tracker (ops/tracking.py): where it writes (`target`: a directory, a W&B
+    project), entries written and dropped (queue full, or a failed write), the last failure ("" once
+    writing works again). `enabled` false: the tracker is off, the rest empty."""
+
+    enabled: bool = False
+    target: str = ""
+    written: int = 0
+    dropped: int = 0
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TrackingStatus:
+    tensorboard: TrackerStatus = field(default_factory=TrackerStatus)
+    wandb: TrackerStatus = field(default_factory=TrackerStatus)
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str = "tracking") -> "TrackingStatus":
+        if not isinstance(raw, Mapping):
+            raise StatusFormatError(f"{where}: expected an object, got {type(raw).__name__}")
+        return cls(_build(TrackerStatus, raw.get("tensorboard", {}), where + ".tensorboard"),
+                   _build(TrackerStatus, raw.get("wandb", {}), where + ".wandb"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +251,7 @@ class StatusDocument:
     tls: TlsStatus = field(default_factory=TlsStatus)  # this site's certificate (TLS on)
     evicted: tuple[EvictedStatus, ...] = ()  # sites evicted from this run, by node id
     relays: RelayStatus = field(default_factory=RelayStatus)  # relayed commit payloads (daemon/relays.py)
+    tracking: TrackingStatus = field(default_factory=TrackingStatus)  # experiment trackers (ops/tracking.py)
     schema: str = STATUS_SCHEMA
 
     @property
@@ -271,6 +309,8 @@ class StatusDocument:
                           for i, e in enumerate(raw.get("evicted", []) or [])),
             # Older nodes have no relay counters: an absent object reads as all zero.
             relays=_build(RelayStatus, raw.get("relays", {}), "relays"),
+            # Older nodes have no trackers: an absent object reads as both off.
+            tracking=TrackingStatus.from_dict(raw.get("tracking", {})),
         )
 
     @classmethod
@@ -347,12 +387,16 @@ class StatusBuilder:
         self._window_s = tokens_rate_window_s
         self._samples: deque[tuple[float, int]] = deque()
         self._learner = LearnerStatus()
+        # The last step window's figures (set_learner_figures), kept across record_learner calls.
+        self._figures: dict[str, float | None] = {}
         self._sent = 0
         self._received = 0
         self._errors: deque[tuple[float, str]] = deque(maxlen=max_recent_errors)
         self._tls: TlsStatus | None = None
         self._tls_not_after_unix = 0.0
         self.wall: Callable[[], float] = time.time  # only for the certificate's time to expiry
+        # The trackers' counters (ops/tracking.py Tracking.status), read when a document is built.
+        self.tracking: Callable[[], TrackingStatus] | None = None
 
     def set_run_id(self, run_id: str) -> None:
         """A joiner learns the run id only after joining."""
@@ -410,6 +454,13 @@ class StatusBuilder:
                 self._errors.append((now, f"learner loss is {loss} at step {step}"))
             self._learner = LearnerStatus(step=step, loss=loss if finite else None, tokens=tokens)
 
+    def set_learner_figures(self, *, step_time_s: float | None, mfu: float | None, grad_norm: float | None,
+                            lr: float | None) -> None:
+        """The figures of the learner's last closed step window (non-finite values read as None)."""
+        figures = {"step_time_s": step_time_s, "mfu": mfu, "grad_norm": grad_norm, "lr": lr}
+        with self._lock:
+            self._figures = {k: (float(v) if v is not None and math.isfinite(v) else None) for k, v in figures.items()}
+
     def set_tls(self, *, node_id: str, fingerprint: str, not_after_unix: float, ca_subject: str, crl_loaded: bool,
                 loaded_at_unix: float, reloads: int, reload_error: str) -> None:
         """The site's certificate as loaded (at start, and after every reload attempt)."""
@@ -428,19 +479,28 @@ class StatusBuilder:
             self._sent += sent
             self._received += received
 
+    def byte_counts(self) -> ByteCounters:
+        with self._lock:
+            return ByteCounters(self._sent, self._received)
+
     def record_error(self, message: str, now: float) -> None:
         with self._lock:
             self._errors.append((now, message[:MAX_ERROR_CHARS]))
 
     def document(self, now: float) -> StatusDocument:
         with self._lock:
+            rate = self._rate(now)
+            figures = dict(self._figures)
+            if rate == 0.0 and figures.get("mfu") is not None:
+                figures["mfu"] = 0.0  # stalled: no utilisation now, whatever the last window had
             return dataclasses.replace(
                 self._base,
-                learner=dataclasses.replace(self._learner, tokens_per_s=self._rate(now)),
+                learner=dataclasses.replace(self._learner, tokens_per_s=rate, **figures),
                 bytes=ByteCounters(self._sent, self._received),
                 uptime_s=max(0.0, now - self._started_at),
                 last_errors=tuple(RecentError(round(now - t, 3), m) for t, m in reversed(self._errors)),
                 tls=self._tls_now() if self._tls is not None else TlsStatus(),
+                tracking=self.tracking() if self.tracking is not None else TrackingStatus(),
             )
 
     def _tls_now(self) -> TlsStatus:
@@ -622,6 +682,10 @@ def status_families(doc: StatusDocument) -> list[MetricFamily]:
     def one(name: str, kind: str, help: str, value: float, labels: Mapping[str, str] | None = None) -> MetricFamily:
         return MetricFamily(name, kind, help, ((labels or {}, value),))
 
+    def maybe(name: str, help: str, value: float | None) -> MetricFamily:
+        """A gauge with no sample while the value is unknown (absent, not a made-up number)."""
+        return MetricFamily(name, "gauge", help, () if value is None else (({}, value),))
+
     learner = doc.learner
     families = [
         one("diloco_info", "gauge", "Constant 1, labelled with the node's identity.", 1.0,
@@ -643,6 +707,13 @@ def status_families(doc: StatusDocument) -> list[MetricFamily]:
         one("diloco_learner_tokens_total", "counter", "Tokens trained on by this learner.", learner.tokens),
         one("diloco_learner_tokens_per_second", "gauge", "Training throughput over the recent window.",
             learner.tokens_per_s),
+        maybe("diloco_learner_step_time_seconds", "Wall seconds per inner step over the last step window.",
+              learner.step_time_s),
+        maybe("diloco_learner_mfu", "Model FLOPs utilisation (0..1) over the last step window; absent where the "
+              "device's peak is unknown.", learner.mfu),
+        maybe("diloco_learner_grad_norm", "Global norm of the batch gradient before clipping (last step window).",
+              learner.grad_norm),
+        maybe("diloco_learner_lr", "Inner learning rate at the last step window's last step.", learner.lr),
         one("diloco_bytes_sent_total", "counter", "Bytes sent to peers.", doc.bytes.sent),
         one("diloco_bytes_received_total", "counter", "Bytes received from peers.", doc.bytes.received),
         one("diloco_log_first_index", "gauge", "Oldest log index held (older ones are compacted).",
@@ -700,6 +771,8 @@ def render_metrics(doc: StatusDocument, registry: MetricsRegistry | None = None)
 MAX_EVICT_BODY_BYTES = 4096
 # (node id, reason) -> (HTTP status, JSON body): the daemon's eviction (daemon/coordination.py).
 Evict = Callable[[str, str], Awaitable[tuple[int, dict[str, Any]]]]
+# seconds -> (HTTP status, JSON body): a profiler capture (ops/profiling.py ProfileCapture.capture).
+Profile = Callable[[Any], Awaitable[tuple[int, dict[str, Any]]]]
 
 
 def is_loopback(remote: str | None) -> bool:
@@ -712,7 +785,7 @@ def is_loopback(remote: str | None) -> bool:
 
 def operator_routes(snapshot: Callable[[], StatusDocument], registry: MetricsRegistry | None = None,
                     live: Callable[[], Liveness] = lambda: ALIVE, series: StatusSeries | None = None,
-                    evict: Evict | None = None) -> "web.RouteTableDef":
+                    evict: Evict | None = None, profile: Profile | None = None) -> "web.RouteTableDef":
     """aiohttp routes for the operator API; `snapshot()` builds the current document.
 
     `/` and `/series` (the live page and its time series) come from ops/page.py; `series` is the
@@ -726,6 +799,10 @@ def operator_routes(snapshot: Callable[[], StatusDocument], registry: MetricsReg
     `POST /evict` (when `evict` is given) removes a site from the run for good: it is answered only
     to a client on this host's loopback (403 otherwise, whatever the listener's address), since
     without TLS the operator routes share the public peer port.
+
+    `POST /profile` (when `profile` is given), body {"seconds": N}: a JAX profiler trace of the
+    running daemon (`diloco-node profile`), loopback only for the same reason; answered when the
+    capture is done, with its directory.
     """
     from aiohttp import web
 
@@ -770,6 +847,29 @@ def operator_routes(snapshot: Callable[[], StatusDocument], registry: MetricsReg
                 return web.json_response({"error": 'the body must be {"node_id": "<id>", "reason": "<text>"}'},
                                          status=400)
             status, answer = await evict(node_id, reason)
+            return web.json_response(answer, status=status)
+
+    async def json_body(request: web.Request) -> tuple[Any, web.Response | None]:
+        if not is_loopback(request.remote):
+            return None, web.json_response({"error": f"{request.path} is answered only on this host's loopback, "
+                                                     f"not to {request.remote}"}, status=403)
+        if request.content_length is None or request.content_length > MAX_EVICT_BODY_BYTES:
+            return None, web.json_response({"error": f"the body must be a JSON object of at most "
+                                                     f"{MAX_EVICT_BODY_BYTES} bytes with a Content-Length"}, status=400)
+        try:
+            return json.loads(await request.read()), None
+        except (ValueError, UnicodeDecodeError) as error:
+            return None, web.json_response({"error": f"the body is not JSON: {error}"}, status=400)
+
+    if profile is not None:
+        @routes.post("/profile")
+        async def profile_route(request: web.Request) -> web.Response:
+            body, refused = await json_body(request)
+            if refused is not None:
+                return refused
+            if not isinstance(body, dict) or "seconds" not in body:
+                return web.json_response({"error": 'the body must be {"seconds": <number>}'}, status=400)
+            status, answer = await profile(body["seconds"])
             return web.json_response(answer, status=status)
 
     page_routes(routes, lambda: snapshot().node_id, series)
