@@ -3,6 +3,8 @@ environment, a scheduler's variables, errors naming the key), and `devices` on /
 
 from pathlib import Path
 
+import numpy as np
+
 import pytest
 
 from diloco_node.config.manifest import InnerOptimizer, ModelSpec, RunManifest, SyncSpec
@@ -80,6 +82,28 @@ def test_a_site_that_expects_a_gpu_and_gets_cpu_jax_refuses_to_start():
         build_site_model(manifest, learner=True, mesh_shape=MeshShape(platform="gpu"))
     site = build_site_model(manifest, learner=True, mesh_shape=MeshShape(platform="cpu"))
     assert site.devices["platform"] == "cpu"
+
+
+def test_the_sites_attention_and_remat_choices_are_what_its_learner_compiles():
+    from flax import nnx
+
+    manifest = RunManifest(model=ModelSpec.of("llama", vocab_size=256, seq_len=16, size="1m", num_layers=2,
+                                              d_model=64, d_ff=128),
+                           inner=InnerOptimizer(batch_size=4, warmup_steps=1, total_steps=10),
+                           sync=SyncSpec(fragments=2, period=4, overlap=1))
+    chosen = build_site_model(manifest, learner=True, mesh_shape=MeshShape(attention="chunked", remat="dots"))
+    default = build_site_model(manifest, learner=True, mesh_shape=MeshShape())
+    model = nnx.merge(chosen.inner.graphdef, chosen.inner.params)
+    assert (model.remat, [b.attn.attention for b in model.blocks]) == ("dots", ["chunked", "chunked"])
+    plain = nnx.merge(default.inner.graphdef, default.inner.params)
+    assert (plain.remat, plain.blocks[0].attn.attention) == ("none", "auto")
+    assert chosen.devices["attention"] == "chunked" and chosen.devices["remat"] == "dots"
+    # The same model either way: one batch's loss agrees.
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (4, 17)).astype(np.int32)
+    a = float(chosen.inner.step(tokens[:, :-1], tokens[:, 1:]))
+    b = float(default.inner.step(tokens[:, :-1], tokens[:, 1:]))
+    assert np.isclose(a, b, rtol=1e-5), (a, b)
 
 
 def test_status_shows_the_learners_devices_and_mesh():

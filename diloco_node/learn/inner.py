@@ -186,7 +186,9 @@ class InnerLearner:
             # Sharded start-up: parameters and AdamW moments are created in the mesh's layout
             # (shardings from abstract shapes), so no device holds a whole unsharded model.
             self._step, init = _compiled_mesh_step(model, inner, site_mesh)
-            self.graphdef, abstract = factory.abstract_model(model)
+            _, abstract = factory.abstract_model(model)
+            # What the step runs: the model with this site's attention and remat choices.
+            self.graphdef = factory.execution_graphdef(model, site_mesh.attention, site_mesh.remat)
             if initial is None:
                 self.params = factory.init_params_sharded(model, seed, site_mesh.tree_shardings(abstract),
                                                           site_mesh.replicated())
