@@ -76,7 +76,7 @@ from diloco_node.learn import flops as flops_lib  # noqa: E402
 from diloco_node.learn import model as model_lib  # noqa: E402
 from diloco_node.learn.inner import InnerLearner  # noqa: E402
 from diloco_node.learn.learner_thread import DueFragment, LearnerThread, _copy_fragment  # noqa: E402
-from diloco_node.learn.mesh import MeshShape, SiteMesh, build_site_mesh, host_copies, place  # noqa: E402
+from diloco_node.learn.mesh import MeshShape, SiteMesh, build_site_mesh, host_view, place  # noqa: E402
 from diloco_node.sync.fragments import plan_fragments  # noqa: E402
 from wire.codecs import encode_named  # noqa: E402
 
@@ -206,8 +206,7 @@ def fragment_costs(manifest: RunManifest, mesh: SiteMesh, repeats: int = 20) -> 
         copies = _copy_fragment(arrays)
         for array in copies.values():
             array.copy_to_host_async()
-        local = host_copies(copies)
-        _ = {n: base[n] - local[n] for n in names}
+        _ = {n: np.subtract(base[n], host_view(copies[n]), dtype=np.float32) for n in names}  # as the learner does
         reads.append(time.perf_counter() - started)
         started = time.perf_counter()
         placed = {n: place(base[n], arrays[n].sharding) for n in names}
@@ -266,13 +265,18 @@ def main(argv: list[str] | None = None) -> int:
 
         plain_runs, daemon_runs, offers, sent = [], [], 0, 0
         for _ in range(args.repeats):
+            started = time.perf_counter()
             plain_runs.append(plain_loop(manifest, tokens, args.steps, mesh))
             gc.collect()  # the plain loop's model and optimizer state leave the devices before the next
+            print(f"{count} device(s): plain {shown(plain_runs[-1])} (the run with its start-up and compilation: "
+                  f"{time.perf_counter() - started:.0f} s)", flush=True)
+            started = time.perf_counter()
             rate, offers, sent = daemon_learner(manifest, tokens, args.steps, args.round_trip_ms / 1000, mesh)
             gc.collect()
             daemon_runs.append(rate)
-            print(f"{count} device(s): plain {shown(plain_runs[-1])}; daemon learner {shown(rate)} "
-                  f"({offers} merged fragments applied, {sent / 1e6:.1f} MB encoded)", flush=True)
+            print(f"{count} device(s): daemon learner {shown(rate)} ({offers} merged fragments applied, "
+                  f"{sent / 1e6:.1f} MB encoded; the run with its start-up: {time.perf_counter() - started:.0f} s)",
+                  flush=True)
         ratio = max(daemon_runs) / max(plain_runs)
         # Each daemon run right after its plain run sees about the same machine load: the median
         # of those pairs' ratios resists a shared machine's drifting load better than best/best.

@@ -38,7 +38,7 @@ from diloco_node.sync.apply import ApplyRule, FragmentCounters, apply_merge
 from diloco_node.sync.fragments import FragmentPlan
 from diloco_node.learn.inner import InnerLearner
 from diloco_node.learn.cluster import APPLY_AFTER_READ, APPLY_NONE, APPLY_WRITE, BoundaryDecision, BoundaryFollowing
-from diloco_node.learn.mesh import host_copies, place
+from diloco_node.learn.mesh import host_copies, host_view, place
 from diloco_node.config.manifest import RunManifest
 
 log = logging.getLogger(__name__)
@@ -388,8 +388,13 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
     def _finish_reads(self) -> None:
         reads, self._pending_reads = self._pending_reads, []
         for read in reads:
-            local = host_copies(read.copies)
-            delta = {n: (read.base[n] - local[n]).astype(np.float32) for n in local}
+            # One pass over the fragment: the device copies' host values are read where the
+            # transfer left them (no second copy), and the float32 difference is the only new
+            # array. On an accelerator this thread's host work must fit in one step's device time,
+            # or the device idles: three passes (copy, subtract, cast) cost 1b's learner 20% of its
+            # steps on an H200 (docs/RESULTS.md, "The learner on a GPU").
+            delta = {n: np.subtract(read.base[n], host_view(array), dtype=np.float32)
+                     for n, array in read.copies.items()}
             self._on_contribution(DueFragment(read.fragment, read.base_round, read.c_steps, read.c_tokens, delta,
                                               read.step))
 

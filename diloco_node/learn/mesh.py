@@ -32,7 +32,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from diloco_node.config.manifest import ConfigError
 from diloco_node.config.site_devices import MeshShape
 
-__all__ = ["AXES", "MIN_SHARDED_ELEMENTS", "MeshShape", "SiteMesh", "build_site_mesh", "host_copies", "place"]
+__all__ = ["AXES", "MIN_SHARDED_ELEMENTS", "MeshShape", "SiteMesh", "build_site_mesh", "host_copies", "host_view",
+           "place"]
 
 AXES = ("data", "fsdp")
 # Tensors below this many elements are replicated even on an fsdp axis: 64 Ki float32 is 256 KiB,
@@ -176,6 +177,13 @@ def place(value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
         return jax.device_put(value, sharding)
     host = np.asarray(value)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def host_view(array: jax.Array) -> np.ndarray:
+    """A fully addressable device array's host value without a copy of our own: the buffer its
+    transfer to the host filled (`copy_to_host_async`), read-only; float32 as the merge needs."""
+    value = np.asarray(array)
+    return value if value.dtype == np.float32 else value.astype(np.float32)
 
 
 def host_copies(arrays: Mapping[str, jax.Array]) -> dict[str, np.ndarray]:
