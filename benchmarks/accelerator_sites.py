@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tempfile
 import time
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diloco_node.testbed.local_cluster import Cluster  # noqa: E402
 
 STARTUP_S = 300.0  # compiling a 100M-parameter llama's step on a GPU takes tens of seconds
+LOG_TAIL_LINES = 15
 
 
 def settings(args: argparse.Namespace) -> list[str]:
@@ -55,6 +57,39 @@ def learner_row(node_id: str, doc: dict) -> dict:
             "loss": learner.get("loss"), "commit_index": doc.get("commit_index")}
 
 
+def run_sites(cluster: Cluster, args: argparse.Namespace, report: dict, began: float) -> None:
+    """Found, join, train for `--duration`, stop; fills `report`."""
+    founder = cluster.add("site-a", settings=settings(args), env=site_env(args))
+    names = {"site-a"}
+    cluster.wait_for("site-a ready", lambda s: bool(s.get("site-a", {}).get("ready")), STARTUP_S)
+    print(f"{time.monotonic() - began:.0f} s: site-a founded the run and is ready", flush=True)
+    for i in range(1, args.sites):
+        name = f"site-{chr(ord('a') + i)}"
+        cluster.add(name, bootstrap=founder, settings=settings(args), env=site_env(args))
+        names.add(name)
+    started = time.monotonic()
+    cluster.wait_for("every site ready and training",
+                     lambda s: all(s.get(n, {}).get("ready") and s[n].get("learner", {}).get("step", 0) > 0
+                                   for n in names), STARTUP_S)
+    report["seconds_to_all_training"] = round(time.monotonic() - started, 1)
+    print(f"{time.monotonic() - began:.0f} s: every site is ready and training", flush=True)
+    first = cluster.poll()
+    first_index = max(d.get("commit_index", 0) for d in first.values())
+    deadline = time.monotonic() + args.duration
+    while time.monotonic() < deadline:
+        cluster.poll()
+        time.sleep(1.0)
+    last = cluster.poll()
+    report["commits"] = max(d.get("commit_index", 0) for d in last.values()) - first_index
+    report["shared_indices"] = cluster.shared_indices()
+    report["conflicting_indices"] = {str(k): sorted(v) for k, v in cluster.conflicting_indices().items()}
+    report["sites"] = [learner_row(n, last[n]) for n in sorted(last)]
+    for name in sorted(names):
+        cluster.sites[name].signal(15)
+    for name in sorted(names):
+        report.setdefault("exit_codes", {})[name] = cluster.sites[name].wait(60)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sites", type=int, default=2)
@@ -74,34 +109,17 @@ def main() -> int:
     args = parser.parse_args()
     root = args.root or Path(tempfile.mkdtemp(prefix="diloco-accel-"))
     report: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "root": str(root)}
+    # A time limit's SIGTERM still runs the `finally` below: the sites' own logs say how far they got.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    began = time.monotonic()
     with Cluster.create(root) as cluster:
-        founder = cluster.add("site-a", settings=settings(args), env=site_env(args))
-        names = {"site-a"}
-        cluster.wait_for("site-a ready", lambda s: bool(s.get("site-a", {}).get("ready")), STARTUP_S)
-        for i in range(1, args.sites):
-            name = f"site-{chr(ord('a') + i)}"
-            cluster.add(name, bootstrap=founder, settings=settings(args), env=site_env(args))
-            names.add(name)
-        started = time.monotonic()
-        cluster.wait_for("every site ready and training",
-                         lambda s: all(s.get(n, {}).get("ready") and s[n].get("learner", {}).get("step", 0) > 0
-                                       for n in names), STARTUP_S)
-        report["seconds_to_all_training"] = round(time.monotonic() - started, 1)
-        first = cluster.poll()
-        first_index = max(d.get("commit_index", 0) for d in first.values())
-        deadline = time.monotonic() + args.duration
-        while time.monotonic() < deadline:
-            cluster.poll()
-            time.sleep(1.0)
-        last = cluster.poll()
-        report["commits"] = max(d.get("commit_index", 0) for d in last.values()) - first_index
-        report["shared_indices"] = cluster.shared_indices()
-        report["conflicting_indices"] = {str(k): sorted(v) for k, v in cluster.conflicting_indices().items()}
-        report["sites"] = [learner_row(n, last[n]) for n in sorted(last)]
-        for name in sorted(names):
-            cluster.sites[name].signal(15)
-        for name in sorted(names):
-            report.setdefault("exit_codes", {})[name] = cluster.sites[name].wait(60)
+        try:
+            run_sites(cluster, args, report, began)
+        finally:
+            if "sites" not in report:  # cut short: each site's last log lines say how far it got
+                for name, site in cluster.sites.items():
+                    tail = "\n".join(site.log_text().splitlines()[-LOG_TAIL_LINES:])
+                    print(f"--- {name}'s log, last lines:\n{tail}", flush=True)
     print(json.dumps(report, indent=1, default=str))
     print(f"{args.sites} sites on {report['sites'][0]['devices']}: {report['commits']} commits in "
           f"{args.duration:.0f} s, {report['shared_indices']} indices compared, "
