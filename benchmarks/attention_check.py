@@ -9,6 +9,7 @@ choice cannot run here.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -85,6 +86,7 @@ def model_cases(rng: np.random.Generator) -> int:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     print(f"jax {jax.__version__}, flax {flax.__version__}, {jax.devices()}", flush=True)
     print("auto resolves to", resolve_attention("auto", jax.default_backend(), jnp.bfloat16, 256, 64), "at L = 256")
     rng = np.random.default_rng(0)

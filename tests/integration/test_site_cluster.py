@@ -123,7 +123,8 @@ def test_two_processes_of_one_site_train_in_lockstep_and_follow_process_0(tmp_pa
     for i, p in enumerate(processes):
         assert p.returncode == 0, f"process {i}:\n{outputs[i][-4000:]}"
     leader, follower = (json.loads((tmp_path / f"p{i}.json").read_text()) for i in range(2))
-    assert leader["devices"] == {"platform": "cpu", "count": 4, "processes": 2, "mesh": {"data": 2, "fsdp": 2}}
+    assert leader["devices"] == {"platform": "cpu", "count": 4, "processes": 2, "mesh": {"data": 2, "fsdp": 2},
+                                 "kind": "cpu", "attention": "auto", "remat": "none"}
     assert leader["steps"] == follower["steps"] >= 12
     assert leader["losses"] == follower["losses"]
     assert leader["digest"] == follower["digest"]  # every merged fragment reached both processes
