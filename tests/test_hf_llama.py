@@ -193,7 +193,7 @@ def test_every_weight_is_checked_by_name_and_shape(tmp_path: Path) -> None:
     with pytest.raises(hf_llama.HFLlamaError) as refused:
         hf_llama.import_llama(write_hf_dir(tmp_path / "bad", config, weights))
     assert str(refused.value) == (
-        f"the weights in {tmp_path / 'bad'} does not match its config.json (3 problem(s)): "
+        f"{tmp_path / 'bad'}: the tensors do not match config.json (3 problem(s)): "
         "missing model.layers.1.mlp.up_proj.weight; unexpected model.layers.0.self_attn.q_proj.bias; "
         "model.layers.0.self_attn.q_proj.weight is [64, 32], expected [64, 64]")
     # A tied model that saved a head: accepted if it is the embedding, refused otherwise.

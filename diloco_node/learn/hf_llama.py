@@ -286,7 +286,7 @@ def _heads(how: str, shape: LlamaShape) -> int:
     return shape.num_heads if how == "query" else shape.num_kv_heads
 
 
-def to_ours(hf: Mapping[str, np.ndarray], shape: LlamaShape, where: str = "the checkpoint") -> dict[str, np.ndarray]:
+def to_ours(hf: Mapping[str, np.ndarray], shape: LlamaShape, where: str = "the weights") -> dict[str, np.ndarray]:
     """Our flat float32 parameters from a Hugging Face Llama's tensors, every name and shape
     checked first: the missing, unexpected and differently shaped tensors are all named."""
     entries = name_map(shape)
@@ -304,7 +304,7 @@ def to_ours(hf: Mapping[str, np.ndarray], shape: LlamaShape, where: str = "the c
         # A tied model may still save its head; it must then be the embedding, else it is not tied.
         problems.append(f"{HEAD_NAMES[0]} differs from {TOP_NAMES[0][0]} while tie_word_embeddings is true")
     if problems:
-        raise HFLlamaError(f"{where} does not match its config.json ({len(problems)} problem(s)): "
+        raise HFLlamaError(f"{where}: the tensors do not match config.json ({len(problems)} problem(s)): "
                            + "; ".join(problems[:12]) + ("; ..." if len(problems) > 12 else ""))
     out: dict[str, np.ndarray] = {}
     for hf_name, ours, how in entries:
@@ -431,7 +431,7 @@ def import_llama(directory: Path) -> ImportedLlama:
     directory = Path(directory)
     options = options_from_config(read_config(directory), str(directory / CONFIG_FILE))
     shape = LlamaShape(**options)
-    params = to_ours(read_weights(directory), shape, f"the weights in {directory}")
+    params = to_ours(read_weights(directory), shape, str(directory))
     return ImportedLlama(options, params, weights_sha256(params))
 
 
