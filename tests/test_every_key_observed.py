@@ -125,6 +125,11 @@ OBSERVED: dict[str, tuple[str, ...]] = {
     "run.model.vocab_size": (E + "test_model_factory_vocab_size_and_seq_len_shape_the_model",
                              "tests/test_token_files.py::test_uint32_ids_above_65536_train_and_eval_through_the_sampler"),
     "run.model.seq_len": (E + "test_model_factory_vocab_size_and_seq_len_shape_the_model",),
+    "run.model.init_from": ("tests/test_hf_llama.py::test_the_founder_seals_the_imported_shape_and_digest_and_its_state_is_the_import",
+                            "tests/test_hf_llama.py::test_a_founding_learner_starts_from_the_import",
+                            "tests/test_hf_llama.py::test_init_from_is_a_run_model_key_and_absent_from_manifests_without_it"),
+    "run.model.init_sha256": ("tests/test_hf_llama.py::test_init_from_keys_that_contradict_config_json_are_refused_naming_both",
+                              "tests/test_hf_llama.py::test_other_weights_in_the_directory_are_refused_and_an_absent_directory_is_a_warning"),
     "run.data.tokenizer_sha256": ("tests/test_site_data.py::test_the_tokenizer_is_sealed_by_the_founder_and_checked_at_every_site",),
     # ---------------------------------------------------------------- [run.inner]
     "run.inner.batch_size": ("tests/test_mesh.py::test_the_global_batch_must_split_over_devices_and_microbatches",

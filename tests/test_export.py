@@ -313,7 +313,7 @@ def test_unwritable_output_and_unknown_formats_are_exit_2(site: Site, tmp_path: 
         assert _export("--data-dir", data_dir, "--out", out, "--format", "npz") == 2
         assert capsys.readouterr().err == f"diloco-node export: cannot write {out}: {reason}\n"
     assert _export("--data-dir", data_dir, "--out", str(tmp_path / "m.npz"), "--format", "onnx") == 2
-    assert capsys.readouterr().err == "diloco-node export: unknown format 'onnx': use one of safetensors, npz\n"
+    assert capsys.readouterr().err == "diloco-node export: unknown format 'onnx': use one of safetensors, npz, hf\n"
     assert _export("--data-dir", data_dir, "--out", str(tmp_path / "m.pt")) == 2
     assert "cannot tell the format from 'm.pt'" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]

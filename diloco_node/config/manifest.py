@@ -40,7 +40,10 @@ def _choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> No
 
 OptionValue = Any  # a TOML scalar or list: str, int, float, bool, or a list of those
 TensorSignature = tuple[str, tuple[int, ...], str]  # (flat parameter name, shape, dtype)
-MODEL_KEYS = ("factory", "vocab_size", "seq_len", "tensors")
+# Keys of [run.model] that are ModelSpec's own, never factory options: the factory is not called
+# with them. `init_from` (a Hugging Face Llama directory the founder imports) and `init_sha256`
+# (the digest of the imported weights, sealed by the founder) are read by learn/factory.py.
+MODEL_KEYS = ("factory", "vocab_size", "seq_len", "tensors", "init_from", "init_sha256")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +56,12 @@ class ModelSpec:
     parameter signature (names, shapes, dtypes) the founding site's factory produced: filled in
     when a run is founded, so a site whose factory builds something else is refused with the
     differing tensors named. Empty means "not sealed yet" (a config file never sets it).
+
+    `init_from` names a Hugging Face Llama directory the run starts from (factory "llama" only;
+    docs/MODELS.md "Hugging Face Llama in and out"): only the founder reads it, filling the
+    options in from its config.json and sealing `init_sha256`, the digest of the imported
+    weights (learn/hf_llama.py `weights_sha256`). Both are "" for a run that starts from the seed,
+    and are then absent from the table (so the manifests of such runs keep their digests).
     """
 
     factory: str = "bytes"
@@ -60,6 +69,8 @@ class ModelSpec:
     seq_len: int = 128
     options: tuple[tuple[str, OptionValue], ...] = ()
     tensors: tuple[TensorSignature, ...] = ()
+    init_from: str = ""
+    init_sha256: str = ""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.factory, str) and bool(self.factory.strip()),
@@ -76,12 +87,23 @@ class ModelSpec:
         for name, value in self.options:
             _require(name not in MODEL_KEYS, f"model.{name}: reserved key, not a factory option")
             _require(_is_option_value(value), f"model.{name} = {value!r}: must be a string, number, boolean or list")
+        _require(isinstance(self.init_from, str), f"model.init_from = {self.init_from!r}: must be a directory path")
+        _require(not self.init_from or self.factory == "llama",
+                 f"model.init_from = {self.init_from!r} imports a Hugging Face Llama: it needs factory = \"llama\" "
+                 f"(not {self.factory!r})")
+        digest = self.init_sha256
+        _require(isinstance(digest, str) and (digest == "" or (len(digest) == 64 and all(c in "0123456789abcdef" for c in digest))),
+                 f"model.init_sha256 = {digest!r}: must be the 64 lowercase hex digits of a sha256 (or empty)")
+        _require(not digest or bool(self.init_from),
+                 "model.init_sha256: the digest of imported weights needs model.init_from (the directory)")
 
     @classmethod
     def of(cls, factory: str = "bytes", *, vocab_size: int = 256, seq_len: int = 128,
-           tensors: tuple[TensorSignature, ...] = (), **options: OptionValue) -> ModelSpec:
+           tensors: tuple[TensorSignature, ...] = (), init_from: str = "", init_sha256: str = "",
+           **options: OptionValue) -> ModelSpec:
         """A spec from keyword options, e.g. `ModelSpec.of("llama", vocab_size=32000, size="1m")`."""
-        return cls(factory, vocab_size, seq_len, tuple(sorted((k, _frozen(v)) for k, v in options.items())), tensors)
+        return cls(factory, vocab_size, seq_len, tuple(sorted((k, _frozen(v)) for k, v in options.items())), tensors,
+                   init_from, init_sha256)
 
     def option(self, name: str, default: OptionValue = None) -> OptionValue:
         return dict(self.options).get(name, default)
@@ -101,6 +123,9 @@ class ModelSpec:
         table.update((name, _thawed(value)) for name, value in self.options)
         if self.tensors:
             table["tensors"] = [[name, list(shape), dtype] for name, shape, dtype in self.tensors]
+        for key in ("init_from", "init_sha256"):  # only when set: older manifests keep their form
+            if getattr(self, key):
+                table[key] = getattr(self, key)
         return table
 
     @classmethod
@@ -120,8 +145,13 @@ class ModelSpec:
                   and isinstance(item[2], str))
             _require(ok, f"model.tensors: malformed entry {item!r}; expected [name, [shape], dtype]")
             tensors.append((item[0], tuple(item[1]), item[2]))
+        imported: dict[str, str] = {}
+        for key in ("init_from", "init_sha256"):
+            value = raw.get(key, "")
+            _require(isinstance(value, str), f"model.{key} = {value!r}: must be a string")
+            imported[key] = value
         options = {k: v for k, v in raw.items() if k not in MODEL_KEYS}
-        return cls.of(factory, tensors=tuple(tensors), **fixed, **options)
+        return cls.of(factory, tensors=tuple(tensors), **fixed, **imported, **options)
 
 
 def _is_option_value(value: Any) -> bool:

@@ -665,7 +665,8 @@ class EffectiveConfig:
         for spec in RUN_SPECS:
             value: Any = run_dict
             for part in spec.key.split(".")[1:]:
-                value = value[part]
+                # A key a table leaves out when unset (model.init_from, init_sha256) is its default.
+                value = value[part] if part in value else spec.default
             out.append(Setting(spec.key, value, self.sources[spec.key], spec.env))
         for name, value in self.run.model.options:
             key = MODEL_OPTION_PREFIX + name

@@ -18,6 +18,12 @@ The run manifest carries the founding site's *parameter signature* (names, shape
 `seal` writes it when a run is founded, and `check_signature` refuses a site whose factory builds
 anything else, naming the differing tensors. Signatures come from `nnx.eval_shape`, so sealing
 and checking a 1B-parameter model allocates nothing.
+
+A run may start from a Hugging Face Llama (`[run.model] init_from`, learn/hf_llama.py): `seal`
+then also takes the model's shape from its config.json into the options and seals the digest of
+the imported weights (`init_sha256`); `imported_initial` reads them again where the run's state at
+index 0 is built (daemon/site_model.py). The factory itself never sees the directory, so every
+other site builds the same model from the manifest alone.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ import functools
 import gc
 import importlib
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -36,6 +43,7 @@ import numpy as np
 from flax import nnx
 
 from diloco_node.config.manifest import ConfigError, ModelSpec, RunManifest, TensorSignature, tensor_differences
+from diloco_node.learn import hf_llama
 from diloco_node.learn.model import make_eval_fn, path_name
 from diloco_node.sync.fragments import is_embedding
 
@@ -244,9 +252,76 @@ def model_signature(spec: ModelSpec) -> tuple[TensorSignature, ...]:
 
 
 def seal(manifest: RunManifest) -> RunManifest:
-    """The manifest with this site's parameter signature: what a founding site publishes."""
-    model = manifest.model.sealed(model_signature(manifest.model))
+    """The manifest with this site's parameter signature: what a founding site publishes. With
+    `init_from`, the imported model's shape fills the options and its digest is sealed first."""
+    spec = manifest.model
+    if spec.init_from:
+        spec = import_spec(spec)[0]
+    model = spec.sealed(model_signature(spec))
     return dataclasses.replace(manifest, model=model)
+
+
+# `[run.model]` keys a Hugging Face import decides: any of them also set must agree with config.json.
+# `size` is refused outright: a preset and config.json would be two sources of one shape.
+_VOCAB_DEFAULT = ModelSpec().vocab_size
+
+
+def import_spec(spec: ModelSpec) -> tuple[ModelSpec, dict[str, np.ndarray]]:
+    """(the spec completed from `init_from`'s config.json with `init_sha256` set, the imported
+    float32 parameters), checked against the model that spec builds. A key of `[run.model]`
+    config.json also decides must agree (vocab_size left at its default takes config.json's);
+    a configured `init_sha256` must be the weights'. Problems are ConfigErrors naming both values."""
+    imported = hf_llama.import_llama(Path(spec.init_from))
+    where = f"{Path(spec.init_from) / hf_llama.CONFIG_FILE}"
+    if spec.option("size") is not None:
+        raise ConfigError(f"model.size = {spec.option('size')!r} and model.init_from = {spec.init_from!r}: the "
+                          f"imported model's shape comes from {where}; remove size")
+    hf_keys = {ours: hf for hf, ours in hf_llama.SHAPE_KEYS.items()}
+    disagreements = []
+    vocab = imported.options["vocab_size"]
+    if spec.vocab_size not in (vocab, _VOCAB_DEFAULT):
+        disagreements.append(f"model.vocab_size = {spec.vocab_size} but {where} has vocab_size = {vocab}")
+    options = dict(spec.options)
+    for key, value in imported.options.items():
+        if key != "vocab_size" and key in options and options[key] != value:
+            disagreements.append(f"model.{key} = {options[key]!r} but {where} has {hf_keys[key]} = {value!r}")
+        options[key] = value
+    if disagreements:
+        raise ConfigError("the run's [run.model] contradicts the Hugging Face model it starts from: "
+                          + "; ".join(disagreements) + ". Remove these keys (init_from decides them) or fix them")
+    if spec.init_sha256 and spec.init_sha256 != imported.sha256:
+        raise ConfigError(f"model.init_sha256 = {spec.init_sha256} but the weights in {spec.init_from} have digest "
+                          f"{imported.sha256}: not the model this run was configured to start from")
+    options.pop("vocab_size")
+    completed = ModelSpec.of(spec.factory, vocab_size=vocab, seq_len=spec.seq_len, init_from=spec.init_from,
+                             init_sha256=imported.sha256, **options)
+    _check_imported(completed, imported.params)
+    return completed, imported.params
+
+
+def _check_imported(spec: ModelSpec, params: Mapping[str, np.ndarray]) -> None:
+    """The imported parameters are exactly the ones the spec's factory builds (names and shapes)."""
+    ours = tuple((name, tuple(a.shape), "float32") for name, a in params.items())
+    differences = tensor_differences(ours, model_signature(spec))
+    if differences:
+        raise ModelFactoryError(f"the weights imported from {spec.init_from} do not fit the llama model their "
+                                "config.json describes ('here': imported, 'in the run': what the factory builds): "
+                                + "; ".join(differences))
+
+
+def imported_initial(spec: ModelSpec) -> dict[str, np.ndarray] | None:
+    """The run's state at index 0 when it starts from a Hugging Face Llama: `init_from`'s weights,
+    refused unless their digest is the sealed `init_sha256`. None where the directory is not here
+    (a site other than the founder: its state comes from its checkpoint or a peer)."""
+    if not spec.init_from or not Path(spec.init_from).is_dir():
+        return None
+    imported = hf_llama.import_llama(Path(spec.init_from))
+    if spec.init_sha256 and imported.sha256 != spec.init_sha256:  # unsealed (not founded yet): nothing to hold to
+        raise ConfigError(f"the weights in {spec.init_from} (digest {imported.sha256}) are not the ones this run "
+                          f"started from (model.init_sha256 = {spec.init_sha256}): restore that directory, or "
+                          "remove it so that the state comes from a checkpoint or a peer")
+    _check_imported(spec, imported.params)
+    return imported.params
 
 
 def check_signature(manifest: RunManifest, ours: tuple[TensorSignature, ...] | None = None) -> None:

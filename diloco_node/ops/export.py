@@ -49,14 +49,23 @@ Loading an export elsewhere (needs only numpy, plus safetensors for that format)
 
 Into this project's model: `model.load_flat_params(params_state, params)`.
 
-No JAX here (numpy and safetensors only): the command must start fast and run beside a node.
+`--format hf` (runs of the "llama" factory) writes a Hugging Face Llama directory instead
+(learn/hf_llama.py: config.json, model.safetensors with Hugging Face names and layout, and the
+site's tokenizer.json when given): what `transformers.LlamaForCausalLM.from_pretrained` loads.
+It is built in a temporary directory beside the target and renamed into place.
+
+No JAX here (numpy and safetensors only): the command must start fast and run beside a node. The
+one exception is the hf format, which resolves the run's llama options (presets included) with
+learn/llama.py's `LlamaConfig`, and so imports JAX (no device is touched).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import shutil
 import tempfile
 import zipfile
 from collections.abc import Mapping
@@ -67,11 +76,15 @@ from typing import Any
 import numpy as np
 
 from diloco_node.config.manifest import ConfigError, RunManifest, tensor_differences
+from diloco_node.learn import hf_llama
 from diloco_node.ops.checkpoint import Checkpoint, CheckpointError, fsync_dir, read_checkpoint_file
 from diloco_node.sync.state_codec import params_from_checkpoint
 
 EXPORT_FORMAT = "diloco-node-export/1"
-FORMATS = ("safetensors", "npz")
+FORMATS = ("safetensors", "npz", "hf")
+HF_FORMAT = "hf"  # a Hugging Face Llama directory; never guessed from a suffix (--out is a directory)
+# What an hf export directory holds: with --force only such a directory is replaced (removed).
+HF_EXPORT_FILES = frozenset({hf_llama.CONFIG_FILE, hf_llama.WEIGHTS_FILE, hf_llama.TOKENIZER_FILE})
 FORMAT_BY_SUFFIX = {".safetensors": "safetensors", ".npz": "npz"}
 NPZ_METADATA_KEY = "__metadata__"
 # The data directory's layout as the daemon creates it (daemon/node.py: the checkpoint store's
@@ -237,10 +250,21 @@ def resolve_format(out: Path, requested: str | None) -> str:
     return by_suffix
 
 
-def export_global_model(data_dir: Path, out: Path, fmt: str | None = None, *, force: bool = False) -> ExportResult:
-    """Write the global model of the newest verified checkpoint in `data_dir` to `out`."""
+def export_global_model(data_dir: Path, out: Path, fmt: str | None = None, *, force: bool = False,
+                        tokenizer: Path | None = None, bos_token_id: int | None = None,
+                        eos_token_id: int | None = None) -> ExportResult:
+    """Write the global model of the newest verified checkpoint in `data_dir` to `out` (with the
+    hf format: a directory; `tokenizer`, bos and eos ids go into it)."""
     out = Path(out)
     fmt = resolve_format(out, fmt)
+    if fmt == HF_FORMAT:
+        _check_hf_target(out, force)
+        model = read_global_model(data_dir)
+        write_hf_export(model, out, force=force, tokenizer=tokenizer, bos_token_id=bos_token_id,
+                        eos_token_id=eos_token_id)
+        return ExportResult(out, fmt, model)
+    if tokenizer is not None or bos_token_id is not None or eos_token_id is not None:
+        raise ExportError(f"a tokenizer and bos/eos ids go into the {HF_FORMAT} format only (--format {HF_FORMAT})")
     _check_target(out, force)  # before reading megabytes of checkpoint
     model = read_global_model(data_dir)
     write_export(model.params, model.metadata, out, fmt, force=force)
@@ -282,6 +306,83 @@ def write_export(params: Mapping[str, np.ndarray], metadata: Mapping[str, str], 
         raise ExportError(f"cannot write {out}: {error.strerror or error}") from None
     finally:
         temp.unlink(missing_ok=True)
+
+
+def _check_hf_target(out: Path, force: bool) -> None:
+    if not out.parent.is_dir():
+        raise ExportError(f"cannot write {out}: {out.parent} is not a directory")
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise ExportError(f"{out} exists; pass --force to replace it")
+        if not out.is_dir() or out.is_symlink():
+            raise ExportError(f"cannot write {out}: it exists and is not a directory")
+        others = sorted(entry.name for entry in out.iterdir() if entry.name not in HF_EXPORT_FILES)
+        if others:  # --force removes what it replaces: never a directory that is not an export
+            raise ExportError(f"{out} holds {', '.join(others[:5])}: not a Hugging Face export this command "
+                              "wrote; --force replaces only those; choose another --out")
+
+
+def llama_shape(manifest: RunManifest) -> hf_llama.LlamaShape:
+    """The run's llama shape from its manifest: the factory's options resolved (presets included)."""
+    if manifest.model.factory != "llama":
+        raise ExportError(f"the {HF_FORMAT} format writes a Hugging Face Llama; this run's model factory is "
+                          f"{manifest.model.factory!r} (use --format safetensors or npz)")
+    from diloco_node.learn.llama import LlamaConfig  # the presets live there (imports JAX, touches no device)
+
+    try:
+        config = LlamaConfig.from_dict(manifest.model.factory_config())
+    except ValueError as error:
+        raise ExportError(f"the run's llama options cannot be resolved: {error}") from None
+    return hf_llama.LlamaShape.of(config)
+
+
+def write_hf_export(model: GlobalModel, out: Path, *, force: bool = False, tokenizer: Path | None = None,
+                    bos_token_id: int | None = None, eos_token_id: int | None = None) -> None:
+    """`model` as a Hugging Face Llama directory at `out`, built beside it and renamed into place.
+    A tokenizer whose sha256 is not the run's sealed `[run.data] tokenizer_sha256` is refused."""
+    out = Path(out)
+    _check_hf_target(out, force)
+    manifest = RunManifest.from_dict(json.loads(model.metadata["manifest"]))
+    shape = llama_shape(manifest)
+    if tokenizer is not None:
+        _check_tokenizer(Path(tokenizer), manifest.data.tokenizer_sha256)
+    # The safetensors metadata "format" must be "pt" for transformers; ours is kept beside it.
+    metadata = {**{k: v for k, v in model.metadata.items() if k != "format"}, "diloco_format": EXPORT_FORMAT}
+    try:
+        temp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    except OSError as error:
+        raise ExportError(f"cannot write in {out.parent}: {error.strerror or error}") from None
+    old: Path | None = None
+    try:
+        try:
+            hf_llama.write_llama(temp, model.params, shape, manifest.model.seq_len, metadata=metadata,
+                                 tokenizer=tokenizer, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+        except hf_llama.HFLlamaError as error:
+            raise ExportError(f"{model.checkpoint.name}: {error}") from None
+        for entry in temp.iterdir():
+            _fsync_file(entry)
+        os.chmod(temp, 0o755)  # mkdtemp makes it private; an export is meant to be read
+        if out.exists():  # force (checked above): the old export aside, the new one in, the old one removed
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+        os.replace(temp, out)
+        fsync_dir(out.parent)
+    except OSError as error:
+        raise ExportError(f"cannot write {out}: {error.strerror or error}") from None
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _check_tokenizer(path: Path, run_sha256: str) -> None:
+    try:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as error:
+        raise ExportError(f"cannot read the tokenizer {path}: {error.strerror or error}") from None
+    if run_sha256 and digest != run_sha256:
+        raise ExportError(f"the tokenizer {path} (sha256 {digest}) is not the run's ([run.data] tokenizer_sha256 = "
+                          f"{run_sha256}): its ids would not be the model's")
 
 
 def _write_safetensors(path: Path, params: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> None:
