@@ -304,12 +304,15 @@ def _encoder(tokenizer: Any) -> Callable[[list[str]], list[Any]]:
 
 
 def write_document_ids(files: Sequence[tuple[Path, str]], field: str, tokenizer: Any, eos_id: int,
-                       out: Any, *, batch_documents: int = BATCH_DOCUMENTS,
-                       batch_bytes: int = BATCH_TEXT_BYTES) -> tuple[list[tuple[int, int]], list[int]]:
+                       out: Any, *, batch_documents: int | None = None,
+                       batch_bytes: int | None = None) -> tuple[list[tuple[int, int]], list[int]]:
     """Tokenize every document of the files into `out` as uint32 ids, each document followed by
     `eos_id`; returns each file's [start, stop) in the ids and its number of documents. An empty
-    text is skipped (it would be a lone end-of-document token)."""
+    text is skipped (it would be a lone end-of-document token). Batches are BATCH_DOCUMENTS and
+    BATCH_TEXT_BYTES unless given."""
     encode = _encoder(tokenizer)
+    batch_documents = batch_documents or BATCH_DOCUMENTS
+    batch_bytes = batch_bytes or BATCH_TEXT_BYTES
     ranges: list[tuple[int, int]] = []
     counts: list[int] = []
     written = 0
