@@ -35,8 +35,8 @@ from diloco_node.config.site_data import DOCUMENT_EXTENSIONS
 # A batch of texts handed to the tokenizer holds at most this many documents or bytes of text:
 # enough documents for the tokenizer's threads to share, few enough that the texts, their
 # encodings and their ids stay a few tens of MB whatever the file's size.
-BATCH_DOCUMENTS = 4096
-BATCH_TEXT_BYTES = 4 << 20
+BATCH_DOCUMENTS = 1024
+BATCH_TEXT_BYTES = 1 << 20
 # Batches read ahead while the tokenizer encodes (it releases the GIL): reading overlaps encoding.
 READ_AHEAD_BATCHES = 2
 # End-of-document tokens by the names tokenizers give them, most specific first (GPT-2/Qwen,
