@@ -70,7 +70,8 @@ OBSERVED: dict[str, tuple[str, ...]] = {
                      "tests/integration/test_relayed_commits.py::test_relayed_commits_leave_the_holder_fanout_times_and_agree"),
     # ---------------------------------------------------------------- [node.data]
     "data.source": ("tests/test_data.py::test_text_files_and_globs",
-                    "tests/test_data.py::test_stdlib_corpus_loads_with_disjoint_eval_files"),
+                    "tests/test_data.py::test_stdlib_corpus_loads_with_disjoint_eval_files",
+                    "tests/test_documents.py::test_directories_and_globs_read_only_document_files"),
     "data.paths": ("tests/test_data.py::test_text_files_and_globs",),
     "data.tokenizer": ("tests/test_site_data.py::test_tokenized_text_equals_tokenizing_the_whole_file",),
     "data.token_dtype": ("tests/test_token_files.py::test_uint32_ids_above_65536_train_and_eval_through_the_sampler",
@@ -78,6 +79,12 @@ OBSERVED: dict[str, tuple[str, ...]] = {
     "data.eval_fraction": (E + "test_data_seed_and_eval_fraction_choose_the_held_out_files",
                            "tests/test_data.py::test_token_file_is_memory_mapped_and_split_by_position"),
     "data.seed": (E + "test_data_seed_and_eval_fraction_choose_the_held_out_files",),
+    "data.text_field": ("tests/test_documents.py::test_the_text_field_names_the_field_or_column",),
+    "data.eos_token": ("tests/test_documents.py::test_the_end_of_document_token_is_found_or_named",),
+    "data.eos_id": ("tests/test_documents.py::test_the_end_of_document_token_is_found_or_named",
+                    "tests/test_documents.py::test_token_files_with_an_eos_id_count_their_documents"),
+    "data.mix": ("tests/test_documents.py::test_a_mixture_from_the_config_file_with_paths_relative_to_it",
+                 "tests/test_documents.py::test_mixture_rows_follow_the_weights_reproducibly"),
     # ---------------------------------------------------------------- TLS and the operator listener
     "tls_cert_file": (TLS + "test_a_member_cannot_speak_for_another",
                       TLS + "test_tls_keys_derive_https_and_a_loopback_status_listener"),

@@ -38,7 +38,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from urllib.parse import urlsplit
 
 from diloco_node.config.manifest import MOVED_DATA_KEYS, ConfigError, RunManifest
-from diloco_node.config.site_data import SiteData
+from diloco_node.config.site_data import SiteData, parse_mix
 from diloco_node.config.site_devices import ClusterSpec, MeshShape
 from diloco_node.config.site_tracking import TrackingSpec
 from wire.auth import MIN_RUN_SECRET_BYTES
@@ -352,12 +352,18 @@ _NODE_HELP = {
     "synthetic_steps_per_s": "steps per second of a synthetic learner (learner = synthetic only)",
     "relay_fanout": "as lease holder, send each commit payload to this many sites, which relay it on "
                     "(0: send it to every follower)",
-    "data.source": "[node.data] what this site trains on: stdlib, text or tokens",
+    "data.source": "[node.data] what this site trains on: stdlib, text, tokens, or documents (jsonl, parquet, "
+                   "arrow; documents: by extension)",
     "data.paths": "[node.data] files, directories (text) and globs, read in order as one stream",
     "data.tokenizer": "[node.data] a local tokenizer.json: text is tokenized with it; token files declare it",
     "data.token_dtype": "[node.data] id type of token files: uint16 or uint32 (uint8 for byte files)",
     "data.eval_fraction": "[node.data] share of the data held out for evaluation, in (0, 0.5)",
     "data.seed": "[node.data] which files are held out when a source is split by file",
+    "data.text_field": "[node.data] the jsonl field or parquet/arrow column holding a document's text",
+    "data.eos_token": "[node.data] the end-of-document token's text (default: the one the tokenizer declares)",
+    "data.eos_id": "[node.data] the end-of-document token's id (-1: from eos_token or the tokenizer); "
+                   "beside token files it counts their documents",
+    "data.mix": "[node.data.mix.NAME] a mixture: tables of [node.data] keys plus weight (> 0)",
     "tls_cert_file": "this site's TLS certificate (PEM; enables mutual TLS with tls_key_file and tls_ca_file)",
     "tls_key_file": "the private key of tls_cert_file (PEM, mode 0600)",
     "tls_ca_file": "the run CA's certificate: peers' certificates are verified against it alone",
@@ -375,7 +381,8 @@ _NODE_KINDS = {
     "checkpoint_keep": "int", "log_retain_entries": "int", "eval_interval_commits": "int", "eval_batches": "int",
     "learner": "str", "synthetic_steps_per_s": "float", "relay_fanout": "int",
     "data.source": "str", "data.paths": "pathlist", "data.tokenizer": "pathstr", "data.token_dtype": "str",
-    "data.eval_fraction": "float", "data.seed": "int",
+    "data.eval_fraction": "float", "data.seed": "int", "data.text_field": "str", "data.eos_token": "str",
+    "data.eos_id": "int", "data.mix": "datamix",
     "tls_cert_file": "optpath", "tls_key_file": "optpath", "tls_ca_file": "optpath", "tls_crl_file": "optpath",
     "status_listen": "opthostport", "status_url": "str",
 }
@@ -575,6 +582,8 @@ def _parse(spec: KeySpec, raw: Any, where: str, base_dir: Path, from_text: bool)
                      f"{name}: must be a list of paths, e.g. [\"/srv/data/*.bin\"]")
             items = list(raw)
         return tuple(_resolved(item, base_dir) for item in items)
+    if kind == "datamix":  # [node.data.mix.NAME] tables; paths inside are relative to the file that set them
+        return parse_mix(raw, name, is_text, lambda path: _resolved(path, base_dir))
     if kind == "optip":
         _require(is_string, f"{name}: must be an IP address string")
         if raw.strip() == "":

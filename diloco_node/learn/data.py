@@ -12,6 +12,11 @@ imply). Nothing is downloaded and nothing large is read whole:
   `cache_dir` named by a digest of the encoder and the files (path, size, mtime), so a restarted
   site maps the cache instead of tokenizing again. Enough files are split by path hash, else the
   tail of the stream is eval.
+- documents ("jsonl", "parquet", "arrow", or "documents" by extension): records read in bounded
+  batches and tokenized (documents.py), each document ended with the end-of-document id, cached
+  as text is; the tail split begins at a document.
+- a mixture (`[node.data.mix.NAME]`): each entry opened as above; the train stream is a
+  `Mixture` the sampler draws from by the entries' weights, the eval stream all their eval splits.
 A missing, empty or unreadable source is a `DataError` naming the path.
 
 What the sites of a run must agree on is checked here: `check_tokens` scans a corpus for ids at
@@ -21,7 +26,8 @@ compares the site's tokenizer with the run's digest (`[run.data] tokenizer_sha25
 Learner m trains on shard m: the m-th of M contiguous, disjoint ranges of the train stream.
 Batches are random windows of seq_len + 1 tokens (inputs and shifted targets) from a generator
 seeded by (seed, learner), so a run is reproducible; `BatchSampler.state()` is its position,
-kept in the learner checkpoint, and `restore` continues from it.
+kept in the learner checkpoint, and `restore` continues from it. From a `Mixture`, each row of a
+batch comes from an entry drawn by weight from the same generator.
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ from typing import Any
 import numpy as np
 
 from diloco_node.config.manifest import DataAgreement, RunManifest
-from diloco_node.config.site_data import SiteData
+from diloco_node.config.site_data import DOCUMENT_SOURCES, SiteData
+from diloco_node.learn import documents as documents_lib
 from diloco_node.learn import token_files
 
 # Files of the stdlib that are not the standard library proper (third-party installs).
@@ -61,7 +68,10 @@ class Corpus:
     (both are only measured with len() and sliced). `vocab_size` is the vocabulary the data
     implies: 256 for bytes, the tokenizer's for tokenized text, the dtype's range for token files.
     `tokenizer_digest` is the sha256 of the tokenizer.json that made the ids ("" when none did or
-    none was named) and `tokenizer_vocab_size` its vocabulary (0 when text was not tokenized here)."""
+    none was named) and `tokenizer_vocab_size` its vocabulary (0 when text was not tokenized here).
+    `documents` counts the documents read (train and eval; 0 when the source has none, e.g. text
+    or token files without `eos_id`), `train_documents` those of the train split, and `eos_id`
+    the id that ends each (-1: none)."""
 
     train: np.ndarray | token_files.TokenStream
     eval: np.ndarray | token_files.TokenStream
@@ -71,6 +81,9 @@ class Corpus:
     eval_files: tuple[str, ...] = ()
     tokenizer_digest: str = ""
     tokenizer_vocab_size: int = 0
+    documents: int = 0
+    train_documents: int = 0
+    eos_id: int = -1
 
 
 def stdlib_files() -> list[Path]:
@@ -283,7 +296,8 @@ def _text_cache_key(files: Sequence[Path], encoder_id: str, chunk_bytes: int) ->
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _cached_ranges(meta_path: Path, tokens_path: Path, dtype: np.dtype, file_count: int) -> list[tuple[int, int]] | None:
+def _cached_ranges(meta_path: Path, tokens_path: Path, dtype: np.dtype, file_count: int,
+                   cache_format: int = TEXT_CACHE_FORMAT) -> list[tuple[int, int]] | None:
     """The file ranges of a complete cache, or None when there is none (or it is damaged: rebuilt)."""
     try:
         meta = json.loads(meta_path.read_text())
@@ -291,7 +305,7 @@ def _cached_ranges(meta_path: Path, tokens_path: Path, dtype: np.dtype, file_cou
         size = tokens_path.stat().st_size
     except (OSError, ValueError, TypeError, KeyError):
         return None
-    if meta.get("format") != TEXT_CACHE_FORMAT or meta.get("dtype") != dtype.name or len(ranges) != file_count:
+    if meta.get("format") != cache_format or meta.get("dtype") != dtype.name or len(ranges) != file_count:
         return None
     if not ranges or size != ranges[-1][1] * dtype.itemsize:
         return None
@@ -397,19 +411,199 @@ def _open_site_tokens(spec: SiteData) -> Corpus:
     names = tuple(name for name, _ in stream.parts)
     # A tokenizer named beside token files only declares which one made them: its digest is checked.
     digest = tokenizer_digest(spec.tokenizer) if spec.tokenizer else ""
-    return Corpus(train, evaluation, vocab_size,
-                  f"token files {', '.join(repr(p) for p in spec.paths)} ({spec.token_dtype}, {len(stream)} tokens)",
-                  names, (), digest)
+    description = f"token files {', '.join(repr(p) for p in spec.paths)} ({spec.token_dtype}, {len(stream):,} tokens"
+    eos_id = spec.eos_id
+    if eos_id < 0 and spec.eos_token:  # SiteData requires a tokenizer beside an eos_token
+        try:
+            eos_id, _ = documents_lib.find_eos(_load_tokenizer(spec.tokenizer), spec.tokenizer, spec.eos_token)
+        except documents_lib.DocumentError as error:
+            raise DataError(str(error)) from None
+    if eos_id < 0:
+        return Corpus(train, evaluation, vocab_size, description + ")", names, (), digest)
+    # The documents are already separated by eos_id: counted (one more pass over the ids) to be reported.
+    train_documents = documents_lib.count_id(train, eos_id, token_files.SCAN_CHUNK_TOKENS)
+    documents = train_documents + documents_lib.count_id(evaluation, eos_id, token_files.SCAN_CHUNK_TOKENS)
+    return Corpus(train, evaluation, vocab_size, description + f", {documents:,} documents ending with id {eos_id})",
+                  names, (), digest, documents=documents, train_documents=train_documents, eos_id=eos_id)
+
+
+DOCUMENT_CACHE_FORMAT = 1  # part of the documents cache key: a layout change never reuses old caches
+
+
+def _document_cache_key(files: Sequence[tuple[Path, str]], encoder_id: str, text_field: str, eos_id: int) -> str:
+    """Digest of what the cached ids depend on: the tokenizer, the text field, the end-of-document
+    id and each file's format, resolved path, size and modification time (an edited file, another
+    tokenizer or option gets a new cache). Batch sizes are not in it: each document is encoded
+    alone, so they change no id."""
+    described = []
+    for path, fmt in files:
+        try:
+            stat = path.stat()
+        except OSError as exc:
+            raise DataError(f"data source {str(path)!r}: cannot read it ({exc.strerror or exc})") from None
+        described.append([fmt, str(path.resolve()), stat.st_size, stat.st_mtime_ns])
+    blob = json.dumps({"format": DOCUMENT_CACHE_FORMAT, "encoder": encoder_id, "text_field": text_field,
+                       "eos_id": eos_id, "files": described}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _open_document_ids(files: Sequence[tuple[Path, str]], write: Callable[[Any], tuple[list, list]], key: str,
+                       cache_dir: Path | None, what: str) -> tuple[np.ndarray, list[tuple[int, int]], list[int]]:
+    """The documents' ids as one memory-mapped uint32 array, each file's [start, stop) in it and
+    its number of documents: from the cache (`cache_dir/documents-<key>.bin` and `.json`) when it
+    holds them, else tokenized now by `write` (into the cache, or a nameless temporary file)."""
+    dtype = np.dtype(np.uint32)
+
+    def no_documents() -> DataError:
+        return DataError(f"data source {what}: the files hold no documents with text")
+
+    if cache_dir is None:
+        with tempfile.TemporaryFile() as out:  # the map keeps the (already unlinked) file alive
+            ranges, counts = write(out)
+            out.flush()
+            if not ranges[-1][1]:
+                raise no_documents()
+            return np.memmap(out, dtype=dtype, mode="r", shape=(ranges[-1][1],)), ranges, counts
+    tokens_path, meta_path = cache_dir / f"documents-{key}.bin", cache_dir / f"documents-{key}.json"
+    ranges = _cached_ranges(meta_path, tokens_path, dtype, len(files), DOCUMENT_CACHE_FORMAT)
+    counts: list[int] = []
+    if ranges is not None:
+        try:
+            counts = [int(count) for count in json.loads(meta_path.read_text())["documents"]]
+        except (OSError, ValueError, TypeError, KeyError):
+            ranges = None
+        if len(counts) != len(files):
+            ranges = None
+    if ranges is None:
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DataError(f"data cache {str(cache_dir)!r}: cannot create it ({exc.strerror or exc})") from None
+        found: list[Any] = []
+        _replace_atomically(tokens_path, lambda out: found.extend(write(out)))
+        ranges, counts = found
+        if not ranges[-1][1]:
+            tokens_path.unlink(missing_ok=True)
+            raise no_documents()
+        # Written after the ids, so a crash in between leaves no cache that claims to be complete.
+        meta = {"format": DOCUMENT_CACHE_FORMAT, "dtype": dtype.name, "files": [str(path) for path, _ in files],
+                "ranges": ranges, "documents": counts}
+        _replace_atomically(meta_path, lambda out: out.write(json.dumps(meta).encode()))
+    return np.memmap(tokens_path, dtype=dtype, mode="r", shape=(ranges[-1][1],)), ranges, counts
+
+
+def _find_id(stream: Any, token_id: int, start: int, stop: int, *, last: bool = False) -> int:
+    """The first (or `last`) position in [start, stop) holding `token_id`, -1 when none; read in
+    bounded chunks."""
+    step = token_files.SCAN_CHUNK_TOKENS
+    starts = range(start, stop, step)
+    for begin in (reversed(starts) if last else starts):
+        chunk = np.asarray(stream[begin:min(begin + step, stop)])
+        hits = np.flatnonzero(chunk == token_id)
+        if hits.size:
+            return begin + int(hits[-1] if last else hits[0])
+    return -1
+
+
+def _document_cut(stream: token_files.TokenStream, eval_fraction: float, eos_id: int) -> int:
+    """Where the eval tail begins: the first document start at or after the last `eval_fraction`
+    of the stream (else the last one before it; else, one document, the plain position)."""
+    length = len(stream)
+    cut = length - max(1, int(length * eval_fraction))
+    after = _find_id(stream, eos_id, max(cut - 1, 0), length - 1)
+    if after >= 0:
+        return after + 1
+    before = _find_id(stream, eos_id, 0, max(cut - 1, 0), last=True)
+    return before + 1 if before >= 0 else cut
+
+
+def _open_site_documents(spec: SiteData, cache_dir: Path | None) -> Corpus:
+    patterns = ", ".join(repr(p) for p in spec.paths)
+    try:
+        files = documents_lib.expand_document_paths(spec.paths, spec.source)
+        digest = tokenizer_digest(spec.tokenizer)
+        tokenizer = _load_tokenizer(spec.tokenizer)
+        vocab_size = int(tokenizer.get_vocab_size())
+        eos_id, eos_how = documents_lib.find_eos(tokenizer, spec.tokenizer, spec.eos_token, spec.eos_id)
+        key = _document_cache_key(files, f"tokenizer:{digest}", spec.text_field, eos_id)
+        ids, ranges, counts = _open_document_ids(
+            files, lambda out: documents_lib.write_document_ids(files, spec.text_field, tokenizer, eos_id, out),
+            key, cache_dir, f"documents {patterns}")
+    except documents_lib.DocumentError as error:
+        raise DataError(str(error)) from None
+    names = [str(path) for path, _ in files]
+    parts = [(name, ids[start:stop]) for name, (start, stop) in zip(names, ranges)]
+    total = sum(counts)
+    description = (f"documents {patterns} tokenized by {spec.tokenizer!r} (sha256 {digest[:12]}, vocabulary "
+                   f"{vocab_size}; each ends with {eos_how}, id {eos_id}): {total:,} documents, {len(ids):,} tokens")
+    found = dict(vocab_size=vocab_size, tokenizer_digest=digest, tokenizer_vocab_size=vocab_size, documents=total,
+                 eos_id=eos_id)
+    # As text: hold out whole files by path hash when there are enough, else the stream's tail.
+    train_names, eval_names = split_paths(names, spec.eval_fraction, spec.seed)
+    if len(files) >= MIN_FILES_FOR_PATH_SPLIT and train_names and eval_names:
+        held_out = set(eval_names)
+        train = token_files.TokenStream([part for part in parts if part[0] not in held_out])
+        evaluation = token_files.TokenStream([part for part in parts if part[0] in held_out])
+        if len(train) and len(evaluation):
+            train_documents = sum(count for name, count in zip(names, counts) if name not in held_out)
+            return Corpus(train, evaluation, description=description, train_files=tuple(train_names),
+                          eval_files=tuple(eval_names), train_documents=train_documents, **found)
+    stream = token_files.TokenStream(parts)
+    cut = _document_cut(stream, spec.eval_fraction, eos_id)
+    train, evaluation = stream.sub(0, cut), stream.sub(cut, len(stream))
+    train_documents = total - documents_lib.count_id(evaluation, eos_id, token_files.SCAN_CHUNK_TOKENS)
+    return Corpus(train, evaluation, description=description + " (split by position, at a document)",
+                  train_files=tuple(names), train_documents=train_documents, **found)
+
+
+class Mixture(token_files.TokenStream):
+    """A mixture's train streams with their weights (`entries`: name, weight, stream). As a
+    stream it is all of them one after another (measured, scanned and sliced like any: a slice
+    is a plain stream); `BatchSampler` draws each row of a batch from one entry chosen by weight."""
+
+    def __init__(self, entries: Sequence[tuple[str, float, Any]]) -> None:
+        self.entries = [(name, float(weight), stream) for name, weight, stream in entries]
+        super().__init__([part for name, _, stream in self.entries for part in _named_parts(name, stream)])
+
+
+def _named_parts(name: str, stream: Any) -> list[tuple[str, Any]]:
+    return list(stream.parts) if isinstance(stream, token_files.TokenStream) else [(name, stream)]
+
+
+def _open_mixture(spec: SiteData, cache_dir: Path | None, chunk_bytes: int) -> Corpus:
+    opened = []
+    for name, weight, entry in spec.mixture():
+        try:
+            opened.append((name, weight, open_site_data(entry, cache_dir, chunk_bytes=chunk_bytes)))
+        except DataError as error:
+            raise DataError(f"data.mix.{name}: {error}") from None
+    total_weight = sum(weight for _, weight, _ in opened)
+    train = Mixture([(name, weight, corpus.train) for name, weight, corpus in opened])
+    evaluation = token_files.TokenStream([part for name, _, corpus in opened for part in _named_parts(name, corpus.eval)])
+    eos_ids = {corpus.eos_id for _, _, corpus in opened if corpus.eos_id >= 0}
+    description = "a mixture of " + "; ".join(f"{name} (weight {weight:g}, {weight / total_weight:.0%} of the rows): "
+                                              f"{corpus.description}" for name, weight, corpus in opened)
+    return Corpus(train, evaluation, max(corpus.vocab_size for _, _, corpus in opened), description,
+                  tuple(f for _, _, corpus in opened for f in corpus.train_files),
+                  tuple(f for _, _, corpus in opened for f in corpus.eval_files),
+                  next((corpus.tokenizer_digest for _, _, corpus in opened if corpus.tokenizer_digest), ""),
+                  max(corpus.tokenizer_vocab_size for _, _, corpus in opened),
+                  sum(corpus.documents for _, _, corpus in opened), sum(corpus.train_documents for _, _, corpus in opened),
+                  eos_ids.pop() if len(eos_ids) == 1 else -1)
 
 
 def open_site_data(spec: SiteData, cache_dir: Path | None, *, chunk_bytes: int = TEXT_CHUNK_BYTES) -> Corpus:
     """The corpus a site's `[node.data]` names (module docstring). `cache_dir` keeps encoded text
-    between restarts (None: encode into a temporary file each time); `chunk_bytes` is the size of
-    the pieces text is read and tokenized in."""
+    and documents between restarts (None: encode into a temporary file each time); `chunk_bytes`
+    is the size of the pieces text is read and tokenized in."""
+    if spec.mix:
+        return _open_mixture(spec, cache_dir, chunk_bytes)
     if spec.source == "stdlib":
         corpus = stdlib_corpus(spec.eval_fraction, spec.seed)
     elif spec.source == "text":
         corpus = _open_site_text(spec, cache_dir, chunk_bytes)
+    elif spec.source in DOCUMENT_SOURCES:
+        corpus = _open_site_documents(spec, cache_dir)
     else:
         corpus = _open_site_tokens(spec)
     if not len(corpus.train):
@@ -474,7 +668,7 @@ def check_tokenizer(run_sha256: str, spec: SiteData) -> str | None:
         return None
     if not run_sha256:
         return None
-    if spec.source == "tokens":
+    if all(leaf.source == "tokens" for leaf in spec.leaves()):
         return (f"the run's data is tokenized by the tokenizer with sha256 {run_sha256}; this site's token files "
                 "name no tokenizer, so which one made them is not checked (set node.data.tokenizer to check it)")
     raise DataError(f"the run's data is tokenized by the tokenizer with sha256 {run_sha256}, but this site reads "
@@ -505,8 +699,19 @@ def shard_bounds(num_tokens: int, num_shards: int) -> list[tuple[int, int]]:
 class BatchSampler:
     """Random (inputs_BxL, targets_BxL) windows from one token range, reproducible from its seed."""
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, learner: int = 0):
-        if len(tokens) < seq_len + 2:
+    def __init__(self, tokens: np.ndarray | token_files.TokenStream, batch_size: int, seq_len: int, seed: int,
+                 learner: int = 0):
+        self._entries: list[tuple[str, float, Any]] = []
+        if isinstance(tokens, Mixture):
+            for name, _, stream in tokens.entries:
+                if len(stream) < seq_len + 2:
+                    raise DataError(f"data.mix.{name}: its train split of {len(stream)} tokens is too small for "
+                                    f"seq_len {seq_len}")
+            self._entries = tokens.entries
+            weights = np.array([weight for _, weight, _ in self._entries], dtype=np.float64)
+            self._shares = weights / weights.sum()
+            self._highs = np.array([len(stream) - seq_len - 1 for _, _, stream in self._entries], dtype=np.int64)
+        elif len(tokens) < seq_len + 2:
             raise DataError(f"shard of {len(tokens)} tokens is too small for seq_len {seq_len}")
         self.tokens = tokens
         self.batch_size = batch_size
@@ -514,20 +719,26 @@ class BatchSampler:
         self.seed, self.learner = seed, learner
         self._rng = np.random.default_rng([seed, learner])
 
+    def _identity(self) -> dict[str, Any]:
+        """What a saved position is only valid for; a mixture adds its entries (name, weight, length)."""
+        mine: dict[str, Any] = {"seed": self.seed, "learner": self.learner, "tokens": len(self.tokens),
+                                "batch": [self.batch_size, self.seq_len]}
+        if self._entries:
+            mine["mixture"] = [[name, weight, len(stream)] for name, weight, stream in self._entries]
+        return mine
+
     def state(self) -> str:
         """Where the sampler stands (JSON): a learner checkpoint keeps it, so a restarted site
         continues with the batches it had not drawn yet instead of replaying the first ones."""
-        return json.dumps({"seed": self.seed, "learner": self.learner, "tokens": len(self.tokens),
-                           "batch": [self.batch_size, self.seq_len], "generator": self._rng.bit_generator.state})
+        return json.dumps(self._identity() | {"generator": self._rng.bit_generator.state})
 
     def restore(self, saved_state: str | Mapping[str, Any]) -> None:
         """Continue from `state()` (its JSON text, or that text parsed into a dict); a DataError
         (nothing changed) when it belongs to another sampler: another seed, learner, batch shape
-        or shard length (the data changed)."""
+        or shard length (the data changed), or another mixture (entries, weights or lengths)."""
         try:
             saved = dict(saved_state) if isinstance(saved_state, Mapping) else json.loads(saved_state)
-            mine = {"seed": self.seed, "learner": self.learner, "tokens": len(self.tokens),
-                    "batch": [self.batch_size, self.seq_len]}
+            mine = self._identity()
             differs = sorted(k for k, v in mine.items() if saved.get(k) != v)
             generator = saved["generator"]
         except (ValueError, TypeError, KeyError, AttributeError) as error:
@@ -543,6 +754,14 @@ class BatchSampler:
         self._rng = rng
 
     def next(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._entries:
+            # Each row from an entry drawn by weight, then a window of that entry: one generator, so
+            # the batches are reproducible from the seed and resumable from state().
+            entry_B = self._rng.choice(len(self._entries), size=self.batch_size, p=self._shares)
+            starts_B = self._rng.integers(0, self._highs[entry_B])
+            windows_BxL1 = np.stack([np.asarray(self._entries[e][2][s:s + self.seq_len + 1])
+                                     for e, s in zip(entry_B, starts_B)]).astype(np.int32)
+            return windows_BxL1[:, :-1], windows_BxL1[:, 1:]
         starts_B = self._rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
         windows_BxL1 = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1]) for s in starts_B]).astype(np.int32)
         return windows_BxL1[:, :-1], windows_BxL1[:, 1:]
