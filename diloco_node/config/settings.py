@@ -364,6 +364,8 @@ _NODE_HELP = {
     "data.eos_id": "[node.data] the end-of-document token's id (-1: from eos_token or the tokenizer); "
                    "beside token files it counts their documents",
     "data.mix": "[node.data.mix.NAME] a mixture: tables of [node.data] keys plus weight (> 0)",
+    "data.eval": "[node.data.eval.NAME] separate eval sets: tables of [node.data] keys (paths, source...), read "
+                 "whole, never trained on",
     "tls_cert_file": "this site's TLS certificate (PEM; enables mutual TLS with tls_key_file and tls_ca_file)",
     "tls_key_file": "the private key of tls_cert_file (PEM, mode 0600)",
     "tls_ca_file": "the run CA's certificate: peers' certificates are verified against it alone",
@@ -382,7 +384,7 @@ _NODE_KINDS = {
     "learner": "str", "synthetic_steps_per_s": "float", "relay_fanout": "int",
     "data.source": "str", "data.paths": "pathlist", "data.tokenizer": "pathstr", "data.token_dtype": "str",
     "data.eval_fraction": "float", "data.seed": "int", "data.text_field": "str", "data.eos_token": "str",
-    "data.eos_id": "int", "data.mix": "datamix",
+    "data.eos_id": "int", "data.mix": "datamix", "data.eval": "dataeval",
     "tls_cert_file": "optpath", "tls_key_file": "optpath", "tls_ca_file": "optpath", "tls_crl_file": "optpath",
     "status_listen": "opthostport", "status_url": "str",
 }
@@ -584,6 +586,8 @@ def _parse(spec: KeySpec, raw: Any, where: str, base_dir: Path, from_text: bool)
         return tuple(_resolved(item, base_dir) for item in items)
     if kind == "datamix":  # [node.data.mix.NAME] tables; paths inside are relative to the file that set them
         return parse_mix(raw, name, is_text, lambda path: _resolved(path, base_dir))
+    if kind == "dataeval":  # [node.data.eval.NAME] tables, read as data.mix's are
+        return parse_mix(raw, name, is_text, lambda path: _resolved(path, base_dir), table_name="eval")
     if kind == "optip":
         _require(is_string, f"{name}: must be an IP address string")
         if raw.strip() == "":

@@ -5,7 +5,9 @@ paths), so none of this is in the run manifest. What the sites of a run must agr
 vocabulary and context, `[run.model]`; the tokenizer's digest, `[run.data]`) is checked against
 these settings when the data is opened (learn/data.py). A mixture (`[node.data.mix.NAME]`
 tables) is several such sources with weights; each entry is validated here as a `SiteData` of
-its own, filled in from the `[node.data]` keys it does not set.
+its own, filled in from the `[node.data]` keys it does not set. Separate eval sets
+(`[node.data.eval.NAME]` tables) are sources read whole as held-out data, never trained on, each
+resolved the same way (without a weight).
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ TOKEN_DTYPES = ("uint8", "uint16", "uint32")
 DOCUMENT_EXTENSIONS = {"jsonl": (".jsonl", ".jsonl.gz"), "parquet": (".parquet",), "arrow": (".arrow",)}
 # The keys a mixture entry may set besides `weight`; what it leaves out comes from [node.data].
 _INHERITED = ("source", "tokenizer", "token_dtype", "text_field", "eos_token", "eos_id", "eval_fraction", "seed")
+# The keys an eval set may set: a set is read whole, so the split keys (eval_fraction, seed) mean
+# nothing there and are refused rather than silently ignored.
+_EVAL_KEYS = ("paths", "source", "tokenizer", "token_dtype", "text_field", "eos_token", "eos_id")
+# The name of the held-out slice of the training data when reported beside eval sets (/status,
+# /metrics' `set` label, `diloco-node eval`): an eval set may not take it.
+HELD_OUT_SET = "held_out"
 
 
 class MixEntry(NamedTuple):
@@ -34,6 +42,14 @@ class MixEntry(NamedTuple):
 
     name: str
     weight: float
+    settings: tuple[tuple[str, Any], ...]
+
+
+class EvalSet(NamedTuple):
+    """One `[node.data.eval.NAME]` table, resolved like a `MixEntry` (inherited keys filled in),
+    without a weight: a source read whole as held-out data. `SiteData.eval_sets()` rebuilds it."""
+
+    name: str
     settings: tuple[tuple[str, Any], ...]
 
 
@@ -58,6 +74,9 @@ class SiteData:
     is split by file path.
     mix: the `[node.data.mix.NAME]` entries (a mapping of name to table, turned into `MixEntry`s);
     when set, `paths` stays empty and the other keys are the entries' defaults.
+    eval: the `[node.data.eval.NAME]` sets (a mapping of name to table, turned into `EvalSet`s):
+    separate held-out data, read whole and never trained on; when set, no slice of the training
+    data is held out (docs/DATA.md "Separate eval sets").
     """
 
     source: str = "stdlib"
@@ -70,8 +89,10 @@ class SiteData:
     eos_token: str = ""
     eos_id: int = -1
     mix: tuple[MixEntry, ...] = ()
+    eval: tuple[EvalSet, ...] = ()
 
     def __post_init__(self) -> None:
+        self._check_eval()
         if self.mix:
             self._check_mix()
             return
@@ -144,6 +165,9 @@ class SiteData:
             raise ConfigError(f"{where} = {table!r}: must be a table ([node.data.mix.{name}]) with paths and weight")
         table = dict(table)
         unknown = sorted(set(table) - {"weight", "paths", *_INHERITED})
+        if "eval" in table or "mix" in table:
+            raise ConfigError(f"{where}: a mixture entry holds no nested tables; [node.data.eval.NAME] and "
+                              "[node.data.mix.NAME] belong in [node.data]")
         if unknown:
             raise ConfigError(f"{where}: unknown key {unknown[0]!r}; known: weight, paths, {', '.join(_INHERITED)}")
         weight = table.pop("weight", None)
@@ -163,7 +187,52 @@ class SiteData:
         except TypeError as error:
             raise ConfigError(f"{where}: {error}") from None
         return MixEntry(str(name), float(weight), tuple((f.name, getattr(entry, f.name)) for f in fields(SiteData)
-                                                        if f.name != "mix"))
+                                                        if f.name not in ("mix", "eval")))
+
+    def _check_eval(self) -> None:
+        sets = self.eval
+        if isinstance(sets, Mapping):
+            sets = tuple(self._eval_set(name, table) for name, table in sets.items())
+        if not isinstance(sets, tuple) or not all(isinstance(entry, EvalSet) for entry in sets):
+            raise ConfigError(f"data.eval = {self.eval!r}: must be [node.data.eval.NAME] tables")
+        object.__setattr__(self, "eval", sets)
+
+    def _eval_set(self, name: Any, table: Any) -> EvalSet:
+        where = f"data.eval.{name}"
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"{where} = {table!r}: must be a table ([node.data.eval.{name}]) with paths")
+        if str(name) == HELD_OUT_SET:
+            raise ConfigError(f"{where}: {HELD_OUT_SET!r} names the held-out slice of the training data; "
+                              "give the eval set another name")
+        table = dict(table)
+        unknown = sorted(set(table) - set(_EVAL_KEYS))
+        if unknown:
+            why = {"weight": " (eval sets are evaluated, not sampled)", "eval_fraction": " (an eval set is read whole)",
+                   "seed": " (an eval set is read whole)"}.get(unknown[0], "")
+            raise ConfigError(f"{where}: unknown key {unknown[0]!r}{why}; known: {', '.join(_EVAL_KEYS)}")
+        if table.get("tokenizer", self.tokenizer) != self.tokenizer:
+            raise ConfigError(f"{where}.tokenizer: a site tokenizes with one tokenizer; set data.tokenizer once, "
+                              "in [node.data]")
+        settings = {key: getattr(self, key) for key in _INHERITED if key not in ("eval_fraction", "seed")} | table
+        if settings["source"] != "tokens" and "token_dtype" not in table:
+            settings["token_dtype"] = ""  # inherited from a [node.data] of token files, it would be refused
+        if settings["source"] not in DOCUMENT_SOURCES + ("tokens",) and not {"eos_token", "eos_id"} & set(table):
+            settings["eos_token"], settings["eos_id"] = "", -1  # inherited from documents, it would be refused
+        try:
+            entry = SiteData(**settings)
+        except ConfigError as error:
+            raise ConfigError(str(error).replace("data.", f"{where}.", 1)) from None
+        except TypeError as error:
+            raise ConfigError(f"{where}: {error}") from None
+        if entry.source == "stdlib" and not self.mix and self.source == "stdlib":
+            raise ConfigError(f"{where}: source 'stdlib' is this site's training data; an eval set may not be "
+                              "trained on (name other files)")
+        return EvalSet(str(name), tuple((f.name, getattr(entry, f.name)) for f in fields(SiteData)
+                                        if f.name not in ("mix", "eval")))
+
+    def eval_sets(self) -> tuple[tuple[str, SiteData], ...]:
+        """The separate eval sets as (name, SiteData), in the order they were given; () when none."""
+        return tuple((entry.name, SiteData(**dict(entry.settings))) for entry in self.eval)
 
     def mixture(self) -> tuple[tuple[str, float, SiteData], ...]:
         """The mixture's entries as (name, weight, SiteData); () when this site reads one source."""
@@ -188,11 +257,14 @@ class SiteData:
         return what
 
 
-def parse_mix(raw: Any, name: str, from_text: bool, resolve: Callable[[str], str]) -> Any:
-    """The `data.mix` key's value as settings.py reads it: a TOML table of tables from a file, or
-    the same as TOML inline-table text from the environment or a flag
-    (`web = {paths = ["web/*.jsonl"], weight = 3}, code = {...}`). Paths and the tokenizer are made
-    absolute with `resolve` (relative to the file that set them). Validation is `SiteData`'s."""
+def parse_mix(raw: Any, name: str, from_text: bool, resolve: Callable[[str], str], table_name: str = "mix") -> Any:
+    """The `data.mix` (or, with `table_name="eval"`, `data.eval`) key's value as settings.py reads
+    it: a TOML table of tables from a file, or the same as TOML inline-table text from the
+    environment or a flag (`web = {paths = ["web/*.jsonl"], weight = 3}, code = {...}`). Paths and
+    the tokenizer are made absolute with `resolve` (relative to the file that set them).
+    Validation is `SiteData`'s."""
+    example = ('wiki = {paths = [\"/srv/wiki.jsonl\"]}' if table_name == "eval"
+               else 'web = {paths = [\"web/*.jsonl\"], weight = 3}')
     if from_text and isinstance(raw, str):
         text = raw.strip()
         if text and not text.startswith("{"):
@@ -200,12 +272,12 @@ def parse_mix(raw: Any, name: str, from_text: bool, resolve: Callable[[str], str
         try:
             raw = tomllib.loads(f"v = {text or '{}'}")["v"]
         except tomllib.TOMLDecodeError as error:
-            raise ConfigError(f"{name}: not a TOML inline table of tables, e.g. "
-                              f"'web = {{paths = [\"web/*.jsonl\"], weight = 3}}' ({error})") from None
+            raise ConfigError(f"{name}: not a TOML inline table of tables, e.g. '{example}' ({error})") from None
     if isinstance(raw, (tuple, list)) and not raw:
         return ()
     if not isinstance(raw, Mapping) or not all(isinstance(table, Mapping) for table in raw.values()):
-        raise ConfigError(f"{name}: must be [node.data.mix.NAME] tables, each with paths and a weight")
+        what = "paths" if table_name == "eval" else "paths and a weight"
+        raise ConfigError(f"{name}: must be [node.data.{table_name}.NAME] tables, each with {what}")
     resolved = {}
     for entry, table in raw.items():
         table = dict(table)

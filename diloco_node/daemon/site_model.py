@@ -10,6 +10,7 @@ weights are.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -50,16 +51,26 @@ class SiteModel:
 
 def open_learner_data(manifest: RunManifest, data: SiteData, cache_dir: Path | None) -> data_lib.Corpus:
     """A learner's own data (`[node.data]`), checked against what the run fixes: the tokenizer's
-    digest and the model's vocabulary (every id scanned). Problems are ConfigErrors naming the file."""
+    digest and the model's vocabulary (every id scanned). Its separate eval sets (`[node.data.eval.NAME]`)
+    are opened with it (`Corpus.eval_sets`): when there are any, no slice of the training data is
+    held out. Problems are ConfigErrors naming the file."""
     try:
         warning = data_lib.check_tokenizer(manifest.data.tokenizer_sha256, data)
         if warning:
             log.warning("%s", warning)
         corpus = data_lib.open_site_data(data, cache_dir)
+        sets = data_lib.open_eval_sets(data, cache_dir, corpus)
+        for name, stream in sets:
+            if len(stream) < manifest.model.seq_len + 2:
+                raise data_lib.DataError(f"data.eval.{name}: {len(stream)} tokens, too few for one window of "
+                                         f"seq_len {manifest.model.seq_len} + 1")
+        corpus = dataclasses.replace(corpus, eval_sets=sets)
         data_lib.check_tokens(corpus, manifest.model.vocab_size)
     except data_lib.DataError as error:
         raise ConfigError(str(error)) from None
     log.info("training data: %s (%d train, %d eval tokens)", corpus.description, len(corpus.train), len(corpus.eval))
+    for name, stream in corpus.eval_sets:
+        log.info("eval set %s: %d tokens (never trained on)", name, len(stream))
     return corpus
 
 

@@ -17,6 +17,9 @@ imply). Nothing is downloaded and nothing large is read whole:
   as text is; the tail split begins at a document.
 - a mixture (`[node.data.mix.NAME]`): each entry opened as above; the train stream is a
   `Mixture` the sampler draws from by the entries' weights, the eval stream all their eval splits.
+- separate eval sets (`[node.data.eval.NAME]`): each source opened as above but read whole
+  (`hold_out=False`), checked not to share a file with the training data, and kept in
+  `Corpus.eval_sets`; with eval sets, nothing of the training data is held out.
 A missing, empty or unreadable source is a `DataError` naming the path.
 
 What the sites of a run must agree on is checked here: `check_tokens` scans a corpus for ids at
@@ -71,7 +74,8 @@ class Corpus:
     none was named) and `tokenizer_vocab_size` its vocabulary (0 when text was not tokenized here).
     `documents` counts the documents read (train and eval; 0 when the source has none, e.g. text
     or token files without `eos_id`), `train_documents` those of the train split, and `eos_id`
-    the id that ends each (-1: none)."""
+    the id that ends each (-1: none). `eval_sets` are the separate eval sets (name, whole token
+    stream) of `[node.data.eval.NAME]`, in the order they were given (`open_eval_sets`)."""
 
     train: np.ndarray | token_files.TokenStream
     eval: np.ndarray | token_files.TokenStream
@@ -84,6 +88,7 @@ class Corpus:
     documents: int = 0
     train_documents: int = 0
     eos_id: int = -1
+    eval_sets: tuple[tuple[str, Any], ...] = ()
 
 
 def stdlib_files() -> list[Path]:
@@ -570,11 +575,11 @@ def _named_parts(name: str, stream: Any) -> list[tuple[str, Any]]:
     return list(stream.parts) if isinstance(stream, token_files.TokenStream) else [(name, stream)]
 
 
-def _open_mixture(spec: SiteData, cache_dir: Path | None, chunk_bytes: int) -> Corpus:
+def _open_mixture(spec: SiteData, cache_dir: Path | None, chunk_bytes: int, hold_out: bool) -> Corpus:
     opened = []
     for name, weight, entry in spec.mixture():
         try:
-            opened.append((name, weight, open_site_data(entry, cache_dir, chunk_bytes=chunk_bytes)))
+            opened.append((name, weight, open_site_data(entry, cache_dir, chunk_bytes=chunk_bytes, hold_out=hold_out)))
         except DataError as error:
             raise DataError(f"data.mix.{name}: {error}") from None
     total_weight = sum(weight for _, weight, _ in opened)
@@ -592,12 +597,32 @@ def _open_mixture(spec: SiteData, cache_dir: Path | None, chunk_bytes: int) -> C
                   eos_ids.pop() if len(eos_ids) == 1 else -1)
 
 
-def open_site_data(spec: SiteData, cache_dir: Path | None, *, chunk_bytes: int = TEXT_CHUNK_BYTES) -> Corpus:
+def _whole(corpus: Corpus) -> Corpus:
+    """The corpus with nothing held out: its eval split joined back to the train stream (every
+    token trains, or, for an eval set, every token is evaluated). The files' order may change
+    (a path split's held-out files come last), which no reader depends on."""
+    if not len(corpus.eval):
+        return corpus
+    if isinstance(corpus.train, np.ndarray) and isinstance(corpus.eval, np.ndarray):
+        train: Any = np.concatenate([corpus.train, corpus.eval])
+    else:
+        train = token_files.TokenStream(_named_parts("train", corpus.train) + _named_parts("eval", corpus.eval))
+    return dataclasses.replace(corpus, train=train, eval=np.empty(0, np.asarray(corpus.eval[:1]).dtype),
+                               train_files=corpus.train_files + corpus.eval_files, eval_files=(),
+                               train_documents=corpus.documents)
+
+
+def open_site_data(spec: SiteData, cache_dir: Path | None, *, chunk_bytes: int = TEXT_CHUNK_BYTES,
+                   hold_out: bool | None = None) -> Corpus:
     """The corpus a site's `[node.data]` names (module docstring). `cache_dir` keeps encoded text
     and documents between restarts (None: encode into a temporary file each time); `chunk_bytes`
-    is the size of the pieces text is read and tokenized in."""
+    is the size of the pieces text is read and tokenized in. `hold_out`: whether an eval split is
+    carved out of the data (default: unless the site has separate eval sets, which replace it);
+    False reads the whole source as `train` and leaves `eval` empty."""
+    if hold_out is None:
+        hold_out = not spec.eval
     if spec.mix:
-        return _open_mixture(spec, cache_dir, chunk_bytes)
+        return _open_mixture(spec, cache_dir, chunk_bytes, hold_out)
     if spec.source == "stdlib":
         corpus = stdlib_corpus(spec.eval_fraction, spec.seed)
     elif spec.source == "text":
@@ -606,9 +631,36 @@ def open_site_data(spec: SiteData, cache_dir: Path | None, *, chunk_bytes: int =
         corpus = _open_site_documents(spec, cache_dir)
     else:
         corpus = _open_site_tokens(spec)
+    if not hold_out:
+        corpus = _whole(corpus)
     if not len(corpus.train):
         raise DataError(f"data source {corpus.description}: too small to hold out an eval split and train on the rest")
     return corpus
+
+
+def _real_files(names: Sequence[str]) -> dict[str, str]:
+    return {os.path.realpath(name): name for name in names if os.path.isabs(name)}
+
+
+def open_eval_sets(spec: SiteData, cache_dir: Path | None, training: Corpus | None = None, *,
+                   chunk_bytes: int = TEXT_CHUNK_BYTES) -> tuple[tuple[str, Any], ...]:
+    """The site's separate eval sets (`[node.data.eval.NAME]`) as (name, whole token stream), each
+    opened as a source of its own and read whole. A set that shares a file with the `training`
+    corpus (train or held-out files) is refused, naming the file: held-out data that is also
+    trained on measures memory, not generalisation."""
+    trained = _real_files(training.train_files + training.eval_files) if training is not None else {}
+    sets = []
+    for name, entry in spec.eval_sets():
+        try:
+            corpus = open_site_data(entry, cache_dir, chunk_bytes=chunk_bytes, hold_out=False)
+        except DataError as error:
+            raise DataError(f"data.eval.{name}: {error}") from None
+        shared = sorted(set(_real_files(corpus.train_files)) & set(trained))
+        if shared:
+            raise DataError(f"data.eval.{name}: {trained[shared[0]]!r} is also a training file of this site; "
+                            "an eval set must be held out (remove it from [node.data] paths or from the set)")
+        sets.append((name, corpus.train))
+    return tuple(sets)
 
 
 def _index_in_own_file(array: np.ndarray, name: str) -> int | None:
@@ -633,7 +685,9 @@ def check_tokens(corpus: Corpus, vocab_size: int) -> None:
         raise DataError(f"{corpus.description}: the tokenizer's vocabulary ({corpus.tokenizer_vocab_size} ids) is "
                         f"larger than model.vocab_size = {vocab_size}; raise run.model.vocab_size to at least "
                         f"{corpus.tokenizer_vocab_size}")
-    for split_name, split in (("train split", corpus.train), ("eval split", corpus.eval)):
+    splits = [("train split", corpus.train), ("eval split", corpus.eval)]
+    splits += [(f"eval set {name!r}", stream) for name, stream in corpus.eval_sets]
+    for split_name, split in splits:
         parts = split.parts if isinstance(split, token_files.TokenStream) else [(split_name, split)]
         for name, array in parts:
             for start in range(0, len(array), token_files.SCAN_CHUNK_TOKENS):
