@@ -85,6 +85,8 @@ OBSERVED: dict[str, tuple[str, ...]] = {
                     "tests/test_documents.py::test_token_files_with_an_eos_id_count_their_documents"),
     "data.mix": ("tests/test_documents.py::test_a_mixture_from_the_config_file_with_paths_relative_to_it",
                  "tests/test_documents.py::test_mixture_rows_follow_the_weights_reproducibly"),
+    "data.eval": ("tests/test_eval_sets.py::test_eval_sets_from_the_file_and_the_environment",
+                  "tests/test_eval_sets.py::test_the_evaluator_scores_each_eval_set_and_no_slice_is_held_out"),
     # ---------------------------------------------------------------- TLS and the operator listener
     "tls_cert_file": (TLS + "test_a_member_cannot_speak_for_another",
                       TLS + "test_tls_keys_derive_https_and_a_loopback_status_listener"),

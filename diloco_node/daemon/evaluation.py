@@ -1,10 +1,16 @@
 """Evaluating the global model on this site's held-out data, every N applied commits.
 
+What is held out: the slice of the training data (`eval_fraction`, reported as set "held_out"),
+or, when the site names separate eval sets (`[node.data.eval.NAME]`), each of those, scored
+separately on the same fixed windows every time (so a set's figure compares across evaluations
+and across sites that name the same files).
+
 The global parameters are copied on the event loop (a few milliseconds of memcpy) and evaluated
 on a thread of their own, never on the training thread: a learner keeps stepping while the
 evaluation runs, and at most one evaluation is in flight (a slow one skips intervals rather than
-queueing them). Results go to `/status` (`evaluation`), `/metrics` (`diloco_eval_loss`)
-and the history (`eval` events). Witnesses have no data and do not evaluate.
+queueing them). Results go to `/status` (`evaluation`: the held-out slice's `loss`, and
+`sets`), `/metrics` (`diloco_eval_loss{set=...}`), the history (one `eval` event per set) and
+the trackers (`eval/loss`, `eval/<NAME>/loss`). Witnesses have no data and do not evaluate.
 
 Only a replica that is one consistent global state is evaluated (not mid-download), so every
 figure is the loss of a model that existed at that commit index.
@@ -16,7 +22,8 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 from concurrent.futures import Executor, ThreadPoolExecutor
 
 import numpy as np
@@ -28,7 +35,8 @@ from diloco_node.daemon.tasks import TaskSet
 from diloco_node.learn import data as data_lib
 from diloco_node.learn import factory
 from diloco_node.learn import model as model_lib
-from diloco_node.ops.status import EvalStatus, StatusBuilder
+from diloco_node.config.site_data import HELD_OUT_SET
+from diloco_node.ops.status import EvalSetStatus, EvalStatus, StatusBuilder
 from diloco_node.sync.replica import Replica
 
 log = logging.getLogger("diloco_node.daemon")
@@ -51,6 +59,18 @@ class HeldOutLoss:
         return float(factory.eval_fn(factory.recipe(self.manifest.model))(params, self.inputs, self.targets))
 
 
+class EvalSetsLoss:
+    """The jitted loss of flat global parameters on each named token stream (the held-out slice
+    as "held_out", the eval sets by name): `batches` fixed batches of windows evenly spaced over
+    each stream (`data_lib.eval_batches`, never random). Returns {name: (loss, predicted tokens)}."""
+
+    def __init__(self, manifest: RunManifest, streams: Mapping[str, np.ndarray], batches: int) -> None:
+        self.sets = {name: HeldOutLoss(manifest, stream, batches) for name, stream in streams.items()}
+
+    def __call__(self, flat: Mapping[str, np.ndarray]) -> dict[str, tuple[float, int]]:
+        return {name: (loss(flat), int(loss.targets.size)) for name, loss in self.sets.items()}
+
+
 class GlobalEvaluator:
     """Decides when to evaluate (`after_apply`) and publishes what it measured."""
 
@@ -58,16 +78,23 @@ class GlobalEvaluator:
     def for_site(cls, *, node_id: str, manifest: RunManifest, eval_tokens: np.ndarray | None, every_commits: int,
                  batches: int, replica: Replica, consistent: Callable[[], bool], tasks: TaskSet,
                  status: StatusBuilder, series: DaemonSeries, history: DaemonHistory,
-                 also: Callable[[EvalStatus], None] = lambda result: None) -> GlobalEvaluator:
-        """The node's evaluator on its own thread; `close()` it with the node."""
-        loss = HeldOutLoss(manifest, eval_tokens, batches) if eval_tokens is not None and every_commits > 0 else None
+                 also: Callable[[EvalStatus], None] = lambda result: None,
+                 eval_sets: Sequence[tuple[str, np.ndarray]] = ()) -> GlobalEvaluator:
+        """The node's evaluator on its own thread; `close()` it with the node. `eval_tokens` is the
+        held-out slice (None or empty: none, e.g. beside eval sets), `eval_sets` the named sets."""
+        streams = {name: stream for name, stream in eval_sets}
+        if eval_tokens is not None and len(eval_tokens):
+            streams = {HELD_OUT_SET: eval_tokens} | streams
+        loss = EvalSetsLoss(manifest, streams, batches) if streams and every_commits > 0 else None
 
         def publish(result: EvalStatus) -> None:
             status.set_evaluation(result)
-            if result.loss is not None:
-                series.eval_loss.set(result.loss)
+            for name, figure in result.figures():
+                if figure is not None:
+                    series.eval_loss.set(figure, set=name)
             series.eval_commit_index.set(result.commit_index)
-            history.evaluated(result.commit_index, result.loss, result.seconds)
+            for name, figure in result.figures():
+                history.evaluated(result.commit_index, figure, result.seconds, set_name=name)
             also(result)  # the experiment trackers (ops/tracking.py)
 
         return cls(node_id=node_id, every_commits=every_commits, loss=loss, global_params=replica.state.all_params,
@@ -78,7 +105,7 @@ class GlobalEvaluator:
         if isinstance(self.executor, ThreadPoolExecutor):
             self.executor.shutdown(wait=False, cancel_futures=True)
 
-    def __init__(self, *, node_id: str, every_commits: int, loss: Callable[[Mapping[str, np.ndarray]], float] | None,
+    def __init__(self, *, node_id: str, every_commits: int, loss: Callable[[Mapping[str, np.ndarray]], Any] | None,
                  global_params: Callable[[], Mapping[str, np.ndarray]], consistent: Callable[[], bool],
                  executor: Executor, tasks: TaskSet, publish: Callable[[EvalStatus], None]) -> None:
         self.node_id = node_id
@@ -116,6 +143,16 @@ class GlobalEvaluator:
         finally:
             self.running = False
         seconds = time.perf_counter() - started
-        self.latest = EvalStatus(value if math.isfinite(value) else None, index, round(seconds, 3))
-        log.info("%s: global model eval loss %.4f at commit %d (%.1f s)", self.node_id, value, index, seconds)
+        # `loss` gives the held-out slice's figure (a float) or every set's ({name: (loss, tokens)}).
+        per_set = dict(value) if isinstance(value, Mapping) else {HELD_OUT_SET: (value, 0)}
+        held_out = per_set.pop(HELD_OUT_SET, (None, 0))[0]
+        self.latest = EvalStatus(_finite(held_out), index, round(seconds, 3),
+                                 {name: EvalSetStatus(_finite(loss), int(tokens)) for name, (loss, tokens) in per_set.items()})
+        figures = ", ".join(f"{name} {figure:.4f}" if figure is not None else f"{name} not finite"
+                            for name, figure in self.latest.figures())
+        log.info("%s: global model eval loss %s at commit %d (%.1f s)", self.node_id, figures, index, seconds)
         self.publish(self.latest)
+
+
+def _finite(value: float | None) -> float | None:
+    return float(value) if value is not None and math.isfinite(value) else None

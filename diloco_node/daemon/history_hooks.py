@@ -284,11 +284,12 @@ class DaemonHistory:
 
     # ------------------------------------------------------------------ learner (its own thread)
 
-    def evaluated(self, index: int, loss: float | None, seconds: float) -> None:
-        """The global model as of commit `index` evaluated on this site's eval split."""
+    def evaluated(self, index: int, loss: float | None, seconds: float, set_name: str = "held_out") -> None:
+        """The global model as of commit `index` evaluated on one of this site's held-out sets: the
+        slice of its training data ("held_out") or an eval set by name; one event per set."""
         if self._closed:
             return
-        self.writer.record("eval", index=index, detail={"loss": loss, "seconds": seconds})
+        self.writer.record("eval", index=index, detail={"loss": loss, "seconds": seconds, "set": set_name})
 
     def learner_step(self, step: int, loss: float, tokens: int, learner: LearnerView | None,
                      figures: Mapping[str, float | None] | None = None) -> None:

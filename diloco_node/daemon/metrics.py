@@ -43,8 +43,11 @@ class DaemonSeries:
             learner_sync_seconds=registry.counter(
                 "diloco_learner_sync_seconds_total",
                 "Training thread: seconds applying committed fragments and computing due deltas."),
+            # Labelled by set: "held_out" (the slice of the training data) or an eval set's name.
             eval_loss=registry.gauge("diloco_eval_loss",
-                                     "The global model's loss on this site's eval split (last evaluation)."),
+                                     "The global model's loss on one of this site's held-out sets (last evaluation): "
+                                     "set=\"held_out\" is the slice of its training data, else a [node.data.eval] set.",
+                                     labels=("set",)),
             eval_commit_index=registry.gauge("diloco_eval_commit_index",
                                              "The commit index the last evaluation was taken at."),
             step_seconds=registry.histogram("diloco_learner_step_seconds", "Time of one inner step (the jitted step).",

@@ -63,6 +63,7 @@ from diloco_node.ops.page import StatusSeries
 from diloco_node.ops.profiling import ProfileCapture
 from diloco_node.ops.status import MetricsRegistry, StatusBuilder, operator_routes
 from diloco_node.ops.systemd import SystemdNotifier, extend_while_progressing, run_watchdog
+from diloco_node.ops import tracking as tracking_lib
 from diloco_node.ops.tracking import Tracking, check_available
 from diloco_node.transport import ClientOptions, ConnectionGuard, PeerClient, PeerServer
 from diloco_node.transport.tls import SiteTls, TlsError, TlsFiles
@@ -363,7 +364,8 @@ class Node:
             node_id=self.node_id, manifest=manifest, eval_tokens=site.corpus.eval if site.corpus else None,
             every_commits=self.cfg.eval_interval_commits, batches=self.cfg.eval_batches, replica=replica,
             consistent=keeper.state_consistent, tasks=self.tasks, status=self.status, series=self.series,
-            history=self.history, also=self._track_evaluation)
+            history=self.history, also=self._track_evaluation,
+            eval_sets=site.corpus.eval_sets if site.corpus else ())
         keeper.after_apply = self._after_apply
         plan, restored = self.checkpointer.restore(persistent, identity.has_peers())
         restored = learner_to_resume(restored, self.cfg.learner, self.node_id)
@@ -521,8 +523,9 @@ class Node:
         return int(learner.steps) if learner is not None else 0
 
     def _track_evaluation(self, result: Any) -> None:
-        if result.loss is not None:
-            self.tracking.log(self._tracked_step(), {"eval/loss": result.loss})
+        scalars = {"eval/loss": result.loss} | {tracking_lib.eval_set_scalar(name): figure.loss
+                                                 for name, figure in result.sets.items()}
+        self.tracking.log(self._tracked_step(), scalars)
 
     async def _resolve_site_flops(self, model: Any, devices: Any) -> None:
         """MFU's inputs, off the loop (a user's model is compiled for XLA's cost analysis)."""

@@ -83,8 +83,43 @@ class LearnerStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class EvalSetStatus:
+    """One separate eval set's figure: its mean next-token loss (None: not finite) over `tokens`
+    predicted tokens."""
+
+    loss: float | None = None
+    tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class EvalStatus:
-    """The global model's loss on this site's held-out data, as of a commit index (None: not yet)."""
+    """The global model's loss on this site's held-out data, as of a commit index (None: not yet).
+    `loss` is the held-out slice's (set "held_out"; None too when the site has eval sets instead),
+    `sets` each `[node.data.eval.NAME]` set's, by name; `seconds` the whole evaluation's."""
+
+    loss: float | None = None
+    commit_index: int = 0
+    seconds: float = 0.0
+    sets: Mapping[str, EvalSetStatus] = field(default_factory=dict)
+
+    def figures(self) -> list[tuple[str, float | None]]:
+        """(set name, loss) of everything evaluated: "held_out" first when the slice was."""
+        held = [("held_out", self.loss)] if self.loss is not None or not self.sets else []
+        return held + [(name, figure.loss) for name, figure in self.sets.items()]
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str = "evaluation") -> "EvalStatus":
+        sets = raw.get("sets", {}) if isinstance(raw, Mapping) else {}
+        if not isinstance(sets, Mapping):
+            raise StatusFormatError(f"{where}.sets: expected an object, got {type(sets).__name__}")
+        plain = _build(_EvalFigures, raw, where)
+        return cls(plain.loss, plain.commit_index, plain.seconds,
+                   {str(name): _build(EvalSetStatus, figure, f"{where}.sets.{name}") for name, figure in sets.items()})
+
+
+@dataclass(frozen=True, slots=True)
+class _EvalFigures:
+    """EvalStatus's plain fields, validated by `_build` (which reads flat fields only)."""
 
     loss: float | None = None
     commit_index: int = 0
@@ -287,7 +322,7 @@ class StatusDocument:
                           for i, m in enumerate(_get(raw, "members", list))),
             learner=_build(LearnerStatus, _get(raw, "learner", dict), "learner"),
             # Older nodes have no evaluation: an absent object is "not evaluated yet".
-            evaluation=_build(EvalStatus, raw.get("evaluation", {}), "evaluation"),
+            evaluation=EvalStatus.from_dict(raw.get("evaluation", {}), "evaluation"),
             bytes=_build(ByteCounters, _get(raw, "bytes", dict), "bytes"),
             quorum=_build(QuorumStatus, _get(raw, "quorum", dict), "quorum"),
             fragments=tuple(_build(FragmentStatus, f, f"fragments[{i}]")

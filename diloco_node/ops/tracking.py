@@ -5,7 +5,8 @@ The scheme (`SCALARS`; the x axis of every scalar is the learner's step: commits
 are logged at the step the learner had reached when they happened):
 
     learner/loss  learner/tokens_per_s  learner/step_time_s  learner/mfu  learner/grad_norm
-    learner/lr  learner/tokens  eval/loss  sync/commit_index  sync/bytes_sent  sync/bytes_received
+    learner/lr  learner/tokens  eval/loss  eval/<NAME>/loss  sync/commit_index  sync/bytes_sent
+    sync/bytes_received
 
 Writes never touch the training thread's or the event loop's time: `Tracking.log` appends to a
 small bounded queue per tracker (full: the oldest entry is dropped and counted) and one writer
@@ -25,6 +26,7 @@ import importlib
 import importlib.util
 import logging
 import math
+import re
 import threading
 import time
 from collections import deque
@@ -48,10 +50,20 @@ SCALARS: dict[str, str] = {
     "learner/lr": "inner learning rate",
     "learner/tokens": "tokens trained on by this learner (cumulative)",
     "eval/loss": "the global model's loss on this site's eval split",
+    "eval/<NAME>/loss": "the global model's loss on the eval set [node.data.eval.NAME]",
     "sync/commit_index": "the replicated log's applied commit index",
     "sync/bytes_sent": "bytes sent to peers (cumulative)",
     "sync/bytes_received": "bytes received from peers (cumulative)",
 }
+# An eval set's scalar: SCALARS' "eval/<NAME>/loss" with the set's name (any name but a slash).
+_EVAL_SET_SCALAR = re.compile(r"eval/[^/]+/loss")
+
+
+def eval_set_scalar(name: str) -> str:
+    """The tracker scalar of the eval set `name` (a slash in the name would add a level: replaced)."""
+    return f"eval/{name.replace('/', '_')}/loss"
+
+
 # Entries waiting per tracker: one a step window (~2 s) plus commits and evaluations, so 1024 is
 # minutes of backlog behind a slow tracker (a W&B upload stalled on the network), bounded memory.
 QUEUE_CAPACITY = 1024
@@ -235,7 +247,7 @@ class Tracking:
         """Queue `scalars` (SCALARS' names; unknown and non-finite values left out) at `step`."""
         clean = {name: float(value) for name, value in scalars.items()
                  if value is not None and math.isfinite(value)}
-        unknown = set(clean) - set(SCALARS)
+        unknown = {name for name in set(clean) - set(SCALARS) if not _EVAL_SET_SCALAR.fullmatch(name)}
         if unknown:
             raise ValueError(f"tracker scalars {sorted(unknown)}: not in the scheme (ops/tracking.py SCALARS)")
         if not clean or not self.enabled:
