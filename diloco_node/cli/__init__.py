@@ -29,6 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("diloco_node.cli.profile", "a JAX profiler trace of N seconds of a running daemon (asks the local node)"),
     "certs": ("diloco_node.cli.certs", "a run CA and site certificates for mutual TLS: certs init|issue|revoke"),
     "export": ("diloco_node.cli.export", "write the global model from a site's newest verified checkpoint (safetensors or npz)"),
+    "eval": ("diloco_node.cli.eval", "score a checkpoint, export or Hugging Face Llama on a site's eval sets"),
 }
 
 
