@@ -103,7 +103,7 @@ def test_every_learner_evaluates_the_global_model_and_reports_it(cluster: Cluste
         site = cluster.sites[node_id]
         with urllib.request.urlopen(site.url + "/metrics", timeout=5) as response:
             metrics = response.read().decode()
-        assert re.search(r"^diloco_eval_loss [0-9.e+-]+", metrics, re.M), metrics[:500]
+        assert re.search(r'^diloco_eval_loss\{set="held_out"\} [0-9.e+-]+', metrics, re.M), metrics[:500]
         history = (site.data_dir / "history.jsonl").read_text()
         assert '"kind":"eval"' in history
 
