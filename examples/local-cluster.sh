@@ -2,6 +2,8 @@
 # Start a local cluster by hand: sites A, B, C and a witness on loopback, each a separate
 # `diloco-node run` process using the example site configs, with loopback addresses, a private
 # data directory per node and one shared secret given as flags (flags override the file).
+# The configs put the operator routes on 127.0.0.1:7071 (safe on a real host); here every port is
+# loopback already, so `--set status_listen=` (empty: unset) keeps them on each node's own port.
 # The founder (site A) starts first; the others start once its /livez answers, and a joiner that
 # exits before it is ready (say the founder was slow) is started again, with a growing pause.
 #
@@ -56,7 +58,8 @@ command_for() {  # name index -> the command line, one word per line
         --listen "127.0.0.1:$port" \
         --advertise "http://127.0.0.1:$port" \
         --data-dir "$cluster_dir/$name" \
-        --secret-file "$cluster_dir/secret"
+        --secret-file "$cluster_dir/secret" \
+        --set status_listen=
     if (( index > 0 )); then printf '%s\n' --bootstrap "$founder"; fi
 }
 

@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -301,3 +302,27 @@ def test_cli_unwritable_output_is_a_clear_error_not_a_traceback(tmp_path, capsys
     args[args.index(target) + 1] = str(blocker / "out")  # a path below a regular file
     assert cli.main(args) == 1
     assert f"diloco-node simulate: error: cannot write {blocker / 'out'}" in capsys.readouterr().err
+
+
+def test_cli_writes_into_a_fresh_runs_directory_not_the_current_one(tmp_path, monkeypatch, capsys):
+    """Without --out, --json or --plot, results go to runs/simulate-<UTC time>/, never loose into
+    the current directory (issue 28 item 10)."""
+    monkeypatch.chdir(tmp_path)
+    args = ["simulate", "--chips", "20000", "--learners", "2", "--expected-failures", "100"]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the plot's path, without drawing it
+    assert cli.main(args) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["runs"]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert run_dir.name.startswith("simulate-") and [p.name for p in run_dir.iterdir()] == ["fleetsim-goodput.json"]
+    assert json.loads((run_dir / "fleetsim-goodput.json").read_text())["results"]
+    assert f"wrote {Path('runs') / run_dir.name / 'fleetsim-goodput.json'}" in capsys.readouterr().out
+
+
+def test_cli_out_names_the_directory_and_explicit_paths_still_win(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    base = ["simulate", "--chips", "20000", "--learners", "2", "--expected-failures", "100"]
+    assert cli.main([*base, "--out", "sim/a"]) == 0
+    assert sorted(p.name for p in (tmp_path / "sim" / "a").iterdir()) == ["fleetsim-goodput.json", "fleetsim-goodput.png"]
+    assert cli.main([*base, "--out", "sim/b", "--json", "mine.json", "--plot", "none"]) == 0
+    assert (tmp_path / "mine.json").is_file() and not (tmp_path / "sim" / "b").exists()

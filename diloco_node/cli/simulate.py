@@ -54,10 +54,32 @@ def add_arguments(parser: argparse.ArgumentParser, name: str = "simulate") -> No
     parser.add_argument("--wall-time-s", type=float, default=None,
                         help="fixed simulated wall time instead of --expected-failures")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    parser.add_argument("--json", default="fleetsim-goodput.json",
-                        help="where to write the JSON results; '-' for stdout (default: %(default)s)")
-    parser.add_argument("--plot", default="fleetsim-goodput.png",
-                        help="where to write the PNG plot; 'none' to skip (default: %(default)s)")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="directory for the JSON results and the PNG plot, created if missing "
+                             f"(default: a new {OUT_PARENT}/simulate-<UTC time>/ under the current directory)")
+    parser.add_argument("--json", default=None,
+                        help=f"where to write the JSON results instead of DIR/{JSON_NAME}; '-' for stdout")
+    parser.add_argument("--plot", default=None,
+                        help=f"where to write the PNG plot instead of DIR/{PLOT_NAME}; 'none' to skip")
+
+
+# Results go to a directory of their own, never loose into the current directory, and a second run
+# does not overwrite the first: the default is a fresh, timestamped directory under runs/.
+OUT_PARENT = "runs"
+JSON_NAME = "fleetsim-goodput.json"
+PLOT_NAME = "fleetsim-goodput.png"
+
+
+def output_paths(args: argparse.Namespace, now: float | None = None) -> tuple[str, str]:
+    """(json, plot) targets: explicit --json/--plot win (as given, relative to the current
+    directory); the rest go into --out, by default runs/simulate-<UTC time>/."""
+    out = args.out
+    if out is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
+        out = str(Path(OUT_PARENT) / f"simulate-{stamp}")
+    json_target = args.json if args.json is not None else str(Path(out) / JSON_NAME)
+    plot_target = args.plot if args.plot is not None else str(Path(out) / PLOT_NAME)
+    return json_target, plot_target
 
 
 def params_from_args(args: argparse.Namespace) -> FleetParams:
@@ -110,20 +132,22 @@ def run(args: argparse.Namespace) -> int:
         "wall_time_s": round(elapsed, 3),
         "results": [r.to_dict() for r in results],
     }
-    text_out = sys.stderr if args.json == "-" else sys.stdout
+    json_target, plot_target = output_paths(args)
+    text_out = sys.stderr if json_target == "-" else sys.stdout
     print(fleetsim.format_table(results), file=text_out)
     print(f"simulated {len(results)} configurations in {elapsed:.2f} s", file=text_out)
-    if args.json == "-":
+    if json_target == "-":
         json.dump(report, sys.stdout, indent=1)
         print()
-    target = args.json
+    target = json_target
     try:  # the table is already out; an unwritable path is the user's to fix, not a traceback
-        if args.json != "-":
-            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-            print(f"wrote {args.json}", file=text_out)
-        if args.plot.lower() != "none":
-            target = args.plot
-            print(write_plot(results, Path(args.plot), params), file=text_out)
+        if json_target != "-":
+            Path(json_target).parent.mkdir(parents=True, exist_ok=True)
+            Path(json_target).write_text(json.dumps(report, indent=1) + "\n")
+            print(f"wrote {json_target}", file=text_out)
+        if plot_target.lower() != "none":
+            target = plot_target
+            print(write_plot(results, Path(plot_target), params), file=text_out)
     except OSError as exc:
         print(f"diloco-node simulate: error: cannot write {target}: {exc.strerror or exc}", file=sys.stderr)
         return 1
