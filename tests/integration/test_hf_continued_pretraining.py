@@ -81,11 +81,11 @@ def test_a_hf_llama_continues_pretraining_across_three_sites_and_exports(tmp_pat
     run_keys = ("run.model.factory=llama", f"run.model.init_from={tmp_path / 'llama-in'}",
                 f"run.model.seq_len={SEQ_LEN}", "run.inner.batch_size=4", "run.sync.fragments=2",
                 "run.sync.period=8")
-    node_keys = ("checkpoint_interval_s=3", "eval_interval_commits=10", "eval_batches=2")
+    node_keys = ("checkpoint_interval_s=3", "eval_interval_commits=2", "eval_batches=2")
 
     with Cluster.create(tmp_path / "run") as cluster:
         for name in "abc":  # each site's own corpus, in a config file like the walkthrough's
-            (tmp_path / f"site-{name}.toml").write_text(site_toml(corpora[name], tokenizer))
+            (tmp_path / f"site-{name}.toml").write_text(site_toml(corpora[name], tokenizer, eval_set))
         a = cluster.add("a", settings=(*run_keys, *node_keys),
                         extra=("--config", str(tmp_path / "site-a.toml")))
         cluster.wait_for("a ready", lambda s: s.get("a", {}).get("ready", False), STARTUP_S)
@@ -95,6 +95,11 @@ def test_a_hf_llama_continues_pretraining_across_three_sites_and_exports(tmp_pat
         while index < 4:  # a few commits all three agree on, not just the first one
             index = cluster.common_commit_index({"a", "b", "c"}, STARTUP_S)
         assert cluster.conflicting_indices() == {}, cluster.history
+        # The separate eval set is evaluated on the sites' schedule and shown on /status.
+        shown = cluster.wait_for("an evaluation of the eval set on site a",
+                                 lambda s: "heldout" in (s.get("a", {}).get("evaluation", {}).get("sets") or {}),
+                                 STARTUP_S)
+        assert math.isfinite(shown["a"]["evaluation"]["sets"]["heldout"]["loss"]), shown["a"]["evaluation"]
         logs = {name: site.log_text() for name, site in cluster.sites.items()}
         assert "b.jsonl" in logs["b"], logs["b"][-2000:]  # each site reads its own corpus
         for site in cluster.sites.values():
@@ -116,13 +121,8 @@ def test_a_hf_llama_continues_pretraining_across_three_sites_and_exports(tmp_pat
     moved = [k for k in initial if not np.array_equal(trained[k], initial[k])]
     assert "model.embed_tokens.weight" in moved and len(moved) > len(initial) // 2, moved
 
-    # `diloco-node eval` comes from the eval-sets branch (issue 28). Until it is merged, only this
-    # last step is skipped, and it says so; once `eval --help` answers, a misbehaving command fails.
-    if cli("eval", "--help", timeout=60).returncode != 0:
-        pytest.skip("`diloco-node eval` is not on this branch yet (eval-sets branch): remove this guard after merging")
-    eval_config = tmp_path / "eval-site.toml"
-    eval_config.write_text(site_toml(corpora["a"], tokenizer, eval_set))
-    evaluated = cli("eval", "--model", str(out), "--config", str(eval_config), "--max-tokens", "2000", "--json")
+    evaluated = cli("eval", "--model", str(out), "--config", str(tmp_path / "site-a.toml"), "--max-tokens", "2000",
+                    "--json")
     assert evaluated.returncode == 0, evaluated.stderr
     report = json.loads(evaluated.stdout)
     heldout = report["sets"]["heldout"]
