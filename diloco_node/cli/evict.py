@@ -9,19 +9,14 @@ Uses urllib (blocking, stdlib), like `diloco-node status`: it must start fast an
 from __future__ import annotations
 
 import argparse
-import json
-import socket
 import sys
-import urllib.error
-import urllib.request
 from typing import Any, TextIO
 
-from diloco_node.cli.status import DEFAULT_TIMEOUT_S, normalise_url
+from diloco_node.cli.status import DEFAULT_TIMEOUT_S, post_operator
 
 # The node waits up to two lease times for the eviction to commit; the request needs more.
 DEFAULT_EVICT_TIMEOUT_S = 30.0
 # An answer is a small JSON object.
-MAX_ANSWER_BYTES = 64 * 1024
 
 EXIT_EVICTED = 0
 EXIT_NOT_DONE = 1  # refused, not the lease holder, unreachable, or appended but not committed yet
@@ -43,25 +38,7 @@ def run(args: argparse.Namespace) -> int:
 
 def request_eviction(peer: str, node_id: str, reason: str, timeout: float) -> tuple[int, dict[str, Any]]:
     """POST <peer>/evict; (HTTP status, JSON answer). OSError-like failures become status 0."""
-    url = normalise_url(peer) + "/evict"
-    body = json.dumps({"node_id": node_id, "reason": reason}).encode()
-    request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            status, raw = response.status, response.read(MAX_ANSWER_BYTES)
-    except urllib.error.HTTPError as error:
-        status, raw = error.code, error.read(MAX_ANSWER_BYTES)
-    except urllib.error.URLError as error:
-        return 0, {"error": f"{url}: unreachable: {error.reason}"}
-    except (TimeoutError, socket.timeout):
-        return 0, {"error": f"{url}: no answer within {timeout:g}s"}
-    try:
-        answer = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        answer = None
-    if not isinstance(answer, dict):
-        return status, {"error": f"{url}: HTTP {status}, not a diloco-node answer: {raw[:200]!r}"}
-    return status, answer
+    return post_operator(peer, "/evict", {"node_id": node_id, "reason": reason}, timeout)
 
 
 def evict_command(peer: str, node_id: str, reason: str, timeout: float, out: TextIO, err: TextIO) -> int:

@@ -9,19 +9,14 @@ must start fast and never import JAX.
 from __future__ import annotations
 
 import argparse
-import json
-import socket
 import sys
-import urllib.error
-import urllib.request
 from typing import Any, TextIO
 
-from diloco_node.cli.status import normalise_url
+from diloco_node.cli.status import post_operator
 
 # The node answers when the capture ends: the request waits that long plus this margin (the
 # profiler's own start and stop, writing the trace files).
 ANSWER_MARGIN_S = 60.0
-MAX_ANSWER_BYTES = 64 * 1024
 DEFAULT_SECONDS = 5.0
 
 EXIT_CAPTURED = 0
@@ -42,26 +37,8 @@ def run(args: argparse.Namespace) -> int:
 
 def request_profile(url: str, seconds: float) -> tuple[int, dict[str, Any]]:
     """POST <url>/profile; (HTTP status, JSON answer). Unreachable or no answer: status 0."""
-    target = normalise_url(url) + "/profile"
-    body = json.dumps({"seconds": seconds}).encode()
-    request = urllib.request.Request(target, data=body, method="POST", headers={"Content-Type": "application/json"})
-    timeout = max(0.0, seconds) + ANSWER_MARGIN_S
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            status, raw = response.status, response.read(MAX_ANSWER_BYTES)
-    except urllib.error.HTTPError as error:
-        status, raw = error.code, error.read(MAX_ANSWER_BYTES)
-    except urllib.error.URLError as error:
-        return 0, {"error": f"{target}: unreachable: {error.reason}"}
-    except (TimeoutError, socket.timeout):
-        return 0, {"error": f"{target}: no answer within {timeout:g}s"}
-    try:
-        answer = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        answer = None
-    if not isinstance(answer, dict):
-        return status, {"error": f"{target}: HTTP {status}, not a diloco-node answer: {raw[:200]!r}"}
-    return status, answer
+    # The node answers when the capture ends: wait that long plus the margin.
+    return post_operator(url, "/profile", {"seconds": seconds}, max(0.0, seconds) + ANSWER_MARGIN_S)
 
 
 def profile_command(url: str, seconds: float, out: TextIO, err: TextIO) -> int:

@@ -13,7 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Callable, TextIO
+from typing import Any, Callable, TextIO
 
 from diloco_node.ops.status import StatusDocument, StatusFormatError
 
@@ -62,6 +62,35 @@ def normalise_url(peer: str) -> str:
     if "://" not in peer:
         peer = "http://" + peer
     return peer
+
+
+# An operator route's JSON answer is a few lines (a message, a directory); more is not ours.
+MAX_ANSWER_BYTES = 64 * 1024
+
+
+def post_operator(peer: str, route: str, body: dict[str, Any], timeout: float) -> tuple[int, dict[str, Any]]:
+    """POST a JSON body to an operator route (`/evict`, `/profile`) of the node at `peer`:
+    (HTTP status, the JSON object it answered). Unreachable, no answer in `timeout` seconds, or
+    an answer that is not a JSON object: status 0 (or the HTTP status) and {"error": why}."""
+    url = normalise_url(peer) + route
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            status, raw = response.status, response.read(MAX_ANSWER_BYTES)
+    except urllib.error.HTTPError as error:
+        status, raw = error.code, error.read(MAX_ANSWER_BYTES)
+    except urllib.error.URLError as error:
+        return 0, {"error": f"{url}: unreachable: {error.reason}"}
+    except (TimeoutError, socket.timeout):
+        return 0, {"error": f"{url}: no answer within {timeout:g}s"}
+    try:
+        answer = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        answer = None
+    if not isinstance(answer, dict):
+        return status, {"error": f"{url}: HTTP {status}, not a diloco-node answer: {raw[:200]!r}"}
+    return status, answer
 
 
 def fetch_status(peer: str, timeout: float) -> StatusDocument:
