@@ -13,7 +13,7 @@ resolved the same way (without a weight).
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
@@ -174,20 +174,8 @@ class SiteData:
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0 or weight == float("inf"):
             raise ConfigError(f"{where}.weight = {weight!r}: every mixture entry needs a weight > 0 (its share of "
                               "the batches, relative to the other entries')")
-        if table.get("tokenizer", self.tokenizer) != self.tokenizer:
-            raise ConfigError(f"{where}.tokenizer: a site tokenizes with one tokenizer; set data.tokenizer once, "
-                              "in [node.data]")
-        settings = {key: getattr(self, key) for key in _INHERITED} | table
-        if settings["source"] != "tokens" and "token_dtype" not in table:
-            settings["token_dtype"] = ""  # inherited from a [node.data] of token files, it would be refused
-        try:
-            entry = SiteData(**settings)
-        except ConfigError as error:
-            raise ConfigError(str(error).replace("data.", f"{where}.", 1)) from None
-        except TypeError as error:
-            raise ConfigError(f"{where}: {error}") from None
-        return MixEntry(str(name), float(weight), tuple((f.name, getattr(entry, f.name)) for f in fields(SiteData)
-                                                        if f.name not in ("mix", "eval")))
+        settings = self._inherited_by(where, table, _INHERITED)
+        return MixEntry(str(name), float(weight), _settings_of(self._nested_source(where, settings)))
 
     def _check_eval(self) -> None:
         sets = self.eval
@@ -210,25 +198,35 @@ class SiteData:
             why = {"weight": " (eval sets are evaluated, not sampled)", "eval_fraction": " (an eval set is read whole)",
                    "seed": " (an eval set is read whole)"}.get(unknown[0], "")
             raise ConfigError(f"{where}: unknown key {unknown[0]!r}{why}; known: {', '.join(_EVAL_KEYS)}")
+        settings = self._inherited_by(where, table, [k for k in _INHERITED if k not in ("eval_fraction", "seed")])
+        if settings["source"] not in DOCUMENT_SOURCES + ("tokens",) and not {"eos_token", "eos_id"} & set(table):
+            settings["eos_token"], settings["eos_id"] = "", -1  # inherited from documents, it would be refused
+        entry = self._nested_source(where, settings)
+        if entry.source == "stdlib" and not self.mix and self.source == "stdlib":
+            raise ConfigError(f"{where}: source 'stdlib' is this site's training data; an eval set may not be "
+                              "trained on (name other files)")
+        return EvalSet(str(name), _settings_of(entry))
+
+    def _inherited_by(self, where: str, table: dict[str, Any], inherited: Iterable[str]) -> dict[str, Any]:
+        """A nested table's settings: its own keys over `[node.data]`'s `inherited` ones. The tokenizer
+        is the site's one; a token dtype meant for `[node.data]`'s token files is not inherited."""
         if table.get("tokenizer", self.tokenizer) != self.tokenizer:
             raise ConfigError(f"{where}.tokenizer: a site tokenizes with one tokenizer; set data.tokenizer once, "
                               "in [node.data]")
-        settings = {key: getattr(self, key) for key in _INHERITED if key not in ("eval_fraction", "seed")} | table
+        settings = {key: getattr(self, key) for key in inherited} | table
         if settings["source"] != "tokens" and "token_dtype" not in table:
             settings["token_dtype"] = ""  # inherited from a [node.data] of token files, it would be refused
-        if settings["source"] not in DOCUMENT_SOURCES + ("tokens",) and not {"eos_token", "eos_id"} & set(table):
-            settings["eos_token"], settings["eos_id"] = "", -1  # inherited from documents, it would be refused
+        return settings
+
+    @staticmethod
+    def _nested_source(where: str, settings: dict[str, Any]) -> SiteData:
+        """A nested table's source, checked like `[node.data]`; errors name the table (`where`)."""
         try:
-            entry = SiteData(**settings)
+            return SiteData(**settings)
         except ConfigError as error:
             raise ConfigError(str(error).replace("data.", f"{where}.", 1)) from None
         except TypeError as error:
             raise ConfigError(f"{where}: {error}") from None
-        if entry.source == "stdlib" and not self.mix and self.source == "stdlib":
-            raise ConfigError(f"{where}: source 'stdlib' is this site's training data; an eval set may not be "
-                              "trained on (name other files)")
-        return EvalSet(str(name), tuple((f.name, getattr(entry, f.name)) for f in fields(SiteData)
-                                        if f.name not in ("mix", "eval")))
 
     def eval_sets(self) -> tuple[tuple[str, SiteData], ...]:
         """The separate eval sets as (name, SiteData), in the order they were given; () when none."""
@@ -289,3 +287,8 @@ def parse_mix(raw: Any, name: str, from_text: bool, resolve: Callable[[str], str
             table["tokenizer"] = resolve(table["tokenizer"])
         resolved[str(entry)] = table
     return resolved
+
+
+def _settings_of(source: SiteData) -> tuple[tuple[str, Any], ...]:
+    """A nested source's settings as the frozen (key, value) pairs a mix entry or eval set keeps."""
+    return tuple((f.name, getattr(source, f.name)) for f in fields(SiteData) if f.name not in ("mix", "eval"))
