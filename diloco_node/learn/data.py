@@ -393,17 +393,31 @@ def _open_site_text(spec: SiteData, cache_dir: Path | None, chunk_bytes: int) ->
     names = [str(path) for path in files]
     parts = [(name, ids[start:stop]) for name, (start, stop) in zip(names, ranges)]
     # As the stdlib: hold out whole files by path hash when there are enough, else the stream's tail.
-    train_names, eval_names = split_paths(names, spec.eval_fraction, spec.seed)
-    if len(files) >= MIN_FILES_FOR_PATH_SPLIT and train_names and eval_names:
-        held_out = set(eval_names)
-        train = token_files.TokenStream([part for part in parts if part[0] not in held_out])
-        evaluation = token_files.TokenStream([part for part in parts if part[0] in held_out])
-        if len(train) and len(evaluation):
-            return Corpus(train, evaluation, vocab_size, description, tuple(train_names), tuple(eval_names), digest,
-                          vocab_size if digest else 0)
+    by_files = _held_out_files(parts, spec)
+    if by_files is not None:
+        train, evaluation, train_names, eval_names = by_files
+        return Corpus(train, evaluation, vocab_size, description, train_names, eval_names, digest,
+                      vocab_size if digest else 0)
     train, evaluation = _split_stream(token_files.TokenStream(parts), spec.eval_fraction)
     return Corpus(train, evaluation, vocab_size, description + " (split by position)", tuple(names), (), digest,
                   vocab_size if digest else 0)
+
+
+def _held_out_files(parts: list[tuple[str, Any]],
+                    spec: SiteData) -> tuple[Any, Any, tuple[str, ...], tuple[str, ...]] | None:
+    """(train, eval, train file names, eval file names) when whole files can be held out by path
+    hash: enough files, and both sides non-empty. None: split the stream by position instead."""
+    if len(parts) < MIN_FILES_FOR_PATH_SPLIT:
+        return None
+    train_names, eval_names = split_paths([name for name, _ in parts], spec.eval_fraction, spec.seed)
+    if not (train_names and eval_names):
+        return None
+    held_out = set(eval_names)
+    train = token_files.TokenStream([part for part in parts if part[0] not in held_out])
+    evaluation = token_files.TokenStream([part for part in parts if part[0] in held_out])
+    if not (len(train) and len(evaluation)):
+        return None
+    return train, evaluation, tuple(train_names), tuple(eval_names)
 
 
 def _open_site_tokens(spec: SiteData) -> Corpus:
@@ -544,15 +558,13 @@ def _open_site_documents(spec: SiteData, cache_dir: Path | None) -> Corpus:
     found = dict(vocab_size=vocab_size, tokenizer_digest=digest, tokenizer_vocab_size=vocab_size, documents=total,
                  eos_id=eos_id)
     # As text: hold out whole files by path hash when there are enough, else the stream's tail.
-    train_names, eval_names = split_paths(names, spec.eval_fraction, spec.seed)
-    if len(files) >= MIN_FILES_FOR_PATH_SPLIT and train_names and eval_names:
+    by_files = _held_out_files(parts, spec)
+    if by_files is not None:
+        train, evaluation, train_names, eval_names = by_files
         held_out = set(eval_names)
-        train = token_files.TokenStream([part for part in parts if part[0] not in held_out])
-        evaluation = token_files.TokenStream([part for part in parts if part[0] in held_out])
-        if len(train) and len(evaluation):
-            train_documents = sum(count for name, count in zip(names, counts) if name not in held_out)
-            return Corpus(train, evaluation, description=description, train_files=tuple(train_names),
-                          eval_files=tuple(eval_names), train_documents=train_documents, **found)
+        train_documents = sum(count for name, count in zip(names, counts) if name not in held_out)
+        return Corpus(train, evaluation, description=description, train_files=train_names,
+                      eval_files=eval_names, train_documents=train_documents, **found)
     stream = token_files.TokenStream(parts)
     cut = _document_cut(stream, spec.eval_fraction, eos_id)
     train, evaluation = stream.sub(0, cut), stream.sub(cut, len(stream))
