@@ -89,15 +89,16 @@ def build_site_model(manifest: RunManifest, *, learner: bool, data: SiteData | N
     trains = learner and not synthetic
     corpus = open_learner_data(manifest, data or SiteData(), cache_dir) if trains else None
     site_mesh = build_site_mesh(mesh_shape) if trains else None
-    inner = InnerLearner(manifest.model, manifest.inner, manifest.seed, site_mesh=site_mesh) if trains else None
     # A run that starts from a Hugging Face Llama (`[run.model] init_from`): its state at index 0 is
-    # the imported weights (digest-checked), not the seed's. The learner needs no copy here: its
-    # thread starts from the replica's state (LearnerThread sets it). A site without the directory
-    # (not the founder) gets its state from its checkpoint or a peer, as a joiner does.
+    # the imported weights (digest-checked), not the seed's; the learner's parameters are placed
+    # from them, no model is initialised. A site without the directory (not the founder) gets its
+    # state from its checkpoint or a peer, as a joiner does.
     imported = factory.imported_initial(manifest.model) if manifest.model.init_from and initial_values else None
     if manifest.model.init_from and initial_values and imported is None:
         log.warning("the run starts from %s, which this site does not have: its state must come from its "
                     "checkpoint or a peer", manifest.model.init_from)
+    inner = InnerLearner(manifest.model, manifest.inner, manifest.seed, initial=imported,
+                         site_mesh=site_mesh) if trains else None
     if imported is not None:
         initial = imported
     elif inner is not None and not inner.site_mesh.multi_process:
