@@ -173,7 +173,7 @@ def test_clear_errors_exit_2(site: Path, tmp_path: Path, capsys: pytest.CaptureF
     assert code == 2 and "not an export of `diloco-node export`" in err
     # Ids the model's vocabulary (300) does not have.
     np.full(100, 4000, np.uint16).tofile(tmp_path / "big.bin")
-    big = config.read_text().replace(f'"wiki.bin"', f'"{tmp_path / "big.bin"}"').replace(
+    big = config.read_text().replace('"wiki.bin"', f'"{tmp_path / "big.bin"}"').replace(
         '"train.bin"', f'"{site / "train.bin"}"').replace('"code.bin"', f'"{site / "code.bin"}"')
     (tmp_path / "big.toml").write_text(big)
     code, _, err = _eval(capsys, "--model", str(site / "data"), "--config", str(tmp_path / "big.toml"))
