@@ -67,10 +67,10 @@ def site_toml(corpus: Path, tokenizer: Path, eval_set: Path | None = None) -> st
     return text
 
 
-def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, timeout: float = 180, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """This checkout's diloco-node, as a user runs it (not the installed console script)."""
     return subprocess.run([sys.executable, "-m", "diloco_node", *args], env=node_env(), capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, cwd=cwd)
 
 
 def test_a_hf_llama_continues_pretraining_across_three_sites_and_exports(tmp_path, word_tokenizer) -> None:
@@ -121,8 +121,9 @@ def test_a_hf_llama_continues_pretraining_across_three_sites_and_exports(tmp_pat
     moved = [k for k in initial if not np.array_equal(trained[k], initial[k])]
     assert "model.embed_tokens.weight" in moved and len(moved) > len(initial) // 2, moved
 
+    # From the test's own directory: the site's default data_dir (its tokenized-data cache) is relative.
     evaluated = cli("eval", "--model", str(out), "--config", str(tmp_path / "site-a.toml"), "--max-tokens", "2000",
-                    "--json")
+                    "--json", cwd=tmp_path)
     assert evaluated.returncode == 0, evaluated.stderr
     report = json.loads(evaluated.stdout)
     heldout = report["sets"]["heldout"]
