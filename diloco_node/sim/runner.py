@@ -167,6 +167,12 @@ class RunResult:
     missed_merges_applied: int = 0  # merges that learners back from an outage downloaded and applied
     merge_log: list[str] = field(default_factory=list)
     loss_curve: list[tuple[float, int, float]] = field(default_factory=list)  # (time, tokens, train loss)
+    # Standard error of eval_loss over the eval set's batches (std of the batch means / sqrt(N)):
+    # how much a different draw of held-out windows of the same size could move the figure.
+    eval_loss_stderr: float = 0.0
+    # The mean loss of each eval batch, in the eval set's order: two runs on the same eval set can
+    # be compared batch by batch (a paired difference, whose noise is far below either's stderr).
+    eval_batch_losses: tuple[float, ...] = ()
 
     @property
     def bytes_cross_site(self) -> int:
@@ -238,8 +244,17 @@ def run(config: RunnerConfig, corpus: data_lib.Corpus,
 
 
 def _evaluate(setup: _Setup, flat: dict[str, np.ndarray], evaluate, template) -> float:
-    params = model_lib.load_flat_params(template, flat)
-    return float(evaluate(params, setup.eval_inputs, setup.eval_targets))
+    return _evaluate_params(setup, model_lib.load_flat_params(template, flat), evaluate)[0]
+
+
+def _evaluate_params(setup: _Setup, params, evaluate) -> tuple[float, float, tuple[float, ...]]:
+    """(mean loss over the eval set, its standard error over batches, each batch's mean). One
+    jitted call per batch of the same shape (one compilation); the batches are equal-weight, so
+    the mean of their means is the whole set's mean."""
+    batch_means = np.array([float(evaluate(params, setup.eval_inputs[i:i + 1], setup.eval_targets[i:i + 1]))
+                            for i in range(len(setup.eval_inputs))], dtype=np.float64)
+    stderr = float(batch_means.std(ddof=1) / math.sqrt(len(batch_means))) if len(batch_means) > 1 else 0.0
+    return float(batch_means.mean()), stderr, tuple(float(x) for x in batch_means)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -300,12 +315,13 @@ class _DataParallel:
                 curve.append((t, tokens, train_loss))
                 if self.on_progress:
                     self.on_progress(Progress(config.mode, t, max(steps), tokens, train_loss, merges, bytes_up + bytes_down))
-        eval_end = float(evaluate(learner.params, setup.eval_inputs, setup.eval_targets))
+        eval_end, eval_stderr, eval_batch_losses = _evaluate_params(setup, learner.params, evaluate)
         return RunResult(
             mode=config.mode, eval_loss_start=eval_start, eval_loss=eval_end, bytes_up=bytes_up,
             bytes_down=bytes_down, merges=merges, merges_during_outage=merges_outage,
             idle_fraction=idle_s / max(idle_s + compute_s, 1e-12), tokens=tokens, learner_steps=tuple(steps),
             virtual_s=t, wall_s=0.0, data_parallel_bytes_equivalent=bytes_up + bytes_down, loss_curve=curve,
+            eval_loss_stderr=eval_stderr, eval_batch_losses=eval_batch_losses,
         )
 
 
@@ -473,7 +489,8 @@ class _FragmentSync:
             elif kind == _UP:
                 self._come_up(self.learners[payload], t)
         self._flush_losses()
-        eval_end = _evaluate(self.setup, self.global_state.all_params(), evaluate, template)
+        eval_end, eval_stderr, eval_batch_losses = _evaluate_params(
+            self.setup, model_lib.load_flat_params(template, self.global_state.all_params()), evaluate)
         compute = sum(st.compute_s for st in self.learners)
         idle = sum(st.idle_s for st in self.learners)
         dp_equiv = 2 * self.setup.fp32_grad_bytes * (self.tokens // config.tokens_per_step)
@@ -483,7 +500,8 @@ class _FragmentSync:
             idle_fraction=idle / max(idle + compute, 1e-12), tokens=self.tokens,
             learner_steps=tuple(int(s) for s in self.stack.steps), virtual_s=self.stop_time or self.now,
             wall_s=0.0, data_parallel_bytes_equivalent=dp_equiv, merge_log=self.merge_log, loss_curve=self.curve,
-            missed_merges_applied=self.missed_merges_applied,
+            missed_merges_applied=self.missed_merges_applied, eval_loss_stderr=eval_stderr,
+            eval_batch_losses=eval_batch_losses,
         )
 
     # --- learners ---
