@@ -134,6 +134,24 @@ def test_a_schedule_that_needs_the_horizon_is_refused_without_one() -> None:
     GlobalState(plan, initial, OuterOptimizer(momentum_warmup_rounds=3))  # the warm-up needs no horizon
 
 
+def test_the_parity_benchmark_sets_every_key_with_set() -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "parity.py"
+    spec = importlib.util.spec_from_file_location("parity_for_outer_schedule", path)
+    parity = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(parity)
+    manifest = parity.with_overrides(parity.benchmark_manifest(600, 0), parity.parse_overrides([
+        "outer.momentum_warmup_rounds=5", "outer.momentum_decay_rounds=3", "outer.momentum_final=0.2",
+        "outer.lr_schedule=step", "outer.lr_final_fraction=0.65", "outer.lr_decay_start=0", "sync.period=16"]))
+    outer = manifest.outer
+    assert (outer.momentum_warmup_rounds, outer.momentum_decay_rounds, outer.momentum_final) == (5, 3, 0.2)
+    assert (outer.lr_schedule, outer.lr_final_fraction, outer.lr_decay_start) == ("step", 0.65, 0.0)
+    assert outer.horizon == 600 // 16  # derived from the overridden period, not the benchmark's 28
+    assert parity.with_overrides(manifest, parity.parse_overrides(["outer.horizon_rounds=9"])).outer.horizon == 9
+
+
 # ------------------------------------------------------------------ validation
 
 
