@@ -131,7 +131,7 @@ def test_systemd_state_directory_and_credentials(tmp_path):
         ('[run.sync]\nperiod = "32"\n', r"run.sync.period = '32' \(file:.*\): must be an integer"),
         ("[run.outer]\nlr = true\n", r"run.outer.lr = True \(file:.*\): must be a number"),
         ('[node]\nbootstrap = "a:1"\nrole = "trainer"\n', r"role = 'trainer': must be one of learner, witness \[role from file:"),
-        ("[run.sync]\nfragments = 64\n", r"sync.fragments = 64 > sync.period = 32.*\[sync.fragments from file:"),
+        ("[run.sync]\nfragments = 64\n", r"sync.fragments = 64 > sync.period = 28.*\[sync.fragments from file:"),
         ("[node\n", r"config file .*node.toml: not valid TOML"),
     ],
 )
@@ -280,7 +280,7 @@ def test_joiner_manifest_contradictions_are_listed():
 
 def test_effective_config_checks_the_run_it_joins(tmp_path):
     joiner = load_config(None, {"DILOCO_SYNC_PERIOD": "16"}, {})
-    with pytest.raises(ConfigError, match="(?s)contradict the run it is joining.*sync.period: 16 != 32"):
+    with pytest.raises(ConfigError, match="(?s)contradict the run it is joining.*sync.period: 16 != 28"):
         joiner.manifest_for_join(RunManifest())
     silent = load_config(None, {}, {})
     founder = RunManifest.from_dict({"sync": {"period": 8, "fragments": 2}})

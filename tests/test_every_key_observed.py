@@ -26,6 +26,7 @@ ROOT = TESTS.parent
 E = "tests/test_key_effects.py::"
 TLS = "tests/test_transport_tls.py::"
 CLUSTER = "tests/integration/test_daemon_cluster.py::"
+OS = "tests/test_outer_schedule.py::"
 
 OBSERVED: dict[str, tuple[str, ...]] = {
     # ---------------------------------------------------------------- [node]
@@ -157,6 +158,21 @@ OBSERVED: dict[str, tuple[str, ...]] = {
                      "tests/test_global_state.py::test_apply_outer_gradient_is_a_nesterov_step_on_one_fragment"),
     "run.outer.momentum": (E + "test_outer_lr_and_momentum_change_the_global_step",
                            "tests/test_merge.py::test_nesterov_first_step_and_momentum"),
+    "run.outer.momentum_warmup_rounds": (OS + "test_momentum_warmup_ramps_from_zero_to_the_set_momentum",
+                                         OS + "test_each_rounds_step_is_the_nesterov_step_with_that_rounds_values"),
+    "run.outer.momentum_decay_rounds": (OS + "test_momentum_decay_reaches_momentum_final_at_the_horizon_and_keeps_it",
+                                        OS + "test_each_rounds_step_is_the_nesterov_step_with_that_rounds_values"),
+    "run.outer.momentum_final": (OS + "test_momentum_decay_reaches_momentum_final_at_the_horizon_and_keeps_it",
+                                 OS + "test_each_rounds_step_is_the_nesterov_step_with_that_rounds_values"),
+    "run.outer.lr_schedule": (OS + "test_linear_and_cosine_lr_reach_the_final_fraction_at_the_horizon_and_stay_there",
+                              OS + "test_a_late_decay_holds_the_lr_then_cuts_it",
+                              OS + "test_each_rounds_step_is_the_nesterov_step_with_that_rounds_values"),
+    "run.outer.lr_final_fraction": (OS + "test_linear_and_cosine_lr_reach_the_final_fraction_at_the_horizon_and_stay_there",
+                                    OS + "test_each_rounds_step_is_the_nesterov_step_with_that_rounds_values"),
+    "run.outer.lr_decay_start": (OS + "test_a_late_decay_holds_the_lr_then_cuts_it",),
+    "run.outer.horizon_rounds": (OS + "test_the_horizon_is_the_runs_rounds_unless_set_and_moves_with_the_run",
+                                 OS + "test_a_schedule_that_needs_the_horizon_is_refused_without_one",
+                                 OS + "test_the_keys_are_node_config_keys_with_environment_variables"),
     # ---------------------------------------------------------------- [run.sync]
     "run.sync.fragments": ("tests/test_fragments.py::test_single_fragment_holds_everything",
                            "tests/test_fragments.py::test_offsets_are_distinct_and_spread_evenly"),

@@ -23,6 +23,7 @@ CODEC_NAMES = ("fp32", "bf16", "int8", "int4", "e3m0")
 MERGE_METHODS = ("mean", "rda")
 WEIGHTINGS = ("uniform", "tokens")
 APPLY_MODES = ("overwrite", "mix")
+OUTER_LR_SCHEDULES = ("constant", "linear", "cosine", "step")
 
 
 class ConfigError(ValueError):
@@ -211,16 +212,64 @@ class InnerOptimizer:
         _require(self.grad_clip_norm > 0.0, "inner.grad_clip_norm: must be > 0")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)  # not slotted: a RunManifest binds its run's horizon beside the fields (below)
 class OuterOptimizer:
-    """The syncer's SGD with Nesterov momentum, applied per fragment."""
+    """The syncer's SGD with Nesterov momentum, applied per fragment, and its schedule over the
+    fragment's rounds (`sync/outer_schedule.py` gives the step's lr and momentum at a round).
+
+    lr 0.7 and momentum 0.6 were measured (docs/PARITY.md, "How the defaults were chosen"): with
+    ~20 rounds per fragment from a random start, DiLoCo's momentum 0.9 overshoots. The schedule
+    keys default to off, the constant step. `horizon_rounds` = 0 takes the run's own horizon,
+    inner.total_steps // sync.period rounds (`RunManifest.outer_horizon_rounds`): the manifest
+    binds it to its copy (`with_run_horizon`) as an attribute, not a key, so the manifest's dict
+    and digest stay what was configured and a changed total_steps or period moves it too.
+    """
 
     lr: float = 0.7
-    momentum: float = 0.9
+    momentum: float = 0.6
+    # Momentum ramps linearly from 0 (round 1) to `momentum` (round W + 1): a young model's first
+    # outer gradients are not amplified by a full buffer. 0: off.
+    momentum_warmup_rounds: int = 0
+    # Over the last D rounds of the horizon momentum moves linearly to `momentum_final`. 0: off.
+    momentum_decay_rounds: int = 0
+    momentum_final: float = 0.0
+    # constant; or lr held until `lr_decay_start` (a fraction of the horizon), then linear or
+    # cosine down to lr x lr_final_fraction at the horizon, or (step) cut to it at once.
+    lr_schedule: str = "constant"
+    lr_final_fraction: float = 0.65  # Covenant-72B's late cut (outer lr 1 -> 0.65); used only by a schedule
+    lr_decay_start: float = 0.0
+    horizon_rounds: int = 0  # rounds of a fragment the schedules span; 0: the run's own (see above)
 
     def __post_init__(self) -> None:
         _require(0.0 < self.lr <= 2.0, f"outer.lr = {self.lr}: must be in (0, 2]")
         _require(0.0 <= self.momentum < 1.0, f"outer.momentum = {self.momentum}: must be in [0, 1)")
+        _require(self.momentum_warmup_rounds >= 0,
+                 f"outer.momentum_warmup_rounds = {self.momentum_warmup_rounds}: must be >= 0 (0: off)")
+        _require(self.momentum_decay_rounds >= 0,
+                 f"outer.momentum_decay_rounds = {self.momentum_decay_rounds}: must be >= 0 (0: off)")
+        _require(0.0 <= self.momentum_final < 1.0, f"outer.momentum_final = {self.momentum_final}: must be in [0, 1)")
+        _choice("outer", "lr_schedule", self.lr_schedule, OUTER_LR_SCHEDULES)
+        _require(0.0 <= self.lr_final_fraction <= 1.0,
+                 f"outer.lr_final_fraction = {self.lr_final_fraction}: must be in [0, 1]")
+        _require(0.0 <= self.lr_decay_start < 1.0, f"outer.lr_decay_start = {self.lr_decay_start}: must be in [0, 1)")
+        _require(self.horizon_rounds >= 0,
+                 f"outer.horizon_rounds = {self.horizon_rounds}: must be >= 0 (0: inner.total_steps // sync.period)")
+
+    @property
+    def horizon(self) -> int:
+        """The rounds the schedules span: `horizon_rounds`, else the run's bound one, else 0 (unknown)."""
+        return self.horizon_rounds or getattr(self, "_run_horizon_rounds", 0)
+
+    @property
+    def needs_horizon(self) -> bool:
+        """Whether a schedule that ends at the horizon is on (the lr schedule or the momentum decay)."""
+        return self.lr_schedule != "constant" or self.momentum_decay_rounds > 0
+
+    def with_run_horizon(self, rounds: int) -> "OuterOptimizer":
+        """A copy that knows its run's horizon (used where `horizon_rounds` is 0); equal to this one."""
+        copy = dataclasses.replace(self)
+        object.__setattr__(copy, "_run_horizon_rounds", rounds)
+        return copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,7 +282,9 @@ class SyncSpec:
     """
 
     fragments: int = 4
-    period: int = 32
+    # H 28 was measured better than 32 in quality and still >= 200x fewer bytes than data-parallel
+    # with int4 both ways (docs/PARITY.md, "Re-sweep at 600 steps").
+    period: int = 28
     overlap: int = 2
     min_quorum: int = 1
     grace_gamma: float = 0.5
@@ -309,6 +360,16 @@ class RunManifest:
     stop: StopSpec = field(default_factory=StopSpec)
     seed: int = 0
     founded_at: float = 0.0  # unix time the run was founded (set by the founding site, never configured)
+
+    def __post_init__(self) -> None:
+        # Every manifest's outer optimizer knows the run's horizon, whoever made it (a file, a
+        # replace, a joiner's copy): GlobalState gets `manifest.outer` and nothing else.
+        object.__setattr__(self, "outer", self.outer.with_run_horizon(self.outer_horizon_rounds()))
+
+    def outer_horizon_rounds(self) -> int:
+        """The rounds of a fragment the outer schedules span: `outer.horizon_rounds`, or (0) the
+        run's horizon, inner.total_steps // sync.period (each fragment syncs once a period), at least 1."""
+        return self.outer.horizon_rounds or max(1, self.inner.total_steps // self.sync.period)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON/TOML-compatible dict (tuples become lists); the model is its flat table."""

@@ -1,7 +1,8 @@
 """The replicated global model: per fragment its parameters Theta_p, Nesterov buffer and round.
 
 Every replica applies the same committed outer gradients in the same order with the same
-elementwise float32 arithmetic (`outer.nesterov_step`), so replicas stay bit-identical; the sha256
+elementwise float32 arithmetic (`outer.nesterov_step`, with the lr and momentum the schedule gives
+the round: `outer_schedule.py`), so replicas stay bit-identical; the sha256
 digests prove it. A bounded history of past versions per fragment lets the syncer rebase
 contributions made against an older round: `FragmentHistory` keeps it in memory (the default,
 what the in-process runner and the tests use); the daemon injects a ring on disk
@@ -27,6 +28,7 @@ import numpy as np
 from diloco_node.config.manifest import OuterOptimizer
 from diloco_node.sync.fragments import FragmentPlan
 from diloco_node.sync.outer import finite_float32, nesterov_chunks
+from diloco_node.sync.outer_schedule import check_schedule, outer_step_values
 from diloco_node.sync.state_codec import MOMENTUM, PARAMS, FragmentState, current_arrays
 
 # How many versions of each fragment (current included) are kept for rebasing. A contribution is
@@ -146,7 +148,10 @@ class GlobalState:
         adopt_initial: bool = False,
     ) -> None:
         """`adopt_initial`: the caller hands over `initial_params` (float32 arrays nobody else
-        writes): they are kept and frozen, not copied, so founding a state costs one model, not two."""
+        writes): they are kept and frozen, not copied, so founding a state costs one model, not two.
+        `outer` gives each step's lr and momentum by the round it produces (`sync/outer_schedule.py`);
+        ConfigError if its schedule needs a horizon it does not know."""
+        check_schedule(outer)
         self.plan = plan
         self.outer = outer
         self.history_len = history_len
@@ -254,14 +259,21 @@ class GlobalState:
 
     # --- the one transition ------------------------------------------------------------------
 
+    def step_values(self, p: int) -> tuple[float, float]:
+        """(lr, momentum) of fragment p's next outer step: the schedule's at the round it will produce."""
+        self._check_index(p)
+        return outer_step_values(self.outer, self._rounds[p] + 1)
+
     def apply_outer_gradient(self, p: int, outer_gradient: Mapping[str, np.ndarray]) -> str:
-        """One Nesterov step on fragment p; its round += 1. Returns the fragment's new digest.
+        """One Nesterov step on fragment p, with the schedule's lr and momentum at the round it
+        produces (`step_values`); its round += 1. Returns the fragment's new digest.
 
         Refuses (GlobalStateError, state untouched) a gradient with wrong names, shapes or
         non-finite values, and a step whose result would not be finite.
         """
         self._check_index(p)
-        new_params, new_momentum = self._stepped(p, self._params[p], self._momentum[p], outer_gradient)
+        new_params, new_momentum = self._stepped(p, self._params[p], self._momentum[p], outer_gradient,
+                                                 self._rounds[p] + 1)
         self._params[p] = new_params
         self._momentum[p] = new_momentum
         self._rounds[p] += 1
@@ -279,7 +291,7 @@ class GlobalState:
         # One read of each: an apply on another thread replaces these, never changes them.
         params, momentum, round_ = self._params[p], self._momentum[p], self._rounds[p]
         grads = self._checked_gradient(p, outer_gradient)
-        lr, mu = self.outer.lr, self.outer.momentum
+        lr, mu = outer_step_values(self.outer, round_ + 1)
         h = _digest_start(p, round_ + 1)
         # The digest's order: every "momentum/<name>" tensor, then every "params/<name>" one, each
         # in name order. The first pass also checks both results of every tensor, in the order
@@ -302,19 +314,20 @@ class GlobalState:
                                            copy=False)
 
     def _stepped(self, p: int, params: Mapping[str, np.ndarray], momentum: Mapping[str, np.ndarray],
-                 outer_gradient: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """New (params, momentum) of fragment p after one Nesterov step; GlobalStateError if invalid.
+                 outer_gradient: Mapping[str, np.ndarray], round_: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """New (params, momentum) of fragment p after the Nesterov step that produces `round_`;
+        GlobalStateError if invalid.
 
         Written chunk by chunk into the new arrays: the step's temporaries are one chunk's."""
         grads = self._checked_gradient(p, outer_gradient)
+        lr, mu = outer_step_values(self.outer, round_)
         new_params: dict[str, np.ndarray] = {}
         new_momentum: dict[str, np.ndarray] = {}
         for name in sorted(grads):
             shape = params[name].shape
             theta_out, buf_out = np.empty(shape, dtype=_DTYPE), np.empty(shape, dtype=_DTYPE)
             flat_theta, flat_buf = theta_out.reshape(-1), buf_out.reshape(-1)
-            for part, theta, buf in nesterov_chunks(params[name], momentum[name], grads[name],
-                                                    self.outer.lr, self.outer.momentum):
+            for part, theta, buf in nesterov_chunks(params[name], momentum[name], grads[name], lr, mu):
                 if not (np.all(np.isfinite(theta)) and np.all(np.isfinite(buf))):
                     raise GlobalStateError(f"outer step on fragment {p} would make {name} non-finite; not applied")
                 flat_theta[part] = theta
