@@ -124,6 +124,12 @@ def test_local_cluster_script_starts_two_sites_retries_a_failed_join_and_stops_t
         assert (founder["node_id"], joiner["node_id"]) == ("site-a", "site-b")
         assert founder["run_id"] == joiner["run_id"]
         assert {m["node_id"] for m in joiner["members"]} == {"site-a", "site-b"}
+        # The script prints "all nodes ready" after its own readiness poll, which may come after
+        # both sites have already merged: wait for the line rather than assume it is there.
+        while "all nodes ready" not in output_path.read_text():
+            assert script.poll() is None, f"the script exited ({script.returncode}):\n{output_path.read_text()}"
+            assert time.monotonic() < deadline, f"the script never said all nodes ready:\n{output_path.read_text()}"
+            time.sleep(0.5)
         shown = output_path.read_text()
         assert f"site-a live at http://127.0.0.1:{base}" in shown
         assert "site-b exited with code 3 before it was ready; joining again in 2s (attempt 2 of 5)" in shown
