@@ -85,7 +85,7 @@ class DaemonPlan:
     learner_abort_wait_s: float
     """A failed start or a crash waits this long for the learner thread to end."""
     cluster_check_s: float
-    """A multi-host site's learner is checked this often for a failure."""
+    """A multi-host site's learner is checked this often: 0.25 s, at least twice per stall warning."""
     cluster_stall_warn_s: float
     """A step stuck this long (a quarter of `cluster.heartbeat_timeout_s`) is logged with its suspect."""
     # -- the transport
@@ -118,6 +118,7 @@ def plan_from(cfg: NodeConfig, environ: Mapping[str, str] | None = None) -> Daem
     """The plan for a site's [node] settings (and, in tests and benchmarks, DILOCO_X_MIN_STEP_S)."""
     lease = cfg.lease_timeout_s
     relay_hold_s = min(1.0, lease / 4)
+    cluster_stall_warn_s = cfg.cluster.heartbeat_timeout_s / 4
     min_step = (environ or {}).get(MIN_STEP_ENV, "")
     try:
         min_step_interval_s = float(min_step) if min_step else 0.0
@@ -142,8 +143,8 @@ def plan_from(cfg: NodeConfig, environ: Mapping[str, str] | None = None) -> Daem
         min_step_interval_s=min_step_interval_s,
         learner_stop_wait_s=LEARNER_STOP_WAIT_S,
         learner_abort_wait_s=LEARNER_ABORT_WAIT_S,
-        cluster_check_s=0.25,
-        cluster_stall_warn_s=cfg.cluster.heartbeat_timeout_s / 4,
+        cluster_check_s=min(0.25, cluster_stall_warn_s / 2),
+        cluster_stall_warn_s=cluster_stall_warn_s,
         client_options=ClientOptions(connect_timeout_s=cfg.connect_timeout_s, source_address=cfg.source_address),
         limits=dataclasses.replace(DEFAULT_LIMITS, read_timeout_s=cfg.read_timeout_s),
         http_body_max_bytes=1024 ** 2,
