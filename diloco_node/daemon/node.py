@@ -15,6 +15,7 @@ See docs/ARCHITECTURE.md and docs/DAEMON.md.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -124,11 +125,15 @@ class Node:
                 services.tasks.spawn(services.reports.resolve_site_flops(
                     manifest.model, site.devices, cfg.mesh.peak_tflops, pools.setup), name="site-flops")
         self._mark_phase("state built")
-        self.gate.starting("restoring the site's state")
         parts = SiteParts(services=services, plan=self.plan, site=site, persistent=persistent,
                           on_complete=lambda reason: self._on_complete(services, reason), on_evicted=self._on_evicted)
+        # A training learner's starting base: its own copy of the global state as of now (a download
+        # replaces it). Nobody else keeps one: a synthetic learner reads only the shapes, a witness
+        # nothing, and a reference held here would keep every fragment's first arrays alive after
+        # a download replaced them (4 bytes a parameter).
+        rounds = list(parts.replica.state.rounds())
         trains = learner_site and cfg.learner != "synthetic"
-        base = parts.training_base() if trains else None
+        base = (parts.replica.state.all_params(), rounds) if trains else None
         download = parts.keeper.begin_join() if mode == "join" else None
         self.gate.open(parts)
         parts.start()
@@ -142,7 +147,7 @@ class Node:
             tasks.spawn(self._watch_cluster_learner(services), name="cluster-learner")
         # The learner is built and its step compiled in the set-up pool WHILE a joiner announces
         # itself and downloads the global state: the two are independent until training starts.
-        preparing = self._prepare_learner(services, parts, base) if learner_site else None
+        preparing = self._prepare_learner(services, parts, base, rounds) if learner_site else None
         if download is not None:
             await identity.announce()
             started = self.clock.monotonic()
@@ -170,19 +175,18 @@ class Node:
         await self._stop.wait()
         return await self._outcome(services, parts, periodic)
 
-    def _prepare_learner(self, services: Services, parts: SiteParts, base: Any) -> asyncio.Future[Learner]:
+    def _prepare_learner(self, services: Services, parts: SiteParts, base: Any,
+                         rounds: list[int]) -> asyncio.Future[Learner]:
         """Build the learner and compile its step in the set-up pool (it touches no loop state)."""
-        loop, site, restored = asyncio.get_running_loop(), parts.site, parts.restored
-        hooks = {"node_id": self.node_id, "restored": restored, "on_contribution": parts.contribution_from_learner,
-                 "on_progress": services.reports.on_progress}
+        hooks = {"node_id": self.node_id, "restored": parts.restored,
+                 "on_contribution": parts.contribution_from_learner, "on_progress": services.reports.on_progress}
         if self.cfg.learner == "synthetic":  # benchmarks and tests of the data plane only
-            rounds = list(site.replica.state.rounds())
-            build: Any = lambda: prepare_synthetic_learner(site, rounds=rounds,
-                                                           steps_per_s=self.cfg.synthetic_steps_per_s, **hooks)
+            build = functools.partial(prepare_synthetic_learner, parts.site, rounds=rounds,
+                                      steps_per_s=self.cfg.synthetic_steps_per_s, **hooks)
         else:
-            build = lambda: prepare_learner(site, base=base, min_step_interval_s=self.plan.min_step_interval_s,
-                                            **hooks)
-        return asyncio.ensure_future(loop.run_in_executor(services.pools.setup, build))
+            build = functools.partial(prepare_learner, parts.site, base=base,
+                                      min_step_interval_s=self.plan.min_step_interval_s, **hooks)
+        return asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(services.pools.setup, build))
 
     async def _outcome(self, services: Services, parts: SiteParts, periodic: asyncio.Task[Any]) -> int:
         """Why the node stops decides how: evicted (exit 3), a lost host (1), else a clean stop (0)."""

@@ -159,13 +159,6 @@ class SiteParts:
         return await self.coordination.evict(node_id, reason, fingerprints, self.replica.evictions.record,
                                              wait_s=self.plan.evict_wait_s)
 
-    def training_base(self) -> tuple[Any, list[int]]:
-        """A training learner's starting base: its own copy of the global state as of now (a
-        download replaces it). Nobody else keeps one: a synthetic learner reads only the shapes, a
-        witness nothing, and a reference held elsewhere would keep every fragment's first arrays
-        alive after a download replaced them (4 bytes a parameter)."""
-        return self.replica.state.all_params(), list(self.replica.state.rounds())
-
     def start_training(self, learner: Learner, *, fresh: bool) -> None:
         """Bring the compiled learner up to the replica's current global state and start stepping.
 
