@@ -123,13 +123,18 @@ async def _servers(params: int, fragments: int) -> None:
 
 
 async def _joiner(urls: list[str], params: int, fragments: int) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from diloco_node.clock import SystemClock
     from diloco_node.daemon.join import FragmentDownload
+    from diloco_node.daemon.plan import CODEC_THREADS
     from diloco_node.transport import PeerClient
 
     replica = _replica(params, fragments, seed=None)
     auth, verifier = _auth("joiner")
-    async with PeerClient(auth, verifier) as client:
-        download = FragmentDownload(client, replica, lambda: urls)
+    codec = ThreadPoolExecutor(CODEC_THREADS, thread_name_prefix="codec")  # the daemon's codec pool
+    async with PeerClient(auth, verifier, executor=codec) as client:
+        download = FragmentDownload(client, replica, lambda: urls, executor=codec, clock=SystemClock())
         print(json.dumps({"started": True}), flush=True)
         start = time.perf_counter()
         await download.run()

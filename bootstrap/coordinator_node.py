@@ -100,6 +100,7 @@ class CoordinatorNode:
         role: MemberRole = MemberRole.LEARNER,
         address: str = "",
         options: NodeOptions | None = None,
+        is_evicted: Callable[[str], bool] = lambda node_id: False,
     ) -> None:
         self.node_id = node_id
         self.options = options or NodeOptions()
@@ -117,7 +118,7 @@ class CoordinatorNode:
         self.last_membership_reason = ""
         # Sites evicted from this run (the host's replicated register, applied from EVICTION
         # entries): removed from the configuration, never added back, never replicated to.
-        self.is_evicted: Callable[[str], bool] = lambda node_id: False
+        self.is_evicted = is_evicted
 
     # ------------------------------------------------------------ queries
 

@@ -6,6 +6,7 @@ test_daemon_compaction_cluster.py)."""
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from bootstrap import messages as coord
 from bootstrap.coordinator_node import PersistentState
 from bootstrap.entries import ClusterConfig, EntryKind, LogEntry, Snapshot
 from bootstrap.replog import LogStore, ReplicatedLog
+from diloco_node.clock import SystemClock
 from diloco_node.ops.checkpoint import CheckpointStore
 from diloco_node.config.settings import ConfigError
 from diloco_node.daemon import peers
@@ -28,6 +30,9 @@ from diloco_node.config.manifest import OuterOptimizer
 from wire import messages as wire
 from wire.codecs import decode_named, encode_named
 from wire.errors import RemoteProtocolError
+
+# The daemon hashes and checks downloaded fragments in its codec pool (pools.py).
+POOL_AND_CLOCK = {"executor": ThreadPoolExecutor(2, thread_name_prefix="codec-test"), "clock": SystemClock()}
 
 VOTERS = ClusterConfig.of(["a", "b", "c"])
 
@@ -284,7 +289,8 @@ async def test_download_with_a_floor_skips_peers_that_are_behind_it(monkeypatch)
     for i, p in enumerate((0, 1, 0), start=1):
         current.apply(_commit(current, i, p, current.state.round(p) + 1))
     client = _Peers({"http://behind": (behind, 1), "http://current": (current, 3)})
-    download = FragmentDownload(client, target, lambda: ["http://behind", "http://current"], min_commit_index=3)
+    download = FragmentDownload(client, target, lambda: ["http://behind", "http://current"], min_commit_index=3,
+                                **POOL_AND_CLOCK)
     await download.run()
     assert target.state.digest() == current.state.digest()
     assert download.max_commit_index == 3
@@ -295,7 +301,7 @@ async def test_raising_the_floor_refetches_fragments_already_downloaded() -> Non
     old, new, target = _replica(), _replica(), _replica()
     new.apply(_commit(new, 1, 0, 1))
     served = {"http://peer": (old, 0)}
-    download = FragmentDownload(_Peers(served), target, lambda: ["http://peer"])
+    download = FragmentDownload(_Peers(served), target, lambda: ["http://peer"], **POOL_AND_CLOCK)
     await download.fetch_fragment(0, attempts=1)  # fragment 0 as of index 0
     download.raise_floor(1)  # a snapshot through 1 arrived meanwhile
     served["http://peer"] = (new, 1)

@@ -418,7 +418,7 @@ async def test_an_evicted_site_is_never_offered_to_joiners_nor_used_as_a_downloa
     replica.evictions.merge(register.records())
     keeper = StateKeeper(node_id="d", replica=replica, client=None, addresses=io.addresses, executor=None,
                          clock=None, tasks=None, history=None, leader_id=lambda: "b", epoch=lambda: 1,
-                         report_error=lambda m: None, commits_applied=None)
+                         report_error=lambda m: None, commits_applied=None, learner=None)
     # b is named as the lease holder (stale news) and has an address: still never asked.
     assert keeper.repair_peers() == ["https://a.example:7070"]
     assert keeper._join_peers() == ["https://a.example:7070"]

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from diloco_node.clock import FakeClock
 from diloco_node.config.manifest import RunManifest
 from diloco_node.config.settings import ConfigError
 from diloco_node.daemon.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_REFUSED, PERMANENT, exit_status_for
@@ -29,15 +30,9 @@ class _Client:
 
 
 async def _join_error(error: Exception) -> JoinRefused:
-    now = [0.0]
-
-    async def sleep(seconds: float) -> None:
-        now[0] += seconds
-
     with pytest.raises(JoinRefused) as refused:
         await negotiate(_Client(error), ["http://p1:1"], SimpleNamespace(run=RunManifest()), "j", "http://j:1",
-                        wire.Role.LEARNER, deadline_s=20.0, sleep=sleep, monotonic=lambda: now[0],
-                        rng=random.Random(3))
+                        wire.Role.LEARNER, deadline_s=20.0, clock=FakeClock(0.0), rng=random.Random(3))
     return refused.value
 
 

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from diloco_node.clock import FakeClock
 from diloco_node.config.manifest import RunManifest
 from diloco_node.daemon.join import JOIN_RETRY_MAX_S, JoinRefused, join_backoff_s, negotiate
 from diloco_node.transport import PeerRefused, PeerUnreachable
@@ -24,17 +25,16 @@ class _Client:
 
 
 async def _join(client: _Client, deadline_s: float) -> tuple[list[float], Exception]:
-    now = [0.0]
     pauses: list[float] = []
 
-    async def sleep(seconds: float) -> None:
-        pauses.append(seconds)
-        now[0] += seconds
+    class Clock(FakeClock):
+        async def sleep(self, seconds: float) -> None:
+            pauses.append(seconds)
+            await super().sleep(seconds)
 
     with pytest.raises(JoinRefused) as refused:
         await negotiate(client, ["http://p1:1", "http://p2:1"], SimpleNamespace(run=RunManifest()), "j",
-                        "http://j:1", wire.Role.LEARNER, deadline_s=deadline_s, sleep=sleep,
-                        monotonic=lambda: now[0], rng=random.Random(7))
+                        "http://j:1", wire.Role.LEARNER, deadline_s=deadline_s, clock=Clock(0.0), rng=random.Random(7))
     return pauses, refused.value
 
 

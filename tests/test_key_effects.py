@@ -2,8 +2,9 @@
 and checks that what the key configures behaves differently (issue 12: every documented key has
 an effect a test observes; the key -> test table is tests/test_every_key_observed.py).
 
-Where the daemon hands a key to a component inline (daemon/node.py), the test builds the component
-from a `NodeConfig` the same way and drives it through its public interface.
+Where the daemon hands a key to a component, the test builds the component from a `NodeConfig`
+and the daemon's plan (daemon/plan.py `plan_from`) the same way and drives it through its public
+interface.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from bootstrap.election import LeaseTiming
 from bootstrap.messages import AppendEntries, Send
 from diloco_node.config.manifest import InnerOptimizer
 from diloco_node.config.settings import HostPort, NodeConfig, load_config
+from diloco_node.daemon.plan import plan_from
 from diloco_node.daemon.replica_store import compaction_point
 from diloco_node.learn.inner import make_optimizer
 from diloco_node.ops.checkpoint import CheckpointStore
@@ -95,9 +97,10 @@ def test_log_retain_entries_is_the_tail_kept_below_the_checkpoint() -> None:
 
 
 def _coordination_pair(cfg: NodeConfig) -> dict[str, CoordinatorNode]:
-    # daemon/node.py _start_coordination: the lease timing comes from these two keys.
-    lease = LeaseTiming(lease_s=cfg.lease_timeout_s, heartbeat_interval_s=cfg.heartbeat_interval_s)
-    options = NodeOptions(lease=lease, leave_timeout_s=max(3.0, 3 * cfg.lease_timeout_s), manage_membership=False)
+    # daemon/parts.py SiteParts: the lease timing comes from these two keys, through the plan.
+    plan = plan_from(cfg)
+    lease = LeaseTiming(lease_s=plan.lease_s, heartbeat_interval_s=plan.heartbeat_interval_s)
+    options = NodeOptions(lease=lease, leave_timeout_s=plan.leave_timeout_s, manage_membership=False)
     return {name: CoordinatorNode(name, PersistentState.founding(["a", "b"]), now=0.0, rng=random.Random(seed),
                                   options=options) for seed, name in enumerate("ab")}
 
@@ -319,10 +322,8 @@ def test_outer_lr_and_momentum_change_the_global_step() -> None:
 
 
 def test_source_address_reaches_the_peer_client_options() -> None:
-    from diloco_node.daemon.node import transport_bounds
-
-    assert transport_bounds(node())[0].source_address is None
-    assert transport_bounds(node(source_address="127.0.0.23"))[0].source_address == "127.0.0.23"
+    assert plan_from(node()).client_options.source_address is None
+    assert plan_from(node(source_address="127.0.0.23")).client_options.source_address == "127.0.0.23"
     # What the client does with it: tests/test_transport.py::test_the_client_connects_from_its_configured_source_address
 
 
@@ -375,19 +376,22 @@ def test_sync_merge_and_weighting_change_the_merged_outer_gradient() -> None:
     assert not np.allclose(mean_tokens, mean_uniform)
 
 
-# ------------------------------------------------------------------ keys the daemon reads in Node.__init__
+# ------------------------------------------------------------------ keys the daemon reads before it opens anything
 
 
 @pytest.mark.parametrize("role, member_role", [("learner", "learner"), ("witness", "witness")])
 def test_node_id_and_role_are_what_the_daemon_calls_itself_and_how_it_joins(tmp_path: Path, role: str,
                                                                           member_role: str) -> None:
+    from diloco_node.clock import FakeClock
     from diloco_node.daemon.node import Node
+    from diloco_node.daemon.services import new_status
+    from diloco_node.ops.tracking import Tracking
 
     effective = load_config(None, {"DILOCO_NODE_ID": f"site-{role}", "DILOCO_ROLE": role,
                                    "DILOCO_DATA_DIR": str(tmp_path)})
     daemon = Node(effective, environ={})
     assert daemon.node_id == f"site-{role}" and daemon.role.value == member_role  # the role it joins the run with
-    served = daemon.status.document(0.0).to_dict()  # what /status serves
+    served = new_status(daemon.cfg, "run", FakeClock(), Tracking()).document(0.0).to_dict()  # what /status serves
     assert served["node_id"] == f"site-{role}" and served["role"] == role
 
 
@@ -448,13 +452,13 @@ async def test_checkpoint_interval_s_is_how_often_the_daemon_checkpoints(tmp_pat
         pass
 
     daemon._ready = True
-    daemon._update_readiness = lambda: None
-    daemon.feed = SimpleNamespace(refresh=refresh)
-    daemon._periodic_checkpoint = checkpoint
-    daemon.identity = SimpleNamespace(refresh_members=refresh_members)
-    daemon.coordination = SimpleNamespace(core=SimpleNamespace(log=SimpleNamespace(config=SimpleNamespace(voters=()))))
+    daemon._update_readiness = lambda services, parts, now: None
+    parts = SimpleNamespace(feed=SimpleNamespace(refresh=refresh), periodic_checkpoint=checkpoint,
+                            core=SimpleNamespace(log=SimpleNamespace(config=SimpleNamespace(voters=()))))
+    services = SimpleNamespace(identity=SimpleNamespace(refresh_members=refresh_members),
+                               samples=SimpleNamespace(observe=lambda document: None), status_document=None)
     with pytest.raises(_Horizon):
-        await daemon._periodic()
+        await daemon._periodic(services, parts)
     assert taken == [1000.0 + interval * (i + 1) for i in range(checkpoints)]
 
 
@@ -462,18 +466,27 @@ async def test_checkpoint_interval_s_is_how_often_the_daemon_checkpoints(tmp_pat
     (2, 8, True, "process 1"), (3, 8, True, "another of the site's processes"), (2, 40, False, "")])
 async def test_cluster_heartbeat_timeout_and_num_processes_decide_when_and_whom_a_stalled_step_blames(
         tmp_path: Path, processes: int, timeout_s: int, warned: bool, suspect: str) -> None:
-    """daemon/node.py `_watch_cluster_learner`: a learner stalled 5 s in one step is reported once a
-    quarter of cluster.heartbeat_timeout_s has passed, naming the suspect by cluster.num_processes."""
+    """daemon/training.py `watch_cluster_learner`, run by the node: a learner stalled 5 s in one step
+    is reported once a quarter of cluster.heartbeat_timeout_s has passed, naming the suspect by
+    cluster.num_processes; its failure takes the site down."""
     import time
+    from concurrent.futures import ThreadPoolExecutor
     from types import SimpleNamespace
+
+    from diloco_node.daemon.services import new_status
+    from diloco_node.daemon.training import LearnerSlot
+    from diloco_node.ops.tracking import Tracking
 
     clock = _YieldingClock()
     daemon = _daemon(tmp_path, clock, **{"cluster.num_processes": str(processes),
                                          "cluster.coordinator": "127.0.0.1:1234",
                                          "cluster.heartbeat_timeout_s": str(timeout_s)})
     learner = SimpleNamespace(error=None, steps=1, last_step_at=time.monotonic(), is_alive=lambda: True)
-    daemon.learner = learner
-    watch = __import__("asyncio").ensure_future(daemon._watch_cluster_learner())
+    slot = LearnerSlot()
+    slot.fill(learner)  # type: ignore[arg-type]
+    services = SimpleNamespace(slot=slot, status=new_status(daemon.cfg, "run", clock, Tracking()),
+                               pools=SimpleNamespace(io=ThreadPoolExecutor(1)))
+    watch = __import__("asyncio").ensure_future(daemon._watch_cluster_learner(services))
     for _ in range(4):  # the first checks see the learner train
         await clock.sleep(0.25)
     learner.steps, learner.last_step_at = 2, time.monotonic() - 5.0  # one step now stuck for 5 s
@@ -481,7 +494,7 @@ async def test_cluster_heartbeat_timeout_and_num_processes_decide_when_and_whom_
         await clock.sleep(0.25)
     learner.error = RuntimeError("collective failed")  # the site goes down: the watch ends
     await watch
-    errors = [e.message for e in daemon.status.document(clock.now).last_errors]
+    errors = [e.message for e in services.status.document(clock.now).last_errors]
     stalls = [e for e in errors if "waited" in e]
     assert bool(stalls) is warned
     if warned:
@@ -535,6 +548,9 @@ def test_cluster_process_id_above_0_is_a_follower_host_that_reads_no_secret(
 @pytest.mark.parametrize("advertise", ["http://10.1.2.3:7070", "http://site-a.example:9000"])
 async def test_advertise_is_the_url_the_site_announces_to_members(tmp_path: Path, advertise: str) -> None:
     """daemon/identity.py: a site's own address book entry and the JoinRequest it announces."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from diloco_node.clock import FakeClock
     from diloco_node.config.manifest import RunManifest
     from diloco_node.daemon.identity import SiteIdentity
     from diloco_node.daemon.replica_store import ReplicaStore
@@ -549,7 +565,8 @@ async def test_advertise_is_the_url_the_site_announces_to_members(tmp_path: Path
 
     effective = load_config(None, {}, {"node_id": "a", "listen": "127.0.0.1:7070", "advertise": advertise,
                                        "data_dir": str(tmp_path)})
-    identity = SiteIdentity(effective, ReplicaStore(tmp_path / "coordination"), Client(), MemberRole.LEARNER)
+    identity = SiteIdentity(effective, ReplicaStore(tmp_path / "coordination"), Client(), MemberRole.LEARNER,
+                            clock=FakeClock(), executor=ThreadPoolExecutor(1))
     identity.manifest = RunManifest()
     identity.addresses.learn("b", "http://10.9.9.9:7070")
     await identity.announce()

@@ -152,3 +152,37 @@ def test_sans_io_rooms_do_no_io_and_read_no_clock(room: str) -> None:
                    if any(name == banned or name.startswith(banned + ".") for banned in IO_AND_CLOCK)
                    and name not in ALLOWED_IO.get(module, ()))
     assert wrong == []
+
+
+# The daemon reads time through its one injected `Clock` (diloco_node/clock.py) and sleeps on it,
+# so any part runs on a FakeClock in a test: no module of daemon/ reaches for the host's clock or
+# asyncio's sleep itself (a reference counts too: a default argument is a call waiting to happen).
+HOST_TIME = {("asyncio", "sleep"), ("time", "time"), ("time", "monotonic")}
+
+
+def _host_time_uses(source: str, filename: str) -> list[str]:
+    """`asyncio.sleep`, `time.time` and `time.monotonic`, as attributes or imported names, with lines."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and (node.value.id, node.attr) in HOST_TIME):
+            found.append((node.lineno, f"{node.value.id}.{node.attr}"))
+        elif isinstance(node, ast.ImportFrom) and node.module in {"asyncio", "time"}:
+            found += [(node.lineno, f"from {node.module} import {alias.name}")
+                      for alias in node.names if (node.module, alias.name) in HOST_TIME]
+    return [f"{filename}:{line} {what}" for line, what in sorted(found)]
+
+
+def test_the_host_time_scan_finds_what_it_looks_for() -> None:
+    planted = ("import asyncio, time\nfrom time import monotonic\n"
+               "async def f(sleep=asyncio.sleep):\n    await asyncio.sleep(1)\n    return time.time()\n")
+    assert _host_time_uses(planted, "x.py") == [
+        "x.py:2 from time import monotonic", "x.py:3 asyncio.sleep", "x.py:4 asyncio.sleep", "x.py:5 time.time"]
+    assert _host_time_uses("import time\nt = time.perf_counter()\nclock.sleep(1)\n", "y.py") == []
+
+
+def test_the_daemon_reads_time_only_through_its_clock() -> None:
+    daemon = ROOT / "diloco_node" / "daemon"
+    found = [use for path in sorted(daemon.rglob("*.py"))
+             for use in _host_time_uses(path.read_text(), str(path.relative_to(ROOT)))]
+    assert found == []

@@ -187,38 +187,47 @@ def test_site_flops_report_mfu_only_with_a_known_peak():
 
 
 def test_the_node_publishes_a_closed_window_once_with_mfu_to_status_history_and_trackers(tmp_path):
-    """daemon/node.py `_from_learner_progress`: the learner's figures to every place they show."""
+    """daemon/training.py `LearnerReports.on_progress`: the learner's figures to every place they show."""
     from types import SimpleNamespace
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from diloco_node.clock import FakeClock
     from diloco_node.config.settings import load_config
-    from diloco_node.daemon.node import Node
+    from diloco_node.daemon.metrics import DaemonSeries
+    from diloco_node.daemon.services import new_status
+    from diloco_node.daemon.training import LearnerReports, LearnerSlot
+    from diloco_node.ops.liveness import StepPace
+    from diloco_node.ops.status import MetricsRegistry
     from diloco_node.ops.tracking import Tracking
 
     effective = load_config(None, {"DILOCO_TRACKING_TENSORBOARD_DIR": "tb"},
                             {"node_id": "a", "listen": "127.0.0.1:7070", "data_dir": str(tmp_path)})
-    node = Node(effective, environ={})
-    node.history = DaemonHistory(HistoryWriter(tmp_path / "history.jsonl", "a"))
-    node.tracking = Tracking.open(node.cfg.tracking, tmp_path, "a", {})
-    node.status.tracking = node.tracking.status
-    node.site_flops = SiteFlops("NVIDIA H100 80GB HBM3", 2, 989e12, 6e9)
+    clock = FakeClock()
+    tracking = Tracking.open(effective.node.tracking, tmp_path, "a", {})
+    status = new_status(effective.node, "run", clock, tracking)
+    slot = LearnerSlot()
+    reports = LearnerReports(node_id="a", slot=slot, status=status, series=DaemonSeries.register(MetricsRegistry()),
+                             history=DaemonHistory(HistoryWriter(tmp_path / "history.jsonl", "a")),
+                             tracking=tracking, pace=StepPace(), clock=clock)
+    reports.site_flops = SiteFlops("NVIDIA H100 80GB HBM3", 2, 989e12, 6e9)
     figures = StepFigures(step=40, first_step=21, seconds=2.0, tokens=20_000, tokens_per_s=10_000.0,
                           step_time_s=0.1, grad_norm=0.75, grad_norm_step=39, lr=2e-4)
-    node.learner = SimpleNamespace(figures=figures, compute_seconds_total=1.0, sync_seconds_total=0.1,
-                                   step_seconds=0.09, c_steps=[1], steps=40)
-    node._from_learner_progress(40, 2.25, 40_000)
-    node._from_learner_progress(41, 2.2, 41_000)  # the same window: reported once
-    learner = node.status.document(node.now()).learner
+    slot.fill(SimpleNamespace(figures=figures, compute_seconds_total=1.0, sync_seconds_total=0.1,  # type: ignore[arg-type]
+                              step_seconds=0.09, c_steps=[1], steps=40))
+    reports.on_progress(40, 2.25, 40_000)
+    clock.advance(0.1)  # a learner that steps: tokens per second above 0
+    reports.on_progress(41, 2.2, 41_000)  # the same window: reported once
+    learner = status.document(clock.now).learner
     assert learner.mfu == pytest.approx(10_000.0 * 6e9 / (2 * 989e12))
     assert (learner.grad_norm, learner.lr, learner.step_time_s) == (0.75, 2e-4, 0.1)
-    node.tracking.close()
-    assert node.status.document(node.now()).tracking.tensorboard.written == 1
+    tracking.close()
+    assert status.document(clock.now).tracking.tensorboard.written == 1
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     assert {"learner/loss", "learner/mfu", "learner/grad_norm", "learner/lr", "learner/tokens_per_s",
             "learner/step_time_s", "learner/tokens"} == set(events.Tags()["scalars"])
     assert [(e.step, e.value) for e in events.Scalars("learner/grad_norm")] == [(40, 0.75)]
-    node.history.writer.flush_steps()
+    reports.history.writer.flush_steps()
     details = [e.detail for e in read_history(tmp_path / "history.jsonl").events if e.kind == "step"]
     assert [d["mfu"] for d in details if "mfu" in d] == [pytest.approx(learner.mfu)]

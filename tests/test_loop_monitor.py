@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from diloco_node.clock import SystemClock
 from diloco_node.daemon.loop_monitor import LagWindow, watch_loop_lag
 from diloco_node.ops.status import StatusBuilder, StatusDocument, render_metrics
 
@@ -29,7 +30,7 @@ def test_window_keeps_the_worst_lag_of_this_and_the_last_window():
 async def test_a_blocking_call_on_the_loop_is_measured_and_logged(caplog):
     window = LagWindow(warn_after_s=0.2)
     samples: list[float] = []
-    task = asyncio.create_task(watch_loop_lag(window, "n1", tick_s=0.01, on_sample=samples.append))
+    task = asyncio.create_task(watch_loop_lag(window, "n1", SystemClock(), tick_s=0.01, on_sample=samples.append))
     await asyncio.sleep(0.05)
     with caplog.at_level(logging.WARNING, logger="diloco_node.daemon"):
         time.sleep(0.3)  # what a blocking call on the loop does to everything else on it

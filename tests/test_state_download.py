@@ -8,6 +8,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from concurrent.futures import ThreadPoolExecutor
+
+from diloco_node.clock import SystemClock
 from diloco_node.config.manifest import OuterOptimizer
 from diloco_node.daemon import join
 from diloco_node.daemon.join import FragmentDownload, JoinRefused
@@ -17,6 +20,9 @@ from bootstrap.entries import EntryKind, LogEntry
 from wire import messages as wire
 from wire.codecs import decode_named, encode_named
 from diloco_node.transport import PeerUnreachable
+
+# The daemon hashes and checks downloaded fragments in its codec pool (pools.py).
+POOL_AND_CLOCK = {"executor": ThreadPoolExecutor(2, thread_name_prefix="codec-test"), "clock": SystemClock()}
 
 CHUNK = 1024
 
@@ -68,7 +74,7 @@ PEERS = ["http://a", "http://b", "http://c", "http://d"]
 async def test_three_peers_serve_different_fragments_with_chunks_pipelined() -> None:
     source, target = _replica(), _replica(seed=1)
     client = _CountingPeers(source)
-    download = FragmentDownload(client, target, lambda: PEERS, chunk_bytes=CHUNK)
+    download = FragmentDownload(client, target, lambda: PEERS, chunk_bytes=CHUNK, **POOL_AND_CLOCK)
     await download.run()
     assert target.state.digest() == source.state.digest()
     # The first three peers shared the six fragments; the fourth was not needed.
@@ -91,7 +97,7 @@ async def test_a_fragment_that_moves_on_mid_download_starts_again_and_ends_curre
             source.apply(_commit(source, 1, 2))  # fragment 2 advances between two of its chunks
 
     client.before_reply = commit_once_midway
-    download = FragmentDownload(client, target, lambda: PEERS[:1], chunk_bytes=CHUNK)
+    download = FragmentDownload(client, target, lambda: PEERS[:1], chunk_bytes=CHUNK, **POOL_AND_CLOCK)
     await download.run()
     assert target.state.round(2) == 1
     assert target.state.digest() == source.state.digest()
@@ -108,7 +114,7 @@ async def test_a_dying_peer_costs_its_fragment_a_retry_from_the_offset_reached()
             raise PeerUnreachable(url, "connection reset")
 
     client.before_reply = b_dies_after_its_first_chunk
-    download = FragmentDownload(client, target, lambda: PEERS[:3], chunk_bytes=CHUNK)
+    download = FragmentDownload(client, target, lambda: PEERS[:3], chunk_bytes=CHUNK, **POOL_AND_CLOCK)
     await download.run()
     assert target.state.digest() == source.state.digest()
     first_from_b = requests[[u for u, _, _ in requests].index("http://b")]
@@ -125,7 +131,7 @@ async def test_when_every_attempt_fails_the_download_says_which_fragment_and_why
         raise PeerUnreachable(url, "connection refused")
 
     client.before_reply = everyone_down
-    download = FragmentDownload(client, target, lambda: PEERS[:3], chunk_bytes=CHUNK)
+    download = FragmentDownload(client, target, lambda: PEERS[:3], chunk_bytes=CHUNK, **POOL_AND_CLOCK)
     with pytest.raises(JoinRefused, match=r"fragment \d: download failed 2 times; last: .*connection refused"):
         await download.run(attempts=2)
     assert all(client.in_flight[url] == 0 for url in PEERS)  # nothing left running

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager, contextmanager
 import pytest
 
 from diloco_node.config.settings import HostPort, NodeConfig
-from diloco_node.daemon.node import transport_bounds
+from diloco_node.daemon.plan import plan_from
 from diloco_node.transport import PeerClient, PeerUnreachable
 from wire.auth import AuthContext, FrameVerifier, derive_frame_key
 from wire.messages import VoteRequest
@@ -28,7 +28,8 @@ def _config(connect_timeout_s: float = 5.0, read_timeout_s: float = 30.0) -> Nod
 
 
 def _client(cfg: NodeConfig) -> PeerClient:
-    options, limits = transport_bounds(cfg)
+    plan = plan_from(cfg)
+    options, limits = plan.client_options, plan.limits
     return PeerClient(AuthContext(RUN, "a", KEY), FrameVerifier(RUN, KEY, limits), limits=limits, options=options)
 
 
@@ -37,8 +38,8 @@ def _message() -> VoteRequest:
 
 
 def test_the_node_config_timeouts_become_the_transport_bounds() -> None:
-    options, limits = transport_bounds(_config(connect_timeout_s=1.5, read_timeout_s=7.0))
-    assert (options.connect_timeout_s, limits.read_timeout_s) == (1.5, 7.0)
+    plan = plan_from(_config(connect_timeout_s=1.5, read_timeout_s=7.0))
+    assert (plan.client_options.connect_timeout_s, plan.limits.read_timeout_s) == (1.5, 7.0)
 
 
 @asynccontextmanager

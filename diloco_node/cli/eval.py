@@ -18,7 +18,7 @@ from typing import TextIO
 from diloco_node.config.settings import ConfigError, load_config
 from diloco_node.ops.evaluate import EvalError, eval_streams, evaluate, load_model
 
-DATA_CACHE_DIR = "data-cache"  # as the daemon's (daemon/node.py): tokenized text is reused, not redone
+DATA_CACHE_DIR = "data-cache"  # as the daemon's (daemon/site_model.py): tokenized text is reused, not redone
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:

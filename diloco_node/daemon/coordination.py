@@ -31,6 +31,7 @@ from diloco_node.clock import Clock
 from diloco_node.config.manifest import RunManifest
 from diloco_node.daemon import peers
 from diloco_node.daemon.history_hooks import DaemonHistory
+from diloco_node.daemon.plan import COORDINATION_DEADLINE_S, COORDINATION_TICK_S, relay_timeout_for
 from diloco_node.daemon.relays import DEFAULT_HOLD_S, RelayIO, holder_tree
 from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.daemon.tasks import TaskSet
@@ -42,12 +43,6 @@ from wire.limits import MAX_RELAYED_PAYLOAD_BYTES
 
 log = logging.getLogger("diloco_node.daemon")
 
-# Coordination timer resolution: heartbeats are every 0.5 s and leases 3 s, so 50 ms of timer
-# slack is small against both.
-TICK_S = 0.05
-# Coordination messages (votes, appends, probes) give up after this; the next tick retries.
-# Long enough for a log append of a few MB on a slow WAN link, short against a lease.
-COORDINATION_DEADLINE_S = 2.5
 
 
 @dataclass(slots=True)
@@ -65,7 +60,11 @@ class CoordinationIO:
                  on_restore_snapshot: Callable[[Snapshot], None], after_step: Callable[[], None],
                  remember_member: Callable[[str, str, str], None], report_error: Callable[[str], None],
                  relay_fanout: int = 0, relay_hold_s: float = DEFAULT_HOLD_S,
-                 relay_max_payload_bytes: int = MAX_RELAYED_PAYLOAD_BYTES, relay_spool_dir: Path | None = None) -> None:
+                 relay_timeout_s: float = relay_timeout_for(DEFAULT_HOLD_S),
+                 relay_max_payload_bytes: int = MAX_RELAYED_PAYLOAD_BYTES, relay_spool_dir: Path | None = None,
+                 tick_s: float = COORDINATION_TICK_S, deadline_s: float = COORDINATION_DEADLINE_S) -> None:
+        """The timings come from the daemon's plan (plan.py): `tick_s` the core's timer,
+        `deadline_s` each coordination message, `relay_hold_s` and `relay_timeout_s` relayed appends."""
         self.core = core
         self.node_id = core.node_id
         self.persistent = persistent
@@ -80,6 +79,8 @@ class CoordinationIO:
         self.after_step = after_step  # after every step of the core (the round driver's lease check)
         self.remember_member = remember_member  # (node id, url, role): learn and persist an address
         self.report_error = report_error
+        self.tick_s = tick_s
+        self.deadline_s = deadline_s
         self.frozen = False  # set while stopping: no message is handled, no entry applied
         self.leader_commit = 0  # highest commit index a lease holder told us
         self.last_ok: dict[str, float] = {}  # peer -> last successful exchange (monotonic)
@@ -88,7 +89,7 @@ class CoordinationIO:
         self.relays = RelayIO(node_id=self.node_id, fanout=relay_fanout, client=client, url_of=self.url_of,
                               from_log=self._log_payload, tasks=tasks, monotonic=clock.monotonic,
                               spool_dir=relay_spool_dir, hold_s=relay_hold_s,
-                              timeout_s=min(relay_hold_s / 2, 0.5), max_payload_bytes=relay_max_payload_bytes)
+                              timeout_s=relay_timeout_s, max_payload_bytes=relay_max_payload_bytes)
 
     def url_of(self, peer: str) -> str | None:
         url = self.addresses.url(peer)
@@ -112,7 +113,7 @@ class CoordinationIO:
         while True:
             self.dispatch(self.core.tick(self.clock.monotonic()))
             self.after_step()
-            await self.clock.sleep(TICK_S)
+            await self.clock.sleep(self.tick_s)
 
     def handle(self, message: coord.Message) -> list[coord.Action]:
         return self.core.handle(message, self.clock.monotonic())
@@ -203,7 +204,7 @@ class CoordinationIO:
         if out is None:
             return
         try:
-            replies = await self.client.send(url, out, peer=peer, deadline_s=COORDINATION_DEADLINE_S)
+            replies = await self.client.send(url, out, peer=peer, deadline_s=self.deadline_s)
         except PeerRefused as error:
             if error.status not in (503,):
                 self.report_error(f"{peer} refused {type(out).__name__}: {error.status} {error.reason}")
@@ -392,7 +393,7 @@ class CoordinationIO:
         log.warning("%s evicts %s at index %d: %s", self.node_id, node_id, entry.index, reason or "(no reason)")
         deadline = now + wait_s
         while evicted(node_id) is None and self.clock.monotonic() < deadline:
-            await self.clock.sleep(TICK_S)
+            await self.clock.sleep(self.tick_s)
         record = evicted(node_id)
         if record is None:
             return 202, {"node_id": node_id, "index": entry.index, "committed": False,
@@ -409,6 +410,6 @@ class CoordinationIO:
         self.dispatch(core.leave(self.clock.monotonic()))
         deadline = self.clock.monotonic() + core.options.leave_timeout_s
         while not core.left and self.clock.monotonic() < deadline:
-            await self.clock.sleep(TICK_S)  # the ticker drives the leave to its commit
+            await self.clock.sleep(self.tick_s)  # the ticker drives the leave to its commit
         log.info("%s: %s", self.node_id, core.last_membership_reason or "left")
         self.history.leave(core, core.last_membership_reason or "left")

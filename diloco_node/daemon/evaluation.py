@@ -6,7 +6,7 @@ separately on the same fixed windows every time (so a set's figure compares acro
 and across sites that name the same files).
 
 The global parameters are copied on the event loop (a few milliseconds of memcpy) and evaluated
-on a thread of their own, never on the training thread: a learner keeps stepping while the
+in the daemon's `eval` pool (pools.py), never on the training thread: a learner keeps stepping while the
 evaluation runs, and at most one evaluation is in flight (a slow one skips intervals rather than
 queueing them). Results go to `/status` (`evaluation`: the held-out slice's `loss`, and
 `sets`), `/metrics` (`diloco_eval_loss{set=...}`), the history (one `eval` event per set) and
@@ -24,7 +24,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 
 import numpy as np
 
@@ -76,11 +76,11 @@ class GlobalEvaluator:
 
     @classmethod
     def for_site(cls, *, node_id: str, manifest: RunManifest, eval_tokens: np.ndarray | None, every_commits: int,
-                 batches: int, replica: Replica, consistent: Callable[[], bool], tasks: TaskSet,
+                 batches: int, replica: Replica, consistent: Callable[[], bool], tasks: TaskSet, executor: Executor,
                  status: StatusBuilder, series: DaemonSeries, history: DaemonHistory,
                  also: Callable[[EvalStatus], None] = lambda result: None,
                  eval_sets: Sequence[tuple[str, np.ndarray]] = ()) -> GlobalEvaluator:
-        """The node's evaluator on its own thread; `close()` it with the node. `eval_tokens` is the
+        """The node's evaluator, evaluating in `executor` (the eval pool). `eval_tokens` is the
         held-out slice (None or empty: none, e.g. beside eval sets), `eval_sets` the named sets."""
         streams = {name: stream for name, stream in eval_sets}
         if eval_tokens is not None and len(eval_tokens):
@@ -98,12 +98,7 @@ class GlobalEvaluator:
             also(result)  # the experiment trackers (ops/tracking.py)
 
         return cls(node_id=node_id, every_commits=every_commits, loss=loss, global_params=replica.state.all_params,
-                   consistent=consistent, executor=ThreadPoolExecutor(1, thread_name_prefix=f"eval-{node_id}"),
-                   tasks=tasks, publish=publish)
-
-    def close(self) -> None:
-        if isinstance(self.executor, ThreadPoolExecutor):
-            self.executor.shutdown(wait=False, cancel_futures=True)
+                   consistent=consistent, executor=executor, tasks=tasks, publish=publish)
 
     def __init__(self, *, node_id: str, every_commits: int, loss: Callable[[Mapping[str, np.ndarray]], Any] | None,
                  global_params: Callable[[], Mapping[str, np.ndarray]], consistent: Callable[[], bool],

@@ -23,7 +23,6 @@ import hashlib
 import math
 import os
 import struct
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,6 +30,7 @@ from typing import Any, Protocol
 from bootstrap.coordinator_node import CoordinatorNode
 from bootstrap.election import Role
 from bootstrap.entries import EntryKind, LogEntry, PayloadUnavailable
+from diloco_node.clock import SystemClock
 from diloco_node.ops.history import HISTORY_FILE_NAME, FsyncPolicy, HistoryWriter
 from diloco_node.sync.replica import CommitPayload
 from wire.errors import RemoteProtocolError
@@ -118,7 +118,7 @@ class DaemonHistory:
         *,
         pace_s: float = 0.0,
         barrier_steps: int | None = None,
-        mono_clock: Callable[[], float] = time.monotonic,
+        mono_clock: Callable[[], float] = SystemClock().monotonic,
     ) -> None:
         """`pace_s`: the learner's minimum step interval (a stand-in for a slower device, so it
         counts as training time); `barrier_steps`: see SYNC_BARRIER_PERIODS (None: decoupled)."""
@@ -142,10 +142,12 @@ class DaemonHistory:
 
     @classmethod
     def open(cls, data_dir: str | os.PathLike[str], node_id: str, *, fsync: FsyncPolicy = "critical",
-             pace_s: float = 0.0, barrier_steps: int | None = None) -> DaemonHistory:
-        """The recorder writing `<data_dir>/history.jsonl`."""
+             pace_s: float = 0.0, barrier_steps: int | None = None,
+             mono_clock: Callable[[], float] = SystemClock().monotonic) -> DaemonHistory:
+        """The recorder writing `<data_dir>/history.jsonl`; steps are timed on `mono_clock`, read
+        in the learner's thread."""
         writer = HistoryWriter(Path(data_dir) / HISTORY_FILE_NAME, node_id, fsync=fsync)
-        return cls(writer, pace_s=pace_s, barrier_steps=barrier_steps)
+        return cls(writer, pace_s=pace_s, barrier_steps=barrier_steps, mono_clock=mono_clock)
 
     @staticmethod
     def barrier_for(sync: SyncSettings) -> int | None:

@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
+from concurrent.futures import Executor
 from typing import Literal
 
 from bootstrap import messages as coord
 from bootstrap.coordinator_node import PersistentState
+from diloco_node.clock import Clock
 from diloco_node.config.manifest import RunManifest
 from diloco_node.learn import data as data_lib
 from diloco_node.learn import factory
@@ -36,9 +37,14 @@ StartMode = Literal["found", "join", "restart"]
 
 
 class SiteIdentity:
+    """`executor` (the set-up pool) seals a founder's manifest and checks a run's model before a
+    join; `clock` stamps the founding time and paces the join's retries."""
+
     def __init__(self, effective: EffectiveConfig, store: ReplicaStore, client: PeerClient,
-                 role: coord.MemberRole) -> None:
+                 role: coord.MemberRole, *, clock: Clock, executor: Executor) -> None:
         self.effective = effective
+        self.clock = clock
+        self.executor = executor
         self.node_id = effective.node.node_id
         self.store = store
         self.client = client
@@ -49,8 +55,9 @@ class SiteIdentity:
         self.manifest: RunManifest | None = None
         self.bootstrap_url: str | None = None  # the peer a joiner joined through
 
-    async def establish(self) -> tuple[StartMode, PersistentState]:
-        """Restart from our data directory, found a run, or join one; returns the durable state."""
+    async def establish(self) -> tuple[StartMode, PersistentState, RunManifest]:
+        """Restart from our data directory, found a run, or join one; returns the durable state and
+        the run's manifest (also kept as `manifest`)."""
         cfg = self.effective.node
         if self.store.exists():
             identity = self.store.load_identity()
@@ -61,28 +68,28 @@ class SiteIdentity:
             check_joiner_manifest(self.effective.run, self.manifest, self.effective.explicit_run_keys())
             for node_id, url in identity.get("addresses", {}).items():
                 self.addresses.learn(node_id, url)
-            return "restart", self.store.load_persistent()
+            return "restart", self.store.load_persistent(), self.manifest
         loop = asyncio.get_running_loop()
         if cfg.is_founder:
             # The founder publishes its model's parameter signature and its tokenizer's digest:
             # every later site is checked against them (off the loop: the factory may import a
             # user's module, and the tokenizer file is hashed).
-            sealed = await loop.run_in_executor(None, self._seal, self.effective.run)
-            self.manifest = dataclasses.replace(sealed, founded_at=time.time())  # [run.stop] wall_s counts from here
+            sealed = await loop.run_in_executor(self.executor, self._seal, self.effective.run)
+            self.manifest = dataclasses.replace(sealed, founded_at=self.clock.wall())  # [run.stop] wall_s counts from here
             self.save()
-            return "found", PersistentState.founding([self.node_id])
+            return "found", PersistentState.founding([self.node_id]), self.manifest
         urls = [peer.url(cfg.peer_scheme) for peer in cfg.bootstrap]  # https with TLS
         async def check_model(theirs: RunManifest) -> None:
-            await loop.run_in_executor(None, self._check_before_admission, theirs)
+            await loop.run_in_executor(self.executor, self._check_before_admission, theirs)
 
         manifest, membership, via = await negotiate(self.client, urls, self.effective, self.node_id,
                                                     cfg.advertise, peers.role_to_wire(self.role), check_model,
-                                                    status_url=cfg.status_url)
+                                                    clock=self.clock, status_url=cfg.status_url)
         self.manifest = manifest
         self.learn_members(membership)
         self.bootstrap_url = via
         self.save()
-        return "join", PersistentState.joining()
+        return "join", PersistentState.joining(), manifest
 
     def _seal(self, manifest: RunManifest) -> RunManifest:
         sealed = factory.seal(manifest)

@@ -29,11 +29,12 @@ import hashlib
 import json
 import logging
 import random
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
+from diloco_node.clock import Clock
 from diloco_node.config.manifest import RunManifest
 from diloco_node.config.settings import ConfigError, EffectiveConfig
 from diloco_node.sync.replica import Replica
@@ -65,6 +66,8 @@ JOIN_DEADLINE_S = 300.0
 JOIN_RETRY_FIRST_S = 0.5
 JOIN_RETRY_MAX_S = 10.0
 JOIN_RETRY_JITTER = 0.5
+# One JoinRequest to one bootstrap peer gives up after this; the next round over the list retries.
+MEMBERSHIP_DEADLINE_S = 10.0
 # Statuses that mean "ask again later": still starting or stopping, or too busy.
 TRANSIENT_STATUSES = frozenset({429, 503})
 
@@ -95,7 +98,7 @@ def parse_manifest(data: bytes) -> RunManifest:
 
 async def request_membership(client: PeerClient, url: str, request: wire.JoinRequest) -> wire.Membership:
     try:
-        replies = await client.send(url, request, deadline_s=10.0)
+        replies = await client.send(url, request, deadline_s=MEMBERSHIP_DEADLINE_S)
     except TransportError as error:
         transient = isinstance(error, PeerUnreachable) or (isinstance(error, PeerRefused)
                                                            and error.status in TRANSIENT_STATUSES)
@@ -114,19 +117,17 @@ def join_backoff_s(attempt: int, rng: random.Random) -> float:
 
 async def negotiate(client: PeerClient, urls: Sequence[str], effective: EffectiveConfig, node_id: str,
                     advertise: str, role: wire.Role,
-                    check_model: Callable[[RunManifest], Awaitable[None]] | None = None, *,
+                    check_model: Callable[[RunManifest], Awaitable[None]] | None = None, *, clock: Clock,
                     deadline_s: float = JOIN_DEADLINE_S,
-                    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-                    monotonic: Callable[[], float] = time.monotonic,
                     rng: random.Random | None = None, status_url: str = "") -> tuple[RunManifest, wire.Membership, str]:
     """Join through the first bootstrap peer that answers: (run manifest, membership, peer url).
 
     `check_model` (raising ConfigError) vets the run's model before we ask to be admitted, so a
     site whose model differs is refused having changed nothing anywhere. Peers that are starting
     or unreachable are asked again with backoff until `deadline_s` has passed. `status_url`: our
-    operator URL, advertised with the request (the `status_url` key)."""
+    operator URL, advertised with the request (the `status_url` key). The backoff sleeps on `clock`."""
     rng = rng or random.Random()
-    give_up_at = monotonic() + deadline_s
+    give_up_at = clock.monotonic() + deadline_s
     attempt = 0
     while True:
         attempt += 1
@@ -135,14 +136,14 @@ async def negotiate(client: PeerClient, urls: Sequence[str], effective: Effectiv
         if isinstance(errors, tuple):
             return errors
         pause = join_backoff_s(attempt, rng)
-        if not transient or monotonic() + pause > give_up_at:
+        if not transient or clock.monotonic() + pause > give_up_at:
             # Every peer refused for good (permanent), or the deadline passed with peers that may
             # yet answer (transient: a restart asks again).
             raise JoinRefused("could not join through any bootstrap peer"
                               + (f" within {deadline_s:g} s" if transient else "") + ":\n  " + "\n  ".join(errors),
                               permanent=not transient, transient=transient)
         log.info("%s: no bootstrap peer could admit us yet (%s); asking again in %.1f s", node_id, errors[-1], pause)
-        await sleep(pause)
+        await clock.sleep(pause)
 
 
 async def _negotiate_once(client: PeerClient, urls: Sequence[str], effective: EffectiveConfig, node_id: str,
@@ -194,13 +195,18 @@ class FragmentProgress:
 
 
 class FragmentDownload:
-    """Downloads every fragment of the global state into `replica`, resumable, digest-verified."""
+    """Downloads every fragment of the global state into `replica`, resumable, digest-verified.
+    Each fragment's bytes are hashed and checked in `executor` (the codec pool); a peer behind the
+    floor is asked again after a pause on `clock`."""
 
-    def __init__(self, client: PeerClient, replica: Replica, peers: Callable[[], list[str]],
-                 chunk_bytes: int = SNAPSHOT_CHUNK_BYTES, min_commit_index: int = 0) -> None:
+    def __init__(self, client: PeerClient, replica: Replica, peers: Callable[[], list[str]], *,
+                 executor: Executor, clock: Clock, chunk_bytes: int = SNAPSHOT_CHUNK_BYTES,
+                 min_commit_index: int = 0) -> None:
         self.client = client
         self.replica = replica
         self.peers = peers
+        self.executor = executor
+        self.clock = clock
         self.chunk_bytes = chunk_bytes
         self.progress = [FragmentProgress(p) for p in range(replica.plan.num_fragments)]
         self.bytes_received = 0
@@ -310,7 +316,8 @@ class FragmentDownload:
                 await self._fetch_rest(url, progress, buffer)
                 # Hashing, decoding and checking a fragment take seconds at 1B parameters: in a
                 # worker thread, so heartbeats and the other fragments' chunks keep flowing.
-                digest = await asyncio.to_thread(lambda: hashlib.sha256(buffer).digest())
+                loop = asyncio.get_running_loop()
+                digest = await loop.run_in_executor(self.executor, lambda: hashlib.sha256(buffer).digest())
                 if digest != progress.digest:
                     buffer.clear()
                     progress.digest, progress.received, progress.commit_index, progress.total = None, 0, 0, None
@@ -318,7 +325,8 @@ class FragmentDownload:
                 if progress.commit_index < self.min_commit_index:  # the floor was raised meanwhile
                     raise _PeerBehind(f"fragment {progress.fragment} is as of index {progress.commit_index}, "
                                       f"older than the snapshot through {self.min_commit_index}")
-                checked = await asyncio.to_thread(self.replica.check_fragment_bytes, progress.fragment, buffer)
+                checked = await loop.run_in_executor(self.executor, self.replica.check_fragment_bytes,
+                                                     progress.fragment, buffer)
                 self.replica.install_checked_bytes(checked)  # the quick half, on the loop like every apply
                 self.max_commit_index = max(self.max_commit_index, progress.commit_index)
                 progress.done = True
@@ -327,7 +335,7 @@ class FragmentDownload:
                 buffer.clear()
                 progress.digest, progress.received, progress.commit_index, progress.total = None, 0, 0, None
                 errors.append(f"{url}: {error}")
-                await asyncio.sleep(BEHIND_FLOOR_RETRY_S)
+                await self.clock.sleep(BEHIND_FLOOR_RETRY_S)
             except (TransportError, RemoteProtocolError) as error:
                 errors.append(f"{url}: {error}")
         raise JoinRefused(f"fragment {progress.fragment}: download failed {attempts} times; last: {errors[-1]}")

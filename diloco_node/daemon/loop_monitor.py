@@ -12,11 +12,11 @@ reported (`/status`, `/metrics`), and a lag above `warn_after_s` is logged with 
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from diloco_node.clock import Clock
 
 log = logging.getLogger("diloco_node.daemon")
 
@@ -63,16 +63,16 @@ class LagWindow:
         return max(self.current_max_s, self.previous_max_s)
 
 
-async def watch_loop_lag(window: LagWindow, node_id: str, tick_s: float = DEFAULT_TICK_S,
-                         on_sample: Callable[[float], None] | None = None,
-                         clock: Callable[[], float] = time.monotonic) -> None:
-    """Run until cancelled: sleep `tick_s`, record how late the wake-up was."""
+async def watch_loop_lag(window: LagWindow, node_id: str, clock: Clock, tick_s: float = DEFAULT_TICK_S,
+                         on_sample: Callable[[float], None] | None = None) -> None:
+    """Run until cancelled: sleep `tick_s` on `clock` (the host's, for a lag that means anything),
+    record how late the wake-up was."""
     if not tick_s > 0:
         raise ValueError(f"tick_s must be > 0, got {tick_s}")
     while True:
-        asked = clock()
-        await asyncio.sleep(tick_s)
-        now = clock()
+        asked = clock.monotonic()
+        await clock.sleep(tick_s)
+        now = clock.monotonic()
         lag = now - asked - tick_s
         if window.record(lag, now):
             log.warning("%s: event loop stalled %.2f s (heartbeats, votes and acknowledgements were late by as "

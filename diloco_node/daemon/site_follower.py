@@ -17,8 +17,7 @@ import logging
 
 from diloco_node.config.manifest import RunManifest
 from diloco_node.config.settings import EffectiveConfig
-from diloco_node.daemon.node import DATA_CACHE_DIR
-from diloco_node.daemon.site_model import open_learner_data
+from diloco_node.daemon.site_model import DATA_CACHE_DIR, open_learner_data
 from diloco_node.learn import factory
 from diloco_node.learn import model as model_lib
 from diloco_node.learn.cluster import BoundaryFollowing, failure_reason, share_manifest

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
+from typing import Protocol
+
+import numpy as np
 
 from bootstrap.entries import EntryKind, LogEntry, Snapshot
 from diloco_node.clock import Clock
@@ -21,7 +24,6 @@ from diloco_node.daemon import peers
 from diloco_node.daemon.history_hooks import DaemonHistory
 from diloco_node.daemon.join import FragmentDownload, JoinRefused
 from diloco_node.daemon.tasks import TaskSet
-from diloco_node.learn.learner_thread import LearnerThread
 from diloco_node.ops.status import Counter
 from diloco_node.sync.replica import Replica
 from diloco_node.transport import PeerClient
@@ -37,11 +39,25 @@ INSTALL_RETRY_S = 2.0
 REPAIR_ATTEMPTS = 10
 
 
+class FragmentSink(Protocol):
+    """Where applied fragments go: the learner once it trains (training.py `LearnerSlot`)."""
+
+    def offer_fragment(self, p: int, round_: int, params: Mapping[str, np.ndarray],
+                       contributors: Sequence[str] = ()) -> None: ...
+
+
 class StateKeeper:
+    """`learner` takes every fragment applied, downloaded or repaired; `after_apply` is told the
+    applied index after every applied commit, `on_fragment_commit` each committed fragment with its
+    contributors (the round latency metric); a joiner downloads from `bootstrap_url` first."""
+
     def __init__(self, *, node_id: str, replica: Replica, client: PeerClient, addresses: peers.AddressBook,
                  executor: Executor, clock: Clock, tasks: TaskSet, history: DaemonHistory,
                  leader_id: Callable[[], str | None], epoch: Callable[[], int],
-                 report_error: Callable[[str], None], commits_applied: Counter) -> None:
+                 report_error: Callable[[str], None], commits_applied: Counter, learner: FragmentSink,
+                 after_apply: Callable[[int], None] = lambda applied_index: None,
+                 on_fragment_commit: Callable[[int, tuple[str, ...]], None] = lambda p, contributors: None,
+                 bootstrap_url: str | None = None) -> None:
         self.node_id = node_id
         self.replica = replica
         self.client = client
@@ -54,12 +70,10 @@ class StateKeeper:
         self.epoch = epoch
         self.report_error = report_error
         self.commits_applied = commits_applied
-        self.learner: LearnerThread | None = None  # set when training starts
-        # Told the applied index after every applied commit (the evaluator, once the node has one).
-        self.after_apply: Callable[[int], None] = lambda applied_index: None
-        # A commit of a fragment was applied, with its contributors (the round latency metric).
-        self.on_fragment_commit: Callable[[int, tuple[str, ...]], None] = lambda p, contributors: None
-        self.bootstrap_url: str | None = None  # a joiner's first choice of download peer
+        self.learner = learner
+        self.after_apply = after_apply
+        self.on_fragment_commit = on_fragment_commit
+        self.bootstrap_url = bootstrap_url  # a joiner's first choice of download peer
         self.consistent_from = 0  # applied index from which our replica is one consistent state
         self.install_floor = 0  # newest snapshot index the state download must reach (0: none)
         self.held_applies: list[LogEntry] | None = None  # buffered while the state is replaced
@@ -110,10 +124,9 @@ class StateKeeper:
     def _offer(self, p: int, contributors: tuple[str, ...] = ()) -> None:
         """Hand the current fragment p to the learner; `contributors` of the commit that made it
         (none for a downloaded or repaired fragment: the learner keeps its unsent work on top)."""
-        if self.learner is not None:
-            # The state's own read-only arrays: the learner keeps them as its base without a copy.
-            self.learner.offer_fragment(p, self.replica.state.round(p),
-                                        self.replica.state.fragment_params(p, copies=False), contributors)
+        # The state's own read-only arrays: the learner keeps them as its base without a copy.
+        self.learner.offer_fragment(p, self.replica.state.round(p), self.replica.state.fragment_params(p, copies=False),
+                                    contributors)
 
     # ------------------------------------------------------------------ replacing the state
 
@@ -121,7 +134,7 @@ class StateKeeper:
         """A joiner: entries that arrive before the download ends are held (set up before coordination
         starts, so the first entries already find it)."""
         self.held_applies = []
-        self.download = FragmentDownload(self.client, self.replica, self._join_peers)
+        self.download = self._download(self._join_peers)
         return self.download
 
     def plan_install(self, floor: int) -> None:
@@ -154,8 +167,7 @@ class StateKeeper:
             return
         if self.held_applies is None:
             self.held_applies = []
-        download = self.download = FragmentDownload(self.client, self.replica, self.repair_peers,
-                                                    min_commit_index=self.install_floor)
+        download = self.download = self._download(self.repair_peers, min_commit_index=self.install_floor)
         self.tasks.spawn(self._install(download), name="snapshot-install")
 
     async def _install(self, download: FragmentDownload) -> None:
@@ -187,6 +199,10 @@ class StateKeeper:
         for p in range(replica.plan.num_fragments):  # rebased on the new global state
             self._offer(p)
 
+    def _download(self, peers: Callable[[], list[str]], min_commit_index: int = 0) -> FragmentDownload:
+        return FragmentDownload(self.client, self.replica, peers, executor=self.executor, clock=self.clock,
+                                min_commit_index=min_commit_index)
+
     # ------------------------------------------------------------------ repair
 
     def repair(self, p: int) -> None:
@@ -198,7 +214,7 @@ class StateKeeper:
 
     async def _repair(self, p: int) -> None:
         try:
-            download = FragmentDownload(self.client, self.replica, self.repair_peers)
+            download = self._download(self.repair_peers)
             await download.fetch_fragment(p, attempts=REPAIR_ATTEMPTS)
             log.info("%s repaired fragment %d from a peer", self.node_id, p)
             self._offer(p)

@@ -87,7 +87,7 @@ HF_FORMAT = "hf"  # a Hugging Face Llama directory; never guessed from a suffix 
 HF_EXPORT_FILES = frozenset({hf_llama.CONFIG_FILE, hf_llama.WEIGHTS_FILE, hf_llama.TOKENIZER_FILE})
 FORMAT_BY_SUFFIX = {".safetensors": "safetensors", ".npz": "npz"}
 NPZ_METADATA_KEY = "__metadata__"
-# The data directory's layout as the daemon creates it (daemon/node.py: the checkpoint store's
+# The data directory's layout as the daemon creates it (daemon/services.py: the checkpoint store's
 # and the coordination store's directories; daemon/replica_store.py: the identity file).
 CHECKPOINTS_DIR = "checkpoints"
 COORDINATION_DIR = "coordination"

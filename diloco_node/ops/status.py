@@ -414,7 +414,8 @@ class StatusBuilder:
     """Collects a node's live figures from the event loop and the training thread (hence the lock)."""
 
     def __init__(self, node_id: str, run_id: str, role: str, started_at: float, version: str = "",
-                 tokens_rate_window_s: float = TOKENS_RATE_WINDOW_S, max_recent_errors: int = MAX_RECENT_ERRORS) -> None:
+                 tokens_rate_window_s: float = TOKENS_RATE_WINDOW_S, max_recent_errors: int = MAX_RECENT_ERRORS,
+                 tracking: Callable[[], TrackingStatus] | None = None) -> None:
         self._lock = threading.Lock()
         self._base = StatusDocument(node_id=node_id, run_id=run_id, role=role, ready=False, epoch=0,
                                     coordinator=None, commit_index=0, state_digest="", version=version)
@@ -431,7 +432,7 @@ class StatusBuilder:
         self._tls_not_after_unix = 0.0
         self.wall: Callable[[], float] = time.time  # only for the certificate's time to expiry
         # The trackers' counters (ops/tracking.py Tracking.status), read when a document is built.
-        self.tracking: Callable[[], TrackingStatus] | None = None
+        self.tracking = tracking
 
     def set_run_id(self, run_id: str) -> None:
         """A joiner learns the run id only after joining."""

@@ -218,9 +218,11 @@ class PeerServer:
         executor: Executor | None = None,
         wall_clock: Callable[[], float] = time.time,
         certified_senders: bool = False,
+        gate: PeerGate = lambda node_id, fingerprint: None,
     ) -> None:
         """`certified_senders`: peers come over mutual TLS, and every frame's sender must be the
-        node id its connection's certificate names (a member cannot speak for another)."""
+        node id its connection's certificate names (a member cannot speak for another). `gate`:
+        why a peer is refused for good (the daemon's eviction check), None to let it in."""
         self._certified_senders = certified_senders
         self._auth = auth
         self._verifier = verifier
@@ -236,7 +238,7 @@ class PeerServer:
         self._streams_total = 0
         self._pending: dict[_Stream, None] = {}  # unauthenticated streams, oldest first
         self._pending_by_address: dict[str, int] = {}
-        self.gate: PeerGate = lambda node_id, fingerprint: None  # the daemon sets its eviction check
+        self.gate = gate
         # Certificate fingerprints each certified node id presented, so an eviction can name them.
         # Bounded: only verified certificates of the run's CA get here, a few per member.
         self.seen_certificates: dict[str, set[str]] = {}

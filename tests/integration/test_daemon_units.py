@@ -179,12 +179,16 @@ class _FlakyPeers:
 
 
 async def test_fragment_download_resumes_at_the_offset_on_another_peer() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from diloco_node.clock import SystemClock
     from diloco_node.daemon.join import FragmentDownload
 
     source, target = _replica(), _replica()
     source.apply(_commit(source, 1, 0, 1))
     client = _FlakyPeers(source)
-    download = FragmentDownload(client, target, lambda: ["http://dies", "http://works"], chunk_bytes=64)
+    download = FragmentDownload(client, target, lambda: ["http://dies", "http://works"], chunk_bytes=64,
+                                executor=ThreadPoolExecutor(1), clock=SystemClock())
     await download.run()
     assert target.state.digest() == source.state.digest()
     assert download.max_commit_index == 7

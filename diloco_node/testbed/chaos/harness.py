@@ -251,7 +251,7 @@ class DaemonLauncher:
 
     name = "daemon"
     # How old a /status answer may be: the daemon refreshes the document every 0.25 s
-    # (daemon.node.STATUS_REFRESH_S).
+    # (daemon/plan.py `DaemonPlan.status_refresh_s`).
     status_lag_s = 0.25
 
     def __init__(self, config_template: Path | None = None, extra_settings: tuple[str, ...] = ()) -> None:
