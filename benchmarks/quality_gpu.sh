@@ -2,8 +2,9 @@
 # The quality benchmark on one GPU, in under 8 minutes (docs/PARITY.md, "On a GPU"): data-parallel
 # and decoupled DiLoCo (M = 4, int4 both ways, equal tokens, about 9 tokens per parameter) for the
 # llama family at about 1M, 6M and 25M parameters on the byte corpus, through the same runner,
-# Syncer and apply rule as the CPU benchmark. One seed; each size has its own time limit and the
-# next runs whatever happened; every size writes its JSON to OUT_DIR.
+# Syncer and apply rule as the CPU benchmark. One seed. The three sizes run at the same time as
+# three processes sharing the GPU (the small ones are bound by the host, not the GPU), each with
+# its own time limit; every size writes its log and JSON to OUT_DIR.
 #
 #   benchmarks/quality_gpu.sh [OUT_DIR]      # default: ./quality-gpu
 #
@@ -16,6 +17,8 @@ out="${1:-quality-gpu}"
 mkdir -p "$out"
 python="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}"
+# Three processes share one GPU: none may take 75% of its memory up front (JAX's default).
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 shift $(( $# > 0 ? 1 : 0 ))
 extra=("$@")  # further parity.py flags for every size, e.g. --set outer.momentum_warmup_rounds=8
 
@@ -27,14 +30,17 @@ size() {  # size NAME SECONDS PRESET STEPS GLOBAL_BATCH
         --model seq_len=256 --model compute_dtype=bfloat16 --eval-batches 32 --json "$out/$name.json" \
         "${extra[@]}" >"$out/$name.log" 2>&1
     local rc=$?
-    grep -E "eval_loss|gap|total wall" "$out/$name.log" | tail -n 6
-    [[ $rc -ne 0 ]] && tail -n 8 "$out/$name.log"
     echo "=== $name: exit $rc after $((SECONDS - started)) s"
 }
 
 nvidia-smi -L 2>/dev/null || true
 "$python" -c 'import jax; print("jax", jax.__version__, jax.devices())'
-size llama-1m 70 llama-1m 450 64
-size llama-6m 150 llama-6m 1750 128
-size llama-25m 270 llama-25m 1740 512
+size llama-1m 300 llama-1m 450 64 &
+size llama-6m 330 llama-6m 1750 128 &
+size llama-25m 390 llama-25m 1740 512 &
+wait
+for name in llama-1m llama-6m llama-25m; do
+    echo "=== $name"
+    grep -E "eval_loss|gap|total wall|Error|error" "$out/$name.log" | tail -n 8
+done
 exit 0
