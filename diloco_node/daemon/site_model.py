@@ -97,8 +97,16 @@ def build_site_model(manifest: RunManifest, *, learner: bool, data: SiteData | N
     if manifest.model.init_from and initial_values and imported is None:
         log.warning("the run starts from %s, which this site does not have: its state must come from its "
                     "checkpoint or a peer", manifest.model.init_from)
-    inner = InnerLearner(manifest.model, manifest.inner, manifest.seed, initial=imported,
-                         site_mesh=site_mesh) if trains else None
+    inner = None
+    if trains:
+        # The schedule's horizon follows [run.stop] unless inner.total_steps sets it: said once here.
+        horizon, source = manifest.inner_horizon()
+        inner_cfg, stop = manifest.inner, manifest.stop
+        fallback = inner_cfg.schedule == "cosine" and not inner_cfg.total_steps and not (stop.steps or stop.tokens)
+        log.log(logging.WARNING if fallback else logging.INFO, "inner optimizer %s, %s schedule over %s (%s)",
+                inner_cfg.optimizer, inner_cfg.schedule, f"{horizon} learner steps" if horizon else "no end", source)
+        inner = InnerLearner(manifest.model, manifest.learner_inner(), manifest.seed, initial=imported,
+                             site_mesh=site_mesh)
     if imported is not None:
         initial = imported
     elif inner is not None and not inner.site_mesh.multi_process:
