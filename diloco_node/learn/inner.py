@@ -1,4 +1,4 @@
-"""The learner's inner optimisation: a jitted AdamW step (warm-up then cosine) with donated buffers.
+"""The learner's inner optimisation: a jitted AdamW or Muon step (warm-up, then cosine or WSD) with donated buffers.
 
 Two shapes of the same step:
 - `InnerLearner`: one learner (a site's local model), as the daemon and data-parallel use it.
