@@ -196,7 +196,7 @@ class InnerOptimizer:
     """Each learner's own optimizer and its learning-rate schedule.
 
     `optimizer` "adamw": AdamW on every parameter. "muon": Muon on the hidden matrices and AdamW
-    on embeddings, the output head, norms and biases (learn/inner.py `muon_labels`); the Muon
+    on embeddings, the output head, norms and biases (learn/inner.py `muon_label`); the Muon
     group has its own peak, momentum and weight decay (`muon_*`), AdamW keeps `lr_peak`, `b1`,
     `b2` and `weight_decay`. Both groups follow one schedule shape scaled to their peaks: a linear
     warm-up, then "cosine" down to `lr_final_fraction` of the peak at `total_steps`, or "wsd"

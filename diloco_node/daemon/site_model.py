@@ -99,7 +99,7 @@ def build_site_model(manifest: RunManifest, *, learner: bool, data: SiteData | N
                     "checkpoint or a peer", manifest.model.init_from)
     inner = None
     if trains:
-        # The schedule's horizon follows [run.stop] unless inner.total_steps sets it: said once here.
+        # Where the schedule's horizon comes from (total_steps, [run.stop] or the cosine fallback), once at start.
         horizon, source = manifest.inner_horizon()
         inner_cfg, stop = manifest.inner, manifest.stop
         fallback = inner_cfg.schedule == "cosine" and not inner_cfg.total_steps and not (stop.steps or stop.tokens)
