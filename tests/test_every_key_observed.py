@@ -27,6 +27,7 @@ E = "tests/test_key_effects.py::"
 TLS = "tests/test_transport_tls.py::"
 CLUSTER = "tests/integration/test_daemon_cluster.py::"
 OS = "tests/test_outer_schedule.py::"
+IO = "tests/test_inner_optimizers.py::"
 
 OBSERVED: dict[str, tuple[str, ...]] = {
     # ---------------------------------------------------------------- [node]
@@ -147,7 +148,18 @@ OBSERVED: dict[str, tuple[str, ...]] = {
     "run.inner.lr_peak": ("tests/test_inner.py::test_schedule_warms_up_then_decays_to_the_final_fraction",),
     "run.inner.lr_final_fraction": ("tests/test_inner.py::test_schedule_warms_up_then_decays_to_the_final_fraction",),
     "run.inner.warmup_steps": ("tests/test_inner.py::test_schedule_warms_up_then_decays_to_the_final_fraction",),
-    "run.inner.total_steps": ("tests/test_inner.py::test_schedule_warms_up_then_decays_to_the_final_fraction",),
+    "run.inner.total_steps": ("tests/test_inner.py::test_schedule_warms_up_then_decays_to_the_final_fraction",
+                              IO + "test_an_explicit_total_steps_wins_and_an_unbounded_run_keeps_the_fallbacks",
+                              IO + "test_the_daemons_learner_runs_the_resolved_schedule"),
+    "run.inner.optimizer": (IO + "test_muon_takes_the_hidden_matrices_and_adamw_the_embeddings_head_norms_and_vectors",
+                            IO + "test_the_muon_keys_change_the_matrices_update"),
+    "run.inner.schedule": (IO + "test_wsd_warms_up_holds_the_peak_then_decays_linearly_over_its_last_fraction",
+                           IO + "test_the_daemons_learner_runs_the_resolved_schedule"),
+    "run.inner.decay_fraction": (IO + "test_wsd_warms_up_holds_the_peak_then_decays_linearly_over_its_last_fraction",),
+    "run.inner.horizon_learners": (IO + "test_the_horizon_follows_stop_steps_and_tokens_shared_by_the_learners",),
+    "run.inner.muon_lr_peak": (IO + "test_the_muon_keys_change_the_matrices_update",),
+    "run.inner.muon_momentum": (IO + "test_the_muon_keys_change_the_matrices_update",),
+    "run.inner.muon_weight_decay": (IO + "test_the_muon_keys_change_the_matrices_update",),
     "run.inner.weight_decay": (E + "test_inner_optimizer_keys_change_the_update",
                                E + "test_weight_decay_applies_to_matrices_only"),
     "run.inner.b1": (E + "test_inner_optimizer_keys_change_the_update",),
@@ -206,8 +218,10 @@ OBSERVED: dict[str, tuple[str, ...]] = {
     "run.sync.max_steps_per_contribution": ("tests/test_merge.py::test_caps_from_the_run_manifest",
                                             "tests/test_run_stop.py::test_the_syncer_commits_the_accepted_work_capped_as_the_weights_are"),
     # ---------------------------------------------------------------- [run.stop], run.seed
-    "run.stop.tokens": ("tests/test_run_stop.py::test_the_run_is_complete_when_every_fragment_has_merged_the_limit_and_no_later_commit_applies",),
-    "run.stop.steps": ("tests/test_run_stop.py::test_steps_limit_and_no_limit",),
+    "run.stop.tokens": ("tests/test_run_stop.py::test_the_run_is_complete_when_every_fragment_has_merged_the_limit_and_no_later_commit_applies",
+                        IO + "test_the_horizon_follows_stop_steps_and_tokens_shared_by_the_learners"),
+    "run.stop.steps": ("tests/test_run_stop.py::test_steps_limit_and_no_limit",
+                       IO + "test_the_horizon_follows_stop_steps_and_tokens_shared_by_the_learners"),
     "run.stop.wall_s": ("tests/test_run_stop.py::test_wall_time_completes_at_the_first_commit_planned_past_it_and_travels_with_the_state",),
     "run.seed": (E + "test_run_seed_is_the_initial_model",),
 }

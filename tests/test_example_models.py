@@ -60,6 +60,8 @@ def test_the_llama_site_config_on_a_token_file_builds_a_100m_model() -> None:
     data = effective.node.data  # the site's own data, not the run's
     assert (data.source, data.paths, data.token_dtype) == ("tokens", ("/srv/data/train-*.bin",), "uint32")
     assert manifest.stop.tokens == 2_000_000_000
+    # The schedule fits the stop: 4 learners' shares of 2B tokens at 8 x 1024 tokens per step.
+    assert manifest.inner.total_steps == 0 and manifest.inner_horizon()[0] == 61_036
     sealed = factory.seal(manifest)  # abstract: nothing allocated
     count = sum(int(np.prod(shape)) for _, shape, _ in sealed.model.tensors)
     assert 100e6 <= count <= 250e6, count

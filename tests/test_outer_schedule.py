@@ -8,11 +8,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import sys
 
 import numpy as np
 import pytest
 
-from diloco_node.config.manifest import ConfigError, InnerOptimizer, OuterOptimizer, RunManifest, SyncSpec
+from diloco_node.config.manifest import (ConfigError, InnerOptimizer, ModelSpec, OuterOptimizer, RunManifest, StopSpec,
+                                          SyncSpec)
 from diloco_node.config.settings import load_config
 from diloco_node.sync.fragments import plan_fragments
 from diloco_node.sync.global_state import GlobalState
@@ -108,19 +110,27 @@ def test_round_zero_is_not_a_step() -> None:
 def test_the_horizon_is_the_runs_rounds_unless_set_and_moves_with_the_run() -> None:
     manifest = RunManifest(inner=InnerOptimizer(total_steps=600, warmup_steps=200), sync=SyncSpec(period=28),
                            outer=OuterOptimizer(lr_schedule="cosine"))
-    assert manifest.outer_horizon_rounds() == 21 and manifest.outer.horizon == 21
+    assert manifest.outer_horizon_rounds() == 21 and manifest.resolved_outer().horizon == 21
     assert manifest.to_dict()["outer"]["horizon_rounds"] == 0  # derived, not written into the manifest
     # A manifest rebuilt with another period (what `parity.py --set sync.period=16` does) derives again.
     raw = manifest.to_dict()
     raw["sync"]["period"] = 16
-    assert RunManifest.from_dict(raw).outer.horizon == 37
-    assert dataclasses.replace(manifest, inner=InnerOptimizer(total_steps=100)).outer.horizon == 3
+    assert RunManifest.from_dict(raw).resolved_outer().horizon == 37
+    assert dataclasses.replace(manifest, inner=InnerOptimizer(total_steps=100)).resolved_outer().horizon == 3
     # Set explicitly, it wins; a run shorter than a period has a horizon of one round.
-    assert RunManifest(outer=OuterOptimizer(horizon_rounds=7)).outer.horizon == 7
-    assert RunManifest(inner=InnerOptimizer(total_steps=10, warmup_steps=1)).outer.horizon == 1
-    # The bound horizon is not part of the value: equal manifests, equal optimizers, same digest.
+    assert RunManifest(outer=OuterOptimizer(horizon_rounds=7)).resolved_outer().horizon == 7
+    assert RunManifest(inner=InnerOptimizer(total_steps=10, warmup_steps=1)).resolved_outer().horizon == 1
+    # The manifest keeps what was configured: it round-trips, and its outer optimizer is the
+    # configured one (the resolved copy is what replicas step with).
     assert RunManifest.from_dict(manifest.to_dict()) == manifest
     assert manifest.outer == OuterOptimizer(lr_schedule="cosine")
+    # With no horizon at all (an unbounded WSD learner), the outer horizon is unknown: 0.
+    unbounded = RunManifest(inner=InnerOptimizer(schedule="wsd"), outer=OuterOptimizer(momentum_warmup_rounds=3))
+    assert unbounded.outer_horizon_rounds() == 0
+    # The learner's horizon from [run.stop] sets the outer one too.
+    stopped = RunManifest(inner=InnerOptimizer(batch_size=8, warmup_steps=10), model=ModelSpec.of(seq_len=64),
+                          stop=StopSpec(tokens=8 * 64 * 2800), sync=SyncSpec(period=28))
+    assert stopped.outer_horizon_rounds() == 100
 
 
 def test_a_schedule_that_needs_the_horizon_is_refused_without_one() -> None:
@@ -130,7 +140,7 @@ def test_a_schedule_that_needs_the_horizon_is_refused_without_one() -> None:
         with pytest.raises(ConfigError, match="outer.horizon_rounds = 0"):
             GlobalState(plan, initial, bare)
         GlobalState(plan, initial, dataclasses.replace(bare, horizon_rounds=5))  # explicit: fine
-        GlobalState(plan, initial, RunManifest(outer=bare).outer)  # from a manifest: fine
+        GlobalState(plan, initial, RunManifest(outer=bare).resolved_outer())  # from a manifest: fine
     GlobalState(plan, initial, OuterOptimizer(momentum_warmup_rounds=3))  # the warm-up needs no horizon
 
 
@@ -141,15 +151,16 @@ def test_the_parity_benchmark_sets_every_key_with_set() -> None:
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "parity.py"
     spec = importlib.util.spec_from_file_location("parity_for_outer_schedule", path)
     parity = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = parity  # its dataclasses look their module up while being defined
     spec.loader.exec_module(parity)
     manifest = parity.with_overrides(parity.benchmark_manifest(600, 0), parity.parse_overrides([
         "outer.momentum_warmup_rounds=5", "outer.momentum_decay_rounds=3", "outer.momentum_final=0.2",
         "outer.lr_schedule=step", "outer.lr_final_fraction=0.65", "outer.lr_decay_start=0", "sync.period=16"]))
-    outer = manifest.outer
+    outer = manifest.resolved_outer()
     assert (outer.momentum_warmup_rounds, outer.momentum_decay_rounds, outer.momentum_final) == (5, 3, 0.2)
     assert (outer.lr_schedule, outer.lr_final_fraction, outer.lr_decay_start) == ("step", 0.65, 0.0)
     assert outer.horizon == 600 // 16  # derived from the overridden period, not the benchmark's 28
-    assert parity.with_overrides(manifest, parity.parse_overrides(["outer.horizon_rounds=9"])).outer.horizon == 9
+    assert parity.with_overrides(manifest, parity.parse_overrides(["outer.horizon_rounds=9"])).resolved_outer().horizon == 9
 
 
 # ------------------------------------------------------------------ validation

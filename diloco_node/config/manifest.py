@@ -24,6 +24,11 @@ MERGE_METHODS = ("mean", "rda")
 WEIGHTINGS = ("uniform", "tokens")
 APPLY_MODES = ("overwrite", "mix")
 OUTER_LR_SCHEDULES = ("constant", "linear", "cosine", "step")
+INNER_OPTIMIZERS = ("adamw", "muon")
+INNER_SCHEDULES = ("cosine", "wsd")
+# The horizon of a cosine schedule when neither inner.total_steps nor [run.stop] tokens / steps
+# bound the run (the value total_steps had before it could follow [run.stop]).
+COSINE_FALLBACK_STEPS = 1000
 
 
 class ConfigError(ValueError):
@@ -189,30 +194,64 @@ class DataAgreement:
 
 @dataclass(frozen=True, slots=True)
 class InnerOptimizer:
-    """Each learner's own AdamW with linear warm-up then cosine decay."""
+    """Each learner's own optimizer and its learning-rate schedule.
+
+    `optimizer` "adamw": AdamW on every parameter. "muon": Muon on the hidden matrices and AdamW
+    on embeddings, the output head, norms and biases (learn/inner.py `muon_label`); the Muon
+    group has its own peak, momentum and weight decay (`muon_*`), AdamW keeps `lr_peak`, `b1`,
+    `b2` and `weight_decay`. Both groups follow one schedule shape scaled to their peaks: a linear
+    warm-up, then "cosine" down to `lr_final_fraction` of the peak at `total_steps`, or "wsd"
+    (warm-up, stable at the peak, linear decay to the same floor over the last `decay_fraction`
+    of `total_steps`). `total_steps` 0 follows the run's [run.stop] (`RunManifest.inner_horizon`).
+    """
 
     batch_size: int = 16
     lr_peak: float = 3e-3
     lr_final_fraction: float = 0.1
     warmup_steps: int = 50
-    total_steps: int = 1000  # horizon of the cosine schedule, in this learner's steps
+    # Horizon of the schedule, in this learner's steps; 0: follow [run.stop] (RunManifest.inner_horizon).
+    total_steps: int = 0
     weight_decay: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
     grad_clip_norm: float = 1.0
+    optimizer: str = "adamw"
+    schedule: str = "cosine"
+    decay_fraction: float = 0.2
+    horizon_learners: int = 1
+    muon_lr_peak: float = 0.02
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.batch_size >= 1, f"inner.batch_size = {self.batch_size}: must be >= 1")
         _require(0.0 < self.lr_peak < 1.0, f"inner.lr_peak = {self.lr_peak}: must be in (0, 1)")
         _require(0.0 <= self.lr_final_fraction <= 1.0, "inner.lr_final_fraction: must be in [0, 1]")
-        _require(0 <= self.warmup_steps < self.total_steps,
+        _require(self.total_steps >= 0, f"inner.total_steps = {self.total_steps}: must be >= 0 (0: follow [run.stop])")
+        _require(self.warmup_steps >= 0, f"inner.warmup_steps = {self.warmup_steps}: must be >= 0")
+        _require(self.total_steps == 0 or self.warmup_steps < self.total_steps,
                  f"inner.warmup_steps = {self.warmup_steps}: must be >= 0 and < total_steps = {self.total_steps}")
         _require(self.weight_decay >= 0.0, "inner.weight_decay: must be >= 0")
         _require(0.0 <= self.b1 < 1.0 and 0.0 <= self.b2 < 1.0, "inner.b1 and inner.b2: must be in [0, 1)")
         _require(self.grad_clip_norm > 0.0, "inner.grad_clip_norm: must be > 0")
+        _choice("inner", "optimizer", self.optimizer, INNER_OPTIMIZERS)
+        _choice("inner", "schedule", self.schedule, INNER_SCHEDULES)
+        _require(0.0 < self.decay_fraction <= 1.0, f"inner.decay_fraction = {self.decay_fraction}: must be in (0, 1]")
+        _require(self.horizon_learners >= 1, f"inner.horizon_learners = {self.horizon_learners}: must be >= 1")
+        _require(0.0 < self.muon_lr_peak < 1.0, f"inner.muon_lr_peak = {self.muon_lr_peak}: must be in (0, 1)")
+        _require(0.0 <= self.muon_momentum < 1.0, f"inner.muon_momentum = {self.muon_momentum}: must be in [0, 1)")
+        _require(self.muon_weight_decay >= 0.0, f"inner.muon_weight_decay = {self.muon_weight_decay}: must be >= 0")
+
+    def horizon(self) -> int:
+        """The schedule's horizon in learner steps: `total_steps`, or without it (nothing resolved
+        it from [run.stop]) none for "wsd" (0: stable at the peak after warm-up) and the fixed
+        COSINE_FALLBACK_STEPS for "cosine", which cannot decay without an end."""
+        if self.total_steps:
+            return self.total_steps
+        return 0 if self.schedule == "wsd" else max(COSINE_FALLBACK_STEPS, self.warmup_steps + 1)
 
 
-@dataclass(frozen=True)  # not slotted: a RunManifest binds its run's horizon beside the fields (below)
+@dataclass(frozen=True, slots=True)
 class OuterOptimizer:
     """The syncer's SGD with Nesterov momentum, applied per fragment, and its schedule over the
     fragment's rounds (`sync/outer_schedule.py` gives the step's lr and momentum at a round).
@@ -220,9 +259,9 @@ class OuterOptimizer:
     lr 0.7 and momentum 0.6 were measured (docs/PARITY.md, "How the defaults were chosen"): with
     ~20 rounds per fragment from a random start, DiLoCo's momentum 0.9 overshoots. The schedule
     keys default to off, the constant step. `horizon_rounds` = 0 takes the run's own horizon,
-    inner.total_steps // sync.period rounds (`RunManifest.outer_horizon_rounds`): the manifest
-    binds it to its copy (`with_run_horizon`) as an attribute, not a key, so the manifest's dict
-    and digest stay what was configured and a changed total_steps or period moves it too.
+    the learner's horizon // sync.period rounds (`RunManifest.outer_horizon_rounds`): replicas
+    step with `RunManifest.resolved_outer()`, so the manifest's dict and digest stay what was
+    configured and a changed total_steps, [run.stop] or period moves the horizon too.
     """
 
     lr: float = 0.7
@@ -257,19 +296,13 @@ class OuterOptimizer:
 
     @property
     def horizon(self) -> int:
-        """The rounds the schedules span: `horizon_rounds`, else the run's bound one, else 0 (unknown)."""
-        return self.horizon_rounds or getattr(self, "_run_horizon_rounds", 0)
+        """The rounds the schedules span (0: unknown; `RunManifest.resolved_outer` fills it in)."""
+        return self.horizon_rounds
 
     @property
     def needs_horizon(self) -> bool:
         """Whether a schedule that ends at the horizon is on (the lr schedule or the momentum decay)."""
         return self.lr_schedule != "constant" or self.momentum_decay_rounds > 0
-
-    def with_run_horizon(self, rounds: int) -> "OuterOptimizer":
-        """A copy that knows its run's horizon (used where `horizon_rounds` is 0); equal to this one."""
-        copy = dataclasses.replace(self)
-        object.__setattr__(copy, "_run_horizon_rounds", rounds)
-        return copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,15 +394,56 @@ class RunManifest:
     seed: int = 0
     founded_at: float = 0.0  # unix time the run was founded (set by the founding site, never configured)
 
-    def __post_init__(self) -> None:
-        # Every manifest's outer optimizer knows the run's horizon, whoever made it (a file, a
-        # replace, a joiner's copy): GlobalState gets `manifest.outer` and nothing else.
-        object.__setattr__(self, "outer", self.outer.with_run_horizon(self.outer_horizon_rounds()))
+    def inner_horizon(self) -> tuple[int, str]:
+        """A learner's schedule horizon in its own steps, and where it comes from.
+
+        `inner.total_steps` when set. Otherwise [run.stop]'s budget: `stop.steps` and `stop.tokens`
+        count the work of every learner together (what every fragment has merged), so a learner's
+        share is the budget divided by `inner.horizon_learners` (the learners expected to train
+        side by side; tokens become steps at `batch_size * seq_len` tokens per step); with both
+        set, the one reached first. At least `warmup_steps + 1`. With neither, `inner.horizon()`:
+        0 (no end) for "wsd", COSINE_FALLBACK_STEPS for "cosine".
+        A pure function of the manifest, so the daemon, `train` and the runner agree.
+        """
+        inner, stop = self.inner, self.stop
+        if inner.total_steps:
+            return inner.total_steps, f"inner.total_steps = {inner.total_steps}"
+        learners = inner.horizon_learners
+        bounds: list[tuple[int, str]] = []
+        if stop.steps:
+            bounds.append((math.ceil(stop.steps / learners),
+                           f"stop.steps = {stop.steps} shared by inner.horizon_learners = {learners}"))
+        if stop.tokens:
+            tokens_per_step = inner.batch_size * self.model.seq_len
+            bounds.append((math.ceil(stop.tokens / (learners * tokens_per_step)),
+                           f"stop.tokens = {stop.tokens} shared by inner.horizon_learners = {learners} at "
+                           f"{tokens_per_step} tokens per step"))
+        if bounds:
+            steps, source = min(bounds)
+            return max(steps, inner.warmup_steps + 1), source
+        if inner.schedule == "wsd":
+            return 0, "nothing bounds the run ([run.stop] sets no tokens or steps): WSD stays at its peak"
+        return inner.horizon(), (f"nothing bounds the run ([run.stop] sets no tokens or steps): cosine falls back "
+                                 f"to {inner.horizon()} steps; set inner.total_steps or use schedule = \"wsd\"")
+
+    def learner_inner(self) -> InnerOptimizer:
+        """The inner optimizer a learner runs: `inner` with `total_steps` resolved (`inner_horizon`)."""
+        return dataclasses.replace(self.inner, total_steps=self.inner_horizon()[0])
 
     def outer_horizon_rounds(self) -> int:
         """The rounds of a fragment the outer schedules span: `outer.horizon_rounds`, or (0) the
-        run's horizon, inner.total_steps // sync.period (each fragment syncs once a period), at least 1."""
-        return self.outer.horizon_rounds or max(1, self.inner.total_steps // self.sync.period)
+        run's horizon, the learner's horizon (`inner_horizon`) // sync.period (each fragment syncs
+        once a period), at least 1; 0 when the learner's horizon is unknown (an unbounded WSD run)."""
+        if self.outer.horizon_rounds:
+            return self.outer.horizon_rounds
+        steps = self.inner_horizon()[0]
+        return max(1, steps // self.sync.period) if steps else 0
+
+    def resolved_outer(self) -> OuterOptimizer:
+        """The outer optimizer a replica steps with: `outer` with `horizon_rounds` resolved
+        (`outer_horizon_rounds`), so the schedule needs nothing else. The manifest itself (its dict
+        and digest) keeps what was configured."""
+        return dataclasses.replace(self.outer, horizon_rounds=self.outer_horizon_rounds())
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON/TOML-compatible dict (tuples become lists); the model is its flat table."""

@@ -39,7 +39,7 @@ def run_follower(effective: EffectiveConfig) -> int:
     # each step on the site's global arrays is a program every process runs together.
     corpus = open_learner_data(manifest, cfg.data, cfg.data_dir / DATA_CACHE_DIR)  # this host's own copy
     site_mesh = build_site_mesh(cfg.mesh)
-    inner = InnerLearner(manifest.model, manifest.inner, manifest.seed, site_mesh=site_mesh)
+    inner = InnerLearner(manifest.model, manifest.learner_inner(), manifest.seed, site_mesh=site_mesh)
     initial = model_lib.flat_params(factory.init_params(manifest.model, manifest.seed)[1])
     sync = manifest.sync
     plan = plan_fragments({n: a.shape for n, a in initial.items()}, sync.fragments, sync.period, sync.overlap)

@@ -104,8 +104,16 @@ def build_site_model(manifest: RunManifest, *, learner: bool, data: SiteData | N
     if manifest.model.init_from and initial_values and imported is None:
         log.warning("the run starts from %s, which this site does not have: its state must come from its "
                     "checkpoint or a peer", manifest.model.init_from)
-    inner = InnerLearner(manifest.model, manifest.inner, manifest.seed, initial=imported,
-                         site_mesh=site_mesh) if trains else None
+    inner = None
+    if trains:
+        # Where the schedule's horizon comes from (total_steps, [run.stop] or the cosine fallback), once at start.
+        horizon, source = manifest.inner_horizon()
+        inner_cfg, stop = manifest.inner, manifest.stop
+        fallback = inner_cfg.schedule == "cosine" and not inner_cfg.total_steps and not (stop.steps or stop.tokens)
+        log.log(logging.WARNING if fallback else logging.INFO, "inner optimizer %s, %s schedule over %s (%s)",
+                inner_cfg.optimizer, inner_cfg.schedule, f"{horizon} learner steps" if horizon else "no end", source)
+        inner = InnerLearner(manifest.model, manifest.learner_inner(), manifest.seed, initial=imported,
+                             site_mesh=site_mesh)
     if imported is not None:
         initial = imported
     elif inner is not None and not inner.site_mesh.multi_process:
@@ -124,7 +132,7 @@ def build_site_model(manifest: RunManifest, *, learner: bool, data: SiteData | N
     if too_big:
         raise ConfigError("the run's fragments do not fit the wire limits: " + "; ".join(too_big))
     # `initial` is ours alone (fresh host copies): the replica keeps these arrays, no second copy.
-    replica = Replica(plan, initial, manifest.outer, manifest.stop, manifest.founded_at, adopt_initial=True)
+    replica = Replica(plan, initial, manifest.resolved_outer(), manifest.stop, manifest.founded_at, adopt_initial=True)
     if histories is not None:
         replica.state.use_history(histories)
     syncer = Syncer(manifest, plan, factory.embedding_names(manifest.model, initial))

@@ -1,4 +1,4 @@
-"""The learner's inner optimisation: a jitted AdamW step (warm-up then cosine) with donated buffers.
+"""The learner's inner optimisation: a jitted AdamW or Muon step (warm-up, then cosine or WSD) with donated buffers.
 
 Two shapes of the same step:
 - `InnerLearner`: one learner (a site's local model), as the daemon and data-parallel use it.
@@ -15,41 +15,133 @@ Parameters cross the boundary as flat `dict[str, np.ndarray]` (see `model.flat_p
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Collection, Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from diloco_node.config.manifest import InnerOptimizer, ModelSpec
 from diloco_node.learn import factory
 from diloco_node.learn import model as model_lib
 from diloco_node.learn.mesh import SiteMesh
+from diloco_node.sync.fragments import is_embedding
 
 
-def make_schedule(inner: InnerOptimizer) -> optax.Schedule:
-    """Linear warm-up from 0 to `lr_peak`, then cosine down to `lr_peak * lr_final_fraction`.
+def make_schedule(inner: InnerOptimizer, peak: float | None = None) -> optax.Schedule:
+    """The learning rate at each optimizer count: a linear warm-up from 0 to `peak` (default
+    `lr_peak`), then `inner.schedule`'s shape over `inner.horizon()` steps down to
+    `peak * lr_final_fraction`:
 
-    Past `total_steps` the rate stays at the final value (a fast learner may outrun the horizon).
+    - "cosine": cosine decay from the end of the warm-up to the horizon;
+    - "wsd": stable at the peak, then a linear decay over the last `decay_fraction` of the horizon
+      (never before the warm-up ends); with no horizon (0) it stays at the peak.
+
+    Past the horizon the rate stays at the final value (a fast learner may outrun it).
     """
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=inner.lr_peak,
-        warmup_steps=inner.warmup_steps,
-        decay_steps=inner.total_steps,
-        end_value=inner.lr_peak * inner.lr_final_fraction,
-    )
+    peak = inner.lr_peak if peak is None else peak
+    floor = peak * inner.lr_final_fraction
+    horizon = inner.horizon()
+    if inner.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=peak, warmup_steps=inner.warmup_steps,
+                                                  decay_steps=horizon, end_value=floor)
+    warmup = inner.warmup_steps
+    decay_start = max(warmup, horizon - round(inner.decay_fraction * horizon)) if horizon else None
+
+    def warmup_stable_decay(count: Any) -> jax.Array:
+        step = jnp.asarray(count, jnp.float32)
+        rate = peak * (jnp.minimum(1.0, step / warmup) if warmup else jnp.ones((), jnp.float32))
+        if decay_start is None:
+            return rate
+        # 0 until decay_start, 1 from the horizon on; decay_start >= warmup, so the warm-up is over.
+        decayed = jnp.clip((step - decay_start) / max(horizon - decay_start, 1), 0.0, 1.0)
+        return rate + (floor - peak) * decayed
+
+    return warmup_stable_decay
 
 
-def make_optimizer(inner: InnerOptimizer) -> optax.GradientTransformation:
-    """Global-norm clipping then AdamW; weight decay only on matrices (not norms, biases)."""
+MUON, ADAMW = "muon", "adamw"
+
+
+def is_output_head(name: str) -> bool:
+    """True for the output projection: its top-level module is named "head", "*head" ("lm_head")
+    or "unembed*" (the built-in models' "head/kernel" and "lm_head/kernel")."""
+    first = name.split("/", 1)[0].lower()
+    return first.endswith("head") or first.startswith("unembed")
+
+
+def muon_label(name: str, ndim: int, embedding: bool) -> str:
+    """Which group of `inner.optimizer = "muon"` updates a parameter: Muon for the hidden 2-D
+    matrices; AdamW for the embedding tables (`embedding`: the model declares it one, so a tied
+    embedding that doubles as the output head too), the output head, and every tensor that is
+    not 2-D (norm scales, biases). Muon orthogonalises a matrix's update as a linear map between
+    hidden spaces; an embedding lookup or the logits' projection is not one (as in MuLoCo)."""
+    if ndim != 2 or embedding or is_output_head(name):
+        return ADAMW
+    return MUON
+
+
+def key_path_name(path: tuple) -> str:
+    """The flat parameter name ("blocks/0/attn/out/kernel") of a leaf's JAX key path, as
+    `model.flat_params` names it (the Variable's `.value` attribute is not part of it)."""
+    keys = [k for k in path if not isinstance(k, jax.tree_util.GetAttrKey)]
+    return "/".join(str(k.key if hasattr(k, "key") else k.idx) for k in keys)
+
+
+def _scale_by_width() -> optax.GradientTransformation:
+    """Muon's update of a (fan_in, fan_out) matrix times sqrt(max(1, fan_out / fan_in)) (optax's
+    default for Muon), so wide outputs move as much per unit as narrow ones."""
+    def update(updates, state, params=None):
+        del params
+        return jax.tree.map(lambda u: u * jnp.sqrt(jnp.maximum(1.0, u.shape[1] / u.shape[0])), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def make_optimizer(inner: InnerOptimizer, embeddings: Collection[str] | None = None) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW ("adamw") or Muon with AdamW beside it ("muon").
+
+    AdamW decays only matrices (not norms, biases). With Muon, `muon_label` splits the parameters;
+    `embeddings` names the embedding tables (default: the names `sync.fragments.is_embedding`
+    recognises; the learners pass their model's declaration).
+    """
     decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)  # noqa: E731
-    return optax.chain(
-        optax.clip_by_global_norm(inner.grad_clip_norm),
-        optax.adamw(make_schedule(inner), b1=inner.b1, b2=inner.b2, weight_decay=inner.weight_decay, mask=decay_mask),
+    adamw = optax.adamw(make_schedule(inner), b1=inner.b1, b2=inner.b2, weight_decay=inner.weight_decay,
+                        mask=decay_mask)
+    if inner.optimizer == ADAMW:
+        return optax.chain(optax.clip_by_global_norm(inner.grad_clip_norm), adamw)
+
+    is_table = is_embedding if embeddings is None else frozenset(embeddings).__contains__
+
+    def label(path: tuple, leaf: Any) -> str:
+        name = key_path_name(path)
+        return muon_label(name, leaf.ndim, is_table(name))
+
+    labels = functools.partial(jax.tree_util.tree_map_with_path, label)
+
+    # Inside the partition the Muon chain sees its own leaves only (the others are masked out):
+    # every one is a 2-D matrix, orthogonalised as (fan_in, fan_out).
+    dimension_numbers = lambda updates: jax.tree.map(lambda _: MuonDimensionNumbers(), updates)  # noqa: E731
+    muon = optax.chain(
+        scale_by_muon(beta=inner.muon_momentum, weight_dimension_numbers=dimension_numbers),
+        _scale_by_width(),
+        optax.add_decayed_weights(inner.muon_weight_decay),
+        optax.scale_by_learning_rate(make_schedule(inner, inner.muon_lr_peak)),
     )
+    return optax.chain(optax.clip_by_global_norm(inner.grad_clip_norm),
+                       optax.partition({MUON: muon, ADAMW: adamw}, labels))
+
+
+@functools.lru_cache(maxsize=16)
+def _optimizer(model: ModelSpec, inner: InnerOptimizer) -> optax.GradientTransformation:
+    """The learner's optimizer for this model: Muon's groups from the model's declared embeddings."""
+    if inner.optimizer == ADAMW:
+        return make_optimizer(inner)
+    _, abstract = factory.abstract_model(factory.recipe(model))
+    return make_optimizer(inner, frozenset(factory.embedding_names(model, model_lib.param_shapes(abstract))))
 
 
 def _train_step_fn(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, microbatches: int = 1,
@@ -102,7 +194,7 @@ def _train_step_fn(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, mic
 def _compiled_single_step(model: ModelSpec, inner: InnerOptimizer) -> Callable:
     """One jitted step per (model, optimizer) per process: later runs reuse its compilation."""
     graphdef = factory.graphdef_of(model)
-    return jax.jit(_train_step_fn(graphdef, make_optimizer(inner)), donate_argnums=(0, 1))
+    return jax.jit(_train_step_fn(graphdef, _optimizer(model, inner)), donate_argnums=(0, 1))
 
 
 @functools.lru_cache(maxsize=16)
@@ -112,7 +204,7 @@ def _compiled_mesh_step(model: ModelSpec, inner: InnerOptimizer, site_mesh: Site
     back with its leaf's sharding never recompiles it), and the optimizer's init with the same."""
     _, abstract = factory.abstract_model(factory.recipe(model))
     graphdef = factory.execution_graphdef(factory.recipe(model), site_mesh.attention, site_mesh.remat)
-    tx = make_optimizer(inner)
+    tx = _optimizer(model, inner)
     param_shardings = site_mesh.tree_shardings(abstract)
     opt_shardings = site_mesh.tree_shardings(jax.eval_shape(tx.init, abstract))
     batch = site_mesh.batch_sharding()
@@ -128,7 +220,7 @@ def _compiled_mesh_step(model: ModelSpec, inner: InnerOptimizer, site_mesh: Site
 def _compiled_masked_step(model: ModelSpec, inner: InnerOptimizer) -> Callable:
     """The vmapped, masked M-learner step (M comes from the input shapes), compiled once per model."""
     graphdef = factory.graphdef_of(model)
-    single = _train_step_fn(graphdef, make_optimizer(inner))
+    single = _train_step_fn(graphdef, _optimizer(model, inner))
 
     def masked_step(params, opt_state, inputs_MxBxL, targets_MxBxL, mask_M):
         new_params, new_opt, loss_M, _ = jax.vmap(single)(params, opt_state, inputs_MxBxL, targets_MxBxL)
@@ -173,7 +265,7 @@ class InnerLearner:
             site_mesh.check_batch(inner.batch_size)  # before anything is built
         model = factory.recipe(model)
         self.site_mesh = site_mesh
-        self.tx = make_optimizer(inner)
+        self.tx = _optimizer(model, inner)
         if site_mesh is None:
             graphdef, params = factory.init_params(model, seed)
             if initial is not None:
@@ -259,7 +351,7 @@ class StackedLearners:
             params = model_lib.load_flat_params(params, initial)
         self.graphdef = graphdef
         self.num_learners = num_learners
-        self.tx = make_optimizer(inner)
+        self.tx = _optimizer(model, inner)
         opt_state = self.tx.init(params)
         stack = lambda tree: jax.tree.map(lambda x: jnp.stack([x] * num_learners), tree)  # noqa: E731
         self.params = stack(params)

@@ -127,7 +127,7 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         self.plan = plan
         self.manifest = manifest
         if inner is None:
-            inner = InnerLearner(manifest.model, manifest.inner, manifest.seed, global_params)
+            inner = InnerLearner(manifest.model, manifest.learner_inner(), manifest.seed, global_params)
         else:  # built earlier by the node (its initial weights seeded the replica): take the state
             inner.set_flat(global_params)
         self._inner = inner

@@ -411,7 +411,7 @@ class _FragmentSync:
         self.plan: FragmentPlan = plan_fragments(shapes, self.policy.fragments, period, self.policy.overlap)
         self.period = period
         # The global state is a replica: merges reach it as the commit payloads a daemon's log carries.
-        self.replica = Replica(self.plan, setup.initial, config.manifest.outer)
+        self.replica = Replica(self.plan, setup.initial, config.manifest.resolved_outer())
         self.global_state = self.replica.state
         rules = round_rules(config, period)
         self.syncer = Syncer(config.manifest, self.plan, factory.embedding_names(setup.model, setup.initial), rules)
