@@ -1,5 +1,6 @@
-"""The daemon's relayed-payload I/O (diloco_node/daemon/relays.py), in process: several `RelayIO`s
-joined by a fake peer client, real asyncio with short waits."""
+"""The daemon's relayed-payload I/O (diloco_node/daemon/relays.py, relay_spool.py), in process: several
+`RelayIO`s joined by a fake peer client, real asyncio with short waits. The decisions are the relay
+plane's (tests/test_relay_plane.py); these tests check that the daemon performs them."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from bootstrap.entries import EntryKind, LogEntry
 from bootstrap.relay_tree import plan_relay_tree
 from diloco_node.config.manifest import ConfigError
 from diloco_node.config.settings import load_config
-from diloco_node.daemon.relays import HeldPayloads, RelayIO, SpooledPayload
+from diloco_node.clock import SystemClock
+from diloco_node.daemon.relay_spool import HeldPayloads, SpooledPayload
+from diloco_node.daemon.relays import RelayIO
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.transport import PeerRefused, PeerUnreachable
 from wire import messages as wire
@@ -97,12 +100,11 @@ def cluster(root: Path, names: list[str], *, hold_s: float = 0.5, timeout_s: flo
     """RelayIOs named `names` (the first one the holder, fan-out 1), each spooling under root/<name>,
     streaming in chunks of `chunk_bytes` (PAYLOAD is several)."""
     net, tasks = FakeNet(), TaskSet()
-    loop = asyncio.get_running_loop()
     for name in names:
         net.nodes[name] = node = RelayIO(
             node_id=name, fanout=1 if name == names[0] else 0, client=net.client(name),
             url_of=lambda peer: f"http://{peer}", from_log=lambda index, epoch: None, tasks=tasks,
-            monotonic=loop.time, spool_dir=root / name, hold_s=hold_s, timeout_s=timeout_s, **options)
+            clock=SystemClock(), spool_dir=root / name, hold_s=hold_s, timeout_s=timeout_s, **options)
         node.chunk_bytes = chunk_bytes
         node.open_payload_stream = _opener(node)
     return net, tasks
@@ -171,7 +173,7 @@ def test_a_follower_under_a_dead_relay_fetches_from_the_holder_within_its_hold(t
         net.dead.add("b")  # the only relay between a and c
         tree = plan_relay_tree("a", ["b", "c"], 1)
         out = net.nodes["a"].relayed_append(holders_append(), tree, leader_commit=4)
-        net.nodes["c"].trees["a"] = tree  # as learned from an earlier push
+        net.nodes["c"].follower.learn_tree(tree)  # as learned from an earlier push
         started = asyncio.get_running_loop().time()
         payloads = await completed_payloads(net.nodes["c"], out)
         waited = asyncio.get_running_loop().time() - started
@@ -190,7 +192,7 @@ def chain_whose_first_push_is_lost(root: Path, *, timeout_s: float, leader_commi
     net, tasks = cluster(root, ["a", "b", "c"], hold_s=3.0, timeout_s=timeout_s)
     tree = plan_relay_tree("a", ["b", "c"], 1)
     for name in ("b", "c"):
-        net.nodes[name].trees["a"] = tree  # as learned from an earlier push
+        net.nodes[name].follower.learn_tree(tree)  # as learned from an earlier push
     net.lost.add("PayloadOpen")
     return net, tasks, net.nodes["a"].relayed_append(holders_append(), tree, leader_commit=leader_commit)
 
@@ -201,7 +203,7 @@ def test_a_relay_still_awaiting_the_bytes_promises_them_and_its_child_does_not_c
         await settle_network()
         net.lost.clear()
         a, b, c = (net.nodes[name] for name in "abc")
-        b.relay.timeout_s = 30.0  # b awaits the bytes and has not fetched them yet when c asks
+        b.follower.timeout_s = 30.0  # b awaits the bytes and has not fetched them yet when c asks
         b_done = asyncio.ensure_future(completed_payloads(b, out))
         c_done = asyncio.ensure_future(completed_payloads(c, out))
         for _ in range(500):  # c's first fetch leaves after one timeout
@@ -243,7 +245,7 @@ def test_a_relay_that_promised_and_never_got_the_bytes_is_routed_around_after_a_
         net, tasks, out = chain_whose_first_push_is_lost(tmp_path, timeout_s=0.05)
         await settle_network()
         b = net.nodes["b"]
-        b.relay.timeout_s = 10.0  # b awaits the bytes but never fetches them in this test
+        b.follower.timeout_s = 10.0  # b awaits the bytes but never fetches them in this test
         b_waiting = asyncio.ensure_future(b.complete(out))
         await asyncio.sleep(0)
         net.lost.clear()
@@ -313,7 +315,7 @@ def test_once_the_entry_is_in_the_log_its_bytes_leave_memory_and_are_served_from
         net, tasks = cluster(tmp_path, ["a", "b", "c"])
         log: dict[tuple[int, int], bytes] = {}
         b = net.nodes["b"]
-        b.store = b.relay.store = HeldPayloads(lambda index, epoch: log.get((index, epoch)))
+        b.store = b.relay.store = b.follower.store = HeldPayloads(lambda index, epoch: log.get((index, epoch)))
         b._from_log = lambda index, epoch: log.get((index, epoch))
         out = net.nodes["a"].relayed_append(holders_append(), plan_relay_tree("a", ["b"], 1), leader_commit=4)
         await settle_network()
@@ -449,7 +451,7 @@ def test_a_body_that_breaks_off_leaves_no_spool_file(tmp_path):
 
         with pytest.raises(ConnectionResetError):
             await net.client("a").send_sequence("http://b", broken(), peer="b", deadline_s=1.0)
-        assert spool_files(b) == [] and len(b.store) == 0 and b._incoming == {}
+        assert spool_files(b) == [] and len(b.store) == 0 and b.follower.incoming == {}
         await tasks.close()
 
     asyncio.run(scenario())
@@ -536,7 +538,7 @@ def test_relays_off_an_append_of_many_inline_payloads_sends_the_ones_past_its_in
 
     monkeypatch.setattr(relays, "INLINE_APPEND_MAX_BYTES", 3 * 1000)
     holder = RelayIO(node_id="a", fanout=0, client=None, url_of=lambda peer: None, from_log=lambda i, e: None,
-                     tasks=None, monotonic=lambda: 0.0, spool_dir=tmp_path, inline_max_bytes=1000)
+                     tasks=None, clock=SystemClock(), spool_dir=tmp_path, inline_max_bytes=1000)
     catch_up = tuple(LogEntry(3, 10 + i, EntryKind.OUTER_COMMIT, b"x" * 1000) for i in range(16))
     # A lagging follower gets 16 entries at once: three fit the append's budget, the rest go by digest.
     assert holder.relayed_entries(catch_up) == {entry.index for entry in catch_up[3:]}
@@ -560,7 +562,7 @@ def test_bytes_already_in_the_log_are_referred_to_not_read_until_used(tmp_path):
 
 def test_a_payload_from_the_log_given_to_the_core_again_is_written_into_its_own_record(tmp_path):
     from bootstrap.entries import StoredPayload
-    from diloco_node.daemon.relays import entry_payload
+    from diloco_node.daemon.relay_spool import entry_payload
 
     logged = StoredPayload(5, lambda: b"seven")
     again = entry_payload(logged)
@@ -599,7 +601,6 @@ def test_over_real_http_a_payload_streams_into_the_spool_and_a_fetch_streams_bac
 
     async def scenario() -> None:
         tasks = TaskSet()
-        loop = asyncio.get_running_loop()
         urls: dict[str, str] = {}
         nodes: dict[str, RelayIO] = {}
         runners = []
@@ -609,7 +610,7 @@ def test_over_real_http_a_payload_streams_into_the_spool_and_a_fetch_streams_bac
             await client.start()
             clients.append(client)
             node = nodes[name] = RelayIO(node_id=name, fanout=1, client=client, url_of=urls.get,
-                                         from_log=lambda index, epoch: None, tasks=tasks, monotonic=loop.time,
+                                         from_log=lambda index, epoch: None, tasks=tasks, clock=SystemClock(),
                                          spool_dir=tmp_path / name, max_payload_bytes=len(payload))
             node.chunk_bytes = 4096
             server = PeerServer(AuthContext(run, name, key), FrameVerifier(run, key, node_id=name))
@@ -646,7 +647,7 @@ def test_over_real_http_a_payload_streams_into_the_spool_and_a_fetch_streams_bac
             # b serves a fetch: here a itself asks, having dropped its own copy (its log holds none).
             a.store.clear()
             assert digest not in a.store
-            await a._fetch_from("b", digest)
+            await a._fetch("b", digest)
             for _ in range(200):
                 if digest in a.store:
                     break

@@ -46,7 +46,8 @@ from diloco_node.daemon.notify import BackgroundNotifier, StatusLineThrottle
 from diloco_node.daemon.peer_api import PeerApi
 from diloco_node.daemon.persistence import Checkpointer, learner_to_resume
 from diloco_node.daemon.readiness import ReadinessFacts, readiness
-from diloco_node.daemon.relays import SPOOL_SUBDIR, run_payload_bound
+from diloco_node.daemon.relay_spool import SPOOL_SUBDIR
+from diloco_node.daemon.relays import run_payload_bound
 from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.daemon.rounds import RoundDriver
 from diloco_node.daemon.site_model import SiteModel, build_site_model, prepare_learner, prepare_synthetic_learner
