@@ -15,7 +15,8 @@ from bootstrap.entries import EntryKind, LogEntry
 from bootstrap.relay_tree import plan_relay_tree
 from diloco_node.config.manifest import ConfigError
 from diloco_node.config.settings import load_config
-from diloco_node.clock import SystemClock
+from bootstrap.relay_plane import GIVE_UP_S
+from diloco_node.clock import Clock, FakeClock, SystemClock
 from diloco_node.daemon.relay_spool import HeldPayloads, SpooledPayload
 from diloco_node.daemon.relays import RelayIO
 from diloco_node.daemon.tasks import TaskSet
@@ -96,15 +97,15 @@ class FakeClient:
 
 
 def cluster(root: Path, names: list[str], *, hold_s: float = 0.5, timeout_s: float = 0.05,
-            chunk_bytes: int = 4096, **options) -> tuple[FakeNet, TaskSet]:
+            chunk_bytes: int = 4096, clock: Clock | None = None, **options) -> tuple[FakeNet, TaskSet]:
     """RelayIOs named `names` (the first one the holder, fan-out 1), each spooling under root/<name>,
-    streaming in chunks of `chunk_bytes` (PAYLOAD is several)."""
+    streaming in chunks of `chunk_bytes` (PAYLOAD is several); the relay plane's wakes on `clock`."""
     net, tasks = FakeNet(), TaskSet()
     for name in names:
         net.nodes[name] = node = RelayIO(
             node_id=name, fanout=1 if name == names[0] else 0, client=net.client(name),
             url_of=lambda peer: f"http://{peer}", from_log=lambda index, epoch: None, tasks=tasks,
-            clock=SystemClock(), spool_dir=root / name, hold_s=hold_s, timeout_s=timeout_s, **options)
+            clock=clock or SystemClock(), spool_dir=root / name, hold_s=hold_s, timeout_s=timeout_s, **options)
         node.chunk_bytes = chunk_bytes
         node.open_payload_stream = _opener(node)
     return net, tasks
@@ -186,10 +187,10 @@ def test_a_follower_under_a_dead_relay_fetches_from_the_holder_within_its_hold(t
     asyncio.run(scenario())
 
 
-def chain_whose_first_push_is_lost(root: Path, *, timeout_s: float, leader_commit: int = 4):
+def chain_whose_first_push_is_lost(root: Path, *, timeout_s: float, leader_commit: int = 4, clock: Clock | None = None):
     """a -> b -> c, both knowing the tree; the holder's push of the commit to b was lost. Returns
     (net, tasks, the append every follower got)."""
-    net, tasks = cluster(root, ["a", "b", "c"], hold_s=3.0, timeout_s=timeout_s)
+    net, tasks = cluster(root, ["a", "b", "c"], hold_s=3.0, timeout_s=timeout_s, clock=clock)
     tree = plan_relay_tree("a", ["b", "c"], 1)
     for name in ("b", "c"):
         net.nodes[name].follower.learn_tree(tree)  # as learned from an earlier push
@@ -665,5 +666,68 @@ def test_over_real_http_a_payload_streams_into_the_spool_and_a_fetch_streams_bac
                 await client.close()
             for runner in runners:
                 await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_the_planes_wakes_run_on_the_injected_clock_and_its_fetches_go_out_as_payload_fetches(tmp_path):
+    async def scenario() -> None:
+        clock = FakeClock()
+        net, tasks, out = chain_whose_first_push_is_lost(tmp_path, timeout_s=0.5, clock=clock)
+        await settle_network()
+        c = net.nodes["c"]
+        waiting = asyncio.ensure_future(completed_payloads(c, out))
+        await asyncio.sleep(0.05)  # real time passes; the relay clock does not: no wake, no fetch
+        assert [sent for sent in net.sent if sent[2] == "PayloadFetch"] == []
+        clock.advance(0.5)  # one relay timeout on the injected clock: c asks its parent
+        await settle_network()
+        assert ("c", "b", "PayloadFetch") in net.sent
+        waiting.cancel()
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_declined_fetch_is_answered_404_with_the_planes_reason_and_decisions_reach_status(tmp_path):
+    async def scenario() -> None:
+        net, tasks, out = chain_whose_first_push_is_lost(tmp_path, timeout_s=0.05, leader_commit=6)
+        await settle_network()
+        net.lost.clear()
+        c = net.nodes["c"]
+        assert await completed_payloads(c, out) == [b"", PAYLOAD]  # b declined (it awaits nothing), a served
+        fetches = [(src, dst) for src, dst, kind in net.sent if kind == "PayloadFetch"]
+        assert fetches[:2] == [("c", "b"), ("c", "a")]
+        with pytest.raises(RemoteProtocolError, match="holds no payload .*: not held here, and not on its way") as error:
+            net.nodes["b"].on_fetch(wire.PayloadFetch(out.entries[1].payload_sha256), "c")
+        assert error.value.status_hint == 404
+        decisions = c.status()["decisions"]
+        assert decisions[0].endswith("release " + out.entries[1].payload_sha256.hex()[:8] + ": the bytes are here")
+        assert any("fetch" in line and "from b: committed before it reached us (catching up)" in line
+                   for line in decisions)
+        assert any("b declined our fetch" in line for line in decisions)
+        assert any("decline" in line and "to c: not held here" in line for line in net.nodes["b"].status()["decisions"])
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_want_given_up_by_the_plane_ends_the_hold_at_once(tmp_path):
+    async def scenario() -> None:
+        clock = FakeClock()
+        net, tasks = cluster(tmp_path, ["a", "b"], hold_s=30.0, timeout_s=1.0, clock=clock)
+        net.lost.update({"PayloadOpen", "PayloadFetch"})  # nothing ever arrives
+        out = net.nodes["a"].relayed_append(holders_append(), plan_relay_tree("a", ["b"], 1), leader_commit=4)
+        b = net.nodes["b"]
+        started = asyncio.get_running_loop().time()
+        held = asyncio.ensure_future(b.complete(out))
+        await asyncio.sleep(0.01)
+        for _ in range(int(GIVE_UP_S) + 2):  # the relay clock runs past the give-up; no append names them
+            clock.advance(1.0)
+            await asyncio.sleep(0)
+        completed, _ = await asyncio.wait_for(held, 5.0)
+        assert asyncio.get_running_loop().time() - started < 5.0  # long before its 30 s hold
+        assert [e.index for e in completed.entries] == [5] and b.follower.wants == {}
+        assert "given up" in b.status()["decisions"][0]
+        await tasks.close()
 
     asyncio.run(scenario())
