@@ -20,6 +20,7 @@ import json
 import multiprocessing
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -59,6 +60,14 @@ class _Serial:
         return map(function, items)
 
 
+def _summed(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for one in counts:
+        for name, value in one.items():
+            total[name] = total.get(name, 0) + value
+    return dict(sorted(total.items()))
+
+
 def summarize(results: list[SimResult], args: argparse.Namespace, config: SimConfig, wall_s: float) -> dict:
     failing = [r for r in results if r.violations]
     failovers = sorted(r.failover_s for r in results if r.failover_s is not None)
@@ -88,6 +97,10 @@ def summarize(results: list[SimResult], args: argparse.Namespace, config: SimCon
                                                 / max(1, sum(r.commits for r in results)), 3)
                                           if config.relay_fanout else None),
         "relay_altered_payloads_refused": sum(r.relay_refused for r in results),
+        # What the relay followers decided (bootstrap/relay_plane.py, RelayFollower), summed over
+        # every node of every schedule: fetches (catching-up ones among them), promises made, kept,
+        # ended and run out, wants given up, and relays crashed right after promising.
+        "relay_decisions": _summed(r.relay_counts for r in results) if config.relay_fanout else None,
         "wall_s": round(wall_s, 1),
         "jobs": args.jobs,
     }

@@ -1,5 +1,6 @@
-"""The daemon's relayed-payload I/O (diloco_node/daemon/relays.py), in process: several `RelayIO`s
-joined by a fake peer client, real asyncio with short waits."""
+"""The daemon's relayed-payload I/O (diloco_node/daemon/relays.py, relay_spool.py), in process: several
+`RelayIO`s joined by a fake peer client, real asyncio with short waits. The decisions are the relay
+plane's (tests/test_relay_plane.py); these tests check that the daemon performs them."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from bootstrap.entries import EntryKind, LogEntry
 from bootstrap.relay_tree import plan_relay_tree
 from diloco_node.config.manifest import ConfigError
 from diloco_node.config.settings import load_config
-from diloco_node.daemon.relays import HeldPayloads, RelayIO, SpooledPayload
+from bootstrap.relay_plane import GIVE_UP_S
+from diloco_node.clock import Clock, FakeClock, SystemClock
+from diloco_node.daemon.relay_spool import HeldPayloads, SpooledPayload
+from diloco_node.daemon.relays import RelayIO
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.transport import PeerRefused, PeerUnreachable
 from wire import messages as wire
@@ -93,16 +97,15 @@ class FakeClient:
 
 
 def cluster(root: Path, names: list[str], *, hold_s: float = 0.5, timeout_s: float = 0.05,
-            chunk_bytes: int = 4096, **options) -> tuple[FakeNet, TaskSet]:
+            chunk_bytes: int = 4096, clock: Clock | None = None, **options) -> tuple[FakeNet, TaskSet]:
     """RelayIOs named `names` (the first one the holder, fan-out 1), each spooling under root/<name>,
-    streaming in chunks of `chunk_bytes` (PAYLOAD is several)."""
+    streaming in chunks of `chunk_bytes` (PAYLOAD is several); the relay plane's wakes on `clock`."""
     net, tasks = FakeNet(), TaskSet()
-    loop = asyncio.get_running_loop()
     for name in names:
         net.nodes[name] = node = RelayIO(
             node_id=name, fanout=1 if name == names[0] else 0, client=net.client(name),
             url_of=lambda peer: f"http://{peer}", from_log=lambda index, epoch: None, tasks=tasks,
-            monotonic=loop.time, spool_dir=root / name, hold_s=hold_s, timeout_s=timeout_s, **options)
+            clock=clock or SystemClock(), spool_dir=root / name, hold_s=hold_s, timeout_s=timeout_s, **options)
         node.chunk_bytes = chunk_bytes
         node.open_payload_stream = _opener(node)
     return net, tasks
@@ -171,7 +174,7 @@ def test_a_follower_under_a_dead_relay_fetches_from_the_holder_within_its_hold(t
         net.dead.add("b")  # the only relay between a and c
         tree = plan_relay_tree("a", ["b", "c"], 1)
         out = net.nodes["a"].relayed_append(holders_append(), tree, leader_commit=4)
-        net.nodes["c"].trees["a"] = tree  # as learned from an earlier push
+        net.nodes["c"].follower.learn_tree(tree)  # as learned from an earlier push
         started = asyncio.get_running_loop().time()
         payloads = await completed_payloads(net.nodes["c"], out)
         waited = asyncio.get_running_loop().time() - started
@@ -184,13 +187,13 @@ def test_a_follower_under_a_dead_relay_fetches_from_the_holder_within_its_hold(t
     asyncio.run(scenario())
 
 
-def chain_whose_first_push_is_lost(root: Path, *, timeout_s: float, leader_commit: int = 4):
+def chain_whose_first_push_is_lost(root: Path, *, timeout_s: float, leader_commit: int = 4, clock: Clock | None = None):
     """a -> b -> c, both knowing the tree; the holder's push of the commit to b was lost. Returns
     (net, tasks, the append every follower got)."""
-    net, tasks = cluster(root, ["a", "b", "c"], hold_s=3.0, timeout_s=timeout_s)
+    net, tasks = cluster(root, ["a", "b", "c"], hold_s=3.0, timeout_s=timeout_s, clock=clock)
     tree = plan_relay_tree("a", ["b", "c"], 1)
     for name in ("b", "c"):
-        net.nodes[name].trees["a"] = tree  # as learned from an earlier push
+        net.nodes[name].follower.learn_tree(tree)  # as learned from an earlier push
     net.lost.add("PayloadOpen")
     return net, tasks, net.nodes["a"].relayed_append(holders_append(), tree, leader_commit=leader_commit)
 
@@ -201,7 +204,7 @@ def test_a_relay_still_awaiting_the_bytes_promises_them_and_its_child_does_not_c
         await settle_network()
         net.lost.clear()
         a, b, c = (net.nodes[name] for name in "abc")
-        b.relay.timeout_s = 30.0  # b awaits the bytes and has not fetched them yet when c asks
+        b.follower.timeout_s = 30.0  # b awaits the bytes and has not fetched them yet when c asks
         b_done = asyncio.ensure_future(completed_payloads(b, out))
         c_done = asyncio.ensure_future(completed_payloads(c, out))
         for _ in range(500):  # c's first fetch leaves after one timeout
@@ -243,7 +246,7 @@ def test_a_relay_that_promised_and_never_got_the_bytes_is_routed_around_after_a_
         net, tasks, out = chain_whose_first_push_is_lost(tmp_path, timeout_s=0.05)
         await settle_network()
         b = net.nodes["b"]
-        b.relay.timeout_s = 10.0  # b awaits the bytes but never fetches them in this test
+        b.follower.timeout_s = 10.0  # b awaits the bytes but never fetches them in this test
         b_waiting = asyncio.ensure_future(b.complete(out))
         await asyncio.sleep(0)
         net.lost.clear()
@@ -313,7 +316,7 @@ def test_once_the_entry_is_in_the_log_its_bytes_leave_memory_and_are_served_from
         net, tasks = cluster(tmp_path, ["a", "b", "c"])
         log: dict[tuple[int, int], bytes] = {}
         b = net.nodes["b"]
-        b.store = b.relay.store = HeldPayloads(lambda index, epoch: log.get((index, epoch)))
+        b.store = b.relay.store = b.follower.store = HeldPayloads(lambda index, epoch: log.get((index, epoch)))
         b._from_log = lambda index, epoch: log.get((index, epoch))
         out = net.nodes["a"].relayed_append(holders_append(), plan_relay_tree("a", ["b"], 1), leader_commit=4)
         await settle_network()
@@ -449,7 +452,7 @@ def test_a_body_that_breaks_off_leaves_no_spool_file(tmp_path):
 
         with pytest.raises(ConnectionResetError):
             await net.client("a").send_sequence("http://b", broken(), peer="b", deadline_s=1.0)
-        assert spool_files(b) == [] and len(b.store) == 0 and b._incoming == {}
+        assert spool_files(b) == [] and len(b.store) == 0 and b.follower.incoming == {}
         await tasks.close()
 
     asyncio.run(scenario())
@@ -536,7 +539,7 @@ def test_relays_off_an_append_of_many_inline_payloads_sends_the_ones_past_its_in
 
     monkeypatch.setattr(relays, "INLINE_APPEND_MAX_BYTES", 3 * 1000)
     holder = RelayIO(node_id="a", fanout=0, client=None, url_of=lambda peer: None, from_log=lambda i, e: None,
-                     tasks=None, monotonic=lambda: 0.0, spool_dir=tmp_path, inline_max_bytes=1000)
+                     tasks=None, clock=SystemClock(), spool_dir=tmp_path, inline_max_bytes=1000)
     catch_up = tuple(LogEntry(3, 10 + i, EntryKind.OUTER_COMMIT, b"x" * 1000) for i in range(16))
     # A lagging follower gets 16 entries at once: three fit the append's budget, the rest go by digest.
     assert holder.relayed_entries(catch_up) == {entry.index for entry in catch_up[3:]}
@@ -560,7 +563,7 @@ def test_bytes_already_in_the_log_are_referred_to_not_read_until_used(tmp_path):
 
 def test_a_payload_from_the_log_given_to_the_core_again_is_written_into_its_own_record(tmp_path):
     from bootstrap.entries import StoredPayload
-    from diloco_node.daemon.relays import entry_payload
+    from diloco_node.daemon.relay_spool import entry_payload
 
     logged = StoredPayload(5, lambda: b"seven")
     again = entry_payload(logged)
@@ -599,7 +602,6 @@ def test_over_real_http_a_payload_streams_into_the_spool_and_a_fetch_streams_bac
 
     async def scenario() -> None:
         tasks = TaskSet()
-        loop = asyncio.get_running_loop()
         urls: dict[str, str] = {}
         nodes: dict[str, RelayIO] = {}
         runners = []
@@ -609,7 +611,7 @@ def test_over_real_http_a_payload_streams_into_the_spool_and_a_fetch_streams_bac
             await client.start()
             clients.append(client)
             node = nodes[name] = RelayIO(node_id=name, fanout=1, client=client, url_of=urls.get,
-                                         from_log=lambda index, epoch: None, tasks=tasks, monotonic=loop.time,
+                                         from_log=lambda index, epoch: None, tasks=tasks, clock=SystemClock(),
                                          spool_dir=tmp_path / name, max_payload_bytes=len(payload))
             node.chunk_bytes = 4096
             server = PeerServer(AuthContext(run, name, key), FrameVerifier(run, key, node_id=name))
@@ -646,7 +648,7 @@ def test_over_real_http_a_payload_streams_into_the_spool_and_a_fetch_streams_bac
             # b serves a fetch: here a itself asks, having dropped its own copy (its log holds none).
             a.store.clear()
             assert digest not in a.store
-            await a._fetch_from("b", digest)
+            await a._fetch("b", digest)
             for _ in range(200):
                 if digest in a.store:
                     break
@@ -664,5 +666,68 @@ def test_over_real_http_a_payload_streams_into_the_spool_and_a_fetch_streams_bac
                 await client.close()
             for runner in runners:
                 await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_the_planes_wakes_run_on_the_injected_clock_and_its_fetches_go_out_as_payload_fetches(tmp_path):
+    async def scenario() -> None:
+        clock = FakeClock()
+        net, tasks, out = chain_whose_first_push_is_lost(tmp_path, timeout_s=0.5, clock=clock)
+        await settle_network()
+        c = net.nodes["c"]
+        waiting = asyncio.ensure_future(completed_payloads(c, out))
+        await asyncio.sleep(0.05)  # real time passes; the relay clock does not: no wake, no fetch
+        assert [sent for sent in net.sent if sent[2] == "PayloadFetch"] == []
+        clock.advance(0.5)  # one relay timeout on the injected clock: c asks its parent
+        await settle_network()
+        assert ("c", "b", "PayloadFetch") in net.sent
+        waiting.cancel()
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_declined_fetch_is_answered_404_with_the_planes_reason_and_decisions_reach_status(tmp_path):
+    async def scenario() -> None:
+        net, tasks, out = chain_whose_first_push_is_lost(tmp_path, timeout_s=0.05, leader_commit=6)
+        await settle_network()
+        net.lost.clear()
+        c = net.nodes["c"]
+        assert await completed_payloads(c, out) == [b"", PAYLOAD]  # b declined (it awaits nothing), a served
+        fetches = [(src, dst) for src, dst, kind in net.sent if kind == "PayloadFetch"]
+        assert fetches[:2] == [("c", "b"), ("c", "a")]
+        with pytest.raises(RemoteProtocolError, match="holds no payload .*: not held here, and not on its way") as error:
+            net.nodes["b"].on_fetch(wire.PayloadFetch(out.entries[1].payload_sha256), "c")
+        assert error.value.status_hint == 404
+        decisions = c.status()["decisions"]
+        assert decisions[0].endswith("release " + out.entries[1].payload_sha256.hex()[:8] + ": the bytes are here")
+        assert any("fetch" in line and "from b: committed before it reached us (catching up)" in line
+                   for line in decisions)
+        assert any("b declined our fetch" in line for line in decisions)
+        assert any("decline" in line and "to c: not held here" in line for line in net.nodes["b"].status()["decisions"])
+        await tasks.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_want_given_up_by_the_plane_ends_the_hold_at_once(tmp_path):
+    async def scenario() -> None:
+        clock = FakeClock()
+        net, tasks = cluster(tmp_path, ["a", "b"], hold_s=30.0, timeout_s=1.0, clock=clock)
+        net.lost.update({"PayloadOpen", "PayloadFetch"})  # nothing ever arrives
+        out = net.nodes["a"].relayed_append(holders_append(), plan_relay_tree("a", ["b"], 1), leader_commit=4)
+        b = net.nodes["b"]
+        started = asyncio.get_running_loop().time()
+        held = asyncio.ensure_future(b.complete(out))
+        await asyncio.sleep(0.01)
+        for _ in range(int(GIVE_UP_S) + 2):  # the relay clock runs past the give-up; no append names them
+            clock.advance(1.0)
+            await asyncio.sleep(0)
+        completed, _ = await asyncio.wait_for(held, 5.0)
+        assert asyncio.get_running_loop().time() - started < 5.0  # long before its 30 s hold
+        assert [e.index for e in completed.entries] == [5] and b.follower.wants == {}
+        assert "given up" in b.status()["decisions"][0]
+        await tasks.close()
 
     asyncio.run(scenario())

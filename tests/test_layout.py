@@ -186,3 +186,58 @@ def test_the_daemon_reads_time_only_through_its_clock() -> None:
     found = [use for path in sorted(daemon.rglob("*.py"))
              for use in _host_time_uses(path.read_text(), str(path.relative_to(ROOT)))]
     assert found == []
+
+
+# The relay's decisions (what to want, fetch, promise, give up) live in the sans-IO relay plane,
+# where the coordination simulation checks them; the daemon only performs them. So the plane, and
+# everything it imports in turn, does no I/O, reads no clock and reaches into no daemon or transport.
+RELAY_DECISIONS = "bootstrap.relay_plane"
+# Its named limits are defined there and nowhere else (a second copy would be a rule no checker runs).
+RELAY_LIMITS = ("GIVE_UP_S", "PROMISE_TIMEOUTS", "PROMISE_BYTES_PER_S", "MAX_PROMISED_PAYLOADS",
+                "MAX_PROMISED_ASKERS", "DEFAULT_RELAY_TIMEOUT_S")
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = {start}, [start]
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_relay_decisions_import_no_io_and_no_daemon() -> None:
+    reached = _reachable(_graph(), RELAY_DECISIONS)
+    assert {"bootstrap.relay_tree", "wire.errors"} <= reached  # the finder follows imports
+    wrong = sorted(f"{module} imports {name}" for module in reached
+                   for name in _imported_names(module, MODULES[module])
+                   if any(name == banned or name.startswith(banned + ".")
+                          for banned in (*IO_AND_CLOCK, "diloco_node")))
+    assert wrong == []
+
+
+def test_the_daemon_performs_the_relay_planes_decisions_and_keeps_no_limits_of_its_own() -> None:
+    performed = {f"{RELAY_DECISIONS}.{action}" for action in ("PayloadRelay", "Fetch", "Serve", "WakeAt", "Release")}
+    assert performed <= _imported_names("diloco_node.daemon.relays", MODULES["diloco_node.daemon.relays"])
+    defined = sorted(f"{module} defines {target.id}" for module, path in MODULES.items()
+                     if module != RELAY_DECISIONS
+                     for node in ast.parse(path.read_text()).body if isinstance(node, (ast.Assign, ast.AnnAssign))
+                     for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                     if isinstance(target, ast.Name) and target.id in RELAY_LIMITS)
+    assert defined == []
+
+
+# No daemon module grows past this many lines (split it by responsibility instead), and the
+# composition root, node.py, is the lifecycle only: its parts are built elsewhere (services.py,
+# parts.py), so it stays well under that.
+DAEMON_MODULE_MAX_LINES = 600
+NODE_MAX_LINES = 450
+
+
+def test_no_daemon_module_is_longer_than_the_bound() -> None:
+    long = sorted(f"{module}: {len(path.read_text().splitlines())} lines" for module, path in MODULES.items()
+                  if module.startswith("diloco_node.daemon.")
+                  and len(path.read_text().splitlines()) > DAEMON_MODULE_MAX_LINES)
+    assert long == []
+    assert len(MODULES["diloco_node.daemon.node"].read_text().splitlines()) <= NODE_MAX_LINES

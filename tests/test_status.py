@@ -339,20 +339,25 @@ def test_render_table_without_members_or_learner_progress():
     assert "NOT READY" in text and "coordinator (none)" in text and "loss -" in text
 
 
-def test_relay_counters_reach_status_and_metrics_and_older_documents_read_as_zero():
+def test_relay_counters_and_decisions_reach_status_and_metrics_and_older_documents_read_as_zero():
     from diloco_node.daemon.status_feed import relay_status
 
     builder = StatusBuilder("site-a", "run-7f3a", "learner", started_at=100.0)
+    decisions = ["0.3s ago: promise 3fa2b1c0 to c: awaiting them as a fresh commit of a: sent on arrival",
+                 "1.1s ago: fetch 3fa2b1c0 from a: no bytes after 1 relay timeout: ask a (parent in a's tree)"]
     # What RelayIO.status() gives (its fanout and bound are for logs, not the document).
     builder.set_relays(relay_status({"pushed": 12, "forwarded": 3, "served": 2, "fetched": 1, "refused": 4,
                                      "promised": 6, "pushed_bytes": 12 << 20, "forwarded_bytes": 5 << 20, "held": 1,
-                                     "spooled": 1, "held_bytes": 1 << 20, "fanout": 2, "max_payload_bytes": 9}))
+                                     "spooled": 1, "held_bytes": 1 << 20, "fanout": 2, "max_payload_bytes": 9,
+                                     "decisions": decisions}))
     doc = builder.document(now=101.0)
     raw = json.loads(doc.to_json())
     assert raw["relays"] == {"pushed": 12, "forwarded": 3, "served": 2, "fetched": 1, "refused": 4,
                              "promised": 6, "pushed_bytes": 12 << 20, "forwarded_bytes": 5 << 20, "held": 1, "spooled": 1,
-                             "held_bytes": 1 << 20}
+                             "held_bytes": 1 << 20, "decisions": decisions}
     assert StatusDocument.from_dict(raw) == doc
+    with pytest.raises(StatusFormatError, match=r"relays.decisions = \[3\]: expected a list of strings"):
+        StatusDocument.from_dict({**raw, "relays": {**raw["relays"], "decisions": [3]}})
     lines = render_metrics(doc).splitlines()
     assert "# TYPE diloco_relay_pushed_total counter" in lines
     assert _sample(lines, "diloco_relay_pushed_total") == 12 and _sample(lines, "diloco_relay_refused_total") == 4

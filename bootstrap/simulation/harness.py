@@ -32,7 +32,8 @@ from bootstrap.messages import (
     Send,
 )
 from bootstrap.simulation.checker import InvariantChecker, chain_digest
-from bootstrap.simulation.relays import Metadata, PayloadHop, PayloadRequest, RelayPlane
+from bootstrap.relay_plane import FetchAnswer
+from bootstrap.simulation.relays import FetchReply, Metadata, PayloadRequest, RelayItem, RelayPlane
 from wire.errors import ProtocolError
 
 NodeFactory = Callable[..., CoordinatorNode]
@@ -58,7 +59,11 @@ FAULT_WEIGHTS: dict[str, float] = {
 # Faults that exist only when relays are on (so schedules without relays replay as before).
 RELAY_FAULT_WEIGHTS: dict[str, float] = {
     "corrupt_relay": 1.0,  # a member starts altering the payload bytes it forwards
+    "slow_relay": 1.0,  # the payloads sent to a member take seconds longer (its children get promises)
+    "promise_then_crash": 1.0,  # the next member that promises bytes crashes right after
 }
+# Extra seconds a slow relay's payloads take (a large commit on a thin link).
+SLOW_RELAY_DELAYS_S = (0.5, 1.5, 4.0)
 
 
 # Seconds between proposals during chaos: DiLoCo commits are sparse (one per outer step), and
@@ -96,6 +101,9 @@ class SimConfig:
     relay_fanout: int = 0
     relay_timeout_s: float = 0.5  # a follower without a payload this long asks the next source up
     relay_verify: bool = True  # False only for the broken variant that stores bytes unchecked
+    # A payload fetch lost on either leg reads as unreachable after this (the transport's connect
+    # timeout); a fetch to a crashed node is refused at once.
+    relay_fetch_deadline_s: float = 10.0
 
 
 @dataclass(slots=True)
@@ -111,6 +119,7 @@ class SimResult:
     faults: list[str]
     relay_holder_sends: int = 0  # payload copies sent by lease holders (relays on)
     relay_refused: int = 0  # altered payloads caught by their digest (relays on)
+    relay_counts: dict[str, int] = field(default_factory=dict)  # the followers' decisions (relays on)
 
 
 @dataclass(slots=True)
@@ -171,7 +180,8 @@ class Simulation:
         count = self.rng.randint(self.config.min_nodes, self.config.max_nodes)
         founders = [f"n{i}" for i in range(count)]
         self.checker = InvariantChecker()
-        self.relays = (RelayPlane(self.config.relay_fanout, self.config.relay_timeout_s, self.config.relay_verify)
+        self.relays = (RelayPlane(self.config.relay_fanout, self.config.relay_timeout_s, self.config.relay_verify,
+                                  self.config.relay_fetch_deadline_s)
                        if self.config.relay_fanout else None)
         for node_id in founders:
             role = MemberRole.WITNESS if self.rng.random() < 0.25 else MemberRole.LEARNER
@@ -202,7 +212,8 @@ class Simulation:
             failover = self._check_liveness()
         return SimResult(self.seed, len(self.hosts), list(self.checker.violations), failover, self.now,
                          self.events, self.commits, self.trace, self.faults_applied,
-                         self.relays.holder_sends if self.relays else 0, self.relays.refused if self.relays else 0)
+                         self.relays.holder_sends if self.relays else 0, self.relays.refused if self.relays else 0,
+                         self.relays.counts() if self.relays else {})
 
     def run_until(self, deadline: float, stop: Callable[[], bool] | None = None) -> bool:
         """Process events up to `deadline`; True as soon as `stop()` holds after an event."""
@@ -220,8 +231,7 @@ class Simulation:
             elif kind == _RELAY:
                 self._on_relay(a, b)  # type: ignore[arg-type]
             elif kind == _RELAY_TIMER:
-                if self.relays is not None and self.hosts[a].node is not None:  # type: ignore[index]
-                    self.relays.on_timer(self, a, b)  # type: ignore[arg-type]
+                self._on_relay_timer(a, b)  # type: ignore[arg-type]
             elif a == self._workload_generation:
                 self._on_workload()
             if stop is not None and stop():
@@ -278,6 +288,8 @@ class Simulation:
         elif fault == "heal":
             self.groups = {}
             self.one_way = set()
+            if self.relays is not None:
+                self.relays.slow.clear()
         elif fault == "loss":
             self.loss = self.rng.choice([0.0, 0.05, 0.2, 0.4])
             note = f"loss {self.loss}"
@@ -303,6 +315,13 @@ class Simulation:
             host = self.rng.choice(alive)
             self.relays.corrupting.add(host.node_id)
             note = f"corrupt relay {host.node_id}"
+        elif fault == "slow_relay" and self.relays is not None and alive:
+            host = self.rng.choice(alive)
+            self.relays.slow[host.node_id] = self.rng.choice(SLOW_RELAY_DELAYS_S)
+            note = f"slow relay {host.node_id}: payloads to it take {self.relays.slow[host.node_id]}s longer"
+        elif fault == "promise_then_crash" and self.relays is not None:
+            self.relays.crash_next_promiser = True
+            note = "the next relay to promise bytes crashes"
         elif fault == "leave" and len(alive) > 3:
             host = self.rng.choice(alive)
             self._dispatch(host, lambda node, local: node.leave(local))
@@ -323,6 +342,9 @@ class Simulation:
         """End of chaos: a clean network and every crashed (not departed) node restarted."""
         self.groups = {}
         self.one_way = set()
+        if self.relays is not None:
+            self.relays.slow.clear()
+            self.relays.crash_next_promiser = False
         self.set_workload(self.config.workload_interval_s)
         self.loss = self.duplicate = 0.0
         self.jitter = self.config.jitter_s
@@ -435,6 +457,7 @@ class Simulation:
         if isinstance(message, Metadata):
             assert self.relays is not None
             self.relays.on_metadata(self, node_id, message, lambda assembled: self._handle(host, assembled))
+            self._check_relay(node_id)
             return
         self._handle(host, message)
 
@@ -442,24 +465,59 @@ class Simulation:
         if host.node is not None:
             self._dispatch(host, lambda node, local: node.handle(message, local), message)
 
-    def _on_relay(self, node_id: str, item: PayloadHop | PayloadRequest) -> None:
+    def _on_relay(self, node_id: str, item: RelayItem) -> None:
         host = self.hosts[node_id]
-        if host.node is None or self.relays is None:
-            return  # a crashed relay forwards nothing
+        if self.relays is None:
+            return
+        if host.node is None:  # a crashed relay forwards nothing; a fetch to it is refused at once
+            if isinstance(item, PayloadRequest):
+                self.relay_later(self.config.base_delay_s, item.requester,
+                                 FetchReply(node_id, item.digest, FetchAnswer.UNREACHABLE))
+            return
         if isinstance(item, PayloadRequest):
-            self.relays.on_fetch(self, node_id, item)
+            promised = self.relays.on_fetch(self, node_id, item)
+            if promised and self.relays.crash_next_promiser:
+                self.relays.crash_next_promiser = False
+                self.relays.promisers_crashed += 1
+                self.faults_applied.append(f"{self.now:.2f} {node_id} promised {item.requester} bytes and crashed")
+                self.crash(node_id)
+                return
+        elif isinstance(item, FetchReply):
+            self.relays.on_fetch_reply(self, node_id, item)
         else:
             self.relays.on_payload(self, node_id, item, lambda assembled: self._handle(host, assembled))
+        self._check_relay(node_id)
 
-    def relay_send(self, source: str, to: str, item: PayloadHop | PayloadRequest) -> None:
-        """Payload-plane traffic: the same partitions, cut links and loss as every other message."""
+    def _on_relay_timer(self, node_id: str, wake: tuple[int, bytes]) -> None:
+        host = self.hosts[node_id]
+        generation, digest = wake
+        if self.relays is not None and host.node is not None and host.generation == generation:
+            self.relays.on_timer(self, node_id, digest)
+            self._check_relay(node_id)
+
+    def _check_relay(self, node_id: str) -> None:
+        """The relay follower's own bounds hold after each of its events."""
+        assert self.relays is not None
+        for problem in self.relays.bound_violations(node_id, self.now):
+            self.checker.violations.append(f"t={self.now:.3f}s {problem}")
+        if self.checker.violations:
+            self.stopped = True
+
+    def relay_send(self, source: str, to: str, item: RelayItem, extra_delay: float = 0.0) -> bool:
+        """Payload-plane traffic: the same partitions, cut links and loss as every other message.
+        False when the network dropped it."""
         if not self._link_passes(source, to):
-            return
-        delay = self.config.base_delay_s + self.rng.expovariate(1.0 / self.jitter)
+            return False
+        delay = self.config.base_delay_s + self.rng.expovariate(1.0 / self.jitter) + extra_delay
         self._schedule(self.now + delay, _RELAY, to, item)
+        return True
 
-    def relay_timer(self, delay: float, node_id: str, wait_id: int) -> None:
-        self._schedule(self.now + delay, _RELAY_TIMER, node_id, wait_id)
+    def relay_later(self, delay: float, node_id: str, item: RelayItem) -> None:
+        """What `node_id`'s own transport tells it after `delay` (a fetch that got no answer)."""
+        self._schedule(self.now + delay, _RELAY, node_id, item)
+
+    def relay_timer(self, delay: float, node_id: str, digest: bytes) -> None:
+        self._schedule(self.now + delay, _RELAY_TIMER, node_id, (self.hosts[node_id].generation, digest))
 
     def is_lease_holder(self, node_id: str) -> bool:
         return self.current_lease_holder() == node_id

@@ -87,7 +87,7 @@ class CoordinationIO:
         self._outboxes: dict[str, _Outbox] = {}
         # Relayed payloads: as holder only when relay_fanout > 0; as follower and relay always.
         self.relays = RelayIO(node_id=self.node_id, fanout=relay_fanout, client=client, url_of=self.url_of,
-                              from_log=self._log_payload, tasks=tasks, monotonic=clock.monotonic,
+                              from_log=self._log_payload, tasks=tasks, clock=clock,
                               spool_dir=relay_spool_dir, hold_s=relay_hold_s,
                               timeout_s=relay_timeout_s, max_payload_bytes=relay_max_payload_bytes)
 

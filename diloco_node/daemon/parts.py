@@ -28,7 +28,8 @@ from diloco_node.daemon.join import JoinRefused
 from diloco_node.daemon.persistence import Checkpointer, learner_to_resume
 from diloco_node.daemon.plan import DaemonPlan
 from diloco_node.daemon.readiness import ReadinessFacts
-from diloco_node.daemon.relays import SPOOL_SUBDIR, run_payload_bound
+from diloco_node.daemon.relay_spool import SPOOL_SUBDIR
+from diloco_node.daemon.relays import run_payload_bound
 from diloco_node.daemon.rounds import RoundDriver
 from diloco_node.daemon.services import Services
 from diloco_node.daemon.site_model import SiteModel

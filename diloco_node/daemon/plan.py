@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from bootstrap.relay_plane import DEFAULT_RELAY_TIMEOUT_S
 from diloco_node.config.settings import ConfigError, NodeConfig
 from diloco_node.daemon.loop_monitor import DEFAULT_TICK_S as LOOP_LAG_TICK_S
 from diloco_node.transport import ClientOptions
@@ -157,5 +158,6 @@ def plan_from(cfg: NodeConfig, environ: Mapping[str, str] | None = None) -> Daem
 
 
 def relay_timeout_for(hold_s: float) -> float:
-    """One fetch of a relayed payload gives up after half the append's hold, at most 0.5 s."""
-    return min(hold_s / 2, 0.5)
+    """One fetch of a relayed payload gives up after half the append's hold, at most the relay
+    plane's own bound (`DEFAULT_RELAY_TIMEOUT_S`, 0.5 s)."""
+    return min(hold_s / 2, DEFAULT_RELAY_TIMEOUT_S)

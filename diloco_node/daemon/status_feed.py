@@ -90,4 +90,5 @@ class StatusFeed:
 
 def relay_status(counts: dict[str, Any]) -> RelayStatus:
     """The /status `relays` object from `RelayIO.status()` (its other keys are for logs and tests)."""
-    return RelayStatus(**{name: int(counts.get(name, 0)) for name in RelayStatus.__dataclass_fields__})
+    return RelayStatus(**{name: int(counts.get(name, 0)) for name in RelayStatus.__dataclass_fields__
+                          if name != "decisions"}, decisions=tuple(counts.get("decisions", ())))

@@ -189,8 +189,9 @@ class RelayStatus:
     """Relayed commit payloads at this node (daemon/relays.py): copies it pushed as lease holder,
     forwarded as a relay, served to fetchers; fetches it sent; fetches it promised (bytes it was
     receiving itself, sent on arrival); streams it refused (wrong digest,
-    short, over the run's bound); payload bytes pushed and forwarded (fetch answers included); and
-    what it keeps now until the log holds it (spool files on disk)."""
+    short, over the run's bound); payload bytes pushed and forwarded (fetch answers included);
+    what it keeps now until the log holds it (spool files on disk); and the relay plane's latest
+    decisions with their reasons, newest first (bootstrap/relay_plane.py, `RelayFollower`)."""
 
     pushed: int = 0
     forwarded: int = 0
@@ -203,6 +204,7 @@ class RelayStatus:
     held: int = 0
     spooled: int = 0
     held_bytes: int = 0
+    decisions: tuple[str, ...] = ()  # e.g. "1.2s ago: fetch 3fa2b1c0 from b: no bytes after 1 relay timeout: ..."
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,7 +392,7 @@ def _get(raw: Mapping[str, Any], key: str, types: type | tuple[type, ...], where
 
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "str": (str,), "bool": (bool,), "int": (int,), "float": (float,),
-    "float | None": (float, type(None)), "str | None": (str, type(None)),
+    "float | None": (float, type(None)), "str | None": (str, type(None)), "tuple[str, ...]": (list,),
 }
 
 
@@ -402,6 +404,10 @@ def _build(cls: type, raw: Any, where: str) -> Any:
         if f.name not in raw and (f.default is not dataclasses.MISSING):
             continue
         value = _get(raw, f.name, _FIELD_TYPES[str(f.type)], where + ".")
+        if str(f.type) == "tuple[str, ...]":
+            if not all(isinstance(item, str) for item in value):
+                raise StatusFormatError(f"{where}.{f.name} = {value!r}: expected a list of strings")
+            value = tuple(value)
         kwargs[f.name] = float(value) if str(f.type).startswith("float") and value is not None else value
     return cls(**kwargs)
 
