@@ -152,3 +152,19 @@ def test_sans_io_rooms_do_no_io_and_read_no_clock(room: str) -> None:
                    if any(name == banned or name.startswith(banned + ".") for banned in IO_AND_CLOCK)
                    and name not in ALLOWED_IO.get(module, ()))
     assert wrong == []
+
+
+# Admission (who may contribute, how many at a time, how much work) is the syncer's, decided without
+# I/O, so the runner applies the daemon's rules. Named one by one: the room-wide rules above do not
+# name the daemon's own packages, and this one would pass unnoticed if the module moved.
+ADMISSION_MUST_NOT_IMPORT = ("asyncio", "aiohttp", "socket", "time", "os", "threading", "diloco_node.clock",
+                             "diloco_node.daemon", "diloco_node.transport", "diloco_node.ops", "bootstrap")
+
+
+def test_admission_lives_in_sync_and_imports_no_io() -> None:
+    module = "diloco_node.sync.admission"
+    assert module in MODULES
+    imported = _imported_names(module, MODULES[module])
+    wrong = sorted(name for name in imported for banned in ADMISSION_MUST_NOT_IMPORT
+                   if name == banned or name.startswith(banned + "."))
+    assert wrong == []
