@@ -184,7 +184,8 @@ def test_only_an_adopted_round_moves_the_norm_reference_and_the_rate_limit() -> 
     _norm_round(syncer, state, 2.0, 1.0)  # dropped (e.g. the proposal was refused): never adopted
     assert syncer.norm_ref.get(0) == 1.0 and syncer.last_merge_at == {}
     taken, plan = _norm_round(syncer, state, 2.0, 2.0)
-    assert plan.merged is not None and plan.merged.norm_ref == syncer.norm_ref.advanced(1.0, plan.merged.result.round_median_norm)
+    assert plan.merged is not None
+    assert plan.merged.norm_ref == syncer.norm_ref.advanced(1.0, plan.merged.result.round_median_norm)
     assert syncer.adopt(taken, plan, 2.5)
     assert syncer.norm_ref.get(0) == plan.merged.norm_ref != 1.0
     assert syncer.last_merge_at == {0: 2.5} and syncer.last_merge_reason == plan.reason

@@ -191,7 +191,7 @@ class RoundDriver:
             raise RemoteProtocolError(ticket.reason, REFUSAL_STATUS[ticket.kind])
         return ticket
 
-    def _malformed(self, error: RemoteProtocolError, what: str) -> RemoteProtocolError:
+    def refuse_malformed(self, error: RemoteProtocolError, what: str) -> RemoteProtocolError:
         """A contribution refused for its bytes: counted with the admission refusals, said with `what`."""
         self.syncer.admission.refuse(admission.MALFORMED, f"{what}: {error}")
         return RemoteProtocolError(f"{what}: {error}", error.status_hint)
@@ -212,7 +212,8 @@ class RoundDriver:
             assembler = ContributionAssembler(head, self._fragment_shapes(head.fragment), self.limits)
         except RemoteProtocolError as error:
             self.syncer.release(ticket)
-            raise self._malformed(error, f"contribution from {head.learner_id} for fragment {head.fragment}") from None
+            what = f"contribution from {head.learner_id} for fragment {head.fragment}"
+            raise self.refuse_malformed(error, what) from None
         return ContributionReceiver(self, assembler, ticket, transfer_s)
 
     async def on_contribution(self, message: wire.FragmentContribution) -> None:
@@ -228,7 +229,7 @@ class RoundDriver:
             try:
                 delta = await loop.run_in_executor(self.executor, decode)
             except (RemoteProtocolError, ValueError) as error:
-                raise self._malformed(RemoteProtocolError(str(error), 400),
+                raise self.refuse_malformed(RemoteProtocolError(str(error), 400),
                                       f"contribution from {message.learner_id} for fragment {p}") from None
             self.accept(message.learner_id, p, message.base_round, delta, message.c_steps, message.c_tokens,
                         transfer_s=None, ticket=ticket)
@@ -373,21 +374,21 @@ class ContributionReceiver:
 
     async def part(self, message: wire.Message) -> None:
         if not isinstance(message, wire.ContributionChunk):
-            raise self._driver._malformed(RemoteProtocolError(
+            raise self._driver.refuse_malformed(RemoteProtocolError(
                 f"a contribution continues with ContributionChunk frames, got {type(message).__name__}", 400),
                 self._what())
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(self._driver.executor, self._assembler.add, message)
         except RemoteProtocolError as error:
-            raise self._driver._malformed(error, self._what()) from None
+            raise self._driver.refuse_malformed(error, self._what()) from None
 
     async def finish(self) -> None:
         try:
             try:
                 delta: EncodedDelta = self._assembler.finish()
             except RemoteProtocolError as error:
-                raise self._driver._malformed(error, self._what()) from None
+                raise self._driver.refuse_malformed(error, self._what()) from None
             head = self._assembler.head
             self._driver.accept(head.learner_id, head.fragment, head.base_round, delta, head.c_steps, head.c_tokens,
                                 transfer_s=self._transfer_s, ticket=self._ticket)
