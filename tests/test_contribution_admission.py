@@ -84,6 +84,8 @@ async def test_only_learner_members_contribute_and_others_never_count_toward_quo
         await driver.on_contribution(_message(driver, "stranger", c_tokens=2**40))
     assert refused.value.status_hint == 403 and str(refused.value) == reason
     assert syncer.rounds == {}  # nothing opened, nothing counted toward the quorum
+    assert syncer.admission.counts.last_reason == reason  # counted by kind for /status
+    assert sum(syncer.admission.counts.refused.values()) == 1
     await driver.on_contribution(_message(driver, "a"))
     assert set(syncer.rounds[0].pending) == {"a"}
 
@@ -105,6 +107,9 @@ async def test_a_steps_claim_is_capped_by_the_period_and_the_time_since_the_prev
     period = MANIFEST.sync.period
     assert claimed.c_steps == period + math.ceil(2.0 * 8.0 / 1.0) == 24
     assert claimed.c_tokens == 24 * 32
+    assert syncer.admission.counts.capped == 1
+    assert syncer.admission.counts.last_reason == ("a claims 1000000 steps for fragment 0; 24 are possible since "
+                                                   "its previous contribution: capped")
 
 
 async def test_a_contribution_that_is_not_the_fragment_is_refused_before_decompression() -> None:
@@ -118,6 +123,20 @@ async def test_a_contribution_that_is_not_the_fragment_is_refused_before_decompr
     with pytest.raises(RemoteProtocolError, match="expected"):
         await driver.on_contribution(_message(driver, "a", payload=other_fragment))
     assert syncer.rounds == {}
+    assert syncer.admission.counts.refused["malformed"] == 2 and syncer.admission.in_flight() == {}
+    assert syncer.admission.counts.last_reason.startswith("contribution from a for fragment 0: ")
+    with pytest.raises(RemoteProtocolError, match="fragment 7 does not exist in this run") as refused:
+        await driver.on_contribution(dataclasses.replace(_message(driver, "a"), fragment=7))
+    assert refused.value.status_hint == 400 and syncer.admission.counts.refused["unknown_fragment"] == 1
+
+
+async def test_a_node_without_the_lease_refuses_with_409_and_counts_it() -> None:
+    driver, syncer, _ = _driver({"a": LEARNER})
+    driver.coordination.is_lease_holder = lambda now: False
+    with pytest.raises(RemoteProtocolError) as refused:
+        await driver.on_contribution(_message(driver, "a"))
+    assert refused.value.status_hint == 409 and str(refused.value) == "lead does not hold the lease (lease holder: lead)"
+    assert syncer.admission.counts.refused["not_lease_holder"] == 1 and syncer.rounds == {}
 
 
 def _bomb(name: str, elements: int) -> bytes:
@@ -164,7 +183,7 @@ async def test_one_decode_at_a_time_per_learner() -> None:
         await asyncio.sleep(0)
     with pytest.raises(RemoteProtocolError, match="a contribution from a is already being received") as refused:
         await driver.on_contribution(_message(driver, "a", p=1))
-    assert refused.value.status_hint == 429
+    assert refused.value.status_hint == 429 and syncer.admission.counts.refused["in_flight"] == 1
     other = asyncio.create_task(driver.on_contribution(_message(driver, "b")))  # another learner is not held
     while len(executor.parked) < 2:
         await asyncio.sleep(0)
@@ -231,7 +250,7 @@ async def test_a_streamed_contribution_is_admitted_like_one_frame_and_kept_encod
     assert isinstance(contribution.delta, EncodedDelta)  # the syncer holds the encoded bytes, not fp32
     for name in driver.plan.fragments[0].names:
         np.testing.assert_allclose(contribution.delta[name], 0.01, rtol=0.08)
-    assert driver._decoding == {}
+    assert syncer.admission.in_flight() == {}
 
 
 async def test_a_bad_chunk_refuses_the_stream_and_frees_the_learners_slot() -> None:
@@ -245,14 +264,14 @@ async def test_a_bad_chunk_refuses_the_stream_and_frees_the_learners_slot() -> N
     with pytest.raises(RemoteProtocolError, match="expected tensor 0 .* at offset 16, got tensor 0 at offset 0"):
         await receiving.part(chunks[0])
     await receiving.abort("the transport refused the stream")
-    assert driver._decoding == {} and syncer.rounds == {}
+    assert syncer.admission.in_flight() == {} and syncer.rounds == {}
     with pytest.raises(RemoteProtocolError, match="1 chunk\\(s\\) missing"):
         await _deliver(driver, head, chunks[:-1])
-    assert driver._decoding == {} and syncer.rounds == {}
+    assert syncer.admission.in_flight() == {} and syncer.rounds == {}
     other = _stream(driver, "a", p=1)[0]
     wrong = dataclasses.replace(other, tensors=other.tensors[1:])
     with pytest.raises(RemoteProtocolError, match="for fragment 1: .*missing") as refused:
         driver.open_contribution(wrong)
-    assert refused.value.status_hint == 400 and driver._decoding == {}
+    assert refused.value.status_hint == 400 and syncer.admission.in_flight() == {}
     await _deliver(driver, head, chunks)
     assert set(syncer.rounds[0].pending) == {"a"}

@@ -361,9 +361,9 @@ def _syncer_merge(**sync: object) -> np.ndarray:
     for learner, (steps, tokens) in work.items():
         delta = {"blocks/0/w": rng.standard_normal(8).astype(np.float32)}
         syncer.add(Contribution(learner, 0, 0, delta, steps, tokens), now=0.0)
-    decision = syncer.decide(0, 0.0, list(work))
-    assert decision is not None and decision.merge_now
-    merged = syncer.merge_round(0, syncer.take(0, decision), state, decision.reason)
+    step = syncer.step_round(0, 0.0, list(work))
+    assert step is not None and step.taken is not None
+    merged = syncer.merge_round(step.taken, state)
     assert merged.result.outer_gradient is not None
     return merged.result.outer_gradient["blocks/0/w"]
 

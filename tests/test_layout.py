@@ -241,3 +241,19 @@ def test_no_daemon_module_is_longer_than_the_bound() -> None:
                   and len(path.read_text().splitlines()) > DAEMON_MODULE_MAX_LINES)
     assert long == []
     assert len(MODULES["diloco_node.daemon.node"].read_text().splitlines()) <= NODE_MAX_LINES
+
+
+# Admission (who may contribute, how many at a time, how much work) is the syncer's, decided without
+# I/O, so the runner applies the daemon's rules. Named one by one: the room-wide rules above do not
+# name the daemon's own packages, and this one would pass unnoticed if the module moved.
+ADMISSION_MUST_NOT_IMPORT = ("asyncio", "aiohttp", "socket", "time", "os", "threading", "diloco_node.clock",
+                             "diloco_node.daemon", "diloco_node.transport", "diloco_node.ops", "bootstrap")
+
+
+def test_admission_lives_in_sync_and_imports_no_io() -> None:
+    module = "diloco_node.sync.admission"
+    assert module in MODULES
+    imported = _imported_names(module, MODULES[module])
+    wrong = sorted(name for name in imported for banned in ADMISSION_MUST_NOT_IMPORT
+                   if name == banned or name.startswith(banned + "."))
+    assert wrong == []

@@ -51,10 +51,11 @@ PRIMED = {"step_s": 1.0, "quorum_s": 0.0, "sync_s": 0.2}
 START = 1000.0
 # (time after START, learner, fragment, c_steps): two learners reach quorum K = 2 and the grace
 # window waits for the third; the third misses it; the next round of fragment 0 comes a period
-# later, and a push right after a merge is held by the round rate limit.
+# later, and a push right after a merge is held by the round rate limit. c's claim of 160 steps
+# 5.7 s after its previous contribution to fragment 0 is cut by the steps cap on both sides.
 SCRIPT = (
     (0.0, "a", 0, 8), (0.3, "b", 0, 8), (1.0, "a", 1, 8), (1.2, "c", 1, 8), (2.5, "c", 0, 8),
-    (8.0, "a", 0, 8), (8.1, "b", 0, 8), (8.2, "c", 0, 16), (9.0, "b", 1, 8), (12.0, "b", 1, 4),
+    (8.0, "a", 0, 8), (8.1, "b", 0, 8), (8.2, "c", 0, 160), (9.0, "b", 1, 8), (12.0, "b", 1, 4),
 )
 TRANSFER_S = 0.1
 
@@ -81,13 +82,13 @@ def _contribution(initial, plan, learner: str, p: int, c_steps: int, t: float) -
     return Contribution(learner, p, 0, decode_named(payload), c_steps, c_steps * 32), payload
 
 
-def run_runner_side(initial) -> tuple[list[tuple[float, int, str, bytes]], dict[int, str]]:
+def run_runner_side(initial) -> tuple[list[tuple[float, int, str, bytes]], dict[int, str], str]:
     plan = _plan(initial)
     config = runner.RunnerConfig(MANIFEST, "decoupled", len(LEARNERS), 64)
     rules = runner.round_rules(config, plan.period)
     syncer = Syncer(MANIFEST, plan, [n for n in initial if is_embedding(n)], rules)
     syncer.prime(**PRIMED)
-    rounds = runner.VirtualRounds(syncer, Replica(plan, initial, MANIFEST.outer))
+    rounds = runner.VirtualRounds(syncer, Replica(plan, initial, MANIFEST.outer), start=START)
     merges: list[tuple[float, int, str, bytes]] = []
     wakes: list[tuple[float, int]] = []
 
@@ -111,10 +112,10 @@ def run_runner_side(initial) -> tuple[list[tuple[float, int, str, bytes]], dict[
         wake_at, q = min(wakes)
         wakes.remove((wake_at, q))
         handle(rounds.evaluate(q, wake_at, LEARNERS), q, wake_at)
-    return merges, dict(syncer.last_decision)
+    return merges, dict(syncer.last_decision), syncer.admission.counts.last_reason
 
 
-async def run_daemon_side(initial) -> tuple[list[tuple[float, int, str, bytes]], dict[int, str]]:
+async def run_daemon_side(initial) -> tuple[list[tuple[float, int, str, bytes]], dict[int, str], str]:
     plan = _plan(initial)
     clock = FakeClock(START)
     replica = Replica(plan, initial, MANIFEST.outer)
@@ -126,8 +127,16 @@ async def run_daemon_side(initial) -> tuple[list[tuple[float, int, str, bytes]],
     def propose(now, kind, payload, *, fragment, round, digest):  # commits at once
         entry = LogEntry(1, next(index), kind, payload, fragment=fragment, round=round, digest=digest)
         assert replica.apply(entry).applied
-        merges.append((now, fragment, syncer.last_merge_reason, payload))
         return entry, "", []
+
+    adopt = syncer.adopt
+
+    def adopt_and_record(taken, plan, now):  # the driver adopts a round once it is proposed
+        if plan.proposes:
+            merges.append((now, taken.fragment, plan.reason, plan.payload))
+        return adopt(taken, plan, now)
+
+    syncer.adopt = adopt_and_record
 
     members = {name: SimpleNamespace(role=coord.MemberRole.LEARNER, state=coord.MemberState.ALIVE)
                for name in LEARNERS}
@@ -138,6 +147,7 @@ async def run_daemon_side(initial) -> tuple[list[tuple[float, int, str, bytes]],
                          coordination=core, addresses=AddressBook(), client=None, executor=InlineExecutor(),
                          clock=clock, tasks=tasks, dispatch=lambda actions: None, replica_behind=lambda: "",
                          report_error=pytest.fail, contributions_sent=NullCounter(), merges_proposed=NullCounter())
+    driver.lease_check()  # the lease from START on, as the runner's syncer has it
 
     async def settle() -> None:
         while len(tasks):  # merge tasks: their executor work is in-line, they end in a few loop turns
@@ -158,6 +168,7 @@ async def run_daemon_side(initial) -> tuple[list[tuple[float, int, str, bytes]],
         head = open_for({n: a.shape for n, a in delta.items()}, fragment=p, base_index=0, base_round=0,
                         c_steps=c_steps, c_tokens=c_steps * 32, codec=MANIFEST.sync.codec_up, learner_id=learner,
                         stream=bytes(16))
+        # Admitted by the syncer (members, the steps cap) as the runner's are, with the link's transfer time.
         receiving = driver.receive_contribution(head, transfer_s=TRANSFER_S)
         for chunk in contribution_chunks(head, delta):
             await receiving.part(chunk)
@@ -165,12 +176,13 @@ async def run_daemon_side(initial) -> tuple[list[tuple[float, int, str, bytes]],
         await settle()
     await advance_to(START + 60.0)
     await tasks.close()
-    return merges, dict(syncer.last_decision)
+    return merges, dict(syncer.last_decision), syncer.admission.counts.last_reason
 
 
 async def test_runner_and_daemon_make_the_same_decisions_and_commit_payloads(initial) -> None:
-    ours, our_last = run_runner_side(initial)
-    theirs, their_last = await run_daemon_side(initial)
+    ours, our_last, our_cap = run_runner_side(initial)
+    theirs, their_last, their_cap = await run_daemon_side(initial)
+    assert our_cap == their_cap and our_cap.startswith("c claims 160 steps for fragment 0; ")
     assert len(ours) == 3  # the script exercises grace, a late straggler and the rate limit
     assert [(round(t, 9), p, reason) for t, p, reason, _ in ours] == \
         [(round(t, 9), p, reason) for t, p, reason, _ in theirs]

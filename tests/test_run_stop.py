@@ -117,9 +117,9 @@ def test_the_syncer_commits_the_accepted_work_capped_as_the_weights_are() -> Non
     delta = {n: np.full(INITIAL[n].shape, 0.01, np.float32) for n in names}
     syncer.add(Contribution("honest", 0, 0, delta, 8, 512), now=0.0)
     syncer.add(Contribution("greedy", 0, 0, delta, 80, 10**9), now=0.0)  # claims 80 steps, 1e9 tokens
-    decision = syncer.decide(0, 0.0, ["honest", "greedy"])
-    assert decision is not None and decision.merge_now
-    plan = syncer.plan_commit(0, syncer.take(0, decision), replica.state, None, decision.reason)
+    step = syncer.step_round(0, 0.0, ["honest", "greedy"])
+    assert step is not None and step.taken is not None
+    plan = syncer.plan_commit(step.taken, replica.state)
     payload = CommitPayload.decode(plan.payload)
     assert set(payload.contributors) == {"honest", "greedy"}
     assert (payload.tokens, payload.steps) == (512 + 50 * 100, 8 + 50)

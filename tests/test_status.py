@@ -366,3 +366,34 @@ def test_relay_counters_and_decisions_reach_status_and_metrics_and_older_documen
     assert _sample(lines, "diloco_relay_held_bytes") == 1 << 20
     del raw["relays"]  # a node from before relay counters
     assert StatusDocument.from_dict(raw).relays.pushed == 0
+
+
+def test_admission_refusals_and_caps_reach_status_and_metrics_by_kind():
+    from diloco_node.daemon.status_feed import admission_status
+    from diloco_node.sync.admission import Admission, Member
+
+    admission = Admission(num_fragments=2, period=8)
+    admission.admit("stranger", 0, member=None)
+    admission.admit("w", 0, member=Member("witness"))
+    ticket = admission.admit("a", 0, member=Member("learner"))
+    admission.admit("a", 1, member=Member("learner"))  # its first is still arriving
+    admission.release(ticket)
+    admission.admit("a", 5, member=Member("learner"))
+    admission.lease_gained(0.0)
+    admission.cap_claim("a", 0, 1000, 1000 * 32, 4.0, 1.0, 32)  # 8 + 2 x 4 s / 1 s = 16 steps possible
+    builder = StatusBuilder("site-a", "run-7f3a", "learner", started_at=100.0)
+    builder.set_admission(admission_status(admission.counts))
+    doc = builder.document(now=101.0)
+    raw = json.loads(doc.to_json())
+    assert raw["admission"] == {"not_member": 1, "not_learner": 1, "left": 0, "not_lease_holder": 0, "in_flight": 1,
+                                "unknown_fragment": 1, "malformed": 0, "capped": 1,
+                                "last_reason": "a claims 1000 steps for fragment 0; 16 are possible since its "
+                                               "previous contribution: capped"}
+    assert StatusDocument.from_dict(raw) == doc
+    lines = render_metrics(doc).splitlines()
+    assert "# TYPE diloco_contributions_refused_total counter" in lines
+    assert 'diloco_contributions_refused_total{reason="in_flight"} 1.0' in lines
+    assert 'diloco_contributions_refused_total{reason="left"} 0.0' in lines
+    assert _sample(lines, "diloco_contribution_claims_capped_total") == 1
+    del raw["admission"]  # a node from before admission counters
+    assert StatusDocument.from_dict(raw).admission.capped == 0

@@ -72,7 +72,7 @@ def test_losing_the_lease_drops_open_rounds_and_their_reasons() -> None:
     syncer = Syncer(MANIFEST, PLAN, [])
     syncer.add(_c("a", 0), 5.0)
     syncer.decide(0, 5.0, ["a", "b"])
-    syncer.note_proposed(1, 4.0)
+    syncer.last_merge_at[1] = 4.0  # fragment 1 merged a second earlier
     syncer.lease_lost()
     assert syncer.rounds == {} and syncer.last_decision == {} and syncer.last_merge_at == {}
     assert syncer.waiting_contributions() == 0
@@ -89,7 +89,7 @@ def test_the_holders_commit_and_the_apply_hold_few_copies_of_a_one_tensor_fragme
     from bootstrap.entries import EntryKind, LogEntry
     from diloco_node.config.manifest import OuterOptimizer
     from diloco_node.sync.replica import Replica
-    from diloco_node.sync.syncer import OpenRound
+    from diloco_node.sync.syncer import OpenRound, TakenRound
 
     shapes = {"embed/embedding": (2048, 1024)}  # 2M values, T = 8 MiB
     tensor_bytes = 4 * 2048 * 1024
@@ -109,8 +109,10 @@ def test_the_holders_commit_and_the_apply_hold_few_copies_of_a_one_tensor_fragme
 
     tracemalloc.start()
     try:
-        plan_ = syncer.plan_commit(0, OpenRound(0.0, pending=pending), replica.state, replica.digest_after, "due")
+        plan_ = syncer.plan_commit(TakenRound(0, OpenRound(0.0, pending=pending), "due"), replica.state,
+                                   replica.digest_after)
         _, commit_peak = tracemalloc.get_traced_memory()
+        reason = plan_.reason
         entry = LogEntry(1, 1, EntryKind.OUTER_COMMIT, plan_.payload, fragment=0, round=replica.state.round(0) + 1,
                          digest=plan_.digest)
         del plan_
@@ -121,8 +123,69 @@ def test_the_holders_commit_and_the_apply_hold_few_copies_of_a_one_tensor_fragme
     finally:
         tracemalloc.stop()
     assert outcome.applied and not outcome.diverged, outcome.reason  # the preview's digest is the apply's
-    assert "1 rebased" in syncer.last_merge_reason
+    assert "1 rebased" in reason
     # the merge's 3T (direction 2T, result 1T) plus the rebased vector's finiteness check and chunks
     assert commit_peak < 3.75 * tensor_bytes, f"plan_commit peak {commit_peak / tensor_bytes:.2f} T"
     # the decoded gradient (1T) and the new parameters and momentum (2T)
     assert apply_peak - base < 3.5 * tensor_bytes, f"apply peak {(apply_peak - base) / tensor_bytes:.2f} T"
+
+
+# ------------------------------------------------------------------ the merge is pure; adopt moves the syncer
+
+
+def _norm_round(syncer: Syncer, state, scale: float, now: float):
+    """Two contributions of norm ~`scale` to fragment 0, merged now: (taken, plan), nothing adopted."""
+    for learner in ("a", "b"):
+        delta = {n: np.full(4, scale, np.float32) for n in PLAN.fragments[0].names}
+        syncer.add(Contribution(learner, 0, 0, delta, 8, 256), now)
+    step = syncer.step_round(0, now, ["a", "b"])
+    assert step is not None and step.taken is not None, step
+    return step.taken, syncer.plan_commit(step.taken, state)
+
+
+def _syncer_state(syncer: Syncer) -> tuple:
+    return (syncer.norm_ref.snapshot(), syncer.last_merge_reason, dict(syncer.last_merge_at),
+            {p: dict(r.pending) for p, r in syncer.rounds.items()}, dict(syncer.last_decision))
+
+
+def test_a_merge_computed_while_the_lease_is_lost_changes_no_syncer_state() -> None:
+    """The former race: the merge ran on the codec pool and wrote the norm reference and the last
+    reason from there while the event loop could lose the lease. Now the merge writes nothing, and
+    a round taken under a lease that is gone is not adopted."""
+    from diloco_node.config.manifest import OuterOptimizer
+    from diloco_node.sync.global_state import GlobalState
+
+    state = GlobalState(PLAN, {n: np.zeros(4, np.float32) for n in PLAN.names}, OuterOptimizer())
+    syncer = Syncer(MANIFEST, PLAN, [])
+    syncer.lease_gained({0: 1.0}, 0.0)
+    before = _syncer_state(syncer)
+    taken, plan = _norm_round(syncer, state, 2.0, 1.0)  # as on the pool: plan_commit in a worker
+    assert plan.proposes and plan.merged is not None and plan.merged.norm_ref not in (None, 1.0)
+    assert syncer.norm_ref.snapshot() == {0: 1.0} and syncer.last_merge_reason == before[1]  # the merge wrote nothing
+    syncer.lease_lost()  # the event loop, while the merge was in the pool
+    after_loss = _syncer_state(syncer)
+    assert not syncer.adopt(taken, plan, 2.0)
+    assert _syncer_state(syncer) == after_loss and after_loss[0] == {0: 1.0}
+    # Lost and gained again before the merge came back: still another lease's round.
+    taken, plan = _norm_round(syncer, state, 2.0, 3.0)
+    syncer.lease_lost()
+    syncer.lease_gained({0: 1.0}, 4.0)
+    regained = _syncer_state(syncer)
+    assert not syncer.adopt(taken, plan, 5.0) and _syncer_state(syncer) == regained
+
+
+def test_only_an_adopted_round_moves_the_norm_reference_and_the_rate_limit() -> None:
+    from diloco_node.config.manifest import OuterOptimizer
+    from diloco_node.sync.global_state import GlobalState
+
+    state = GlobalState(PLAN, {n: np.zeros(4, np.float32) for n in PLAN.names}, OuterOptimizer())
+    syncer = Syncer(MANIFEST, PLAN, [])
+    syncer.lease_gained({0: 1.0}, 0.0)
+    _norm_round(syncer, state, 2.0, 1.0)  # dropped (e.g. the proposal was refused): never adopted
+    assert syncer.norm_ref.get(0) == 1.0 and syncer.last_merge_at == {}
+    taken, plan = _norm_round(syncer, state, 2.0, 2.0)
+    assert plan.merged is not None
+    assert plan.merged.norm_ref == syncer.norm_ref.advanced(1.0, plan.merged.result.round_median_norm)
+    assert syncer.adopt(taken, plan, 2.5)
+    assert syncer.norm_ref.get(0) == plan.merged.norm_ref != 1.0
+    assert syncer.last_merge_at == {0: 2.5} and syncer.last_merge_reason == plan.reason

@@ -4,10 +4,14 @@ Both directions of a round live here:
 - learner -> lease holder: a due fragment's delta is streamed to the current lease holder, one
   chunk encoded in the codec pool at a time (wire 2.1, wire/contribution_stream.py), or handed
   chunk by chunk to our own syncer when we hold the lease;
-- lease holder: each chunk is checked and decoded in the codec pool as it arrives and kept encoded;
-  the whole contribution goes to the sans-IO `Syncer`, whose decisions this module only turns into
-  timers (wake-at) or a merge in the codec pool followed by a log proposal. Single-frame
-  contributions of wire 2.0 senders are still decoded whole.
+- lease holder: the `Syncer` admits or refuses a contribution before any byte of it is read
+  (`sync/admission.py`: members only, the lease, one in flight per learner; the refusal's kind
+  becomes the HTTP status here); each chunk is checked and decoded in the codec pool as it arrives
+  and kept encoded; the whole contribution goes to the syncer, whose round decisions this module
+  only turns into timers (wake-at) or a merge in the codec pool followed by a log proposal. The
+  merge is pure; its result is adopted here, on the loop, once proposed, so a round dropped on the
+  way (the lease lost, the state moved, the proposal refused) changes nothing in the syncer.
+  Single-frame contributions of wire 2.0 senders are still decoded whole.
 Lease changes reset or seed the syncer. Everything this driver needs is handed to its constructor.
 """
 
@@ -16,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 import os
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from concurrent.futures import Executor
@@ -33,10 +36,12 @@ from diloco_node.daemon import peers
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.learn.learner_thread import DueFragment
 from diloco_node.ops.status import Counter, Histogram
+from diloco_node.sync import admission
+from diloco_node.sync.admission import Admitted, Member, Refused
 from diloco_node.sync.fragments import FragmentPlan
 from diloco_node.sync.merge import Contribution
 from diloco_node.sync.replica import Replica
-from diloco_node.sync.syncer import CommitPlan, OpenRound, Syncer
+from diloco_node.sync.syncer import CommitPlan, Syncer, TakenRound
 from diloco_node.transport import PeerClient, TransportError
 from wire import messages as wire
 from wire.codecs import decode_named
@@ -59,13 +64,11 @@ CONTRIBUTION_DEADLINE_S = 60.0
 # ... plus the time its largest possible size takes at this rate (4 Mbit/s, the slowest inter-site
 # link planned for): a 7B model's int4 fragment at P = 24 (~160 MB) may take ~5 minutes there.
 CONTRIBUTION_MIN_RATE_BYTES_PER_S = 512 * 1024
-# Contributions being received per learner: a learner sends one fragment per slot, so a second one
-# while its first is still arriving (or, wire 2.0, decoding) is a flood (429).
-MAX_DECODES_PER_LEARNER = 1
-# A learner's steps claim for fragment p may exceed the period H by what the time since its previous
-# accepted contribution for p allows at the syncer's step-time estimate, times this slack (a
-# learner a little faster than the estimate, or whose previous round was dropped, is not cut).
-STEPS_TIME_SLACK = 2.0
+# The HTTP status of each admission refusal (sync/admission.py): 403 the sender may never
+# contribute, 409 ask the lease holder instead, 429 one at a time, 400 a bad contribution.
+REFUSAL_STATUS = {admission.NOT_MEMBER: 403, admission.NOT_LEARNER: 403, admission.LEFT: 403,
+                  admission.NOT_LEASE_HOLDER: 409, admission.IN_FLIGHT: 429, admission.UNKNOWN_FRAGMENT: 400,
+                  admission.MALFORMED: 400}
 
 
 class RoundDriver:
@@ -104,9 +107,6 @@ class RoundDriver:
         self.merging = False
         self._wake_timers: dict[int, Timer] = {}
         self._held_lease = False
-        self._lease_since = 0.0  # when we last gained the lease (monotonic)
-        self._decoding: dict[str, int] = {}  # learner -> decodes in flight (members only)
-        self._accepted_at: dict[tuple[str, int], float] = {}  # (learner, p) -> last accepted (members only)
         self._shapes: dict[int, dict[str, tuple[int, ...]]] = {}
 
     # ------------------------------------------------------------------ learner -> network
@@ -126,7 +126,11 @@ class RoundDriver:
         self.contributions_sent.inc()
         self._sent_at.setdefault(due.fragment, self.clock.monotonic())
         if leader == self.node_id:
-            receiving = self.receive_contribution(head, transfer_s=0.0)
+            try:
+                receiving = self.receive_contribution(head, transfer_s=0.0)
+            except RemoteProtocolError as error:  # e.g. the lease ran out just now
+                log.info("%s: own contribution for fragment %d not taken: %s", self.node_id, due.fragment, error)
+                return
             try:
                 async for chunk in self._encoded_chunks(head, due.delta):
                     await receiving.part(chunk)
@@ -169,87 +173,55 @@ class RoundDriver:
 
     # ------------------------------------------------------------------ the syncer (lease holder)
 
-    def contributor_problem(self, learner: str) -> str:
-        """Why `learner` may not contribute ("" when it may): only learner members of the run do."""
+    def _member(self, learner: str) -> Member | None:
         record = self.coordination.membership.members.get(learner)
         if record is None:
-            return f"{learner} is not a member of this run"
-        if record.role is not coord.MemberRole.LEARNER:
-            return f"{learner} is a {record.role.value}, not a learner"
-        if record.state is coord.MemberState.LEFT:
-            return f"{learner} has left the run"
-        return ""
-
-    def steps_allowed(self, learner: str, p: int, now: float) -> int | None:
-        """The most inner steps `learner` can claim for fragment p: the period H plus what the time
-        since its previous accepted contribution for p (or since we took the lease) allows at the
-        syncer's step-time estimate; None while there is no estimate."""
-        step_s = self.syncer.xi_step.value
-        if not step_s or step_s <= 0:
             return None
-        since = self._accepted_at.get((learner, p), self._lease_since)
-        period = self.plan.period
-        return period + math.ceil(STEPS_TIME_SLACK * max(0.0, now - since) / step_s)
+        return Member(record.role.value, record.state is coord.MemberState.LEFT)
 
-    def _admission_problem(self, learner: str) -> RemoteProtocolError | None:
-        problem = self.contributor_problem(learner)
-        if problem:
-            return RemoteProtocolError(f"contribution refused: {problem}", 403)
+    def _admit(self, learner: str, p: int, *, local: bool = False) -> Admitted:
+        """The syncer's admission of a contribution about to be received, or the refusal raised
+        with its HTTP status (counted by kind for /status)."""
+        not_holder = ""
         if not self.coordination.is_lease_holder(self.clock.monotonic()):
             leader = self.coordination.election.leader_id
-            return RemoteProtocolError(f"{self.node_id} does not hold the lease (lease holder: {leader})", 409)
-        if self._decoding.get(learner, 0) >= MAX_DECODES_PER_LEARNER:
-            return RemoteProtocolError(f"a contribution from {learner} is already being received", 429)
-        return None
+            not_holder = f"{self.node_id} does not hold the lease (lease holder: {leader})"
+        ticket = self.syncer.admit(learner, p, member=self._member(learner), not_holder=not_holder, local=local)
+        if isinstance(ticket, Refused):
+            raise RemoteProtocolError(ticket.reason, REFUSAL_STATUS[ticket.kind])
+        return ticket
 
-    def _hold_slot(self, learner: str) -> Callable[[], None]:
-        """Count a contribution of `learner` in flight; the returned call (idempotent) releases it."""
-        self._decoding[learner] = self._decoding.get(learner, 0) + 1
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if released:
-                return
-            released = True
-            left = self._decoding[learner] - 1
-            if left:
-                self._decoding[learner] = left
-            else:
-                del self._decoding[learner]
-        return release
+    def refuse_malformed(self, error: RemoteProtocolError, what: str) -> RemoteProtocolError:
+        """A contribution refused for its bytes: counted with the admission refusals, said with `what`."""
+        self.syncer.admission.refuse(admission.MALFORMED, f"{what}: {error}")
+        return RemoteProtocolError(f"{what}: {error}", error.status_hint)
 
     def open_contribution(self, head: wire.ContributionOpen) -> ContributionReceiver:
         """A peer's streamed contribution opens (its sender already checked against the frame's signer):
         admitted or refused here, before any chunk is read."""
-        error = self._admission_problem(head.learner_id)
-        if error is not None:
-            raise error
-        return self.receive_contribution(head, transfer_s=None, cap_steps=True)
+        return self.receive_contribution(head, transfer_s=None,
+                                         ticket=self._admit(head.learner_id, head.fragment))
 
     def receive_contribution(self, head: wire.ContributionOpen, *, transfer_s: float | None,
-                             cap_steps: bool = False) -> ContributionReceiver:
-        p = head.fragment
-        if not 0 <= p < self.plan.num_fragments:
-            raise RemoteProtocolError(f"fragment {p} does not exist in this run", 400)
+                             ticket: Admitted | None = None) -> ContributionReceiver:
+        """A contribution about to arrive chunk by chunk; without a `ticket` it is our own learner's,
+        admitted here."""
+        if ticket is None:
+            ticket = self._admit(head.learner_id, head.fragment, local=True)
         try:
-            assembler = ContributionAssembler(head, self._fragment_shapes(p), self.limits)
+            assembler = ContributionAssembler(head, self._fragment_shapes(head.fragment), self.limits)
         except RemoteProtocolError as error:
-            raise RemoteProtocolError(f"contribution from {head.learner_id} for fragment {p}: {error}",
-                                      error.status_hint) from None
-        return ContributionReceiver(self, assembler, self._hold_slot(head.learner_id), transfer_s, cap_steps)
+            self.syncer.release(ticket)
+            what = f"contribution from {head.learner_id} for fragment {head.fragment}"
+            raise self.refuse_malformed(error, what) from None
+        return ContributionReceiver(self, assembler, ticket, transfer_s)
 
     async def on_contribution(self, message: wire.FragmentContribution) -> None:
         """A wire 2.0 single-frame contribution (its sender already checked against the frame's
         signer), decoded whole: bounded by MAX_CONTRIBUTION_BYTES and the fragment's own shapes."""
-        error = self._admission_problem(message.learner_id)
-        if error is not None:
-            raise error
-        release = self._hold_slot(message.learner_id)
+        p = message.fragment
+        ticket = self._admit(message.learner_id, p)
         try:
-            p = message.fragment
-            if not 0 <= p < self.plan.num_fragments:
-                raise RemoteProtocolError(f"fragment {p} does not exist in this run", 400)
             loop = asyncio.get_running_loop()
             # Names and shapes are checked against the fragment before anything is decompressed, and the
             # decode is bounded by the fragment's own elements (a 33 KB message once declared 1 GiB).
@@ -257,12 +229,12 @@ class RoundDriver:
             try:
                 delta = await loop.run_in_executor(self.executor, decode)
             except (RemoteProtocolError, ValueError) as error:
-                raise RemoteProtocolError(f"contribution from {message.learner_id} for fragment {p}: {error}",
-                                          400) from None
+                raise self.refuse_malformed(RemoteProtocolError(str(error), 400),
+                                      f"contribution from {message.learner_id} for fragment {p}") from None
             self.accept(message.learner_id, p, message.base_round, delta, message.c_steps, message.c_tokens,
-                        transfer_s=None, cap_steps=True)
+                        transfer_s=None, ticket=ticket)
         finally:
-            release()
+            self.syncer.release(ticket)
 
     def _fragment_shapes(self, p: int) -> dict[str, tuple[int, ...]]:
         shapes = self._shapes.get(p)
@@ -273,20 +245,12 @@ class RoundDriver:
         return shapes
 
     def accept(self, learner: str, p: int, base_round: int, delta: Mapping[str, np.ndarray], c_steps: int,
-               c_tokens: int, *, transfer_s: float | None, cap_steps: bool = False) -> None:
-        """A whole, checked contribution: cap its steps claim, hand it to the syncer, look at the round."""
-        now = self.clock.monotonic()
-        allowed = self.steps_allowed(learner, p, now) if cap_steps else None
-        if allowed is not None and c_steps > allowed:
-            per_step = self.syncer.caps.max_tokens_per_step
-            log.info("%s: %s claims %d steps for fragment %d; %d are possible since its previous contribution: "
-                     "capped", self.node_id, learner, c_steps, p, allowed)
-            c_tokens = min(c_tokens, allowed * per_step)
-            c_steps = allowed
+               c_tokens: int, *, transfer_s: float | None, ticket: Admitted | None = None) -> None:
+        """A whole, checked contribution: to the syncer (which caps its steps claim), then look at the round."""
         contribution = Contribution(learner, p, base_round, delta, c_steps, c_tokens)
-        if cap_steps:
-            self._accepted_at[(learner, p)] = now
-        self.syncer.add(contribution, now, transfer_s=transfer_s)
+        capped = self.syncer.add(contribution, self.clock.monotonic(), transfer_s=transfer_s, ticket=ticket)
+        if capped:
+            log.info("%s: %s", self.node_id, capped)
         self.evaluate(p)
 
     def _live_learners(self) -> list[str]:
@@ -302,27 +266,31 @@ class RoundDriver:
         # One merge at a time, and only on a state that includes every entry of our own log, so the
         # round we propose is exactly the next one for this fragment.
         blocked = "a merge of another fragment is in flight" if self.merging else self.replica_behind()
-        decision = self.syncer.decide(p, now, self._live_learners(), blocked=blocked)
-        if decision is None:
+        step = self.syncer.step_round(p, now, self._live_learners(), blocked=blocked)
+        if step is None:
             return
-        if decision.wake_at is not None:
+        if step.wake_at is not None:
             timer = self._wake_timers.pop(p, None)
             if timer is not None:
                 timer.cancel()
-            self._wake_timers[p] = self.clock.call_at(decision.wake_at, lambda: self.evaluate(p))
+            self._wake_timers[p] = self.clock.call_at(step.wake_at, lambda: self.evaluate(p))
             return
-        if not decision.merge_now:
+        if step.taken is None:
             return
-        rnd = self.syncer.take(p, decision)
         self.merging = True
-        self.tasks.spawn(self._merge_and_propose(p, rnd, decision.reason), name=f"merge-{p}")
+        self.tasks.spawn(self._merge_and_propose(step.taken), name=f"merge-{p}")
 
-    async def _merge_and_propose(self, p: int, rnd: OpenRound, reason: str) -> None:
+    async def _merge_and_propose(self, taken: TakenRound) -> None:
+        p = taken.fragment
         try:
             loop = asyncio.get_running_loop()
+            # Pure: the pool's thread writes nothing of the syncer; the result is adopted below, on the loop.
             plan: CommitPlan = await loop.run_in_executor(
-                self.executor, self.syncer.plan_commit, p, rnd, self.replica.state, self.replica.digest_after, reason,
+                self.executor, self.syncer.plan_commit, taken, self.replica.state, self.replica.digest_after,
                 self.clock.wall())
+            if not self.syncer.is_current(taken):
+                log.info("%s syncer: fragment %d: the lease changed during the merge; round dropped", self.node_id, p)
+                return
             if plan.merged is not None:
                 # Every rejection and cap with its own reason (the round's summary names only who).
                 for _, why in plan.merged.result.rejected:
@@ -334,6 +302,7 @@ class RoundDriver:
                     self.report_error(plan.reason)
                 else:
                     log.info("%s syncer: %s", self.node_id, plan.reason)
+                    self.syncer.adopt(taken, plan, self.clock.monotonic())  # the norm reference follows
                 return
             log.info("%s syncer: %s", self.node_id, plan.reason)
             merged = plan.merged
@@ -346,7 +315,7 @@ class RoundDriver:
             if entry is None:
                 self.report_error(f"fragment {p} merge not proposed: {why}")
                 return
-            self.syncer.note_proposed(p, self.clock.monotonic())
+            self.syncer.adopt(taken, plan, self.clock.monotonic())
             self.merges_proposed.inc()
             self.dispatch(actions)
         except asyncio.CancelledError:
@@ -369,9 +338,7 @@ class RoundDriver:
                 timer.cancel()
             self._wake_timers.clear()
         if holder and not self._held_lease:
-            self.syncer.lease_gained(self.replica.norm_refs)
-            self._lease_since = self.clock.monotonic()
-            self._accepted_at.clear()
+            self.syncer.lease_gained(self.replica.norm_refs, self.clock.monotonic())
         self._held_lease = holder
 
     def quorum_reason(self) -> str:
@@ -386,13 +353,12 @@ class ContributionReceiver:
     and kept encoded; once the stream is complete the contribution, still encoded, goes to the syncer.
     """
 
-    def __init__(self, driver: RoundDriver, assembler: ContributionAssembler, release: Callable[[], None],
-                 transfer_s: float | None, cap_steps: bool) -> None:
+    def __init__(self, driver: RoundDriver, assembler: ContributionAssembler, ticket: Admitted,
+                 transfer_s: float | None) -> None:
         self._driver = driver
         self._assembler = assembler
-        self._release = release
+        self._ticket = ticket
         self._transfer_s = transfer_s
-        self._cap_steps = cap_steps
 
     @property
     def max_remaining_bytes(self) -> int:
@@ -402,23 +368,33 @@ class ContributionReceiver:
     def frames_left(self) -> int:
         return self._assembler.chunks_left
 
+    def _what(self) -> str:
+        head = self._assembler.head
+        return f"contribution from {head.learner_id} for fragment {head.fragment}"
+
     async def part(self, message: wire.Message) -> None:
         if not isinstance(message, wire.ContributionChunk):
-            raise RemoteProtocolError(f"a contribution continues with ContributionChunk frames, got "
-                                      f"{type(message).__name__}", 400)
+            raise self._driver.refuse_malformed(RemoteProtocolError(
+                f"a contribution continues with ContributionChunk frames, got {type(message).__name__}", 400),
+                self._what())
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._driver.executor, self._assembler.add, message)
+        try:
+            await loop.run_in_executor(self._driver.executor, self._assembler.add, message)
+        except RemoteProtocolError as error:
+            raise self._driver.refuse_malformed(error, self._what()) from None
 
     async def finish(self) -> None:
         try:
-            delta: EncodedDelta = self._assembler.finish()
+            try:
+                delta: EncodedDelta = self._assembler.finish()
+            except RemoteProtocolError as error:
+                raise self._driver.refuse_malformed(error, self._what()) from None
             head = self._assembler.head
             self._driver.accept(head.learner_id, head.fragment, head.base_round, delta, head.c_steps, head.c_tokens,
-                                transfer_s=self._transfer_s, cap_steps=self._cap_steps)
+                                transfer_s=self._transfer_s, ticket=self._ticket)
         finally:
-            self._release()
+            self._driver.syncer.release(self._ticket)
 
     async def abort(self, reason: str) -> None:
-        log.info("%s: contribution from %s for fragment %d dropped: %s", self._driver.node_id,
-                 self._assembler.head.learner_id, self._assembler.head.fragment, reason)
-        self._release()
+        log.info("%s: %s dropped: %s", self._driver.node_id, self._what(), reason)
+        self._driver.syncer.release(self._ticket)

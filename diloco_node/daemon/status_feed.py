@@ -15,7 +15,9 @@ from diloco_node.daemon.loop_monitor import LagWindow
 from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.daemon.rounds import RoundDriver
 from diloco_node.daemon.state_transfer import StateKeeper
+from diloco_node.sync.admission import AdmissionCounts
 from diloco_node.ops.status import (
+    AdmissionStatus,
     EvictedStatus,
     FragmentStatus,
     MemberStatus,
@@ -71,6 +73,7 @@ class StatusFeed:
             commit_index=replica.applied_index, state_digest=self.state_digest(),
             members=members, quorum=quorum,
             fragments=[FragmentStatus(p, r) for p, r in enumerate(replica.state.rounds())])
+        self.status.set_admission(admission_status(self.rounds.syncer.admission.counts))
         self.status.set_evicted([EvictedStatus(r.node_id, r.index, r.reason) for r in replica.evictions.records()])
         self.status.set_log(first_index=self.store.log_first_index, size_bytes=self.store.log_bytes)
         self.status.set_loop_lag(worst_s=self.loop_lag.worst_recent_s, stalls=self.loop_lag.stalls)
@@ -86,6 +89,12 @@ class StatusFeed:
         elif self._digest_cache[0] != key:
             self._digest_cache = (key, replica.state.digest())
         return self._digest_cache[1]
+
+
+def admission_status(counts: AdmissionCounts) -> AdmissionStatus:
+    """The /status `admission` object from the syncer's admission counters (sync/admission.py)."""
+    return AdmissionStatus(**counts.refused, capped=counts.capped,
+                           last_reason=counts.last_reason[:MAX_QUORUM_REASON_CHARS])
 
 
 def relay_status(counts: dict[str, Any]) -> RelayStatus:

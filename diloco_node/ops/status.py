@@ -215,6 +215,27 @@ class QuorumStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class AdmissionStatus:
+    """Contributions this node's syncer refused, by kind, and claims it capped, since the node
+    started (sync/admission.py), with the last reason of either."""
+
+    not_member: int = 0
+    not_learner: int = 0
+    left: int = 0
+    not_lease_holder: int = 0
+    in_flight: int = 0
+    unknown_fragment: int = 0
+    malformed: int = 0
+    capped: int = 0
+    last_reason: str = ""
+
+    @property
+    def refused(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("capped", "last_reason")}
+
+
+@dataclass(frozen=True, slots=True)
 class FragmentStatus:
     fragment: int
     round: int
@@ -275,6 +296,7 @@ class StatusDocument:
     evaluation: EvalStatus = field(default_factory=EvalStatus)
     bytes: ByteCounters = field(default_factory=ByteCounters)
     quorum: QuorumStatus = field(default_factory=QuorumStatus)
+    admission: AdmissionStatus = field(default_factory=AdmissionStatus)  # contributions refused / capped
     fragments: tuple[FragmentStatus, ...] = ()
     uptime_s: float = 0.0
     version: str = ""
@@ -327,6 +349,8 @@ class StatusDocument:
             evaluation=EvalStatus.from_dict(raw.get("evaluation", {}), "evaluation"),
             bytes=_build(ByteCounters, _get(raw, "bytes", dict), "bytes"),
             quorum=_build(QuorumStatus, _get(raw, "quorum", dict), "quorum"),
+            # Older nodes have no admission counters: an absent object reads as all zero.
+            admission=_build(AdmissionStatus, raw.get("admission", {}), "admission"),
             fragments=tuple(_build(FragmentStatus, f, f"fragments[{i}]")
                             for i, f in enumerate(raw.get("fragments", []) or [])),
             uptime_s=float(raw.get("uptime_s", 0.0) or 0.0),
@@ -456,6 +480,11 @@ class StatusBuilder:
             self._base = dataclasses.replace(
                 self._base, epoch=epoch, coordinator=coordinator, commit_index=commit_index,
                 state_digest=state_digest, members=tuple(members), quorum=quorum, fragments=tuple(fragments))
+
+    def set_admission(self, admission: AdmissionStatus) -> None:
+        """The syncer's admission counters (sync/admission.py `AdmissionCounts`)."""
+        with self._lock:
+            self._base = dataclasses.replace(self._base, admission=admission)
 
     def set_evicted(self, evicted: Sequence[EvictedStatus]) -> None:
         with self._lock:
@@ -743,6 +772,11 @@ def status_families(doc: StatusDocument) -> list[MetricFamily]:
         )),
         one("diloco_quorum_have", "gauge", "Contributions in hand for the round being merged.", doc.quorum.have),
         one("diloco_quorum_need", "gauge", "Contributions required (K).", doc.quorum.need),
+        MetricFamily("diloco_contributions_refused_total", "counter",
+                     "Contributions refused by this node's syncer, by kind (sync/admission.py).",
+                     tuple(({"reason": kind}, float(n)) for kind, n in doc.admission.refused.items())),
+        one("diloco_contribution_claims_capped_total", "counter",
+            "Contributions whose steps claim this node's syncer cut to what the time allows.", doc.admission.capped),
         one("diloco_learner_step", "gauge", "Learner inner steps taken.", learner.step),
         one("diloco_learner_loss", "gauge", "Latest training loss (NaN before the first step).",
             math.nan if learner.loss is None else learner.loss),

@@ -50,6 +50,7 @@ from diloco_node.learn import data as data_lib
 from diloco_node.learn import factory
 from diloco_node.learn import model as model_lib
 from diloco_node.learn.inner import InnerLearner, StackedLearners
+from diloco_node.sync.admission import LEARNER_ROLE, Member, Refused
 from diloco_node.sync.apply import ApplyRule, FragmentCounters, apply_merge
 from diloco_node.sync.fragments import FragmentPlan, plan_fragments
 from diloco_node.sync.merge import Contribution
@@ -703,9 +704,11 @@ class _FragmentSync:
     def _on_round(self, p: int, t: float, outcome: RoundOutcome | None) -> None:
         if outcome is None:
             return
+        if outcome.admission:  # a refusal or a capped claim: the daemon's rules bit here too
+            self.merge_log.append(f"t={t:.2f} {outcome.admission}")
         if outcome.plan is not None:
             self._broadcast(p, t, outcome.plan)
-        elif outcome.decision.wake_at is not None:
+        elif outcome.decision is not None and outcome.decision.wake_at is not None:
             self._push(outcome.decision.wake_at, _WAKE, p)
 
     def _broadcast(self, p: int, t: float, plan: CommitPlan) -> None:
@@ -738,35 +741,50 @@ class _FragmentSync:
 
 @dataclass(frozen=True, slots=True)
 class RoundOutcome:
-    """The syncer's decision on a round, and what it merged when it merged (`plan`)."""
+    """The syncer's decision on a round (None: the contribution was refused), what it merged when it
+    merged (`plan`), and what admission said of the arriving contribution (a refusal or a capped
+    claim; "" when it passed as sent)."""
 
-    decision: RoundDecision
+    decision: RoundDecision | None
     plan: CommitPlan | None
+    admission: str = ""
+
+
+# The runner's learners are the run's learner members.
+RUNNER_MEMBER = Member(LEARNER_ROLE)
 
 
 class VirtualRounds:
     """The runner's side of every fragment round: the daemon's `Syncer` on the virtual clock, and a
-    `Replica` that applies the commit payload a daemon's log would carry. It mirrors
-    `daemon/rounds.py`'s RoundDriver with the network and the replicated log taken out."""
+    `Replica` that applies the commit payload a daemon's log would carry. It makes the calls
+    `daemon/rounds.py`'s RoundDriver makes (admit, add, step_round, plan_commit, adopt) with the
+    network and the replicated log taken out: the syncer holds the lease from `start` on."""
 
-    def __init__(self, syncer: Syncer, replica: Replica) -> None:
+    def __init__(self, syncer: Syncer, replica: Replica, start: float = 0.0) -> None:
         self.syncer = syncer
         self.replica = replica
         self._next_index = 1
+        syncer.lease_gained(replica.norm_refs, start)
 
     def arrive(self, contribution: Contribution, t: float, *, transfer_s: float, members: Collection[str],
                live: Collection[str]) -> RoundOutcome | None:
-        self.syncer.add(contribution, t, transfer_s=transfer_s, members=members)
-        return self.evaluate(contribution.fragment, t, live)
+        ticket = self.syncer.admit(contribution.learner, contribution.fragment, member=RUNNER_MEMBER)
+        if isinstance(ticket, Refused):
+            return RoundOutcome(None, None, ticket.reason)
+        capped = self.syncer.add(contribution, t, transfer_s=transfer_s, members=members, ticket=ticket)
+        outcome = self.evaluate(contribution.fragment, t, live)
+        if capped:
+            return RoundOutcome(None if outcome is None else outcome.decision,
+                                None if outcome is None else outcome.plan, capped)
+        return outcome
 
     def evaluate(self, p: int, t: float, live: Collection[str]) -> RoundOutcome | None:
-        decision = self.syncer.decide(p, t, live)
-        if decision is None:
+        step = self.syncer.step_round(p, t, live)
+        if step is None:
             return None
-        if not decision.merge_now:
-            return RoundOutcome(decision, None)
-        rnd = self.syncer.take(p, decision)
-        plan = self.syncer.plan_commit(p, rnd, self.replica.state, None, decision.reason, wall_time=t)
+        if step.taken is None:
+            return RoundOutcome(step.decision, None)
+        plan = self.syncer.plan_commit(step.taken, self.replica.state, None, wall_time=t)
         if plan.proposes:
             assert plan.merged is not None
             entry = LogEntry(1, self._next_index, EntryKind.OUTER_COMMIT, plan.payload, fragment=p,
@@ -775,8 +793,8 @@ class VirtualRounds:
             outcome = self.replica.apply(entry)
             if not outcome.applied:
                 raise RuntimeError(f"the runner's replica refused its own commit: {outcome.reason}")
-            self.syncer.note_proposed(p, t)
-        return RoundOutcome(decision, plan)
+        self.syncer.adopt(step.taken, plan, t)
+        return RoundOutcome(step.decision, plan)
 
 
 # ------------------------------------------------------------------------------------------------

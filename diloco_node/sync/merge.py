@@ -299,18 +299,29 @@ class NormReference:
     def get(self, fragment: int) -> float | None:
         return self._values.get(fragment)
 
-    def update(self, fragment: int, round_median_norm: float | None) -> float | None:
+    def advanced(self, old: float | None, round_median_norm: float | None) -> float | None:
+        """The reference after a round with this median, from `old` (None: none yet). Pure: the
+        syncer computes it with the merge and stores it only when the round is adopted."""
         if round_median_norm is None or not math.isfinite(round_median_norm):
-            return self._values.get(fragment)
-        old = self._values.get(fragment)
+            return old
         if old is None:
-            new = round_median_norm
-        else:
-            new = old + self.alpha * (round_median_norm - old)
-            if old > 0.0:  # a zero reference (all-zero deltas so far) has no scale to bound
-                new = min(max(new, old / self.max_step), old * self.max_step)
-        self._values[fragment] = new
+            return round_median_norm
+        new = old + self.alpha * (round_median_norm - old)
+        if old > 0.0:  # a zero reference (all-zero deltas so far) has no scale to bound
+            new = min(max(new, old / self.max_step), old * self.max_step)
         return new
+
+    def update(self, fragment: int, round_median_norm: float | None) -> float | None:
+        new = self.advanced(self._values.get(fragment), round_median_norm)
+        if new is not None:
+            self._values[fragment] = new
+        return new
+
+    def set(self, fragment: int, value: float) -> None:
+        """Store a value `advanced` computed (finite and >= 0, as `restore` requires)."""
+        if not (math.isfinite(value) and value >= 0.0):
+            raise ValueError(f"reference norm of fragment {fragment} = {value!r} must be finite and >= 0")
+        self._values[fragment] = float(value)
 
     def snapshot(self) -> dict[int, float]:
         return dict(self._values)

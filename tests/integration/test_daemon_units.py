@@ -200,7 +200,7 @@ async def test_fragment_download_resumes_at_the_offset_on_another_peer() -> None
 
 
 def _syncer_with(replica: Replica, value: float) -> tuple:
-    from diloco_node.sync.syncer import OpenRound, Syncer
+    from diloco_node.sync.syncer import OpenRound, Syncer, TakenRound
     from diloco_node.sync.merge import Contribution
     from diloco_node.config.manifest import RunManifest
 
@@ -209,21 +209,21 @@ def _syncer_with(replica: Replica, value: float) -> tuple:
     delta = {n: np.full(replica.state.fragment_params(0)[n].shape, value, np.float32) for n in names}
     rnd = OpenRound(opened_at=0.0)
     rnd.pending["a"] = (Contribution("a", 0, 0, delta, 8, 1024), 0.0, None)
-    return syncer, rnd
+    return syncer, TakenRound(0, rnd, "quorum reached")
 
 
 def test_a_merge_whose_outer_step_overflows_is_dropped_with_its_reason() -> None:
     replica = _replica()
     before = replica.state.digest()
     # Finite (float32 max is 3.4e38) but the outer step overflows when applied: GlobalStateError.
-    syncer, rnd = _syncer_with(replica, 3.0e38)
-    plan = syncer.plan_commit(0, rnd, replica.state, replica.digest_after, "quorum reached")
+    syncer, taken = _syncer_with(replica, 3.0e38)
+    plan = syncer.plan_commit(taken, replica.state, replica.digest_after)
     assert plan.merged is None and plan.failed
     assert "merged round dropped" in plan.reason and "non-finite" in plan.reason
     assert replica.state.digest() == before and replica.state.round(0) == 0
     # A sane round still goes through, with the digest the replicas will reach.
-    syncer, rnd = _syncer_with(replica, 0.01)
-    plan = syncer.plan_commit(0, rnd, replica.state, replica.digest_after, "quorum reached")
+    syncer, taken = _syncer_with(replica, 0.01)
+    plan = syncer.plan_commit(taken, replica.state, replica.digest_after)
     assert plan.merged is not None and not plan.failed and plan.merged.round == 1 and len(plan.digest) == 64
 
 
@@ -287,10 +287,9 @@ def test_syncer_holds_an_out_of_phase_push_until_the_fragments_next_round() -> N
     four = ["fast", "slow", "c", "d"]
     # No merge yet: a lone contribution with K = 1 and no grace estimates merges at once.
     syncer.add(Contribution("fast", 0, 0, delta, 8, 1024), now=100.0)
-    first = syncer.decide(0, 100.0, four)
-    assert first is not None and first.merge_now, first.reason
-    syncer.take(0, first)
-    syncer.note_proposed(0, 100.0)
+    first = syncer.step_round(0, 100.0, four)
+    assert first is not None and first.taken is not None, first.reason
+    assert syncer.adopt(first.taken, syncer.plan_commit(first.taken, replica.state), 100.0)  # proposed at 100 s
     # Another learner's push soon after that merge, out of phase: held for the next on-time round.
     syncer.add(Contribution("slow", 0, 0, delta, 8, 1024), now=101.0)
     held = syncer.decide(0, 101.0, four)
@@ -311,9 +310,10 @@ def test_the_norm_reference_travels_in_commits_so_a_new_holder_keeps_checking_ou
     """The running reference norm is merge policy, not state: it rides in each commit's payload,
     every replica keeps the newest per fragment, and a node winning the lease starts from it."""
     holder_replica = _replica()
-    syncer, rnd = _syncer_with(holder_replica, 0.01)
-    plan = syncer.plan_commit(0, rnd, holder_replica.state, holder_replica.digest_after, "quorum reached")
+    syncer, taken = _syncer_with(holder_replica, 0.01)
+    plan = syncer.plan_commit(taken, holder_replica.state, holder_replica.digest_after)
     assert plan.merged is not None and plan.merged.norm_ref is not None
+    assert syncer.adopt(taken, plan, 1.0)  # proposed: the holder's reference moves with it
     assert plan.merged.norm_ref == syncer.norm_ref.get(0) > 0.0
     assert CommitPayload.decode(plan.payload).norm_ref == plan.merged.norm_ref
     entry = LogEntry(1, 1, EntryKind.OUTER_COMMIT, plan.payload, fragment=0, round=1, digest=plan.digest)
@@ -323,7 +323,7 @@ def test_the_norm_reference_travels_in_commits_so_a_new_holder_keeps_checking_ou
     # The follower wins the lease after a failover: its fresh syncer checks from round one.
     new_syncer, _ = _syncer_with(follower, 0.01)
     assert new_syncer.norm_ref.get(0) is None
-    new_syncer.lease_gained(follower.norm_refs)
+    new_syncer.lease_gained(follower.norm_refs, 0.0)
     assert new_syncer.norm_ref.get(0) == plan.merged.norm_ref
     # Payloads from before the field decode without it; a poisoned reference is the peer's error.
     assert CommitPayload.decode(CommitPayload(b"x", ("a",), (1.0,)).encode()).norm_ref is None
