@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The quality benchmark on one GPU, in under 8 minutes (docs/PARITY.md, "On a GPU"): data-parallel
+# The quality benchmark on one GPU, in about 8 minutes (docs/PARITY.md, "On a GPU"): data-parallel
 # and decoupled DiLoCo (M = 4, int4 both ways, equal tokens, about 9 tokens per parameter) for the
 # llama family at about 1M, 6M and 25M parameters on the byte corpus, through the same runner,
 # Syncer and apply rule as the CPU benchmark. One seed. The three sizes run at the same time as
@@ -37,7 +37,7 @@ nvidia-smi -L 2>/dev/null || true
 "$python" -c 'import jax; print("jax", jax.__version__, jax.devices())'
 size llama-1m 300 llama-1m 450 64 &
 size llama-6m 330 llama-6m 1750 128 &
-size llama-25m 390 llama-25m 1740 512 &
+size llama-25m 450 llama-25m 1740 512 &
 wait
 for name in llama-1m llama-6m llama-25m; do
     echo "=== $name"
