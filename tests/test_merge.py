@@ -835,3 +835,25 @@ def test_golden_trajectory_is_the_same_bits_with_the_smallest_chunks(monkeypatch
     assert record["final_digest"] == json.loads((FIXTURES / "golden_merge.json").read_text())["final_digest"]
     for name, arr in default_arrays.items():
         assert arrays[name].tobytes() == arr.tobytes(), name
+
+
+def test_a_round_that_moved_together_is_judged_by_its_median_not_the_lagging_reference() -> None:
+    """Muon's first rounds: every learner's delta 20x the running reference at once. That is a
+    change of scale (the round's own median shows it), not four outliers: all accepted."""
+    honest = [_contribution(n, seed=i, scale=1.0) for i, n in enumerate("abcd")]
+    reference = _norm_of(honest[0]) / 20
+    result = _merge(honest, reference_norm=reference)
+    assert result.rejected == () and len(result.accepted) == 4
+    # A lone outlier in such a round is still caught by the round median.
+    result = _merge(honest[:3] + [_contribution("x", seed=9, scale=1e6)], reference_norm=reference)
+    assert [learner for learner, _ in result.rejected] == ["x"]
+
+
+def test_two_colluding_outliers_of_four_cannot_lift_the_reference_check() -> None:
+    """The lower middle norm decides whether the scale changed: with two honest learners at the
+    reference's scale and two at 1e6x, it is an honest norm, so the reference still applies."""
+    honest = [_contribution(n, seed=i, scale=0.001) for i, n in enumerate("ab")]
+    liars = [_contribution(n, seed=5 + i, scale=1e3) for i, n in enumerate("yz")]
+    result = _merge(honest + liars, reference_norm=_norm_of(honest[0]))
+    assert sorted(learner for learner, _ in result.rejected) == ["y", "z"]
+    assert [n for n, _ in result.accepted] == ["a", "b"]

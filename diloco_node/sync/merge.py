@@ -497,7 +497,15 @@ def merge_contributions(
     if round_median is not None and round_median > 0 and len(norms) >= MIN_CONTRIBUTIONS_FOR_ROUND_MEDIAN:
         limits.append((round_median, "the round median"))
     if reference_norm is not None and math.isfinite(reference_norm) and reference_norm > 0:
-        limits.append((reference_norm, "the running reference"))
+        # A change of scale the round itself shows is not an outlier: when at least 3 contributions
+        # came and even the lower of their middle norms is past the limit, most of the round moved
+        # together (an inner warm-up, Muon's first rounds), and the round median alone judges it.
+        # The lower middle, not the median: two of four colluding outliers cannot lift it.
+        lower_middle = sorted(norms)[(len(norms) - 1) // 2] if norms else 0.0
+        scale_changed = (len(norms) >= MIN_CONTRIBUTIONS_FOR_ROUND_MEDIAN
+                         and lower_middle > norm_outlier_factor * reference_norm)
+        if not scale_changed:
+            limits.append((reference_norm, "the running reference"))
     survivors: list[tuple[Contribution, float]] = []
     for c, weight, n in candidates:
         over = [(ref, label) for ref, label in limits if n > norm_outlier_factor * ref]
