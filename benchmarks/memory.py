@@ -30,8 +30,6 @@ from typing import Any
 
 import numpy as np
 
-MIB = 1024 * 1024
-
 
 def _status_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():

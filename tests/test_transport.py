@@ -31,7 +31,7 @@ from diloco_node.transport import (
 from wire.auth import AuthContext, FrameVerifier, derive_frame_key
 from wire.errors import LocalProtocolError, RemoteProtocolError
 from wire.frames import encode_frame, encode_frame_head
-from wire.limits import Limits
+from wire.limits import Limits, MiB
 from wire.messages import (
     FragmentContribution,
     Heartbeat,
@@ -46,7 +46,6 @@ from wire.messages import (
 
 RUN = "run-transport"
 KEY = derive_frame_key(b"k" * 32)
-MiB = 1024 * 1024
 
 
 def _auth(node: str, key=KEY, run: str = RUN) -> AuthContext:

@@ -46,13 +46,10 @@ from wire.frames import (
     encode_frame,
     encode_frame_head,
 )
-from wire.limits import DEFAULT_LIMITS, Limits
+from wire.limits import DEFAULT_LIMITS, KiB, Limits, MiB
 from wire.messages import Message
 
 log = logging.getLogger(__name__)
-
-KiB = 1024
-MiB = 1024 * KiB
 
 # A TCP handshake across continents takes well under a second; a peer silent for 10 s is down.
 CONNECT_TIMEOUT_S = 10.0

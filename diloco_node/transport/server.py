@@ -62,13 +62,10 @@ from wire.frames import (
     Received,
     encode_frame,
 )
-from wire.limits import DEFAULT_LIMITS, Limits
+from wire.limits import DEFAULT_LIMITS, KiB, Limits, MiB
 from wire.messages import NODE_ID_PATTERN, Message, MessageKind
 
 log = logging.getLogger(__name__)
-
-KiB = 1024
-MiB = 1024 * KiB
 
 # Authenticated streams open at once, across members: a run has tens of sites, each with a few
 # streams; beyond this even members are refused (429) before they cost buffers or threads.
