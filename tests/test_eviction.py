@@ -23,14 +23,21 @@ from bootstrap.messages import Send
 from diloco_node.config.manifest import OuterOptimizer
 from diloco_node.ops import pki
 from diloco_node.ops.status import is_loopback
-from diloco_node.sync.evictions import EvictionError, EvictionRecord, Evictions, decode_payload, encode_payload
+from diloco_node.sync.evictions import (
+    MAX_EVICTION_REASON_CHARS,
+    EvictionError,
+    EvictionRecord,
+    Evictions,
+    decode_payload,
+    encode_payload,
+)
 from diloco_node.sync.fragments import plan_fragments
 from diloco_node.sync.replica import Replica
 from diloco_node.sync.state_codec import StateCodecError, evictions_from_checkpoint
 from diloco_node.transport import PeerClient, PeerRefused, PeerServer
 from diloco_node.transport.tls import SiteTls, TlsFiles
 from wire.auth import AuthContext, FrameVerifier, derive_frame_key
-from wire.messages import VoteReply, VoteRequest
+from wire.messages import MAX_NODE_ID_CHARS, MAX_REASON_CHARS, U63_MAX, VoteReply, VoteRequest
 
 FINGERPRINT = "ab" * 32
 SHAPES = {"embed/embedding": (8, 4), "head/kernel": (4, 8)}
@@ -71,6 +78,13 @@ def test_the_register_refuses_by_node_id_and_by_fingerprint_and_only_grows() -> 
     assert copy.records() == register.records()
     with pytest.raises(EvictionError, match=r"evicted\[0\]: index 0 must be an int >= 1"):
         Evictions.from_plain([{"node_id": "c", "index": 0}])
+
+
+def test_the_longest_refusal_fits_the_wire_bound_on_a_reason_so_the_operators_words_arrive_whole() -> None:
+    # The transport cuts a refusal to wire.messages.MAX_REASON_CHARS; the eviction's own bound is
+    # what keeps the operator's reason, at the refusal's end, out of the cut.
+    longest = EvictionRecord("n" * MAX_NODE_ID_CHARS, U63_MAX, (), "r" * MAX_EVICTION_REASON_CHARS).refusal()
+    assert len(longest) <= MAX_REASON_CHARS, (len(longest), MAX_REASON_CHARS)
 
 
 # ------------------------------------------------------------------ the replica and its serialized forms

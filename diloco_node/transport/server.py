@@ -63,7 +63,7 @@ from wire.frames import (
     encode_frame,
 )
 from wire.limits import DEFAULT_LIMITS, KiB, Limits, MiB
-from wire.messages import NODE_ID_PATTERN, Message, MessageKind
+from wire.messages import MAX_REASON_CHARS, NODE_ID_PATTERN, Message, MessageKind
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +102,6 @@ REFUSAL_DRAIN_S = 1.0
 # still due: a part frame's header map is a few hundred bytes (auth keys, stream id, indices), so a
 # body that outgrows this is padding what no honest sender pads (413).
 SEQUENCE_FRAME_OVERHEAD_BYTES = 4 * KiB
-# Refusal reasons are sent back as text; a peer should not be able to make us echo megabytes.
-MAX_REASON_CHARS = 512
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -451,6 +449,8 @@ class PeerServer:
                 self._streams[sender] -= 1
 
     async def _refuse(self, request: web.Request, peer_key: str, status: int, reason: str) -> web.Response:
+        # A refusal's reason is sent back as text, bounded like every reason on the wire: a peer
+        # cannot make us echo megabytes.
         reason = reason[:MAX_REASON_CHARS]
         log.info("refused %s (%s) with %d: %s", peer_key, request.remote, status, reason)
         self.counters.refused(peer_key, f"{status} {reason}")
