@@ -177,7 +177,7 @@ async def test_the_node_and_its_parts_are_built_complete(tmp_path: Path) -> None
     try:
         assert [name for name, value in vars(services).items() if value is None] == []
         mode, persistent, manifest = await services.identity.establish()
-        site = build_site_model(manifest, learner=False, histories=services.histories)
+        site = build_site_model(manifest, learner=False, version_rings=services.version_rings)
         parts = SiteParts(services=services, plan=daemon.plan, site=site, persistent=persistent,
                           on_complete=lambda reason: None, on_evicted=lambda refusal: None)
         assert mode == "found"

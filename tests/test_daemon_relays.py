@@ -503,8 +503,8 @@ def test_a_spooled_entry_is_written_to_the_log_file_piece_by_piece_and_then_read
     from bootstrap.election import ElectionState
     from bootstrap.entries import StoredPayload
     from bootstrap.replog import LogStore
-    from diloco_node.daemon import replica_store
-    from diloco_node.daemon.replica_store import INITIAL_SNAPSHOT, ReplicaStore
+    from diloco_node.daemon import coordination_store
+    from diloco_node.daemon.coordination_store import INITIAL_SNAPSHOT, CoordinationStore
 
     payload = bytes(range(256)) * 40_000  # ~10 MiB: several write pieces
     spool = tmp_path / "spool.part"
@@ -518,17 +518,18 @@ def test_a_spooled_entry_is_written_to_the_log_file_piece_by_piece_and_then_read
             yield piece
 
     stored = StoredPayload(len(payload), spooled.read, pieces=counted, transient=True)
-    store = ReplicaStore(tmp_path / "coordination")
+    store = CoordinationStore(tmp_path / "coordination")
     entries = [LogEntry(1, 1, EntryKind.NOOP), LogEntry(1, 2, EntryKind.OUTER_COMMIT, stored, fragment=0, round=1)]
     state = PersistentState(ElectionState(1, None), LogStore(INITIAL_SNAPSHOT, entries))
     store.sync(state)
-    assert pieces and max(pieces) <= replica_store.WRITE_PIECE_BYTES and sum(pieces) == 2 * len(payload)  # CRC, then copy
+    # CRC, then copy
+    assert pieces and max(pieces) <= coordination_store.WRITE_PIECE_BYTES and sum(pieces) == 2 * len(payload)
     kept = state.log.entries[-1].payload
     assert isinstance(kept, StoredPayload) and not kept.transient  # now a reference into log.bin
     spool.unlink()
     assert store.read_payload(2, 1) == payload == kept.read()
     store.close()
-    reloaded = ReplicaStore(tmp_path / "coordination")
+    reloaded = CoordinationStore(tmp_path / "coordination")
     assert reloaded.load_persistent().log.entries[-1].payload_bytes() == payload  # a valid record, CRC and all
     reloaded.close()
 

@@ -23,8 +23,8 @@ from bootstrap.election import LeaseTiming
 from bootstrap.messages import AppendEntries, Send
 from diloco_node.config.manifest import InnerOptimizer
 from diloco_node.config.settings import HostPort, NodeConfig, load_config
+from diloco_node.daemon.coordination_store import compaction_point
 from diloco_node.daemon.plan import plan_from
-from diloco_node.daemon.replica_store import compaction_point
 from diloco_node.learn.inner import make_optimizer
 from diloco_node.ops.checkpoint import CheckpointStore
 from diloco_node.ops.logs import configure_logging
@@ -553,7 +553,7 @@ async def test_advertise_is_the_url_the_site_announces_to_members(tmp_path: Path
     from diloco_node.clock import FakeClock
     from diloco_node.config.manifest import RunManifest
     from diloco_node.daemon.identity import SiteIdentity
-    from diloco_node.daemon.replica_store import ReplicaStore
+    from diloco_node.daemon.coordination_store import CoordinationStore
     from bootstrap.messages import MemberRole
 
     sent: list[tuple[str, object]] = []
@@ -565,7 +565,7 @@ async def test_advertise_is_the_url_the_site_announces_to_members(tmp_path: Path
 
     effective = load_config(None, {}, {"node_id": "a", "listen": "127.0.0.1:7070", "advertise": advertise,
                                        "data_dir": str(tmp_path)})
-    identity = SiteIdentity(effective, ReplicaStore(tmp_path / "coordination"), Client(), MemberRole.LEARNER,
+    identity = SiteIdentity(effective, CoordinationStore(tmp_path / "coordination"), Client(), MemberRole.LEARNER,
                             clock=FakeClock(), executor=ThreadPoolExecutor(1))
     identity.manifest = RunManifest()
     identity.addresses.learn("b", "http://10.9.9.9:7070")

@@ -9,7 +9,7 @@ import tracemalloc
 import pytest
 from test_contribution_stream import llama_shapes
 
-from diloco_node.daemon.replica_store import MAX_RECORD_BYTES
+from diloco_node.daemon.coordination_store import MAX_RECORD_BYTES
 from diloco_node.sync.fragments import WIRE_OVERHEAD_BYTES, plan_fragments, wire_fit_problems
 from wire.codecs import CODECS
 from wire.errors import LocalProtocolError, RemoteProtocolError

@@ -10,7 +10,7 @@ from bootstrap.coordinator_node import PersistentState
 from bootstrap.entries import ClusterConfig, EntryKind, LogEntry
 from diloco_node.daemon import peers
 from diloco_node.sync.replica import CommitPayload, Replica
-from diloco_node.daemon.replica_store import ReplicaStore
+from diloco_node.daemon.coordination_store import CoordinationStore
 from diloco_node.sync.fragments import plan_fragments
 from diloco_node.config.manifest import OuterOptimizer
 from wire import messages as wire
@@ -68,28 +68,28 @@ def test_revived_record_raises_the_incarnation_only_when_needed() -> None:
     assert peers.revived_record(alive, "b", "http://b:1", coord.MemberRole.LEARNER) is None
 
 
-def test_replica_store_survives_restart_truncation_and_a_torn_tail(tmp_path) -> None:
-    store = ReplicaStore(tmp_path)
+def test_coordination_store_survives_restart_truncation_and_a_torn_tail(tmp_path) -> None:
+    store = CoordinationStore(tmp_path)
     state = PersistentState.founding(["a"])
     state.election.current_epoch = 2
     state.election.voted_for = "a"
     state.log.entries.extend(_entries()[1:])
     store.sync(state)
     store.close()
-    loaded = ReplicaStore(tmp_path).load_persistent()
+    loaded = CoordinationStore(tmp_path).load_persistent()
     assert loaded.log.entries == state.log.entries
     assert (loaded.election.current_epoch, loaded.election.voted_for) == (2, "a")
     # A new leader replaced index 3 with a different entry of epoch 3: the file is rewritten.
-    store2 = ReplicaStore(tmp_path)
+    store2 = CoordinationStore(tmp_path)
     state2 = store2.load_persistent()
     state2.log.entries[2:] = [LogEntry(3, 3, EntryKind.NOOP)]
     store2.sync(state2)
     store2.close()
-    assert ReplicaStore(tmp_path).load_persistent().log.entries[2] == LogEntry(3, 3, EntryKind.NOOP)
+    assert CoordinationStore(tmp_path).load_persistent().log.entries[2] == LogEntry(3, 3, EntryKind.NOOP)
     # A crash mid-append leaves a torn record: it is dropped, the rest survives.
     with open(tmp_path / "log.bin", "ab") as handle:
         handle.write(b"\x10\x00\x00\x00garbage")
-    reloaded = ReplicaStore(tmp_path).load_persistent()
+    reloaded = CoordinationStore(tmp_path).load_persistent()
     assert [e.index for e in reloaded.log.entries] == [1, 2, 3]
 
 
