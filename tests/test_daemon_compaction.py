@@ -25,11 +25,11 @@ from diloco_node.daemon.join import FragmentDownload
 from diloco_node.daemon.peers import snapshot_from_wire, snapshot_to_wire
 from diloco_node.daemon.persistence import Checkpointer, RestartPlan, restart_plan
 from diloco_node.sync.replica import CommitPayload, Replica
-from diloco_node.sync.fragments import plan_fragments
-from diloco_node.config.manifest import OuterOptimizer
 from wire import messages as wire
 from wire.codecs import decode_named, encode_named
 from wire.errors import RemoteProtocolError
+
+from conftest import small_replica
 
 # The daemon hashes and checks downloaded fragments in its codec pool (pools.py).
 POOL_AND_CLOCK = {"executor": ThreadPoolExecutor(2, thread_name_prefix="codec-test"), "clock": SystemClock()}
@@ -250,13 +250,6 @@ def test_follower_core_installs_the_notice_and_asks_for_a_state_restore() -> Non
 # ---------------------------------------------------------------- the download floor
 
 
-def _replica() -> Replica:
-    rng = np.random.default_rng(0)
-    initial = {"w": rng.normal(size=(4, 4)).astype(np.float32), "b": rng.normal(size=(4,)).astype(np.float32)}
-    plan = plan_fragments({n: a.shape for n, a in initial.items()}, 2, 4, 1)
-    return Replica(plan, initial, OuterOptimizer())
-
-
 def _commit(replica: Replica, index: int, p: int, round_: int) -> LogEntry:
     names = replica.plan.fragments[p].names
     encoded = encode_named({n: np.full(replica.state.fragment_params(p)[n].shape, 0.01, np.float32) for n in names},
@@ -285,7 +278,7 @@ async def test_download_with_a_floor_skips_peers_that_are_behind_it(monkeypatch)
     import diloco_node.daemon.join as join
 
     monkeypatch.setattr(join, "BEHIND_FLOOR_RETRY_S", 0.0)
-    behind, current, target = _replica(), _replica(), _replica()
+    behind, current, target = small_replica(), small_replica(), small_replica()
     for i, p in enumerate((0, 1, 0), start=1):
         current.apply(_commit(current, i, p, current.state.round(p) + 1))
     client = _Peers({"http://behind": (behind, 1), "http://current": (current, 3)})
@@ -298,7 +291,7 @@ async def test_download_with_a_floor_skips_peers_that_are_behind_it(monkeypatch)
 
 
 async def test_raising_the_floor_refetches_fragments_already_downloaded() -> None:
-    old, new, target = _replica(), _replica(), _replica()
+    old, new, target = small_replica(), small_replica(), small_replica()
     new.apply(_commit(new, 1, 0, 1))
     served = {"http://peer": (old, 0)}
     download = FragmentDownload(_Peers(served), target, lambda: ["http://peer"], **POOL_AND_CLOCK)
@@ -341,13 +334,13 @@ def test_restart_compacted_log_without_checkpoint_or_peers_is_a_clear_error() ->
 
 def test_checkpointer_restores_the_global_state_and_applies_the_restart_plan(tmp_path: Path) -> None:
     """The real Checkpointer on real stores: a checkpoint inside the log is restored bit for bit."""
-    source = _replica()
+    source = small_replica()
     source.apply(_commit(source, 1, 0, 1))  # something to restore beyond the initial state
     checkpoints = CheckpointStore(tmp_path / "checkpoints")
     meta, arrays = source.checkpoint_entries()
     checkpoints.save({"applied_index": 120, **meta}, arrays)
     state = source.state
-    target = _replica()
+    target = small_replica()
     entries = [LogEntry(1, i, EntryKind.NOOP) for i in range(101, 151)]
     checkpointer = Checkpointer(node_id="a", checkpoints=checkpoints, store=None, replica=target,  # type: ignore[arg-type]
                                 disk_executor=None, retain_entries=256, report_error=lambda _: None)  # type: ignore[arg-type]
