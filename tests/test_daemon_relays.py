@@ -24,6 +24,8 @@ from diloco_node.transport import PeerRefused, PeerUnreachable
 from wire import messages as wire
 from wire.errors import RemoteProtocolError
 
+from conftest import serve_peer_server
+
 PAYLOAD = b"merged fragment delta " * 1000
 
 
@@ -593,8 +595,6 @@ def test_a_stream_of_bytes_already_here_is_declined_before_its_first_chunk(tmp_p
 
 def test_over_real_http_a_payload_streams_into_the_spool_and_a_fetch_streams_back(tmp_path):
     """The transport's on_sequence feeds open_stream frame by frame: loopback HTTP, two nodes."""
-    from aiohttp import web
-
     from diloco_node.transport import PeerClient, PeerServer
     from wire.auth import AuthContext, FrameVerifier, derive_frame_key
 
@@ -625,14 +625,9 @@ def test_over_real_http_a_payload_streams_into_the_spool_and_a_fetch_streams_bac
 
             server.on_sequence(wire.MessageKind.PAYLOAD_OPEN, wire.MessageKind.PAYLOAD_CHUNK, opener)
             server.on_message(wire.MessageKind.PAYLOAD_FETCH, fetch)
-            app = web.Application()
-            server.install(app)
-            runner = web.AppRunner(app)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
+            runner, port = await serve_peer_server(server)
             runners.append(runner)
-            urls[name] = f"http://127.0.0.1:{runner.addresses[0][1]}"
+            urls[name] = f"http://127.0.0.1:{port}"
         try:
             a, b = nodes["a"], nodes["b"]
             entry = LogEntry(3, 6, EntryKind.OUTER_COMMIT, payload, fragment=0, round=1)
