@@ -16,7 +16,7 @@ Measured per run, over a window of --duration seconds after every site is ready:
   with `--fanout F` (the sites' `[node] relay_fanout`) about min(F, sites - 1);
 - commit_to_applied_s {p50, p99}: from the holder's `commit` event to each other site's
   `apply` event of the same entry (history.jsonl, wall clock of the one machine);
-- peak_rss_mb {node: MB}: VmHWM of each daemon process (/proc/<pid>/status) at the end,
+- peak_rss_mb {node: MiB}: VmHWM of each daemon process (/proc/<pid>/status) at the end,
   its peak since start (so it includes start-up: model init, the state download);
 - rss_bytes_per_param {node: bytes}: the same per model parameter;
 - state_mb: global parameters + momentum (8 bytes a parameter);
@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diloco_node.ops.history import find_history_files, load_histories
 from diloco_node.testbed.launcher import LinkShape
 from diloco_node.testbed.local_cluster import Cluster
+from wire.limits import MiB
 
 # [run.model] per size: the llama presets (learn/llama.py) at their usual vocabularies.
 MODELS = {
@@ -62,7 +63,6 @@ MODELS = {
     "100m": {"run.model.factory": "llama", "run.model.size": "100m", "run.model.vocab_size": "32000"},
     "1b": {"run.model.factory": "llama", "run.model.size": "1b", "run.model.vocab_size": "128256"},
 }
-MB = 1024 * 1024
 # The machine is shared: a run stops (and says so) when the memory left to everyone falls below this.
 MIN_AVAILABLE_MB = 2048
 
@@ -225,7 +225,7 @@ def run_one(spec: RunSpec, root: Path, startup_s: float) -> dict:
             out["error"] = f"did not start: {error}"[:2000]
             out["started_sites"] = sorted(cluster.sites)
             out["peak_rss_mb"] = _peak_rss_mb(cluster)
-            out["rss_bytes_per_param"] = {n: round(mb * MB / n_params, 1) for n, mb in out["peak_rss_mb"].items()}
+            out["rss_bytes_per_param"] = {n: round(mb * MiB / n_params, 1) for n, mb in out["peak_rss_mb"].items()}
             out["exited"] = {n: s.process.returncode for n, s in cluster.sites.items() if not s.running}
             return out
         out["startup_s"] = round(time.monotonic() - started, 1)
@@ -238,7 +238,7 @@ def run_one(spec: RunSpec, root: Path, startup_s: float) -> dict:
             if available_mb() < MIN_AVAILABLE_MB:
                 out["error"] = f"stopped after {time.time() - t0:.0f} s: machine memory available below {MIN_AVAILABLE_MB} MiB"
                 out["peak_rss_mb"] = _peak_rss_mb(cluster)
-                out["rss_bytes_per_param"] = {n: round(mb * MB / n_params, 1) for n, mb in out["peak_rss_mb"].items()}
+                out["rss_bytes_per_param"] = {n: round(mb * MiB / n_params, 1) for n, mb in out["peak_rss_mb"].items()}
                 return out
             statuses = cluster.poll()
             holders.add(cluster.coordinator(statuses))
@@ -276,8 +276,8 @@ def run_one(spec: RunSpec, root: Path, startup_s: float) -> dict:
         out["commit_to_applied_s"] = {"p50": percentile(delays, 0.5), "p99": percentile(delays, 0.99),
                                       "samples": len(delays)}
         out["peak_rss_mb"] = peak
-        out["rss_bytes_per_param"] = {n: round(mb * MB / n_params, 1) for n, mb in peak.items()}
-        out["state_mb"] = round(8 * n_params / MB, 1)
+        out["rss_bytes_per_param"] = {n: round(mb * MiB / n_params, 1) for n, mb in peak.items()}
+        out["state_mb"] = round(8 * n_params / MiB, 1)
         rate_Bps = spec.link_mbit * 1e6 / 8
         out["link_utilization"] = {
             # commits leave the holder through this many links: every follower's, or the tree's first level
@@ -297,7 +297,7 @@ def _peak_rss_mb(cluster: Cluster) -> dict[str, float]:
     for n, site in cluster.sites.items():
         rss = peak_rss_bytes(site.pid) if site.running else None
         if rss is not None:
-            out[n] = round(rss / MB, 1)
+            out[n] = round(rss / MiB, 1)
     return out
 
 

@@ -2,7 +2,7 @@
 
 Drives the parts of a node that hold the model's bytes, without the network: the global state
 and its rebase history (`sync/global_state.py`), the replica (`sync/replica.py`), the lease
-holder's merge of stale contributions (`sync/merge.py`), the durable log (`daemon/replica_store.py`)
+holder's merge of stale contributions (`sync/merge.py`), the durable log (`daemon/coordination_store.py`)
 holding real int4 commit entries, one checkpoint written and read back as compaction does, and
 (`learner`) the learner's jitted AdamW model on the CPU. After each phase it records the
 process's resident set (VmRSS) and its peak (VmHWM) from /proc/self/status; each role runs in a
@@ -29,8 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-MIB = 1024 * 1024
 
 
 def _status_kib(field: str) -> int:
@@ -117,8 +115,8 @@ def run_role(args: argparse.Namespace) -> dict[str, Any]:
     from bootstrap.entries import ClusterConfig, EntryKind, LogEntry, Snapshot
     from bootstrap.replog import LogStore
     from diloco_node.config.manifest import OuterOptimizer
-    from diloco_node.daemon.history_ring import DiskHistories
-    from diloco_node.daemon.replica_store import ReplicaStore
+    from diloco_node.daemon.history_ring import DiskVersionRings
+    from diloco_node.daemon.coordination_store import CoordinationStore
     from diloco_node.ops.checkpoint import CheckpointStore, verify_checkpoint_file
     from diloco_node.sync.fragments import plan_fragments
     from diloco_node.sync.merge import Contribution, ContributionCaps, merge_contributions
@@ -147,9 +145,9 @@ def run_role(args: argparse.Namespace) -> dict[str, Any]:
         replica.state.install_fragment(FragmentState(fragment.index, 0, values, zeros))
         del values, zeros
     tmp = tempfile.TemporaryDirectory(prefix="dn-memory-")
-    histories = DiskHistories(Path(tmp.name) / "history-ring")
+    version_rings = DiskVersionRings(Path(tmp.name) / "history-ring")
     if not args.history_in_memory:
-        replica.state.use_history(histories)  # as the daemon does (node.py)
+        replica.state.use_history(version_rings)  # as the daemon does (node.py)
     phases.mark("replica built (global state)")
     learner = None
     if args.role == "learner":
@@ -167,7 +165,7 @@ def run_role(args: argparse.Namespace) -> dict[str, Any]:
     phases.peak_kib = phases.baseline_kib
 
     with tmp:
-        store = ReplicaStore(Path(tmp.name) / "coordination")
+        store = CoordinationStore(Path(tmp.name) / "coordination")
         persistent = PersistentState(ElectionState(1, "a"), LogStore(Snapshot(0, 0, ClusterConfig()), []))
         caps = ContributionCaps(max_tokens_per_step=1 << 20, max_steps=1 << 20)
         index = 0
@@ -214,7 +212,7 @@ def run_role(args: argparse.Namespace) -> dict[str, Any]:
         verify_checkpoint_file(path)
         phases.mark("checkpoint verified (compaction's check)")
         store.close()
-        histories.close()
+        version_rings.close()
     return {"role": args.role, "history": "memory" if args.history_in_memory else "disk", "model": args.llama or args.model, "params": params, "fragments": args.fragments,
             "rounds": args.rounds, "commits": index, "log_bytes": log_bytes,
             "log_bytes_per_param": round(log_bytes / params, 2), "phases": phases.rows,

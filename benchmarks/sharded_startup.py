@@ -44,8 +44,7 @@ from diloco_node.config.manifest import InnerOptimizer, ModelSpec  # noqa: E402
 from diloco_node.learn import factory  # noqa: E402
 from diloco_node.learn.inner import make_optimizer  # noqa: E402
 from diloco_node.learn.mesh import MeshShape, build_site_mesh  # noqa: E402
-
-MiB = 1 << 20
+from wire.limits import MiB  # noqa: E402
 
 
 def main() -> None:

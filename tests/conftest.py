@@ -94,3 +94,87 @@ def restore_root_logger():
     for handler in handlers:
         root.addHandler(handler)
     root.setLevel(level)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listened on a moment ago."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def local_status(port: int) -> dict | None:
+    """The /status document of the node whose operator routes are on 127.0.0.1:`port`, or None
+    while it does not answer (not started yet, or gone)."""
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=2) as response:
+            return json.loads(response.read())
+    except (OSError, ValueError):  # urllib.error.URLError is an OSError
+        return None
+
+
+def voters(status: dict) -> set[str]:
+    """The voters a /status document lists."""
+    return {m["node_id"] for m in status.get("members", ()) if m.get("voter")}
+
+
+def all_ready(names: set[str]):
+    """A `Cluster.wait_for` condition: every one of `names` reports ready."""
+    return lambda statuses: names <= {n for n, d in statuses.items() if d.get("ready")}
+
+
+def small_replica():
+    """A replica of two tensors (4x4 and 4) in two fragments, the same every call."""
+    import numpy as np
+
+    from diloco_node.config.manifest import OuterOptimizer
+    from diloco_node.sync.fragments import plan_fragments
+    from diloco_node.sync.replica import Replica
+
+    rng = np.random.default_rng(0)
+    initial = {"w": rng.normal(size=(4, 4)).astype(np.float32), "b": rng.normal(size=(4,)).astype(np.float32)}
+    plan = plan_fragments({n: a.shape for n, a in initial.items()}, 2, 4, 1)
+    return Replica(plan, initial, OuterOptimizer())
+
+
+class NoDisk:
+    """The coordination store and history a `CoordinationIO` writes to, writing nothing."""
+
+    def sync(self, persistent, prepared=None) -> None:
+        pass
+
+    def observe(self, core) -> None:
+        pass
+
+
+async def serve_peer_server(server, ssl_context=None):
+    """`server` (a transport `PeerServer`) listening on 127.0.0.1 at a free port: (runner, port);
+    the caller cleans the runner up."""
+    from aiohttp import web
+
+    app = web.Application()
+    server.install(app)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_context).start()
+    return runner, runner.addresses[0][1]
+
+
+def node_config(**changes):
+    """A valid `NodeConfig` of site "a" on 127.0.0.1:7070, with `changes`."""
+    from diloco_node.config.settings import HostPort, NodeConfig
+
+    return NodeConfig(node_id="a", listen=HostPort("127.0.0.1", 7070), advertise="http://127.0.0.1:7070",
+                      **changes)
+
+
+def write_node_toml(tmp_path, text: str):
+    """tmp_path/node.toml: a [node] table listening on 127.0.0.1:7300, then `text`."""
+    path = tmp_path / "node.toml"
+    path.write_text('[node]\nlisten = "127.0.0.1:7300"\n' + text)
+    return path

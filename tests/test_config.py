@@ -14,6 +14,7 @@ from diloco_node.cli import config as config_cli
 from diloco_node.config.settings import (
     NODE_SPECS,
     RUN_SPECS,
+    SITE_NODE_ID_PATTERN,
     ConfigError,
     HostPort,
     NodeConfig,
@@ -23,6 +24,7 @@ from diloco_node.config.settings import (
     load_config_from_args,
 )
 from diloco_node.config.manifest import RunManifest
+from wire.messages import MAX_NODE_ID_CHARS, NODE_ID_PATTERN as WIRE_NODE_ID_PATTERN
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -216,6 +218,20 @@ def test_bootstrap_pointing_at_self_and_bad_node_ids():
         load_config(None, {}, {"bootstrap": "127.0.0.1:7070"})
     with pytest.raises(ConfigError, match=r"node_id = 'site a!'"):
         load_config(None, {}, {"node_id": "site a!"})
+    with pytest.raises(ConfigError, match=r"node_id = 'site-a\\n'"):  # fullmatch: no trailing newline
+        load_config(None, {}, {"node_id": "site-a\n"})
+
+
+def test_every_node_id_a_site_can_be_given_is_one_the_wire_carries():
+    # The site's pattern is the wire's, narrowed to what a certificate's DNS name may hold.
+    longest = "a" + "Z9._-" * 12 + "bc"
+    assert len(longest) == 63 and SITE_NODE_ID_PATTERN.fullmatch(longest)
+    assert len(longest) <= MAX_NODE_ID_CHARS and WIRE_NODE_ID_PATTERN.fullmatch(longest)
+    assert load_config(None, {}, {"node_id": longest}).node.node_id == longest
+    for wire_only in ("site:a", "site@a", "a" * MAX_NODE_ID_CHARS):
+        assert WIRE_NODE_ID_PATTERN.fullmatch(wire_only) and not SITE_NODE_ID_PATTERN.fullmatch(wire_only)
+        with pytest.raises(ConfigError, match="must be 1-63 characters"):
+            load_config(None, {}, {"node_id": wire_only})
     with pytest.raises(ConfigError, match="unknown setting"):
         load_config(None, {}, {"listn": "127.0.0.1:1"})
 

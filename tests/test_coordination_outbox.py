@@ -17,13 +17,7 @@ from diloco_node.daemon.peers import AddressBook
 from diloco_node.daemon.tasks import TaskSet
 from wire import messages as wire
 
-
-class _NoDisk:
-    def sync(self, persistent, prepared=None) -> None:
-        pass
-
-    def observe(self, core) -> None:
-        pass
+from conftest import NoDisk
 
 
 class _RecordingClient:
@@ -44,7 +38,7 @@ async def test_a_queued_append_does_not_carry_entries_acknowledged_since_it_was_
     assert core.election.may_act_as_leader(10.0)
     client = _RecordingClient()
     tasks = TaskSet()
-    io = CoordinationIO(core=core, persistent=core.persistent, store=_NoDisk(), history=_NoDisk(), client=client,
+    io = CoordinationIO(core=core, persistent=core.persistent, store=NoDisk(), history=NoDisk(), client=client,
                         addresses=AddressBook({"b": "https://b.example:7070"}), clock=clock, tasks=tasks,
                         on_apply=lambda entry: None, on_restore_snapshot=lambda s: None, after_step=lambda: None,
                         remember_member=lambda *a: None, report_error=lambda m: None, relay_spool_dir=tmp_path)

@@ -20,16 +20,16 @@ from diloco_node.clock import SystemClock
 from diloco_node.ops.checkpoint import CheckpointStore
 from diloco_node.config.settings import ConfigError
 from diloco_node.daemon import peers
+from diloco_node.daemon.coordination_store import CoordinationStore, CoordinationStoreError, compaction_point
 from diloco_node.daemon.join import FragmentDownload
 from diloco_node.daemon.peers import snapshot_from_wire, snapshot_to_wire
 from diloco_node.daemon.persistence import Checkpointer, RestartPlan, restart_plan
 from diloco_node.sync.replica import CommitPayload, Replica
-from diloco_node.daemon.replica_store import ReplicaStore, ReplicaStoreError, compaction_point
-from diloco_node.sync.fragments import plan_fragments
-from diloco_node.config.manifest import OuterOptimizer
 from wire import messages as wire
 from wire.codecs import decode_named, encode_named
 from wire.errors import RemoteProtocolError
+
+from conftest import small_replica
 
 # The daemon hashes and checks downloaded fragments in its codec pool (pools.py).
 POOL_AND_CLOCK = {"executor": ThreadPoolExecutor(2, thread_name_prefix="codec-test"), "clock": SystemClock()}
@@ -60,7 +60,7 @@ def _compact(state: PersistentState, through: int) -> Snapshot:
 
 
 def test_compacted_log_round_trips_and_keeps_growing(tmp_path: Path) -> None:
-    store = ReplicaStore(tmp_path)
+    store = CoordinationStore(tmp_path)
     state = _state(_log(50))
     store.sync(state)
     full = store.log_bytes
@@ -72,7 +72,7 @@ def test_compacted_log_round_trips_and_keeps_growing(tmp_path: Path) -> None:
     state.log.entries.append(LogEntry(1, 51, EntryKind.NOOP))  # appends continue after the rewrite
     store.sync(state)
     store.close()
-    loaded = ReplicaStore(tmp_path).load_persistent()
+    loaded = CoordinationStore(tmp_path).load_persistent()
     assert (loaded.log.snapshot.last_index, loaded.log.snapshot.last_epoch) == (40, 1)
     assert loaded.log.snapshot.config == VOTERS  # the configuration in effect survives the cut
     assert [e.index for e in loaded.log.entries] == list(range(41, 52))
@@ -80,20 +80,20 @@ def test_compacted_log_round_trips_and_keeps_growing(tmp_path: Path) -> None:
 
 
 def test_a_torn_tail_after_compaction_is_dropped_and_the_header_kept(tmp_path: Path) -> None:
-    store = ReplicaStore(tmp_path)
+    store = CoordinationStore(tmp_path)
     state = _state(_log(30))
     _compact(state, 20)
     store.sync(state)
     store.close()
     with open(tmp_path / "log.bin", "ab") as handle:
         handle.write(b"\x40\x00\x00\x00torn")
-    loaded = ReplicaStore(tmp_path).load_persistent()
+    loaded = CoordinationStore(tmp_path).load_persistent()
     assert loaded.log.snapshot.last_index == 20
     assert [e.index for e in loaded.log.entries] == list(range(21, 31))
 
 
 def test_a_damaged_header_refuses_to_load_instead_of_dropping_the_log(tmp_path: Path) -> None:
-    store = ReplicaStore(tmp_path)
+    store = CoordinationStore(tmp_path)
     state = _state(_log(10))
     _compact(state, 5)
     store.sync(state)
@@ -101,22 +101,22 @@ def test_a_damaged_header_refuses_to_load_instead_of_dropping_the_log(tmp_path: 
     data = bytearray((tmp_path / "log.bin").read_bytes())
     data[10] ^= 0xFF  # inside the header record's body
     (tmp_path / "log.bin").write_bytes(bytes(data))
-    with pytest.raises(ReplicaStoreError, match="first record fails its checksum"):
-        ReplicaStore(tmp_path).load_persistent()
+    with pytest.raises(CoordinationStoreError, match="first record fails its checksum"):
+        CoordinationStore(tmp_path).load_persistent()
     assert (tmp_path / "log.bin").read_bytes() == bytes(data)  # nothing truncated
 
 
 def test_entries_that_do_not_follow_the_snapshot_are_refused(tmp_path: Path) -> None:
-    from diloco_node.daemon.replica_store import encode_log
+    from diloco_node.daemon.coordination_store import encode_log
 
     gap = encode_log(Snapshot(10, 1, VOTERS), [LogEntry(1, 12, EntryKind.NOOP)])
     (tmp_path / "log.bin").write_bytes(gap)
-    with pytest.raises(ReplicaStoreError, match="entry 12 follows the snapshot through 10"):
-        ReplicaStore(tmp_path).load_persistent()
+    with pytest.raises(CoordinationStoreError, match="entry 12 follows the snapshot through 10"):
+        CoordinationStore(tmp_path).load_persistent()
 
 
 def test_crash_before_the_rename_loads_the_old_log_and_removes_the_temp(tmp_path: Path, monkeypatch) -> None:
-    store = ReplicaStore(tmp_path)
+    store = CoordinationStore(tmp_path)
     state = _state(_log(30))
     store.sync(state)
     old = (tmp_path / "log.bin").read_bytes()
@@ -131,20 +131,20 @@ def test_crash_before_the_rename_loads_the_old_log_and_removes_the_temp(tmp_path
     monkeypatch.undo()
     assert (tmp_path / ".log.bin.tmp").exists()  # the new log, complete but never renamed
     assert (tmp_path / "log.bin").read_bytes() == old
-    loaded = ReplicaStore(tmp_path).load_persistent()
+    loaded = CoordinationStore(tmp_path).load_persistent()
     assert loaded.log.snapshot.last_index == 0 and [e.index for e in loaded.log.entries] == list(range(1, 31))
     assert not (tmp_path / ".log.bin.tmp").exists()
 
 
 def test_prepared_compaction_appends_what_came_meanwhile_then_renames(tmp_path: Path) -> None:
-    store = ReplicaStore(tmp_path)
+    store = CoordinationStore(tmp_path)
     state = _state(_log(30))
     store.sync(state)
     snapshot = Snapshot(20, 1, VOTERS)
     committed = state.log.entries[20:25]  # 21..25, committed when the compaction started
     prepared = store.prepare_compaction(snapshot, committed)
     # A crash now: log.bin is untouched and the half-made compaction is discarded at load.
-    assert ReplicaStore(tmp_path).load_persistent().log.snapshot.last_index == 0
+    assert CoordinationStore(tmp_path).load_persistent().log.snapshot.last_index == 0
     assert not (tmp_path / ".log.bin.compact.tmp").exists()
     prepared = store.prepare_compaction(snapshot, committed)
     state.log.entries += [LogEntry(2, 31, EntryKind.NOOP), LogEntry(2, 32, EntryKind.NOOP)]
@@ -153,14 +153,14 @@ def test_prepared_compaction_appends_what_came_meanwhile_then_renames(tmp_path: 
     store.sync(state, prepared)
     store.close()
     assert not (tmp_path / ".log.bin.compact.tmp").exists()
-    loaded = ReplicaStore(tmp_path).load_persistent()
+    loaded = CoordinationStore(tmp_path).load_persistent()
     assert loaded.log.snapshot.last_index == 20
     assert [e.index for e in loaded.log.entries] == list(range(21, 33))
     assert store.log_bytes == (tmp_path / "log.bin").stat().st_size
 
 
 def test_a_prepared_compaction_that_no_longer_fits_is_replaced_by_a_full_rewrite(tmp_path: Path) -> None:
-    store = ReplicaStore(tmp_path)
+    store = CoordinationStore(tmp_path)
     state = _state(_log(30))
     store.sync(state)
     prepared = store.prepare_compaction(Snapshot(20, 1, VOTERS), state.log.entries[20:30])
@@ -168,16 +168,16 @@ def test_a_prepared_compaction_that_no_longer_fits_is_replaced_by_a_full_rewrite
     state.log = LogStore(Snapshot(40, 3, VOTERS), [LogEntry(3, 41, EntryKind.NOOP)])
     store.sync(state, prepared)
     store.close()
-    loaded = ReplicaStore(tmp_path).load_persistent()
+    loaded = CoordinationStore(tmp_path).load_persistent()
     assert loaded.log.snapshot.last_index == 40 and [e.index for e in loaded.log.entries] == [41]
     assert not (tmp_path / ".log.bin.compact.tmp").exists()
 
 
 def test_a_log_from_before_compaction_existed_still_loads(tmp_path: Path) -> None:
-    from diloco_node.daemon.replica_store import _encode_entry
+    from diloco_node.daemon.coordination_store import _encode_entry
 
     (tmp_path / "log.bin").write_bytes(b"".join(_encode_entry(e) for e in _log(5)))  # no header
-    loaded = ReplicaStore(tmp_path).load_persistent()
+    loaded = CoordinationStore(tmp_path).load_persistent()
     assert loaded.log.snapshot.last_index == 0 and [e.index for e in loaded.log.entries] == [1, 2, 3, 4, 5]
 
 
@@ -250,13 +250,6 @@ def test_follower_core_installs_the_notice_and_asks_for_a_state_restore() -> Non
 # ---------------------------------------------------------------- the download floor
 
 
-def _replica() -> Replica:
-    rng = np.random.default_rng(0)
-    initial = {"w": rng.normal(size=(4, 4)).astype(np.float32), "b": rng.normal(size=(4,)).astype(np.float32)}
-    plan = plan_fragments({n: a.shape for n, a in initial.items()}, 2, 4, 1)
-    return Replica(plan, initial, OuterOptimizer())
-
-
 def _commit(replica: Replica, index: int, p: int, round_: int) -> LogEntry:
     names = replica.plan.fragments[p].names
     encoded = encode_named({n: np.full(replica.state.fragment_params(p)[n].shape, 0.01, np.float32) for n in names},
@@ -285,7 +278,7 @@ async def test_download_with_a_floor_skips_peers_that_are_behind_it(monkeypatch)
     import diloco_node.daemon.join as join
 
     monkeypatch.setattr(join, "BEHIND_FLOOR_RETRY_S", 0.0)
-    behind, current, target = _replica(), _replica(), _replica()
+    behind, current, target = small_replica(), small_replica(), small_replica()
     for i, p in enumerate((0, 1, 0), start=1):
         current.apply(_commit(current, i, p, current.state.round(p) + 1))
     client = _Peers({"http://behind": (behind, 1), "http://current": (current, 3)})
@@ -298,7 +291,7 @@ async def test_download_with_a_floor_skips_peers_that_are_behind_it(monkeypatch)
 
 
 async def test_raising_the_floor_refetches_fragments_already_downloaded() -> None:
-    old, new, target = _replica(), _replica(), _replica()
+    old, new, target = small_replica(), small_replica(), small_replica()
     new.apply(_commit(new, 1, 0, 1))
     served = {"http://peer": (old, 0)}
     download = FragmentDownload(_Peers(served), target, lambda: ["http://peer"], **POOL_AND_CLOCK)
@@ -341,13 +334,13 @@ def test_restart_compacted_log_without_checkpoint_or_peers_is_a_clear_error() ->
 
 def test_checkpointer_restores_the_global_state_and_applies_the_restart_plan(tmp_path: Path) -> None:
     """The real Checkpointer on real stores: a checkpoint inside the log is restored bit for bit."""
-    source = _replica()
+    source = small_replica()
     source.apply(_commit(source, 1, 0, 1))  # something to restore beyond the initial state
     checkpoints = CheckpointStore(tmp_path / "checkpoints")
     meta, arrays = source.checkpoint_entries()
     checkpoints.save({"applied_index": 120, **meta}, arrays)
     state = source.state
-    target = _replica()
+    target = small_replica()
     entries = [LogEntry(1, i, EntryKind.NOOP) for i in range(101, 151)]
     checkpointer = Checkpointer(node_id="a", checkpoints=checkpoints, store=None, replica=target,  # type: ignore[arg-type]
                                 disk_executor=None, retain_entries=256, report_error=lambda _: None)  # type: ignore[arg-type]

@@ -28,6 +28,8 @@ from diloco_node.testbed.chaos.checker import check_histories
 from diloco_node.testbed.launcher import DEFAULT_SETTINGS, Site
 from diloco_node.testbed.local_cluster import Cluster
 
+from conftest import all_ready
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
 STARTUP_S = 150.0  # several JAX processes compiling at once on two shared cores
@@ -56,12 +58,8 @@ def cluster(shared_run: Cluster) -> Cluster:
         site.signal(signal.SIGCONT)
         if not site.running:
             site.start()
-    shared_run.wait_for("every site ready", _ready(set(shared_run.sites)), STARTUP_S)
+    shared_run.wait_for("every site ready", all_ready(set(shared_run.sites)), STARTUP_S)
     return shared_run
-
-
-def _ready(names: set[str]):
-    return lambda s: names <= {n for n, d in s.items() if d.get("ready")}
 
 
 def _agree(c: Cluster, names: set[str], timeout: float = 90) -> int:
@@ -149,7 +147,7 @@ def test_stopped_follower_returns_by_snapshot_install(cluster: Cluster) -> None:
     MEASURED["stopped.seconds"] = round(time.monotonic() - stopped, 1)
     _wait_for_log(site, "installed from the lease holder", installs, 60)
     _wait_for_log(site, "snapshot install: global state downloaded", downloads, 120)
-    cluster.wait_for(f"{follower} ready again", _ready({follower}), 120)
+    cluster.wait_for(f"{follower} ready again", all_ready({follower}), 120)
     assert _snapshot_applies(site.data_dir), "no apply after the install says snapshot: true"
     _agree(cluster, {"a", "b", "c"})
 
@@ -178,7 +176,7 @@ def test_fourth_site_joins_after_compaction(cluster: Cluster) -> None:
     cluster.wait_for("every site compacted its log", lambda s: FOUNDERS <= set(s)
                      and all(s[n].get("log_first_index", 1) > 1 for n in FOUNDERS), 120)
     d = cluster.add("d", bootstrap=cluster.sites["b"], settings=SETTINGS)
-    cluster.wait_for("d ready", _ready({"a", "b", "c", "d"}), STARTUP_S)
+    cluster.wait_for("d ready", all_ready({"a", "b", "c", "d"}), STARTUP_S)
     text = d.log_text()
     assert "downloaded the global state" in text and "installed from the lease holder" in text, text[-3000:]
     _agree(cluster, {"a", "b", "c", "d"})

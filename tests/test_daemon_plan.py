@@ -11,9 +11,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from aiohttp import web
 
-from diloco_node.config.settings import ConfigError, HostPort, NodeConfig, load_config
+from diloco_node.config.settings import ConfigError, NodeConfig, load_config
 from diloco_node.config.site_devices import ClusterSpec
 from diloco_node.daemon.gate import StartingGate
 from diloco_node.daemon.peer_api import PeerApi
@@ -23,12 +22,9 @@ from wire.auth import AuthContext, FrameVerifier, derive_frame_key
 from wire.errors import RemoteProtocolError
 from wire.messages import VoteReply, VoteRequest
 
+from conftest import node_config, serve_peer_server
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def node(**changes: object) -> NodeConfig:
-    return NodeConfig(node_id="a", listen=HostPort("127.0.0.1", 7070), advertise="http://127.0.0.1:7070",
-                      **changes)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("lease, leave, relay_hold, relay_timeout, twice_lease", [
@@ -38,7 +34,7 @@ def node(**changes: object) -> NodeConfig:
 ])
 def test_the_lease_sets_the_leave_the_relay_hold_and_the_waits(lease: float, leave: float, relay_hold: float,
                                                                relay_timeout: float, twice_lease: float) -> None:
-    plan = plan_from(node(lease_timeout_s=lease, heartbeat_interval_s=lease / 3))
+    plan = plan_from(node_config(lease_timeout_s=lease, heartbeat_interval_s=lease / 3))
     assert plan.lease_s == lease and plan.heartbeat_interval_s == pytest.approx(lease / 3)
     assert plan.leave_timeout_s == pytest.approx(leave)
     assert (plan.relay_hold_s, plan.relay_timeout_s) == (pytest.approx(relay_hold), pytest.approx(relay_timeout))
@@ -46,25 +42,26 @@ def test_the_lease_sets_the_leave_the_relay_hold_and_the_waits(lease: float, lea
 
 
 def test_the_other_keys_reach_the_plan() -> None:
-    plan = plan_from(node(checkpoint_interval_s=45.0, relay_fanout=3, connect_timeout_s=1.5, read_timeout_s=7.0,
-                          source_address="127.0.0.9", cluster=ClusterSpec(heartbeat_timeout_s=40)))
+    plan = plan_from(node_config(checkpoint_interval_s=45.0, relay_fanout=3, connect_timeout_s=1.5,
+                                 read_timeout_s=7.0, source_address="127.0.0.9",
+                                 cluster=ClusterSpec(heartbeat_timeout_s=40)))
     assert plan.checkpoint_interval_s == 45.0 and plan.relay_fanout == 3
     assert (plan.client_options.connect_timeout_s, plan.limits.read_timeout_s) == (1.5, 7.0)
     assert plan.client_options.source_address == "127.0.0.9"
     assert plan.cluster_stall_warn_s == 10.0  # a quarter of the cluster's heartbeat timeout
     # Each child of a relayed commit reads its spool file in the io pool: one more thread each.
-    assert plan.io_threads == plan_from(node()).io_threads + 3
+    assert plan.io_threads == plan_from(node_config()).io_threads + 3
 
 
 def test_the_learners_minimum_step_comes_from_the_environment_and_a_bad_one_is_named() -> None:
-    assert plan_from(node()).min_step_interval_s == 0.0
-    assert plan_from(node(), {"DILOCO_X_MIN_STEP_S": "0.2"}).min_step_interval_s == 0.2
+    assert plan_from(node_config()).min_step_interval_s == 0.0
+    assert plan_from(node_config(), {"DILOCO_X_MIN_STEP_S": "0.2"}).min_step_interval_s == 0.2
     with pytest.raises(ConfigError, match="DILOCO_X_MIN_STEP_S = 'fast'"):
-        plan_from(node(), {"DILOCO_X_MIN_STEP_S": "fast"})
+        plan_from(node_config(), {"DILOCO_X_MIN_STEP_S": "fast"})
 
 
-CONFIGS = [node(lease_timeout_s=lease, heartbeat_interval_s=lease / beats, relay_fanout=fanout,
-                cluster=ClusterSpec(heartbeat_timeout_s=timeout))
+CONFIGS = [node_config(lease_timeout_s=lease, heartbeat_interval_s=lease / beats, relay_fanout=fanout,
+                       cluster=ClusterSpec(heartbeat_timeout_s=timeout))
            for lease, beats, fanout, timeout in itertools.product((0.9, 3.0, 10.0, 60.0), (3, 6), (0, 2, 8), (1, 30))]
 
 
@@ -95,7 +92,7 @@ def test_docs_list_every_pool_with_its_size() -> None:
     """docs/DAEMON.md's table of pools names each pool the plan sizes, with the default size."""
     text = (ROOT / "docs" / "DAEMON.md").read_text()
     rows = dict(re.findall(r"^\| `(\w+)` pool \| (\d+|[^|]*?) \|", text, flags=re.M))
-    defaults = plan_from(node()).pools()
+    defaults = plan_from(node_config()).pools()
     assert set(rows) == set(defaults)
     assert rows["codec"] == str(defaults["codec"]) and rows["disk"] == str(defaults["disk"])
     assert rows["eval"] == str(defaults["eval"]) and rows["setup"] == str(defaults["setup"])
@@ -108,15 +105,6 @@ RUN = "run-gate"
 KEY = derive_frame_key(b"g" * 32)
 
 
-async def _serve(server: PeerServer) -> tuple[web.AppRunner, int]:
-    app = web.Application()
-    server.install(app)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, runner.addresses[0][1]
-
-
 async def test_the_peer_routes_answer_503_with_the_phase_until_the_gate_opens() -> None:
     gate: StartingGate[object] = StartingGate("b")
     server = PeerServer(AuthContext(RUN, "b", KEY), FrameVerifier(RUN, KEY, node_id="b"))
@@ -127,7 +115,7 @@ async def test_the_peer_routes_answer_503_with_the_phase_until_the_gate_opens() 
         votes.append(message)
         return VoteReply(epoch=message.epoch, voter="b", granted=True, reason="ok")
 
-    runner, port = await _serve(server)
+    runner, port = await serve_peer_server(server)
     request = VoteRequest(epoch=3, candidate="a", last_log_epoch=1, last_log_index=1)
     try:
         async with PeerClient(AuthContext(RUN, "a", KEY), FrameVerifier(RUN, KEY, node_id="a")) as client:
@@ -177,7 +165,7 @@ async def test_the_node_and_its_parts_are_built_complete(tmp_path: Path) -> None
     try:
         assert [name for name, value in vars(services).items() if value is None] == []
         mode, persistent, manifest = await services.identity.establish()
-        site = build_site_model(manifest, learner=False, histories=services.histories)
+        site = build_site_model(manifest, learner=False, version_rings=services.version_rings)
         parts = SiteParts(services=services, plan=daemon.plan, site=site, persistent=persistent,
                           on_complete=lambda reason: None, on_evicted=lambda refusal: None)
         assert mode == "found"

@@ -24,6 +24,8 @@ from diloco_node.transport import PeerRefused, PeerUnreachable
 from wire import messages as wire
 from wire.errors import RemoteProtocolError
 
+from conftest import serve_peer_server
+
 PAYLOAD = b"merged fragment delta " * 1000
 
 
@@ -503,8 +505,8 @@ def test_a_spooled_entry_is_written_to_the_log_file_piece_by_piece_and_then_read
     from bootstrap.election import ElectionState
     from bootstrap.entries import StoredPayload
     from bootstrap.replog import LogStore
-    from diloco_node.daemon import replica_store
-    from diloco_node.daemon.replica_store import INITIAL_SNAPSHOT, ReplicaStore
+    from diloco_node.daemon import coordination_store
+    from diloco_node.daemon.coordination_store import INITIAL_SNAPSHOT, CoordinationStore
 
     payload = bytes(range(256)) * 40_000  # ~10 MiB: several write pieces
     spool = tmp_path / "spool.part"
@@ -518,17 +520,18 @@ def test_a_spooled_entry_is_written_to_the_log_file_piece_by_piece_and_then_read
             yield piece
 
     stored = StoredPayload(len(payload), spooled.read, pieces=counted, transient=True)
-    store = ReplicaStore(tmp_path / "coordination")
+    store = CoordinationStore(tmp_path / "coordination")
     entries = [LogEntry(1, 1, EntryKind.NOOP), LogEntry(1, 2, EntryKind.OUTER_COMMIT, stored, fragment=0, round=1)]
     state = PersistentState(ElectionState(1, None), LogStore(INITIAL_SNAPSHOT, entries))
     store.sync(state)
-    assert pieces and max(pieces) <= replica_store.WRITE_PIECE_BYTES and sum(pieces) == 2 * len(payload)  # CRC, then copy
+    # CRC, then copy
+    assert pieces and max(pieces) <= coordination_store.WRITE_PIECE_BYTES and sum(pieces) == 2 * len(payload)
     kept = state.log.entries[-1].payload
     assert isinstance(kept, StoredPayload) and not kept.transient  # now a reference into log.bin
     spool.unlink()
     assert store.read_payload(2, 1) == payload == kept.read()
     store.close()
-    reloaded = ReplicaStore(tmp_path / "coordination")
+    reloaded = CoordinationStore(tmp_path / "coordination")
     assert reloaded.load_persistent().log.entries[-1].payload_bytes() == payload  # a valid record, CRC and all
     reloaded.close()
 
@@ -592,8 +595,6 @@ def test_a_stream_of_bytes_already_here_is_declined_before_its_first_chunk(tmp_p
 
 def test_over_real_http_a_payload_streams_into_the_spool_and_a_fetch_streams_back(tmp_path):
     """The transport's on_sequence feeds open_stream frame by frame: loopback HTTP, two nodes."""
-    from aiohttp import web
-
     from diloco_node.transport import PeerClient, PeerServer
     from wire.auth import AuthContext, FrameVerifier, derive_frame_key
 
@@ -624,14 +625,9 @@ def test_over_real_http_a_payload_streams_into_the_spool_and_a_fetch_streams_bac
 
             server.on_sequence(wire.MessageKind.PAYLOAD_OPEN, wire.MessageKind.PAYLOAD_CHUNK, opener)
             server.on_message(wire.MessageKind.PAYLOAD_FETCH, fetch)
-            app = web.Application()
-            server.install(app)
-            runner = web.AppRunner(app)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
+            runner, port = await serve_peer_server(server)
             runners.append(runner)
-            urls[name] = f"http://127.0.0.1:{runner.addresses[0][1]}"
+            urls[name] = f"http://127.0.0.1:{port}"
         try:
             a, b = nodes["a"], nodes["b"]
             entry = LogEntry(3, 6, EntryKind.OUTER_COMMIT, payload, fragment=0, round=1)

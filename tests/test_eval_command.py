@@ -15,8 +15,8 @@ import pytest
 from bootstrap.entries import EntryKind, LogEntry
 from diloco_node.cli import main
 from diloco_node.config.manifest import RunManifest
+from diloco_node.daemon.coordination_store import CoordinationStore
 from diloco_node.daemon.persistence import Checkpointer
-from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.learn import factory
 from diloco_node.learn.learner_thread import LearnerSnapshot
 from diloco_node.ops.checkpoint import CheckpointStore
@@ -57,7 +57,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     entry = LogEntry(1, 1, EntryKind.OUTER_COMMIT, CommitPayload(encoded, ("a",), (1.0,)).encode(), fragment=0,
                      round=1, digest=replica.digest_after(0, decode_named(encoded)))
     assert replica.apply(entry).applied
-    coordination = ReplicaStore(data_dir / "coordination")
+    coordination = CoordinationStore(data_dir / "coordination")
     coordination.save_identity({"node_id": "a", "role": "learner", "manifest": factory.seal(MANIFEST).to_dict(),
                                 "addresses": {"a": "http://127.0.0.1:7070"}})
     with CheckpointStore(data_dir / "checkpoints") as store, ThreadPoolExecutor(1) as disk:

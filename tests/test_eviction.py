@@ -23,14 +23,23 @@ from bootstrap.messages import Send
 from diloco_node.config.manifest import OuterOptimizer
 from diloco_node.ops import pki
 from diloco_node.ops.status import is_loopback
-from diloco_node.sync.evictions import EvictionError, EvictionRecord, Evictions, decode_payload, encode_payload
+from diloco_node.sync.evictions import (
+    MAX_EVICTION_REASON_CHARS,
+    EvictionError,
+    EvictionRecord,
+    Evictions,
+    decode_payload,
+    encode_payload,
+)
 from diloco_node.sync.fragments import plan_fragments
 from diloco_node.sync.replica import Replica
 from diloco_node.sync.state_codec import StateCodecError, evictions_from_checkpoint
 from diloco_node.transport import PeerClient, PeerRefused, PeerServer
 from diloco_node.transport.tls import SiteTls, TlsFiles
 from wire.auth import AuthContext, FrameVerifier, derive_frame_key
-from wire.messages import VoteReply, VoteRequest
+from wire.messages import MAX_NODE_ID_CHARS, MAX_REASON_CHARS, U63_MAX, VoteReply, VoteRequest
+
+from conftest import NoDisk, serve_peer_server
 
 FINGERPRINT = "ab" * 32
 SHAPES = {"embed/embedding": (8, 4), "head/kernel": (4, 8)}
@@ -71,6 +80,13 @@ def test_the_register_refuses_by_node_id_and_by_fingerprint_and_only_grows() -> 
     assert copy.records() == register.records()
     with pytest.raises(EvictionError, match=r"evicted\[0\]: index 0 must be an int >= 1"):
         Evictions.from_plain([{"node_id": "c", "index": 0}])
+
+
+def test_the_longest_refusal_fits_the_wire_bound_on_a_reason_so_the_operators_words_arrive_whole() -> None:
+    # The transport cuts a refusal to wire.messages.MAX_REASON_CHARS; the eviction's own bound is
+    # what keeps the operator's reason, at the refusal's end, out of the cut.
+    longest = EvictionRecord("n" * MAX_NODE_ID_CHARS, U63_MAX, (), "r" * MAX_EVICTION_REASON_CHARS).refusal()
+    assert len(longest) <= MAX_REASON_CHARS, (len(longest), MAX_REASON_CHARS)
 
 
 # ------------------------------------------------------------------ the replica and its serialized forms
@@ -169,15 +185,6 @@ class _Voter:
         return VoteReply(epoch=message.epoch, voter="b", granted=True, reason="ok")
 
 
-async def _serve(server: PeerServer, ssl_context=None) -> tuple[web.AppRunner, int]:
-    app = web.Application()
-    server.install(app)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_context).start()
-    return runner, runner.addresses[0][1]
-
-
 async def _vote(url: str, sender: str, tls: SiteTls | None = None) -> None:
     async with PeerClient(AuthContext(RUN, sender, KEY), FrameVerifier(RUN, KEY, node_id=sender), tls=tls) as client:
         await client.send(url, VoteRequest(epoch=3, candidate=sender, last_log_epoch=1, last_log_index=1),
@@ -190,7 +197,7 @@ async def test_frames_from_an_evicted_sender_are_refused_without_tls() -> None:
     server = PeerServer(AuthContext(RUN, "b", KEY), FrameVerifier(RUN, KEY, node_id="b"))
     server.on_message(VoteRequest.KIND, voter)
     server.gate = register.refusal
-    runner, port = await _serve(server)
+    runner, port = await serve_peer_server(server)
     try:
         with pytest.raises(PeerRefused) as refused:
             await _vote(f"http://127.0.0.1:{port}", "a")
@@ -228,7 +235,7 @@ async def test_an_evicted_certificate_is_refused_before_its_body_is_read(run_pki
     server.on_message(VoteRequest.KIND, voter)
     register = Evictions()
     server.gate = register.refusal
-    runner, port = await _serve(server, _tls(run_pki, "b").server_context)
+    runner, port = await serve_peer_server(server, _tls(run_pki, "b").server_context)
     url = f"https://127.0.0.1:{port}"
     try:
         await _vote(url, "a", _tls(run_pki, "a"))
@@ -257,14 +264,6 @@ def test_evict_is_answered_only_on_loopback() -> None:
 
 # ------------------------------------------------------------------ the operator's request (POST /evict)
 
-class _NoDisk:
-    def sync(self, persistent, prepared=None) -> None:
-        pass
-
-    def observe(self, core) -> None:
-        pass
-
-
 def _coordination(core: CoordinatorNode, register: Evictions, tasks):
     from diloco_node.clock import FakeClock
     from diloco_node.daemon.coordination import CoordinationIO
@@ -275,7 +274,7 @@ def _coordination(core: CoordinatorNode, register: Evictions, tasks):
             register.apply_entry(entry.payload, entry.index)
 
     core.is_evicted = register.__contains__
-    return CoordinationIO(core=core, persistent=core.persistent, store=_NoDisk(), history=_NoDisk(), client=None,
+    return CoordinationIO(core=core, persistent=core.persistent, store=NoDisk(), history=NoDisk(), client=None,
                           addresses=AddressBook({"b": "https://b.example:7070"}), clock=FakeClock(10.0), tasks=tasks,
                           on_apply=apply, on_restore_snapshot=lambda s: None, after_step=lambda: None,
                           remember_member=lambda *a: None, report_error=lambda m: None)

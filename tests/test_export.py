@@ -27,8 +27,8 @@ from safetensors.numpy import load_file
 from bootstrap.entries import EntryKind, LogEntry
 from diloco_node.cli import main
 from diloco_node.config.manifest import ModelSpec, RunManifest
+from diloco_node.daemon.coordination_store import CoordinationStore
 from diloco_node.daemon.persistence import Checkpointer
-from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.learn import data as data_lib
 from diloco_node.learn import factory
 from diloco_node.learn import model as model_lib
@@ -105,7 +105,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Site:
     plan = plan_fragments({n: a.shape for n, a in initial.items()}, sync.fragments, sync.period, sync.overlap)
     replica = Replica(plan, initial, MANIFEST.outer)
 
-    coordination = ReplicaStore(data_dir / "coordination")
+    coordination = CoordinationStore(data_dir / "coordination")
     # As a founding node stores it: sealed with the model's parameter signature.
     coordination.save_identity({"node_id": "a", "role": "learner", "manifest": factory.seal(MANIFEST).to_dict(),
                                 "addresses": {"a": "http://127.0.0.1:7070"}})

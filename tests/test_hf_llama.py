@@ -26,8 +26,8 @@ from _hf_reference import TINY, hf_config, hf_logits, random_hf_weights, write_h
 from diloco_node.cli import main
 from diloco_node.config.manifest import ConfigError, ModelSpec, RunManifest, SyncSpec
 from diloco_node.config.settings import load_config
+from diloco_node.daemon.coordination_store import CoordinationStore
 from diloco_node.daemon.persistence import Checkpointer
-from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.daemon.site_model import build_site_model
 from diloco_node.learn import factory, hf_llama, llama
 from diloco_node.learn import model as model_lib
@@ -334,7 +334,7 @@ def _llama_data_dir(root: Path, hf: Path, tokenizer_sha256: str = "") -> tuple[P
                          CommitPayload(encoded, ("a",), (1.0,)).encode(), fragment=p, round=1,
                          digest=replica.digest_after(p, decode_named(encoded)))
         assert replica.apply(entry).applied
-    coordination = ReplicaStore(data_dir / "coordination")
+    coordination = CoordinationStore(data_dir / "coordination")
     coordination.save_identity({"node_id": "a", "role": "learner", "manifest": manifest.to_dict(), "addresses": {}})
     with CheckpointStore(data_dir / "checkpoints") as store, ThreadPoolExecutor(1) as disk:
         checkpointer = Checkpointer(node_id="a", checkpoints=store, store=coordination, replica=replica,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from diloco_node.config.manifest import OuterOptimizer
-from diloco_node.daemon.history_ring import DiskFragmentHistory, DiskHistories
+from diloco_node.daemon.history_ring import DiskFragmentHistory, DiskVersionRings
 from diloco_node.sync.fragments import plan_fragments
 from diloco_node.sync.global_state import FragmentHistory, GlobalState
 from diloco_node.sync.merge import Contribution, ContributionCaps, merge_contributions
@@ -29,11 +29,11 @@ def _grad(state: GlobalState, p: int, rng: np.random.Generator) -> dict[str, np.
     return {n: (0.05 * rng.standard_normal(a.shape)).astype(np.float32) for n, a in state.fragment_params(p).items()}
 
 
-def _pair(tmp_path: Path, history_len: int = 4) -> tuple[GlobalState, GlobalState, DiskHistories]:
+def _pair(tmp_path: Path, history_len: int = 4) -> tuple[GlobalState, GlobalState, DiskVersionRings]:
     plan = plan_fragments(SHAPES, 2, 4, 0)
     memory = GlobalState(plan, _initial(), OUTER, history_len=history_len)
     disk = GlobalState(plan, _initial(), OUTER, history_len=history_len)
-    rings = DiskHistories(tmp_path / "ring")
+    rings = DiskVersionRings(tmp_path / "ring")
     disk.use_history(rings)
     return memory, disk, rings
 

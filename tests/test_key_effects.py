@@ -22,21 +22,18 @@ from bootstrap.coordinator_node import CoordinatorNode, NodeOptions, PersistentS
 from bootstrap.election import LeaseTiming
 from bootstrap.messages import AppendEntries, Send
 from diloco_node.config.manifest import InnerOptimizer
-from diloco_node.config.settings import HostPort, NodeConfig, load_config
+from diloco_node.config.settings import NodeConfig, load_config
+from diloco_node.daemon.coordination_store import compaction_point
 from diloco_node.daemon.plan import plan_from
-from diloco_node.daemon.replica_store import compaction_point
 from diloco_node.learn.inner import make_optimizer
 from diloco_node.ops.checkpoint import CheckpointStore
 from diloco_node.ops.logs import configure_logging
 from diloco_node.sync.fragments import plan_fragments, wire_fit_problems
 
+from conftest import free_port, node_config
+
 SECRET_A = b"a" * 40
 SECRET_B = b"b" * 40
-
-
-def node(**changes: object) -> NodeConfig:
-    return NodeConfig(node_id="a", listen=HostPort("127.0.0.1", 7070), advertise="http://127.0.0.1:7070",
-                      **changes)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------ [node] keys
@@ -77,7 +74,7 @@ def test_log_level_decides_which_records_are_written(tmp_path: Path, level: str,
 def test_checkpoint_keep_is_how_many_checkpoints_stay_on_disk(tmp_path: Path) -> None:
     kept = {}
     for keep in (2, 4):
-        cfg = node(checkpoint_keep=keep, data_dir=tmp_path / str(keep))
+        cfg = node_config(checkpoint_keep=keep, data_dir=tmp_path / str(keep))
         # daemon/node.py: CheckpointStore(data_dir / "checkpoints", cfg.checkpoint_keep)
         with CheckpointStore(Path(cfg.data_dir) / "checkpoints", cfg.checkpoint_keep) as store:
             for step in range(6):
@@ -89,7 +86,7 @@ def test_checkpoint_keep_is_how_many_checkpoints_stay_on_disk(tmp_path: Path) ->
 def test_log_retain_entries_is_the_tail_kept_below_the_checkpoint() -> None:
     cuts = {}
     for retain in (0, 100, 256):
-        cfg = node(log_retain_entries=retain)
+        cfg = node_config(log_retain_entries=retain)
         # daemon/persistence.py Checkpointer(retain_entries=cfg.log_retain_entries) -> compaction_point
         cuts[retain], _ = compaction_point(checkpoint_index=1000, commit_index=1200, snapshot_index=0,
                                            retain=cfg.log_retain_entries)
@@ -131,7 +128,7 @@ def _leader(nodes: dict[str, CoordinatorNode], now: float) -> CoordinatorNode:
 def test_heartbeat_interval_s_is_how_often_the_lease_holder_sends_appends() -> None:
     counts = {}
     for heartbeat in (0.25, 0.5):
-        nodes = _coordination_pair(node(heartbeat_interval_s=heartbeat, lease_timeout_s=3.0))
+        nodes = _coordination_pair(node_config(heartbeat_interval_s=heartbeat, lease_timeout_s=3.0))
         now, _ = _run(nodes, 0.0, 20.0)
         leader = _leader(nodes, now)
         now, seen = _run(nodes, now, now + 10.0)
@@ -144,7 +141,7 @@ def test_heartbeat_interval_s_is_how_often_the_lease_holder_sends_appends() -> N
 def test_lease_timeout_s_is_how_long_a_cut_off_holder_keeps_its_lease() -> None:
     held_after_4s = {}
     for lease_s in (3.0, 6.0):
-        nodes = _coordination_pair(node(lease_timeout_s=lease_s, heartbeat_interval_s=0.5))
+        nodes = _coordination_pair(node_config(lease_timeout_s=lease_s, heartbeat_interval_s=0.5))
         now, _ = _run(nodes, 0.0, 30.0)
         leader = _leader(nodes, now)
         now, _ = _run(nodes, now, now + 4.0, deliver=False)  # the network drops everything from here
@@ -322,8 +319,8 @@ def test_outer_lr_and_momentum_change_the_global_step() -> None:
 
 
 def test_source_address_reaches_the_peer_client_options() -> None:
-    assert plan_from(node()).client_options.source_address is None
-    assert plan_from(node(source_address="127.0.0.23")).client_options.source_address == "127.0.0.23"
+    assert plan_from(node_config()).client_options.source_address is None
+    assert plan_from(node_config(source_address="127.0.0.23")).client_options.source_address == "127.0.0.23"
     # What the client does with it: tests/test_transport.py::test_the_client_connects_from_its_configured_source_address
 
 
@@ -336,7 +333,7 @@ def test_eval_batches_is_how_many_windows_each_evaluation_scores() -> None:
     tokens = (np.arange(20_000) % 251).astype(np.uint8)
     shapes = {}
     for batches in (2, 5):
-        cfg = node(eval_batches=batches)
+        cfg = node_config(eval_batches=batches)
         # daemon/evaluation.py GlobalEvaluator(batches=cfg.eval_batches) -> HeldOutLoss
         shapes[batches] = HeldOutLoss(manifest, tokens, cfg.eval_batches).inputs.shape
     assert shapes == {2: (2, 4, 16), 5: (5, 4, 16)}
@@ -553,7 +550,7 @@ async def test_advertise_is_the_url_the_site_announces_to_members(tmp_path: Path
     from diloco_node.clock import FakeClock
     from diloco_node.config.manifest import RunManifest
     from diloco_node.daemon.identity import SiteIdentity
-    from diloco_node.daemon.replica_store import ReplicaStore
+    from diloco_node.daemon.coordination_store import CoordinationStore
     from bootstrap.messages import MemberRole
 
     sent: list[tuple[str, object]] = []
@@ -565,7 +562,7 @@ async def test_advertise_is_the_url_the_site_announces_to_members(tmp_path: Path
 
     effective = load_config(None, {}, {"node_id": "a", "listen": "127.0.0.1:7070", "advertise": advertise,
                                        "data_dir": str(tmp_path)})
-    identity = SiteIdentity(effective, ReplicaStore(tmp_path / "coordination"), Client(), MemberRole.LEARNER,
+    identity = SiteIdentity(effective, CoordinationStore(tmp_path / "coordination"), Client(), MemberRole.LEARNER,
                             clock=FakeClock(), executor=ThreadPoolExecutor(1))
     identity.manifest = RunManifest()
     identity.addresses.learn("b", "http://10.9.9.9:7070")
@@ -578,7 +575,6 @@ async def test_data_dir_is_where_the_daemon_keeps_its_state_and_finds_its_identi
     """daemon/node.py `run`: two data directories, each holding another node's identity: the daemon
     reads the one `data_dir` names, refuses it (exit 2, changing nothing) and made its stores there."""
     import json
-    import socket
 
     from diloco_node.daemon.node import Node
     from diloco_node.testbed.launcher import write_secret
@@ -590,9 +586,7 @@ async def test_data_dir_is_where_the_daemon_keeps_its_state_and_finds_its_identi
         (data / "coordination").mkdir(parents=True)
         identity = {"node_id": owner, "role": "learner", "manifest": {}, "addresses": {}}
         (data / "coordination" / "identity.json").write_text(json.dumps(identity))
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        port = free_port()
         effective = load_config(None, {}, {"node_id": "a", "listen": f"127.0.0.1:{port}", "data_dir": str(data),
                                            "secret_file": str(secret)})
         daemon = Node(effective, environ={})

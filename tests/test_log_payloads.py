@@ -1,4 +1,4 @@
-"""Log entry payloads live in log.bin, not in memory (daemon/replica_store.py): after every way an
+"""Log entry payloads live in log.bin, not in memory (daemon/coordination_store.py): after every way an
 entry reaches the disk (append, reload, a rewrite after truncation, compaction) the in-memory log
 holds a `StoredPayload` that reads the same bytes back, and a reference to an entry the log no
 longer holds, or a damaged record, fails with a reason instead of returning wrong bytes."""
@@ -15,7 +15,7 @@ from bootstrap.coordinator_node import PersistentState
 from bootstrap.entries import ClusterConfig, EntryKind, LogEntry, Snapshot, StoredPayload
 from bootstrap.replog import LogStore, ReplicatedLog
 from diloco_node.daemon import peers
-from diloco_node.daemon.replica_store import INLINE_PAYLOAD_BYTES, ReplicaStore, ReplicaStoreError
+from diloco_node.daemon.coordination_store import INLINE_PAYLOAD_BYTES, CoordinationStore, CoordinationStoreError
 
 VOTERS = ClusterConfig.of(["a", "b", "c"])
 
@@ -48,7 +48,7 @@ def test_appended_entries_keep_only_a_reference_and_read_the_same_bytes(tmp_path
     original = _entries(2, 20)
     expected = {e.index: e.payload for e in original}
     state = _state(original)
-    store = ReplicaStore(tmp_path)
+    store = CoordinationStore(tmp_path)
     store.sync(state)
     _check_stored(state.log.entries, expected)
     assert state.log.entries[0].payload == b""  # small payloads stay inline
@@ -59,7 +59,7 @@ def test_appended_entries_keep_only_a_reference_and_read_the_same_bytes(tmp_path
     # what a follower is sent: the same bytes
     assert peers.entry_to_wire(state.log.entries[5]).payload == expected[6]
     store.close()
-    loaded = ReplicaStore(tmp_path).load_persistent()
+    loaded = CoordinationStore(tmp_path).load_persistent()
     assert [(e.index, e.epoch, e.digest) for e in loaded.log.entries] == \
         [(e.index, e.epoch, e.digest) for e in state.log.entries]
     _check_stored(loaded.log.entries, expected)
@@ -67,7 +67,7 @@ def test_appended_entries_keep_only_a_reference_and_read_the_same_bytes(tmp_path
 
 def test_a_truncated_suffix_is_rewritten_and_old_references_refuse(tmp_path: Path) -> None:
     state = _state(_entries(2, 12))
-    store = ReplicaStore(tmp_path)
+    store = CoordinationStore(tmp_path)
     store.sync(state)
     stale = state.log.entries[9]  # entry 10 of epoch 1, about to be replaced
     expected = {e.index: e.payload_bytes() for e in state.log.entries if e.index < 10}
@@ -76,15 +76,15 @@ def test_a_truncated_suffix_is_rewritten_and_old_references_refuse(tmp_path: Pat
     expected.update({e.index: e.payload for e in state.log.entries if e.index >= 9})
     store.sync(state)
     _check_stored(state.log.entries, expected)
-    with pytest.raises(ReplicaStoreError, match="entry 10 of epoch 1 is no longer in the log"):
+    with pytest.raises(CoordinationStoreError, match="entry 10 of epoch 1 is no longer in the log"):
         stale.payload_bytes()
     store.close()
-    _check_stored(ReplicaStore(tmp_path).load_persistent().log.entries, expected)
+    _check_stored(CoordinationStore(tmp_path).load_persistent().log.entries, expected)
 
 
 def test_compaction_moves_the_references_to_the_new_file(tmp_path: Path) -> None:
     state = _state(_entries(2, 40))
-    store = ReplicaStore(tmp_path)
+    store = CoordinationStore(tmp_path)
     store.sync(state)
     expected = {e.index: e.payload_bytes() for e in state.log.entries}
     replog = ReplicatedLog("a", state.log, applied_index=40)
@@ -99,42 +99,42 @@ def test_compaction_moves_the_references_to_the_new_file(tmp_path: Path) -> None
     assert store.log_first_index == 31
     _check_stored(state.log.entries, expected)
     assert [e.index for e in state.log.entries] == list(range(31, 44))
-    with pytest.raises(ReplicaStoreError, match="entry 6 of epoch 1 is no longer in the log"):
+    with pytest.raises(CoordinationStoreError, match="entry 6 of epoch 1 is no longer in the log"):
         dropped.payload_bytes()
     store.close()
-    loaded = ReplicaStore(tmp_path).load_persistent()
+    loaded = CoordinationStore(tmp_path).load_persistent()
     _check_stored(loaded.log.entries, expected)
 
 
 def test_a_torn_tail_is_dropped_and_the_rest_reads_back(tmp_path: Path) -> None:
     state = _state(_entries(2, 10))
-    store = ReplicaStore(tmp_path)
+    store = CoordinationStore(tmp_path)
     store.sync(state)
     expected = {e.index: e.payload_bytes() for e in state.log.entries}
     store.close()
     log = tmp_path / "log.bin"
     log.write_bytes(log.read_bytes()[:-5000])  # a crash in the middle of the last append
-    loaded = ReplicaStore(tmp_path).load_persistent()
+    loaded = CoordinationStore(tmp_path).load_persistent()
     assert [e.index for e in loaded.log.entries] == list(range(1, 10))
     _check_stored(loaded.log.entries, expected)
 
 
 def test_a_record_damaged_after_loading_is_refused_by_its_checksum(tmp_path: Path) -> None:
     state = _state(_entries(2, 5))
-    store = ReplicaStore(tmp_path)
+    store = CoordinationStore(tmp_path)
     store.sync(state)
     log = tmp_path / "log.bin"
     data = bytearray(log.read_bytes())
     data[-100] ^= 0xFF  # inside entry 5's payload
     log.write_bytes(bytes(data))
     assert state.log.entries[2].payload_bytes()  # entry 3 is intact
-    with pytest.raises(ReplicaStoreError, match="entry 5: the record at byte .* fails its checksum"):
+    with pytest.raises(CoordinationStoreError, match="entry 5: the record at byte .* fails its checksum"):
         state.log.entries[4].payload_bytes()
 
 
 def test_payloads_read_from_another_thread_while_the_log_grows(tmp_path: Path) -> None:
     state = _state(_entries(2, 6))
-    store = ReplicaStore(tmp_path)
+    store = CoordinationStore(tmp_path)
     store.sync(state)
     expected = {e.index: e.payload_bytes() for e in state.log.entries}
     errors: list[str] = []
@@ -175,7 +175,7 @@ def test_an_entry_whose_bytes_are_gone_marks_its_fragment_for_refetch(tmp_path: 
     """A replica asked to apply an entry whose payload left the disk does not fail: the fragment
     is marked diverged (fetched again from a peer) with the reason."""
     from diloco_node.config.manifest import OuterOptimizer
-    from diloco_node.daemon.replica_store import PayloadGone
+    from diloco_node.daemon.coordination_store import PayloadGone
     from diloco_node.sync.fragments import plan_fragments
     from diloco_node.sync.replica import Replica
 
@@ -193,7 +193,7 @@ def test_an_entry_whose_bytes_are_gone_marks_its_fragment_for_refetch(tmp_path: 
 
 def test_a_stored_payload_is_read_in_pieces_and_a_damaged_record_refused_by_its_checksum(tmp_path: Path) -> None:
     state = _state(_entries(2, 5))
-    store = ReplicaStore(tmp_path)
+    store = CoordinationStore(tmp_path)
     store.sync(state)
     payload = state.log.entries[2].payload  # entry 3
     assert isinstance(payload, StoredPayload)
@@ -206,7 +206,7 @@ def test_a_stored_payload_is_read_in_pieces_and_a_damaged_record_refused_by_its_
     damaged = state.log.entries[4].payload.pieces(3000)
     # The checksum covers the whole record, so a reader learns of the damage at its end, before it
     # can act on the bytes (a holder hashes a payload whole before it names it in an append).
-    with pytest.raises(ReplicaStoreError, match="entry 5: the record at byte .* fails its checksum"):
+    with pytest.raises(CoordinationStoreError, match="entry 5: the record at byte .* fails its checksum"):
         list(damaged)
     # A compaction or rewrite copies records piece by piece too: the intact ones come out whole.
     state.log.entries[:] = state.log.entries[:4]

@@ -1,7 +1,6 @@
 """A site's devices as operators configure and see them: `[node.mesh]` and `[node.cluster]` (file,
 environment, a scheduler's variables, errors naming the key), and `devices` on /status."""
 
-from pathlib import Path
 
 
 import pytest
@@ -12,16 +11,12 @@ from diloco_node.config.site_devices import HEARTBEAT_TIMEOUT_S, ClusterSpec, Me
 from diloco_node.daemon.site_model import build_site_model
 from diloco_node.ops.status import StatusBuilder, StatusDocument, render_metrics
 
-
-def _write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "node.toml"
-    path.write_text('[node]\nlisten = "127.0.0.1:7300"\n' + text)
-    return path
+from conftest import write_node_toml
 
 
 def test_mesh_and_cluster_tables_from_the_file_the_environment_and_the_scheduler(tmp_path):
-    path = _write(tmp_path, '[node.mesh]\nfsdp = 2\nmicrobatches = 4\n'
-                            '[node.cluster]\ncoordinator = "10.0.0.1:7400"\nnum_processes = 2\n')
+    path = write_node_toml(tmp_path, '[node.mesh]\nfsdp = 2\nmicrobatches = 4\n'
+                                     '[node.cluster]\ncoordinator = "10.0.0.1:7400"\nnum_processes = 2\n')
     effective = load_config(path, {"SLURM_PROCID": "1", "DILOCO_MESH_DATA": "2"})
     assert effective.node.mesh == MeshShape(data=2, fsdp=2, microbatches=4)
     assert effective.node.cluster == ClusterSpec("10.0.0.1:7400", 2, 1)
@@ -32,7 +27,7 @@ def test_mesh_and_cluster_tables_from_the_file_the_environment_and_the_scheduler
     assert shown["cluster.process_id"] == (1, "DILOCO_CLUSTER_PROCESS_ID")
     # The node's own setting wins over the scheduler's variable.
     assert load_config(path, {"SLURM_PROCID": "1", "DILOCO_CLUSTER_PROCESS_ID": "0"}).node.cluster.process_id == 0
-    defaults = load_config(_write(tmp_path, ""), {}).node
+    defaults = load_config(write_node_toml(tmp_path, ""), {}).node
     assert defaults.mesh == MeshShape(data=-1, fsdp=1, microbatches=1) and not defaults.cluster.enabled
     assert defaults.cluster.heartbeat_timeout_s == HEARTBEAT_TIMEOUT_S
     assert load_config(path, {"DILOCO_CLUSTER_HEARTBEAT_TIMEOUT_S": "12"}).node.cluster.heartbeat_timeout_s == 12
@@ -53,7 +48,7 @@ def test_mesh_and_cluster_tables_from_the_file_the_environment_and_the_scheduler
 ])
 def test_bad_device_settings_are_refused_naming_the_key(tmp_path, text, environ, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(_write(tmp_path, text), environ)
+        load_config(write_node_toml(tmp_path, text), environ)
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -64,8 +59,8 @@ def test_bad_device_settings_are_refused_naming_the_key(tmp_path, text, environ,
 ])
 def test_mesh_execution_keys_are_validated_naming_the_key(tmp_path, key, value, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(_write(tmp_path, f"[node.mesh]\n{key} = {value}\n"), {})
-    chosen = load_config(_write(tmp_path, ""), {f"DILOCO_MESH_{key.upper()}": {
+        load_config(write_node_toml(tmp_path, f"[node.mesh]\n{key} = {value}\n"), {})
+    chosen = load_config(write_node_toml(tmp_path, ""), {f"DILOCO_MESH_{key.upper()}": {
         "attention": "chunked", "remat": "dots", "platform": "cpu", "peak_tflops": "989.5"}[key]}).node.mesh
     assert getattr(chosen, key) == {"attention": "chunked", "remat": "dots", "platform": "cpu",
                                     "peak_tflops": 989.5}[key]

@@ -25,6 +25,8 @@ from diloco_node.ops.status import (
 )
 from diloco_node.cli.status import fetch_status, PeerError, render_table, watch_command
 
+from conftest import free_port
+
 
 def _document(node_id: str = "site-a", ready: bool = True) -> StatusDocument:
     builder = StatusBuilder(node_id, "run-7f3a", "learner", started_at=100.0, version="0.1.0")
@@ -286,11 +288,7 @@ def test_status_command_prints_a_table_and_json(node_server, capsys):
 
 
 def test_status_command_unreachable_peer_exits_1_naming_url_and_reason(capsys):
-    import socket
-
-    with socket.socket() as probe:  # a port with nothing listening on it
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # nothing listens on it
     assert cli.main(["status", "--peer", f"127.0.0.1:{port}", "--timeout", "2"]) == 1
     err = capsys.readouterr().err
     assert f"http://127.0.0.1:{port}/status: unreachable: Connection refused" in err

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +15,8 @@ from diloco_node.config.site_tracking import TrackingSpec
 from diloco_node.ops import tracking as tracking_lib
 from diloco_node.ops.status import StatusBuilder, StatusDocument
 from diloco_node.ops.tracking import SCALARS, Tracking, TrackerWorker
+
+from conftest import write_node_toml
 
 
 def _wait(predicate, timeout_s: float = 10.0) -> None:
@@ -152,22 +153,16 @@ def test_a_missing_extra_is_a_config_error_saying_what_to_install(monkeypatch):
     tracking_lib.check_available(TrackingSpec())  # nothing on: nothing needed
 
 
-def _write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "node.toml"
-    path.write_text('[node]\nlisten = "127.0.0.1:7300"\n' + text)
-    return path
-
-
 def test_tracking_table_from_the_file_and_the_environment_and_errors_name_the_key(tmp_path):
-    path = _write(tmp_path, '[node.tracking]\ntensorboard_dir = "tb"\nwandb_project = "diloco"\n')
+    path = write_node_toml(tmp_path, '[node.tracking]\ntensorboard_dir = "tb"\nwandb_project = "diloco"\n')
     effective = load_config(path, {"DILOCO_TRACKING_WANDB_MODE": "online", "DILOCO_TRACKING_RUN_NAME": "a-1",
                                    "DILOCO_TRACKING_WANDB_ENTITY": "team"})
     assert effective.node.tracking == TrackingSpec("tb", "diloco", "online", "team", "a-1")
     assert effective.sources["tracking.wandb_mode"] == "env:DILOCO_TRACKING_WANDB_MODE"
-    assert load_config(_write(tmp_path, ""), {}).node.tracking == TrackingSpec()
+    assert load_config(write_node_toml(tmp_path, ""), {}).node.tracking == TrackingSpec()
     with pytest.raises(ConfigError, match="tracking.wandb_mode = 'cloud': must be one of offline, online, disabled"):
-        load_config(_write(tmp_path, '[node.tracking]\nwandb_mode = "cloud"\n'), {})
+        load_config(write_node_toml(tmp_path, '[node.tracking]\nwandb_mode = "cloud"\n'), {})
     with pytest.raises(ConfigError, match="tracking.wandb_project = 'a/b'"):
-        load_config(_write(tmp_path, '[node.tracking]\nwandb_project = "a/b"\n'), {})
+        load_config(write_node_toml(tmp_path, '[node.tracking]\nwandb_project = "a/b"\n'), {})
     with pytest.raises(ConfigError, match=r"node.tracking.tensorbord_dir .*unknown key"):
-        load_config(_write(tmp_path, '[node.tracking]\ntensorbord_dir = "x"\n'), {})
+        load_config(write_node_toml(tmp_path, '[node.tracking]\ntensorbord_dir = "x"\n'), {})

@@ -14,7 +14,6 @@ from contextlib import asynccontextmanager
 import aiohttp
 import numpy as np
 import pytest
-from aiohttp import web
 
 from diloco_node.testbed.linkemu import LinkEmulator
 from diloco_node.transport.server import UNAUTHENTICATED
@@ -31,7 +30,7 @@ from diloco_node.transport import (
 from wire.auth import AuthContext, FrameVerifier, derive_frame_key
 from wire.errors import LocalProtocolError, RemoteProtocolError
 from wire.frames import encode_frame, encode_frame_head
-from wire.limits import Limits
+from wire.limits import Limits, MiB
 from wire.messages import (
     FragmentContribution,
     Heartbeat,
@@ -44,9 +43,10 @@ from wire.messages import (
     VoteRequest,
 )
 
+from conftest import serve_peer_server
+
 RUN = "run-transport"
 KEY = derive_frame_key(b"k" * 32)
-MiB = 1024 * 1024
 
 
 def _auth(node: str, key=KEY, run: str = RUN) -> AuthContext:
@@ -63,13 +63,7 @@ def _client(node: str = "a", key=KEY, run: str = RUN, limits: Limits = Limits())
 
 @asynccontextmanager
 async def _serving(server: PeerServer) -> AsyncIterator[str]:
-    app = web.Application()
-    server.install(app)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    runner, port = await serve_peer_server(server)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from diloco_node.cli import main as cli_main
 from diloco_node.config.settings import ConfigError, load_config
@@ -24,6 +23,8 @@ from diloco_node.transport import Peer, PeerClient, PeerRefused, PeerServer, Pee
 from diloco_node.transport.tls import SiteTls, TlsError, TlsFiles
 from wire.auth import AuthContext, FrameVerifier, derive_frame_key
 from wire.messages import Message, VoteReply, VoteRequest
+
+from conftest import serve_peer_server
 
 RUN = "run-tls"
 KEY = derive_frame_key(b"t" * 32)
@@ -68,13 +69,9 @@ def _vote() -> VoteRequest:
 async def _tls_server(tls: SiteTls, voter: _Voter) -> AsyncIterator[int]:
     server = PeerServer(AuthContext(RUN, "b", KEY), FrameVerifier(RUN, KEY, node_id="b"), certified_senders=True)
     server.on_message(VoteRequest.KIND, voter)
-    app = web.Application()
-    server.install(app)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls.server_context).start()
+    runner, port = await serve_peer_server(server, tls.server_context)
     try:
-        yield runner.addresses[0][1]
+        yield port
     finally:
         await runner.cleanup()
 

@@ -9,7 +9,7 @@ import tracemalloc
 import pytest
 from test_contribution_stream import llama_shapes
 
-from diloco_node.daemon.replica_store import MAX_RECORD_BYTES
+from diloco_node.daemon.coordination_store import MAX_RECORD_BYTES
 from diloco_node.sync.fragments import WIRE_OVERHEAD_BYTES, plan_fragments, wire_fit_problems
 from wire.codecs import CODECS
 from wire.errors import LocalProtocolError, RemoteProtocolError
@@ -68,14 +68,14 @@ def test_open_and_chunk_round_trip_and_bad_fields_are_named():
 
 def test_a_whole_stream_passes_and_the_digest_is_checked_at_the_end():
     assembler = PayloadAssembler(opened(), max_size=len(PAYLOAD))
-    assert (assembler.frames_left, assembler.max_remaining_bytes) == (3, len(PAYLOAD))
+    assert (assembler.chunks_left, assembler.max_remaining_bytes) == (3, len(PAYLOAD))
     for chunk in chunks():
-        assembler.check(chunk)
-    assert assembler.complete and assembler.frames_left == 0
+        assembler.add(chunk)
+    assert assembler.complete and assembler.chunks_left == 0
     assembler.finish(hashlib.sha256(PAYLOAD).digest())
     other = PayloadAssembler(opened(), max_size=len(PAYLOAD))
     for chunk in chunks():
-        other.check(chunk)
+        other.add(chunk)
     with pytest.raises(RemoteProtocolError, match="do not have SHA-256") as error:
         other.finish(hashlib.sha256(b"altered").digest())
     assert error.value.status_hint == 400
@@ -101,7 +101,7 @@ def test_chunks_out_of_order_or_of_the_wrong_size_are_refused_and_kill_the_strea
     assembler = PayloadAssembler(opened(), max_size=MAX_RELAYED_PAYLOAD_BYTES)
     with pytest.raises(RemoteProtocolError, match=problem):
         for chunk in bad(chunks()):
-            assembler.check(chunk)
+            assembler.add(chunk)
     with pytest.raises(RemoteProtocolError, match="already failed"):
         assembler.finish(hashlib.sha256(PAYLOAD).digest())
 
@@ -109,7 +109,7 @@ def test_chunks_out_of_order_or_of_the_wrong_size_are_refused_and_kill_the_strea
 def test_a_short_stream_is_refused():
     assembler = PayloadAssembler(opened(), max_size=len(PAYLOAD))
     for chunk in chunks()[:2]:
-        assembler.check(chunk)
+        assembler.add(chunk)
     with pytest.raises(RemoteProtocolError, match="ended after 8,192 of 10,496 bytes"):
         assembler.finish(hashlib.sha256(PAYLOAD).digest())
 
@@ -148,7 +148,7 @@ def test_no_limit_refuses_the_commit_of_any_fragment_of_a_7b_model_at_24_fragmen
             assert commit <= bound
             head = PayloadOpen(STREAM, b"d" * 32, commit, chunk_bytes, "", {})
             assembler = PayloadAssembler(head, bound)  # the receiver takes the declaration
-            assert assembler.frames_left == head.chunks == -(-commit // chunk_bytes)
+            assert assembler.chunks_left == head.chunks == -(-commit // chunk_bytes)
             assert all(length <= chunk_limit for _, length in chunk_spans(commit, chunk_bytes))
         if codec == "fp32":  # the embedding fragment: 131M values, ~501 MiB, over the 256 MiB frame limit
             assert bound > MAX_LOG_APPEND_BYTES

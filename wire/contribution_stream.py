@@ -4,13 +4,15 @@ receiver checks each chunk as it arrives and keeps the contribution in its encod
 Sans-IO and pure (numpy and wire.codecs only): the transport hands frames in, nothing here reads
 a socket or a clock. A stream is one `ContributionOpen` naming the tensors (names and shapes, in
 sending order) and `chunk_elements`, then `ContributionChunk`s in order, each a one-tensor codec
-message of at most `chunk_elements` values. The receiver (`ContributionAssembler`):
+message of at most `chunk_elements` values. The receiver (`ContributionAssembler`; what every
+stream's receiver does, the stream id, nothing after the last chunk, dead after a refusal, is its
+base's, `wire.stream_assembler.StreamAssembler`):
 
 - checks the open against the fragment's own shapes (the model's, from the manifest) before any
   chunk: exactly the fragment's tensors, exact shapes, a known codec, and a chunk size whose
   largest encoding (the codec's own bound) fits `Limits.max_contribution_chunk_bytes`;
-- checks each chunk before decoding: the stream id, that it is the next chunk expected, that its
-  encoded size is at most what the codec can produce for that many values; then decodes it
+- checks each chunk before decoding: that it is the next chunk expected, that its encoded size
+  is at most what the codec can produce for that many values; then decodes it
   (bounded by that many values; decoded values are always finite float32), checks its shape, and
   adds its sum of squares to the tensor's norm;
 - keeps the chunk's encoded bytes, not the decoded values: `finish()` gives an `EncodedDelta`, a
@@ -35,6 +37,7 @@ from wire.codecs.schemes import Codec
 from wire.errors import RemoteProtocolError
 from wire.limits import DEFAULT_LIMITS, Limits
 from wire.messages import ContributionChunk, ContributionOpen, MessageKind, TensorSpec
+from wire.stream_assembler import StreamAssembler
 
 # Byte 5 of a wire.codecs message is its codec's wire id (docs/CODECS.md, "Message layout").
 _CODEC_ID_OFFSET = 5
@@ -134,10 +137,6 @@ def _codec(name: str) -> Codec:
     return codec
 
 
-def _refused(why: str, status: int = 400) -> RemoteProtocolError:
-    return RemoteProtocolError(f"streamed contribution refused: {why}", status)
-
-
 def squared_norm(values: np.ndarray) -> float:
     """Sum of squares in float64 with numpy's own pairwise reduction (the merge's norm, same bits)."""
     squares = np.array(values, dtype=np.float64).ravel()  # our own copy: squared in place
@@ -183,7 +182,7 @@ class EncodedDelta(Mapping[str, np.ndarray]):
         return f"EncodedDelta({len(self)} tensors, {self.encoded_bytes} encoded bytes)"
 
 
-class ContributionAssembler:
+class ContributionAssembler(StreamAssembler[ContributionOpen, ContributionChunk]):
     """Checks one streamed contribution chunk by chunk against the fragment's shapes (sans-IO).
 
     Construct it from the ContributionOpen (raises RemoteProtocolError if the open does not fit
@@ -191,22 +190,23 @@ class ContributionAssembler:
     first bad one; the assembler is then dead); `finish` when the body ended.
     """
 
+    KIND = "streamed contribution"
+
     def __init__(self, head: ContributionOpen, expected: Mapping[str, Sequence[int]],
                  limits: Limits = DEFAULT_LIMITS) -> None:
-        self.head = head
         self.limits = limits
         codec = CODECS.get(head.codec)
         if codec is None:
-            raise _refused(f"unknown codec {head.codec!r}")
+            raise self.refused(f"unknown codec {head.codec!r}")
         self._codec = codec
         byte_limit = limits.max_payload(MessageKind.CONTRIBUTION_CHUNK)
         if head.chunk_elements > limits.max_chunk_elements:
-            raise _refused(f"chunk_elements {head.chunk_elements:,} is over the limit of "
-                           f"{limits.max_chunk_elements:,} values per chunk", 413)
+            raise self.refused(f"chunk_elements {head.chunk_elements:,} is over the limit of "
+                               f"{limits.max_chunk_elements:,} values per chunk", 413)
         if chunk_bound(codec, head.chunk_elements) > byte_limit:
-            raise _refused(f"a chunk of {head.chunk_elements:,} {head.codec} values can reach "
-                           f"{chunk_bound(codec, head.chunk_elements):,} bytes, over the {byte_limit:,}-byte chunk limit",
-                           413)
+            raise self.refused(f"a chunk of {head.chunk_elements:,} {head.codec} values can reach "
+                               f"{chunk_bound(codec, head.chunk_elements):,} bytes, over the {byte_limit:,}-byte chunk limit",
+                               413)
         want = {name: tuple(int(d) for d in shape) for name, shape in expected.items()}
         sent = {spec.name for spec in head.tensors}
         missing = sorted(set(want) - sent)
@@ -217,18 +217,18 @@ class ContributionAssembler:
                 parts.append("not in fragment " + f"{head.fragment}: " + ", ".join(extra[:3]) + (" ..." if len(extra) > 3 else ""))
             if missing:
                 parts.append("missing " + ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else ""))
-            raise _refused("tensor names do not match the fragment: " + "; ".join(parts))
+            raise self.refused("tensor names do not match the fragment: " + "; ".join(parts))
         for spec in head.tensors:
             if spec.shape != want[spec.name]:
-                raise _refused(f"tensor {spec.name}: the open declares shape {spec.shape}, the model's is "
-                               f"{want[spec.name]}")
+                raise self.refused(f"tensor {spec.name}: the open declares shape {spec.shape}, the model's is "
+                                   f"{want[spec.name]}")
         self._plans = [ChunkPlan(spec.name, spec.shape, head.chunk_elements) for spec in head.tensors]
         self._sizes = [list(plan.chunk_sizes()) for plan in self._plans]
         self._tensor = 0  # index of the tensor the next chunk belongs to
         self._chunk = 0  # index of the next chunk within it
         self._parts: dict[str, list[bytes]] = {spec.name: [] for spec in head.tensors}
         self._squares: dict[str, float] = {spec.name: 0.0 for spec in head.tensors}
-        self._failed: str | None = None
+        super().__init__(head)
 
     @property
     def complete(self) -> bool:
@@ -247,38 +247,28 @@ class ContributionAssembler:
     def chunks_left(self) -> int:
         return sum(len(self._sizes[t]) for t in range(self._tensor, len(self._plans))) - self._chunk
 
-    def add(self, chunk: ContributionChunk) -> None:
-        """Check, decode and measure one chunk; keep its encoded bytes."""
-        if self._failed is not None:
-            raise _refused(f"the stream already failed: {self._failed}")
-        try:
-            self._add(chunk)
-        except RemoteProtocolError as error:
-            self._failed = str(error)
-            raise
+    def _whole(self) -> str:
+        return f"{len(self._plans)} tensors all complete"
 
-    def _add(self, chunk: ContributionChunk) -> None:
-        if chunk.stream != self.head.stream:
-            raise _refused("a chunk of another stream (its stream id differs from the open's)")
-        if self.complete:
-            raise _refused(f"a chunk after the last one ({len(self._plans)} tensors all complete)")
+    def _take(self, chunk: ContributionChunk) -> None:
+        """Check, decode and measure one chunk; keep its encoded bytes."""
         plan = self._plans[self._tensor]
         offset, values = self._sizes[self._tensor][self._chunk]
         if chunk.tensor != self._tensor or chunk.offset != offset:
-            raise _refused(f"expected tensor {self._tensor} ({plan.name}) at offset {offset}, "
-                           f"got tensor {chunk.tensor} at offset {chunk.offset}")
+            raise self.refused(f"expected tensor {self._tensor} ({plan.name}) at offset {offset}, "
+                               f"got tensor {chunk.tensor} at offset {chunk.offset}")
         bound = chunk_bound(self._codec, values)
         if len(chunk.payload) > bound:
-            raise _refused(f"chunk of {plan.name} at offset {offset}: {len(chunk.payload):,} bytes for {values:,} "
-                           f"values, more than {self.head.codec} can encode them into ({bound:,})", 413)
+            raise self.refused(f"chunk of {plan.name} at offset {offset}: {len(chunk.payload):,} bytes for {values:,} "
+                               f"values, more than {self.head.codec} can encode them into ({bound:,})", 413)
         if len(chunk.payload) > _CODEC_ID_OFFSET and chunk.payload[_CODEC_ID_OFFSET] != self._codec.wire_id:
-            raise _refused(f"chunk of {plan.name} at offset {offset} is not encoded with {self.head.codec}")
+            raise self.refused(f"chunk of {plan.name} at offset {offset} is not encoded with {self.head.codec}")
         try:
             decoded = decode_tensor(chunk.payload, max_elements=max(values, 1))
         except RemoteProtocolError as error:
-            raise _refused(f"chunk of {plan.name} at offset {offset}: {error}", error.status_hint) from None
+            raise self.refused(f"chunk of {plan.name} at offset {offset}: {error}", error.status_hint) from None
         if decoded.shape != (values,):
-            raise _refused(f"chunk of {plan.name} at offset {offset} holds shape {decoded.shape}, expected ({values},)")
+            raise self.refused(f"chunk of {plan.name} at offset {offset} holds shape {decoded.shape}, expected ({values},)")
         self._squares[plan.name] += squared_norm(decoded)
         self._parts[plan.name].append(chunk.payload)
         self._chunk += 1
@@ -288,12 +278,12 @@ class ContributionAssembler:
 
     def finish(self) -> EncodedDelta:
         """The whole contribution, encoded; refused if the stream ended early."""
-        if self._failed is not None:
-            raise _refused(f"the stream already failed: {self._failed}")
+        self._check_alive()
         if not self.complete:
             plan = self._plans[self._tensor]
-            raise _refused(f"the stream ended with {self.chunks_left} chunk(s) missing "
-                           f"(tensor {self._tensor} of {len(self._plans)}, {plan.name})")
+            raise self._fail(f"short: {self.chunks_left} chunk(s) missing",
+                             f"the stream ended with {self.chunks_left} chunk(s) missing "
+                             f"(tensor {self._tensor} of {len(self._plans)}, {plan.name})")
         norms = {name: math.sqrt(s) for name, s in self._squares.items()}
         return EncodedDelta(self._parts, {p.name: p.shape for p in self._plans}, norms)
 

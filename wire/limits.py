@@ -42,7 +42,7 @@ MAX_LOG_APPEND_BYTES = 256 * MiB
 # a transfer costs in memory. 16 MiB at 4 Mbit/s is ~35 s, inside the deadline.
 MAX_PAYLOAD_STREAM_CHUNK_BYTES = 16 * MiB
 # The most a PayloadOpen may declare whatever the run: what one log.bin record can hold (its length
-# is a u32; daemon/replica_store.py) less room for the entry's own fields. The receiver's own bound
+# is a u32; daemon/coordination_store.py) less room for the entry's own fields. The receiver's own bound
 # is tighter: the largest commit the run's model shapes and codec_down can produce
 # (wire/payload_stream.py, `commit_size_bound`); this ceiling only caps it. (An fp32 commit of a
 # 7B model at P = 24 is ~1.1 GiB: a 288M-parameter fragment; int8 ~280 MiB, int4 ~140 MiB.)

@@ -4,13 +4,15 @@ receiver checks each chunk, and the most bytes a run's payload can declare.
 Sans-IO and pure: the transport hands frames in, the host writes the bytes to its spool file and
 feeds them to the hash (off its event loop); nothing here reads a socket, a file or a clock. A
 stream is one `PayloadOpen` (digest, size, chunk size, relay tree) then `PayloadChunk`s in order,
-each `chunk_bytes` long except the last. The receiver (`PayloadAssembler`):
+each `chunk_bytes` long except the last. The receiver (`PayloadAssembler`; what every stream's
+receiver does, the stream id, nothing after the last chunk, dead after a refusal, is its base's,
+`wire.stream_assembler.StreamAssembler`):
 
 - checks the open before any chunk: its declared size at most `max_size` (the host's bound,
   `commit_size_bound` of the run's model shapes and codec, capped by
   `wire.limits.MAX_RELAYED_PAYLOAD_BYTES`) and its chunk size within the chunk payload limit;
-- checks each chunk before the host keeps it: the stream id, that its offset is where the last
-  one ended, that it is exactly the size the open implies;
+- checks each chunk before the host keeps it: that its offset is where the last one ended, that
+  it is exactly the size the open implies;
 - checks at the end (`finish`) that every byte came and that the SHA-256 the host computed is the
   declared one. Any failure is a `RemoteProtocolError` (400, or 413 for sizes) and the assembler
   is dead: the host deletes what it spooled.
@@ -21,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from wire.codecs import CODECS
-from wire.errors import RemoteProtocolError
 from wire.limits import DEFAULT_LIMITS, MAX_RELAYED_PAYLOAD_BYTES, Limits
 from wire.messages import MessageKind, PayloadChunk, PayloadOpen
+from wire.stream_assembler import StreamAssembler
 
 # Non-commit payloads (an eviction record, a membership entry) are a few KiB; a run's bound is never
 # below this, so they always fit whatever the model.
@@ -65,29 +67,26 @@ def stream_chunk_bytes(limits: Limits = DEFAULT_LIMITS) -> int:
     return limits.max_payload(MessageKind.PAYLOAD_CHUNK)
 
 
-def _refused(why: str, status: int = 400) -> RemoteProtocolError:
-    return RemoteProtocolError(f"streamed payload refused: {why}", status)
-
-
-class PayloadAssembler:
+class PayloadAssembler(StreamAssembler[PayloadOpen, PayloadChunk]):
     """Checks one streamed payload chunk by chunk (sans-IO); the host keeps and hashes the bytes.
 
     Construct it from the PayloadOpen (raises RemoteProtocolError if the declaration is over
-    `max_size` or its chunks over the chunk limit); `check` each chunk in arrival order before
+    `max_size` or its chunks over the chunk limit); `add` each chunk in arrival order before
     keeping it (raises on the first bad one; the assembler is then dead); `finish` with the SHA-256
     the host computed once the body ended.
     """
 
+    KIND = "streamed payload"
+
     def __init__(self, head: PayloadOpen, max_size: int, limits: Limits = DEFAULT_LIMITS) -> None:
-        self.head = head
         if head.size > max_size:
-            raise _refused(f"it declares {head.size:,} bytes, more than the {max_size:,} bytes the largest "
-                           "commit of this run's model can have", 413)
+            raise self.refused(f"it declares {head.size:,} bytes, more than the {max_size:,} bytes the largest "
+                               "commit of this run's model can have", 413)
         chunk_limit = limits.max_payload(MessageKind.PAYLOAD_CHUNK)
         if head.chunk_bytes > chunk_limit:
-            raise _refused(f"chunk_bytes {head.chunk_bytes:,} is over the {chunk_limit:,}-byte chunk limit", 413)
+            raise self.refused(f"chunk_bytes {head.chunk_bytes:,} is over the {chunk_limit:,}-byte chunk limit", 413)
         self.received = 0
-        self._failed: str | None = None
+        super().__init__(head)
 
     @property
     def complete(self) -> bool:
@@ -99,39 +98,28 @@ class PayloadAssembler:
         return self.head.size - self.received
 
     @property
-    def frames_left(self) -> int:
+    def chunks_left(self) -> int:
         return -(-self.max_remaining_bytes // self.head.chunk_bytes)
 
-    def check(self, chunk: PayloadChunk) -> None:
-        """Refuse a chunk that is not the next one of this stream, exactly sized; else count it."""
-        if self._failed is not None:
-            raise _refused(f"the stream already failed: {self._failed}")
-        try:
-            self._check(chunk)
-        except RemoteProtocolError as error:
-            self._failed = str(error)
-            raise
+    def _whole(self) -> str:
+        return f"all {self.head.size:,} bytes came"
 
-    def _check(self, chunk: PayloadChunk) -> None:
-        if chunk.stream != self.head.stream:
-            raise _refused("a chunk of another stream (its stream id differs from the open's)")
-        if self.complete:
-            raise _refused(f"a chunk after the last one (all {self.head.size:,} bytes came)")
+    def _take(self, chunk: PayloadChunk) -> None:
+        """Refuse a chunk that is not the next one, exactly sized; else count it (the host keeps it)."""
         if chunk.offset != self.received:
-            raise _refused(f"expected the chunk at offset {self.received:,}, got one at {chunk.offset:,}")
+            raise self.refused(f"expected the chunk at offset {self.received:,}, got one at {chunk.offset:,}")
         expected = min(self.head.chunk_bytes, self.head.size - self.received)
         if len(chunk.payload) != expected:
-            raise _refused(f"the chunk at offset {chunk.offset:,} holds {len(chunk.payload):,} bytes, expected "
-                           f"{expected:,}", 413 if len(chunk.payload) > expected else 400)
+            raise self.refused(f"the chunk at offset {chunk.offset:,} holds {len(chunk.payload):,} bytes, expected "
+                               f"{expected:,}", 413 if len(chunk.payload) > expected else 400)
         self.received += len(chunk.payload)
 
     def finish(self, sha256: bytes) -> None:
         """The body ended and the host hashed what it kept: refused if short or not the declared bytes."""
-        if self._failed is not None:
-            raise _refused(f"the stream already failed: {self._failed}")
+        self._check_alive()
         if not self.complete:
-            self._failed = f"short: {self.received:,} of {self.head.size:,} bytes"
-            raise _refused(f"the stream ended after {self.received:,} of {self.head.size:,} bytes")
+            raise self._fail(f"short: {self.received:,} of {self.head.size:,} bytes",
+                             f"the stream ended after {self.received:,} of {self.head.size:,} bytes")
         if sha256 != self.head.digest:
-            self._failed = "digest mismatch"
-            raise _refused(f"the bytes do not have SHA-256 {self.head.digest.hex()[:16]}..; nothing kept")
+            raise self._fail("digest mismatch",
+                             f"the bytes do not have SHA-256 {self.head.digest.hex()[:16]}..; nothing kept")

@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from diloco_node.config.settings import NODE_ID_PATTERN
+from diloco_node.config.settings import SITE_NODE_ID_PATTERN
 from diloco_node.ops import pki
 
 
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
             cert = pki.init_ca(args.out, force=args.force)
             print(f"run CA written: {cert} (keep {args.out / pki.CA_KEY} offline; give every site {cert.name})")
         elif args.action == "issue":
-            if not NODE_ID_PATTERN.match(args.node_id):
+            if not SITE_NODE_ID_PATTERN.fullmatch(args.node_id):
                 raise pki.PkiError(f"--node-id {args.node_id!r}: not a node id (1-63 of A-Z a-z 0-9 . _ -)")
             if args.days <= 0:
                 raise pki.PkiError(f"--days {args.days}: must be positive")

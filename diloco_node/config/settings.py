@@ -75,7 +75,11 @@ DEFAULT_SECRET_CREDENTIAL = "diloco-secret"
 MIN_SECRET_BYTES = MIN_RUN_SECRET_BYTES
 # A secret file is a key, not a document; anything larger is almost certainly the wrong path.
 MAX_SECRET_BYTES = 4096
-NODE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+# A site's own node id is also its certificate's DNS name, the TLS server name its peers ask for
+# (ops/pki.py): no ':' or '@', at most 63 characters (a DNS label's length). Stricter than the node
+# ids the wire carries (wire.messages.NODE_ID_PATTERN, MAX_NODE_ID_CHARS), so every id a site can be
+# given is valid on the wire; the wire's set is a format invariant and stays as it is.
+SITE_NODE_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 # Keys the operator might use to put a secret inline; each gets a pointed refusal rather than
 # a generic "unknown key" (which would also be correct, but less helpful).
@@ -196,7 +200,7 @@ class NodeConfig:
     tracking: TrackingSpec = TrackingSpec()  # [node.tracking]: TensorBoard / W&B (ops/tracking.py)
 
     def __post_init__(self) -> None:
-        _require(bool(NODE_ID_PATTERN.match(self.node_id)),
+        _require(bool(SITE_NODE_ID_PATTERN.fullmatch(self.node_id)),
                  f"node_id = {self.node_id!r}: must be 1-63 characters of letters, digits, '.', '_', '-', "
                  "starting with a letter or digit")
         _require(self.role in ROLES, f"role = {self.role!r}: must be one of {', '.join(ROLES)}")

@@ -6,6 +6,6 @@ clock), `state_transfer.py` (applying commits, downloads, snapshot installs, rep
 `persistence.py` (checkpoints, compaction, the restart rule), `readiness.py` (ready or why not),
 `status_feed.py` (the status document), `site_model.py` (model, replica and syncer from the
 manifest), `peers.py` (coordination messages <-> wire messages, addresses), `join.py` (the join
-handshake and the state download), `replica_store.py` (durable coordination state), `exits.py`
+handshake and the state download), `coordination_store.py` (durable coordination state), `exits.py`
 (the exit statuses, permanent or transient).
 """

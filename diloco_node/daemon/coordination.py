@@ -2,7 +2,7 @@
 
 `CoordinatorNode` (bootstrap/) is sans-IO: it takes messages and `now` and returns actions. This
 module is the only place that performs them: after every call into the core the durable state is
-synced to disk *before* any resulting message leaves (replica_store.py); `Send` actions go to a
+synced to disk *before* any resulting message leaves (coordination_store.py); `Send` actions go to a
 per-peer outbox drained by one worker task; `ApplyEntry` and `RestoreSnapshot` go to the state
 keeper (state_transfer.py). It also answers the coordination part of the peer API (votes,
 appends, heartbeats, leaves, joins, relayed payloads), drives the core's timer, and carries out an
@@ -30,10 +30,10 @@ from bootstrap.entries import EntryKind, LogEntry, Snapshot
 from diloco_node.clock import Clock
 from diloco_node.config.manifest import RunManifest
 from diloco_node.daemon import peers
+from diloco_node.daemon.coordination_store import CoordinationStore
 from diloco_node.daemon.history_hooks import DaemonHistory
 from diloco_node.daemon.plan import COORDINATION_DEADLINE_S, COORDINATION_TICK_S, relay_timeout_for
 from diloco_node.daemon.relays import DEFAULT_HOLD_S, RelayIO, holder_tree
-from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.sync.evictions import EvictionError, EvictionRecord, encode_payload
 from diloco_node.transport import PeerClient, PeerRefused, PeerUnreachable
@@ -54,7 +54,7 @@ class _Outbox:
 class CoordinationIO:
     """Wires one `CoordinatorNode` to the disk, the peers and the clock."""
 
-    def __init__(self, *, core: CoordinatorNode, persistent: PersistentState, store: ReplicaStore,
+    def __init__(self, *, core: CoordinatorNode, persistent: PersistentState, store: CoordinationStore,
                  history: DaemonHistory, client: PeerClient, addresses: peers.AddressBook, clock: Clock,
                  tasks: TaskSet, on_apply: Callable[[LogEntry], None],
                  on_restore_snapshot: Callable[[Snapshot], None], after_step: Callable[[], None],
@@ -274,7 +274,7 @@ class CoordinationIO:
         try:
             append = peers.append_from_wire(message)
             if payloads and isinstance(append, coord.AppendEntries):
-                # Spooled bytes go to log.bin from their file, piece by piece (replica_store.py).
+                # Spooled bytes go to log.bin from their file, piece by piece (coordination_store.py).
                 append = replace(append, entries=tuple(
                     replace(entry, payload=payloads[entry.index]) if entry.index in payloads else entry
                     for entry in append.entries))

@@ -145,7 +145,7 @@ def _read_all(fd: int, buffer: memoryview, offset: int, path: Path) -> None:
         buffer, offset = buffer[got:], offset + got
 
 
-class DiskHistories:
+class DiskVersionRings:
     """Makes the rings of one node under `directory` (a `global_state.HistoryFactory`) and closes them.
 
     A fragment's ring made again (a fragment installed from a peer) replaces the old file.

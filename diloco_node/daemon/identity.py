@@ -22,8 +22,8 @@ from diloco_node.learn import data as data_lib
 from diloco_node.learn import factory
 from diloco_node.config.settings import ConfigError, EffectiveConfig, check_joiner_manifest
 from diloco_node.daemon import peers
+from diloco_node.daemon.coordination_store import CoordinationStore
 from diloco_node.daemon.join import JoinRefused, negotiate
-from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.sync.evictions import EVICTED_MARK
 from diloco_node.transport import PeerClient, PeerRefused, TransportError
 from wire import messages as wire
@@ -40,7 +40,7 @@ class SiteIdentity:
     """`executor` (the set-up pool) seals a founder's manifest and checks a run's model before a
     join; `clock` stamps the founding time and paces the join's retries."""
 
-    def __init__(self, effective: EffectiveConfig, store: ReplicaStore, client: PeerClient,
+    def __init__(self, effective: EffectiveConfig, store: CoordinationStore, client: PeerClient,
                  role: coord.MemberRole, *, clock: Clock, executor: Executor) -> None:
         self.effective = effective
         self.clock = clock

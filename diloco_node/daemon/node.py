@@ -117,7 +117,7 @@ class Node:
             manifest, learner=learner_site, data=cfg.data, cache_dir=cfg.data_dir / DATA_CACHE_DIR,
             mesh_shape=cfg.mesh, synthetic=cfg.learner == "synthetic",
             initial_values=mode != "join",  # a fresh joiner downloads every fragment: no model init
-            histories=services.histories))
+            version_rings=services.version_rings))
         if site.devices is not None:
             services.status.set_devices(site.devices)
             log.info("%s: training on %s", self.node_id, site.devices)

@@ -41,8 +41,6 @@ _KIND_TO_WIRE = {EntryKind.OUTER_COMMIT: "commit", EntryKind.MEMBERSHIP: "member
 _KIND_FROM_WIRE = {name: kind for kind, name in _KIND_TO_WIRE.items()}
 # The wire kind of the log entry that stands for an InstallSnapshot (see the module docstring).
 SNAPSHOT_ENTRY_KIND = "snapshot"
-# Human reasons longer than the wire allows are cut, not refused: they are for people.
-MAX_REASON_CHARS = wire.MAX_REASON_CHARS
 
 
 def entry_to_wire(entry: LogEntry) -> wire.LogEntry:
@@ -88,7 +86,8 @@ def to_wire(message: coord.Message, *, epoch: int, commit_index: int, last_index
         return wire.VoteRequest(message.epoch, message.candidate_id, message.last_log_epoch, message.last_log_index,
                                 pre_vote=message.pre_vote)
     if isinstance(message, coord.VoteResponse):
-        return wire.VoteReply(message.epoch, message.voter_id, message.granted, message.reason[:MAX_REASON_CHARS],
+        # A reason longer than the wire allows is cut, not refused: it is for people.
+        return wire.VoteReply(message.epoch, message.voter_id, message.granted, message.reason[:wire.MAX_REASON_CHARS],
                               pre_vote=message.pre_vote)
     if isinstance(message, coord.AppendEntries):
         return wire.LogAppend(message.epoch, message.leader_id, message.prev_index, message.prev_epoch,

@@ -23,7 +23,7 @@ import numpy as np
 from bootstrap.coordinator_node import CoordinatorNode, PersistentState
 from bootstrap.entries import Snapshot
 from diloco_node.config.settings import ConfigError
-from diloco_node.daemon.replica_store import ReplicaStore, ReplicaStoreError, compaction_point
+from diloco_node.daemon.coordination_store import CoordinationStore, CoordinationStoreError, compaction_point
 from diloco_node.learn.learner_thread import (
     LearnerSnapshot,
     LearnerThread,
@@ -84,7 +84,7 @@ def learner_to_resume(snapshot: LearnerSnapshot | None, learner_kind: str, node_
 
 
 class Checkpointer:
-    def __init__(self, *, node_id: str, checkpoints: CheckpointStore, store: ReplicaStore, replica: Replica,
+    def __init__(self, *, node_id: str, checkpoints: CheckpointStore, store: CoordinationStore, replica: Replica,
                  disk_executor: Executor, retain_entries: int, report_error: Callable[[str], None]) -> None:
         self.node_id = node_id
         self.checkpoints = checkpoints
@@ -145,7 +145,7 @@ class Checkpointer:
         path, index = await self.checkpoint(learner)
         try:
             await self.compact_log(coordination, persistent, path, index, stopping)
-        except (OSError, ReplicaStoreError) as error:  # e.g. a full disk: keep the long log
+        except (OSError, CoordinationStoreError) as error:  # e.g. a full disk: keep the long log
             self.report_error(f"log compaction failed, the log stays as it is: {error}")
 
     async def compact_log(self, coordination: CoordinatorNode, persistent: PersistentState, path: Path,
@@ -154,7 +154,7 @@ class Checkpointer:
 
         The new `log.bin` (snapshot header + the kept committed entries) is written on the disk
         thread while the log keeps growing; the core then drops the prefix and `store.sync` appends
-        the entries added meanwhile and renames the file into place (replica_store.py).
+        the entries added meanwhile and renames the file into place (coordination_store.py).
         """
         loop = asyncio.get_running_loop()
         replog = coordination.log

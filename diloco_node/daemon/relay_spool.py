@@ -262,12 +262,12 @@ class PayloadReceiver:
 
     @property
     def frames_left(self) -> int:
-        return self.assembler.frames_left
+        return self.assembler.chunks_left
 
     async def part(self, message: wire.Message) -> None:
         if not isinstance(message, wire.PayloadChunk):
             raise RemoteProtocolError(f"a PayloadOpen body continues with PayloadChunks, got {type(message).__name__}")
-        self.assembler.check(message)
+        self.assembler.add(message)
         await asyncio.to_thread(self._write, message.payload)
         self._progress(self.assembler.received)
 

@@ -19,9 +19,10 @@ from typing import Any
 from bootstrap import messages as coord
 from diloco_node.clock import Clock
 from diloco_node.config.settings import ConfigError, EffectiveConfig, NodeConfig, run_id_for
+from diloco_node.daemon.coordination_store import CoordinationStore
 from diloco_node.daemon.gate import StartingGate
 from diloco_node.daemon.history_hooks import DaemonHistory
-from diloco_node.daemon.history_ring import HISTORY_RING_DIR, DiskHistories
+from diloco_node.daemon.history_ring import HISTORY_RING_DIR, DiskVersionRings
 from diloco_node.daemon.identity import SiteIdentity
 from diloco_node.daemon.loop_monitor import LagWindow
 from diloco_node.daemon.metrics import DaemonSeries
@@ -29,7 +30,6 @@ from diloco_node.daemon.notify import BackgroundNotifier
 from diloco_node.daemon.peer_api import PeerApi
 from diloco_node.daemon.plan import DaemonPlan
 from diloco_node.daemon.pools import Pools
-from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.daemon.training import LearnerReports, LearnerSlot
 from diloco_node.ops.checkpoint import CheckpointStore
@@ -127,8 +127,8 @@ class Services:
         self.server = PeerServer(auth, verifier, executor=self.pools.codec, limits=plan.limits,
                                  certified_senders=tls is not None, gate=self._eviction_refusal)
         PeerApi(gate).install(self.server)
-        self.store = ReplicaStore(data_dir / COORDINATION_DIR)
-        self.histories = DiskHistories(data_dir / HISTORY_RING_DIR)  # fragment versions for rebasing
+        self.store = CoordinationStore(data_dir / COORDINATION_DIR)
+        self.version_rings = DiskVersionRings(data_dir / HISTORY_RING_DIR)  # fragment versions for rebasing
         self.history = DaemonHistory.open(data_dir, node_id, pace_s=plan.min_step_interval_s,
                                           mono_clock=clock.monotonic)
         self.identity = SiteIdentity(effective, self.store, self.client, self.role, clock=clock,
@@ -155,8 +155,8 @@ class Services:
 
     def closers(self) -> tuple[Callable[[], object], ...]:
         """What the node closes at exit, in order (the pools first: no work starts after)."""
-        return (self.pools.close, self.store.close, self.histories.close, self.history.close, self.checkpoints.close,
-                self.notifier.close, self.tracking.close)
+        return (self.pools.close, self.store.close, self.version_rings.close, self.history.close,
+                self.checkpoints.close, self.notifier.close, self.tracking.close)
 
 
 def new_status(cfg: NodeConfig, run_id: str, clock: Clock, tracking: Tracking) -> StatusBuilder:

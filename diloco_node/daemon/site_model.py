@@ -22,7 +22,7 @@ from diloco_node.config.manifest import RunManifest
 from diloco_node.config.site_data import SiteData
 from diloco_node.config.settings import ConfigError
 from diloco_node.config.site_devices import MeshShape
-from diloco_node.daemon.history_ring import DiskHistories
+from diloco_node.daemon.history_ring import DiskVersionRings
 from diloco_node.learn import data as data_lib
 from diloco_node.learn import factory
 from diloco_node.learn.inner import InnerLearner
@@ -82,7 +82,7 @@ def open_learner_data(manifest: RunManifest, data: SiteData, cache_dir: Path | N
 def build_site_model(manifest: RunManifest, *, learner: bool, data: SiteData | None = None,
                      cache_dir: Path | None = None, mesh_shape: MeshShape = MeshShape(),
                      synthetic: bool = False, initial_values: bool = True,
-                     histories: DiskHistories | None = None) -> SiteModel:
+                     version_rings: DiskVersionRings | None = None) -> SiteModel:
     """Learners and witnesses build the same model from the manifest alone (its factory, options,
     vocabulary and context), checked against the run's sealed parameter signature. A learner also
     opens its own data (`data`, default the stdlib; tokenized text is cached in `cache_dir`);
@@ -90,7 +90,7 @@ def build_site_model(manifest: RunManifest, *, learner: bool, data: SiteData | N
     (learn/mesh.py). A `synthetic` learner (benchmarks and tests, learn/synthetic_learner.py) reads
     no data and builds no model to train: its site is built like a witness's. Without
     `initial_values` (a fresh joiner, whose download replaces every fragment) a site that does not
-    train starts from zeros instead of initialising the model. `histories`: where the replica keeps
+    train starts from zeros instead of initialising the model. `version_rings`: where the replica keeps
     the fragment versions it rebases on (on disk: no fp32 copy of the model per kept round)."""
     factory.check_signature(manifest)
     trains = learner and not synthetic
@@ -133,8 +133,8 @@ def build_site_model(manifest: RunManifest, *, learner: bool, data: SiteData | N
         raise ConfigError("the run's fragments do not fit the wire limits: " + "; ".join(too_big))
     # `initial` is ours alone (fresh host copies): the replica keeps these arrays, no second copy.
     replica = Replica(plan, initial, manifest.resolved_outer(), manifest.stop, manifest.founded_at, adopt_initial=True)
-    if histories is not None:
-        replica.state.use_history(histories)
+    if version_rings is not None:
+        replica.state.use_history(version_rings)
     syncer = Syncer(manifest, plan, factory.embedding_names(manifest.model, initial))
     return SiteModel(manifest, corpus, inner, plan, replica, syncer,
                      site_mesh.describe() if site_mesh is not None else None, shapes)

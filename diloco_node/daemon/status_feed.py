@@ -11,8 +11,8 @@ from typing import Any
 
 from bootstrap import messages as coord
 from diloco_node.daemon.coordination import CoordinationIO
+from diloco_node.daemon.coordination_store import CoordinationStore
 from diloco_node.daemon.loop_monitor import LagWindow
-from diloco_node.daemon.replica_store import ReplicaStore
 from diloco_node.daemon.rounds import RoundDriver
 from diloco_node.daemon.state_transfer import StateKeeper
 from diloco_node.sync.admission import AdmissionCounts
@@ -33,7 +33,7 @@ MAX_QUORUM_REASON_CHARS = 400
 
 class StatusFeed:
     def __init__(self, *, status: StatusBuilder, coordination: CoordinationIO, keeper: StateKeeper,
-                 rounds: RoundDriver, store: ReplicaStore, client: PeerClient, server: PeerServer,
+                 rounds: RoundDriver, store: CoordinationStore, client: PeerClient, server: PeerServer,
                  loop_lag: LagWindow) -> None:
         self.status = status
         self.coordination = coordination

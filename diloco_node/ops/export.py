@@ -11,7 +11,7 @@ Where things are (a node's data directory, as the daemon lays it out):
                                                   global state's arrays and meta are named by
                                                   sync/state_codec.py
     <data_dir>/coordination/identity.json        node id, role and the run manifest
-                                                  (daemon/replica_store.py, daemon/identity.py)
+                                                  (daemon/coordination_store.py, daemon/identity.py)
 
 A checkpoint's meta does not hold the manifest, the node's identity file does: a data directory
 belongs to one node of one run, so that manifest is the one every checkpoint there was trained
@@ -88,7 +88,7 @@ HF_EXPORT_FILES = frozenset({hf_llama.CONFIG_FILE, hf_llama.WEIGHTS_FILE, hf_lla
 FORMAT_BY_SUFFIX = {".safetensors": "safetensors", ".npz": "npz"}
 NPZ_METADATA_KEY = "__metadata__"
 # The data directory's layout as the daemon creates it (daemon/services.py: the checkpoint store's
-# and the coordination store's directories; daemon/replica_store.py: the identity file).
+# and the coordination store's directories; daemon/coordination_store.py: the identity file).
 CHECKPOINTS_DIR = "checkpoints"
 COORDINATION_DIR = "coordination"
 IDENTITY_FILE = "identity.json"

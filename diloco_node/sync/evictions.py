@@ -23,9 +23,11 @@ import msgpack
 
 from wire.messages import NODE_ID_PATTERN
 
-# An operator's reason is shown in refusals sent to the evicted site; a few hundred characters
-# say why, and the bound keeps every refusal small.
-MAX_REASON_CHARS = 200
+# An operator's reason for an eviction is one part of every refusal sent to the evicted site
+# (`EvictionRecord.refusal`), which the transport cuts to the wire's own bound on a reason
+# (wire.messages.MAX_REASON_CHARS, 512): 200 characters say why and leave room for the rest of the
+# refusal (the node id, the mark and the index), so the operator's words always arrive whole.
+MAX_EVICTION_REASON_CHARS = 200
 # A site rarely has more than a certificate or two in one run (a renewal); the bound keeps a
 # hostile entry from growing every replica's register.
 MAX_FINGERPRINTS = 16
@@ -66,8 +68,8 @@ def _checked_node_id(value: Any, where: str) -> str:
 def _checked_reason(value: Any, where: str) -> str:
     if not isinstance(value, str):
         raise EvictionError(f"{where}: reason must be a string, got {type(value).__name__}")
-    if len(value) > MAX_REASON_CHARS:
-        raise EvictionError(f"{where}: reason of {len(value)} characters exceeds {MAX_REASON_CHARS}")
+    if len(value) > MAX_EVICTION_REASON_CHARS:
+        raise EvictionError(f"{where}: reason of {len(value)} characters exceeds {MAX_EVICTION_REASON_CHARS}")
     return value
 
 

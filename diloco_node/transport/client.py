@@ -32,7 +32,14 @@ import aiohttp
 from aiohttp import web
 
 from diloco_node.transport.counters import PeerTraffic, TrafficCounters
-from diloco_node.transport.routes import FRAME_CONTENT_TYPE, SENDER_HEADER, kind_path
+from diloco_node.transport.routes import (
+    DECODE_BATCH_BYTES,
+    FRAME_CONTENT_TYPE,
+    INLINE_DECODE_MAX_BYTES,
+    INLINE_ENCODE_MAX_BYTES,
+    SENDER_HEADER,
+    kind_path,
+)
 from diloco_node.transport.server import approx_payload_bytes
 from diloco_node.transport.tls import SiteTls
 from wire.auth import ANY_MEMBER, MAC_BYTES, NONCE_BYTES, AuthContext, FrameVerifier
@@ -46,13 +53,10 @@ from wire.frames import (
     encode_frame,
     encode_frame_head,
 )
-from wire.limits import DEFAULT_LIMITS, Limits
+from wire.limits import DEFAULT_LIMITS, KiB, Limits, MiB
 from wire.messages import Message
 
 log = logging.getLogger(__name__)
-
-KiB = 1024
-MiB = 1024 * KiB
 
 # A TCP handshake across continents takes well under a second; a peer silent for 10 s is down.
 CONNECT_TIMEOUT_S = 10.0
@@ -64,17 +68,12 @@ MAX_CONNECTIONS = 256
 UPLOAD_CHUNK_BYTES = 256 * KiB
 # Bodies larger than this are sent as slices rather than one write (the socket buffer would copy them).
 INLINE_BODY_MAX_BYTES = 256 * KiB
-# Messages whose payloads exceed this are encoded (SHA-256 + copy) in the thread pool.
-INLINE_ENCODE_MAX_BYTES = 64 * KiB
-# Reply bytes at or above this size (with what the decoder holds) are decoded in the thread pool.
-INLINE_DECODE_MAX_BYTES = 64 * KiB
-# Reply bytes already buffered by aiohttp are decoded together up to this size.
-DECODE_BATCH_BYTES = 1 * MiB
 # Replies per request: a handler answers each frame at most once; more is a confused or hostile peer.
 MAX_REPLY_FRAMES = 1024
 # Replies to a batch of small messages may together exceed one small frame's bound.
 MIN_REPLY_LIMIT_BYTES = 1 * MiB
-# A refusal's reason text is read up to this size (the server sends at most 512 characters).
+# A refusal's reason text is read up to this size (the server sends at most
+# wire.messages.MAX_REASON_CHARS, 512 characters).
 MAX_REFUSAL_BODY_BYTES = 4 * KiB
 # An idle pooled connection is dropped after this, well before a server closes it as idle
 # (transport/guard.py, 10 s): reusing a connection the server is closing at that moment fails.

@@ -1,4 +1,5 @@
-"""The peer API's URL scheme and headers, shared by the transport's server and client.
+"""What the transport's server and client share: the peer API's URL scheme and headers, and the
+sizes at which frame encoding and decoding leave the event loop.
 
 Every message kind has one route, `POST /v1/<kind-name>` (e.g. `/v1/vote-request`); the request
 body is one or more frames of that kind, the response body the reply frames (possibly none).
@@ -6,6 +7,7 @@ body is one or more frames of that kind, the response body the reply frames (pos
 
 from __future__ import annotations
 
+from wire.limits import KiB, MiB
 from wire.messages import MessageKind
 
 ROUTE_PREFIX = "/v1/"
@@ -13,6 +15,16 @@ ROUTE_PREFIX = "/v1/"
 # the server checks it against the authenticated sender of every frame.
 SENDER_HEADER = "X-Diloco-Sender"
 FRAME_CONTENT_TYPE = "application/x-diloco-frames"
+
+# Frames whose payloads exceed this are encoded (SHA-256 + copy) in the thread pool; below it,
+# encoding on the loop is cheaper than the hop to a thread.
+INLINE_ENCODE_MAX_BYTES = 64 * KiB
+# Received bytes (with what the decoder already holds) below this are decoded on the loop, the
+# rest in the thread pool.
+INLINE_DECODE_MAX_BYTES = 64 * KiB
+# Bytes already buffered by aiohttp are coalesced up to this size into one decode call, so a fast
+# stream costs one thread hop per MiB rather than one per socket read.
+DECODE_BATCH_BYTES = 1 * MiB
 
 
 def kind_name(kind: MessageKind) -> str:

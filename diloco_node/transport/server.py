@@ -46,7 +46,16 @@ import aiohttp
 from aiohttp import http_exceptions, web
 
 from diloco_node.transport.counters import TrafficCounters
-from diloco_node.transport.routes import FRAME_CONTENT_TYPE, ROUTE_PREFIX, SENDER_HEADER, kind_from_name, kind_name
+from diloco_node.transport.routes import (
+    DECODE_BATCH_BYTES,
+    FRAME_CONTENT_TYPE,
+    INLINE_DECODE_MAX_BYTES,
+    INLINE_ENCODE_MAX_BYTES,
+    ROUTE_PREFIX,
+    SENDER_HEADER,
+    kind_from_name,
+    kind_name,
+)
 from diloco_node.transport.tls import certificate_sha256, certified_node_id
 from wire.auth import ANY_MEMBER, MAC_BYTES, NONCE_BYTES, AuthContext, FrameVerifier
 from wire.errors import RemoteProtocolError
@@ -62,13 +71,10 @@ from wire.frames import (
     Received,
     encode_frame,
 )
-from wire.limits import DEFAULT_LIMITS, Limits
-from wire.messages import NODE_ID_PATTERN, Message, MessageKind
+from wire.limits import DEFAULT_LIMITS, KiB, Limits, MiB
+from wire.messages import MAX_NODE_ID_CHARS, MAX_REASON_CHARS, NODE_ID_PATTERN, Message, MessageKind
 
 log = logging.getLogger(__name__)
-
-KiB = 1024
-MiB = 1024 * KiB
 
 # Authenticated streams open at once, across members: a run has tens of sites, each with a few
 # streams; beyond this even members are refused (429) before they cost buffers or threads.
@@ -83,18 +89,11 @@ MAX_UNAUTHENTICATED_STREAMS_PER_ADDRESS = 8
 # Traffic of requests that never authenticated is counted under this one name (not per claimed
 # sender, which is anyone's to choose: 15,000 invented names once grew a node by 129 MB).
 UNAUTHENTICATED = "(unauthenticated)"
-# Header values we look at are bounded before use (node ids are at most 64 characters).
-MAX_SENDER_HEADER_CHARS = 64
+# Header values we look at are bounded before use: the sender header holds a node id.
+MAX_SENDER_HEADER_CHARS = MAX_NODE_ID_CHARS
 # Small kinds may batch several frames in one body; their bodies may reach this size even when one
 # frame of the kind is smaller.
 MIN_BODY_LIMIT_BYTES = 1 * MiB
-# Below this, decoding on the loop is cheaper than the hop to a thread.
-INLINE_DECODE_MAX_BYTES = 64 * KiB
-# Bytes already buffered by aiohttp are coalesced up to this size into one decode call, so a fast
-# stream costs one thread hop per MiB rather than one per socket read.
-DECODE_BATCH_BYTES = 1 * MiB
-# Replies whose payloads exceed this are encoded (SHA-256 + copy) in the thread pool.
-INLINE_ENCODE_MAX_BYTES = 64 * KiB
 # Reply bodies above this are written in slices of this size (each awaits the socket draining).
 STREAMED_REPLY_MIN_BYTES = 256 * KiB
 # After refusing a request whose body is still coming, read and drop at most this much of it (or
@@ -105,8 +104,6 @@ REFUSAL_DRAIN_S = 1.0
 # still due: a part frame's header map is a few hundred bytes (auth keys, stream id, indices), so a
 # body that outgrows this is padding what no honest sender pads (413).
 SEQUENCE_FRAME_OVERHEAD_BYTES = 4 * KiB
-# Refusal reasons are sent back as text; a peer should not be able to make us echo megabytes.
-MAX_REASON_CHARS = 512
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -454,6 +451,8 @@ class PeerServer:
                 self._streams[sender] -= 1
 
     async def _refuse(self, request: web.Request, peer_key: str, status: int, reason: str) -> web.Response:
+        # A refusal's reason is sent back as text, bounded like every reason on the wire: a peer
+        # cannot make us echo megabytes.
         reason = reason[:MAX_REASON_CHARS]
         log.info("refused %s (%s) with %d: %s", peer_key, request.remote, status, reason)
         self.counters.refused(peer_key, f"{status} {reason}")

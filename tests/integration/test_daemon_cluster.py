@@ -23,6 +23,8 @@ import pytest
 from diloco_node.testbed.launcher import Site
 from diloco_node.testbed.local_cluster import Cluster
 
+from conftest import all_ready, voters
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 STARTUP_S = 150.0  # several JAX processes compiling at once on two shared cores
@@ -58,7 +60,7 @@ def cluster(shared_run: Cluster) -> Cluster:
     names = set(shared_run.sites)
 
     def healthy(s: dict) -> bool:
-        return (_all_ready(names)(s) and all(_voters(s[n]) == names for n in names)
+        return (all_ready(names)(s) and all(voters(s[n]) == names for n in names)
                 and len({s[n].get("coordinator") for n in names} - {None}) == 1
                 and all(s[n].get("coordinator") for n in names))
 
@@ -66,17 +68,9 @@ def cluster(shared_run: Cluster) -> Cluster:
     return shared_run
 
 
-def _voters(doc: dict) -> set[str]:
-    return {m["node_id"] for m in doc["members"] if m["voter"]}
-
-
-def _all_ready(names: set[str]):
-    return lambda s: names <= {n for n, d in s.items() if d.get("ready")}
-
-
 def test_three_sites_commit_and_agree(cluster: Cluster) -> None:
     statuses = cluster.poll()
-    assert FOUNDERS <= _voters(statuses["a"])
+    assert FOUNDERS <= voters(statuses["a"])
     start = min(statuses[n]["commit_index"] for n in FOUNDERS)
     cluster.wait_for("10 more commits everywhere", lambda s: FOUNDERS <= set(s) and
                      min(s[n]["commit_index"] for n in FOUNDERS) >= start + 10, 60)
@@ -135,7 +129,7 @@ def test_wrong_secret_is_refused_and_changes_nothing(cluster: Cluster, tmp_path:
     after = cluster.poll()
     for node_id in before:
         assert "intruder" not in {m["node_id"] for m in after[node_id]["members"]}
-        assert _voters(after[node_id]) == _voters(before[node_id])
+        assert voters(after[node_id]) == voters(before[node_id])
 
 
 def test_contradicting_manifest_is_refused_with_a_clear_error(cluster: Cluster) -> None:
@@ -153,8 +147,8 @@ def test_contradicting_manifest_is_refused_with_a_clear_error(cluster: Cluster) 
 
 def test_fourth_site_joins_mid_run_and_is_merged(cluster: Cluster) -> None:
     d = cluster.add("d", bootstrap=cluster.sites["b"])
-    cluster.wait_for("d ready and a voter everywhere", lambda s: _all_ready({"a", "b", "c", "d"})(s)
-                     and all("d" in _voters(doc) for doc in s.values()), STARTUP_S)
+    cluster.wait_for("d ready and a voter everywhere", lambda s: all_ready({"a", "b", "c", "d"})(s)
+                     and all("d" in voters(doc) for doc in s.values()), STARTUP_S)
     deadline = time.monotonic() + 60
     pattern = re.compile(r"syncer: fragment \d+: .*merged \d+ of \d+ contribution\(s\).*\bd w=")
     while time.monotonic() < deadline:
@@ -230,11 +224,11 @@ def test_sigterm_of_the_coordinator_resigns_and_it_rejoins_after_restart(cluster
     assert "left: our removal is committed" in text, text[-2000:]
     others = {n for n, s in cluster.sites.items() if s.running}
     cluster.wait_for("another coordinator without the resigned one", lambda s: others <= set(s) and len(
-        {s[n].get("coordinator") for n in others} - {None, leader}) == 1 and all(leader not in _voters(s[n])
+        {s[n].get("coordinator") for n in others} - {None, leader}) == 1 and all(leader not in voters(s[n])
                                                                                   for n in others), 60)
     site.start()
     cluster.wait_for(f"{leader} re-added as a voter", lambda s: leader in s and s[leader].get("ready")
-                     and all(leader in _voters(doc) for doc in s.values()), STARTUP_S)
+                     and all(leader in voters(doc) for doc in s.values()), STARTUP_S)
     common = cluster.common_commit_index(set(cluster.poll()), 60)
     assert len(cluster.history[common]) == 1
     assert cluster.conflicting_indices() == {}
@@ -243,8 +237,8 @@ def test_sigterm_of_the_coordinator_resigns_and_it_rejoins_after_restart(cluster
 def test_witness_votes_and_replicates_without_training(cluster: Cluster) -> None:
     names = {n for n, s in cluster.sites.items() if s.running}
     cluster.add("w", bootstrap=cluster.sites["a"], extra=["--role", "witness"])
-    cluster.wait_for("w ready and a voter everywhere", lambda s: _all_ready(names | {"w"})(s)
-                     and all("w" in _voters(doc) for doc in s.values()), STARTUP_S)
+    cluster.wait_for("w ready and a voter everywhere", lambda s: all_ready(names | {"w"})(s)
+                     and all("w" in voters(doc) for doc in s.values()), STARTUP_S)
     index = cluster.common_commit_index({"w", *names}, 60)
     assert len(cluster.history[index]) == 1
     doc = cluster.poll()["w"]

@@ -10,12 +10,12 @@ from bootstrap.coordinator_node import PersistentState
 from bootstrap.entries import ClusterConfig, EntryKind, LogEntry
 from diloco_node.daemon import peers
 from diloco_node.sync.replica import CommitPayload, Replica
-from diloco_node.daemon.replica_store import ReplicaStore
-from diloco_node.sync.fragments import plan_fragments
-from diloco_node.config.manifest import OuterOptimizer
+from diloco_node.daemon.coordination_store import CoordinationStore
 from wire import messages as wire
 from wire.codecs import decode_named, encode_named
 from wire.errors import RemoteProtocolError
+
+from conftest import small_replica
 
 
 def _entries() -> list[LogEntry]:
@@ -68,36 +68,29 @@ def test_revived_record_raises_the_incarnation_only_when_needed() -> None:
     assert peers.revived_record(alive, "b", "http://b:1", coord.MemberRole.LEARNER) is None
 
 
-def test_replica_store_survives_restart_truncation_and_a_torn_tail(tmp_path) -> None:
-    store = ReplicaStore(tmp_path)
+def test_coordination_store_survives_restart_truncation_and_a_torn_tail(tmp_path) -> None:
+    store = CoordinationStore(tmp_path)
     state = PersistentState.founding(["a"])
     state.election.current_epoch = 2
     state.election.voted_for = "a"
     state.log.entries.extend(_entries()[1:])
     store.sync(state)
     store.close()
-    loaded = ReplicaStore(tmp_path).load_persistent()
+    loaded = CoordinationStore(tmp_path).load_persistent()
     assert loaded.log.entries == state.log.entries
     assert (loaded.election.current_epoch, loaded.election.voted_for) == (2, "a")
     # A new leader replaced index 3 with a different entry of epoch 3: the file is rewritten.
-    store2 = ReplicaStore(tmp_path)
+    store2 = CoordinationStore(tmp_path)
     state2 = store2.load_persistent()
     state2.log.entries[2:] = [LogEntry(3, 3, EntryKind.NOOP)]
     store2.sync(state2)
     store2.close()
-    assert ReplicaStore(tmp_path).load_persistent().log.entries[2] == LogEntry(3, 3, EntryKind.NOOP)
+    assert CoordinationStore(tmp_path).load_persistent().log.entries[2] == LogEntry(3, 3, EntryKind.NOOP)
     # A crash mid-append leaves a torn record: it is dropped, the rest survives.
     with open(tmp_path / "log.bin", "ab") as handle:
         handle.write(b"\x10\x00\x00\x00garbage")
-    reloaded = ReplicaStore(tmp_path).load_persistent()
+    reloaded = CoordinationStore(tmp_path).load_persistent()
     assert [e.index for e in reloaded.log.entries] == [1, 2, 3]
-
-
-def _replica() -> Replica:
-    rng = np.random.default_rng(0)
-    initial = {"w": rng.normal(size=(4, 4)).astype(np.float32), "b": rng.normal(size=(4,)).astype(np.float32)}
-    plan = plan_fragments({n: a.shape for n, a in initial.items()}, 2, 4, 1)
-    return Replica(plan, initial, OuterOptimizer())
 
 
 def _commit(replica: Replica, index: int, p: int, round_: int, digest: str | None = None) -> LogEntry:
@@ -111,12 +104,12 @@ def _commit(replica: Replica, index: int, p: int, round_: int, digest: str | Non
 
 
 def test_replicas_applying_the_same_entries_agree_and_skip_rounds_they_have() -> None:
-    leader, follower = _replica(), _replica()
+    leader, follower = small_replica(), small_replica()
     entry = _commit(leader, 1, 0, 1)
     assert leader.apply(entry).applied and follower.apply(entry).applied
     assert leader.state.digest() == follower.state.digest()
     # A joiner that downloaded the fragment already at round 1 skips the entry, with a reason.
-    joiner = _replica()
+    joiner = small_replica()
     joiner.install_fragment_bytes(0, leader.fragment_bytes(0)[1])
     outcome = joiner.apply(entry)
     assert not outcome.applied and "already in the state" in outcome.reason
@@ -124,16 +117,16 @@ def test_replicas_applying_the_same_entries_agree_and_skip_rounds_they_have() ->
 
 
 def test_digest_mismatch_and_round_gap_mark_the_fragment_for_repair() -> None:
-    replica = _replica()
+    replica = small_replica()
     outcome = replica.apply(_commit(replica, 1, 1, 1, digest="00" * 32))
     assert outcome.diverged and "refetching" in outcome.reason and 1 in replica.diverged
-    other = _replica()
+    other = small_replica()
     gap = other.apply(_commit(other, 1, 0, 3))
     assert gap.diverged and "round 3 but state is at 0" in gap.reason
 
 
 def test_fragment_bytes_from_a_peer_are_checked_before_install() -> None:
-    replica = _replica()
+    replica = small_replica()
     with pytest.raises(RemoteProtocolError, match="malformed"):
         replica.install_fragment_bytes(0, b"\x01\x02")
     before = replica.state.digest()
@@ -184,7 +177,7 @@ async def test_fragment_download_resumes_at_the_offset_on_another_peer() -> None
     from diloco_node.clock import SystemClock
     from diloco_node.daemon.join import FragmentDownload
 
-    source, target = _replica(), _replica()
+    source, target = small_replica(), small_replica()
     source.apply(_commit(source, 1, 0, 1))
     client = _FlakyPeers(source)
     download = FragmentDownload(client, target, lambda: ["http://dies", "http://works"], chunk_bytes=64,
@@ -213,7 +206,7 @@ def _syncer_with(replica: Replica, value: float) -> tuple:
 
 
 def test_a_merge_whose_outer_step_overflows_is_dropped_with_its_reason() -> None:
-    replica = _replica()
+    replica = small_replica()
     before = replica.state.digest()
     # Finite (float32 max is 3.4e38) but the outer step overflows when applied: GlobalStateError.
     syncer, taken = _syncer_with(replica, 3.0e38)
@@ -278,7 +271,7 @@ def test_syncer_holds_an_out_of_phase_push_until_the_fragments_next_round() -> N
     from diloco_node.sync.merge import Contribution
     from diloco_node.sync.syncer import HELD_RETRY_S
 
-    replica = _replica()
+    replica = small_replica()
     syncer, _ = _syncer_with(replica, 0.01)
     syncer.rounds.clear()
     period = syncer.manifest.sync.period
@@ -309,7 +302,7 @@ def test_syncer_holds_an_out_of_phase_push_until_the_fragments_next_round() -> N
 def test_the_norm_reference_travels_in_commits_so_a_new_holder_keeps_checking_outliers() -> None:
     """The running reference norm is merge policy, not state: it rides in each commit's payload,
     every replica keeps the newest per fragment, and a node winning the lease starts from it."""
-    holder_replica = _replica()
+    holder_replica = small_replica()
     syncer, taken = _syncer_with(holder_replica, 0.01)
     plan = syncer.plan_commit(taken, holder_replica.state, holder_replica.digest_after)
     assert plan.merged is not None and plan.merged.norm_ref is not None
@@ -317,7 +310,7 @@ def test_the_norm_reference_travels_in_commits_so_a_new_holder_keeps_checking_ou
     assert plan.merged.norm_ref == syncer.norm_ref.get(0) > 0.0
     assert CommitPayload.decode(plan.payload).norm_ref == plan.merged.norm_ref
     entry = LogEntry(1, 1, EntryKind.OUTER_COMMIT, plan.payload, fragment=0, round=1, digest=plan.digest)
-    follower = _replica()
+    follower = small_replica()
     assert follower.apply(entry).applied
     assert follower.norm_refs == {0: plan.merged.norm_ref}
     # The follower wins the lease after a failover: its fresh syncer checks from round one.

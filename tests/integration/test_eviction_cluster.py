@@ -21,7 +21,9 @@ import pytest
 from diloco_node.ops import pki
 from diloco_node.testbed.local_cluster import Cluster
 from diloco_node.transport.tls import TlsFiles
-from test_tls_cluster import FOUNDERS, STARTUP_S, _healthy, _rogue, _voters
+from test_tls_cluster import FOUNDERS, STARTUP_S, _healthy, _rogue
+
+from conftest import voters
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -66,7 +68,7 @@ def test_an_evicted_site_is_refused_everywhere_and_cannot_rejoin(tmp_path_factor
         assert evicted.stdout.strip().endswith(": key leaked in a test")
 
         after = cluster.wait_for(f"{victim} out of the voters on both survivors", lambda s: all(
-            n in s and _voters(s[n]) == survivors for n in survivors), 60)
+            n in s and voters(s[n]) == survivors for n in survivors), 60)
         start = min(after[n]["commit_index"] for n in survivors)
         assert all([(e["node_id"], e["reason"]) for e in after[n]["evicted"]] == [(victim, "key leaked in a test")]
                    for n in survivors), {n: after[n]["evicted"] for n in survivors}
@@ -95,4 +97,4 @@ def test_an_evicted_site_is_refused_everywhere_and_cannot_rejoin(tmp_path_factor
         index = cluster.common_commit_index(survivors, 60)
         assert len(cluster.history[index]) == 1
         assert cluster.conflicting_indices() == {}
-        assert all(_voters(d) == survivors for n, d in cluster.poll().items() if n in survivors)
+        assert all(voters(d) == survivors for n, d in cluster.poll().items() if n in survivors)

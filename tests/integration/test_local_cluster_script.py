@@ -8,15 +8,12 @@ it started is killed at teardown, also when an assertion fails.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
@@ -24,6 +21,8 @@ from typing import Any
 import pytest
 
 from diloco_node.testbed.launcher import REPO, free_port, node_env
+
+from conftest import local_status
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -61,14 +60,6 @@ def _two_free_ports() -> int:
                 continue
         return base
     raise RuntimeError("no two consecutive free ports on 127.0.0.1")
-
-
-def _status(port: int) -> dict[str, Any] | None:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=2) as answer:
-            return json.loads(answer.read())
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
 
 
 def _merged(document: dict[str, Any] | None) -> bool:
@@ -118,7 +109,7 @@ def test_local_cluster_script_starts_two_sites_retries_a_failed_join_and_stops_t
             assert script.poll() is None, f"the script exited ({script.returncode}):\n{output_path.read_text()}"
             assert time.monotonic() < deadline, f"no merge on both sites:\n{output_path.read_text()}"
             time.sleep(1.0)
-            documents = [_status(base), _status(base + 1)]
+            documents = [local_status(base), local_status(base + 1)]
         founder, joiner = documents
         assert founder is not None and joiner is not None
         assert (founder["node_id"], joiner["node_id"]) == ("site-a", "site-b")

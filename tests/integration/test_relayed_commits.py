@@ -16,6 +16,8 @@ import pytest
 from diloco_node.testbed.launcher import DEFAULT_SETTINGS
 from diloco_node.testbed.local_cluster import Cluster
 
+from conftest import voters
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 STARTUP_S = 200.0  # four JAX processes starting at once on two shared cores
@@ -23,10 +25,6 @@ FANOUT = 1
 NAMES = ["a", "b", "c", "d"]
 RELAYED = (*DEFAULT_SETTINGS, "learner=synthetic", "synthetic_steps_per_s=20", f"relay_fanout={FANOUT}",
            "checkpoint_interval_s=600", "eval_interval_commits=0")
-
-
-def _voters(doc: dict) -> set[str]:
-    return {m["node_id"] for m in doc.get("members", ()) if m.get("voter")}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +36,7 @@ def relayed_run(tmp_path_factory: pytest.TempPathFactory):
             cluster.add(name, bootstrap=a, settings=RELAYED)
         names = set(NAMES)
         cluster.wait_for("all ready, all voters, one holder", lambda s: names <= {n for n, d in s.items() if d.get("ready")}
-                         and all(_voters(s[n]) == names for n in names) and cluster.coordinator(s) is not None,
+                         and all(voters(s[n]) == names for n in names) and cluster.coordinator(s) is not None,
                          STARTUP_S)
         yield cluster
 

@@ -9,15 +9,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from conftest import free_port, local_status
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
@@ -96,12 +96,6 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_processes_of_one_site_train_in_lockstep_and_follow_process_0(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -109,7 +103,7 @@ def test_two_processes_of_one_site_train_in_lockstep_and_follow_process_0(tmp_pa
     # Two CPU devices per process. Not XLA's one-thread limit: a device's all-reduce waits for
     # one thread per local device, and a one-thread pool can deadlock (benchmarks/learner.py).
     env.update(XLA_FLAGS=HOST_DEVICES, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    port = _free_port()
+    port = free_port()
     processes = [subprocess.Popen([sys.executable, str(script), str(port), str(i), str(tmp_path / f"p{i}.json")],
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for i in range(2)]
@@ -133,14 +127,6 @@ def test_two_processes_of_one_site_train_in_lockstep_and_follow_process_0(tmp_pa
     assert leader["final_matches_local"]
 
 
-def _status(port: int) -> dict | None:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=2) as response:
-            return json.loads(response.read())
-    except (OSError, ValueError):
-        return None
-
-
 @pytest.mark.slow  # ~25 s on two cores: kept out of the default suite (-m slow runs it)
 def test_diloco_node_run_on_two_hosts_is_one_site_whose_process_0_is_the_daemon(tmp_path):
     """`diloco-node run` twice with one config but `cluster.process_id` 0 and 1: process 0 founds
@@ -149,7 +135,7 @@ def test_diloco_node_run_on_two_hosts_is_one_site_whose_process_0_is_the_daemon(
     secret = tmp_path / "secret"
     secret.write_text(os.urandom(32).hex() + "\n")
     secret.chmod(0o600)
-    http, coordinator = _free_port(), _free_port()
+    http, coordinator = free_port(), free_port()
     common = ["--node-id", "a", "--listen", f"127.0.0.1:{http}", "--secret-file", str(secret),
               "--data-dir", str(tmp_path / "data"), "--set", "run.model.size=tiny", "--set", "run.model.seq_len=32",
               "--set", "run.inner.batch_size=4", "--set", "run.sync.fragments=2", "--set", "run.sync.period=4",
@@ -165,7 +151,7 @@ def test_diloco_node_run_on_two_hosts_is_one_site_whose_process_0_is_the_daemon(
         seen = None
         deadline = time.monotonic() + 200
         while time.monotonic() < deadline and all(p.poll() is None for p in processes):
-            seen = _status(http)
+            seen = local_status(http)
             if seen and seen["learner"]["step"] >= 12 and seen["commit_index"] >= 2:
                 break
             time.sleep(1)

@@ -5,18 +5,17 @@ again on the same data_dir resumes the site from its checkpoint, training in loc
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from conftest import free_port, local_status
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -34,20 +33,6 @@ EXIT_WAIT_S = 6 * HEARTBEAT_TIMEOUT_S
 JAX_HEARTBEAT_ABORT = "The following tasks are unhealthy (stopped sending heartbeats):\n1\n"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _status(port: int) -> dict | None:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=2) as response:
-            return json.loads(response.read())
-    except (OSError, ValueError):
-        return None
-
-
 class Site:
     """Two `diloco-node run` processes of one site (process 0 is the daemon), logging to files."""
 
@@ -56,7 +41,7 @@ class Site:
         secret = tmp_path / "secret"
         secret.write_text(os.urandom(32).hex() + "\n")
         secret.chmod(0o600)
-        self.http = _free_port()
+        self.http = free_port()
         self.args = ["--node-id", "a", "--listen", f"127.0.0.1:{self.http}", "--secret-file", str(secret),
                      "--data-dir", str(tmp_path / "data"), "--set", "run.model.size=tiny",
                      "--set", "run.model.seq_len=32", "--set", "run.inner.batch_size=4",
@@ -70,7 +55,7 @@ class Site:
         self.starts = 0
 
     def start(self) -> None:
-        coordinator = _free_port()  # a fresh cluster each start
+        coordinator = free_port()  # a fresh cluster each start
         self.starts += 1
         for i in range(2):
             with open(self.log_path(i), "w") as log:
@@ -92,7 +77,7 @@ class Site:
         seen = None
         deadline = time.monotonic() + START_WAIT_S
         while time.monotonic() < deadline and all(p.poll() is None for p in self.processes):
-            seen = _status(self.http)
+            seen = local_status(self.http)
             if seen is not None and ready(seen):
                 return seen
             time.sleep(0.5)

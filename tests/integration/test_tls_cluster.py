@@ -29,6 +29,8 @@ from diloco_node.transport.tls import SiteTls, TlsFiles
 from wire.auth import AuthContext, FrameVerifier, derive_frame_key, load_run_secret
 from wire.messages import VoteRequest
 
+from conftest import voters
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 STARTUP_S = 150.0
@@ -54,13 +56,9 @@ def tls_run(tmp_path_factory: pytest.TempPathFactory):
         c.close()
 
 
-def _voters(doc: dict) -> set[str]:
-    return {m["node_id"] for m in doc["members"] if m["voter"]}
-
-
 def _healthy(s: dict) -> bool:
     return (FOUNDERS <= {n for n, d in s.items() if d.get("ready")}
-            and all(_voters(s[n]) == FOUNDERS for n in FOUNDERS)
+            and all(voters(s[n]) == FOUNDERS for n in FOUNDERS)
             and len({s[n].get("coordinator") for n in FOUNDERS} - {None}) == 1
             and all(s[n].get("coordinator") for n in FOUNDERS))
 
@@ -158,7 +156,7 @@ def test_bad_actors_are_refused_and_change_nothing(tls_run: Cluster, tmp_path: P
     # Nothing changed: the same three voters, and the run goes on committing.
     after = cluster.wait_for("commits go on after the refusals", lambda s: target in s and
                              s[target]["commit_index"] > start_index + 2, 60)
-    assert all(_voters(after[n]) == FOUNDERS for n in FOUNDERS if n in after)
+    assert all(voters(after[n]) == FOUNDERS for n in FOUNDERS if n in after)
     assert cluster.conflicting_indices() == {}
 
 

@@ -90,11 +90,11 @@ def compaction_point(*, checkpoint_index: int, commit_index: int, snapshot_index
                      f"min(checkpoint {checkpoint_index}, commit {commit_index})")
 
 
-class ReplicaStoreError(Exception):
+class CoordinationStoreError(Exception):
     """The durable coordination state is unreadable; the message names the file."""
 
 
-class PayloadGone(ReplicaStoreError, PayloadUnavailable):
+class PayloadGone(CoordinationStoreError, PayloadUnavailable):
     """An entry's payload is no longer in log.bin (truncated or compacted away) or its record is damaged."""
 
 
@@ -144,7 +144,7 @@ def _decode_body(body: Any, offset: int, path: Path) -> LogEntry | Snapshot:
         config = ClusterConfig.of(voters) if voters is not None else None
         return LogEntry(epoch, index, EntryKind(kind), payload, fragment, round_, digest, config)
     except (ValueError, TypeError, KeyError) as error:
-        raise ReplicaStoreError(f"{path}: record at byte {offset} is not a log entry: {error}") from None
+        raise CoordinationStoreError(f"{path}: record at byte {offset} is not a log entry: {error}") from None
 
 
 def decode_log(data: bytes, path: Path) -> tuple[Snapshot, list[LogEntry], int]:
@@ -171,23 +171,24 @@ def _scan_log(handle: Any, size: int, path: Path) -> tuple[Snapshot, list[tuple[
                 # Only an append can be torn, and a header is written by an atomic rewrite: a
                 # complete first record that fails its checksum is damage, and dropping it
                 # would silently throw the whole log away.
-                raise ReplicaStoreError(f"{path}: the first record fails its checksum; the log is damaged")
+                raise CoordinationStoreError(f"{path}: the first record fails its checksum; the log is damaged")
             break
         try:
             unpacked = msgpack.unpackb(body, raw=False)
         except (ValueError, msgpack.UnpackException) as error:
-            raise ReplicaStoreError(f"{path}: record at byte {offset} is not msgpack: {error}") from None
+            raise CoordinationStoreError(f"{path}: record at byte {offset} is not msgpack: {error}") from None
         del body
         record = _decode_body(unpacked, offset, path)
         if isinstance(record, Snapshot):
             if offset != 0:
-                raise ReplicaStoreError(f"{path}: a snapshot header at byte {offset}; only the first record may be one")
+                raise CoordinationStoreError(f"{path}: a snapshot header at byte {offset}; only the first record "
+                                             "may be one")
             snapshot = record
         else:
             expected = entries[-1][0].index + 1 if entries else snapshot.last_index + 1
             if record.index != expected:
                 after = f"entry {entries[-1][0].index}" if entries else f"the snapshot through {snapshot.last_index}"
-                raise ReplicaStoreError(f"{path}: entry {record.index} follows {after}")
+                raise CoordinationStoreError(f"{path}: entry {record.index} follows {after}")
             entries.append((record, offset, _RECORD_HEAD.size + length))
         offset = start + length
     return snapshot, entries, offset
@@ -269,7 +270,7 @@ class PreparedLog:
         return self.count == 0 or (entries[self.count - 1].index, entries[self.count - 1].epoch) == self.last
 
 
-class ReplicaStore:
+class CoordinationStore:
     """The files of one node's coordination state under `directory`."""
 
     def __init__(self, directory: Path) -> None:
@@ -317,7 +318,7 @@ class ReplicaStore:
         try:
             identity = json.loads(self._identity_path.read_text())
         except (OSError, ValueError) as error:
-            raise ReplicaStoreError(f"{self._identity_path}: unreadable: {error}") from None
+            raise CoordinationStoreError(f"{self._identity_path}: unreadable: {error}") from None
         self._written_identity = json.dumps(identity, sort_keys=True)
         return identity
 
@@ -329,7 +330,7 @@ class ReplicaStore:
                 raw = json.loads(self._election_path.read_text())
                 election = ElectionState(int(raw["current_epoch"]), raw.get("voted_for"))
             except (OSError, ValueError, KeyError, TypeError) as error:
-                raise ReplicaStoreError(f"{self._election_path}: unreadable: {error}") from None
+                raise CoordinationStoreError(f"{self._election_path}: unreadable: {error}") from None
         # A rewrite that crashed before its rename: log.bin is still the complete old log.
         _temp_path(self._log_path).unlink(missing_ok=True)
         self._compaction_path.unlink(missing_ok=True)
@@ -459,7 +460,7 @@ class ReplicaStore:
 
     def read_payload(self, index: int, epoch: int) -> bytes:
         """The payload of entry `index` of `epoch` from log.bin (any thread): the record's CRC,
-        index and epoch are checked. ReplicaStoreError when the log no longer holds that entry
+        index and epoch are checked. CoordinationStoreError when the log no longer holds that entry
         (truncated or compacted away) or the record is damaged."""
         with self._read_lock:
             location = self._locations.get(index)
@@ -540,7 +541,7 @@ class ReplicaStore:
         next load deletes.
         """
         if committed and committed[0].index != snapshot.last_index + 1:
-            raise ReplicaStoreError(f"compaction: entry {committed[0].index} does not follow the snapshot "
+            raise CoordinationStoreError(f"compaction: entry {committed[0].index} does not follow the snapshot "
                                     f"through {snapshot.last_index}")
         header = _encode_snapshot(snapshot)
         with open(self._compaction_path, "wb") as handle:
