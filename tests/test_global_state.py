@@ -22,7 +22,7 @@ SHAPES = {
     "blocks/0/b": (4,),
     "head/kernel": (4, 16),
 }
-OUTER = OuterOptimizer(lr=0.7, momentum=0.9)
+OUTER = OuterOptimizer(lr=0.7, momentum=0.9, momentum_warmup_rounds=0)  # the constant Nesterov step
 
 
 def _init(seed: int = 0) -> dict[str, np.ndarray]:

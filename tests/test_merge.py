@@ -477,7 +477,7 @@ GOLDEN_SHAPES = {
 
 GOLDEN_SEED = 2024
 GOLDEN_LEARNERS = ("a", "b", "c", "d")
-GOLDEN_OUTER = OuterOptimizer(lr=0.7, momentum=0.9)
+GOLDEN_OUTER = OuterOptimizer(lr=0.7, momentum=0.9, momentum_warmup_rounds=0)  # the golden bits: a constant step
 GOLDEN_CAPS = ContributionCaps(max_tokens_per_step=2048, max_steps=12)
 
 

@@ -35,12 +35,14 @@ def _momenta(outer: OuterOptimizer, rounds: range) -> list[float]:
 # ------------------------------------------------------------------ values at each round
 
 
-def test_by_default_every_round_steps_with_the_set_lr_and_momentum() -> None:
+def test_by_default_the_lr_is_constant_and_the_momentum_warms_up_over_five_rounds() -> None:
     outer = OuterOptimizer()
-    assert (outer.lr, outer.momentum) == (0.7, 0.6)
-    assert {outer_step_values(outer, r) for r in (1, 2, 20, 10_000)} == {(0.7, 0.6)}
-    # Constant needs no horizon: a bare optimizer (no manifest) steps the same.
-    assert outer_step_values(OuterOptimizer(lr=0.4, momentum=0.9), 3) == (0.4, 0.9)
+    assert (outer.lr, outer.momentum, outer.momentum_warmup_rounds) == (0.7, 0.6, 5)
+    assert [outer_step_values(outer, r)[0] for r in (1, 2, 20, 10_000)] == [0.7] * 4
+    assert [round(outer_step_values(outer, r)[1], 9) for r in (1, 2, 6, 20, 10_000)] == [0.0, 0.12, 0.6, 0.6, 0.6]
+    # With the warm-up off, every round steps with the set values; a constant schedule needs no
+    # horizon, so a bare optimizer (no manifest) steps the same.
+    assert outer_step_values(OuterOptimizer(lr=0.4, momentum=0.9, momentum_warmup_rounds=0), 3) == (0.4, 0.9)
 
 
 def test_momentum_warmup_ramps_from_zero_to_the_set_momentum() -> None:
@@ -51,7 +53,7 @@ def test_momentum_warmup_ramps_from_zero_to_the_set_momentum() -> None:
 
 
 def test_momentum_decay_reaches_momentum_final_at_the_horizon_and_keeps_it() -> None:
-    outer = OuterOptimizer(momentum=0.6, momentum_decay_rounds=4, momentum_final=0.2, horizon_rounds=10)
+    outer = OuterOptimizer(momentum=0.6, momentum_warmup_rounds=0, momentum_decay_rounds=4, momentum_final=0.2, horizon_rounds=10)
     got = _momenta(outer, range(1, 14))
     assert got[:6] == [0.6] * 6
     np.testing.assert_allclose(got[6:9], [0.5, 0.4, 0.3], rtol=1e-12)
@@ -245,7 +247,7 @@ def test_the_digest_preview_equals_the_apply_at_every_round_of_a_schedule() -> N
 
 
 def test_replicas_agree_bit_for_bit_and_a_joiner_continues_the_schedule_from_its_round() -> None:
-    a, b, constant = _state(SCHEDULED), _state(SCHEDULED), _state(OuterOptimizer(lr=0.7, momentum=0.6))
+    a, b, constant = _state(SCHEDULED), _state(SCHEDULED), _state(OuterOptimizer(lr=0.7, momentum=0.6, momentum_warmup_rounds=0))
     joiner = _state(SCHEDULED)
     for r in range(1, 9):
         if r == 4:  # the joiner installs the state at round 3 and goes on from there
