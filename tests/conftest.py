@@ -173,6 +173,22 @@ def small_replica():
     return Replica(plan, initial, OuterOptimizer())
 
 
+def byte_batches(rng, m: int):
+    """Random token ids in [0, 256) for `m` stacked learners of 2 windows of 16: (inputs, targets),
+    each of shape (m, 2, 16), the targets the inputs shifted by one."""
+    import numpy as np
+
+    x = rng.integers(0, 256, (m, 2, 17)).astype(np.int32)
+    return x[..., :-1], x[..., 1:]
+
+
+def vote_request(epoch: int = 3):
+    """A vote request from candidate "a" (the message the transport tests send)."""
+    from wire.messages import VoteRequest
+
+    return VoteRequest(epoch=epoch, candidate="a", last_log_epoch=2, last_log_index=10)
+
+
 class NoDisk:
     """The coordination store and history a `CoordinationIO` writes to, writing nothing."""
 
