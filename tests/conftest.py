@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from diloco_node.testbed.launcher import JAX_CACHE, REPO
+from diloco_node.testbed.launcher import JAX_CACHE, REPO  # imports no JAX: the setup below comes first
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -43,6 +43,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=deselected)
         kept = set(map(id, items)) - set(map(id, deselected))
         items[:] = [item for item in items if id(item) in kept]
+
 
 # Words of the small tokenizers tests make (id 0 is "[UNK]", word i is id i + 1).
 TOKENIZER_WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
