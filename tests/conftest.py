@@ -1,17 +1,49 @@
-"""Test-wide setup that must happen before JAX initialises.
+"""Test-wide setup and the helpers tests share.
 
-Forces two host CPU devices (tests of data-parallel learners need several devices) and keeps
-XLA from oversubscribing this machine's two cores when several JAX users run at once.
+Before JAX initialises: two host CPU devices (tests of data-parallel learners need several), and
+the persistent compilation cache the test nodes already use, so a second run of the suite skips
+most of XLA's compile time (the in-process learner tests are mostly compiling).
+
+The layout (README.md, "Run the tests"): a test that starts another process lives under
+tests/integration/ and is marked `integration` here, whatever its module says; every other test
+runs in the pytest process and lives in tests/. Tests marked `slow` or `browser` run only when the
+`-m` expression names their marker, so `-m 'not integration'` (the fast loop) leaves them out too.
 """
 
 import os
 import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from diloco_node.testbed.launcher import JAX_CACHE, REPO  # imports no JAX: the setup below comes first
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", JAX_CACHE)
+# The learners' programs are small, each under JAX's default 1 s threshold: cache them all.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 import pytest  # noqa: E402 - after the environment JAX reads at import
+
+INTEGRATION_DIR = Path(__file__).resolve().parent / "integration"
+# Markers whose tests run only when the -m expression names them (not by `-m 'not integration'`).
+OPT_IN_MARKERS = ("slow", "browser")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects: it must see the integration marks added here
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if INTEGRATION_DIR in item.path.parents:
+            item.add_marker(pytest.mark.integration)
+    expression = config.getoption("markexpr") or ""
+    opted_out = [m for m in OPT_IN_MARKERS if not re.search(rf"\b{m}\b", expression)]
+    deselected = [item for item in items if any(item.get_closest_marker(m) for m in opted_out)]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        kept = set(map(id, items)) - set(map(id, deselected))
+        items[:] = [item for item in items if id(item) in kept]
+
 
 # Words of the small tokenizers tests make (id 0 is "[UNK]", word i is id i + 1).
 TOKENIZER_WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
@@ -142,6 +174,22 @@ def small_replica():
     return Replica(plan, initial, OuterOptimizer())
 
 
+def byte_batches(rng, m: int):
+    """Random token ids in [0, 256) for `m` stacked learners of 2 windows of 16: (inputs, targets),
+    each of shape (m, 2, 16), the targets the inputs shifted by one."""
+    import numpy as np
+
+    x = rng.integers(0, 256, (m, 2, 17)).astype(np.int32)
+    return x[..., :-1], x[..., 1:]
+
+
+def vote_request(epoch: int = 3):
+    """A vote request from candidate "a" (the message the transport tests send)."""
+    from wire.messages import VoteRequest
+
+    return VoteRequest(epoch=epoch, candidate="a", last_log_epoch=2, last_log_index=10)
+
+
 class NoDisk:
     """The coordination store and history a `CoordinationIO` writes to, writing nothing."""
 
@@ -178,3 +226,149 @@ def write_node_toml(tmp_path, text: str):
     path = tmp_path / "node.toml"
     path.write_text('[node]\nlisten = "127.0.0.1:7300"\n' + text)
     return path
+
+
+def process_gone(pid: int) -> bool:
+    """No such process, or a zombie awaiting an init that does not reap (containers)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
+def eventually(predicate, timeout_s: float = 5.0, interval_s: float = 0.02) -> bool:
+    """Whether `predicate()` holds within `timeout_s` (polled every `interval_s`): a test waits for
+    what it asserts, `assert eventually(lambda: ...)`, rather than for something else."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())
+
+
+async def until(condition, timeout_s: float = 5.0) -> None:
+    """Awaits `condition()` being true, polling every 10 ms; TimeoutError after `timeout_s`."""
+    import asyncio
+
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+async def _echo(reader, writer) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+        writer.write_eof()
+    except ConnectionError:
+        pass
+    finally:
+        writer.close()
+
+
+@pytest.fixture
+async def echo_port():
+    """An asyncio TCP server on 127.0.0.1 that echoes every byte back; its port."""
+    import asyncio
+
+    server = await asyncio.start_server(_echo, "127.0.0.1", 0)
+    yield server.sockets[0].getsockname()[1]
+    server.close()
+    await server.wait_closed()
+
+
+async def roundtrip(port: int, payload: bytes, timeout: float = 5.0) -> bytes:
+    """`payload` sent to 127.0.0.1:`port` on a new connection, and as many bytes read back."""
+    import asyncio
+
+    async with asyncio.timeout(timeout):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(payload)
+            await writer.drain()
+            return await reader.readexactly(len(payload))
+        finally:
+            writer.close()
+
+
+def config_show(argv: list[str], environ: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """`diloco-node config show ARGV` in-process with `environ` as its environment: (exit code,
+    stdout, stderr)."""
+    import argparse
+    import io
+
+    from diloco_node.cli import config as config_cli
+
+    parser = argparse.ArgumentParser()
+    config_cli.add_arguments(parser, "config")
+    args = parser.parse_args(["show", *argv])
+    out, err = io.StringIO(), io.StringIO()
+    code = config_cli.show_command(args, environ or {}, out, err)
+    return code, out.getvalue(), err.getvalue()
+
+
+# ---- the fenced blocks of README.md and docs/*.md --------------------------------------------
+# tests/integration/test_doc_commands.py runs the command blocks; tests/test_doc_blocks.py checks
+# the rest of the convention (docs/ARCHITECTURE.md, "Command blocks in the docs").
+
+DOC_FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
+DOC_COMMAND_LANGUAGES = {"bash", "sh", "shell", "console"}
+DOC_NOT_RUN = re.compile(r"^\s*<!-- not run by tests: (\S.*?) -->\s*$")
+DOC_SLOW = re.compile(r"^\s*<!-- run by tests: slow -->\s*$")
+
+
+@dataclass(frozen=True)
+class DocBlock:
+    path: Path
+    line: int  # of the opening fence, from 1
+    language: str
+    text: str
+    marker: str  # the line before the fence
+
+    @property
+    def name(self) -> str:
+        return f"{self.path.relative_to(REPO)}:{self.line}"
+
+    @property
+    def is_command(self) -> bool:
+        return self.language in DOC_COMMAND_LANGUAGES
+
+    @property
+    def run_by_tests(self) -> str | None:
+        """"now" (in the default suite), "slow" (by `pytest -m slow`), or None: not a command, or
+        marked as not run."""
+        if not self.is_command or DOC_NOT_RUN.match(self.marker):
+            return None
+        return "slow" if DOC_SLOW.match(self.marker) else "now"
+
+
+def doc_blocks() -> list[DocBlock]:
+    """Every fenced block of README.md and docs/*.md, in order."""
+    found = []
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        lines = path.read_text().splitlines()
+        i = 0
+        while i < len(lines):
+            opening = DOC_FENCE.match(lines[i])
+            if opening is None:
+                i += 1
+                continue
+            end = next((j for j in range(i + 1, len(lines))
+                        if DOC_FENCE.match(lines[j]) and not DOC_FENCE.match(lines[j])[2]), None)
+            assert end is not None, f"{path.relative_to(REPO)}:{i + 1}: a fence that is never closed"
+            indent = len(opening[1])
+            text = "\n".join(line[indent:] for line in lines[i + 1:end]) + "\n"
+            found.append(DocBlock(path, i + 1, opening[2], text, lines[i - 1] if i else ""))
+            i = end + 1
+    return found
+
+
+def doc_command_block(doc: str, contains: str) -> DocBlock:
+    """The one command block of `doc` (a path from the repository root) whose text has `contains`."""
+    (found,) = [b for b in doc_blocks() if b.is_command and b.name.startswith(doc) and contains in b.text]
+    return found

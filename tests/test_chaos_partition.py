@@ -1,25 +1,21 @@
 """Partitions in the chaos engine: the `partition` action in schedules (minority sides counted as
 down, placeholders for the holder's companions, the optional mandatory coordinator partition),
-the cuts the harness derives for the link emulators' source filters, the daemon's per-node
-source address, and a stand-in run that partitions the lease holder with a follower away."""
+the cuts the harness derives for the link emulators' source filters and the daemon's per-node
+source address. A stand-in run that partitions the lease holder with a follower away:
+tests/integration/test_chaos_partition_processes.py."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from diloco_node.testbed.chaos.harness import (
-    ChaosConfig,
     DaemonLauncher,
     HarnessError,
     NodeSlot,
-    StandinLauncher,
     partition_cuts,
-    run_chaos,
     source_address,
-    standin_config,
 )
 from diloco_node.testbed.chaos.schedule import (
     COORDINATOR,
@@ -31,7 +27,7 @@ from diloco_node.testbed.chaos.schedule import (
     check_schedule,
     generate,
 )
-from diloco_node.ops.history import find_history_files, load_histories
+
 
 FIVE = ("n1", "n2", "n3", "n4", "n5")
 SPEC5 = ScheduleSpec(nodes=FIVE, duration_s=120, lease_s=2.0, faults=8, warmup_s=10, settle_s=10, recovery_s=4)
@@ -165,41 +161,3 @@ def test_extra_settings_reach_every_daemon_and_bad_ones_are_refused_before_any_s
     bad = DaemonLauncher(extra_settings=("relay_fanout=99",))
     with pytest.raises(HarnessError, match="relay_fanout"):
         bad.prepare(tmp_path / "bad", 1, 3.0, 0.5, seed=0)
-
-
-@pytest.mark.integration
-def test_harness_partitions_the_holder_with_a_follower_and_heals(tmp_path):
-    """Five stand-ins (they do not network, so this exercises the engine's bookkeeping, not the
-    protocol): the holder and one follower are cut off from the other three, then healed."""
-    config = standin_config(ChaosConfig(
-        workdir=tmp_path, seed=4, nodes=5, duration_s=14, faults=5, lease_s=0.5, heartbeat_s=0.1,
-        warmup_s=2, settle_s=2.5, recovery_s=1, modes=("decoupled",), coordinator_partition=True,
-    ))
-    schedule = Schedule(4, 14, (
-        Fault(2.0, "kill", COORDINATOR, 0.5),
-        Fault(4.0, "partition", COORDINATOR, 1.0, side=(FOLLOWER,)),
-        Fault(6.5, "stop", COORDINATOR, 1.0),
-        Fault(9.0, "isolate", "n3", 1.0),
-        Fault(9.1, "partition", "n4", 1.0),  # with n3 isolated: two one-node sides at once
-    ))
-    report = run_chaos(config, StandinLauncher(commit_interval_s=0.2), schedule)
-    assert report["violations"] == [], report["violations"]
-    applied = report["decoupled"]["faults_applied"]
-    first = applied[1]
-    assert first["action"] == "partition" and first["coordinator"] is True and first["note"] == "ok"
-    minority = {first["target"], *first["side"]}
-    assert len(minority) == 2 and minority <= set(FIVE)
-    majority = set(FIVE) - minority
-    assert {n: set(c) for n, c in first["cuts"].items()} == {
-        **{n: majority for n in minority}, **{n: minority for n in majority}}
-    # the isolation and the overlapping one-node partition: n3 and n4 cut from all, the rest from both
-    third = applied[4]
-    assert set(third["cuts"]["n3"]) == set(FIVE) - {"n3"} and set(third["cuts"]["n4"]) == set(FIVE) - {"n4"}
-    assert set(third["cuts"]["n1"]) == {"n3", "n4"}
-
-    histories = load_histories(find_history_files(tmp_path))
-    heals = {e.detail["fault"]: e.detail for e in histories["nemesis"] if e.kind == "heal"}
-    assert heals[1]["cuts"] == {}  # nothing else in force then: every filter cleared
-    assert set(heals[3]["cuts"]) == set(FIVE)  # n3 healed while n4 is still cut off: n4's cuts remain
-    assert all(set(c) == {"n4"} for n, c in heals[3]["cuts"].items() if n != "n4")
-    assert heals[4]["cuts"] == {}

@@ -2,15 +2,10 @@
 
 import argparse
 import json
-import os
-import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from diloco_node.cli import config as config_cli
 from diloco_node.config.settings import (
     NODE_SPECS,
     RUN_SPECS,
@@ -25,6 +20,8 @@ from diloco_node.config.settings import (
 )
 from diloco_node.config.manifest import RunManifest
 from wire.messages import MAX_NODE_ID_CHARS, NODE_ID_PATTERN as WIRE_NODE_ID_PATTERN
+
+from conftest import config_show
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -306,20 +303,9 @@ def test_effective_config_checks_the_run_it_joins(tmp_path):
 # --- examples and the config show command --------------------------------------------------------
 
 
-def _show(argv: list[str], environ: dict[str, str]) -> tuple[int, str, str]:
-    import io
-
-    parser = argparse.ArgumentParser()
-    config_cli.add_arguments(parser, "config")
-    args = parser.parse_args(["show", *argv])
-    out, err = io.StringIO(), io.StringIO()
-    code = config_cli.show_command(args, environ, out, err)
-    return code, out.getvalue(), err.getvalue()
-
-
 def test_config_show_prints_values_and_sources(tmp_path, secret_file):
     path = _write(tmp_path, '[node]\nnode_id = "site-a"\n[run.sync]\nperiod = 16\n')
-    code, out, err = _show(["--config", str(path), "--listen", "127.0.0.1:7101", "--secret-file", str(secret_file),
+    code, out, err = config_show(["--config", str(path), "--listen", "127.0.0.1:7101", "--secret-file", str(secret_file),
                             "--set", "run.outer.lr=0.5"], {"DILOCO_ROLE": "witness"})
     assert code == 0 and err == ""
     rows = {line.split()[0]: line.split() for line in out.splitlines()[3:]}
@@ -330,25 +316,25 @@ def test_config_show_prints_values_and_sources(tmp_path, secret_file):
     assert rows["run.outer.lr"][1] == "0.5" and rows["run.outer.lr"][2:] == ["flag:--set", "run.outer.lr"]
     assert rows["run.sync.min_quorum"][1:] == ["1", "default"]
     assert SECRET not in out
-    code, out, _ = _show(["--json", "--secret-file", str(secret_file)], {})
+    code, out, _ = config_show(["--json", "--secret-file", str(secret_file)], {})
     document = json.loads(out)
     assert code == 0 and len(document["run_manifest_digest"]) == 64
     assert {"key": "listen", "value": "127.0.0.1:7070", "source": "default", "env": "DILOCO_LISTEN"} in document["settings"]
 
 
 def test_config_show_reports_errors_with_exit_2():
-    code, out, err = _show(["--listen", "nowhere"], {})
+    code, out, err = config_show(["--listen", "nowhere"], {})
     assert code == 2 and out == ""
     assert err.startswith("diloco-node config: error: listen (flag:--listen) = 'nowhere': expected HOST:PORT")
-    code, _, err = _show(["--secret", SECRET], {})
+    code, _, err = config_show(["--secret", SECRET], {})
     assert code == 2 and "inline secrets are refused" in err and SECRET not in err
-    code, _, err = _show(["--set", "novalue"], {})
+    code, _, err = config_show(["--set", "novalue"], {})
     assert code == 2 and "--set 'novalue': expected KEY=VALUE" in err
 
 
 @pytest.mark.parametrize("name", ["site-a", "site-b", "site-c", "witness"])
 def test_each_example_site_config_is_valid(name):
-    code, out, err = _show(["--config", str(EXAMPLES / "sites" / f"{name}.toml")], {})
+    code, out, err = config_show(["--config", str(EXAMPLES / "sites" / f"{name}.toml")], {})
     assert code == 0, err
     assert f"node_id                               {name}" in out or f" {name} " in out
 
@@ -362,27 +348,6 @@ def test_example_joiners_agree_with_the_founder():
         assert joiner.manifest_for_join(founder.run) == founder.run
     assert load_config(EXAMPLES / "sites" / "witness.toml", {}, {}).node.role == "witness"
     assert load_config(EXAMPLES / "sites" / "site-c.toml", {}, {}).explicit_run_keys() == {"model.size", "sync.codec_up"}
-
-
-@pytest.mark.integration
-def test_local_cluster_script_commands_are_valid_run_flags(tmp_path):
-    environ = {"PATH": os.environ["PATH"], "CLUSTER_DIR": str(tmp_path), "BASE_PORT": "7401",
-               "NODE_CMD": "diloco-node"}
-    result = subprocess.run(["bash", str(EXAMPLES / "local-cluster.sh"), "--dry-run"], env=environ,
-                            capture_output=True, text=True, timeout=30, check=True)
-    commands = [shlex.split(line) for line in result.stdout.splitlines() if line.strip()]
-    assert len(commands) == 4
-    (tmp_path / "secret").write_text(SECRET + "\n")
-    (tmp_path / "secret").chmod(0o600)
-    listens = []
-    for argv in commands:
-        assert argv[:2] == ["diloco-node", "run"]
-        code, out, err = _show(argv[2:], {})
-        assert code == 0, err
-        listens.append(next(line.split()[1] for line in out.splitlines() if line.startswith("listen ")))
-    assert listens == ["127.0.0.1:7401", "127.0.0.1:7402", "127.0.0.1:7403", "127.0.0.1:7404"]
-    assert "--bootstrap" not in commands[0] and all("127.0.0.1:7401" in c for c in commands[1:])
-    assert not (tmp_path / "site-a").exists()  # a dry run creates nothing
 
 
 def test_systemd_unit_has_the_hardening_and_notify_settings():
@@ -402,17 +367,6 @@ def test_operations_doc_lists_every_key_and_variable():
     doc = (ROOT / "docs" / "OPERATIONS.md").read_text()
     missing = [s.key for s in NODE_SPECS + RUN_SPECS if f"`{s.key}`" not in doc or s.env not in doc]
     assert missing == []
-
-
-@pytest.mark.integration
-def test_config_command_does_not_import_jax():
-    code = ("import sys; from diloco_node import cli; rc = cli.main(['config', 'show', '--json']); "
-            "assert 'jax' not in sys.modules, 'jax imported'; "
-            "from diloco_node.cli import status as status_cli; assert 'jax' not in sys.modules")
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                            env={k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")})
-    assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["settings"][0]["key"] == "node_id"
 
 
 def test_node_config_direct_construction_validates():

@@ -5,9 +5,9 @@ docs/OPERATIONS.md documents) to the tests that change the key and check a conse
 proves nothing about behaviour itself: it fails when a key is added without a test, or when a
 referenced test is renamed or removed. The proof is in the referenced tests. Where a test drives
 the component a key configures rather than the key itself, the wiring (key -> component) is named
-in the test or in a second entry. Tests under tests/integration/ or in modules marked
-`integration` run outside the default suite (`-m 'not integration'`); keys observed only there
-are listed in `INTEGRATION_ONLY` (empty now).
+in the test or in a second entry. Tests under tests/integration/ (the only ones marked
+`integration`) start processes and are left out of the fast loop (`-m 'not integration'`); keys
+observed only there are listed in `INTEGRATION_ONLY` (empty now).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ OBSERVED: dict[str, tuple[str, ...]] = {
                               CLUSTER + "test_sigkill_coordinator_fails_over_and_restarts_from_checkpoint",),
     "checkpoint_keep": (E + "test_checkpoint_keep_is_how_many_checkpoints_stay_on_disk",),
     "log_retain_entries": (E + "test_log_retain_entries_is_the_tail_kept_below_the_checkpoint",
-                           "tests/test_daemon_compaction_cluster.py::test_logs_compact_and_stay_bounded"),
+                           "tests/integration/test_daemon_compaction_cluster.py::test_logs_compact_and_stay_bounded"),
     "eval_interval_commits": ("tests/test_daemon_parts.py::test_the_evaluator_runs_every_n_commits_one_at_a_time_on_a_consistent_state",
                               "tests/test_daemon_parts.py::test_a_witness_or_a_disabled_evaluator_never_evaluates"),
     "eval_batches": (E + "test_eval_batches_is_how_many_windows_each_evaluation_scores",),
@@ -239,9 +239,7 @@ def _test_functions(path: str) -> frozenset[str]:
 
 
 def _is_integration(path: str) -> bool:
-    if path.startswith("tests/integration/"):
-        return True
-    return "pytest.mark.integration" in (ROOT / path).read_text()
+    return path.startswith("tests/integration/")  # tests/test_test_layout.py: and nowhere else
 
 
 def test_every_key_has_an_entry_and_no_entry_is_stale() -> None:

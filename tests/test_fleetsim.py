@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 from dataclasses import replace
@@ -269,19 +268,6 @@ def test_cli_without_matplotlib_still_writes_json_and_says_so(tmp_path, monkeypa
     assert "plot skipped: matplotlib is not installed" in capsys.readouterr().out
     assert not (tmp_path / "g.png").exists()
     assert json.loads((tmp_path / "g.json").read_text())["results"]
-
-
-@pytest.mark.integration
-def test_simulate_and_bandwidth_do_not_import_jax(tmp_path):
-    code = (
-        "import sys; from diloco_node import cli; "
-        f"cli.main(['simulate','--chips','20000','--learners','2','--expected-failures','200',"
-        f"'--plot','none','--json',{str(tmp_path / 'x.json')!r}]); "
-        "cli.main(['bandwidth','--paper']); "
-        "assert 'jax' not in sys.modules, 'jax imported'"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
 
 
 def test_paper_goodput_points_are_where_the_paper_reports_them():

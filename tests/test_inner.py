@@ -5,20 +5,17 @@ import numpy as np
 from diloco_node.learn.inner import InnerLearner, StackedLearners, make_schedule
 from diloco_node.config.manifest import InnerOptimizer, ModelSpec
 
+from conftest import byte_batches
+
 CFG = ModelSpec.of(seq_len=16, size="tiny")
 INNER = InnerOptimizer(batch_size=2, lr_peak=3e-3, warmup_steps=4, total_steps=24)
-
-
-def _batch(rng, m):
-    x = rng.integers(0, 256, (m, 2, 17)).astype(np.int32)
-    return x[..., :-1], x[..., 1:]
 
 
 def test_masked_learners_keep_their_state_and_tokens_are_counted_exactly():
     stack = StackedLearners(CFG, INNER, num_learners=3, seed=0)
     before = [stack.get_flat(m) for m in range(3)]
     rng = np.random.default_rng(0)
-    inputs, targets = _batch(rng, 3)
+    inputs, targets = byte_batches(rng, 3)
     stack.step(inputs, targets, np.array([True, False, True]))
     stack.step(inputs, targets, np.array([True, False, False]))
     assert stack.tokens.tolist() == [2 * 2 * 16, 0, 2 * 16]
@@ -32,7 +29,7 @@ def test_masked_learners_keep_their_state_and_tokens_are_counted_exactly():
 
 def test_stacked_step_matches_a_single_learner():
     rng = np.random.default_rng(1)
-    inputs, targets = _batch(rng, 3)
+    inputs, targets = byte_batches(rng, 3)
     stack = StackedLearners(CFG, INNER, num_learners=3, seed=0)
     single = InnerLearner(CFG, INNER, seed=0)
     for _ in range(3):
@@ -71,7 +68,7 @@ def test_each_step_reports_its_gradient_norm_before_clipping_and_its_learning_ra
     clipped = InnerOptimizer(batch_size=2, lr_peak=3e-3, warmup_steps=4, total_steps=24, grad_clip_norm=1e-3)
     learner = InnerLearner(CFG, clipped, seed=0)
     assert learner.last_grad_norm is None
-    x, y = (a[0] for a in _batch(np.random.default_rng(0), 1))
+    x, y = (a[0] for a in byte_batches(np.random.default_rng(0), 1))
     before = learner.params
     graphdef = factory.graphdef_of(CFG)
     _, grads = jax.value_and_grad(model_lib.loss_fn, argnums=1)(graphdef, jax.tree.map(np.asarray, before), x, y)

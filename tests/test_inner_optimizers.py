@@ -17,17 +17,14 @@ from diloco_node.learn import model as model_lib
 from diloco_node.learn.inner import (ADAMW, MUON, InnerLearner, StackedLearners, key_path_name, make_optimizer,
                                      make_schedule, muon_label)
 
+from conftest import byte_batches
+
 BYTES = ModelSpec.of(seq_len=16, size="tiny")
 LLAMA_TIED = ModelSpec.of("llama", vocab_size=256, seq_len=16, size="1m", num_layers=1, d_model=64, d_ff=128,
                           tie_embeddings=True)
 LLAMA_UNTIED = dataclasses.replace(LLAMA_TIED, options=tuple((k, False if k == "tie_embeddings" else v)
                                                              for k, v in LLAMA_TIED.options))
 MUON_INNER = InnerOptimizer(batch_size=2, optimizer="muon", warmup_steps=2, total_steps=40)
-
-
-def _batch(rng: np.random.Generator, m: int) -> tuple[np.ndarray, np.ndarray]:
-    x = rng.integers(0, 256, (m, 2, 17)).astype(np.int32)
-    return x[..., :-1], x[..., 1:]
 
 
 def _muon_leaves(learner: InnerLearner) -> set[str]:
@@ -66,7 +63,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_embeddings_head_norms_and_
 
 def test_muon_steps_reduce_the_loss_and_differ_from_adamw() -> None:
     rng = np.random.default_rng(0)
-    inputs, targets = (a[0] for a in _batch(rng, 1))
+    inputs, targets = (a[0] for a in byte_batches(rng, 1))
     muon = InnerLearner(BYTES, MUON_INNER, seed=0)
     adamw = InnerLearner(BYTES, dataclasses.replace(MUON_INNER, optimizer="adamw"), seed=0)
     losses = [float(muon.step(inputs, targets)) for _ in range(8)]
@@ -79,7 +76,7 @@ def test_muon_steps_reduce_the_loss_and_differ_from_adamw() -> None:
 
 def test_stacked_muon_learners_step_together_and_masked_ones_keep_their_state_bit_for_bit() -> None:
     rng = np.random.default_rng(1)
-    inputs, targets = _batch(rng, 3)
+    inputs, targets = byte_batches(rng, 3)
     stack = StackedLearners(BYTES, MUON_INNER, num_learners=3, seed=0)
     single = InnerLearner(BYTES, MUON_INNER, seed=0)
     before = stack.get_flat(1)
@@ -107,7 +104,7 @@ def test_muon_learner_on_a_sharded_mesh_steps_like_the_unsharded_one() -> None:
     plain = InnerLearner(BYTES, inner, seed=0)
     rng = np.random.default_rng(2)
     for _ in range(2):
-        inputs, targets = (a[0] for a in _batch(rng, 1))
+        inputs, targets = (a[0] for a in byte_batches(rng, 1))
         sharded.step(inputs, targets)
         plain.step(inputs, targets)
     a, b = sharded.get_flat(), plain.get_flat()
@@ -118,7 +115,7 @@ def test_a_muon_learners_checkpoint_round_trips_its_optimizer_state() -> None:
     from diloco_node.learn.learner_thread import LearnerSnapshot, snapshot_from_checkpoint, snapshot_meta_and_arrays
 
     rng = np.random.default_rng(3)
-    batches = [tuple(a[0] for a in _batch(rng, 1)) for _ in range(5)]
+    batches = [tuple(a[0] for a in byte_batches(rng, 1)) for _ in range(5)]
     first = InnerLearner(BYTES, MUON_INNER, seed=0)
     for inputs, targets in batches[:3]:
         first.step(inputs, targets)

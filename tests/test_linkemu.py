@@ -1,4 +1,5 @@
-"""The WAN link emulator: each toxic changes what a client observes, and heal undoes it.
+"""The WAN link emulator: each toxic changes what a client observes, and heal undoes it (the
+emulator as its own process: tests/integration/test_linkemu_processes.py).
 
 Only lower bounds on time are asserted (a shaped link can't be faster than its shape); speed
 itself is measured in benchmarks/wire_bench.py.
@@ -8,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -18,25 +17,7 @@ import pytest
 
 from diloco_node.testbed.linkemu import Direction, LinkEmulator, Shape
 
-
-async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-        writer.write_eof()
-    except ConnectionError:
-        pass
-    finally:
-        writer.close()
-
-
-@pytest.fixture
-async def echo_port() -> AsyncIterator[int]:
-    server = await asyncio.start_server(_echo, "127.0.0.1", 0)
-    yield server.sockets[0].getsockname()[1]
-    server.close()
-    await server.wait_closed()
+from conftest import roundtrip
 
 
 @pytest.fixture
@@ -45,20 +26,9 @@ async def link(echo_port: int) -> AsyncIterator[LinkEmulator]:
         yield emu
 
 
-async def _roundtrip(port: int, payload: bytes, timeout: float = 5.0) -> bytes:
-    async with asyncio.timeout(timeout):
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        try:
-            writer.write(payload)
-            await writer.drain()
-            return await reader.readexactly(len(payload))
-        finally:
-            writer.close()
-
-
 async def test_clean_link_forwards_bytes_both_ways(link: LinkEmulator) -> None:
     payload = os.urandom(300_000)
-    assert await _roundtrip(link.port, payload) == payload
+    assert await roundtrip(link.port, payload) == payload
     assert link.stats.bytes_up == len(payload) and link.stats.bytes_down == len(payload)
 
 
@@ -66,7 +36,7 @@ async def test_latency_delays_each_direction_and_keeps_order(link: LinkEmulator)
     link.set_latency(0.1, jitter_s=0.03)
     payload = b"".join(i.to_bytes(4, "big") for i in range(50_000))
     start = time.monotonic()
-    assert await _roundtrip(link.port, payload) == payload  # jitter never reorders
+    assert await roundtrip(link.port, payload) == payload  # jitter never reorders
     # Up and down each add at least latency - jitter.
     assert time.monotonic() - start >= 2 * (0.1 - 0.03)
 
@@ -77,7 +47,7 @@ async def test_bandwidth_cap_slows_a_transfer_down(link: LinkEmulator) -> None:
     assert link.shape(Direction.DOWN).bandwidth_Bps is None
     payload = os.urandom(1_000_000)
     start = time.monotonic()
-    assert await _roundtrip(link.port, payload) == payload
+    assert await roundtrip(link.port, payload) == payload
     # One token-bucket burst may pass free; the rest must wait for the cap.
     assert time.monotonic() - start >= (len(payload) - 64 * 1024) / rate * 0.9
 
@@ -88,7 +58,7 @@ async def test_connections_through_one_link_share_its_cap(link: LinkEmulator) ->
     link.set_bandwidth(rate, (Direction.UP,))
     payloads = [os.urandom(500_000) for _ in range(3)]
     start = time.monotonic()
-    echoed = await asyncio.gather(*(_roundtrip(link.port, p) for p in payloads))
+    echoed = await asyncio.gather(*(roundtrip(link.port, p) for p in payloads))
     assert echoed == payloads
     # 1.5 MB through one 2 MB/s link: 0.75 s, less one burst. Per-connection buckets took 0.25 s.
     assert time.monotonic() - start >= (sum(map(len, payloads)) - 64 * 1024) / rate * 0.9
@@ -97,16 +67,16 @@ async def test_connections_through_one_link_share_its_cap(link: LinkEmulator) ->
 async def test_slicer_delivers_identical_bytes_in_small_pieces(link: LinkEmulator, echo_port: int) -> None:
     link.set_slicer(7, delay_s=0.0005, directions=(Direction.UP,))
     payload = os.urandom(5_000)
-    assert await _roundtrip(link.port, payload) == payload
+    assert await roundtrip(link.port, payload) == payload
 
 
 async def test_blackhole_makes_a_request_time_out_and_heal_restores(link: LinkEmulator) -> None:
     link.set_blackhole()
     with pytest.raises(TimeoutError):
-        await _roundtrip(link.port, b"hello", timeout=0.5)
+        await roundtrip(link.port, b"hello", timeout=0.5)
     assert link.stats.bytes_swallowed >= 5
     link.heal()
-    assert await _roundtrip(link.port, b"after heal") == b"after heal"
+    assert await roundtrip(link.port, b"after heal") == b"after heal"
 
 
 async def test_blackhole_swallows_an_open_connection_and_heal_closes_it(link: LinkEmulator) -> None:
@@ -135,11 +105,11 @@ async def test_reset_fails_fast_and_keep_resetting_refuses_new_connections(link:
     with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
         await asyncio.wait_for(reader.readexactly(1), 5)
     with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
-        await _roundtrip(link.port, b"new")
+        await roundtrip(link.port, b"new")
     assert time.monotonic() - start < 2.5  # fails fast, far below the 5 s timeouts
     writer.close()
     link.heal()
-    assert await _roundtrip(link.port, b"healed") == b"healed"
+    assert await roundtrip(link.port, b"healed") == b"healed"
 
 
 async def test_stall_hangs_then_closes_every_connection(link: LinkEmulator) -> None:
@@ -151,7 +121,7 @@ async def test_stall_hangs_then_closes_every_connection(link: LinkEmulator) -> N
     assert time.monotonic() - start >= 0.35
     writer.close()
     assert not link.stalled
-    assert await _roundtrip(link.port, b"after") == b"after"
+    assert await roundtrip(link.port, b"after") == b"after"
 
 
 async def test_controls_work_from_another_thread(link: LinkEmulator) -> None:
@@ -161,11 +131,11 @@ async def test_controls_work_from_another_thread(link: LinkEmulator) -> None:
     await asyncio.sleep(0.05)
     assert link.blackholed
     with pytest.raises(TimeoutError):
-        await _roundtrip(link.port, b"x", timeout=0.3)
+        await roundtrip(link.port, b"x", timeout=0.3)
     t = threading.Thread(target=link.heal)
     t.start()
     t.join()
-    assert await _roundtrip(link.port, b"y") == b"y"
+    assert await roundtrip(link.port, b"y") == b"y"
 
 
 async def test_close_ends_every_connection(echo_port: int) -> None:
@@ -187,21 +157,3 @@ def test_shape_rejects_nonsense_with_a_clear_error() -> None:
         Shape(latency_s=-1)
     with pytest.raises(ValueError, match="slice size"):
         Shape(slice_bytes=0)
-
-
-@pytest.mark.integration
-async def test_standalone_process_forwards_and_stops_on_sigterm(echo_port: int) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "diloco_node", "linkemu", "--listen", "127.0.0.1:0",
-         "--upstream", f"127.0.0.1:{echo_port}", "--bandwidth-mbit", "200", "--latency-ms", "5"],
-        stdout=subprocess.PIPE, text=True,
-    )
-    try:
-        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 20)
-        assert line.startswith("linkemu listening on 127.0.0.1:"), line
-        port = int(line.split()[3].rsplit(":", 1)[1])
-        assert await _roundtrip(port, b"via process") == b"via process"
-    finally:
-        proc.terminate()
-        assert await asyncio.to_thread(proc.wait, 10) == 0
-        proc.stdout.close()

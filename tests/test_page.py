@@ -1,14 +1,13 @@
-"""The live page at `/` and its `/series` ring buffer, without a browser (tests/test_page_browser.py
-drives the page in Chromium): the buffer is bounded and well-formed, samples are taken only when
-due, `/` is HTML that loads nothing from elsewhere, `/series` answers what is new."""
+"""The live page at `/` and its `/series` ring buffer, without a browser (tests/integration/test_page_browser.py
+drives the page in Chromium, tests/integration/test_page_processes.py runs its JavaScript in node):
+the buffer is bounded and well-formed, samples are taken only when due, `/` is HTML that loads
+nothing from elsewhere, `/series` answers what is new."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
-import shutil
-import subprocess
 
 import pytest
 from aiohttp import web
@@ -242,15 +241,3 @@ async def test_a_members_status_url_is_learned_from_its_join_and_passed_on():
     assert raw["members"][0]["status_url"] == "http://b:7071"
     del raw["members"][0]["status_url"]
     assert StatusDocument.from_dict(raw).members[0].status_url == ""
-
-
-@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the page's JavaScript")
-def test_the_page_reads_each_members_series_at_its_status_url_and_never_at_a_tls_peer_port():
-    source = re.search(r"^function seriesBase\(m\) \{.*\}$", page_html(), re.M)
-    assert source is not None, "page.html must define seriesBase(m) on one line"
-    members = [{"url": "https://b:7070", "status_url": "http://b:7071"},  # TLS, advertised: there
-               {"url": "https://c:7070", "status_url": ""},  # TLS, none advertised: not tried
-               {"url": "http://d:7070", "status_url": ""}]  # no TLS: the shared port
-    script = source.group(0) + f"\nconsole.log(JSON.stringify({json.dumps(members)}.map(seriesBase)));"
-    out = subprocess.run(["node", "-e", script], capture_output=True, text=True, timeout=30, check=True).stdout
-    assert json.loads(out) == ["http://b:7071", "", "http://d:7070"]

@@ -7,16 +7,15 @@ recorded in the issue's closing note.)
 
 from __future__ import annotations
 
-import argparse
-import io
 import re
 import shlex
 from pathlib import Path
 
 import pytest
 
-from diloco_node.cli import config as config_cli
 from diloco_node.ops import pki
+
+from conftest import config_show
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -35,12 +34,9 @@ def _blocks(text: str) -> list[str]:
 
 
 def _show(argv: list[str]) -> tuple[int, dict[str, str], str]:
-    parser = argparse.ArgumentParser()
-    config_cli.add_arguments(parser, "config")
-    out, err = io.StringIO(), io.StringIO()
-    code = config_cli.show_command(parser.parse_args(["show", *argv]), {}, out, err)
-    values = {line.split()[0]: line.split()[1] for line in out.getvalue().splitlines()[3:] if len(line.split()) >= 2}
-    return code, values, err.getvalue()
+    code, out, err = config_show(argv)
+    values = {line.split()[0]: line.split()[1] for line in out.splitlines()[3:] if len(line.split()) >= 2}
+    return code, values, err
 
 
 def test_the_readme_opens_with_the_two_commands():

@@ -1,4 +1,5 @@
-"""The global-state download: several peers at once, pipelined chunks, restarts when a fragment moves on."""
+"""The global-state download: several peers at once, pipelined chunks, restarts when a fragment
+moves on (the benchmark's real processes: tests/integration/test_state_download_processes.py)."""
 
 from __future__ import annotations
 
@@ -135,25 +136,3 @@ async def test_when_every_attempt_fails_the_download_says_which_fragment_and_why
     with pytest.raises(JoinRefused, match=r"fragment \d: download failed 2 times; last: .*connection refused"):
         await download.run(attempts=2)
     assert all(client.in_flight[url] == 0 for url in PEERS)  # nothing left running
-
-
-@pytest.mark.integration
-def test_benchmark_download_survives_a_link_cut_and_verifies_the_state(tmp_path) -> None:
-    """The benchmark's real processes: 3 servers behind capped links, one link killed mid-download."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "state_transfer.py"
-    out = tmp_path / "transfer.json"
-    done = subprocess.run([sys.executable, str(script), "--params", "2e6", "--fragments", "8", "--link-mbit", "20",
-                           "--cut-after", "1.0", "--json", str(out)], capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert report["digest_verified"] is True  # the run raises if the joiner's digest differs
-    assert report["cut_after_s"] == 1.0
-    # 16 MB over three 2.5 MB/s links takes over 2 s: the cut came mid-download, and what it cost
-    # is at most the chunks in flight on the cut link, not a restart of its fragments.
-    assert report["seconds"] > 1.0
-    assert 0 <= report["refetched_bytes"] <= 3 * 4 * 1024 * 1024

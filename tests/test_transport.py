@@ -43,7 +43,7 @@ from wire.messages import (
     VoteRequest,
 )
 
-from conftest import serve_peer_server
+from conftest import serve_peer_server, until, vote_request
 
 RUN = "run-transport"
 KEY = derive_frame_key(b"k" * 32)
@@ -68,10 +68,6 @@ async def _serving(server: PeerServer) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
-
-
-def _vote_request(epoch: int = 3) -> VoteRequest:
-    return VoteRequest(epoch=epoch, candidate="a", last_log_epoch=2, last_log_index=10)
 
 
 class _Voter:
@@ -186,10 +182,10 @@ async def test_round_trip_of_small_messages_with_replies_and_counters() -> None:
 
     server.on_message(MessageKind.HEARTBEAT, ack)
     async with _serving(server) as url, _client() as client:
-        replies = await client.send(url, _vote_request(), peer="b")
+        replies = await client.send(url, vote_request(), peer="b")
         assert replies == [VoteReply(epoch=3, voter="b", granted=True, reason="log is up to date")]
         (message, peer), = voter.calls
-        assert message == _vote_request() and peer.node_id == "a" and peer.address == "127.0.0.1"
+        assert message == vote_request() and peer.node_id == "a" and peer.address == "127.0.0.1"
         # Several frames of one kind in one body: one reply each, in order.
         beats = [Heartbeat(epoch=1, leader="a", seq=s, commit_index=s * 2) for s in range(3)]
         acks = await client.send(url, *beats, peer="b")
@@ -208,7 +204,7 @@ async def test_the_client_connects_from_its_configured_source_address() -> None:
     server.on_message(MessageKind.VOTE_REQUEST, voter)
     client = PeerClient(_auth("a"), FrameVerifier(RUN, KEY), options=ClientOptions(source_address="127.0.0.23"))
     async with _serving(server) as url, client:
-        await client.send(url, _vote_request(), peer="b")
+        await client.send(url, vote_request(), peer="b")
     (_, peer), = voter.calls
     assert peer.address == "127.0.0.23"
 
@@ -243,7 +239,7 @@ async def test_unknown_route_and_mixed_kinds_are_refused_with_reasons() -> None:
             await client.send(url, Heartbeat(epoch=1, leader="a", seq=1, commit_index=0))
         assert refused.value.status == 404 and "no handler for 'heartbeat'" in refused.value.reason
         with pytest.raises(LocalProtocolError, match="one kind"):
-            await client.send(url, _vote_request(), Heartbeat(epoch=1, leader="a", seq=1, commit_index=0))
+            await client.send(url, vote_request(), Heartbeat(epoch=1, leader="a", seq=1, commit_index=0))
 
 
 # ---- streamed payloads ------------------------------------------------------------------------
@@ -301,7 +297,7 @@ async def test_streamed_payload_from_bytes_and_a_lying_iterator() -> None:
         with pytest.raises(LocalProtocolError, match="gave 1000 bytes, declared"):
             await client.send_stream(url, _contribution_head(), short(), payload_length=len(payload),
                                      payload_sha256=hashlib.sha256(payload).digest())
-        await _until(lambda: server.active_streams == {})
+        await until(lambda: server.active_streams == {})
         # The server either never saw the second head, or saw it and aborted: never a finish.
         assert "finish" not in log and (log == [] or log[-1].startswith("abort"))
 
@@ -360,7 +356,7 @@ async def test_compressed_bodies_are_refused() -> None:
     voter = _Voter()
     server.on_message(MessageKind.VOTE_REQUEST, voter)
     async with _serving(server) as url:
-        frame = encode_frame(_vote_request(), _auth("a"), now_unix=time.time(), nonce=os.urandom(16))
+        frame = encode_frame(vote_request(), _auth("a"), now_unix=time.time(), nonce=os.urandom(16))
         async with aiohttp.ClientSession() as session:
             async with session.post(url + kind_path(MessageKind.VOTE_REQUEST), data=frame,
                                     headers={"Content-Encoding": "gzip"}) as response:
@@ -378,15 +374,15 @@ async def test_wrong_mac_is_401_wrong_run_409_and_the_handler_is_not_called() ->
     async with _serving(server) as url:
         async with _client(key=derive_frame_key(b"z" * 32)) as stranger:
             with pytest.raises(PeerRefused) as refused:
-                await stranger.send(url, _vote_request())
+                await stranger.send(url, vote_request())
             assert refused.value.status == 401 and "bad MAC" in refused.value.reason
         async with _client(run="other-run") as lost:
             with pytest.raises(PeerRefused) as refused:
-                await lost.send(url, _vote_request())
+                await lost.send(url, vote_request())
             assert refused.value.status == 409 and "other-run" in refused.value.reason
         async with aiohttp.ClientSession() as session:
             # A frame signed by "a" under a header claiming "c": identity mismatch.
-            frame = encode_frame(_vote_request(), _auth("a"), now_unix=time.time(), nonce=os.urandom(16))
+            frame = encode_frame(vote_request(), _auth("a"), now_unix=time.time(), nonce=os.urandom(16))
             async with session.post(url + kind_path(MessageKind.VOTE_REQUEST), data=frame,
                                     headers={SENDER_HEADER: "c"}) as response:
                 assert response.status == 401 and "signed by 'a'" in await response.text()
@@ -407,7 +403,7 @@ async def test_a_replayed_request_is_refused() -> None:
     voter = _Voter()
     server.on_message(MessageKind.VOTE_REQUEST, voter)
     async with _serving(server) as url, aiohttp.ClientSession() as session:
-        frame = encode_frame(_vote_request(), _auth("a"), now_unix=time.time(), nonce=os.urandom(16))
+        frame = encode_frame(vote_request(), _auth("a"), now_unix=time.time(), nonce=os.urandom(16))
         statuses = []
         for _ in range(2):
             async with session.post(url + kind_path(MessageKind.VOTE_REQUEST), data=frame) as response:
@@ -422,7 +418,7 @@ async def test_a_slow_sender_is_cut_by_the_frame_deadline() -> None:
     server = _server(Limits(read_timeout_s=5.0, message_timeout_s=0.5))
     voter = _Voter()
     server.on_message(MessageKind.VOTE_REQUEST, voter)
-    frame = encode_frame(_vote_request(), _auth("a"), now_unix=time.time(), nonce=os.urandom(16))
+    frame = encode_frame(vote_request(), _auth("a"), now_unix=time.time(), nonce=os.urandom(16))
 
     async def drip() -> AsyncIterator[bytes]:  # one byte every 20 ms: each read is "on time"
         for byte in frame:
@@ -473,7 +469,7 @@ async def test_a_flood_of_concurrent_streams_is_capped_with_429() -> None:
             return await client.send_stream(url, _contribution_head(), held(), payload_length=len(payload),
                                              payload_sha256=digest)
         first = [asyncio.create_task(upload()) for _ in range(2)]
-        await _until(lambda: server.active_streams.get("a") == 2)
+        await until(lambda: server.active_streams.get("a") == 2)
         flood = await asyncio.gather(*(upload() for _ in range(6)), return_exceptions=True)
         assert all(isinstance(r, PeerRefused) and r.status == 429 for r in flood), flood
         assert "already has 2 streams open" in flood[0].reason
@@ -499,15 +495,15 @@ async def test_cancelling_an_upload_leaves_no_half_state() -> None:
     async with _serving(server) as url, _client() as client:
         task = asyncio.create_task(client.send_stream(url, _contribution_head(), stuck(),
                                                       payload_length=2 * MiB, payload_sha256=b"\0" * 32))
-        await _until(lambda: sinks and sinks[0].received == MiB)
+        await until(lambda: sinks and sinks[0].received == MiB)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await _until(lambda: server.active_streams == {})
+        await until(lambda: server.active_streams == {})
         assert log[0] == "open" and log[1].startswith("abort") and "finish" not in log
         connector = client._session.connector  # peek: no connection is still checked out
         assert not connector._acquired
-        assert await client.send(url, _vote_request())  # the client is still usable
+        assert await client.send(url, vote_request())  # the client is still usable
 
 
 # ---- through the link emulator ----------------------------------------------------------------
@@ -521,33 +517,27 @@ async def test_link_faults_as_seen_by_the_transport() -> None:
         async with LinkEmulator("127.0.0.1", port) as link:
             via = f"http://127.0.0.1:{link.port}"
             for _ in range(3):
-                assert await client.send(via, _vote_request())
+                assert await client.send(via, vote_request())
             assert link.stats.connections_accepted == 1  # the session reuses its connection
             link.set_latency(0.1)
             start = time.monotonic()
-            assert await client.send(via, _vote_request())
+            assert await client.send(via, vote_request())
             assert time.monotonic() - start >= 0.2  # one way up, one way down
             link.heal()
 
             link.set_blackhole()
             with pytest.raises(PeerUnreachable, match="deadline"):
-                await client.send(via, _vote_request(), deadline_s=0.5)
+                await client.send(via, vote_request(), deadline_s=0.5)
             link.heal()
-            assert await client.send(via, _vote_request(), deadline_s=5)
+            assert await client.send(via, vote_request(), deadline_s=5)
 
             link.reset(keep_resetting=True)
             start = time.monotonic()
             with pytest.raises(PeerUnreachable):
-                await client.send(via, _vote_request(), deadline_s=5)
+                await client.send(via, vote_request(), deadline_s=5)
             assert time.monotonic() - start < 2.0  # a reset fails fast, not by the deadline
             link.heal()
-            assert await client.send(via, _vote_request(), deadline_s=5)
-
-
-async def _until(condition, timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.01)
+            assert await client.send(via, vote_request(), deadline_s=5)
 
 
 # ---- sequences: an opening frame, then its parts, one chunked body -------------------------------
@@ -650,5 +640,5 @@ async def test_a_failing_producer_aborts_the_upload_with_its_own_error() -> None
         with pytest.raises(ValueError, match="encoder broke"):
             await client.send_sequence(url, _frames(_stream_open(), _stream_chunk(0), fail=ValueError("encoder broke")),
                                        peer="b")
-        await _until(lambda: log and log[-1].startswith("abort"))
+        await until(lambda: log and log[-1].startswith("abort"))
     assert "finish" not in log

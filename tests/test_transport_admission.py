@@ -30,6 +30,8 @@ from wire.frames import encode_frame, encode_frame_head
 from wire.limits import Limits
 from wire.messages import FragmentContribution, HeartbeatAck, Message, MessageKind, VoteReply, VoteRequest
 
+from conftest import until, vote_request
+
 RUN = "run-admission"
 KEY = derive_frame_key(b"k" * 32)
 MEMBER_ADDRESS = "127.0.0.2"
@@ -73,10 +75,6 @@ def _member(node: str = "a", limits: Limits = Limits()) -> PeerClient:
                       options=ClientOptions(source_address=MEMBER_ADDRESS))
 
 
-def _vote() -> VoteRequest:
-    return VoteRequest(epoch=3, candidate="a", last_log_epoch=2, last_log_index=10)
-
-
 async def _slow_stranger(url: str, sender: str, *, prefix: bytes, pause_s: float,
                          address: str = STRANGER_ADDRESS) -> tuple[int, bytes]:
     """A forged-sender stream that sends a well-formed frame prefix one byte per `pause_s`;
@@ -111,7 +109,7 @@ async def _slow_stranger(url: str, sender: str, *, prefix: bytes, pause_s: float
 
 def _frame_prefix() -> bytes:
     """The first bytes of a real frame (a stranger cannot finish it: it has no key)."""
-    frame = encode_frame(_vote(), AuthContext(RUN, "x", derive_frame_key(b"z" * 32)), now_unix=time.time(),
+    frame = encode_frame(vote_request(), AuthContext(RUN, "x", derive_frame_key(b"z" * 32)), now_unix=time.time(),
                          nonce=os.urandom(16), to="b")
     return frame[:100]
 
@@ -122,10 +120,10 @@ async def test_slow_streams_with_forged_senders_are_cut_at_the_auth_deadline_and
     async with _serving(server) as url, _member(limits=limits) as member:
         strangers = [asyncio.create_task(_slow_stranger(url, f"forged-{i}", prefix=_frame_prefix(), pause_s=0.05))
                      for i in range(20)]
-        await _until(lambda: server.unauthenticated_streams == 8)
+        await until(lambda: server.unauthenticated_streams == 8, timeout_s=10.0)
         # Members are not behind the strangers: their streams authenticate and are answered.
         for _ in range(5):
-            replies = await member.send(url, _vote(), peer="b")
+            replies = await member.send(url, vote_request(), peer="b")
             assert replies[0].granted
         answers = await asyncio.gather(*strangers)
     statuses = sorted(status for status, _ in answers)
@@ -144,8 +142,8 @@ async def test_a_full_unauthenticated_pool_evicts_its_oldest_stream_for_a_member
     async with _serving(server) as url, _member(limits=limits) as member:
         strangers = [asyncio.create_task(_slow_stranger(url, "a", prefix=_frame_prefix(), pause_s=0.2,
                                                         address=f"127.0.0.{10 + i}")) for i in range(4)]
-        await _until(lambda: server.unauthenticated_streams == 4)
-        replies = await member.send(url, _vote(), peer="b")
+        await until(lambda: server.unauthenticated_streams == 4, timeout_s=10.0)
+        replies = await member.send(url, vote_request(), peer="b")
         assert replies[0].granted
         status, reason = await asyncio.wait_for(strangers[0], 10)
         assert status == 429 and b"evicted" in reason
@@ -234,7 +232,7 @@ async def test_connections_without_a_request_are_closed_by_the_header_timeout() 
         for _, writer in connections[30:]:
             writer.write(b"POST /v1/vote-request HTTP/1.1\r\nHost: x\r\nContent-Le")  # half a header
         # A member's request on a fresh connection is still answered meanwhile.
-        assert (await member.send(url, _vote(), peer="b"))[0].granted
+        assert (await member.send(url, vote_request(), peer="b"))[0].granted
         async with asyncio.timeout(10):
             for reader, writer in connections:
                 assert await reader.read() == b""  # closed by the server
@@ -253,15 +251,9 @@ async def test_a_client_that_leaves_after_its_refusal_logs_no_traceback(caplog: 
                          "Content-Length: 100000\r\n\r\n".encode() + b"XXXX" * 16)
             await writer.drain()
             writer.transport.abort()  # reset, without reading the answer
-        await _until(lambda: server.counters.peer(UNAUTHENTICATED).refusals == 20)
+        await until(lambda: server.counters.peer(UNAUTHENTICATED).refusals == 20, timeout_s=10.0)
         await asyncio.sleep(0.2)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == []
     refusal_lines = [r for r in caplog.records if r.getMessage().startswith("refused")]
     assert len(refusal_lines) == 20  # one line each
-
-
-async def _until(condition, timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.01)

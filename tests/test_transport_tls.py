@@ -24,7 +24,7 @@ from diloco_node.transport.tls import SiteTls, TlsError, TlsFiles
 from wire.auth import AuthContext, FrameVerifier, derive_frame_key
 from wire.messages import Message, VoteReply, VoteRequest
 
-from conftest import serve_peer_server
+from conftest import serve_peer_server, vote_request
 
 RUN = "run-tls"
 KEY = derive_frame_key(b"t" * 32)
@@ -61,10 +61,6 @@ class _Voter:
         return VoteReply(epoch=message.epoch, voter="b", granted=True, reason="log is up to date")
 
 
-def _vote() -> VoteRequest:
-    return VoteRequest(epoch=3, candidate="a", last_log_epoch=2, last_log_index=10)
-
-
 @asynccontextmanager
 async def _tls_server(tls: SiteTls, voter: _Voter) -> AsyncIterator[int]:
     server = PeerServer(AuthContext(RUN, "b", KEY), FrameVerifier(RUN, KEY, node_id="b"), certified_senders=True)
@@ -82,7 +78,7 @@ def _client(sender: str, tls: SiteTls | None) -> PeerClient:
 
 async def _send(port: int, sender: str, tls: SiteTls, *, peer: str | None = "b") -> list[Message]:
     async with _client(sender, tls) as client:
-        return await client.send(f"https://127.0.0.1:{port}", _vote(), peer=peer)
+        return await client.send(f"https://127.0.0.1:{port}", vote_request(), peer=peer)
 
 
 async def test_members_talk_over_mutual_tls_and_are_known_by_their_certificate(run_pki: Path) -> None:
@@ -164,7 +160,7 @@ async def test_plain_http_is_refused_both_ways(run_pki: Path) -> None:
         # A TLS site never sends to a plain http:// URL.
         async with _client("a", SiteTls(_files(run_pki, "a"))) as client:
             with pytest.raises(PeerUnreachable, match="plain http is refused"):
-                await client.send(f"http://127.0.0.1:{port}", _vote(), peer="b")
+                await client.send(f"http://127.0.0.1:{port}", vote_request(), peer="b")
     assert voter.calls == []
 
 

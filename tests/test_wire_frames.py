@@ -538,7 +538,7 @@ def test_the_example_frame_in_docs_is_what_the_code_produces():
     from pathlib import Path
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "WIRE.md").read_text()
-    block = doc.split("<!-- example-frame")[1].split("```")[1].removeprefix("text")  # the fence says text (tests/test_doc_commands.py)
+    block = doc.split("<!-- example-frame")[1].split("```")[1].removeprefix("text")  # the fence says text (tests/test_doc_blocks.py)
     documented = bytes.fromhex("".join(block.split()))
     secret = b"example-run-secret-0123456789abcdef"
     auth = AuthContext("run-demo", "site-a", derive_frame_key(secret))

@@ -23,7 +23,7 @@ import pytest
 from diloco_node.testbed.launcher import Site
 from diloco_node.testbed.local_cluster import Cluster
 
-from conftest import all_ready, voters
+from conftest import all_ready, eventually, voters
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -95,22 +95,33 @@ def test_every_learner_evaluates_the_global_model_and_reports_it(cluster: Cluste
         evaluation = done[node_id]["evaluation"]
         assert 0.0 < evaluation["loss"] < 10.0 and evaluation["commit_index"] >= 10, evaluation
         site = cluster.sites[node_id]
-        with urllib.request.urlopen(site.url + "/metrics", timeout=5) as response:
-            metrics = response.read().decode()
-        assert re.search(r'^diloco_eval_loss\{set="held_out"\} [0-9.e+-]+', metrics, re.M), metrics[:500]
-        history = (site.data_dir / "history.jsonl").read_text()
-        assert '"kind":"eval"' in history
+
+        def metrics() -> str:
+            with urllib.request.urlopen(site.url + "/metrics", timeout=5) as response:
+                return response.read().decode()
+
+        # /status shows an evaluation first; the gauge and the history event follow it.
+        eval_gauge = re.compile(r'^diloco_eval_loss\{set="held_out"\} [0-9.e+-]+', re.M)
+        assert eventually(lambda: eval_gauge.search(metrics()), 10, 0.2), metrics()[:500]
+        history = site.data_dir / "history.jsonl"
+        assert eventually(lambda: '"kind":"eval"' in history.read_text(), 10, 0.2)
 
 
 def test_systemd_hears_ready_and_status(cluster: Cluster) -> None:
-    received = []
-    while True:
-        try:
-            received.append(cluster.notify_socket.recv(4096).decode())  # type: ignore[attr-defined]
-        except BlockingIOError:
-            break
-    assert any("READY=1" in m for m in received), received
-    assert any(m.startswith("STATUS=") and "ready: lease holder" in m for m in received), received
+    received: list[str] = []
+
+    def heard_both() -> bool:
+        """Reads what has arrived; whether READY=1 and a STATUS= line saying ready are among it
+        (a's STATUS= line may be sent a moment after /status says ready)."""
+        while True:
+            try:
+                received.append(cluster.notify_socket.recv(4096).decode())  # type: ignore[attr-defined]
+            except BlockingIOError:
+                break
+        return (any("READY=1" in m for m in received)
+                and any(m.startswith("STATUS=") and "ready: lease holder" in m for m in received))
+
+    assert eventually(heard_both, 30, 0.2), received
 
 
 def test_wrong_secret_is_refused_and_changes_nothing(cluster: Cluster, tmp_path: Path) -> None:

@@ -13,18 +13,11 @@ import pytest
 
 from diloco_node.testbed.launcher import LinkShape, SiteSpec, launch_site, write_secret
 
+from conftest import process_gone
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 STARTUP_S = 150.0
-
-
-def _gone(pid: int) -> bool:
-    """No such process, or a zombie awaiting an init that does not reap (containers)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return True
-    return state in ("Z", "X")
 
 
 def test_a_site_behind_a_link_answers_through_it_and_close_leaves_nothing(tmp_path: Path) -> None:
@@ -44,5 +37,5 @@ def test_a_site_behind_a_link_answers_through_it_and_close_leaves_nothing(tmp_pa
         site.signal(signal.SIGSTOP)  # a frozen node must not survive close() either
         pids = [site.pid, site.link.pid if site.link else None]
     assert None not in pids
-    assert all(_gone(pid) for pid in pids if pid is not None)
+    assert all(process_gone(pid) for pid in pids if pid is not None)
     assert not site.running

@@ -2,13 +2,15 @@
 joiner once the founder's `/livez` answers; the joiner's first start fails as a refused join does
 (exit 3) and the script starts it again; both report ready and apply a merged fragment; Ctrl-C
 (SIGINT to the script) stops both cleanly. The script runs in a session of its own, so whatever
-it started is killed at teardown, also when an assertion fails.
+it started is killed at teardown, also when an assertion fails. Its `--dry-run` prints four
+`diloco-node run` commands that `config show` accepts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -22,7 +24,7 @@ import pytest
 
 from diloco_node.testbed.launcher import REPO, free_port, node_env
 
-from conftest import local_status
+from conftest import config_show, local_status
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -135,3 +137,23 @@ def test_local_cluster_script_starts_two_sites_retries_a_failed_join_and_stops_t
         assert "stopping 2 nodes (SIGTERM)" in output_path.read_text()
     finally:
         _stop_group(script)
+
+
+def test_local_cluster_script_commands_are_valid_run_flags(tmp_path):
+    environ = {"PATH": os.environ["PATH"], "CLUSTER_DIR": str(tmp_path), "BASE_PORT": "7401",
+               "NODE_CMD": "diloco-node"}
+    result = subprocess.run(["bash", str(SCRIPT), "--dry-run"], env=environ,
+                            capture_output=True, text=True, timeout=30, check=True)
+    commands = [shlex.split(line) for line in result.stdout.splitlines() if line.strip()]
+    assert len(commands) == 4
+    (tmp_path / "secret").write_text("s3cr3t-value-that-is-long-enough\n")
+    (tmp_path / "secret").chmod(0o600)
+    listens = []
+    for argv in commands:
+        assert argv[:2] == ["diloco-node", "run"]
+        code, out, err = config_show(argv[2:], {})
+        assert code == 0, err
+        listens.append(next(line.split()[1] for line in out.splitlines() if line.startswith("listen ")))
+    assert listens == ["127.0.0.1:7401", "127.0.0.1:7402", "127.0.0.1:7403", "127.0.0.1:7404"]
+    assert "--bootstrap" not in commands[0] and all("127.0.0.1:7401" in c for c in commands[1:])
+    assert not (tmp_path / "site-a").exists()  # a dry run creates nothing

@@ -1,7 +1,9 @@
 """The issue's end-to-end run: a model defined only in this test, trained by 3 real daemons and a
 witness on a uint32 token file whose vocabulary is above 65,536; the run stops by itself on
 run.stop.tokens, every node exits 0, and the exported safetensors file loads back into the model
-with the same eval loss as the final checkpoint's global parameters."""
+with the same eval loss as the final checkpoint's global parameters. Every merge needs the three
+learners (`run.sync.min_quorum=3`): the founder alone cannot spend the budget before the joiners
+are in, however long they take to start on a loaded machine."""
 
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ def test_own_model_on_uint32_tokens_stops_by_tokens_and_exports(tmp_path) -> Non
     settings = tuple(s for s in DEFAULT_SETTINGS if not s.startswith("run.model.size")) + (
         "run.model.factory=wide_vocab_model:build", f"run.model.vocab_size={VOCAB}",
         "data.source=tokens", f"data.paths={token_file}", "data.token_dtype=uint32",
-        "run.stop.tokens=6000",
+        "run.stop.tokens=6000", "run.sync.min_quorum=3",
     )
     env = {"PYTHONPATH": os.pathsep.join([str(modules), str(REPO)])}
     with Cluster.create(tmp_path / "run") as cluster:

@@ -1,5 +1,8 @@
 """A run with [run.stop] ends by itself: every site stops at the same final commit with the same
-state, exits 0, and a site started again on the finished run exits 0 at once."""
+state, exits 0, and a site started again on the finished run exits 0 at once.
+
+Every merge needs both learners (`run.sync.min_quorum=2`): a founder alone cannot spend the
+budget before the joiner is in, however long the joiner takes to start on a loaded machine."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ STARTUP_S = 150.0
 # 4 x 32 tokens per step; each contribution of a fragment carries about 8 steps: 12,000 tokens
 # merged into every fragment is some ten rounds of two learners.
 STOP_TOKENS = 12_000
-SETTINGS = (*DEFAULT_SETTINGS, f"run.stop.tokens={STOP_TOKENS}")
+SETTINGS = (*DEFAULT_SETTINGS, f"run.stop.tokens={STOP_TOKENS}", "run.sync.min_quorum=2")
 FINAL = re.compile(r"stopped cleanly at index (\d+) digest ([0-9a-f]+)")
 
 

@@ -11,7 +11,7 @@ Chromium is driven with its own flags: `--dump-dom` prints the DOM after the pag
 
 Not in the default suite (marker `browser`; also `integration`, since they start processes):
     apt-get install -y chromium
-    .venv/bin/python -m pytest -m browser tests/test_page_browser.py -v
+    .venv/bin/python -m pytest -m browser tests/integration/test_page_browser.py -v
 `DILOCO_X_CHROMIUM` names the browser binary when it is not `chromium` on the PATH.
 """
 
