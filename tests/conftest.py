@@ -160,8 +160,9 @@ def all_ready(names: set[str]):
     return lambda statuses: names <= {n for n, d in statuses.items() if d.get("ready")}
 
 
-def small_replica():
-    """A replica of two tensors (4x4 and 4) in two fragments, the same every call."""
+def small_replica(outer=None):
+    """A replica of two tensors (4x4 and 4) in two fragments, the same every call; `outer` is its
+    OuterOptimizer (default: the manifest's)."""
     import numpy as np
 
     from diloco_node.config.manifest import OuterOptimizer
@@ -171,7 +172,7 @@ def small_replica():
     rng = np.random.default_rng(0)
     initial = {"w": rng.normal(size=(4, 4)).astype(np.float32), "b": rng.normal(size=(4,)).astype(np.float32)}
     plan = plan_fragments({n: a.shape for n, a in initial.items()}, 2, 4, 1)
-    return Replica(plan, initial, OuterOptimizer())
+    return Replica(plan, initial, outer or OuterOptimizer())
 
 
 def byte_batches(rng, m: int):

@@ -69,7 +69,8 @@ def test_warmup_and_decay_combine_on_a_short_horizon() -> None:
 
 def test_linear_and_cosine_lr_reach_the_final_fraction_at_the_horizon_and_stay_there() -> None:
     for schedule in ("linear", "cosine"):
-        outer = OuterOptimizer(lr=1.0, lr_schedule=schedule, lr_final_fraction=0.5, horizon_rounds=11)
+        outer = OuterOptimizer(lr=1.0, lr_schedule=schedule, lr_final_fraction=0.5, horizon_rounds=11,
+                               momentum_warmup_rounds=0)
         lrs = _lrs(outer, range(1, 16))
         assert lrs[0] == 1.0, schedule
         np.testing.assert_allclose(lrs[5], 0.75, rtol=1e-12)  # round 6: half way, both schedules
