@@ -139,7 +139,7 @@ def _row(result: runner.RunResult, *, mode: str, scenario: str, seed: int, cell:
         "params": params, "steps_per_learner": cell.steps, "num_learners": cell.learners,
         "batch_per_learner": manifest.inner.batch_size,
         "codecs": "" if mode == "data_parallel" else cell.codecs, "inner_lr": manifest.inner.lr_peak,
-        "optimizer": getattr(manifest.inner, "optimizer", "adamw"),
+        "optimizer": manifest.inner.optimizer,
         "eval_batch_losses": [round(x, 5) for x in result.eval_batch_losses],
     }
 
@@ -180,13 +180,15 @@ def run_all(steps: int | Iterable[int], modes: list[str], scenarios: list[str], 
             raise ConfigError(f"learners = {m}: must divide the global batch of {global_batch} windows")
     results = []
     param_counts: dict[str, int] = {}
+    # One corpus per seed (its held-out split depends on the seed), read once for every cell.
+    corpora = {s: data_lib.stdlib_corpus(seed=s) for s in seeds}
     for preset in presets:
         for n_steps in steps_list:
             for m in learners:
                 for codec_index, codec in enumerate(codecs):
                     cell = Cell(preset, n_steps, m, codec or _manifest_codecs(n_steps, seeds[0]))
                     for s in seeds:
-                        corpus = data_lib.stdlib_corpus(seed=s)
+                        corpus = corpora[s]
                         base = with_overrides(benchmark_manifest(n_steps, s), cell.cell_overrides(global_batch))
                         manifest = with_overrides(base, overrides or {})
                         dp_manifest = with_overrides(base, dp_overrides or {})

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The quality benchmark on one GPU, in about 8 minutes (docs/PARITY.md, "On a GPU"): data-parallel
+# The quality benchmark on one GPU, aiming at 8 minutes (docs/PARITY.md, "On a GPU": on an H200 the
+# runner was host-bound and only the 1M size finished inside its limit): data-parallel
 # and decoupled DiLoCo (M = 4, int4 both ways, equal tokens, about 9 tokens per parameter) for the
 # llama family at about 1M, 6M and 25M parameters on the byte corpus, through the same runner,
 # Syncer and apply rule as the CPU benchmark. One seed. The three sizes run at the same time as
