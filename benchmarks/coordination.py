@@ -1,7 +1,8 @@
 """Benchmark: random fault schedules against the coordination protocol, in deterministic simulation.
 
 Runs N seeds (each a random cluster of 3..9 nodes and a mix of crash, restart, partition, loss,
-duplication, reordering, clock skew, join and leave), checks every safety invariant after every
+duplication, reordering, clock skew, join and leave, and storage faults: a crash just before or
+after a node's fsync, whose un-fsynced writes are then really lost, and a failed write), checks every safety invariant after every
 event and liveness at the end, and reports violations and failover time (virtual seconds from
 the lease holder's death to the next commit under a healthy majority).
 
@@ -9,6 +10,7 @@ the lease holder's death to the next commit under a healthy majority).
     .venv/bin/python benchmarks/coordination.py --seeds 200 --broken vote_without_log_check
     .venv/bin/python benchmarks/coordination.py --seeds 2000 --relays 2   # payloads down a relay tree
     .venv/bin/python benchmarks/coordination.py --seeds 200 --relays 2 --broken relay_accept_unverified
+    .venv/bin/python benchmarks/coordination.py --seeds 500 --broken ack_before_fsync
 
 Any failing seed replays exactly: `--first-seed S --seeds 1 --verbose`.
 """
@@ -27,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bootstrap.coordinator_node import CoordinatorNode  # noqa: E402
 from bootstrap.simulation import SimConfig, SimResult, run_seed  # noqa: E402
-from bootstrap.simulation.broken import BROKEN_VARIANTS  # noqa: E402
+from bootstrap.simulation.broken import BROKEN_SIM_SETTINGS, BROKEN_VARIANTS  # noqa: E402
 from bootstrap.simulation.harness import DEFAULT_CHAOS_S  # noqa: E402
 
 # Broken variants of the relay plane are settings of the simulation, not node classes.
@@ -92,6 +94,10 @@ def summarize(results: list[SimResult], args: argparse.Namespace, config: SimCon
         "virtual_s_total": round(sum(r.virtual_s for r in results), 1),
         "events_total": sum(r.events for r in results),
         "outer_commits_total": sum(r.commits for r in results),
+        # Armed storage faults that struck a write: crashes just before (the write's un-fsynced
+        # state is lost) or just after its fsync, and failed writes (the node reloads from disk).
+        "storage_faults_struck": {kind: sum(1 for r in results for f in r.faults if f.endswith(f"{kind} its fsync"))
+                                  for kind in ("crash before", "crash after", "io error")},
         "relay_fanout": config.relay_fanout,
         "relay_holder_sends_per_commit": (round(sum(r.relay_holder_sends for r in results)
                                                 / max(1, sum(r.commits for r in results)), 3)
@@ -112,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--chaos-s", type=float, default=DEFAULT_CHAOS_S, help="virtual seconds of faults per schedule")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (the machine may be shared)")
-    parser.add_argument("--broken", choices=sorted([*BROKEN_VARIANTS, *BROKEN_RELAY_VARIANTS]),
+    parser.add_argument("--broken", choices=sorted([*BROKEN_VARIANTS, *BROKEN_RELAY_VARIANTS, *BROKEN_SIM_SETTINGS]),
                         help="run a deliberately broken variant")
     parser.add_argument("--relays", type=int, default=0, metavar="FANOUT",
                         help="commit payloads travel down a relay tree of this fan-out (0: the holder sends all)")
@@ -127,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.relays < 0:
         parser.error("--relays must be >= 0")
     config = SimConfig(chaos_s=args.chaos_s, relay_fanout=args.relays,
-                       **BROKEN_RELAY_VARIANTS.get(args.broken or "", {}))
+                       **BROKEN_RELAY_VARIANTS.get(args.broken or "", {}),
+                       **BROKEN_SIM_SETTINGS.get(args.broken or "", {}))  # type: ignore[arg-type]
     jobs = [(seed, config, args.broken) for seed in range(args.first_seed, args.first_seed + args.seeds)]
     started = time.perf_counter()
     results: list[SimResult] = []

@@ -65,3 +65,11 @@ BROKEN_VARIANTS: dict[str, type[CoordinatorNode]] = {
     # election round trip at a 1 % bound; a directed 20 %-drift scenario test catches it.
     "lease_ignoring_drift": LeaseIgnoringDrift,
 }
+
+# Broken host behaviour, as settings of the simulation (bootstrap/simulation/harness.py, SimConfig):
+# the node's state machines are the real ones, the host around them breaks a storage rule.
+BROKEN_SIM_SETTINGS: dict[str, dict[str, object]] = {
+    # Sends votes and append acknowledgements before fsyncing what they promise, and syncs once
+    # per tick: a crash in between loses a granted vote or an acknowledged entry.
+    "ack_before_fsync": {"fsync_before_ack": False},
+}

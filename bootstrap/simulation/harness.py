@@ -6,6 +6,13 @@ restart with only their persisted state, join, leave, and run clocks skewed with
 bound. Every random choice comes from the seed, so a failing run replays exactly. The invariant
 checker runs after every event; liveness (a lease holder and fresh commits after healing, and
 failover after the holder dies) is checked at the end of each schedule.
+
+Storage is modelled as a disk that keeps only what was fsynced: each host holds the node's live
+`PersistentState` (what it has written) and a durable copy (what it last fsynced). A crash throws
+the live state away and restarts from the durable copy, so writes that were never synced are
+really lost. The host fsyncs after each event that changed the persistent state and before it
+sends anything (votes and append acknowledgements included); the `crash_at_fsync` and
+`io_error` faults make one node's next write die just before or just after that fsync.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import heapq
 import random
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from bootstrap.coordinator_node import CoordinatorNode, NodeOptions, PersistentState
 from bootstrap.election import LeaseTiming, Role
@@ -55,6 +62,8 @@ FAULT_WEIGHTS: dict[str, float] = {
     "join": 0.7,
     "leave": 0.4,
     "workload": 1.0,
+    "crash_at_fsync": 2.0,  # a node's next write: crash just before or just after its fsync
+    "io_error": 1.0,  # a node's next write fails: nothing it decided is sent; it reloads what it synced
 }
 # Faults that exist only when relays are on (so schedules without relays replay as before).
 RELAY_FAULT_WEIGHTS: dict[str, float] = {
@@ -104,6 +113,9 @@ class SimConfig:
     # A payload fetch lost on either leg reads as unreachable after this (the transport's connect
     # timeout); a fetch to a crashed node is refused at once.
     relay_fetch_deadline_s: float = 10.0
+    # False only for the broken variant that acknowledges before its fsync: it sends first and
+    # syncs lazily, once per tick, so a crash can lose a vote or an entry it acknowledged.
+    fsync_before_ack: bool = True
 
 
 @dataclass(slots=True)
@@ -137,6 +149,25 @@ class _Host:
     node: CoordinatorNode | None = None
     generation: int = 0
     left: bool = False
+    durable: PersistentState | None = None  # what the disk holds: `persistent` as of the last fsync
+    # An armed storage fault for the node's next write: "crash before", "crash after" (the fsync)
+    # or "io error" (the write fails; the node reloads what it had synced).
+    fault_at_fsync: str | None = None
+
+    def fsync(self) -> None:
+        self.durable = copy_persistent(self.persistent)
+
+    def has_unsynced_writes(self) -> bool:
+        durable = self.durable
+        return durable is None or not (
+            durable.election == self.persistent.election and durable.incarnation == self.persistent.incarnation
+            and durable.log.snapshot == self.persistent.log.snapshot
+            and durable.log.entries == self.persistent.log.entries)
+
+    def lose_unsynced_writes(self) -> None:
+        """A crash: the live state is gone, the disk has what was fsynced and nothing more."""
+        if self.durable is not None:
+            self.persistent = copy_persistent(self.durable)
 
     def local(self, real: float) -> float:
         return self.anchor_local + self.clock_rate * (real - self.anchor_real)
@@ -145,6 +176,11 @@ class _Host:
         self.anchor_local = self.local(real)
         self.anchor_real = real
         self.clock_rate = rate
+
+
+def copy_persistent(state: PersistentState) -> PersistentState:
+    """An independent copy (entries and snapshots are immutable, the containers are not)."""
+    return replace(state, election=replace(state.election), log=replace(state.log, entries=list(state.log.entries)))
 
 
 _TICK, _DELIVER, _FAULT, _WORKLOAD, _RELAY, _RELAY_TIMER = 0, 1, 2, 3, 4, 5
@@ -322,6 +358,16 @@ class Simulation:
         elif fault == "promise_then_crash" and self.relays is not None:
             self.relays.crash_next_promiser = True
             note = "the next relay to promise bytes crashes"
+        elif fault == "crash_at_fsync" and alive:
+            host = self.rng.choice(alive)
+            if leader is not None and self.rng.random() < 0.5:
+                host = self.hosts[leader]
+            host.fault_at_fsync = self.rng.choice(("crash before", "crash after"))
+            note = f"{host.node_id}: {host.fault_at_fsync} the fsync of its next write"
+        elif fault == "io_error" and alive:
+            host = self.rng.choice(alive)
+            host.fault_at_fsync = "io error"
+            note = f"{host.node_id}: its next write fails"
         elif fault == "leave" and len(alive) > 3:
             host = self.rng.choice(alive)
             self._dispatch(host, lambda node, local: node.leave(local))
@@ -334,6 +380,8 @@ class Simulation:
         host = self.hosts[node_id]
         host.node = None
         host.generation += 1
+        host.fault_at_fsync = None
+        host.lose_unsynced_writes()
         self.leaders.pop(node_id, None)
         if self.relays is not None:
             self.relays.on_crash(node_id)
@@ -349,6 +397,7 @@ class Simulation:
         self.loss = self.duplicate = 0.0
         self.jitter = self.config.jitter_s
         for host in self._sorted_hosts():
+            host.fault_at_fsync = None
             if host.node is None and not host.left:
                 self._start(host, join=True)
         self.faults_applied.append(f"{self.now:.2f} heal everything")
@@ -427,16 +476,22 @@ class Simulation:
         host.generation += 1
         index = int(host.node_id[1:])
         rng = random.Random(self.seed * 1_000_003 + index * 10_007 + host.generation)
-        host.node = self.node_factory(
-            host.node_id,
-            host.persistent,
-            now=host.local(self.now),
-            rng=rng,
-            applied_index=host.applied_index,
-            role=host.role,
-            address=f"sim://{host.node_id}",
-            options=self.options,
-        )
+        try:
+            host.node = self.node_factory(
+                host.node_id,
+                host.persistent,
+                now=host.local(self.now),
+                rng=rng,
+                applied_index=host.applied_index,
+                role=host.role,
+                address=f"sim://{host.node_id}",
+                options=self.options,
+            )
+        except ProtocolError as error:  # e.g. the application applied entries the disk lost
+            self.checker.violations.append(f"t={self.now:.3f}s {host.node_id} cannot restart from its disk: {error}")
+            self.stopped = True
+            return
+        host.fsync()  # the raised incarnation is written at start, before the node says anything
         self._schedule(self.now + self.rng.uniform(0.0, self.config.tick_interval_s), _TICK, host.node_id, host.generation)
         if join:
             peers = [h for h in sorted(self.hosts) if h != host.node_id]
@@ -447,6 +502,8 @@ class Simulation:
         host = self.hosts[node_id]
         if host.node is None or host.generation != generation:
             return
+        if not self.config.fsync_before_ack:
+            host.fsync()  # the broken variant's lazy flush, once per tick
         self._dispatch(host, lambda node, local: node.tick(local))
         self._schedule(self.now + self.config.tick_interval_s, _TICK, node_id, generation)
 
@@ -549,6 +606,8 @@ class Simulation:
             self.checker.violations.append(f"t={self.now:.3f}s {host.node_id} raised {type(error).__name__}: {error}")
             self.stopped = True
             return
+        if self.config.fsync_before_ack and not self._fsync_before_acting(host):
+            return
         if node.log.commit_index > commit_before:
             self.checker.on_commit_advance(self.now, node, commit_before)
             if node.role is Role.LEADER:
@@ -570,6 +629,13 @@ class Simulation:
                 host.applied_index = action.snapshot.last_index
         if host.applied_index - node.log.store.snapshot.last_index >= self.config.compaction_every:
             node.compact(host.applied_index, host.digest)
+            if self.config.fsync_before_ack:
+                host.fsync()
+        if not self.config.fsync_before_ack and host.fault_at_fsync is not None and host.has_unsynced_writes():
+            # The broken variant has already sent its acknowledgements: now the write is lost.
+            self.faults_applied.append(f"{self.now:.2f} {host.node_id} {host.fault_at_fsync} its fsync (acks already sent)")
+            self.crash(host.node_id)
+            return
         if node.role is Role.LEADER:
             self.leaders[host.node_id] = node
         else:
@@ -580,6 +646,24 @@ class Simulation:
             self.crash(host.node_id)
         if self.checker.violations:
             self.stopped = True
+
+    def _fsync_before_acting(self, host: _Host) -> bool:
+        """Persist what the event wrote before any of its actions happen. False when an armed
+        storage fault struck instead: the node is down (or reloaded) and nothing it decided in
+        this event reached anyone, as on a real disk where the reply waits for the fsync."""
+        if not host.has_unsynced_writes():
+            return True
+        fault = host.fault_at_fsync
+        if fault is None:
+            host.fsync()
+            return True
+        if fault == "crash after":
+            host.fsync()
+        self.faults_applied.append(f"{self.now:.2f} {host.node_id} {fault} its fsync")
+        self.crash(host.node_id)
+        if fault == "io error":
+            self._start(host, join=True)  # the daemon drops its state and reloads it from disk
+        return False
 
     def _note_commits(self, node: CoordinatorNode, commit_before: int) -> None:
         for index in range(commit_before + 1, node.log.commit_index + 1):
