@@ -110,3 +110,24 @@ def test_a_start_hit_lets_the_first_hits_pass():
     with pytest.raises(OSError):
         failpoints.hit("log.read")
     failpoints.hit("log.read")
+
+
+def test_storage_health_records_failures_recoveries_and_quarantined_files(tmp_path):
+    from diloco_node.ops.storage_health import StorageHealth
+
+    health = StorageHealth()
+    assert health.succeeded("log.append") is False
+    health.failed("log.append", OSError(28, "No space left on device"))
+    health.failed("log.append", OSError(28, "No space left on device"))
+    assert health.is_failing("log.append")
+    status = health.to_status()
+    assert status["failing"]["log.append"]["consecutive"] == 2
+    assert "No space left on device" in status["failing"]["log.append"]["error"]
+    assert health.succeeded("log.append") is True and not health.is_failing("log.append")
+    assert health.to_status()["failures_total"] == {"log.append": 2}
+    corrupt = tmp_path / "ckpt-7.bin"
+    corrupt.write_bytes(b"x")
+    (tmp_path / "ckpt-7.bin.corrupt-1").write_bytes(b"earlier")
+    kept = health.quarantine(corrupt, "crc mismatch")
+    assert kept.name == "ckpt-7.bin.corrupt-2" and kept.read_bytes() == b"x" and not corrupt.exists()
+    assert health.to_status()["quarantined"][0]["reason"] == "crc mismatch"
