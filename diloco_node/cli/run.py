@@ -21,6 +21,7 @@ import sys
 from diloco_node.config.settings import ConfigError, add_run_flags, load_config_from_args
 from diloco_node.daemon.exits import EXIT_CONFIG
 from diloco_node.ops.logs import LOG_FORMATS, configure_logging
+from diloco_node.ops import failpoints
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -60,10 +61,17 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"diloco-node run: {error}", file=sys.stderr)
         return EXIT_CONFIG
+    try:
+        armed_failpoints = failpoints.load_from_env()  # tests and chaos runs only (docs/DAEMON.md)
+    except failpoints.FailpointError as error:
+        print(f"diloco-node run: {failpoints.ENV_VAR}: {error}", file=sys.stderr)
+        return EXIT_CONFIG
     configure_logging(effective.node.log_level, effective.node.node_id, getattr(args, "log_format", "auto"),
                       stream=sys.stderr)
     for warning in effective.warnings:
         logging.getLogger("diloco_node.daemon").warning("%s", warning)
+    if armed_failpoints:
+        logging.getLogger("diloco_node.daemon").warning("failpoints armed (a test or chaos run): %s", armed_failpoints)
     _use_persistent_compilation_cache(effective.node.data_dir)
     if cluster.enabled:
         from diloco_node.learn import cluster as cluster_lib  # imports JAX
