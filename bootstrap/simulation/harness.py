@@ -476,6 +476,13 @@ class Simulation:
         host.generation += 1
         index = int(host.node_id[1:])
         rng = random.Random(self.seed * 1_000_003 + index * 10_007 + host.generation)
+        snapshot = host.persistent.log.snapshot
+        if host.applied_index < snapshot.last_index:
+            # It crashed after its log adopted a lease holder's snapshot (fsynced) but before the
+            # application restored it: restore it now, as the daemon does at start (its restart
+            # plan downloads the state as of the snapshot's index from peers).
+            self.checker.on_restore(self.now, host.node_id, snapshot)
+            host.digest, host.applied_index = snapshot.state, snapshot.last_index
         try:
             host.node = self.node_factory(
                 host.node_id,
