@@ -237,3 +237,67 @@ def test_decoupled_learners_never_wait_and_lifecycle_events_close_the_history(tm
     assert got[2].detail == {"reason": "left: our removal is committed"}
     assert (got[3].index, got[3].epoch) == (7, 1)
     assert np.isfinite(got[3].t_mono)
+
+
+class _Learner:
+    def offer_fragment(self, p, round_, params, contributors=()) -> None:
+        pass
+
+
+class _Counter:
+    def inc(self) -> None:
+        pass
+
+
+def _real_commits(replica, count: int, first_index: int, epoch: int) -> list[LogEntry]:
+    """`count` outer commits alternating over both fragments, each with the digest it yields."""
+    from tests.conftest import small_replica
+    from wire.codecs import decode_named, encode_named
+
+    planner = small_replica()  # a private replica that runs ahead, to plan each commit's digest
+    entries = []
+    for k in range(count):
+        p = k % 2
+        names = planner.plan.fragments[p].names
+        shapes = {n: planner.state.fragment_params(p)[n].shape for n in names}
+        encoded = encode_named({n: np.full(shapes[n], 0.01 * (k + 1), np.float32) for n in names}, "int8")
+        payload = CommitPayload(encoded, ("n1",), (1.0,)).encode()
+        digest = planner.digest_after(p, decode_named(encoded))
+        entry = LogEntry(epoch, first_index + k, EntryKind.OUTER_COMMIT, payload, fragment=p,
+                         round=planner.state.round(p) + 1, digest=digest)
+        assert planner.apply(entry).applied
+        entries.append(entry)
+    return entries
+
+
+def test_a_catch_up_batch_records_the_true_digest_at_every_index(tmp_path):
+    """Honest history: a follower that commits N entries in one message records N applies, each
+    with the state digest at THAT index (what a replica applying them one by one has)."""
+    from diloco_node.daemon.state_transfer import StateKeeper
+    from tests.conftest import small_replica
+
+    clock = FakeClock()
+    history = recorder(tmp_path, "n2", clock)
+    core = node("n2", ["n1", "n2", "n3"], clock.now)
+    replica = small_replica()
+    keeper = StateKeeper(node_id="n2", replica=replica, client=None, addresses=None, executor=None, clock=clock,
+                         tasks=None, history=history, leader_id=lambda: "n1", epoch=lambda: core.epoch,
+                         report_error=pytest.fail, commits_applied=_Counter(), learner=_Learner())
+    history.start(core, applied_index=0)
+    clock.now += 10.0
+    batch = tuple(_real_commits(replica, 6, first_index=2, epoch=5))
+    actions = core.handle(coord.AppendEntries(5, "n1", 1, 1, batch, 7, clock.now), clock.now)
+    history.observe(core)
+    for action in actions:  # what CoordinationIO.dispatch does with them
+        if isinstance(action, coord.ApplyEntry):
+            keeper.apply(action.entry)
+
+    applies = [e for e in events(history) if e.kind == "apply"]
+    truth = small_replica()
+    expected = []
+    for entry in (LogEntry(1, 1, EntryKind.MEMBERSHIP, config=core.log.config_at(1)), *batch):
+        truth.apply(entry)
+        expected.append((entry.index, truth.state.digest()))
+    assert [(e.index, e.state_digest) for e in applies] == expected
+    assert len({digest for _, digest in expected[1:]}) == len(batch)  # N commits, N distinct states
+    assert check_histories({"n2": events(history)}) == []
