@@ -4,6 +4,12 @@ Every I/O-side part of the daemon reads time through a `Clock` it is handed (nev
 directly), and the sans-IO cores take `now` as an argument, so a test can run any part on a
 `FakeClock`. Monotonic time drives every local decision; wall time (`wall`) is only stamped on
 what other hosts read: history lines, and a commit's planning time ([run.stop] wall_s).
+
+For chaos runs the wall clock of one process can be skewed (`set_wall_skew`: a step of so many
+seconds plus a drift rate), as NTP stepping or a bad oscillator would; the monotonic clock is
+left alone, which is what shows that no lease, timeout or quorum decision depends on wall time.
+The loopback operator route `POST /debug/clock` (ops/debug_routes.py) sets it, only in a daemon
+started with failpoints allowed.
 """
 
 from __future__ import annotations
@@ -36,6 +42,49 @@ class Clock(Protocol):
         """Unix time (comparable across hosts, within their clock skew; may jump)."""
 
 
+class WallSkew:
+    """How far this process's wall clock is from the host's: `offset_s`, plus `drift_rate` seconds
+    per second since `since_mono`. Zero in production; changed only by `set_wall_skew`."""
+
+    def __init__(self) -> None:
+        self.offset_s = 0.0
+        self.drift_rate = 0.0
+        self.since_mono = 0.0
+
+    def at(self, mono: float) -> float:
+        return self.offset_s + self.drift_rate * (mono - self.since_mono)
+
+    def describe(self) -> dict[str, float]:
+        return {"offset_s": self.offset_s, "drift_rate": self.drift_rate}
+
+
+# Largest skew `set_wall_skew` accepts: a day of step, 10 % of drift (a test or chaos run asks
+# for an hour and a few hundred ppm; anything beyond is a typo).
+MAX_WALL_OFFSET_S = 86_400.0
+MAX_WALL_DRIFT_RATE = 0.1
+
+_wall_skew = WallSkew()
+
+
+def set_wall_skew(offset_s: float, drift_rate: float = 0.0) -> dict[str, float]:
+    """Skew every `SystemClock.wall()` of this process from now on (ValueError when out of range);
+    (0, 0) restores the host's clock. The drift accumulates from this call on, on top of the
+    step. Returns the skew in force."""
+    if not (abs(offset_s) <= MAX_WALL_OFFSET_S):
+        raise ValueError(f"wall clock offset must be within +-{MAX_WALL_OFFSET_S:g} s, got {offset_s}")
+    if not (abs(drift_rate) <= MAX_WALL_DRIFT_RATE):
+        raise ValueError(f"wall clock drift rate must be within +-{MAX_WALL_DRIFT_RATE:g}, got {drift_rate}")
+    _wall_skew.since_mono = time.monotonic()
+    _wall_skew.offset_s = float(offset_s)
+    _wall_skew.drift_rate = float(drift_rate)
+    return _wall_skew.describe()
+
+
+def wall_skew() -> dict[str, float]:
+    """The skew in force (zeros unless a test or chaos run set one)."""
+    return _wall_skew.describe()
+
+
 class SystemClock:
     """The host's monotonic clock, asyncio's sleep and the running loop's timers."""
 
@@ -49,7 +98,7 @@ class SystemClock:
         return asyncio.get_running_loop().call_later(max(0.0, when - time.monotonic()), callback)
 
     def wall(self) -> float:
-        return time.time()
+        return time.time() + _wall_skew.at(time.monotonic())
 
 
 class _FakeTimer:
@@ -69,6 +118,7 @@ class FakeClock:
 
     def __init__(self, start: float = 1000.0) -> None:
         self.now = start
+        self.wall_skew = WallSkew()  # `jump_wall` and `drift_wall` move the wall time alone
         self._timers: list[tuple[float, int, _FakeTimer, Callable[[], object]]] = []
         self._order = itertools.count()
 
@@ -79,8 +129,19 @@ class FakeClock:
         return self.now
 
     def wall(self) -> float:
-        """The fake clock has one timeline: its wall time reads as its monotonic time."""
-        return self.now
+        """The fake clock's wall time reads as its monotonic time, unless `jump_wall` or
+        `drift_wall` moved it (as NTP stepping or a drifting oscillator moves a host's)."""
+        return self.now + self.wall_skew.at(self.now)
+
+    def jump_wall(self, seconds: float) -> None:
+        """Step the wall time by `seconds` (either way); monotonic time does not move."""
+        self.wall_skew.offset_s += seconds
+
+    def drift_wall(self, rate: float) -> None:
+        """From now on the wall time gains `rate` seconds per second (negative: loses them)."""
+        self.wall_skew.offset_s = self.wall_skew.at(self.now)
+        self.wall_skew.since_mono = self.now
+        self.wall_skew.drift_rate = rate
 
     def advance(self, seconds: float) -> None:
         """Move time on, running every timer that falls due on the way, in time order, each with

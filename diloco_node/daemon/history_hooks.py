@@ -143,10 +143,12 @@ class DaemonHistory:
     @classmethod
     def open(cls, data_dir: str | os.PathLike[str], node_id: str, *, fsync: FsyncPolicy = "critical",
              pace_s: float = 0.0, barrier_steps: int | None = None,
-             mono_clock: Callable[[], float] = SystemClock().monotonic) -> DaemonHistory:
+             mono_clock: Callable[[], float] = SystemClock().monotonic,
+             wall_clock: Callable[[], float] = SystemClock().wall) -> DaemonHistory:
         """The recorder writing `<data_dir>/history.jsonl`; steps are timed on `mono_clock`, read
-        in the learner's thread."""
-        writer = HistoryWriter(Path(data_dir) / HISTORY_FILE_NAME, node_id, fsync=fsync)
+        in the learner's thread. `t_wall` comes from `wall_clock` (the process's wall time, skewed
+        in a chaos run's clock jump), `t_mono` from the host's monotonic clock."""
+        writer = HistoryWriter(Path(data_dir) / HISTORY_FILE_NAME, node_id, fsync=fsync, wall_clock=wall_clock)
         return cls(writer, pace_s=pace_s, barrier_steps=barrier_steps, mono_clock=mono_clock)
 
     @staticmethod

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from typing import Any
 
@@ -22,6 +23,7 @@ from diloco_node.daemon.gate import StartingGate
 from diloco_node.daemon.plan import DaemonPlan
 from diloco_node.daemon.services import Services
 from diloco_node.daemon.tasks import closed_on_cleanup
+from diloco_node.ops.debug_routes import debug_routes
 from diloco_node.ops.profiling import ProfileCapture
 from diloco_node.ops.status import operator_routes
 from diloco_node.transport import ConnectionGuard
@@ -48,6 +50,7 @@ class Listeners:
         self.operator_app.add_routes(operator_routes(
             services.status_document, services.metrics, services.live, services.samples, evict=self._evict,
             profile=ProfileCapture(cfg.data_dir).capture))
+        self.operator_app.add_routes(debug_routes(os.environ))  # tests and chaos runs only (empty otherwise)
         # Resources live as long as the app; cleanup runs in reverse order of set-up.
         app.cleanup_ctx.append(closed_on_cleanup(*services.closers()))
         app.cleanup_ctx.append(services.client.cleanup_ctx)  # the peer session
