@@ -17,6 +17,11 @@ One mode run, step by step (docs/CHAOS.md has the picture):
 4. after the last heal it waits for every live node to report the same commit index and state
    digest, writes one `final` event per node, stops every process (SIGTERM, then SIGKILL) and
    reads all histories back for the checker and the metrics.
+
+Storage and clock faults go through the launcher: a daemon is started with failpoints allowed
+(`DILOCO_FAILPOINTS` set, empty) and the harness arms and disarms them, and skews its wall clock,
+through its loopback debug routes (ops/debug_routes.py); a stand-in reads the same requests from
+files in its data directory. A `corrupt` fault damages a file at rest while the node is down.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from diloco_node.ops import failpoints
 from diloco_node.ops.history import (
     HISTORY_FILE_NAME,
     HistoryEvent,
@@ -54,7 +60,9 @@ from diloco_node.testbed.chaos.metrics import (
 )
 from diloco_node.testbed.chaos.schedule import (
     COORDINATOR,
+    DEFAULT_WEIGHTS,
     FOLLOWER,
+    STORAGE_FAULT_WEIGHTS,
     Fault,
     Schedule,
     ScheduleSpec,
@@ -88,6 +96,45 @@ TARGET_GAP_LEASES = 3.0
 # on Linux, and 127.0.0.1 (the harness, the emulators' upstream side) stays apart from all of them.
 SOURCE_HOST_BASE = 10
 MAX_NODES = 254 - SOURCE_HOST_BASE
+# A clock_jump also drifts the node's wall clock this fast (500 ppm, a bad oscillator) on top of its step.
+CLOCK_DRIFT_RATE = 0.0005
+# The history is the checker's evidence, not the node's state: a full or failing disk spares it, so
+# the checker still sees everything the node did (how the daemon copes with a failing history
+# file is tested on its own).
+SPARED_POINTS = frozenset({"history.write"})
+
+
+def storage_fault_spec(action: str) -> str:
+    """The failpoints a `disk_full` (ENOSPC on every durable write) or an `io_error` (EIO on every
+    durable read and write) arms, as `point=action,...`."""
+    if action not in ("disk_full", "io_error"):
+        raise ValueError(f"no failpoint spec for {action!r}")
+    errno_action = "enospc" if action == "disk_full" else "eio"
+    return ",".join(f"{point}={errno_action}" for point in sorted(failpoints.POINTS)
+                    if point not in SPARED_POINTS and (action == "io_error" or not point.endswith(".read")))
+
+
+def corrupt_file(path: Path | None, how: str, rng: random.Random) -> str:
+    """Damage `path` at rest: `flip` one bit in its second half, `truncate` its last eighth (at
+    least one byte). Returns what was done, as the fault's note."""
+    if path is None or not path.exists() or path.stat().st_size == 0:
+        return f"skipped: no file to {how}"
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        if how == "flip":
+            offset = rng.randrange(size // 2, size)
+            f.seek(offset)
+            byte = f.read(1)[0]
+            f.seek(offset)
+            f.write(bytes([byte ^ (1 << rng.randrange(8))]))
+            what = f"flipped a bit at byte {offset} of {size}"
+        elif how == "truncate":
+            keep = size - max(1, size // 8)
+            f.truncate(keep)
+            what = f"truncated from {size} to {keep} bytes"
+        else:
+            raise ValueError(f"corruption {how!r}: expected flip or truncate")
+    return f"{path.name}: {what}"
 
 
 class HarnessError(RuntimeError):
@@ -136,6 +183,20 @@ class Launcher(Protocol):
     def env(self) -> dict[str, str] | None: ...
 
     async def probe(self, slot: NodeSlot, since: float) -> NodeProbe: ...
+
+    async def arm_failpoints(self, slot: NodeSlot, spec: str) -> str:
+        """Arm `point=action,...` in the running node; returns a note ("ok" or what went wrong)."""
+        ...
+
+    async def disarm_failpoints(self, slot: NodeSlot) -> str: ...
+
+    async def skew_clock(self, slot: NodeSlot, offset_s: float, drift_rate: float) -> str:
+        """Skew the running node's wall clock (0, 0 restores it); returns a note."""
+        ...
+
+    def damage_target(self, slot: NodeSlot, kind: str) -> Path | None:
+        """The file a `corrupt` fault of `kind` ("checkpoint", "log") damages (None: none yet)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -218,8 +279,35 @@ class StandinLauncher:
         return NodeProbe(started, "started" if started else "no start event since launch",
                          last.index if last else 0, last.state_digest if last else "")
 
+    # A stand-in has no HTTP: it reads these files in its data directory on every tick.
+    async def arm_failpoints(self, slot: NodeSlot, spec: str) -> str:
+        _write_atomically(slot.data_dir / STANDIN_FAILPOINTS_FILE, spec)
+        return "ok"
+
+    async def disarm_failpoints(self, slot: NodeSlot) -> str:
+        _write_atomically(slot.data_dir / STANDIN_FAILPOINTS_FILE, "")
+        return "ok"
+
+    async def skew_clock(self, slot: NodeSlot, offset_s: float, drift_rate: float) -> str:
+        _write_atomically(slot.data_dir / STANDIN_CLOCK_FILE, json.dumps({"offset_s": offset_s, "drift_rate": drift_rate}))
+        return "ok"
+
+    def damage_target(self, slot: NodeSlot, kind: str) -> Path | None:
+        return slot.data_dir / "checkpoint.json"  # its only durable file (its log is the cluster's)
+
     async def close(self) -> None:
         return None
+
+
+# The files a stand-in polls for the harness's storage and clock faults (standin.py reads them).
+STANDIN_FAILPOINTS_FILE = "failpoints.spec"
+STANDIN_CLOCK_FILE = "clock.json"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 # The daemon's run manifest for chaos runs: a tiny model so three JAX processes fit two cores.
@@ -291,7 +379,36 @@ class DaemonLauncher:
         return self.spec(slot, bootstrap).argv()
 
     def env(self) -> dict[str, str] | None:
-        return node_env()
+        # Failpoints allowed (none armed): the harness arms them at run time on loopback.
+        return node_env({failpoints.ENV_VAR: ""})
+
+    async def _post(self, slot: NodeSlot, path: str, body: dict[str, Any]) -> str:
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=STATUS_TIMEOUT_S))
+        try:
+            async with self._session.post(f"http://127.0.0.1:{slot.port}{path}", json=body) as response:
+                if response.status != 200:
+                    return f"skipped: {path} answered {response.status}: {(await response.text())[:200]}"
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            return f"skipped: {path}: {type(exc).__name__}: {exc}"
+        return "ok"
+
+    async def arm_failpoints(self, slot: NodeSlot, spec: str) -> str:
+        return await self._post(slot, "/debug/failpoints", {"arm": spec})
+
+    async def disarm_failpoints(self, slot: NodeSlot) -> str:
+        return await self._post(slot, "/debug/failpoints", {"disarm": "all"})
+
+    async def skew_clock(self, slot: NodeSlot, offset_s: float, drift_rate: float) -> str:
+        return await self._post(slot, "/debug/clock", {"offset_s": offset_s, "drift_rate": drift_rate})
+
+    def damage_target(self, slot: NodeSlot, kind: str) -> Path | None:
+        if kind == "log":
+            return slot.data_dir / "coordination" / "log.bin"
+        checkpoints = sorted((slot.data_dir / "checkpoints").glob("ckpt-*.bin"))
+        return checkpoints[-1] if checkpoints else None
 
     async def probe(self, slot: NodeSlot, since: float) -> NodeProbe:
         import aiohttp
@@ -330,6 +447,7 @@ class ChaosConfig:
     heartbeat_s: float = 0.5
     scenario: str = "random"
     coordinator_partition: bool = False  # the schedule must cut the lease holder off (with a minority)
+    storage_faults: bool = False  # random schedules also draw disk, fsync, corruption and clock faults
     modes: tuple[str, ...] = MODES
     warmup_s: float = 10.0
     settle_s: float = 15.0
@@ -363,6 +481,7 @@ class ChaosConfig:
             lease_s=self.lease_s, faults=max(self.faults, 2 + int(self.coordinator_partition) + self.joiners),
             warmup_s=self.warmup_s, settle_s=self.settle_s, recovery_s=self.recovery_s, degrade_s=self.degrade_s,
             coordinator_partition=self.coordinator_partition,
+            weights={**DEFAULT_WEIGHTS, **(STORAGE_FAULT_WEIGHTS if self.storage_faults else {})},
         )
 
 
@@ -514,7 +633,7 @@ class ModeRun:
             if order == 1:
                 await self._inject(sup, nemesis, number, fault)
             else:
-                self._heal(sup, nemesis, number, fault)
+                await self._heal(sup, nemesis, number, fault)
 
     async def _resolve(self, sup: Supervisor, target: str) -> tuple[str, bool]:
         """The node a fault hits: `@coordinator` is the lease holder now (waiting up to three
@@ -597,6 +716,17 @@ class ModeRun:
                 self._launch(sup, node, self._bootstrap_for_joiner(sup))
                 now = time.monotonic()
                 self.learner_windows[node] = (now, now + self.schedule.duration_s)
+            elif fault.action in ("disk_full", "io_error"):
+                note = await self.launcher.arm_failpoints(self.slots[node], storage_fault_spec(fault.action))
+            elif fault.action == "crash_at_fsync":
+                note = await self.launcher.arm_failpoints(self.slots[node], fault.how)
+            elif fault.action == "corrupt":
+                sup.kill(node)
+                kind, how = fault.how.split(":")
+                note = corrupt_file(self.launcher.damage_target(self.slots[node], kind), how, self.rng)
+            elif fault.action == "clock_jump":
+                assert fault.param is not None
+                note = await self.launcher.skew_clock(self.slots[node], fault.param, CLOCK_DRIFT_RATE)
         except SupervisorError as exc:
             note = f"skipped: {exc}"
         detail = {"action": fault.action, "target": node, "scheduled": fault.target, "coordinator": is_coordinator,
@@ -604,7 +734,7 @@ class ModeRun:
         nemesis.record("fault", detail=detail)
         self.applied.append({"t_s": round(time.monotonic() - self.t0, 2), **detail})
 
-    def _heal(self, sup: Supervisor, nemesis: HistoryWriter, number: int, fault: Fault) -> None:
+    async def _heal(self, sup: Supervisor, nemesis: HistoryWriter, number: int, fault: Fault) -> None:
         node = self.resolved.get(number)
         if node is None:
             return
@@ -623,6 +753,20 @@ class ModeRun:
                 self.links[node].set_bandwidth(None)
             elif fault.action == "slow":
                 sup.unslow(node)
+            elif fault.action in ("disk_full", "io_error"):
+                note = await self.launcher.disarm_failpoints(self.slots[node])
+            elif fault.action == "crash_at_fsync":
+                if sup.alive(node):  # it never reached that fsync in time: nothing to restart
+                    note = "not hit; " + await self.launcher.disarm_failpoints(self.slots[node])
+                else:
+                    extra = {"exit_code": sup.returncode(node)}
+                    sup.restart(node)
+                    self.launched_at[node] = time.monotonic()
+            elif fault.action == "corrupt":
+                sup.restart(node)
+                self.launched_at[node] = time.monotonic()
+            elif fault.action == "clock_jump":
+                note = await self.launcher.skew_clock(self.slots[node], 0.0, 0.0)
         except SupervisorError as exc:
             note = f"skipped: {exc}"
         nemesis.record("heal", detail={"action": fault.action, "target": node, "fault": number, "note": note, **extra})

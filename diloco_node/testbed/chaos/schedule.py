@@ -17,6 +17,11 @@ live founders other than the holder). Constraints every generated schedule meets
 - every fault is healed `settle_s` before the end, so convergence can be checked;
 - at least one coordinator kill and one coordinator SIGSTOP lasting past the lease time (and, if
   the spec asks, one coordinator partition).
+
+Storage and clock faults (drawn only when the spec's weights name them, `STORAGE_FAULT_WEIGHTS`):
+a full disk or failing I/O on one node for a while, a crash at one durable step's fsync, a file
+corrupted while the node is down, and a wall-clock step of an hour with a slow drift. The first
+four count as the node being down (a node that cannot persist cannot acknowledge anything).
 """
 
 from __future__ import annotations
@@ -35,8 +40,24 @@ FOLLOWER = "@follower"
 # partition: the target and `side` cut off from the rest, both ways. bandwidth: the node's link
 # capped at param Mbit/s. slow: the node's learner runs at `param` of its speed.
 # join: a new site starts (permanent).
-ACTIONS = ("kill", "stop", "isolate", "partition", "bandwidth", "slow", "join")
-OUTAGES = frozenset({"kill", "stop", "isolate", "partition"})
+# disk_full / io_error: every durable write of the node fails with ENOSPC / EIO (reads too, for
+# io_error) until healed. crash_at_fsync: the failpoint in `how` ("point=crash-before*1") is armed;
+# the node crashes at that fsync, dropping what was not fsynced, and is restarted at the heal.
+# corrupt: SIGKILL, then the file `how` names ("checkpoint:flip", "checkpoint:truncate",
+# "log:truncate") is damaged at rest; restart after duration_s. clock_jump: the node's wall clock
+# steps by `param` seconds (and drifts) until healed; monotonic time is untouched.
+ACTIONS = ("kill", "stop", "isolate", "partition", "bandwidth", "slow", "join",
+           "disk_full", "io_error", "crash_at_fsync", "corrupt", "clock_jump")
+STORAGE_ACTIONS = frozenset({"disk_full", "io_error", "crash_at_fsync", "corrupt"})
+OUTAGES = frozenset({"kill", "stop", "isolate", "partition"}) | STORAGE_ACTIONS
+# The crash points a `crash_at_fsync` is drawn from: durable steps every node takes often.
+CRASH_POINTS = ("log.append=crash-before*1", "log.append=crash-after*1", "checkpoint.write=crash-before*1",
+                "checkpoint.write=crash-after*1", "election.write=crash-after*1")
+CORRUPTIONS = ("checkpoint:flip", "checkpoint:truncate", "log:truncate")
+CLOCK_JUMPS_S = (3600.0, -3600.0)
+DEFAULT_WEIGHTS = {"kill": 3.0, "stop": 2.0, "isolate": 2.0, "partition": 2.0, "bandwidth": 2.0, "slow": 2.0}
+# What a generated schedule adds to the default weights when it asks for storage and clock faults.
+STORAGE_FAULT_WEIGHTS = {"disk_full": 1.5, "io_error": 1.0, "crash_at_fsync": 2.0, "corrupt": 1.5, "clock_jump": 1.5}
 # Outages that must outlast the lease (see STOP_PAST_LEASE_FACTOR).
 PAST_LEASE = frozenset({"stop", "isolate", "partition"})
 
@@ -57,6 +78,7 @@ class Fault:
     duration_s: float = 0.0  # until healed; 0 for join (permanent)
     param: float | None = None  # Mbit/s for bandwidth, speed fraction for slow
     side: tuple[str, ...] = ()  # partition only: the others on the target's (minority) side
+    how: str = ""  # crash_at_fsync: the failpoint armed; corrupt: which file and how
 
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
@@ -77,6 +99,14 @@ class Fault:
             raise ScheduleError(f"{self.action} on {self.target} needs param > 0")
         if self.action == "slow" and self.param is not None and self.param >= 1:
             raise ScheduleError(f"slow on {self.target}: speed fraction {self.param} must be < 1")
+        if self.action == "crash_at_fsync" and self.how not in CRASH_POINTS:
+            raise ScheduleError(f"crash_at_fsync on {self.target}: how {self.how!r}, expected one of {CRASH_POINTS}")
+        if self.action == "corrupt" and self.how not in CORRUPTIONS:
+            raise ScheduleError(f"corrupt on {self.target}: how {self.how!r}, expected one of {CORRUPTIONS}")
+        if self.how and self.action not in ("crash_at_fsync", "corrupt"):
+            raise ScheduleError(f"{self.action} on {self.target}: only crash_at_fsync and corrupt have a how")
+        if self.action == "clock_jump" and not (self.param is not None and self.param != 0):
+            raise ScheduleError(f"clock_jump on {self.target} needs param = the step in seconds (non-zero)")
         if self.action == "join" and self.target == COORDINATOR:
             raise ScheduleError("join needs a new node id, not the coordinator")
 
@@ -114,6 +144,16 @@ class Fault:
             what = f"cap {target}'s link at {self.param:g} Mbit/s for {d:.1f}s"
         elif self.action == "slow":
             what = f"slow {target} to {self.param:.0%} speed for {d:.1f}s"
+        elif self.action == "disk_full":
+            what = f"fill {target}'s disk (every durable write fails with ENOSPC) for {d:.1f}s"
+        elif self.action == "io_error":
+            what = f"fail {target}'s disk (every durable read and write fails with EIO) for {d:.1f}s"
+        elif self.action == "crash_at_fsync":
+            what = f"crash {target} at its next fsync of {self.how}, restart after {d:.1f}s"
+        elif self.action == "corrupt":
+            what = f"SIGKILL {target}, damage its {self.how.replace(':', ' (')}), restart after {d:.1f}s"
+        elif self.action == "clock_jump":
+            what = f"step {target}'s wall clock by {self.param:+.0f}s (and drift it) for {d:.1f}s"
         else:
             what = f"start new site {target}"
         return f"t+{self.at_s:.1f}s {what}"
@@ -139,9 +179,7 @@ class ScheduleSpec:
     slow_fraction: tuple[float, float] = (0.25, 0.5)
     # `partition` is drawn only where a minority can hold two nodes (5+ founders): with 3, the
     # one-node partition is `isolate` (and seeds keep the schedules they had before partitions).
-    weights: Mapping[str, float] = field(default_factory=lambda: {
-        "kill": 3.0, "stop": 2.0, "isolate": 2.0, "partition": 2.0, "bandwidth": 2.0, "slow": 2.0,
-    })
+    weights: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
 
     def __post_init__(self) -> None:
         if len(self.nodes) < 3:
@@ -254,6 +292,15 @@ def _draw(rng: random.Random, action: str, target: str, spec: ScheduleSpec) -> F
         return Fault(0.0, action, target, _uniform(rng, spec.degrade_s), _uniform(rng, spec.bandwidth_mbit))
     if action == "slow":
         return Fault(0.0, action, target, _uniform(rng, spec.degrade_s), _uniform(rng, spec.slow_fraction))
+    if action in ("disk_full", "io_error"):
+        return Fault(0.0, action, target, _uniform(rng, spec.degrade_s))
+    if action == "crash_at_fsync":
+        low, high = spec.kill_down_s
+        return Fault(0.0, action, target, _uniform(rng, (low + 2.0, high + 2.0)), how=rng.choice(CRASH_POINTS))
+    if action == "corrupt":
+        return Fault(0.0, action, target, _uniform(rng, spec.kill_down_s), how=rng.choice(CORRUPTIONS))
+    if action == "clock_jump":
+        return Fault(0.0, action, target, _uniform(rng, spec.degrade_s), rng.choice(CLOCK_JUMPS_S))
     return Fault(0.0, "join", target)
 
 
@@ -266,6 +313,11 @@ def _shortest(fault: Fault, spec: ScheduleSpec) -> Fault:
         "bandwidth": spec.degrade_s[0],
         "slow": spec.degrade_s[0],
         "join": 0.0,
+        "disk_full": spec.degrade_s[0],
+        "io_error": spec.degrade_s[0],
+        "crash_at_fsync": spec.kill_down_s[0] + 2.0,
+        "corrupt": spec.kill_down_s[0],
+        "clock_jump": spec.degrade_s[0],
     }[fault.action]
     return replace(fault, duration_s=round(shortest, 2))
 

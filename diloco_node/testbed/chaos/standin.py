@@ -9,6 +9,16 @@ state digest, learner step progress, and a restart that replays from a checkpoin
 synchronous mode (min_quorum = every learner) waits, unproductive, while any learner is missing,
 which is what makes the stand-in's goodput comparison meaningful.
 
+It models the storage and clock faults too, with the daemon's failpoints (ops/failpoints.py)
+armed from `DILOCO_FAILPOINTS` and, at run time, from `<data_dir>/failpoints.spec`: its own durable
+state (checkpoint.json: applied index, digest, epoch, with a CRC) is written behind
+`checkpoint.write` and its commits appended to the shared log behind `log.append`, each fsynced,
+and a crash at a fsync drops what was not synced. It never uses an epoch it could not persist,
+gives up the lease when it cannot append, quarantines a corrupt checkpoint and recovers the epoch
+from the cluster's lease file. `<data_dir>/clock.json` skews its wall clock (history `t_wall` only).
+`--record-before-fsync` plants a bug for the checker to catch: the holder records its commit before
+the line is durable, so a crash at that fsync loses an entry it claimed.
+
     python -m diloco_node.testbed.chaos.standin --node-id n1 --data-dir D --cluster-dir C --lease-s 1
 """
 
@@ -23,13 +33,18 @@ import os
 import signal
 import sys
 import time
+import zlib
 from pathlib import Path
 
+from diloco_node.clock import SystemClock, set_wall_skew
+from diloco_node.ops import failpoints
 from diloco_node.ops.history import HISTORY_FILE_NAME, HistoryWriter
 
 TICK_S = 0.05  # one loop turn: a "learner step" and a look at the lease and the log
 # A learner counts as present while its heartbeat file is younger than this.
 PRESENCE_S = 0.5
+FAILPOINTS_FILE = "failpoints.spec"
+CLOCK_FILE = "clock.json"
 
 
 def _read_json(path: Path, default: dict) -> dict:
@@ -39,10 +54,42 @@ def _read_json(path: Path, default: dict) -> dict:
         return dict(default)
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""
+
+
 def _write_json(path: Path, value: dict) -> None:
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(value))
     os.replace(tmp, path)
+
+
+def _write_checkpoint(path: Path, value: dict) -> None:
+    """checkpoint.json with a CRC over its body, through the `checkpoint.write` failpoint: written
+    to a temporary file, fsynced, renamed (a crash at the fsync leaves the previous one)."""
+    failpoints.hit("checkpoint.write")
+    body = json.dumps(value, sort_keys=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps({"crc": zlib.crc32(body.encode()), "body": body}))
+        f.flush()
+        failpoints.around_fsync("checkpoint.write", lambda: os.fsync(f.fileno()))
+    os.replace(tmp, path)
+
+
+def _read_checkpoint(path: Path) -> dict | None:
+    """The checkpoint's fields, None when there is none; ValueError when it is damaged."""
+    failpoints.hit("checkpoint.read")
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    if not isinstance(raw, dict) or zlib.crc32(str(raw.get("body")).encode()) != raw.get("crc"):
+        raise ValueError(f"{path}: checksum mismatch")
+    return json.loads(raw["body"])
 
 
 class StandinNode:
@@ -56,33 +103,92 @@ class StandinNode:
         self.learner = args.role == "learner"
         self.data.mkdir(parents=True, exist_ok=True)
         (self.cluster / "alive").mkdir(parents=True, exist_ok=True)
+        self.record_before_fsync = args.record_before_fsync
         self.checkpoint_path = self.data / "checkpoint.json"
-        cp = _read_json(self.checkpoint_path, {"applied": 0, "digest": "", "epoch": 0})
+        self._failpoints_text = ""
+        self._clock_text = ""
+        self._unsynced: tuple[Path, int] | None = None  # a log append not fsynced yet: (file, length before)
+        failpoints.load_from_env()
+        failpoints.on_crash(self._before_crash)
+        self.poll_fault_files()
+        self.recovered_from = ""
+        try:
+            cp = _read_checkpoint(self.checkpoint_path)
+        except ValueError as exc:
+            # Corrupt at rest: keep it aside, replay the log from the start, and take the epoch
+            # from the cluster (every epoch a node used is in the lease file or below it).
+            quarantine = self.checkpoint_path.with_name(f"checkpoint.json.corrupt-{os.getpid()}")
+            os.replace(self.checkpoint_path, quarantine)
+            lease = _read_json(self.cluster / "lease.json", {"epoch": 0})
+            cp = {"applied": 0, "digest": "", "epoch": lease["epoch"]}
+            self.recovered_from = f"{exc}; quarantined as {quarantine.name}, epoch {lease['epoch']} from the lease file"
+            print(f"{self.node}: {self.recovered_from}", file=sys.stderr, flush=True)
+        cp = cp or {"applied": 0, "digest": "", "epoch": 0}
         self.applied: int = cp["applied"]
         self.digest: str = cp["digest"]
         self.epoch: int = cp["epoch"]
         self.holding = False
         self.last_commit = 0.0
         self.last_checkpoint = time.monotonic()
-        self.history = HistoryWriter(self.data / HISTORY_FILE_NAME, self.node)
+        self.history = HistoryWriter(self.data / HISTORY_FILE_NAME, self.node, wall_clock=SystemClock().wall)
         self.running = True
         self.pending: list[tuple[str, dict]] = []
 
-    def save_checkpoint(self) -> None:
-        _write_json(self.checkpoint_path, {"applied": self.applied, "digest": self.digest, "epoch": self.epoch})
+    def poll_fault_files(self) -> None:
+        """The harness's run-time faults: failpoints to arm (all disarmed first) and a wall-clock skew."""
+        text = _read_text(self.data / FAILPOINTS_FILE)
+        if text != self._failpoints_text:
+            self._failpoints_text = text
+            failpoints.disarm()
+            failpoints.arm(text)
+        text = _read_text(self.data / CLOCK_FILE)
+        if text != self._clock_text:
+            self._clock_text = text
+            skew = json.loads(text) if text else {}
+            set_wall_skew(skew.get("offset_s", 0.0), skew.get("drift_rate", 0.0))
+
+    def _before_crash(self) -> None:
+        """A crash at a fsync: the log append that was not synced is lost, as after a power cut;
+        and the failpoints armed at run time die with the process, as a daemon's do."""
+        if self._unsynced is not None:
+            path, length = self._unsynced
+            os.truncate(path, length)
+        (self.data / FAILPOINTS_FILE).unlink(missing_ok=True)
+
+    def save_checkpoint(self, epoch: int | None = None) -> bool:
+        """Persist applied index, digest and `epoch` (default: ours); False when the disk refused
+        (the caller must then not use that epoch)."""
+        try:
+            _write_checkpoint(self.checkpoint_path, {"applied": self.applied, "digest": self.digest,
+                                                     "epoch": self.epoch if epoch is None else epoch})
+        except OSError as exc:
+            print(f"{self.node}: checkpoint not written: {exc}", file=sys.stderr, flush=True)
+            return False
         self.last_checkpoint = time.monotonic()
+        return True
+
+    def adopt_epoch(self, epoch: int) -> bool:
+        """Use `epoch` from now on, once it is durable."""
+        if epoch <= self.epoch:
+            return True
+        if not self.save_checkpoint(epoch):
+            return False
+        self.epoch = epoch
+        return True
 
     def run(self) -> None:
         time.sleep(0.3)  # a little boot time, like a daemon compiling its step
-        self.history.record("start", epoch=self.epoch, index=self.applied, detail={"pid": os.getpid()})
+        detail = {"pid": os.getpid(), **({"recovered": self.recovered_from} if self.recovered_from else {})}
+        self.history.record("start", epoch=self.epoch, index=self.applied, detail=detail)
         while self.running:
             began = time.monotonic()
+            self.poll_fault_files()
             if self.learner:
                 _write_json(self.cluster / "alive" / f"{self.node}.json", {"t": began})
             self.coordinate(began)
             self.apply_new()
             if time.monotonic() - self.last_checkpoint > 1.0:
-                self.save_checkpoint()
+                self.save_checkpoint()  # a refusal is fine: a restart replays from an older one
             time.sleep(TICK_S)
             if self.learner:
                 # Synchronous mode: the learner waits at the barrier while any learner is missing.
@@ -118,26 +224,31 @@ class StandinNode:
             mine = lease["holder"] == self.node and lease["epoch"] == self.epoch
             if self.holding and not mine:
                 self.holding = False
-                self.epoch = max(self.epoch, lease["epoch"])
-                self.save_checkpoint()
+                self.adopt_epoch(lease["epoch"])
                 self.pending.append(("lease_lost", {"epoch": self.epoch, "detail": {"holder": lease["holder"]}}))
             if mine and self.holding:
                 lease["expires"] = now + self.lease_s
                 _write_json(lease_path, lease)
             elif now > lease["expires"]:
-                self.epoch = max(self.epoch, lease["epoch"]) + 1
-                self.save_checkpoint()  # an epoch is durable before it is used
-                _write_json(lease_path, {"epoch": self.epoch, "holder": self.node, "expires": now + self.lease_s})
-                self.holding = True
-                self.pending.append(("lease_acquired", {"epoch": self.epoch, "index": self.log_length()}))
-                self.last_commit = now
+                # An epoch is durable before it is used: a node that cannot persist it stays out.
+                if self.adopt_epoch(max(self.epoch, lease["epoch"]) + 1):
+                    _write_json(lease_path, {"epoch": self.epoch, "holder": self.node, "expires": now + self.lease_s})
+                    self.holding = True
+                    self.pending.append(("lease_acquired", {"epoch": self.epoch, "index": self.log_length()}))
+                    self.last_commit = now
             elif lease["epoch"] > self.epoch:
-                self.epoch = lease["epoch"]
-                self.save_checkpoint()
+                self.adopt_epoch(lease["epoch"])
             if self.holding and now - self.last_commit >= self.commit_interval_s:
                 contributors = self.present_learners(now)
                 if len(contributors) >= self.min_quorum:
-                    self.commit(contributors)
+                    try:
+                        self.commit(contributors)
+                    except OSError as exc:
+                        # It cannot persist its log: it gives the lease up rather than hold it idle.
+                        self.holding = False
+                        _write_json(lease_path, {**lease, "expires": 0.0})
+                        self.pending.append(("lease_lost", {"epoch": self.epoch, "detail": {
+                            "holder": None, "reason": f"cannot append to the log: {exc}"}}))
                     self.last_commit = now
 
     def log_length(self) -> int:
@@ -145,19 +256,39 @@ class StandinNode:
         return len(path.read_text().splitlines()) if path.exists() else 0
 
     def commit(self, contributors: list[str]) -> None:
+        """Append one entry to the shared log, fsynced behind `log.append`, then record it."""
         index = self.log_length() + 1
         entry = hashlib.blake2b(f"{self.epoch}|{index}|{','.join(contributors)}".encode(), digest_size=8).hexdigest()
-        with open(self.cluster / "log.jsonl", "a") as log:
+        events = [("append", {"epoch": self.epoch, "index": index, "entry_digest": entry}),
+                  ("commit", {"epoch": self.epoch, "index": index, "entry_digest": entry,
+                              "detail": {"contributors": contributors}})]
+        if self.record_before_fsync:  # the planted bug: a claim made before the entry is durable
+            for kind, fields in events:
+                self.history.record(kind, **fields)
+            events = []
+        failpoints.hit("log.append")
+        path = self.cluster / "log.jsonl"
+        with open(path, "a") as log:
+            self._unsynced = (path, log.tell())
             log.write(json.dumps({"index": index, "epoch": self.epoch, "entry": entry}) + "\n")
-        self.pending.append(("append", {"epoch": self.epoch, "index": index, "entry_digest": entry}))
-        self.pending.append(("commit", {"epoch": self.epoch, "index": index, "entry_digest": entry,
-                                        "detail": {"contributors": contributors}}))
+            log.flush()
+            failpoints.around_fsync("log.append", lambda: os.fsync(log.fileno()))
+            self._unsynced = None
+        self.pending += events
 
     def apply_new(self) -> None:
         path = self.cluster / "log.jsonl"
         if not path.exists():
             return
-        for line in path.read_text().splitlines()[self.applied:]:
+        # Read under a shared lock: a line being appended is not durable until the holder's fsync,
+        # and a crash at that fsync takes it back, so nobody may apply it before then.
+        with open(self.cluster / "lock", "a+") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return  # the holder is appending (or frozen while it does): next tick
+            lines = path.read_text().splitlines()[self.applied:]
+        for line in lines:
             if not line.endswith("}"):
                 break  # the holder is mid-write
             entry = json.loads(line)
@@ -176,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit-interval-s", type=float, default=0.25)
     parser.add_argument("--min-quorum", type=int, default=1)
     parser.add_argument("--role", choices=("learner", "witness"), default="learner")
+    parser.add_argument("--record-before-fsync", action="store_true",
+                        help="planted bug: record a commit before its log line is fsynced")
     node = StandinNode(parser.parse_args(argv))
 
     def stop(*_: object) -> None:
