@@ -41,6 +41,7 @@ def test_schedules_with_storage_faults_keep_the_constraints_and_draw_every_kind(
                    for t in grid) <= 1
         assert Schedule.from_dict(json.loads(schedule.to_json())) == schedule
         drawn |= {f.action for f in schedule.faults}
+        assert {f.action for f in schedule.faults} >= STORAGE_ACTIONS | {"clock_jump"}  # each at least once
         for f in schedule.faults:
             assert (f.how in CRASH_POINTS) if f.action == "crash_at_fsync" else True
             assert (f.how in CORRUPTIONS) if f.action == "corrupt" else True

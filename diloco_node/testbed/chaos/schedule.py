@@ -16,7 +16,7 @@ live founders other than the holder). Constraints every generated schedule meets
 - SIGSTOPs, isolations and partitions outlast the lease (x 1.5), so the majority must elect;
 - every fault is healed `settle_s` before the end, so convergence can be checked;
 - at least one coordinator kill and one coordinator SIGSTOP lasting past the lease time (and, if
-  the spec asks, one coordinator partition).
+  the spec asks, one coordinator partition), and one of each storage or clock fault the weights name.
 
 Storage and clock faults (drawn only when the spec's weights name them, `STORAGE_FAULT_WEIGHTS`):
 a full disk or failing I/O on one node for a while, a crash at one durable step's fsync, a file
@@ -191,12 +191,19 @@ class ScheduleSpec:
         if not self.lease_s > 0:
             raise ScheduleError(f"lease_s must be > 0, got {self.lease_s}")
         if self.faults < self.mandatory_faults:
+            extra = f", one each of {', '.join(self.required_actions)}" if self.required_actions else ""
             raise ScheduleError(f"faults = {self.faults}: need >= {self.mandatory_faults - len(self.joiners)} (a coordinator "
-                                f"kill and stop{' and partition' if self.coordinator_partition else ''}) plus one per joiner")
+                                f"kill and stop{' and partition' if self.coordinator_partition else ''}{extra}) "
+                                f"plus one per joiner")
+
+    @property
+    def required_actions(self) -> tuple[str, ...]:
+        """Storage and clock faults the weights name: each is drawn at least once."""
+        return tuple(sorted(a for a in STORAGE_FAULT_WEIGHTS if a in self.weights))
 
     @property
     def mandatory_faults(self) -> int:
-        return 2 + int(self.coordinator_partition) + len(self.joiners)
+        return 2 + int(self.coordinator_partition) + len(self.joiners) + len(self.required_actions)
 
     @property
     def learner_nodes(self) -> tuple[str, ...]:
@@ -345,6 +352,7 @@ def _generate_once(seed: int, attempt: int, spec: ScheduleSpec) -> Schedule:
     if spec.coordinator_partition:
         plan.append(("partition", COORDINATOR))
     plan += [("join", j) for j in spec.joiners]
+    plan += [(action, rng.choice(spec.nodes)) for action in spec.required_actions]
     actions = sorted(a for a in spec.weights if a != "partition" or spec.max_down >= 2)
     weights = [spec.weights[a] for a in actions]
     while len(plan) < spec.faults:
@@ -439,4 +447,7 @@ def check_schedule(schedule: Schedule, spec: ScheduleSpec, require_coordinator_f
         for action in ("kill", "stop") + (("partition",) if spec.coordinator_partition else ()):
             if not any(f.action == action and f.target == COORDINATOR for f in schedule.faults):
                 problems.append(f"no coordinator {action}")
+        for action in spec.required_actions:
+            if not any(f.action == action for f in schedule.faults):
+                problems.append(f"no {action} (its weight asks for one)")
     return problems
