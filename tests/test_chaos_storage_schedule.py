@@ -10,6 +10,7 @@ import random
 import pytest
 
 from diloco_node.ops import failpoints
+from diloco_node.ops.debug_routes import DEBUG_ENV_VAR
 from diloco_node.testbed.chaos import standin
 from diloco_node.testbed.chaos.harness import ChaosConfig, DaemonLauncher, corrupt_file, storage_fault_spec
 from diloco_node.testbed.chaos.schedule import (
@@ -83,7 +84,8 @@ def test_a_full_disk_fails_every_write_and_a_failing_one_reads_too_but_the_histo
 
 
 def test_daemons_are_started_with_failpoints_allowed_and_none_armed():
-    assert DaemonLauncher().env()[failpoints.ENV_VAR] == ""
+    env = DaemonLauncher().env()
+    assert env[DEBUG_ENV_VAR] == "1" and failpoints.ENV_VAR not in env
 
 
 def test_files_are_damaged_at_rest_by_a_bit_flip_or_a_truncation(tmp_path):

@@ -11,7 +11,7 @@ from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 
 from diloco_node.clock import SystemClock, set_wall_skew
 from diloco_node.ops import failpoints
-from diloco_node.ops.debug_routes import debug_allowed, debug_routes
+from diloco_node.ops.debug_routes import DEBUG_ENV_VAR, debug_allowed, debug_routes
 
 ALLOWED = {failpoints.ENV_VAR: ""}
 
@@ -32,7 +32,8 @@ def _app(environ) -> web.Application:
 
 
 async def test_without_failpoints_allowed_the_routes_do_not_exist():
-    assert not debug_allowed({}) and debug_allowed(ALLOWED)
+    assert not debug_allowed({}) and debug_allowed(ALLOWED) and debug_allowed({DEBUG_ENV_VAR: "1"})
+    assert not debug_allowed({DEBUG_ENV_VAR: "0"})
     async with TestClient(TestServer(_app({}))) as client:
         for path in ("/debug/failpoints", "/debug/clock"):
             assert (await client.post(path, json={})).status == 404

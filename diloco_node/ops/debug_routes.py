@@ -1,7 +1,8 @@
 """Loopback-only fault injection for tests and chaos runs: arm failpoints, skew the wall clock.
 
 Two operator routes, present only in a daemon started with failpoints allowed (the environment
-names `DILOCO_FAILPOINTS`, even empty) and answered only to a client on this host's loopback:
+sets `DILOCO_X_DEBUG_ROUTES=1`, or names `DILOCO_FAILPOINTS`) and answered only to a client on
+this host's loopback:
 
 - `POST /debug/failpoints`, body `{"arm": "point=action,...", "disarm": ["point", ...] | "all"}`
   (either or both; disarming first): arms and disarms failpoints by name (ops/failpoints.py) and
@@ -27,11 +28,15 @@ from diloco_node.ops import failpoints
 from diloco_node.ops.status import is_loopback
 
 MAX_DEBUG_BODY_BYTES = 4096
+# A tooling variable (DILOCO_X_*: never read as configuration), so a chaos run can allow the routes
+# without arming anything at start.
+DEBUG_ENV_VAR = "DILOCO_X_DEBUG_ROUTES"
 
 
 def debug_allowed(environ: Mapping[str, str]) -> bool:
-    """Whether the daemon was started with failpoints allowed (the variable set, even empty)."""
-    return failpoints.ENV_VAR in environ
+    """Whether the daemon was started with failpoints allowed: `DILOCO_X_DEBUG_ROUTES=1`, or
+    failpoints armed from the environment (`DILOCO_FAILPOINTS`, even empty)."""
+    return environ.get(DEBUG_ENV_VAR) == "1" or failpoints.ENV_VAR in environ
 
 
 def debug_routes(environ: Mapping[str, str]) -> web.RouteTableDef:

@@ -19,7 +19,7 @@ One mode run, step by step (docs/CHAOS.md has the picture):
    reads all histories back for the checker and the metrics.
 
 Storage and clock faults go through the launcher: a daemon is started with failpoints allowed
-(`DILOCO_FAILPOINTS` set, empty) and the harness arms and disarms them, and skews its wall clock,
+(`DILOCO_X_DEBUG_ROUTES=1`, nothing armed) and the harness arms and disarms them, and skews its wall clock,
 through its loopback debug routes (ops/debug_routes.py); a stand-in reads the same requests from
 files in its data directory. A `corrupt` fault damages a file at rest while the node is down.
 """
@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from diloco_node.ops import failpoints
+from diloco_node.ops.debug_routes import DEBUG_ENV_VAR
 from diloco_node.ops.history import (
     HISTORY_FILE_NAME,
     HistoryEvent,
@@ -416,7 +417,7 @@ class DaemonLauncher:
 
     def env(self) -> dict[str, str] | None:
         # Failpoints allowed (none armed): the harness arms them at run time on loopback.
-        return node_env({failpoints.ENV_VAR: ""})
+        return node_env({DEBUG_ENV_VAR: "1"})
 
     async def _post(self, slot: NodeSlot, path: str, body: dict[str, Any]) -> str:
         import aiohttp
