@@ -11,7 +11,7 @@
 Options: --seed N, --duration S (override), --relays FANOUT (every daemon relays commits down a
 tree of that fan-out), --standin (engine self-test with stand-in nodes; its figures say nothing
 about the daemon), --out FILE (the JSON reports), --without-storage-faults (the soak as before
-storage and clock faults existed).
+storage and clock faults existed), --corruptions (which damage a `corrupt` fault may do).
 
 Heavy: the soak runs every mode for the full duration (about 25 minutes for both). Run it once,
 alone, and say in any figure you quote whether the machine was shared.
@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from diloco_node.testbed.chaos.harness import ChaosConfig, DaemonLauncher, StandinLauncher, run_chaos, standin_config
+from diloco_node.testbed.chaos.schedule import CORRUPTIONS
 
 PRESETS = {
     # The soak: 10 minutes, >= 20 faults, the coordinator included, a site joining.
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="every daemon relays commits with this fan-out ([node] relay_fanout; 0: off)")
     parser.add_argument("--without-storage-faults", action="store_true",
                         help="the soak draws no disk, fsync, corruption or clock faults")
+    parser.add_argument("--corruptions", default=",".join(CORRUPTIONS),
+                        help=f"what a corrupt fault may do, comma-separated (default: all of {','.join(CORRUPTIONS)})")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -59,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             preset["duration_s"] = args.duration
         if args.without_storage_faults:
             preset["storage_faults"] = False
+        preset["corruptions"] = tuple(filter(None, args.corruptions.split(",")))
         config = ChaosConfig(workdir=workdir / name, seed=args.seed, lease_s=args.lease, **preset)
         if args.standin:
             config = standin_config(config)

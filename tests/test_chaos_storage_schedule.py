@@ -55,6 +55,15 @@ def _how(action: str) -> str:
     return {"crash_at_fsync": CRASH_POINTS[0], "corrupt": CORRUPTIONS[0]}.get(action, "")
 
 
+def test_corruptions_can_be_narrowed_and_a_bad_one_is_refused():
+    spec = ScheduleSpec(**{**{f: getattr(SOAK, f) for f in ("nodes", "joiners", "duration_s", "lease_s", "faults",
+                                                            "degrade_s", "weights")}, "corruptions": ("checkpoint:flip",)})
+    hows = {f.how for seed in range(10) for f in generate(seed, spec).faults if f.action == "corrupt"}
+    assert hows == {"checkpoint:flip"}
+    with pytest.raises(ScheduleError, match="corruptions"):
+        ScheduleSpec(nodes=("n1", "n2", "n3"), duration_s=100, lease_s=3, faults=4, corruptions=("disk:melt",))
+
+
 def test_storage_faults_are_drawn_only_when_asked_for():
     plain = ChaosConfig(workdir=".", duration_s=300, faults=20).schedule_spec()
     assert set(plain.weights) == set(DEFAULT_WEIGHTS)

@@ -62,6 +62,7 @@ from diloco_node.testbed.chaos.metrics import (
 )
 from diloco_node.testbed.chaos.schedule import (
     COORDINATOR,
+    CORRUPTIONS,
     DEFAULT_WEIGHTS,
     FOLLOWER,
     STORAGE_FAULT_WEIGHTS,
@@ -485,6 +486,7 @@ class ChaosConfig:
     scenario: str = "random"
     coordinator_partition: bool = False  # the schedule must cut the lease holder off (with a minority)
     storage_faults: bool = False  # random schedules also draw disk, fsync, corruption and clock faults
+    corruptions: tuple[str, ...] = CORRUPTIONS  # the damage a `corrupt` fault may do
     modes: tuple[str, ...] = MODES
     warmup_s: float = 10.0
     settle_s: float = 15.0
@@ -519,6 +521,7 @@ class ChaosConfig:
             warmup_s=self.warmup_s, settle_s=self.settle_s, recovery_s=self.recovery_s, degrade_s=self.degrade_s,
             coordinator_partition=self.coordinator_partition,
             weights={**DEFAULT_WEIGHTS, **(STORAGE_FAULT_WEIGHTS if self.storage_faults else {})},
+            corruptions=self.corruptions,
         )
 
 

@@ -180,6 +180,7 @@ class ScheduleSpec:
     # `partition` is drawn only where a minority can hold two nodes (5+ founders): with 3, the
     # one-node partition is `isolate` (and seeds keep the schedules they had before partitions).
     weights: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
+    corruptions: tuple[str, ...] = CORRUPTIONS  # what a `corrupt` fault may do (a subset of CORRUPTIONS)
 
     def __post_init__(self) -> None:
         if len(self.nodes) < 3:
@@ -190,6 +191,8 @@ class ScheduleSpec:
             raise ScheduleError(f"duration {self.duration_s}s leaves no time after warmup {self.warmup_s}s and settle {self.settle_s}s")
         if not self.lease_s > 0:
             raise ScheduleError(f"lease_s must be > 0, got {self.lease_s}")
+        if not self.corruptions or not set(self.corruptions) <= set(CORRUPTIONS):
+            raise ScheduleError(f"corruptions {list(self.corruptions)}: expected some of {list(CORRUPTIONS)}")
         if self.faults < self.mandatory_faults:
             extra = f", one each of {', '.join(self.required_actions)}" if self.required_actions else ""
             raise ScheduleError(f"faults = {self.faults}: need >= {self.mandatory_faults - len(self.joiners)} (a coordinator "
@@ -305,7 +308,7 @@ def _draw(rng: random.Random, action: str, target: str, spec: ScheduleSpec) -> F
         low, high = spec.kill_down_s
         return Fault(0.0, action, target, _uniform(rng, (low + 2.0, high + 2.0)), how=rng.choice(CRASH_POINTS))
     if action == "corrupt":
-        return Fault(0.0, action, target, _uniform(rng, spec.kill_down_s), how=rng.choice(CORRUPTIONS))
+        return Fault(0.0, action, target, _uniform(rng, spec.kill_down_s), how=rng.choice(spec.corruptions))
     if action == "clock_jump":
         return Fault(0.0, action, target, _uniform(rng, spec.degrade_s), rng.choice(CLOCK_JUMPS_S))
     return Fault(0.0, "join", target)
