@@ -1,7 +1,7 @@
 """Loopback-only fault injection for tests and chaos runs: arm failpoints, skew the wall clock.
 
 Two operator routes, present only in a daemon started with failpoints allowed (the environment
-sets `DILOCO_X_DEBUG_ROUTES=1`, or names `DILOCO_FAILPOINTS`) and answered only to a client on
+sets `DILOCO_X_DEBUG_ROUTES=1`, or names `DILOCO_X_FAILPOINTS`) and answered only to a client on
 this host's loopback:
 
 - `POST /debug/failpoints`, body `{"arm": "point=action,...", "disarm": ["point", ...] | "all"}`
@@ -35,7 +35,7 @@ DEBUG_ENV_VAR = "DILOCO_X_DEBUG_ROUTES"
 
 def debug_allowed(environ: Mapping[str, str]) -> bool:
     """Whether the daemon was started with failpoints allowed: `DILOCO_X_DEBUG_ROUTES=1`, or
-    failpoints armed from the environment (`DILOCO_FAILPOINTS`, even empty)."""
+    failpoints armed from the environment (`DILOCO_X_FAILPOINTS`, even empty)."""
     return environ.get(DEBUG_ENV_VAR) == "1" or failpoints.ENV_VAR in environ
 
 

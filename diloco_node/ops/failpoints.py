@@ -5,7 +5,7 @@ checkpoint written, a file read back). Each one is a name in `POINTS`. In produc
 armed and a point costs one truthiness test of an empty dict. A test or a chaos run arms points
 by name, either in the environment before the daemon starts
 
-    DILOCO_FAILPOINTS="log.append=enospc*3,checkpoint.write=crash-before"
+    DILOCO_X_FAILPOINTS="log.append=enospc*3,checkpoint.write=crash-before"
 
 or at run time (`arm`, which the loopback operator route calls). Actions:
 
@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-ENV_VAR = "DILOCO_FAILPOINTS"
+ENV_VAR = "DILOCO_X_FAILPOINTS"
 CRASH_EXIT_CODE = 86  # distinct from a signal's 128+N, so a test can tell a failpoint crash apart
 
 # Every durable step, by name. A `.read` point fails the read back (eio) or stalls it; a write
@@ -116,7 +116,7 @@ def parse(spec: str) -> dict[str, Armed]:
 
 
 def load_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Arm what `DILOCO_FAILPOINTS` names (called once at daemon start); returns `armed()`."""
+    """Arm what `DILOCO_X_FAILPOINTS` names (called once at daemon start); returns `armed()`."""
     spec = (os.environ if environ is None else environ).get(ENV_VAR, "")
     parsed = parse(spec)
     with _lock:

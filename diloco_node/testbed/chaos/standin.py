@@ -10,7 +10,7 @@ synchronous mode (min_quorum = every learner) waits, unproductive, while any lea
 which is what makes the stand-in's goodput comparison meaningful.
 
 It models the storage and clock faults too, with the daemon's failpoints (ops/failpoints.py)
-armed from `DILOCO_FAILPOINTS` and, at run time, from `<data_dir>/failpoints.spec`: its own durable
+armed from `DILOCO_X_FAILPOINTS` and, at run time, from `<data_dir>/failpoints.spec`: its own durable
 state (checkpoint.json: applied index, digest, epoch, with a CRC) is written behind
 `checkpoint.write` and its commits appended to the shared log behind `log.append`, each fsynced,
 and a crash at a fsync drops what was not synced. It never uses an epoch it could not persist,
