@@ -54,6 +54,7 @@ from diloco_node.config.manifest import DataAgreement, RunManifest
 from diloco_node.config.site_data import DOCUMENT_SOURCES, SiteData
 from diloco_node.learn import documents as documents_lib
 from diloco_node.learn import token_files
+from diloco_node.ops import durable
 
 # Files of the stdlib that are not the standard library proper (third-party installs).
 _STDLIB_EXCLUDED_DIRS = ("site-packages", "dist-packages")
@@ -324,7 +325,7 @@ def _replace_atomically(path: Path, write: Callable[[Any], None]) -> None:
         with os.fdopen(fd, "wb") as out:
             write(out)
             out.flush()
-            os.fsync(out.fileno())
+            durable.sync_file("data_cache.write", out.fileno())
         os.replace(temporary, path)
     except BaseException:
         try:

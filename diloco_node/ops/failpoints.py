@@ -48,12 +48,13 @@ POINTS: Mapping[str, str] = {
     "identity.read": "the identity file read at start",
     "manifest.write": "the run manifest stored at founding or joining",
     "manifest.read": "the stored run manifest read at start",
-    "version_rings.write": "the fragment-version rings saved",
-    "version_rings.read": "the fragment-version rings read at start",
+    "version_rings.write": "a past fragment version written into its ring slot (a cache, never fsynced)",
+    "version_rings.read": "a past fragment version read back from its ring slot for a rebase (CRC32-checked)",
     "history.write": "a line appended to the history (history.jsonl)",
     "spool.write": "a relayed payload spooled to disk",
     "spool.read": "a spooled payload read back to serve it",
     "export.write": "an exported model written",
+    "data_cache.write": "a site's tokenized-text cache written (temporary file, fsync, rename)",
 }
 
 ACTIONS = ("enospc", "eio", "crash-before", "crash-after", "stall")
