@@ -15,12 +15,15 @@ each start (files truncated), exactly as the in-memory history starts with the c
 after a restart or an install; nothing in it is ever read across a restart. A contribution against
 a round the ring no longer (or not yet) holds is rejected with that reason by the merge, as before.
 
-Faults (failpoints `version_rings.write`, `version_rings.read`): each slot's CRC32 is kept in
-memory when it is written and checked when it is read back. A slot that fails its check (a bit
-flip, a truncated file) or cannot be read, and a slot the disk refused to write, cost the ring its
-older versions: the file is quarantined (kept, named on `/status`) and a fresh one opened, or the
-ring keeps only the newest version (held in memory) and fills again as rounds are applied. The
-merge then rejects contributions against the lost rounds by reason; nothing wrong is ever served.
+Faults (failpoints `version_rings.write`, `version_rings.read`), each on `/status` and warned once
+per streak; nothing wrong is ever served, and the merge rejects a contribution against a lost
+round by reason:
+- a slot the disk refused to write: that round is served from memory while it is the newest and
+  is dropped when the next round comes (the other slots are untouched);
+- a slot that cannot be read (an I/O error): that round is dropped;
+- a slot that fails its CRC32 (kept in memory when written, checked when read back: a bit flip) or
+  ends early (a truncated file): the file is quarantined (kept, named on `/status`), a fresh one
+  opened, and the ring keeps only the newest version (in memory) and fills again.
 The ring has no fsync: its crash failpoints fire where a slot is complete.
 
 `version` and `record` may run on different threads (a merge in the pool, an apply on the event
@@ -102,7 +105,8 @@ class DiskFragmentHistory:
             try:
                 self._crc[slot] = self._write_slot(slot, params)
             except OSError as error:
-                self._lose_older(f"version of round {round_} not written", error, "version_rings.write")
+                self._failed("version_rings.write", f"version of round {round_} not written; served from memory "
+                             "while it is the newest", error)
                 self._unwritten = round_
             else:
                 if STORAGE.succeeded("version_rings.write"):
@@ -125,16 +129,12 @@ class DiskFragmentHistory:
         failpoints.around_fsync("version_rings.write", lambda: None)
         return crc
 
-    def _lose_older(self, what: str, error: BaseException | str, point: str) -> None:
-        """Keep only the newest version (in memory): the ring's bytes on disk are not to be trusted."""
+    def _failed(self, point: str, what: str, error: BaseException | str) -> None:
         first = not STORAGE.is_failing(point)
         STORAGE.failed(point, error)
         if first:
-            log.warning("fragment %d: %s (%s); the ring keeps only the newest version and fills again, "
-                        "contributions against older rounds are rejected meanwhile", self.fragment, what, error)
-        while len(self._rounds) > 1:
-            self._rounds.popitem(last=False)
-        self._crc.clear()
+            log.warning("fragment %d: %s (%s); contributions against rounds the ring lacks are rejected",
+                        self.fragment, what, error)
 
     def version(self, round_: int) -> Mapping[str, np.ndarray] | None:
         """The fragment at `round_` (read-only arrays), or None when the ring does not hold it."""
@@ -150,7 +150,8 @@ class DiskFragmentHistory:
                 self._corrupt(round_, slot, str(error))
                 return None
             except OSError as error:
-                self._lose_older(f"version of round {round_} not read", error, "version_rings.read")
+                self._failed("version_rings.read", f"version of round {round_} not read; dropped", error)
+                del self._rounds[round_]
                 return None
             crc = 0
             for name, _, _ in self._layout:
@@ -175,7 +176,11 @@ class DiskFragmentHistory:
     def _corrupt(self, round_: int, slot: int, why: str) -> None:
         """A slot that does not read back as written: the file is quarantined, a fresh one started."""
         reason = f"fragment {self.fragment} round {round_} (slot {slot}): {why}"
-        self._lose_older(f"version ring corrupt: {reason}", reason, "version_rings.read")
+        self._failed("version_rings.read", f"version ring {self.path.name} corrupt, quarantined; the ring keeps "
+                     "only the newest version and fills again", reason)
+        while len(self._rounds) > 1:  # every slot of the file is in doubt
+            self._rounds.popitem(last=False)
+        self._crc.clear()
         try:
             STORAGE.quarantine(self.path, reason)
             fresh = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
