@@ -141,6 +141,25 @@ def test_a_damaged_checkpoint_is_detected_quarantined_and_the_older_one_loaded(t
     assert restart_plan(checkpoint_index=10, snapshot_index=15, log_last_index=25, has_peers=True).install_floor == 15
 
 
+@pytest.mark.parametrize("how", DAMAGE)
+def test_a_checkpoint_damaged_before_compaction_reads_it_is_quarantined_and_the_log_kept(tmp_path, how):
+    from types import SimpleNamespace
+
+    errors: list[str] = []
+    with CheckpointStore(tmp_path) as store, ThreadPoolExecutor(1) as disk:
+        checkpointer = Checkpointer(node_id="n1", checkpoints=store, store=None, replica=_Replica(),  # type: ignore[arg-type]
+                                    disk_executor=disk, retain_entries=2, report_error=errors.append)
+        path, index = asyncio.run(checkpointer.checkpoint(None))  # type: ignore[misc]
+        _damage(path, how)
+        # A log long enough to compact below the checkpoint: the compaction reads the checkpoint first.
+        coordination = SimpleNamespace(log=SimpleNamespace(commit_index=100, store=SimpleNamespace(
+            snapshot=SimpleNamespace(last_index=0))))
+        asyncio.run(checkpointer.compact_log(coordination, None, path, index, lambda: False))  # type: ignore[arg-type]
+        assert "did not verify; log not compacted" in errors[0]
+        assert store.sequences() == [] and (tmp_path / f"{path.name}.corrupt-1").exists()
+        assert STORAGE.is_failing("checkpoint.read")
+
+
 def test_when_every_checkpoint_is_damaged_the_node_starts_without_one_and_says_so(tmp_path):
     errors: list[str] = []
     with CheckpointStore(tmp_path) as store:

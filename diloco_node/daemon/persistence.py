@@ -32,7 +32,7 @@ from diloco_node.learn.learner_thread import (
     snapshot_from_checkpoint,
     snapshot_meta_and_arrays,
 )
-from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore, verify_checkpoint_file
+from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore, CheckpointUnreadable, verify_checkpoint_file
 from diloco_node.ops.storage_health import STORAGE
 from diloco_node.sync.replica import Replica
 
@@ -208,6 +208,10 @@ class Checkpointer:
             verified = int(meta["applied_index"])
         except (CheckpointError, KeyError, TypeError, ValueError) as error:
             self.report_error(f"checkpoint {path.name} did not verify; log not compacted: {error}")
+            STORAGE.failed("checkpoint.read", str(error))
+            if isinstance(error, CheckpointError) and not isinstance(error, CheckpointUnreadable):
+                # Written moments ago and already wrong: the disk corrupts. Never a restart's choice.
+                self.checkpoints.quarantine(path, str(error))
             return
         if verified != checkpointed:
             self.report_error(f"checkpoint {path.name} holds index {verified}, expected {checkpointed}; "

@@ -378,11 +378,12 @@ class CheckpointStore:
             except CheckpointError as exc:
                 skipped.append(str(exc))
                 STORAGE.failed("checkpoint.read", str(exc))
-                self._quarantine(path, str(exc))
+                self.quarantine(path, str(exc))
         if skipped:
             raise CheckpointError("no loadable checkpoint; every candidate failed:\n  " + "\n  ".join(skipped))
         return None
 
-    def _quarantine(self, path: Path, reason: str) -> None:
-        STORAGE.quarantine(path, reason)  # `ckpt-N.bin.corrupt-K`, named on /status
+    def quarantine(self, path: Path, reason: str) -> None:
+        """Set a checkpoint that failed its check aside: `ckpt-N.bin.corrupt-K`, kept, named on /status."""
+        STORAGE.quarantine(path, reason)
         durable.sync_dir(self.directory)
