@@ -440,6 +440,20 @@ def test_a_spool_stream_that_the_disk_refuses_is_answered_507(tmp_path):
     asyncio.run(scenario())
 
 
+def test_a_fresh_copy_of_a_payload_whose_spool_file_was_bad_is_kept(tmp_path):
+    digest = hashlib.sha256(PAYLOAD).digest()
+    held = HeldPayloads(lambda index, epoch: None)
+    bad = SpooledPayload(tmp_path / "bad.part", len(PAYLOAD), digest)
+    bad.path.write_bytes(PAYLOAD[:-1] + b"!")
+    held.put(digest, bad)
+    with pytest.raises(SpoolCorrupt):
+        bad.read()
+    fresh = SpooledPayload(tmp_path / "fresh.part", len(PAYLOAD), digest)
+    fresh.path.write_bytes(PAYLOAD)
+    held.put(digest, fresh)  # the fetched copy, put before anyone asked for the bad one again
+    assert held.get(digest) is fresh and fresh.read() == PAYLOAD and fresh.path.exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # Exports (written by an operator's command, never read back by the node)
 # ---------------------------------------------------------------------------------------------
@@ -455,4 +469,5 @@ def test_a_refused_export_is_an_export_error_and_leaves_no_file(tmp_path, action
     assert list(tmp_path.iterdir()) == []
     export_lib.write_export({"w": np.ones(4, np.float32)}, {"format": export_lib.EXPORT_FORMAT}, out, "npz")
     assert export_lib.load_export(out)[0]["w"].tolist() == [1.0] * 4
+
 

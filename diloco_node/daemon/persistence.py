@@ -206,6 +206,7 @@ class Checkpointer:
             # Streamed: the check costs a chunk of memory, not a second copy of the state.
             meta = await loop.run_in_executor(self.disk_executor, verify_checkpoint_file, path)
             verified = int(meta["applied_index"])
+            STORAGE.succeeded("checkpoint.read")
         except (CheckpointError, KeyError, TypeError, ValueError) as error:
             self.report_error(f"checkpoint {path.name} did not verify; log not compacted: {error}")
             STORAGE.failed("checkpoint.read", str(error))

@@ -236,7 +236,7 @@ class HeldPayloads:
         return payload
 
     def put(self, digest: bytes, payload: Payload) -> None:
-        if digest in self._held or digest in self._positions:
+        if self.held(digest) is not None or digest in self._positions:  # (a copy found bad is not kept)
             if isinstance(payload, SpooledPayload) and self._held.get(digest) is not payload:
                 payload.delete()  # a second copy of bytes already here
             return
