@@ -455,7 +455,7 @@ def test_a_fresh_copy_of_a_payload_whose_spool_file_was_bad_is_kept(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Exports (written by an operator's command, never read back by the node)
+# Exports and the data cache (written, and never read back as good unless whole)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -471,3 +471,11 @@ def test_a_refused_export_is_an_export_error_and_leaves_no_file(tmp_path, action
     assert export_lib.load_export(out)[0]["w"].tolist() == [1.0] * 4
 
 
+@pytest.mark.parametrize(("action", "code"), ERRORS)
+def test_a_refused_data_cache_write_leaves_no_cache_file(tmp_path, action, code):
+    failpoints.arm(f"data_cache.write={action}*1")
+    with pytest.raises(OSError) as refused:
+        data_lib._replace_atomically(tmp_path / "text-k.bin", lambda out: out.write(b"tokens"))
+    assert refused.value.errno == code and list(tmp_path.iterdir()) == []
+    data_lib._replace_atomically(tmp_path / "text-k.bin", lambda out: out.write(b"tokens"))
+    assert (tmp_path / "text-k.bin").read_bytes() == b"tokens"
