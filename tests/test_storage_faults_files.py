@@ -160,6 +160,20 @@ def test_a_checkpoint_damaged_before_compaction_reads_it_is_quarantined_and_the_
         assert STORAGE.is_failing("checkpoint.read")
 
 
+def test_a_bit_flip_anywhere_in_a_checkpoint_is_detected(tmp_path):
+    from diloco_node.ops.checkpoint import HEADER_BYTES, read_checkpoint_file, write_checkpoint_file
+
+    path = tmp_path / "ckpt-000000000001.bin"
+    write_checkpoint_file(path, 1, {"applied_index": 1}, _state(1))
+    good = path.read_bytes()
+    for at in [*range(HEADER_BYTES), *range(HEADER_BYTES, len(good), 97)]:  # every header byte, a sample of the body
+        damaged = bytearray(good)
+        damaged[at] ^= 0x01
+        path.write_bytes(bytes(damaged))
+        with pytest.raises(CheckpointError):
+            read_checkpoint_file(path)
+
+
 def test_when_every_checkpoint_is_damaged_the_node_starts_without_one_and_says_so(tmp_path):
     errors: list[str] = []
     with CheckpointStore(tmp_path) as store:

@@ -196,11 +196,13 @@ def _checked_header(path: Path, handle: BinaryIO) -> tuple[int, bytes]:
     header = handle.read(HEADER_BYTES)
     if len(header) < HEADER_BYTES:
         raise CheckpointError(f"{path}: truncated: {len(header)} bytes, shorter than the {HEADER_BYTES}-byte header")
-    magic, version, _flags, body_len, checksum = _HEADER.unpack(header)
+    magic, version, flags, body_len, checksum = _HEADER.unpack(header)
     if magic != MAGIC:
         raise CheckpointError(f"{path}: not a diloco-node checkpoint (magic {magic!r})")
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format version {version}, this build reads {FORMAT_VERSION}")
+    if flags != 0:  # always written 0: so every bit of the file is checked, the header's too
+        raise CheckpointError(f"{path}: header flags {flags:#x}, expected 0: corrupt")
     actual = os.fstat(handle.fileno()).st_size - HEADER_BYTES
     if actual != body_len:
         raise CheckpointError(f"{path}: truncated or padded: header says {body_len} body bytes, file has {actual}")
