@@ -232,7 +232,8 @@ class CoordinationStore:
                 "data directory and join the run again")
         try:
             identity = read_record("identity.read", self._identity_path, "node_id")
-            failpoints.hit("manifest.read")  # the run manifest is a part of the identity record
+            with _step("manifest.read"):
+                failpoints.hit("manifest.read")  # the run manifest is a part of the identity record
             if not isinstance(identity.get("manifest"), dict) or not isinstance(identity.get("node_id"), str):
                 raise RecordError("no node_id or manifest")
         except RecordError as error:
@@ -242,7 +243,6 @@ class CoordinationStore:
                 "under a new identity: restore identity.json from a backup, or remove the data directory "
                 "and join the run again") from None
         except OSError as error:
-            STORAGE.failed("manifest.read", error)
             raise CoordinationStoreError(f"{self._identity_path}: unreadable: {error}") from None
         self._written_identity = _canonical(identity)
         self._written_manifest = _canonical(identity["manifest"])
@@ -259,6 +259,18 @@ class CoordinationStore:
         # A rewrite that crashed before its rename: log.bin is still the complete old log.
         _temp_path(self._log_path).unlink(missing_ok=True)
         self._compaction_path.unlink(missing_ok=True)
+        try:
+            snapshot, entries = self._load_log()
+        except OSError as error:
+            raise CoordinationStoreError(f"{self._log_path}: unreadable: {error}") from None
+        # A damaged or missing copy of the election record is written again at the first sync.
+        self._written_election = None if rewrite else (election.current_epoch, election.voted_for)
+        self._written_snapshot = (snapshot.last_index, snapshot.last_epoch)
+        self._written_count = len(entries)
+        self._written_last = (entries[-1].index, entries[-1].epoch) if entries else None
+        return PersistentState(election, LogStore(snapshot, entries))
+
+    def _load_log(self) -> tuple[Snapshot, list[LogEntry]]:
         snapshot, entries = INITIAL_SNAPSHOT, []
         if self._log_path.exists():
             with _step("log.read"):
@@ -277,12 +289,7 @@ class CoordinationStore:
             entries = [self._stored(e) for e, _, _ in located]
             durable.forget(self._log_path)
             durable.track(self._log_path)
-        # A damaged or missing copy of the election record is written again at the first sync.
-        self._written_election = None if rewrite else (election.current_epoch, election.voted_for)
-        self._written_snapshot = (snapshot.last_index, snapshot.last_epoch)
-        self._written_count = len(entries)
-        self._written_last = (entries[-1].index, entries[-1].epoch) if entries else None
-        return PersistentState(election, LogStore(snapshot, entries))
+        return snapshot, entries
 
     def _keep_good_prefix(self, valid: int, damage: str, last_good: int) -> None:
         """log.bin is damaged at rest: rename it aside and start a new one from its good prefix."""
