@@ -49,7 +49,8 @@ from bootstrap.coordinator_node import PersistentState
 from bootstrap.election import ElectionState
 from bootstrap.entries import LogEntry, PayloadUnavailable, Snapshot, StoredPayload
 from bootstrap.replog import LogStore
-from diloco_node.daemon.coordination_records import DamagedStateError, RecordError, read_election, read_record
+from diloco_node.daemon.coordination_records import ELECTION_FILES, DamagedStateError, RecordError, read_election
+from diloco_node.daemon.coordination_records import read_record
 from diloco_node.daemon.coordination_records import write_election, write_record
 from diloco_node.daemon.log_records import (  # noqa: F401  (re-exported: the store's record format)
     _RECORD_HEAD,
@@ -256,8 +257,9 @@ class CoordinationStore:
         except OSError as error:
             raise CoordinationStoreError(f"{self.directory}: the election record is unreadable: {error}") from None
         election = ElectionState(*election_record) if election_record else ElectionState()
-        # A rewrite that crashed before its rename: log.bin is still the complete old log.
-        _temp_path(self._log_path).unlink(missing_ok=True)
+        # A write that crashed before its rename: the old file is still whole; its temp file goes.
+        for path in (self._log_path, self._identity_path, *(self.directory / name for name in ELECTION_FILES)):
+            _temp_path(path).unlink(missing_ok=True)
         self._compaction_path.unlink(missing_ok=True)
         try:
             snapshot, entries = self._load_log()
