@@ -289,3 +289,23 @@ async def test_the_ticker_survives_a_full_disk_backs_off_and_recovers(tmp_path):
     finally:
         ticker.cancel()
         await node.tasks.close()
+
+
+def test_status_shows_failing_points_and_quarantined_files(tmp_path):
+    from diloco_node.ops.status import StatusBuilder, StatusDocument, render_metrics
+
+    STORAGE.failed("log.append", OSError(28, "No space left on device"))
+    damaged = tmp_path / "election.json"
+    damaged.write_bytes(b"{")
+    STORAGE.quarantine(damaged, "election record damaged: not JSON")
+    builder = StatusBuilder("b", "run-1", "learner", 0.0)
+    builder.set_storage({**STORAGE.to_status(), "vote_barrier": None})
+    doc = builder.document(1.0)
+    back = StatusDocument.from_json(doc.to_json())
+    assert "No space left on device" in back.storage["failing"]["log.append"]["error"]
+    assert back.storage["quarantined"][0]["kept_as"].endswith("election.json.corrupt-1")
+    text = render_metrics(doc)
+    assert 'diloco_storage_failing{point="log.append"} 1.0' in text and "diloco_storage_quarantined_files 1.0" in text
+    raw = doc.to_dict()
+    del raw["storage"]  # a node from before the storage section
+    assert StatusDocument.from_dict(raw).storage == {}
