@@ -290,10 +290,6 @@ def _decode_body(path: Path, body: bytearray) -> Checkpoint:
     return Checkpoint(sequence=sequence, meta=meta, arrays=arrays, path=path)
 
 
-# Kept for modules that imported it from here; the one implementation is durable.sync_dir.
-fsync_dir = durable.sync_dir
-
-
 class CheckpointStore:
     """The checkpoints of one node in one directory: save with rotation, load the newest good one.
 
