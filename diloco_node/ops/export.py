@@ -153,15 +153,21 @@ def read_global_model(data_dir: Path) -> GlobalModel:
 
 
 def read_run_manifest(data_dir: Path) -> RunManifest:
-    """The run manifest the node keeps in its identity file."""
+    """The run manifest the node keeps in its identity file (checksummed record, or the older
+    unframed file)."""
+    # The daemon's record framing, read (not written) here: light, no JAX, no daemon state.
+    from diloco_node.daemon.coordination_records import RecordError, unframe
+
     path = Path(data_dir) / COORDINATION_DIR / IDENTITY_FILE
     try:
-        identity = json.loads(path.read_text())
+        identity = unframe(path.read_bytes(), "node_id")
         return RunManifest.from_dict(identity["manifest"])
     except FileNotFoundError:
         raise ExportError(f"no run manifest: {path} does not exist (is {data_dir} a node's data directory?)") from None
     except OSError as error:
         raise ExportError(f"no run manifest: cannot read {path}: {error.strerror or error}") from None
+    except RecordError as error:
+        raise ExportError(f"no run manifest: {path} is damaged ({error})") from None
     except (ValueError, KeyError, TypeError, ConfigError) as error:
         # ConfigError is a ValueError; named for the reader: a manifest this build refuses.
         raise ExportError(f"no run manifest: {path} holds none this build reads: {error!r}") from None
