@@ -194,6 +194,8 @@ def vote_request(epoch: int = 3):
 class NoDisk:
     """The coordination store and history a `CoordinationIO` writes to, writing nothing."""
 
+    damaged_after = None  # the store's: its log was not found damaged at load
+
     def sync(self, persistent, prepared=None) -> None:
         pass
 

@@ -129,8 +129,9 @@ def test_crash_before_the_rename_loads_the_old_log_and_removes_the_temp(tmp_path
     with pytest.raises(OSError, match="power lost"):
         store.sync(state)
     monkeypatch.undo()
-    assert (tmp_path / ".log.bin.tmp").exists()  # the new log, complete but never renamed
+    assert not (tmp_path / ".log.bin.tmp").exists()  # a rewrite that failed removes its temp file
     assert (tmp_path / "log.bin").read_bytes() == old
+    (tmp_path / ".log.bin.tmp").write_bytes(b"left by a crash")  # a crash cannot remove it: the load does
     loaded = CoordinationStore(tmp_path).load_persistent()
     assert loaded.log.snapshot.last_index == 0 and [e.index for e in loaded.log.entries] == list(range(1, 31))
     assert not (tmp_path / ".log.bin.tmp").exists()

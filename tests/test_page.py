@@ -208,6 +208,8 @@ async def test_a_members_status_url_is_learned_from_its_join_and_passed_on():
     from wire.messages import JoinRequest, Role
 
     class NoDisk:
+        damaged_after = None
+
         def sync(self, persistent, prepared=None):
             pass
 

@@ -4,7 +4,12 @@
 module is the only place that performs them: after every call into the core the durable state is
 synced to disk *before* any resulting message leaves (coordination_store.py); `Send` actions go to a
 per-peer outbox drained by one worker task; `ApplyEntry` and `RestoreSnapshot` go to the state
-keeper (state_transfer.py). It also answers the coordination part of the peer API (votes,
+keeper (state_transfer.py). When the disk refuses a write (full, failing), nothing that depends on
+it leaves: no reply (a peer gets 503 "cannot persist"), no message, no applied entry (held until
+a sync succeeds); a lease holder steps down; the ticker keeps running and retries with backoff on
+the clock, so the node recovers on its own once writes succeed again. After its log was found
+damaged at rest (coordination_store.py) the node neither votes nor stands until a lease holder has
+given it back every entry it may have acknowledged. It also answers the coordination part of the peer API (votes,
 appends, heartbeats, leaves, joins, relayed payloads), drives the core's timer, and carries out an
 operator's eviction as the lease holder (`evict`; the register is sync/evictions.py). Nothing is
 sent to an evicted site.
@@ -26,11 +31,12 @@ from typing import Any
 
 from bootstrap import messages as coord
 from bootstrap.coordinator_node import CoordinatorNode, PersistentState
+from bootstrap.election import Role
 from bootstrap.entries import EntryKind, LogEntry, Snapshot
 from diloco_node.clock import Clock
 from diloco_node.config.manifest import RunManifest
 from diloco_node.daemon import peers
-from diloco_node.daemon.coordination_store import CoordinationStore
+from diloco_node.daemon.coordination_store import CoordinationStore, CoordinationStoreError
 from diloco_node.daemon.history_hooks import DaemonHistory
 from diloco_node.daemon.plan import COORDINATION_DEADLINE_S, COORDINATION_TICK_S, relay_timeout_for
 from diloco_node.daemon.relays import DEFAULT_HOLD_S, RelayIO, holder_tree
@@ -43,6 +49,10 @@ from wire.limits import MAX_RELAYED_PAYLOAD_BYTES
 
 log = logging.getLogger("diloco_node.daemon")
 
+# While the coordination state cannot be persisted the ticker retries after one tick, doubling up
+# to this: a full disk is retried often enough to recover within a second or two of space coming
+# back, without a failing write every tick.
+STORAGE_RETRY_MAX_S = 2.0
 
 
 @dataclass(slots=True)
@@ -85,6 +95,18 @@ class CoordinationIO:
         self.leader_commit = 0  # highest commit index a lease holder told us
         self.last_ok: dict[str, float] = {}  # peer -> last successful exchange (monotonic)
         self._outboxes: dict[str, _Outbox] = {}
+        # Persisting: the last failure (None while writes succeed), the ticker's retry interval,
+        # and the applies / snapshot restores computed meanwhile, performed after the next sync.
+        self.storage_error: str | None = None
+        self._storage_retry_s = tick_s
+        self._held: list[coord.Action] = []
+        # Why this node does not vote (nor stand) yet: its log was damaged at rest and lost entries
+        # after `store.damaged_after` that it may have acknowledged (None: it votes).
+        self.vote_barrier: str | None = None
+        if store.damaged_after is not None:
+            self.vote_barrier = (f"{store.damage_reason}: no vote until a lease holder has given back the entries "
+                                 f"after {store.damaged_after}")
+            log.warning("%s: %s", self.node_id, self.vote_barrier)
         # Relayed payloads: as holder only when relay_fanout > 0; as follower and relay always.
         self.relays = RelayIO(node_id=self.node_id, fanout=relay_fanout, client=client, url_of=self.url_of,
                               from_log=self._log_payload, tasks=tasks, clock=clock,
@@ -110,22 +132,51 @@ class CoordinationIO:
     # ------------------------------------------------------------------ core steps
 
     async def ticker(self) -> None:
+        """The core's timer, for the life of the node: a step that fails (the disk refuses the
+        state) is retried with backoff instead of ending the task."""
+        failed_step = False
         while True:
-            self.dispatch(self.core.tick(self.clock.monotonic()))
-            self.after_step()
-            await self.clock.sleep(self.tick_s)
+            try:
+                self.dispatch(self.core.tick(self.clock.monotonic()))
+                self.after_step()
+                failed_step = False
+            except Exception as error:  # never die: a node without its ticker never recovers
+                if not failed_step:
+                    log.exception("%s: coordination step failed; retrying", self.node_id)
+                    self.report_error(f"coordination step failed: {type(error).__name__}: {error}")
+                failed_step = True
+            if self.storage_error is None and not failed_step:
+                self._storage_retry_s = self.tick_s
+                await self.clock.sleep(self.tick_s)
+            else:
+                await self.clock.sleep(self._storage_retry_s)
+                self._storage_retry_s = min(self._storage_retry_s * 2, max(STORAGE_RETRY_MAX_S, self.tick_s))
 
     def handle(self, message: coord.Message) -> list[coord.Action]:
         return self.core.handle(message, self.clock.monotonic())
 
     def dispatch(self, actions: list[coord.Action], *, reply_to: str | None = None,
                  reply_type: type | None = None) -> coord.Message | None:
-        """Persist, then perform actions; returns (not sends) the reply to `reply_to` if asked for one."""
-        self.store.sync(self.persistent)
+        """Persist, then perform actions; returns (not sends) the reply to `reply_to` if asked for one.
+
+        When the state cannot be persisted nothing is performed: messages are dropped (the core
+        sends again), applies held for the next successful sync, and a request with a reply gets
+        503 (RemoteProtocolError): no acknowledgement of anything the disk does not hold."""
+        try:
+            self.store.sync(self.persistent)
+        except (OSError, CoordinationStoreError) as error:
+            self._persist_failed(error, actions)
+            if reply_to is not None:
+                raise RemoteProtocolError(f"{self.node_id} cannot persist its coordination state ({error}); "
+                                          "nothing is acknowledged until it can", 503) from None
+            return None
+        self._persisted()
         self.history.observe(self.core)  # after the sync: the history never claims more than the disk
         reply = None
         if self.frozen:
             return None
+        if self._held:
+            actions, self._held = [*self._held, *actions], []
         for action in actions:
             if isinstance(action, coord.Send):
                 if (reply_to is not None and reply is None and action.to == reply_to
@@ -139,6 +190,43 @@ class CoordinationIO:
                 self.on_restore_snapshot(action.snapshot)
         return reply
 
+    def _persist_failed(self, error: Exception, actions: list[coord.Action]) -> None:
+        """The disk refused the state: hold what must still happen, step down, say so once."""
+        self._held.extend(a for a in actions if isinstance(a, (coord.ApplyEntry, coord.RestoreSnapshot)))
+        first = self.storage_error is None
+        self.storage_error = f"{type(error).__name__}: {error}"
+        if self.core.role is Role.LEADER:
+            # A holder that cannot persist its log cannot replicate it (nothing leaves before the
+            # sync): it gives the lease up now rather than let it run out while rounds wait on it.
+            self.core.election.step_down(self.clock.monotonic(), f"cannot persist the log: {self.storage_error}")
+            log.warning("%s steps down from the lease: cannot persist its log (%s)", self.node_id, error)
+        if first:  # one warning per failure streak, not one per tick
+            log.warning("%s cannot persist its coordination state (%s): nothing is acknowledged or sent until a "
+                        "write succeeds; retrying", self.node_id, error)
+            self.report_error(f"cannot persist the coordination state: {self.storage_error}")
+
+    def _persisted(self) -> None:
+        if self.storage_error is not None:
+            log.warning("%s persists its coordination state again (after: %s)", self.node_id, self.storage_error)
+            self.storage_error = None
+            self._storage_retry_s = self.tick_s
+        if self.vote_barrier is not None:
+            self._check_vote_barrier()
+
+    def _check_vote_barrier(self) -> None:
+        """Lift the barrier once a lease holder of the current epoch has committed one of its own
+        entries past the damage and this log holds it: the holder's log holds every entry committed
+        before its epoch's first (Raft's leader completeness), so ours now does too."""
+        replog, election = self.core.log, self.core.election
+        floor = self.store.damaged_after or 0
+        commit = replog.commit_index
+        if (election.leader_id not in (None, self.node_id) and commit > floor and commit <= replog.last_index
+                and replog.epoch_at(commit) == self.core.epoch):
+            log.warning("%s votes again: its log holds the entries through %d from lease holder %s", self.node_id,
+                        commit, election.leader_id)
+            self.vote_barrier = None
+            self.store.damaged_after = None
+
     def dispatch_dropping_replies(self, actions: list[coord.Action]) -> None:
         self.dispatch([a for a in actions if not (isinstance(a, coord.Send) and isinstance(a.message, coord.PingAck))])
 
@@ -147,6 +235,8 @@ class CoordinationIO:
     def send(self, to: str, message: coord.Message) -> None:
         if to == self.node_id or self.core.is_evicted(to):
             return
+        if self.vote_barrier is not None and isinstance(message, coord.VoteRequest):
+            return  # it does not stand either: its own vote would be one it may not give
         outbox = self._outboxes.get(to)
         if outbox is None:
             outbox = self._outboxes[to] = _Outbox()
@@ -256,6 +346,8 @@ class CoordinationIO:
     async def on_vote_request(self, message: wire.VoteRequest, peer: Any) -> wire.Message | None:
         self.check_open()
         self.same_sender(message.candidate, peer, "VoteRequest")
+        if self.vote_barrier is not None:
+            raise RemoteProtocolError(f"{self.node_id} does not vote yet: {self.vote_barrier}", 503)
         reply = self.dispatch(self.handle(peers.vote_request_from_wire(message)), reply_to=peer.node_id,
                               reply_type=coord.VoteResponse)
         self.after_step()
@@ -382,6 +474,8 @@ class CoordinationIO:
                                   f"the lease holder's operator listener"
                                   + (f" ({holder})" if holder else " (none right now; try again shortly)"),
                          "lease_holder": holder, "lease_holder_url": self.addresses.url(holder) if holder else None}
+        if self.storage_error is not None:
+            return 409, {"error": f"{self.node_id} cannot persist its log now: {self.storage_error}"}
         try:
             payload = encode_payload(node_id, fingerprints, reason)
         except EvictionError as error:

@@ -31,12 +31,11 @@ checkpoints (diloco_node/ops/checkpoint.py) and a lagging node fetches it from p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-import io
 import json
 import os
-import struct
 import threading
 import zlib
 from collections.abc import Iterator
@@ -48,22 +47,33 @@ import msgpack
 
 from bootstrap.coordinator_node import PersistentState
 from bootstrap.election import ElectionState
-from bootstrap.entries import ClusterConfig, EntryKind, LogEntry, PayloadUnavailable, Snapshot, StoredPayload
+from bootstrap.entries import LogEntry, PayloadUnavailable, Snapshot, StoredPayload
 from bootstrap.replog import LogStore
-from diloco_node.ops.checkpoint import fsync_dir
+from diloco_node.daemon.coordination_records import ELECTION_FILES, DamagedStateError, RecordError, read_election
+from diloco_node.daemon.coordination_records import read_record
+from diloco_node.daemon.coordination_records import write_election, write_record
+from diloco_node.daemon.log_records import (  # noqa: F401  (re-exported: the store's record format)
+    _RECORD_HEAD,
+    INITIAL_SNAPSHOT,
+    MAX_RECORD_BYTES,
+    WRITE_PIECE_BYTES,
+    CoordinationStoreError,
+    _decode_body,
+    _encode_entry,
+    _encode_snapshot,
+    _pread_all,
+    _record_parts,
+    _scan_log,
+    _write_records,
+    decode_log,
+    encode_log,
+)
+from diloco_node.ops import durable, failpoints
+from diloco_node.ops.storage_health import STORAGE
 
-_RECORD_HEAD = struct.Struct("<II")
-# One entry holds one merged fragment delta (at most wire.limits.MAX_RELAYED_PAYLOAD_BYTES) and its
-# fields; the record's u32 length field can say no more than this (a torn length is caught by the
-# file's end and the CRC).
-MAX_RECORD_BYTES = 2**32 - 1
-# A payload kept outside memory is copied into a record this much at a time (CRC computed as it goes).
-WRITE_PIECE_BYTES = 4 * 1024 * 1024
-_SNAPSHOT_KEY = "snapshot"
 # Payloads up to this size stay in memory (no-ops, membership, tests' small entries): a reference
 # and a read per use would cost more than the bytes.
 INLINE_PAYLOAD_BYTES = 4096
-INITIAL_SNAPSHOT = Snapshot(0, 0, ClusterConfig())
 
 
 def compaction_point(*, checkpoint_index: int, commit_index: int, snapshot_index: int,
@@ -90,167 +100,49 @@ def compaction_point(*, checkpoint_index: int, commit_index: int, snapshot_index
                      f"min(checkpoint {checkpoint_index}, commit {commit_index})")
 
 
-class CoordinationStoreError(Exception):
-    """The durable coordination state is unreadable; the message names the file."""
-
-
 class PayloadGone(CoordinationStoreError, PayloadUnavailable):
     """An entry's payload is no longer in log.bin (truncated or compacted away) or its record is damaged."""
 
 
-def _temp_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp")
+_temp_path = durable.temp_path
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    temp = _temp_path(path)
-    with open(temp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temp, path)
-    fsync_dir(path.parent)
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
 
 
-def _record(body: bytes) -> bytes:
-    return _RECORD_HEAD.pack(len(body), zlib.crc32(body)) + body
-
-
-def _encode_entry(entry: LogEntry) -> bytes:
-    voters = entry.config.sorted_voters() if entry.config is not None else None
-    return _record(msgpack.packb([entry.epoch, entry.index, entry.kind.value, entry.payload_bytes(), entry.fragment,
-                                  entry.round, entry.digest, voters], use_bin_type=True))
-
-
-def _encode_snapshot(snapshot: Snapshot) -> bytes:
-    """The header record of a compacted log (none for the initial snapshot: the old format)."""
-    if snapshot.last_index == 0:
-        return b""
-    return _record(msgpack.packb({_SNAPSHOT_KEY: [snapshot.last_index, snapshot.last_epoch,
-                                                  snapshot.config.sorted_voters()]}, use_bin_type=True))
-
-
-def encode_log(snapshot: Snapshot, entries: list[LogEntry]) -> bytes:
-    """The whole `log.bin` for a log holding `entries` after `snapshot`."""
-    return _encode_snapshot(snapshot) + b"".join(_encode_entry(e) for e in entries)
-
-
-def _decode_body(body: Any, offset: int, path: Path) -> LogEntry | Snapshot:
+@contextlib.contextmanager
+def _step(point: str) -> Iterator[None]:
+    """One durable step at failpoint `point`: its OSError is recorded (failing on /status) and
+    re-raised; its success ends a failure streak there."""
     try:
-        if isinstance(body, dict):
-            last_index, last_epoch, voters = body[_SNAPSHOT_KEY]
-            return Snapshot(int(last_index), int(last_epoch), ClusterConfig.of(voters))
-        epoch, index, kind, payload, fragment, round_, digest, voters = body
-        config = ClusterConfig.of(voters) if voters is not None else None
-        return LogEntry(epoch, index, EntryKind(kind), payload, fragment, round_, digest, config)
-    except (ValueError, TypeError, KeyError) as error:
-        raise CoordinationStoreError(f"{path}: record at byte {offset} is not a log entry: {error}") from None
+        yield
+    except OSError as error:
+        STORAGE.failed(point, error)
+        raise
+    STORAGE.succeeded(point)
 
 
-def decode_log(data: bytes, path: Path) -> tuple[Snapshot, list[LogEntry], int]:
-    """(snapshot, entries, byte length of the valid prefix): a torn tail is cut off."""
-    snapshot, located, valid = _scan_log(io.BytesIO(data), len(data), path)
-    return snapshot, [entry for entry, _, _ in located], valid
+class _AppendFile:
+    """log.bin opened for appending, unbuffered: after a failed write nothing stays queued to be
+    flushed later, and a short write (a disk filling up) is continued until it completes or fails."""
 
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
-def _scan_log(handle: Any, size: int, path: Path) -> tuple[Snapshot, list[tuple[LogEntry, int, int]], int]:
-    """Read a log record by record from `handle` (`size` bytes): (snapshot, [(entry, record offset,
-    record length)], byte length of the valid prefix). Entries carry their payload bytes; the
-    caller decides what stays in memory (one record is in memory at a time)."""
-    snapshot = INITIAL_SNAPSHOT
-    entries: list[tuple[LogEntry, int, int]] = []
-    offset = 0
-    while offset + _RECORD_HEAD.size <= size:
-        handle.seek(offset)
-        length, crc = _RECORD_HEAD.unpack(handle.read(_RECORD_HEAD.size))
-        start = offset + _RECORD_HEAD.size
-        complete = length <= MAX_RECORD_BYTES and start + length <= size
-        body = handle.read(length) if complete else b""
-        if not complete or zlib.crc32(body) != crc:
-            if offset == 0 and complete:
-                # Only an append can be torn, and a header is written by an atomic rewrite: a
-                # complete first record that fails its checksum is damage, and dropping it
-                # would silently throw the whole log away.
-                raise CoordinationStoreError(f"{path}: the first record fails its checksum; the log is damaged")
-            break
-        try:
-            unpacked = msgpack.unpackb(body, raw=False)
-        except (ValueError, msgpack.UnpackException) as error:
-            raise CoordinationStoreError(f"{path}: record at byte {offset} is not msgpack: {error}") from None
-        del body
-        record = _decode_body(unpacked, offset, path)
-        if isinstance(record, Snapshot):
-            if offset != 0:
-                raise CoordinationStoreError(f"{path}: a snapshot header at byte {offset}; only the first record "
-                                             "may be one")
-            snapshot = record
-        else:
-            expected = entries[-1][0].index + 1 if entries else snapshot.last_index + 1
-            if record.index != expected:
-                after = f"entry {entries[-1][0].index}" if entries else f"the snapshot through {snapshot.last_index}"
-                raise CoordinationStoreError(f"{path}: entry {record.index} follows {after}")
-            entries.append((record, offset, _RECORD_HEAD.size + length))
-        offset = start + length
-    return snapshot, entries, offset
+    def write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view):]
 
+    def flush(self) -> None:
+        """Nothing is buffered."""
 
-def _record_parts(entry: LogEntry) -> tuple[bytes, bytes]:
-    """An entry record's msgpack body without its payload: what comes before the payload's bytes
-    (array header, epoch, index, kind, bin header) and after them (fragment, round, digest, voters)."""
-    packer = msgpack.Packer(use_bin_type=True)
-    voters = entry.config.sorted_voters() if entry.config is not None else None
-    head = (packer.pack_array_header(8) + packer.pack(entry.epoch) + packer.pack(entry.index)
-            + packer.pack(entry.kind.value) + _bin_header(entry.payload_size))
-    tail = packer.pack(entry.fragment) + packer.pack(entry.round) + packer.pack(entry.digest) + packer.pack(voters)
-    return head, tail
+    def fileno(self) -> int:
+        return self._fd
 
-
-def _bin_header(size: int) -> bytes:
-    """msgpack's bin header for `size` bytes (the form msgpack.packb itself picks)."""
-    if size < 1 << 8:
-        return struct.pack(">BB", 0xC4, size)
-    if size < 1 << 16:
-        return struct.pack(">BH", 0xC5, size)
-    return struct.pack(">BI", 0xC6, size)
-
-
-def _write_entry(handle: Any, entry: LogEntry) -> int:
-    """Write `entry`'s record to `handle`; returns its length.
-
-    A payload kept outside memory (`StoredPayload`: a spool file, or the old log during a rewrite)
-    is copied a piece at a time: the record is the same msgpack array `_encode_entry` makes, its
-    parts packed around the payload's bin header, and its CRC is computed over the pieces in a first
-    pass (the header that carries it comes first in the file), so no whole payload is in memory.
-    """
-    payload = entry.payload
-    if not isinstance(payload, StoredPayload):
-        record = _encode_entry(entry)
-        handle.write(record)
-        return len(record)
-    head, tail = _record_parts(entry)
-    crc = zlib.crc32(head)
-    for piece in payload.pieces(WRITE_PIECE_BYTES):
-        crc = zlib.crc32(piece, crc)
-    crc = zlib.crc32(tail, crc)
-    length = len(head) + payload.size + len(tail)
-    handle.write(_RECORD_HEAD.pack(length, crc))
-    handle.write(head)
-    for piece in payload.pieces(WRITE_PIECE_BYTES):
-        handle.write(piece)
-    handle.write(tail)
-    return _RECORD_HEAD.size + length
-
-
-def _write_records(handle: Any, start: int, entries: list[LogEntry]) -> tuple[list[tuple[int, int, int, int]], int]:
-    """Append `entries` as records at byte `start` of `handle`, at most one payload (or one piece of
-    one) in memory at a time. Returns ([(index, epoch, record offset, record length)], end offset)."""
-    located = []
-    offset = start
-    for entry in entries:
-        length = _write_entry(handle, entry)
-        located.append((entry.index, entry.epoch, offset, length))
-        offset += length
-    return located, offset
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,7 +168,6 @@ class CoordinationStore:
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._election_path = self.directory / "election.json"
         self._log_path = self.directory / "log.bin"
         self._identity_path = self.directory / "identity.json"
         self._written_election: tuple[int, str | None] | None = None
@@ -284,8 +175,17 @@ class CoordinationStore:
         self._written_count = 0
         self._written_last: tuple[int, int] | None = None  # (index, epoch) of the last persisted entry
         self._written_identity: str | None = None
+        self._written_manifest: str | None = None
         self._log_bytes = 0
         self._log_handle: Any = None
+        # An append that failed may have left part of its records past `_log_bytes`: cut off
+        # before the next append, so no torn record ever sits between good ones.
+        self._tail_dirty = False
+        # Set at load when log.bin was damaged at rest: entries from `damaged_after` + 1 on, which
+        # this node may have acknowledged, were lost. The coordination I/O (coordination.py) does
+        # not vote until it has them again from a lease holder.
+        self.damaged_after: int | None = None
+        self.damage_reason = ""
         # Where each entry's record is in the current log.bin: index -> (epoch, offset, length).
         # Read by StoredPayload readers on any thread, replaced on the loop: under the lock, with
         # the read descriptor (reopened after a rename).
@@ -309,67 +209,129 @@ class CoordinationStore:
         """Size of `log.bin` as last written."""
         return self._log_bytes
 
+    @property
+    def durable_last_index(self) -> int:
+        """The last index `log.bin` holds (what a crash now would keep)."""
+        return self._written_last[0] if self._written_last else self._written_snapshot[0]
+
     # ---- loading ----------------------------------------------------------------------------
 
     def exists(self) -> bool:
-        return self._identity_path.exists()
+        """Whether this directory holds a node's state. Not only identity.json: a node whose
+        identity was quarantined must not start again as a brand-new one (load_identity refuses)."""
+        return self._identity_path.exists() or any(
+            p.name.startswith(("identity.json", "election", "log.bin")) for p in self.directory.iterdir())
 
     def load_identity(self) -> dict[str, Any]:
+        """identity.json, checksum verified; a damaged one is quarantined and the node refuses to
+        start (DamagedStateError) rather than found or join again as someone else."""
+        if not self._identity_path.exists():
+            raise DamagedStateError(
+                f"{self.directory} holds coordination state but no identity.json (quarantined: "
+                f"{sorted(p.name for p in self.directory.glob('identity.json.corrupt-*')) or 'none'}): "
+                "this node does not start under a new identity; restore identity.json, or remove the "
+                "data directory and join the run again")
         try:
-            identity = json.loads(self._identity_path.read_text())
-        except (OSError, ValueError) as error:
+            identity = read_record("identity.read", self._identity_path, "node_id")
+            with _step("manifest.read"):
+                failpoints.hit("manifest.read")  # the run manifest is a part of the identity record
+            if not isinstance(identity.get("manifest"), dict) or not isinstance(identity.get("node_id"), str):
+                raise RecordError("no node_id or manifest")
+        except RecordError as error:
+            kept = STORAGE.quarantine(self._identity_path, f"identity record damaged: {error}")
+            raise DamagedStateError(
+                f"{self._identity_path} is damaged ({error}); kept as {kept.name}. This node does not start "
+                "under a new identity: restore identity.json from a backup, or remove the data directory "
+                "and join the run again") from None
+        except OSError as error:
             raise CoordinationStoreError(f"{self._identity_path}: unreadable: {error}") from None
-        self._written_identity = json.dumps(identity, sort_keys=True)
+        self._written_identity = _canonical(identity)
+        self._written_manifest = _canonical(identity["manifest"])
         return identity
 
     def load_persistent(self) -> PersistentState:
-        """The coordination state as last synced (a torn log tail is dropped and the file trimmed)."""
-        election = ElectionState()
-        if self._election_path.exists():
-            try:
-                raw = json.loads(self._election_path.read_text())
-                election = ElectionState(int(raw["current_epoch"]), raw.get("voted_for"))
-            except (OSError, ValueError, KeyError, TypeError) as error:
-                raise CoordinationStoreError(f"{self._election_path}: unreadable: {error}") from None
-        # A rewrite that crashed before its rename: log.bin is still the complete old log.
-        _temp_path(self._log_path).unlink(missing_ok=True)
+        """The coordination state as last synced: a torn log tail is dropped and the file trimmed;
+        a log damaged at rest is quarantined and its good prefix kept (`damaged_after`)."""
+        try:
+            election_record, rewrite = read_election(self.directory)
+        except OSError as error:
+            raise CoordinationStoreError(f"{self.directory}: the election record is unreadable: {error}") from None
+        election = ElectionState(*election_record) if election_record else ElectionState()
+        # A write that crashed before its rename: the old file is still whole; its temp file goes.
+        for path in (self._log_path, self._identity_path, *(self.directory / name for name in ELECTION_FILES)):
+            _temp_path(path).unlink(missing_ok=True)
         self._compaction_path.unlink(missing_ok=True)
-        snapshot, entries = INITIAL_SNAPSHOT, []
-        if self._log_path.exists():
-            with open(self._log_path, "rb") as handle:
-                size = os.fstat(handle.fileno()).st_size
-                snapshot, located, valid = _scan_log(handle, size, self._log_path)
-            if valid != size:
-                with open(self._log_path, "r+b") as handle:
-                    handle.truncate(valid)
-                    os.fsync(handle.fileno())
-            self._log_bytes = valid
-            self._set_locations([(e.index, e.epoch, offset, length) for e, offset, length in located], replace=True)
-            entries = [self._stored(e) for e, _, _ in located]
-        self._written_election = (election.current_epoch, election.voted_for)
+        try:
+            snapshot, entries = self._load_log()
+        except OSError as error:
+            raise CoordinationStoreError(f"{self._log_path}: unreadable: {error}") from None
+        # A damaged or missing copy of the election record is written again at the first sync.
+        self._written_election = None if rewrite else (election.current_epoch, election.voted_for)
         self._written_snapshot = (snapshot.last_index, snapshot.last_epoch)
         self._written_count = len(entries)
         self._written_last = (entries[-1].index, entries[-1].epoch) if entries else None
         return PersistentState(election, LogStore(snapshot, entries))
 
+    def _load_log(self) -> tuple[Snapshot, list[LogEntry]]:
+        snapshot, entries = INITIAL_SNAPSHOT, []
+        if self._log_path.exists():
+            with _step("log.read"):
+                failpoints.hit("log.read")
+                with open(self._log_path, "rb") as handle:
+                    size = os.fstat(handle.fileno()).st_size
+                    snapshot, located, valid, damage = _scan_log(handle, size, self._log_path)
+            if damage is not None:
+                self._keep_good_prefix(valid, damage, located[-1][0].index if located else snapshot.last_index)
+            elif valid != size:
+                with _step("log.truncate"), open(self._log_path, "r+b") as handle:
+                    handle.truncate(valid)
+                    durable.sync_file("log.truncate", handle.fileno(), self._log_path)
+            self._log_bytes = valid
+            self._set_locations([(e.index, e.epoch, offset, length) for e, offset, length in located], replace=True)
+            entries = [self._stored(e) for e, _, _ in located]
+            durable.forget(self._log_path)
+            durable.track(self._log_path)
+        return snapshot, entries
+
+    def _keep_good_prefix(self, valid: int, damage: str, last_good: int) -> None:
+        """log.bin is damaged at rest: rename it aside and start a new one from its good prefix."""
+        kept = STORAGE.quarantine(self._log_path, damage)
+        temp = _temp_path(self._log_path)
+        with _step("log.truncate"):
+            with open(kept, "rb") as source, open(temp, "wb") as target:
+                remaining = valid
+                while remaining > 0:
+                    piece = source.read(min(remaining, WRITE_PIECE_BYTES))
+                    target.write(piece)
+                    remaining -= len(piece)
+                target.flush()
+                durable.sync_file("log.truncate", target.fileno(), temp)
+            os.replace(temp, self._log_path)
+            durable.sync_dir(self.directory)
+        self.damaged_after, self.damage_reason = last_good, f"log.bin damaged ({damage}); kept as {kept.name}"
+
     # ---- writing ----------------------------------------------------------------------------
 
     def save_identity(self, identity: dict[str, Any]) -> None:
-        text = json.dumps(identity, sort_keys=True)
+        """identity.json when it changed: failpoint `manifest.write` when the run manifest in it
+        changed (founding, joining), `identity.write` when only the rest did (the address book)."""
+        text, manifest = _canonical(identity), _canonical(identity.get("manifest"))
         if text != self._written_identity:
-            _atomic_write(self._identity_path, text.encode())
-            self._written_identity = text
+            point = "manifest.write" if manifest != self._written_manifest else "identity.write"
+            write_record(point, self._identity_path, identity)
+            self._written_identity, self._written_manifest = text, manifest
 
     def sync(self, state: PersistentState, prepared: PreparedLog | None = None) -> None:
         """Make `state` durable (only the parts that changed since the last call).
 
         `prepared`: a compaction written by `prepare_compaction`, used when `state` carries its
-        snapshot and still begins with its entries (else the log is rewritten whole).
+        snapshot and still begins with its entries (else the log is rewritten whole). Raises
+        OSError when a step fails (its point is then failing on /status): nothing that depends
+        on `state` may leave the node, and the next call writes what is still missing.
         """
         election = (state.election.current_epoch, state.election.voted_for)
         if election != self._written_election:
-            _atomic_write(self._election_path,
-                          json.dumps({"current_epoch": election[0], "voted_for": election[1]}).encode())
+            write_election(self.directory, *election)
             self._written_election = election
         snapshot, entries = state.log.snapshot, state.log.entries
         count = self._written_count
@@ -391,14 +353,40 @@ class CoordinationStore:
 
     def _append(self, entries: list[LogEntry], start: int) -> None:
         """Append `entries[start:]`; in memory they then keep only a reference to their payload."""
-        if self._log_handle is None:
-            self._log_handle = open(self._log_path, "ab")
-        located, end = _write_records(self._log_handle, self._log_bytes, entries[start:])
-        self._log_handle.flush()
-        os.fsync(self._log_handle.fileno())
+        with _step("log.append"):
+            failpoints.hit("log.append")
+            if self._tail_dirty:
+                self._cut_tail()
+            if self._log_handle is None:
+                durable.track(self._log_path)
+                self._log_handle = _AppendFile(self._log_path)
+            try:
+                located, end = _write_records(self._log_handle, self._log_bytes, entries[start:])
+                self._log_handle.flush()
+                durable.sync_file("log.append", self._log_handle.fileno(), self._log_path)
+            except BaseException:
+                self._tail_dirty = True
+                self._drop_append_handle()
+                raise
         self._log_bytes = end
         self._set_locations(located)
         self._store_payloads(entries, start)
+
+    def _drop_append_handle(self) -> None:
+        handle, self._log_handle = self._log_handle, None
+        if handle is not None:
+            with contextlib.suppress(OSError):
+                handle.close()
+
+    def _cut_tail(self) -> None:
+        """Cut log.bin back to its last good record (after a failed append), durably."""
+        fd = os.open(self._log_path, os.O_WRONLY)
+        try:
+            os.ftruncate(fd, self._log_bytes)
+            durable.sync_file("log.append", fd, self._log_path)
+        finally:
+            os.close(fd)
+        self._tail_dirty = False
 
     def _rewrite(self, snapshot: Snapshot, entries: list[LogEntry]) -> None:
         """Header and entries in one atomic replacement: compaction and truncation are crash-safe.
@@ -407,13 +395,22 @@ class CoordinationStore:
         self.close()
         temp = _temp_path(self._log_path)
         header = _encode_snapshot(snapshot)
-        with open(temp, "wb") as handle:
-            handle.write(header)
-            located, end = _write_records(handle, len(header), entries)
-            handle.flush()
-            os.fsync(handle.fileno())
-        self._replace_log(temp, located)
+        with _step("log.truncate"):
+            failpoints.hit("log.truncate")
+            try:
+                with open(temp, "wb") as handle:
+                    durable.track(temp)
+                    handle.write(header)
+                    located, end = _write_records(handle, len(header), entries)
+                    handle.flush()
+                    durable.sync_file("log.truncate", handle.fileno(), temp)
+                self._replace_log(temp, located)
+            except BaseException:
+                durable.forget(temp)
+                temp.unlink(missing_ok=True)
+                raise
         self._log_bytes = end
+        self._tail_dirty = False
         self._store_payloads(entries, 0)
 
     # ---- payloads on disk -----------------------------------------------------------------------
@@ -427,7 +424,10 @@ class CoordinationStore:
                 os.close(self._read_fd)
                 self._read_fd = -1
             self._locations = {index: (epoch, offset, length) for index, epoch, offset, length in located}
-        fsync_dir(self.directory)
+        durable.forget(written)
+        durable.forget(self._log_path)
+        durable.track(self._log_path)  # its whole length was fsynced before the rename
+        durable.sync_dir(self.directory)
 
     def _set_locations(self, located: list[tuple[int, int, int, int]], replace: bool = False) -> None:
         with self._read_lock:
@@ -458,10 +458,20 @@ class CoordinationStore:
         for position in range(start, len(entries)):
             entries[position] = self._stored(entries[position])
 
+    def _read_point(self, index: int) -> None:
+        """Failpoint `log.read` before a payload is read back: its error is the payload's absence
+        (the caller fetches it elsewhere), and shows on /status."""
+        try:
+            failpoints.hit("log.read")
+        except OSError as error:
+            STORAGE.failed("log.read", error)
+            raise PayloadGone(f"{self._log_path}: entry {index}: {error}") from None
+
     def read_payload(self, index: int, epoch: int) -> bytes:
         """The payload of entry `index` of `epoch` from log.bin (any thread): the record's CRC,
         index and epoch are checked. CoordinationStoreError when the log no longer holds that entry
         (truncated or compacted away) or the record is damaged."""
+        self._read_point(index)
         with self._read_lock:
             location = self._locations.get(index)
             if location is None or location[0] != epoch:
@@ -493,6 +503,7 @@ class CoordinationStore:
         hash taken before sending, finishes reading first). The pieces come from the file that held
         the entry when reading started, even if a rewrite replaces log.bin meanwhile.
         """
+        self._read_point(index)
         with self._read_lock:
             location = self._locations.get(index)
             if location is None or location[0] != epoch:
@@ -544,25 +555,35 @@ class CoordinationStore:
             raise CoordinationStoreError(f"compaction: entry {committed[0].index} does not follow the snapshot "
                                     f"through {snapshot.last_index}")
         header = _encode_snapshot(snapshot)
-        with open(self._compaction_path, "wb") as handle:
-            handle.write(header)
-            located, end = _write_records(handle, len(header), committed)  # payloads read from log.bin
-            handle.flush()
-            os.fsync(handle.fileno())
+        with _step("log.compact"):
+            failpoints.hit("log.compact")
+            with open(self._compaction_path, "wb") as handle:
+                durable.track(self._compaction_path)
+                handle.write(header)
+                located, end = _write_records(handle, len(header), committed)  # payloads read from log.bin
+                handle.flush()
+                durable.sync_file("log.compact", handle.fileno(), self._compaction_path)
         last = (committed[-1].index, committed[-1].epoch) if committed else None
         return PreparedLog((snapshot.last_index, snapshot.last_epoch), len(committed), last, end, tuple(located))
 
     def discard_prepared(self) -> None:
+        durable.forget(self._compaction_path)
         self._compaction_path.unlink(missing_ok=True)
 
     def _finish_compaction(self, prepared: PreparedLog, entries: list[LogEntry]) -> None:
         self.close()
-        with open(self._compaction_path, "ab") as handle:
-            located, end = _write_records(handle, prepared.size, entries[prepared.count:])
-            handle.flush()
-            os.fsync(handle.fileno())
-        self._replace_log(self._compaction_path, [*prepared.located, *located])
+        with _step("log.compact"):
+            failpoints.hit("log.compact")
+            with open(self._compaction_path, "r+b") as handle:
+                # Cut to what prepare_compaction wrote: a failed earlier finish may have left more.
+                handle.truncate(prepared.size)
+                handle.seek(prepared.size)
+                located, end = _write_records(handle, prepared.size, entries[prepared.count:])
+                handle.flush()
+                durable.sync_file("log.compact", handle.fileno(), self._compaction_path)
+            self._replace_log(self._compaction_path, [*prepared.located, *located])
         self._log_bytes = end
+        self._tail_dirty = False
         self._store_payloads(entries, 0)
 
     def close(self) -> None:
@@ -574,15 +595,3 @@ class CoordinationStore:
             if self._read_fd >= 0:
                 os.close(self._read_fd)
                 self._read_fd = -1
-
-
-def _pread_all(fd: int, length: int, offset: int) -> bytes:
-    parts = []
-    while length > 0:
-        part = os.pread(fd, length, offset)
-        if not part:
-            break
-        parts.append(part)
-        length -= len(part)
-        offset += len(part)
-    return parts[0] if len(parts) == 1 else b"".join(parts)

@@ -120,7 +120,15 @@ class SiteIdentity:
 
     def remember(self, node_id: str, url: str, role: str | None = None) -> None:
         if self.addresses.learn(node_id, url, role) and self.manifest is not None:
+            self._save_addresses()
+
+    def _save_addresses(self) -> None:
+        """The address book persisted; a disk that refuses it (failing `identity.write` on /status)
+        costs nothing now: the addresses stay in memory and are written with the next change."""
+        try:
             self.save()
+        except OSError as error:
+            log.warning("%s: the address book is not persisted (%s); kept in memory", self.node_id, error)
 
     def learn_members(self, membership: wire.Membership) -> None:
         changed = False
@@ -129,7 +137,7 @@ class SiteIdentity:
             if member.node_id != self.node_id:  # our own is what our config says
                 self.addresses.learn_status_url(member.node_id, member.status_url)
         if changed and self.manifest is not None:
-            self.save()
+            self._save_addresses()
 
     async def announce(self) -> None:
         """Tell every member we know that we are here (joiners, and restarts after a leave)."""

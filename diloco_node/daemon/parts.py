@@ -27,7 +27,7 @@ from diloco_node.daemon.evaluation import GlobalEvaluator
 from diloco_node.daemon.join import JoinRefused
 from diloco_node.daemon.persistence import Checkpointer, learner_to_resume
 from diloco_node.daemon.plan import DaemonPlan
-from diloco_node.daemon.readiness import ReadinessFacts
+from diloco_node.daemon.readiness import ReadinessFacts, storage_failures
 from diloco_node.daemon.relay_spool import SPOOL_SUBDIR
 from diloco_node.daemon.relays import run_payload_bound
 from diloco_node.daemon.rounds import RoundDriver
@@ -37,6 +37,7 @@ from diloco_node.daemon.state_transfer import StateKeeper
 from diloco_node.daemon.status_feed import StatusFeed
 from diloco_node.daemon.training import Learner
 from diloco_node.learn.learner_thread import DueFragment
+from diloco_node.ops.storage_health import STORAGE
 from wire.limits import MAX_RELAYED_PAYLOAD_BYTES
 
 log = logging.getLogger("diloco_node.daemon")
@@ -200,7 +201,8 @@ class SiteParts:
             commit_target=max(core.log.commit_index, self.coordination.leader_commit),
             replacing_state=keeper.replacing_state(), was_ready=was_ready,
             role="lease holder" if core.is_lease_holder(now) else core.role.value, epoch=core.epoch,
-            coordination_silent_s=self._coordination_silent_s(now), lease_s=self.plan.lease_s)
+            coordination_silent_s=self._coordination_silent_s(now), lease_s=self.plan.lease_s,
+            storage_failing=storage_failures(STORAGE.to_status()))
 
     def _coordination_silent_s(self, now: float) -> float | None:
         """Seconds since a lease holder was last heard from (0 while we hold the lease)."""

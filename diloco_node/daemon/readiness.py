@@ -7,11 +7,21 @@ up from the log (its state is always one committed state); during a snapshot ins
 one state, so it says not ready until the downloaded state has been replayed. A ready node also
 says not ready while its coordination is stalled: it holds no lease and has heard from no lease
 holder for longer than the lease (it cannot commit, nor learn of commits), with how long.
+
+The disk counts too (ops/storage_health.py): while a step that the coordination state needs fails
+(the election record, the log's appends and rewrites) the node acknowledges nothing, so it says
+not ready and names the failing points; a failing step it can do without (history, checkpoints,
+spool, export, a payload read) leaves it ready, and the reason names that point as well.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+# Durable steps without which the node can acknowledge nothing (coordination_store.py).
+BLOCKING_POINTS = frozenset({"election.write", "log.append", "log.truncate"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +41,8 @@ class ReadinessFacts:
     # the lease: beyond it coordination is stalled. None: not known yet.
     coordination_silent_s: float | None = None
     lease_s: float = float("inf")
+    # (failpoint name, error) of each durable step whose last attempt failed (`storage_failures`)
+    storage_failing: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,12 +68,24 @@ def readiness(facts: ReadinessFacts) -> Readiness:
         reason = f"catching up: applied {facts.log_applied_index} of {facts.commit_target}"
     latched = facts.was_ready or not reason
     became_ready = latched and not facts.was_ready
+    blocking = [f"{point} ({error})" for point, error in facts.storage_failing if point in BLOCKING_POINTS]
+    others = [f"{point} ({error})" for point, error in facts.storage_failing if point not in BLOCKING_POINTS]
+    if blocking:
+        return Readiness(False, False, f"storage failing: {'; '.join(blocking)}: nothing is acknowledged until "
+                                       "a write succeeds")
+    also = f"; storage failing: {'; '.join(others)}" if others else ""
     if latched and facts.replacing_state:
-        return Readiness(False, became_ready, f"installing a snapshot: {reason}")
+        return Readiness(False, became_ready, f"installing a snapshot: {reason}{also}")
     if latched and facts.coordination_silent_s is not None and facts.coordination_silent_s > facts.lease_s:
         return Readiness(False, became_ready,
                          f"coordination stalled: no lease holder heard from for {facts.coordination_silent_s:.1f} s "
-                         f"(lease {facts.lease_s:g} s); {facts.role}, epoch {facts.epoch}")
+                         f"(lease {facts.lease_s:g} s); {facts.role}, epoch {facts.epoch}{also}")
     if latched:
-        return Readiness(True, became_ready, f"ready: {facts.role}, epoch {facts.epoch}, applied {facts.applied_index}")
-    return Readiness(False, False, reason)
+        return Readiness(True, became_ready,
+                         f"ready: {facts.role}, epoch {facts.epoch}, applied {facts.applied_index}{also}")
+    return Readiness(False, False, reason + also)
+
+
+def storage_failures(storage: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """(point, error) pairs from a storage status (`StorageHealth.to_status()`)."""
+    return tuple((point, str(failure.get("error", ""))) for point, failure in sorted(storage.get("failing", {}).items()))

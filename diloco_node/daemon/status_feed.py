@@ -1,4 +1,4 @@
-"""Feeding the node's status document: members, bytes, quorum, fragments, digest, log, relays and loop lag.
+"""Feeding the node's status document: members, bytes, quorum, fragments, digest, log, relays, loop lag, storage.
 
 The document itself (schema, /status, /metrics rendering) is ops/status.py; this module reads the
 daemon's parts every refresh and writes what changed into the builder. The global state's digest
@@ -25,6 +25,7 @@ from diloco_node.ops.status import (
     RelayStatus,
     StatusBuilder,
 )
+from diloco_node.ops.storage_health import STORAGE
 from diloco_node.transport import PeerClient, PeerServer
 
 # The quorum reason shown on /status is cut to this many characters (one line per fragment).
@@ -78,6 +79,7 @@ class StatusFeed:
         self.status.set_log(first_index=self.store.log_first_index, size_bytes=self.store.log_bytes)
         self.status.set_loop_lag(worst_s=self.loop_lag.worst_recent_s, stalls=self.loop_lag.stalls)
         self.status.set_relays(relay_status(self.coordination.relays.status()))
+        self.status.set_storage({**STORAGE.to_status(), "vote_barrier": self.coordination.vote_barrier})
 
     def state_digest(self) -> str:
         """The global state's digest, recomputed only when the state changed (it hashes the whole

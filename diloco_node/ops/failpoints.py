@@ -36,24 +36,26 @@ CRASH_EXIT_CODE = 86  # distinct from a signal's 128+N, so a test can tell a fai
 # Every durable step, by name. A `.read` point fails the read back (eio) or stalls it; a write
 # point fails before anything is written, or crashes around the step's fsync.
 POINTS: Mapping[str, str] = {
-    "election.write": "the election record (epoch and vote) rewritten before a vote is answered",
-    "election.read": "the election record read at start",
+    "election.write": "the election record (epoch and vote), both copies, rewritten before a vote is answered",
+    "election.read": "each copy of the election record read at start",
     "log.append": "replicated log records appended to log.bin (and fsynced before they are acknowledged)",
-    "log.truncate": "log.bin cut back when a leader overwrites a conflicting suffix",
+    "log.truncate": "log.bin rewritten whole (a leader overwrote a conflicting suffix, a snapshot was installed), "
+                    "or cut back to its last good record at start",
     "log.compact": "the log rewritten below a checkpoint (compaction)",
     "log.read": "log.bin read back (at start, for catch-up and for payloads)",
     "checkpoint.write": "a checkpoint written (temporary file, fsync, rename)",
     "checkpoint.read": "a checkpoint read back at start",
-    "identity.write": "the node's identity file written at its first start",
+    "identity.write": "the identity file rewritten when only its address book changed",
     "identity.read": "the identity file read at start",
-    "manifest.write": "the run manifest stored at founding or joining",
-    "manifest.read": "the stored run manifest read at start",
-    "version_rings.write": "the fragment-version rings saved",
-    "version_rings.read": "the fragment-version rings read at start",
+    "manifest.write": "the identity file written with a new run manifest (founding, joining)",
+    "manifest.read": "the run manifest (in the identity file) read at start",
+    "version_rings.write": "a past fragment version written into its ring slot (a cache, never fsynced)",
+    "version_rings.read": "a past fragment version read back from its ring slot for a rebase (CRC32-checked)",
     "history.write": "a line appended to the history (history.jsonl)",
     "spool.write": "a relayed payload spooled to disk",
     "spool.read": "a spooled payload read back to serve it",
     "export.write": "an exported model written",
+    "data_cache.write": "a site's tokenized-text cache written (temporary file, fsync, rename)",
 }
 
 ACTIONS = ("enospc", "eio", "crash-before", "crash-after", "stall")

@@ -311,6 +311,9 @@ class StatusDocument:
     evicted: tuple[EvictedStatus, ...] = ()  # sites evicted from this run, by node id
     relays: RelayStatus = field(default_factory=RelayStatus)  # relayed commit payloads (daemon/relays.py)
     tracking: TrackingStatus = field(default_factory=TrackingStatus)  # experiment trackers (ops/tracking.py)
+    # The disk as the durable steps see it (ops/storage_health.py): `failing` points with their
+    # error, `failures_total` by point, `quarantined` files; `vote_barrier` when the node does not vote
+    storage: dict[str, Any] = field(default_factory=dict)
     schema: str = STATUS_SCHEMA
 
     @property
@@ -372,6 +375,8 @@ class StatusDocument:
             relays=_build(RelayStatus, raw.get("relays", {}), "relays"),
             # Older nodes have no trackers: an absent object reads as both off.
             tracking=TrackingStatus.from_dict(raw.get("tracking", {})),
+            # Older nodes have no storage section: an absent object reads as nothing failing.
+            storage=dict(_get(raw, "storage", dict)) if "storage" in raw else {},
         )
 
     @classmethod
@@ -494,6 +499,10 @@ class StatusBuilder:
         """The replicated log's first held index and its size on disk (compaction at work)."""
         with self._lock:
             self._base = dataclasses.replace(self._base, log_first_index=first_index, log_bytes=size_bytes)
+
+    def set_storage(self, storage: Mapping[str, Any]) -> None:
+        with self._lock:
+            self._base = dataclasses.replace(self._base, storage=dict(storage))
 
     def set_relays(self, relays: RelayStatus) -> None:
         """The relayed-payload counters (daemon/relays.py, `RelayIO.counts`) and what is held now."""
@@ -797,6 +806,11 @@ def status_families(doc: StatusDocument) -> list[MetricFamily]:
         one("diloco_log_bytes", "gauge", "Size of the replicated log on disk.", doc.log_bytes),
         one("diloco_event_loop_lag_seconds", "gauge", "Worst event-loop lag over the last 10-20 s.", doc.loop_lag_s),
         one("diloco_event_loop_stalls_total", "counter", "Event-loop stalls of 1 s or more.", doc.loop_stalls),
+        MetricFamily("diloco_storage_failing", "gauge",
+                     "1 for each durable step (failpoint name) whose last attempt failed.",
+                     tuple(({"point": point}, 1.0) for point in sorted(doc.storage.get("failing", {})))),
+        one("diloco_storage_quarantined_files", "gauge", "Files found corrupt and renamed aside (listed on /status).",
+            float(len(doc.storage.get("quarantined", ())))),
         one("diloco_relay_pushed_total", "counter", "Relayed payload copies pushed as lease holder.",
             doc.relays.pushed),
         one("diloco_relay_forwarded_total", "counter", "Relayed payload copies passed on down the tree.",

@@ -1,0 +1,130 @@
+"""The coordination store's small records: checksummed JSON files, the election record kept twice.
+
+A record file is `{"format": 2, "crc32": N, "record": {...}}`, N the CRC-32 of the record's
+canonical JSON (sorted keys), so a bit flip or a truncation is found when the file is read. A file
+written before the framing existed (the record's own keys at the top level) is still read; it has
+no checksum. Files are replaced atomically (`durable.atomic_write`: temporary file, fsync, rename,
+fsync of the directory), behind their failpoint.
+
+The election record (epoch and vote) is what Raft cannot lose: a node that forgot its vote could
+grant a second one in the same epoch. It is written to two files, `election.json` then
+`election.copy.json`, and the reply that depends on it leaves only once both are durable. A read
+takes the newer of the copies that pass their checksum (higher epoch; in one epoch a vote is only
+ever added, never changed), quarantines a damaged one (rewritten at the next sync); only when both
+are damaged does it refuse to start (`DamagedStateError`), since no vote can then be trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+from typing import Any
+
+from diloco_node.config.manifest import ConfigError
+from diloco_node.ops import durable, failpoints
+from diloco_node.ops.storage_health import STORAGE
+
+RECORD_FORMAT = 2
+ELECTION_FILES = ("election.json", "election.copy.json")
+
+
+class RecordError(ValueError):
+    """A record file that fails its checksum or does not parse."""
+
+
+class DamagedStateError(ConfigError):
+    """The node's durable state is damaged in a way it cannot repair from its peers: it refuses to
+    start (exit status of a configuration error), naming the quarantined file and what to do."""
+
+
+def _canonical(record: dict[str, Any]) -> bytes:
+    return json.dumps(record, sort_keys=True).encode()
+
+
+def frame(record: dict[str, Any]) -> bytes:
+    """The bytes of a record file holding `record`."""
+    return json.dumps({"format": RECORD_FORMAT, "crc32": zlib.crc32(_canonical(record)), "record": record},
+                      sort_keys=True).encode()
+
+
+def unframe(data: bytes, legacy_key: str) -> dict[str, Any]:
+    """The record in a file's bytes; RecordError when damaged. A file without the framing must
+    have `legacy_key` at its top level (the old format)."""
+    try:
+        raw = json.loads(data)
+    except ValueError as error:  # truncated, or a flipped bit that breaks the JSON (or its UTF-8)
+        raise RecordError(f"not JSON: {error}") from None
+    if not isinstance(raw, dict):
+        raise RecordError("not a JSON object")
+    if "format" not in raw:
+        if legacy_key not in raw:
+            raise RecordError(f"neither a framed record nor the old format (no {legacy_key!r})")
+        return raw
+    record, crc = raw.get("record"), raw.get("crc32")
+    if raw["format"] != RECORD_FORMAT or not isinstance(record, dict) or not isinstance(crc, int):
+        raise RecordError(f"format {raw['format']!r} with record and crc32 expected as {RECORD_FORMAT}")
+    if zlib.crc32(_canonical(record)) != crc:
+        raise RecordError("the record fails its checksum")
+    return record
+
+
+def write_record(point: str, path: Path, record: dict[str, Any]) -> None:
+    """Replace `path` with `record`, durably (raises OSError; `point` is then failing on /status)."""
+    try:
+        durable.atomic_write(point, path, frame(record))
+    except OSError as error:
+        STORAGE.failed(point, error)
+        raise
+    STORAGE.succeeded(point)
+
+
+def read_record(point: str, path: Path, legacy_key: str) -> dict[str, Any]:
+    """The record in `path`: OSError when it cannot be read, RecordError when it is damaged."""
+    try:
+        failpoints.hit(point)
+        data = path.read_bytes()
+    except OSError as error:
+        STORAGE.failed(point, error)
+        raise
+    STORAGE.succeeded(point)
+    return unframe(data, legacy_key)
+
+
+def write_election(directory: Path, epoch: int, voted_for: str | None) -> None:
+    """Both copies, in order: a crash between them leaves the first newer, which a read prefers."""
+    for name in ELECTION_FILES:
+        write_record("election.write", directory / name, {"current_epoch": epoch, "voted_for": voted_for})
+
+
+def read_election(directory: Path) -> tuple[tuple[int, str | None] | None, bool]:
+    """((epoch, vote) or None when never written, whether the copies must be rewritten).
+
+    A damaged copy is quarantined and the other one used; both damaged: DamagedStateError."""
+    found: list[tuple[int, str | None]] = []
+    damaged: list[str] = []
+    present = 0
+    for name in ELECTION_FILES:
+        path = directory / name
+        if not path.exists():
+            continue
+        present += 1
+        try:
+            record = read_record("election.read", path, "current_epoch")
+            voted_for = record.get("voted_for")
+            if voted_for is not None and not isinstance(voted_for, str):
+                raise RecordError(f"voted_for is {voted_for!r}")
+            found.append((int(record["current_epoch"]), voted_for))
+        except (RecordError, KeyError, TypeError, ValueError) as error:
+            kept = STORAGE.quarantine(path, f"election record damaged: {error}")
+            damaged.append(f"{path.name} (kept as {kept.name}: {error})")
+    if damaged and not found:
+        raise DamagedStateError(
+            f"{directory}: every copy of the election record is damaged: {'; '.join(damaged)}. A node that "
+            "forgot its vote could vote twice in one epoch, so it does not start: restore a copy, or remove "
+            "this node's data directory and join the run again under a new node_id")
+    if not found:
+        return None, False
+    # Newest first: a higher epoch, and in one epoch a vote over none (a vote is never withdrawn).
+    newest = max(found, key=lambda item: (item[0], item[1] is not None))
+    return newest, bool(damaged) or present < len(ELECTION_FILES) or len(set(found)) > 1
