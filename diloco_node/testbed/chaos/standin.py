@@ -37,7 +37,7 @@ import zlib
 from pathlib import Path
 
 from diloco_node.clock import SystemClock, set_wall_skew
-from diloco_node.ops import failpoints
+from diloco_node.ops import durable, failpoints
 from diloco_node.ops.history import HISTORY_FILE_NAME, HistoryWriter
 
 TICK_S = 0.05  # one loop turn: a "learner step" and a look at the lease and the log
@@ -70,14 +70,8 @@ def _write_json(path: Path, value: dict) -> None:
 def _write_checkpoint(path: Path, value: dict) -> None:
     """checkpoint.json with a CRC over its body, through the `checkpoint.write` failpoint: written
     to a temporary file, fsynced, renamed (a crash at the fsync leaves the previous one)."""
-    failpoints.hit("checkpoint.write")
     body = json.dumps(value, sort_keys=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps({"crc": zlib.crc32(body.encode()), "body": body}))
-        f.flush()
-        failpoints.around_fsync("checkpoint.write", lambda: os.fsync(f.fileno()))
-    os.replace(tmp, path)
+    durable.atomic_write("checkpoint.write", path, json.dumps({"crc": zlib.crc32(body.encode()), "body": body}).encode())
 
 
 def _read_checkpoint(path: Path) -> dict | None:
@@ -107,7 +101,6 @@ class StandinNode:
         self.checkpoint_path = self.data / "checkpoint.json"
         self._failpoints_text = ""
         self._clock_text = ""
-        self._unsynced: tuple[Path, int] | None = None  # a log append not fsynced yet: (file, length before)
         failpoints.load_from_env()
         failpoints.on_crash(self._before_crash)
         self.poll_fault_files()
@@ -148,11 +141,8 @@ class StandinNode:
             set_wall_skew(skew.get("offset_s", 0.0), skew.get("drift_rate", 0.0))
 
     def _before_crash(self) -> None:
-        """A crash at a fsync: the log append that was not synced is lost, as after a power cut;
-        and the failpoints armed at run time die with the process, as a daemon's do."""
-        if self._unsynced is not None:
-            path, length = self._unsynced
-            os.truncate(path, length)
+        """The failpoints armed at run time die with the process, as a daemon's do (what was not
+        fsynced is dropped by `durable`, which runs its own hook)."""
         (self.data / FAILPOINTS_FILE).unlink(missing_ok=True)
 
     def save_checkpoint(self, epoch: int | None = None) -> bool:
@@ -268,12 +258,17 @@ class StandinNode:
             events = []
         failpoints.hit("log.append")
         path = self.cluster / "log.jsonl"
-        with open(path, "a") as log:
-            self._unsynced = (path, log.tell())
-            log.write(json.dumps({"index": index, "epoch": self.epoch, "entry": entry}) + "\n")
-            log.flush()
-            failpoints.around_fsync("log.append", lambda: os.fsync(log.fileno()))
-            self._unsynced = None
+        # Tracked only while this append is in flight: the file is shared, and what the others
+        # appended (and fsynced, under the same lock) before now is durable. A crash at the fsync
+        # cuts the file back to its length here, as a power cut would drop the unsynced line.
+        durable.track(path)
+        try:
+            with open(path, "a") as log:
+                log.write(json.dumps({"index": index, "epoch": self.epoch, "entry": entry}) + "\n")
+                log.flush()
+                durable.sync_file("log.append", log.fileno(), path)
+        finally:
+            durable.forget(path)
         self.pending += events
 
     def apply_new(self) -> None:
