@@ -4,6 +4,7 @@ catching the damage."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 
@@ -118,3 +119,30 @@ def test_the_standins_checkpoint_detects_damage(tmp_path, how):
         with pytest.raises(ValueError):
             standin._read_checkpoint(path)
     assert standin._read_checkpoint(tmp_path / "absent.json") is None
+
+
+async def test_a_node_still_starting_is_armed_once_it_answers_and_not_after_the_heal(tmp_path, monkeypatch):
+    import time
+
+    from diloco_node.testbed.chaos import harness
+    from diloco_node.testbed.chaos.harness import ModeRun
+
+    monkeypatch.setattr(harness, "ARM_RETRY_S", 0.01)
+
+    answers = iter(["skipped: connection refused", "skipped: connection refused", "ok"])
+
+    async def arm() -> str:
+        return next(answers)
+
+    run = ModeRun(ChaosConfig(workdir=tmp_path), Schedule(1, 60, ()), "decoupled", DaemonLauncher())
+    run.t0 = time.monotonic()
+    assert run._arm(0, Fault(0.0, "disk_full", "n1", 5.0), arm) == "arming"
+    while not run.arming[0].done():
+        await asyncio.sleep(0.05)
+    assert await run._armed(0) == "ok"
+
+    async def never() -> str:
+        return "skipped: connection refused"
+
+    run._arm(1, Fault(0.0, "disk_full", "n1", 5.0), never)
+    assert await run._armed(1) == "not armed before the heal" and await run._armed(2) == "never tried"

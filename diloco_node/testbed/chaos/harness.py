@@ -35,7 +35,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -91,6 +91,8 @@ CONVERGE_TIMEOUT_S = 90.0
 # One /status request; a stopped or partitioned node must not hold the harness up.
 STATUS_TIMEOUT_S = 2.0
 POLL_S = 0.25
+# Between tries to arm a fault's failpoints or clock skew in a node that does not answer yet.
+ARM_RETRY_S = 0.5
 # Targets from the issue (docs/CHAOS.md).
 TARGET_DECOUPLED_GOODPUT = 0.85
 TARGET_SYNCHRONOUS_GOODPUT_MAX = 0.6
@@ -584,6 +586,9 @@ class ModeRun:
         self.t0 = 0.0
         self.dead_at_end: dict[str, int | None] = {}
         self.tails: dict[str, _HistoryTail] = {}
+        # fault number -> the task arming its failpoints or clock skew (a node still starting
+        # cannot be reached yet: it is tried again until the fault's heal time)
+        self.arming: dict[int, asyncio.Task[str]] = {}
 
     def run(self) -> ModeResult:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -756,17 +761,17 @@ class ModeRun:
                 self._launch(sup, node, self._bootstrap_for_joiner(sup))
                 now = time.monotonic()
                 self.learner_windows[node] = (now, now + self.schedule.duration_s)
-            elif fault.action in ("disk_full", "io_error"):
-                note = await self.launcher.arm_failpoints(self.slots[node], storage_fault_spec(fault.action))
-            elif fault.action == "crash_at_fsync":
-                note = await self.launcher.arm_failpoints(self.slots[node], fault.how)
+            elif fault.action in ("disk_full", "io_error", "crash_at_fsync"):
+                spec = fault.how or storage_fault_spec(fault.action)
+                note = self._arm(number, fault, lambda: self.launcher.arm_failpoints(self.slots[node], spec))
             elif fault.action == "corrupt":
                 sup.kill(node)
                 kind, how = fault.how.split(":")
                 note = corrupt_file(self.launcher.damage_target(self.slots[node], kind), how, self.rng)
             elif fault.action == "clock_jump":
                 assert fault.param is not None
-                note = await self.launcher.skew_clock(self.slots[node], fault.param, CLOCK_DRIFT_RATE)
+                offset = fault.param
+                note = self._arm(number, fault, lambda: self.launcher.skew_clock(self.slots[node], offset, CLOCK_DRIFT_RATE))
         except SupervisorError as exc:
             note = f"skipped: {exc}"
         detail = {"action": fault.action, "target": node, "scheduled": fault.target, "coordinator": is_coordinator,
@@ -794,22 +799,51 @@ class ModeRun:
             elif fault.action == "slow":
                 sup.unslow(node)
             elif fault.action in ("disk_full", "io_error"):
+                extra = {"armed": await self._armed(number)}
                 note = await self.launcher.disarm_failpoints(self.slots[node])
             elif fault.action == "crash_at_fsync":
+                extra = {"armed": await self._armed(number)}
                 if sup.alive(node):  # it never reached that fsync in time: nothing to restart
                     note = "not hit; " + await self.launcher.disarm_failpoints(self.slots[node])
                 else:
-                    extra = {"exit_code": sup.returncode(node)}
+                    extra["exit_code"] = sup.returncode(node)
                     sup.restart(node)
                     self.launched_at[node] = time.monotonic()
             elif fault.action == "corrupt":
                 sup.restart(node)
                 self.launched_at[node] = time.monotonic()
             elif fault.action == "clock_jump":
+                extra = {"armed": await self._armed(number)}
                 note = await self.launcher.skew_clock(self.slots[node], 0.0, 0.0)
         except SupervisorError as exc:
             note = f"skipped: {exc}"
         nemesis.record("heal", detail={"action": fault.action, "target": node, "fault": number, "note": note, **extra})
+
+    def _arm(self, number: int, fault: Fault, call: Callable[[], Awaitable[str]]) -> str:
+        """Start arming a fault in the node (failpoints or clock skew), retried until it answers
+        or the fault's heal time: a node restarted by an earlier fault may still be starting.
+        The heal records how it went (`armed`)."""
+        deadline = self.t0 + fault.end_s
+
+        async def keep_trying() -> str:
+            note = await call()
+            while note.startswith("skipped") and time.monotonic() + ARM_RETRY_S < deadline:
+                await asyncio.sleep(ARM_RETRY_S)
+                note = await call()
+            return note
+
+        self.arming[number] = asyncio.create_task(keep_trying())
+        return "arming"
+
+    async def _armed(self, number: int) -> str:
+        """How arming fault `number` went, by its heal (a try still running is abandoned)."""
+        task = self.arming.pop(number, None)
+        if task is None:
+            return "never tried"
+        if not task.done():
+            task.cancel()
+            return "not armed before the heal"
+        return task.result()
 
     # ---- the end ---------------------------------------------------------------------------
 
