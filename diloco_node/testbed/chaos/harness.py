@@ -800,7 +800,12 @@ class ModeRun:
                 sup.unslow(node)
             elif fault.action in ("disk_full", "io_error"):
                 extra = {"armed": await self._armed(number)}
-                note = await self.launcher.disarm_failpoints(self.slots[node])
+                if sup.alive(node):
+                    note = await self.launcher.disarm_failpoints(self.slots[node])
+                else:  # it exited on its failing disk (e.g. unreadable at start): restarted, as systemd would
+                    extra["exit_code"] = sup.returncode(node)
+                    sup.restart(node)
+                    self.launched_at[node] = time.monotonic()
             elif fault.action == "crash_at_fsync":
                 extra = {"armed": await self._armed(number)}
                 if sup.alive(node):  # it never reached that fsync in time: nothing to restart
