@@ -32,7 +32,7 @@ from typing import Any
 from bootstrap import messages as coord
 from bootstrap.coordinator_node import CoordinatorNode, PersistentState
 from bootstrap.election import Role
-from bootstrap.entries import EntryKind, LogEntry, Snapshot
+from bootstrap.entries import EntryKind, LogEntry, PayloadUnavailable, Snapshot
 from diloco_node.clock import Clock
 from diloco_node.config.manifest import RunManifest
 from diloco_node.daemon import peers
@@ -59,6 +59,7 @@ STORAGE_RETRY_MAX_S = 2.0
 class _Outbox:
     pending: list[Any] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    payload_unreadable: bool = False  # the last delivery failed reading a payload back
 
 
 class CoordinationIO:
@@ -256,8 +257,15 @@ class CoordinationIO:
             for message in batch:
                 try:
                     await self._deliver(peer, message)
+                    outbox.payload_unreadable = False
                 except asyncio.CancelledError:
                     raise
+                except PayloadUnavailable as error:
+                    # log.bin could not give an entry's bytes back (a failing read, a damaged
+                    # record: `log.read` on /status); the core sends again. Said once per streak.
+                    if not outbox.payload_unreadable:
+                        log.warning("%s: cannot send %s to %s: %s", self.node_id, type(message).__name__, peer, error)
+                    outbox.payload_unreadable = True
                 except Exception as error:  # one bad exchange must not stop the worker
                     log.exception("delivery of %s to %s failed: %s", type(message).__name__, peer, error)
 

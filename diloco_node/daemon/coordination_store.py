@@ -4,19 +4,19 @@ The coordination core (`bootstrap.coordinator_node`) mutates its `PersistentStat
 requires it to be on disk before any message that depends on it leaves the node. `sync()` is
 called after every batch of actions and before sending them; it writes only what changed:
 
-- `election.json` (epoch, vote): rewritten atomically (temp file, fsync, rename, fsync dir);
-- `log.bin`: records `u32 length | u32 crc32 | msgpack body`, fsynced. The first record may be a
-  snapshot header (`{"snapshot": [last_index, last_epoch, voters]}`): the log was compacted (or a
-  snapshot installed) through `last_index`, and the entry records that follow start right after
-  it. A file without a header is a log from index 1 (the format before compaction existed).
-  New entries are appended. When the log was truncated (a conflicting uncommitted suffix replaced
-  by a new leader), compacted, or a snapshot was installed, the whole file (header and kept
-  entries) is rewritten to `.log.bin.tmp` and renamed over `log.bin`: a crash at any moment
+- `election.json` and `election.copy.json` (epoch, vote), `identity.json` (node id, role, run
+  manifest, address book): checksummed records replaced atomically (coordination_records.py);
+- `log.bin`: records `u32 length | u32 crc32 | msgpack body` (log_records.py), fsynced. The first
+  may be a snapshot header: the log was compacted (or a snapshot installed) through its index.
+  New entries are appended; a failed append is cut back before the next. When the log was
+  truncated (a conflicting uncommitted suffix replaced by a new leader), compacted, or a snapshot
+  was installed, the whole file is rewritten to a temp file and renamed over `log.bin`: a crash
   leaves the old log or the new one, never a mix; a temp file left behind is deleted at load.
-  A torn last record (crash mid-append) fails its CRC and is dropped at load: it was never
-  acknowledged, since acknowledgements leave only after `sync()` returned. A header is only ever
-  written by a rewrite, so a damaged header is corruption and refuses to load;
-- `identity.json`: node id, role, run manifest and the address book (rewritten when changed).
+  A torn last record (crash mid-append) is dropped at load: it was never acknowledged, since
+  acknowledgements leave only after `sync()` returned. A complete record failing its CRC is
+  damage at rest: the file is quarantined and its good prefix kept (`damaged_after`). A damaged
+  header refuses to load. Every step is behind its failpoint (ops/failpoints.py) and reports to
+  `STORAGE` (ops/storage_health.py); every fsync goes through ops/durable.py.
 
 Payloads live in `log.bin`, not in memory: once an entry is on disk (appended, rewritten or
 loaded) the in-memory log keeps its metadata and a `StoredPayload` that reads the record back
