@@ -4,15 +4,17 @@
 module is the only place that performs them: after every call into the core the durable state is
 synced to disk *before* any resulting message leaves (coordination_store.py); `Send` actions go to a
 per-peer outbox drained by one worker task; `ApplyEntry` and `RestoreSnapshot` go to the state
-keeper (state_transfer.py). When the disk refuses a write (full, failing), nothing that depends on
-it leaves: no reply (a peer gets 503 "cannot persist"), no message, no applied entry (held until
-a sync succeeds); a lease holder steps down; the ticker keeps running and retries with backoff on
-the clock, so the node recovers on its own once writes succeed again. After its log was found
-damaged at rest (coordination_store.py) the node neither votes nor stands until a lease holder has
-given it back every entry it may have acknowledged. It also answers the coordination part of the peer API (votes,
+keeper (state_transfer.py). It also answers the coordination part of the peer API (votes,
 appends, heartbeats, leaves, joins, relayed payloads), drives the core's timer, and carries out an
 operator's eviction as the lease holder (`evict`; the register is sync/evictions.py). Nothing is
 sent to an evicted site.
+
+When the disk refuses a write (full, failing), nothing that depends on it leaves: no reply (a peer
+gets 503 "cannot persist"), no message, no applied entry (held until a sync succeeds); a lease
+holder steps down; the ticker keeps running and retries with backoff on the clock, so the node
+recovers on its own once writes succeed again. After its log was found damaged at rest
+(coordination_store.py) the node neither votes nor stands until a lease holder has given it back
+every entry it may have acknowledged.
 
 Relayed commits (relays.py): with `relay_fanout` > 0 this node, as lease holder, sends appends
 with payloads by digest and the bytes down a relay tree; with 0, only payloads over

@@ -4,8 +4,9 @@ A record file is the record's JSON object with two more keys, `"format": 2` and 
 CRC-32 of the record's canonical JSON (sorted keys, without those two), so a bit flip or a
 truncation is found when the file is read, and a reader that only wants a field (the exporter
 reads the manifest) reads it as before. A file with neither key was written before the checksum
-existed and is read without one; a single flipped bit cannot remove both keys. Files are replaced atomically (`durable.atomic_write`: temporary file, fsync, rename,
-fsync of the directory), behind their failpoint.
+existed and is read without one; a single flipped bit cannot remove both keys. Files are replaced
+atomically (`durable.atomic_write`: temporary file, fsync, rename, fsync of the directory), behind
+their failpoint.
 
 The election record (epoch and vote) is what Raft cannot lose: a node that forgot its vote could
 grant a second one in the same epoch. It is written to two files, `election.json` then

@@ -3,7 +3,9 @@
 Sites a, b, c (synthetic learners) commit rounds. b was started with a crash failpoint at its
 `log.append` fsync (the K-th after its start, before the fsync: what it appended and had not
 fsynced is dropped, as a power cut would). It exits with the failpoint's status, a and c carry on,
-and b restarted from its data directory loads, catches up and agrees: no commit index any site
+and b restarted from its data directory loads, survives a full disk (its appends fail with ENOSPC
+for a while: nothing acknowledged, /status names the point, it recovers by itself), catches up and
+agrees: no commit index any site
 reported is lost or reported with another digest, b reaches past the highest one seen before, and
 the chaos checker finds no violation in the three histories.
 
@@ -36,7 +38,7 @@ ARM_VAR = "DILOCO_X_TEST_FAILPOINTS"
 
 def _arming_path(root: Path) -> str:
     directory = root / "arm-failpoints"
-    directory.mkdir()
+    directory.mkdir(exist_ok=True)
     (directory / "sitecustomize.py").write_text(textwrap.dedent(f"""
         import os
         if os.environ.get({ARM_VAR!r}):
@@ -67,10 +69,19 @@ def test_a_follower_crashing_at_a_log_append_fsync_loses_no_committed_index(tmp_
         cluster.wait_for("a and c commit without b", lambda s: min(s[n]["commit_index"] for n in ("a", "c")
                                                                      if n in s) > before + 2, 90)
 
+        # The same data directory: a restart. Its disk is full for its 10th to 29th appends.
         cluster.remove("b")
-        cluster.add("b", bootstrap=a, settings=SYNTHETIC)  # the same data directory: a restart
-        cluster.wait_for("b back, caught up", lambda s: "b" in s and s["b"].get("ready")
-                         and s["b"]["commit_index"] > before, STARTUP_S)
+        full = {ARM_VAR: "log.append=enospc@10*20", "PYTHONPATH": _arming_path(tmp_path)}
+        b = cluster.add("b", bootstrap=a, settings=SYNTHETIC, env=full)
+        recovered = cluster.wait_for("b back after a full disk, caught up", lambda s: "b" in s and s["b"].get("ready")
+                                     and s["b"]["storage"].get("failures_total", {}).get("log.append") == 20
+                                     and not s["b"]["storage"]["failing"] and s["b"]["commit_index"] > before,
+                                     STARTUP_S)
+        assert recovered["b"]["storage"]["quarantined"] == []
+        # One warning per failure streak (the peers' refused requests are logged at INFO), no traceback.
+        text = b.log_text().split("===== start")[-1]
+        warned = text.count("WARNING diloco_node.daemon: b cannot persist its coordination state")
+        assert 1 <= warned <= text.count("persists its coordination state again") and "Traceback" not in text
         index = cluster.common_commit_index(NAMES, 90)
         assert index > before
         assert cluster.conflicting_indices() == {}, cluster.conflicting_indices()
