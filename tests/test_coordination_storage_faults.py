@@ -329,3 +329,24 @@ async def test_an_unreadable_payload_costs_one_warning_per_streak_not_a_tracebac
         assert "log.read" in STORAGE.to_status()["failing"]
     finally:
         await node.tasks.close()
+
+
+async def test_a_holder_whose_log_record_is_damaged_at_run_time_steps_down(tmp_path):
+    node = Node(tmp_path, "a")
+    node.lead()
+    entry, _, actions = node.core.propose(node.clock.monotonic(), EntryKind.OUTER_COMMIT, b"q" * 10_000,
+                                          fragment=0, round=1)
+    node.io.dispatch(actions)
+    log_bin = tmp_path / "log.bin"
+    data = bytearray(log_bin.read_bytes())
+    data[data.index(b"q" * 10_000) + 50] ^= 0x01  # a bit flips at rest under the running node
+    log_bin.write_bytes(bytes(data))
+    message = coord.AppendEntries(2, "a", entry.index - 1, 2, (node.core.log.entry_at(entry.index),), 0, sent_at=1.0)
+    try:
+        node.io.send("b", message)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert node.core.role is Role.FOLLOWER and "its log is damaged" in node.core.election.last_step_down_reason
+        assert "fails its checksum" in STORAGE.to_status()["failing"]["log.read"]["error"]
+    finally:
+        await node.tasks.close()

@@ -38,7 +38,7 @@ from bootstrap.entries import EntryKind, LogEntry, PayloadUnavailable, Snapshot
 from diloco_node.clock import Clock
 from diloco_node.config.manifest import RunManifest
 from diloco_node.daemon import peers
-from diloco_node.daemon.coordination_store import CoordinationStore, CoordinationStoreError
+from diloco_node.daemon.coordination_store import CoordinationStore, CoordinationStoreError, PayloadDamaged
 from diloco_node.daemon.history_hooks import DaemonHistory
 from diloco_node.daemon.plan import COORDINATION_DEADLINE_S, COORDINATION_TICK_S, relay_timeout_for
 from diloco_node.daemon.relays import DEFAULT_HOLD_S, RelayIO, holder_tree
@@ -268,6 +268,11 @@ class CoordinationIO:
                     if not outbox.payload_unreadable:
                         log.warning("%s: cannot send %s to %s: %s", self.node_id, type(message).__name__, peer, error)
                     outbox.payload_unreadable = True
+                    if isinstance(error, PayloadDamaged) and self.core.role is Role.LEADER:
+                        # Its copy of a committed entry is damaged: a holder that cannot replicate
+                        # it would stall every follower behind it; another voter has a good copy.
+                        self.core.election.step_down(self.clock.monotonic(), f"its log is damaged: {error}")
+                        log.warning("%s steps down from the lease: %s", self.node_id, error)
                 except Exception as error:  # one bad exchange must not stop the worker
                     log.exception("delivery of %s to %s failed: %s", type(message).__name__, peer, error)
 

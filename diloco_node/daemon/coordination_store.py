@@ -55,6 +55,7 @@ from diloco_node.daemon.coordination_records import write_election, write_record
 from diloco_node.daemon.log_records import (  # noqa: F401  (re-exported: the store's record format)
     _RECORD_HEAD,
     INITIAL_SNAPSHOT,
+    AppendFile,
     MAX_RECORD_BYTES,
     WRITE_PIECE_BYTES,
     CoordinationStoreError,
@@ -104,6 +105,15 @@ class PayloadGone(CoordinationStoreError, PayloadUnavailable):
     """An entry's payload is no longer in log.bin (truncated or compacted away) or its record is damaged."""
 
 
+class PayloadDamaged(PayloadGone):
+    """An entry's record in log.bin fails its checksum: damage at rest, found at run time (failing
+    `log.read` on /status; a restart quarantines the file and recovers the entries from peers)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        STORAGE.failed("log.read", message)
+
+
 _temp_path = durable.temp_path
 
 
@@ -121,28 +131,6 @@ def _step(point: str) -> Iterator[None]:
         STORAGE.failed(point, error)
         raise
     STORAGE.succeeded(point)
-
-
-class _AppendFile:
-    """log.bin opened for appending, unbuffered: after a failed write nothing stays queued to be
-    flushed later, and a short write (a disk filling up) is continued until it completes or fails."""
-
-    def __init__(self, path: Path) -> None:
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def write(self, data: bytes | memoryview) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view):]
-
-    def flush(self) -> None:
-        """Nothing is buffered."""
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def close(self) -> None:
-        os.close(self._fd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,7 +347,7 @@ class CoordinationStore:
                 self._cut_tail()
             if self._log_handle is None:
                 durable.track(self._log_path)
-                self._log_handle = _AppendFile(self._log_path)
+                self._log_handle = AppendFile(self._log_path)
             try:
                 located, end = _write_records(self._log_handle, self._log_bytes, entries[start:])
                 self._log_handle.flush()
@@ -485,7 +473,7 @@ class CoordinationStore:
         size, crc = _RECORD_HEAD.unpack_from(record)
         body = memoryview(record)[_RECORD_HEAD.size:]
         if size != len(body) or zlib.crc32(body) != crc:
-            raise PayloadGone(f"{self._log_path}: entry {index}: the record at byte {offset} fails its checksum")
+            raise PayloadDamaged(f"{self._log_path}: entry {index}: the record at byte {offset} fails its checksum")
         try:
             entry = _decode_body(msgpack.unpackb(body, raw=False), offset, self._log_path)
         except (ValueError, msgpack.UnpackException) as error:
@@ -530,7 +518,7 @@ class CoordinationStore:
                 yield piece
             rest = _pread_all(fd, offset + length - end, end)
             if zlib.crc32(rest, running) != crc:
-                raise PayloadGone(f"{self._log_path}: entry {index}: the record at byte {offset} fails its checksum")
+                raise PayloadDamaged(f"{self._log_path}: entry {index}: the record at byte {offset} fails its checksum")
         finally:
             os.close(fd)
 
