@@ -213,3 +213,22 @@ def test_a_few_hundred_damaged_sparse_messages_raise_only_protocol_errors() -> N
         except RemoteProtocolError as error:
             assert error.status_hint in (400, 413, 426)
     assert accepted < 400  # most damage is caught (a flipped value bit may still decode)
+
+
+def test_topk2_selection_matches_a_stable_sort_even_with_many_ties() -> None:
+    """Small integers tie everywhere: the selection is still a stable sort's first k of each chunk."""
+    from wire.codecs.sparse import _top_k_columns
+
+    rng = np.random.default_rng(16)
+    for trial in range(60):
+        width = int(rng.choice([64, 128, 256, C]))
+        k = int(rng.integers(1, width + 1)) if trial % 3 else 64 % width or width
+        rows = int(rng.integers(1, 5))
+        if trial % 2:
+            magnitudes = np.abs(rng.integers(-3, 4, (rows, width))).astype(np.float32)
+        else:
+            magnitudes = np.abs(rng.standard_normal((rows, width))).astype(np.float32)
+        expected = np.sort(np.argsort(-magnitudes, axis=1, kind="stable")[:, :k], axis=1)
+        assert _top_k_columns(magnitudes, k).tolist() == expected.tolist(), (width, k, rows)
+    zero_chunk = np.zeros((1, C), dtype=np.float32)
+    assert _top_k_columns(zero_chunk, 64).tolist() == [list(range(64))]

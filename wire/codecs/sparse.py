@@ -133,21 +133,39 @@ class SparseCodec(Codec):
 # topk2
 
 
+# Candidates for a row's top k are first narrowed with the maxima of groups of this many values:
+# the k-th largest group maximum is a lower bound of the k-th largest value (k distinct values reach
+# it), and only values above it (a few percent of a row) are ranked exactly.
+_GROUP = 16
+
+
 def _top_k_columns(magnitudes: np.ndarray, k: int) -> np.ndarray:
     """Columns of the k largest values of each row, ascending; ties go to the lower column."""
     rows, width = magnitudes.shape
-    threshold = np.partition(magnitudes, width - k, axis=1)[:, width - k]
-    chosen = magnitudes >= threshold[:, None]
-    counts = np.count_nonzero(chosen, axis=1)
-    tied = np.flatnonzero(counts > k)
-    if tied.size:  # several values equal the threshold: keep the lowest columns among them
-        sub = magnitudes[tied]
-        sub_threshold = threshold[tied][:, None]
-        above = sub > sub_threshold
-        room = k - np.count_nonzero(above, axis=1)
-        equal = sub == sub_threshold
-        chosen[tied] = above | (equal & (np.cumsum(equal, axis=1) <= room[:, None]))
-    return np.nonzero(chosen)[1].reshape(rows, k)
+    if width % _GROUP == 0 and width // _GROUP >= k:
+        groups = width // _GROUP
+        group_max = magnitudes.reshape(rows, groups, _GROUP).max(axis=2)
+        bound = np.partition(group_max, groups - k, axis=1)[:, groups - k]
+    else:
+        bound = np.zeros(rows, dtype=magnitudes.dtype)  # every value is a candidate
+    row, column = np.nonzero(magnitudes >= bound[:, None])
+    value = magnitudes[row, column]
+    counts = np.bincount(row, minlength=rows)
+    starts = np.zeros(rows, dtype=np.int64)
+    np.cumsum(counts[:-1], out=starts[1:])
+    # The candidates of each row, left-aligned in a padded matrix; -1 pads below every magnitude.
+    padded = np.full((rows, int(counts.max()) if rows else 0), -1.0, dtype=magnitudes.dtype)
+    padded[row, np.arange(row.size) - starts[row]] = value
+    width = padded.shape[1]
+    threshold = np.partition(padded, width - k, axis=1)[:, width - k]
+    above = value > threshold[row]
+    equal = value == threshold[row]
+    room = k - np.bincount(row, weights=above, minlength=rows).astype(np.int64)
+    # Ties at the threshold: the first `room` of them in column order (rank within the row's ties).
+    tie_rank = np.cumsum(equal)
+    tie_rank -= np.concatenate([[0], tie_rank])[starts][row]
+    chosen = above | (equal & (tie_rank <= room[row]))
+    return column[chosen].reshape(rows, k)
 
 
 def _two_levels(magnitudes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
