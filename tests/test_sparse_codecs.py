@@ -169,14 +169,21 @@ def test_union8_decoder_checks_its_chunk_table() -> None:
     x = sparse_delta(2 * C, 0.01, seed=11)
     entries = [("", (2 * C,))]
     head, body = raw_body(encode_tensor(x, "union8", zstd_level=None), entries)
-    table = list(struct.unpack("<II", body[:8]))
-    assert 0 < table[0] < 100 and 0 < table[1] < 100
-    _refused(head + struct.pack("<II", C + 1, table[1]) + body[8:], "more values than it holds")
-    _refused(head + struct.pack("<II", 3000, table[1]) + body[8:], "sparse where the encoder sends it dense")
-    _refused(head + struct.pack("<II", table[0] + 1, table[1]) + body[8:], "chunk table implies")
+    width, table = body[0], list(struct.unpack("<II", body[1:9]))
+    assert width == 6 and 0 < table[0] < 100 and 0 < table[1] < 100  # 1% of 4,096: 2^6 values per index
+    rest = body[9:]
+
+    def with_table(first: int, second: int, width: int = width) -> bytes:
+        return head + bytes([width]) + struct.pack("<II", first, second) + rest
+
+    _refused(with_table(C + 1, table[1]), "more values than it holds")
+    _refused(with_table(3000, table[1]), "sparse where the encoder sends it dense")
+    _refused(with_table(table[0] + 1, table[1]), "chunk table implies")
+    _refused(with_table(*table, width=17), "index width 17 is over 16")
+    _refused(with_table(*table, width=5), "chunk table implies")
     _refused(head + body + b"\0", "chunk table implies")
     scale = bytearray(body)
-    scale[8:10] = struct.pack("<H", 0xBF80)  # -1.0
+    scale[9:11] = struct.pack("<H", 0xBF80)  # -1.0
     _refused(head + scale, "negative, NaN or oversized scale")
     lying = bytearray(head) + body  # a raw body longer than any valid one for the shape
     with pytest.raises(RemoteProtocolError, match="at most"):
