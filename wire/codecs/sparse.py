@@ -35,14 +35,7 @@ from wire.codecs.schemes import (
     require_finite,
     round_to_bf16_bits,
 )
-from wire.codecs.sparse_indices import (
-    MAX_LOW_WIDTH,
-    chunk_index_bits,
-    decode_indices,
-    encode_indices,
-    low_width,
-    region_sizes,
-)
+from wire.codecs.sparse_indices import chunk_index_bits, decode_indices, encode_indices, region_sizes
 from wire.errors import LocalProtocolError, RemoteProtocolError
 
 # Dense fallback: int4 with its own default block, so a fallback chunk is exactly what int4 sends.
@@ -239,8 +232,8 @@ def _two_bit_values(codes: np.ndarray, levels: np.ndarray) -> np.ndarray:
 @lru_cache(maxsize=64)
 def _largest_topk_chunk_bits(chunk: int) -> int:
     """Most bits a whole chunk's codes and indices can take over every k in [1, chunk]."""
-    return max(2 * k + int(chunk_index_bits(np.array([chunk]), np.array([k]), low_width(chunk, k))[0])
-               for k in range(1, chunk + 1))
+    k = np.arange(1, chunk + 1, dtype=np.int64)
+    return int((2 * k + chunk_index_bits(np.full(chunk, chunk, dtype=np.int64), k)).max())
 
 
 class TopK2Codec(SparseCodec):
@@ -285,7 +278,7 @@ class TopK2Codec(SparseCodec):
         whole = columns_all.shape[0]
         lengths = np.full(whole, block_size, dtype=np.int64)
         counts = np.full(whole, k, dtype=np.int64)
-        low, high = encode_indices(lengths, counts, columns_all.reshape(-1), low_width(block_size, k))
+        low, high = encode_indices(lengths, counts, columns_all.reshape(-1))
         return np.concatenate([
             np.frombuffer(_U32.pack(k), dtype=np.uint8),
             levels.view(np.uint8).reshape(-1),
@@ -320,8 +313,7 @@ class TopK2Codec(SparseCodec):
         whole = int((~partial).sum())
         lengths = np.full(whole, block_size, dtype=np.int64)
         counts = np.full(whole, k, dtype=np.int64)
-        width = low_width(block_size, k)
-        low_size, high_size = region_sizes(lengths, counts, width)
+        low_size, high_size = region_sizes(lengths, counts)
         code_size = -(-whole * k // 4)
         dense_size = int(_dense_bytes(chunk_lengths[partial]).sum())
         expected = 4 + 4 * whole + code_size + low_size + high_size + dense_size
@@ -338,7 +330,7 @@ class TopK2Codec(SparseCodec):
         cursor += code_size
         low = body[cursor : cursor + low_size]
         cursor += low_size
-        indices, _ = decode_indices(low, body[cursor : cursor + high_size], lengths, counts, width)
+        indices, _ = decode_indices(low, body[cursor : cursor + high_size], lengths, counts)
         cursor += high_size
         out = np.zeros(sum(sizes), dtype=np.float32)
         values = _two_bit_values(codes.reshape(whole, k), levels)
@@ -374,9 +366,12 @@ _INT8_MAX = 127.0
 _LARGEST_INT8_SCALE_BITS = np.uint16(np.array(_FLOAT32_MAX / _INT8_MAX, dtype=np.float32).view(np.uint32) >> 16)
 
 
-def _sparse_wins(lengths: np.ndarray, counts: np.ndarray, width: int) -> np.ndarray:
-    """Whether a chunk with this many nonzeros is sent sparse: raw bits no more than dense int4's."""
-    sparse_bits = 16 + 8 * counts + chunk_index_bits(lengths, counts, width)
+def _sparse_wins(lengths: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Whether a chunk with this many nonzeros is sent sparse: raw bits no more than dense int4's.
+
+    Decided per chunk from its own length and count alone, so a tensor encodes the same whatever
+    else its message holds."""
+    sparse_bits = 16 + 8 * counts + chunk_index_bits(lengths, counts)
     return sparse_bits <= 8 * _dense_bytes(lengths)
 
 
@@ -391,7 +386,7 @@ class Union8Codec(SparseCodec):
     def max_body_size(self, sizes: list[int], block_size: int) -> int:
         lengths = _chunk_lengths(sizes, block_size)
         # A sparse chunk takes at most its dense bytes in bits; the two index regions' byte padding adds 2.
-        return 1 + 4 * lengths.size + int(_dense_bytes(lengths).sum()) + 2
+        return 4 * lengths.size + int(_dense_bytes(lengths).sum()) + 2
 
     def encode_segments(self, work: np.ndarray, sizes: list[int], block_size: int, top_k: int | None) -> np.ndarray:
         if top_k is not None:
@@ -408,9 +403,7 @@ class Union8Codec(SparseCodec):
             if tail:
                 counts[first + rows] = np.count_nonzero(work[offset + rows * block_size : offset + rows * block_size + tail])
             first += rows + (1 if tail else 0)
-        # One low-field width for the message, from its overall density.
-        width = low_width(int(lengths.sum()), int(counts.sum()))
-        sparse = _sparse_wins(lengths, counts, width)
+        sparse = _sparse_wins(lengths, counts)
         indices, values = _nonzeros_of_chunks(work, starts, counts, sparse)
         sparse_counts = counts[sparse]
         chunk_of = np.repeat(np.arange(sparse_counts.size), sparse_counts)
@@ -423,10 +416,9 @@ class Union8Codec(SparseCodec):
         if (scale_bits == _LARGEST_INT8_SCALE_BITS).any():
             np.clip(scaled, -_INT8_MAX, _INT8_MAX, out=scaled)
         codes = np.rint(scaled).astype(np.int8)
-        low, high = encode_indices(lengths[sparse], sparse_counts, indices, width)
+        low, high = encode_indices(lengths[sparse], sparse_counts, indices)
         table = np.where(sparse, counts, _DENSE_CHUNK).astype("<u4")
         return np.concatenate([
-            np.array([width], dtype=np.uint8),
             table.view(np.uint8),
             scale_bits.view(np.uint8),
             codes.view(np.uint8),
@@ -437,27 +429,24 @@ class Union8Codec(SparseCodec):
 
     def decode_segments(self, body: np.ndarray, sizes: list[int], block_size: int) -> np.ndarray:
         lengths = _chunk_lengths(sizes, block_size)
-        if body.size < 1 + 4 * lengths.size:
+        if body.size < 4 * lengths.size:
             raise _malformed("union8 body is shorter than its chunk table")
-        width = int(body[0])
-        if width > MAX_LOW_WIDTH:
-            raise _malformed(f"union8 index width {width} is over {MAX_LOW_WIDTH}")
-        table = body[1 : 1 + 4 * lengths.size].view("<u4").astype(np.int64)
+        table = body[: 4 * lengths.size].view("<u4").astype(np.int64)
         sparse = table != _DENSE_CHUNK
         counts = np.where(sparse, table, 0)
         if not (counts <= lengths).all():
             raise _malformed("a union8 chunk declares more values than it holds")
         sparse_counts = counts[sparse]
-        if not _sparse_wins(lengths[sparse], sparse_counts, width).all():
+        if not _sparse_wins(lengths[sparse], sparse_counts).all():
             raise _malformed("a union8 chunk is sparse where the encoder sends it dense")
         total = int(sparse_counts.sum())
         scale_count = int(sparse.sum())
-        low_size, high_size = region_sizes(lengths[sparse], sparse_counts, width)
+        low_size, high_size = region_sizes(lengths[sparse], sparse_counts)
         dense_size = int(_dense_bytes(lengths[~sparse]).sum())
-        expected = 1 + 4 * lengths.size + 2 * scale_count + total + low_size + high_size + dense_size
+        expected = 4 * lengths.size + 2 * scale_count + total + low_size + high_size + dense_size
         if body.size != expected:
             raise _malformed(f"union8 body is {body.size} bytes, its chunk table implies {expected}")
-        cursor = 1 + 4 * lengths.size
+        cursor = 4 * lengths.size
         scales = bf16_bits_to_f32(body[cursor : cursor + 2 * scale_count].view(np.uint16))
         cursor += 2 * scale_count
         largest = bf16_bits_to_f32(np.array([_LARGEST_INT8_SCALE_BITS]))[0]
@@ -467,7 +456,7 @@ class Union8Codec(SparseCodec):
         cursor += total
         low = body[cursor : cursor + low_size]
         cursor += low_size
-        indices, chunk_of = decode_indices(low, body[cursor : cursor + high_size], lengths[sparse], sparse_counts, width)
+        indices, chunk_of = decode_indices(low, body[cursor : cursor + high_size], lengths[sparse], sparse_counts)
         cursor += high_size
         out = np.zeros(sum(sizes), dtype=np.float32)
         values = codes * scales[chunk_of]
