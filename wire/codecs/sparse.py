@@ -20,7 +20,6 @@ from __future__ import annotations
 import struct
 from abc import abstractmethod
 from functools import lru_cache
-from typing import ClassVar
 
 import numpy as np
 
