@@ -103,7 +103,7 @@ def test_corrupt_newest_falls_back_and_is_quarantined(tmp_path):
         result = store.load_latest()
         assert result.checkpoint.meta == {"step": 1}
         assert len(result.skipped) == 1 and "ckpt-000000000002.bin: checksum mismatch" in result.skipped[0]
-        assert (tmp_path / "ckpt-000000000002.bin.corrupt").exists()
+        assert (tmp_path / "ckpt-000000000002.bin.corrupt-1").exists()  # kept, named on /status
         # The next save does not reuse the quarantined sequence number.
         assert store.save({"step": 3}, _state(3)).name == "ckpt-000000000003.bin"
 

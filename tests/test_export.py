@@ -274,11 +274,13 @@ def test_missing_manifest_is_exit_2_not_an_export_without_one(node_dir: Path, tm
 
 def test_a_checkpoint_that_does_not_fit_the_runs_model_is_exit_2_naming_tensors(
         node_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from diloco_node.daemon.coordination_records import frame, unframe
+
     identity_path = node_dir / "coordination" / "identity.json"
-    identity = json.loads(identity_path.read_text())
+    identity = unframe(identity_path.read_bytes(), "node_id")
     other = factory.seal(dataclasses.replace(MANIFEST, model=ModelSpec.of(seq_len=2 * SEQ_LEN)))
     identity["manifest"] = other.to_dict()
-    identity_path.write_text(json.dumps(identity))
+    identity_path.write_bytes(frame(identity))
     assert _export("--data-dir", str(node_dir), "--out", str(tmp_path / "m.npz")) == 2
     err = capsys.readouterr().err
     assert f"pos_embed/embedding: float32[{SEQ_LEN}, 64] here, float32[{2 * SEQ_LEN}, 64] in the run" in err, err
@@ -339,3 +341,13 @@ def test_load_export_refuses_other_files(tmp_path: Path) -> None:
     garbage.write_bytes(b"\x00" * 64)
     with pytest.raises(ExportError, match="not a readable safetensors export"):
         load_export(garbage)
+
+
+def test_a_damaged_identity_file_is_named_not_read(node_dir: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    identity_path = node_dir / "coordination" / "identity.json"
+    data = bytearray(identity_path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    identity_path.write_bytes(bytes(data))
+    assert _export("--data-dir", str(node_dir), "--out", str(tmp_path / "m.npz")) == 2
+    assert "no run manifest" in capsys.readouterr().err and not (tmp_path / "m.npz").exists()

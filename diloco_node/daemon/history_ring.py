@@ -12,8 +12,19 @@ the process's resident set.
 
 The ring is a cache of what the log already made: it is not fsynced and is started afresh at
 each start (files truncated), exactly as the in-memory history starts with the current version
-after a restart or an install. A contribution against a round the ring no longer (or not yet)
-holds is rejected with that reason by the merge, as before.
+after a restart or an install; nothing in it is ever read across a restart. A contribution against
+a round the ring no longer (or not yet) holds is rejected with that reason by the merge, as before.
+
+Faults (failpoints `version_rings.write`, `version_rings.read`), each on `/status` and warned once
+per streak; nothing wrong is ever served, and the merge rejects a contribution against a lost
+round by reason:
+- a slot the disk refused to write: that round is served from memory while it is the newest and
+  is dropped when the next round comes (the other slots are untouched);
+- a slot that cannot be read (an I/O error): that round is dropped;
+- a slot that fails its CRC32 (kept in memory when written, checked when read back: a bit flip) or
+  ends early (a truncated file): the file is quarantined (kept, named on `/status`), a fresh one
+  opened, and the ring keeps only the newest version (in memory) and fills again.
+The ring has no fsync: its crash failpoints fire where a slot is complete.
 
 `version` and `record` may run on different threads (a merge in the pool, an apply on the event
 loop): a lock makes a read see a whole slot of the round it asked for.
@@ -21,13 +32,20 @@ loop): a lock makes a read see a whole slot of the round it asked for.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import zlib
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
+
+from diloco_node.ops import failpoints
+from diloco_node.ops.storage_health import STORAGE
+
+log = logging.getLogger("diloco_node.daemon")
 
 _DTYPE = np.dtype("<f4")
 # Under a node's data_dir; deleted and rewritten freely (a cache of what the log made).
@@ -49,6 +67,8 @@ class DiskFragmentHistory:
         self._layout: list[tuple[str, tuple[int, ...], int]] = []  # (name, shape, byte offset in a slot)
         self._slot_bytes = 0
         self._rounds: OrderedDict[int, int] = OrderedDict()  # round -> slot, oldest first
+        self._crc: dict[int, int] = {}  # slot -> CRC32 of its bytes as written
+        self._unwritten: int | None = None  # the newest round, when its slot could not be written
         self._newest: Mapping[str, np.ndarray] | None = None
 
     def _set_layout(self, params: Mapping[str, np.ndarray]) -> None:
@@ -71,19 +91,50 @@ class DiskFragmentHistory:
                 self._set_layout(params)
             if sorted(params) != [name for name, _, _ in self._layout]:
                 raise ValueError(f"fragment {self.fragment}: round {round_} has other tensors than the ring")
+            for name, shape, _ in self._layout:
+                if tuple(np.shape(params[name])) != shape:
+                    raise ValueError(f"fragment {self.fragment}: {name} has shape {np.shape(params[name])}, "
+                                     f"the ring {shape}")
+            if self._unwritten is not None:  # held in memory only, as the newest: no longer servable
+                self._rounds.pop(self._unwritten, None)
+                self._unwritten = None
             slot = round_ % self.capacity
             for r in [r for r, s in self._rounds.items() if s == slot]:
                 del self._rounds[r]  # overwritten below
-            base = slot * self._slot_bytes
-            for name, shape, offset in self._layout:
-                data = np.ascontiguousarray(params[name], dtype=_DTYPE)
-                if data.shape != shape:
-                    raise ValueError(f"fragment {self.fragment}: {name} has shape {data.shape}, the ring {shape}")
-                _write_all(self._fd, memoryview(data.reshape(-1)).cast("B"), base + offset)
+            self._crc.pop(slot, None)
+            try:
+                self._crc[slot] = self._write_slot(slot, params)
+            except OSError as error:
+                self._failed("version_rings.write", f"version of round {round_} not written; served from memory "
+                             "while it is the newest", error)
+                self._unwritten = round_
+            else:
+                if STORAGE.succeeded("version_rings.write"):
+                    log.warning("fragment %d: version ring written again (round %d)", self.fragment, round_)
             self._rounds[round_] = slot
             while len(self._rounds) > self.capacity:
                 self._rounds.popitem(last=False)
             self._newest = params
+
+    def _write_slot(self, slot: int, params: Mapping[str, np.ndarray]) -> int:
+        """Write one version into `slot`; returns the CRC32 of the slot's bytes."""
+        failpoints.hit("version_rings.write")
+        base = slot * self._slot_bytes
+        crc = 0
+        for name, shape, offset in self._layout:
+            data = memoryview(np.ascontiguousarray(params[name], dtype=_DTYPE).reshape(-1)).cast("B")
+            crc = zlib.crc32(data, crc)
+            _write_all(self._fd, data, base + offset)
+        # No fsync (a cache, see the module's docstring): the crash points fire with the slot complete.
+        failpoints.around_fsync("version_rings.write", lambda: None)
+        return crc
+
+    def _failed(self, point: str, what: str, error: BaseException | str) -> None:
+        first = not STORAGE.is_failing(point)
+        STORAGE.failed(point, error)
+        if first:
+            log.warning("fragment %d: %s (%s); contributions against rounds the ring lacks are rejected",
+                        self.fragment, what, error)
 
     def version(self, round_: int) -> Mapping[str, np.ndarray] | None:
         """The fragment at `round_` (read-only arrays), or None when the ring does not hold it."""
@@ -93,14 +144,51 @@ class DiskFragmentHistory:
                 return None
             if round_ == next(reversed(self._rounds)):
                 return self._newest
-            base = slot * self._slot_bytes
-            out: dict[str, np.ndarray] = {}
-            for name, shape, offset in self._layout:
-                arr = np.empty(shape, dtype=_DTYPE)
-                _read_all(self._fd, memoryview(arr.reshape(-1)).cast("B"), base + offset, self.path)
-                arr.setflags(write=False)
-                out[name] = arr
+            try:
+                out = self._read_slot(slot)
+            except ShortRead as error:  # the file was cut short: as corrupt as a flipped bit
+                self._corrupt(round_, slot, str(error))
+                return None
+            except OSError as error:
+                self._failed("version_rings.read", f"version of round {round_} not read; dropped", error)
+                del self._rounds[round_]
+                return None
+            crc = 0
+            for name, _, _ in self._layout:
+                crc = zlib.crc32(memoryview(out[name].reshape(-1)).cast("B"), crc)
+            if crc != self._crc.get(slot):
+                self._corrupt(round_, slot, "CRC32 of the slot differs from what was written")
+                return None
+            STORAGE.succeeded("version_rings.read")
             return out
+
+    def _read_slot(self, slot: int) -> dict[str, np.ndarray]:
+        failpoints.hit("version_rings.read")
+        base = slot * self._slot_bytes
+        out: dict[str, np.ndarray] = {}
+        for name, shape, offset in self._layout:
+            arr = np.empty(shape, dtype=_DTYPE)
+            _read_all(self._fd, memoryview(arr.reshape(-1)).cast("B"), base + offset, self.path)
+            arr.setflags(write=False)
+            out[name] = arr
+        return out
+
+    def _corrupt(self, round_: int, slot: int, why: str) -> None:
+        """A slot that does not read back as written: the file is quarantined, a fresh one started."""
+        reason = f"fragment {self.fragment} round {round_} (slot {slot}): {why}"
+        self._failed("version_rings.read", f"version ring {self.path.name} corrupt, quarantined; the ring keeps "
+                     "only the newest version and fills again", reason)
+        while len(self._rounds) > 1:  # every slot of the file is in doubt
+            self._rounds.popitem(last=False)
+        self._crc.clear()
+        try:
+            STORAGE.quarantine(self.path, reason)
+            fresh = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        except OSError as error:
+            log.warning("fragment %d: the corrupt ring %s could not be set aside: %s", self.fragment, self.path, error)
+            return
+        os.close(self._fd)
+        self._fd = fresh
 
     @property
     def newest_round(self) -> int:
@@ -137,11 +225,15 @@ def _write_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[written:], offset + written
 
 
+class ShortRead(OSError):
+    """A ring file ends before the slot being read: it was cut short."""
+
+
 def _read_all(fd: int, buffer: memoryview, offset: int, path: Path) -> None:
     while buffer:
         got = os.preadv(fd, [buffer], offset)
         if got == 0:
-            raise OSError(f"{path}: short read at byte {offset}")
+            raise ShortRead(f"{path}: short read at byte {offset}")
         buffer, offset = buffer[got:], offset + got
 
 

@@ -5,7 +5,9 @@
   from peers, or cannot start at all; with the reason.
 - `Checkpointer`: writes checkpoints (global state, the learner's weights and AdamW state, counters,
   applied index) atomically on the disk thread, restores from the newest good one, and compacts the
-  replicated log below a checkpoint that reads back intact.
+  replicated log below a checkpoint that reads back intact. A checkpoint that cannot be written (a
+  full or failing disk) is reported (`/status`'s storage section, one warning per failure streak)
+  and skipped: the node and its learner go on, and the next periodic checkpoint tries again.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from diloco_node.learn.learner_thread import (
     snapshot_from_checkpoint,
     snapshot_meta_and_arrays,
 )
-from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore, verify_checkpoint_file
+from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore, CheckpointUnreadable, verify_checkpoint_file
+from diloco_node.ops.storage_health import STORAGE
 from diloco_node.sync.replica import Replica
 
 log = logging.getLogger("diloco_node.daemon")
@@ -100,7 +103,7 @@ class Checkpointer:
         """Global state from our newest good checkpoint, checked against the durable log."""
         snapshot_index = persistent.log.snapshot.last_index
         log_last = snapshot_index + len(persistent.log.entries)
-        loaded = self.checkpoints.load_latest()
+        loaded = self._load_latest()
         learner: LearnerSnapshot | None = None
         if loaded is None:
             plan = restart_plan(checkpoint_index=None, snapshot_index=snapshot_index, log_last_index=log_last,
@@ -119,13 +122,29 @@ class Checkpointer:
             log.warning("%s: %s", self.node_id, plan.reason)
         return plan, learner
 
+    def _load_latest(self) -> Any:
+        """The newest good checkpoint. When every one failed its check (all now quarantined, kept
+        aside), the node starts as one without checkpoints: the restart rule replays the log from
+        the initial state or installs the global state from peers; only the learner's own progress
+        since the last global state is lost. Unreadable ones (an I/O error) still stop the start."""
+        try:
+            return self.checkpoints.load_latest()
+        except CheckpointError as error:
+            if self.checkpoints.sequences():
+                raise  # some could not be read at all: they may be good once the disk is
+            message = f"every checkpoint failed its check and was quarantined; starting without one: {error}"
+            log.warning("%s: %s", self.node_id, message)
+            self.report_error(message)
+            return None
+
     def _restore_global_state(self, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> str:
         """The replicated state (norm references included), verified against the checkpoint's digest."""
         return self.replica.restore_checkpoint(meta, arrays)
 
-    async def checkpoint(self, learner: LearnerThread | None) -> tuple[Path, int]:
+    async def checkpoint(self, learner: LearnerThread | None) -> tuple[Path, int] | None:
         """Local weights, AdamW state, counters, applied index and the global state, atomically.
-        Returns (file, applied index). The caller decides whether the state is worth saving."""
+        Returns (file, applied index), or None when the disk refused the write (reported; the
+        previous checkpoints stay as they were). The caller decides whether the state is worth saving."""
         replica = self.replica
         global_meta, arrays = replica.checkpoint_entries()
         meta: dict[str, Any] = {"node_id": self.node_id, "applied_index": replica.applied_index, **global_meta}
@@ -135,14 +154,32 @@ class Checkpointer:
             meta["learner"] = learner_meta
             arrays.update(learner_arrays)
         loop = asyncio.get_running_loop()
-        path = await loop.run_in_executor(self.disk_executor, self.checkpoints.save, meta, arrays)
+        try:
+            path = await loop.run_in_executor(self.disk_executor, self.checkpoints.save, meta, arrays)
+        except OSError as error:
+            self._write_failed(error)
+            return None
+        if STORAGE.succeeded("checkpoint.write"):
+            log.warning("%s: checkpoints are written again (%s)", self.node_id, path.name)
         log.info("%s checkpoint %s at index %d", self.node_id, path.name, meta["applied_index"])
         return path, int(meta["applied_index"])
+
+    def _write_failed(self, error: OSError) -> None:
+        """A checkpoint the disk refused: on /status at once, in the log once per failure streak."""
+        first = not STORAGE.is_failing("checkpoint.write")
+        STORAGE.failed("checkpoint.write", error)
+        message = f"checkpoint not written, training goes on and the next one tries again: {error}"
+        if first:
+            log.warning("%s: %s", self.node_id, message)
+        self.report_error(message)
 
     async def checkpoint_and_compact(self, learner: LearnerThread | None, coordination: CoordinatorNode,
                                      persistent: PersistentState, stopping: Callable[[], bool]) -> None:
         """The periodic job: a checkpoint, then the log compacted below it if it reads back intact."""
-        path, index = await self.checkpoint(learner)
+        written = await self.checkpoint(learner)
+        if written is None:  # nothing new on disk: the log stays as it is
+            return
+        path, index = written
         try:
             await self.compact_log(coordination, persistent, path, index, stopping)
         except (OSError, CoordinationStoreError) as error:  # e.g. a full disk: keep the long log
@@ -169,8 +206,13 @@ class Checkpointer:
             # Streamed: the check costs a chunk of memory, not a second copy of the state.
             meta = await loop.run_in_executor(self.disk_executor, verify_checkpoint_file, path)
             verified = int(meta["applied_index"])
+            STORAGE.succeeded("checkpoint.read")
         except (CheckpointError, KeyError, TypeError, ValueError) as error:
             self.report_error(f"checkpoint {path.name} did not verify; log not compacted: {error}")
+            STORAGE.failed("checkpoint.read", str(error))
+            if isinstance(error, CheckpointError) and not isinstance(error, CheckpointUnreadable):
+                # Written moments ago and already wrong: the disk corrupts. Never a restart's choice.
+                self.checkpoints.quarantine(path, str(error))
             return
         if verified != checkpointed:
             self.report_error(f"checkpoint {path.name} holds index {verified}, expected {checkpointed}; "

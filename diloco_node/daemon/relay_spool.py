@@ -11,6 +11,15 @@ The relay's decisions are elsewhere (`bootstrap/relay_plane.py`) and so is its t
   and bytes (the oldest go first, their files deleted), until their entry is in the log (`settle`);
   from then on their bytes are read from the log.
 - `payload_frames` streams a payload out (a spool file, log.bin, or bytes) a chunk at a time.
+
+Faults (failpoints `spool.write`, `spool.read`). Spool files are never fsynced: they are deleted at
+every start, so a crash leaves nothing a restart could serve (the crash points fire where a payload's
+file is complete). A spool write the disk refuses ends the stream with a 507 refusal and deletes the
+partial file: the sender keeps its bytes and this node fetches them later, as for any lost stream.
+Every read of a spool file is checked against the payload's SHA-256 (its name on the wire): a file
+that does not match (a bit flip, a truncation) is quarantined (kept, named on `/status`) and the
+payload is dropped from `HeldPayloads`, so the relay wants it again and fetches it; the reader gets
+`SpoolCorrupt` (a `PayloadUnavailable`) before the last piece, so no whole bad copy is served.
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from bootstrap.entries import PayloadUnavailable, StoredPayload
+from diloco_node.ops import failpoints
+from diloco_node.ops.storage_health import STORAGE
 from wire import messages as wire
 from wire.errors import LocalProtocolError, RemoteProtocolError
 from wire.payload_stream import PayloadAssembler
@@ -44,16 +55,22 @@ MAX_HELD_BYTES = 4 * 1024**3
 MAX_KNOWN_POSITIONS = 4096
 
 
+class SpoolCorrupt(PayloadUnavailable):
+    """A spool file did not read back as the payload it holds (or could not be read at all)."""
+
+
 class SpooledPayload:
     """Verified payload bytes in a spool file; once the file is gone (its entry is in the log and
-    the file was deleted), read from the log through `fallback` instead."""
+    the file was deleted), read from the log through `fallback` instead. Every read is checked
+    against `digest`; `bad` once one was not (the holder then drops it)."""
 
-    __slots__ = ("path", "size", "digest", "_fallback")
+    __slots__ = ("path", "size", "digest", "_fallback", "bad")
 
     def __init__(self, path: Path, size: int, digest: bytes,
                  fallback: Callable[[], Payload | None] = lambda: None) -> None:
         self.path, self.size, self.digest = path, size, digest
         self._fallback = fallback
+        self.bad = False
 
     def _logged(self) -> Payload:
         payload = self._fallback()
@@ -64,21 +81,71 @@ class SpooledPayload:
 
     def read(self) -> bytes:
         try:
+            failpoints.hit("spool.read")
             with open(self.path, "rb") as handle:
-                return handle.read()
+                data = handle.read()
         except FileNotFoundError:
             logged = self._logged()
             return logged if isinstance(logged, bytes) else logged.read()
+        except OSError as error:
+            raise self._unreadable(error) from None
+        self._check(hashlib.sha256(data).digest(), len(data))
+        return data
 
     def pieces(self, piece_bytes: int) -> Iterator[bytes]:
         try:
+            failpoints.hit("spool.read")
             handle = open(self.path, "rb")
         except FileNotFoundError:
             yield from payload_pieces(self._logged(), piece_bytes)
             return
+        except OSError as error:
+            raise self._unreadable(error) from None
+        hasher = hashlib.sha256()
+        size = 0
         with handle:  # once open, the bytes stay readable even if the file is deleted meanwhile
-            while piece := handle.read(piece_bytes):
-                yield piece
+            # One piece is held back until the next is read: the last one is yielded only once the
+            # whole file matched its digest, so a reader never takes in a complete bad copy.
+            held: bytes | None = None
+            while True:
+                try:
+                    piece = handle.read(piece_bytes)
+                except OSError as error:
+                    raise self._unreadable(error) from None
+                if not piece:
+                    break
+                hasher.update(piece)
+                size += len(piece)
+                if held is not None:
+                    yield held
+                held = piece
+            self._check(hasher.digest(), size)
+            if held is not None:
+                yield held
+
+    def _check(self, digest: bytes, size: int) -> None:
+        """The bytes read are the payload, or the file is quarantined and `SpoolCorrupt` raised."""
+        if digest == self.digest and size == self.size:
+            STORAGE.succeeded("spool.read")
+            return
+        reason = (f"relayed payload {self.digest.hex()[:16]}..: spool file holds {size} bytes of another "
+                  f"SHA-256 (expected {self.size} bytes)")
+        self.bad = True
+        STORAGE.failed("spool.read", reason)
+        try:
+            STORAGE.quarantine(self.path, reason)
+        except FileNotFoundError:
+            pass  # deleted meanwhile: nothing to keep
+        log.warning("%s; the file is set aside and the payload fetched again", reason)
+        raise SpoolCorrupt(reason)
+
+    def _unreadable(self, error: OSError) -> SpoolCorrupt:
+        """A spool file the disk will not read: dropped, deleted and fetched again."""
+        self.bad = True
+        STORAGE.failed("spool.read", error)
+        log.warning("relayed payload %s..: spool file %s unreadable (%s); fetched again",
+                    self.digest.hex()[:16], self.path.name, error)
+        return SpoolCorrupt(f"relayed payload {self.digest.hex()[:16]}..: spool file unreadable: {error}")
 
     def set_fallback(self, fallback: Callable[[], Payload | None]) -> None:
         self._fallback = fallback
@@ -152,18 +219,24 @@ class HeldPayloads:
 
     def get(self, digest: bytes) -> Payload | None:
         """The payload with this digest, kept here or in the log (a reference: nothing is read)."""
-        payload = self._held.get(digest)
+        payload = self.held(digest)
         if payload is not None:
             return payload
         position = self._positions.get(digest)
         return self._from_log(*position) if position is not None else None
 
     def held(self, digest: bytes) -> Payload | None:
-        """The payload if kept here (not read back from the log)."""
-        return self._held.get(digest)
+        """The payload if kept here (not read back from the log). A spool file found bad when it
+        was read is dropped here: the relay sees the payload missing and fetches it again."""
+        payload = self._held.get(digest)
+        if isinstance(payload, SpooledPayload) and payload.bad:
+            del self._held[digest]
+            self._drop(payload)
+            return None
+        return payload
 
     def put(self, digest: bytes, payload: Payload) -> None:
-        if digest in self._held or digest in self._positions:
+        if self.held(digest) is not None or digest in self._positions:  # (a copy found bad is not kept)
             if isinstance(payload, SpooledPayload) and self._held.get(digest) is not payload:
                 payload.delete()  # a second copy of bytes already here
             return
@@ -272,9 +345,19 @@ class PayloadReceiver:
         self._progress(self.assembler.received)
 
     def _write(self, data: bytes) -> None:
-        if self._file is None:
-            self._file = open(self.path, "wb")
-        self._file.write(data)
+        try:
+            failpoints.hit("spool.write")
+            if self._file is None:
+                self._file = open(self.path, "wb")
+            self._file.write(data)
+        except OSError as error:
+            first = not STORAGE.is_failing("spool.write")
+            STORAGE.failed("spool.write", error)
+            if first:
+                log.warning("relayed payload from %s not spooled (%s): refused, it is fetched later", self.sender,
+                            error)
+            # 507 Insufficient Storage: the sender keeps the bytes; the transport aborts this stream.
+            raise RemoteProtocolError(f"cannot spool the payload: {error}", 507) from None
         self._hasher.update(data)
 
     async def finish(self) -> None:
@@ -284,6 +367,10 @@ class PayloadReceiver:
         except RemoteProtocolError:
             self._discard(refused=True)
             raise
+        # Spool files are not fsynced (deleted at start): the crash points fire with the file complete.
+        failpoints.around_fsync("spool.write", lambda: None)
+        if STORAGE.succeeded("spool.write"):
+            log.warning("relayed payloads are spooled again")
         head = self.assembler.head
         try:
             self._accept(SpooledPayload(self.path, head.size, head.digest))
@@ -292,14 +379,21 @@ class PayloadReceiver:
         return None
 
     async def abort(self, reason: str) -> None:
-        await asyncio.to_thread(self._close)
+        try:
+            await asyncio.to_thread(self._close)
+        except RemoteProtocolError:
+            pass  # the file is deleted below whatever its last bytes did
         self._discard(refused=False)
         log.info("payload stream from %s dropped: %s", self.sender, reason)
 
     def _close(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            try:
+                file.close()  # flushes the last buffered bytes: the disk may refuse them here
+            except OSError as error:
+                STORAGE.failed("spool.write", error)
+                raise RemoteProtocolError(f"cannot spool the payload: {error}", 507) from None
 
     def _discard(self, *, refused: bool) -> None:
         self.path.unlink(missing_ok=True)

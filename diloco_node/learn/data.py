@@ -54,6 +54,7 @@ from diloco_node.config.manifest import DataAgreement, RunManifest
 from diloco_node.config.site_data import DOCUMENT_SOURCES, SiteData
 from diloco_node.learn import documents as documents_lib
 from diloco_node.learn import token_files
+from diloco_node.ops import durable, failpoints
 
 # Files of the stdlib that are not the standard library proper (third-party installs).
 _STDLIB_EXCLUDED_DIRS = ("site-packages", "dist-packages")
@@ -318,13 +319,15 @@ def _cached_ranges(meta_path: Path, tokens_path: Path, dtype: np.dtype, file_cou
 
 
 def _replace_atomically(path: Path, write: Callable[[Any], None]) -> None:
-    """Write a file under a temporary name, sync it, then rename it: a crash leaves no half file."""
+    """Write a file under a temporary name, sync it, then rename it: a crash leaves no half file.
+    Failpoint `data_cache.write` (ops/failpoints.py): a full disk here leaves no file at all."""
+    failpoints.hit("data_cache.write")
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
     try:
         with os.fdopen(fd, "wb") as out:
             write(out)
             out.flush()
-            os.fsync(out.fileno())
+            durable.sync_file("data_cache.write", out.fileno())
         os.replace(temporary, path)
     except BaseException:
         try:

@@ -8,7 +8,9 @@ The event loop talks to it only through thread-safe hand-offs:
   learner's state (for checkpoints);
 - `stop()`: finish the current step and exit.
 The thread reports back through callbacks the node passes in (`on_contribution` when fragment
-p is due, `on_progress` after each step); the node marshals them onto the loop. The figures of
+p is due, `on_progress` after each step); the node marshals them onto the loop. A progress report
+that fails with `OSError` (a full disk under the history or the status files) is logged once per
+streak and training goes on: only the learner's own failures stop the thread. The figures of
 the latest closed step window (tokens/s, step time, gradient norm, learning rate: learn/figures.py)
 are in `figures`, set before the `on_progress` of the step that closed the window.
 
@@ -160,6 +162,7 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         self._offers: dict[int, _Offer] = {}
         self.stopped_at_step: int | None = None
         self.error: BaseException | None = None
+        self._progress_failing = False  # the last progress report failed with an OSError
         self.last_step_at = time.monotonic()
         self.step_seconds = 0.0
         # Where the training thread's time goes (cumulative, written only by this thread): the
@@ -284,7 +287,7 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
                     self._learning_rate)
                 if figures is not None:
                     self.figures = figures
-                self._on_progress(self._inner.steps, loss, self._inner.tokens)
+                self._report_progress(loss)
                 for p in self.plan.due(self._inner.steps):
                     if self._following is not None:
                         self._gather_due(p)
@@ -304,6 +307,20 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         finally:
             self.stopped_at_step = self._inner.steps
             self._answer_state_requests()
+
+    def _report_progress(self, loss: float) -> None:
+        """`on_progress`, where a disk that refuses a report's write is no reason to stop training."""
+        try:
+            self._on_progress(self._inner.steps, loss, self._inner.tokens)
+        except OSError as error:
+            if not self._progress_failing:
+                log.warning("learner %s: a progress report failed (%s); training goes on without it",
+                            self.node_id, error)
+            self._progress_failing = True
+        else:
+            if self._progress_failing:
+                log.warning("learner %s: progress reports work again", self.node_id)
+            self._progress_failing = False
 
     def _learning_rate(self, step: int) -> float:
         """The schedule's rate for `step`, evaluated on the host CPU: on the accelerator the tiny

@@ -9,10 +9,13 @@ File layout (`ckpt-<sequence>.bin`, all integers little-endian):
 
 No pickle anywhere: metadata is plain msgpack, arrays are raw bytes plus a dtype name from a
 fixed list. A checkpoint is written to a temporary file in the same directory, fsynced, renamed
-into place and the directory fsynced, so a crash at any moment leaves either the old set of
-checkpoints or the old set plus one complete new file. Loading verifies magic, version, length
-and checksum and raises `CheckpointError` naming the file; `load_latest` falls back to the
-previous good checkpoint and quarantines a bad one as `*.corrupt` (kept for inspection).
+into place and the directory fsynced (`ops/durable.py`, failpoint `checkpoint.write`), so a crash
+at any moment leaves either the old set of checkpoints or the old set plus one complete new file.
+Loading (failpoint `checkpoint.read`) verifies magic, version, length and checksum and raises
+`CheckpointError` naming the file; `load_latest` falls back to the previous good checkpoint and
+quarantines a bad one as `*.corrupt-N` (kept for inspection, listed in `/status` by
+`ops/storage_health.py`). A file that cannot be read at all (an I/O error, `CheckpointUnreadable`)
+is skipped but left in place: the disk, not the file, may be what failed.
 
 This module knows files, not their contents: array names and metadata keys are the callers'. The
 global state's ("global/...", with "rounds", "state_digest", "norm_refs") come from
@@ -33,6 +36,9 @@ from typing import Any, BinaryIO, Mapping
 import msgpack
 import numpy as np
 
+from diloco_node.ops import durable, failpoints
+from diloco_node.ops.storage_health import STORAGE
+
 MAGIC = b"DILOCOCK"
 FORMAT_VERSION = 1
 _HEADER = struct.Struct("<8sIIQ32s")
@@ -52,13 +58,18 @@ ALLOWED_DTYPES = (
     "float16", "float32", "float64", "bfloat16",
 )
 _NAME_RE = re.compile(r"^ckpt-(\d{12})\.bin$")
-_CORRUPT_RE = re.compile(r"^ckpt-(\d{12})\.bin(\.corrupt(\.\d+)?)?$")
+# Quarantined files: `.corrupt-N` (ops/storage_health.py), `.corrupt` and `.corrupt.N` (older builds).
+_CORRUPT_RE = re.compile(r"^ckpt-(\d{12})\.bin(\.corrupt([.-]\d+)?)?$")
 _TEMP_RE = re.compile(r"^\.ckpt-\d{12}\.bin\.tmp$")
 LOCK_NAME = ".checkpoint.lock"
 
 
 class CheckpointError(Exception):
     """A checkpoint file is unreadable, truncated, corrupt or of another format; the message names it."""
+
+
+class CheckpointUnreadable(CheckpointError):
+    """Reading a checkpoint failed with an I/O error (the disk, not necessarily the file)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,23 +163,31 @@ def _write_body(handle: Any, layout: _Layout) -> bytes:
 
 
 def write_checkpoint_file(path: Path, sequence: int, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> int:
-    """Atomically create `path` (temp file, fsync, rename, fsync dir). Returns the file size."""
+    """Atomically create `path` (temp file, fsync, rename, fsync dir). Returns the file size.
+
+    Failpoint `checkpoint.write`: an error fires before anything is written; a crash before or
+    after the temporary file's fsync (the temporary file is what a restart removes). A failed
+    write removes the temporary file and leaves the checkpoints as they were."""
     layout = _layout(sequence, meta, arrays)
-    temp = path.with_name(f".{path.name}.tmp")
+    failpoints.hit("checkpoint.write")
+    temp = durable.temp_path(path)
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
+        durable.track(temp)
         with os.fdopen(fd, "wb") as handle:
             handle.write(b"\x00" * HEADER_BYTES)  # placeholder until the body's checksum is known
             checksum = _write_body(handle, layout)
             handle.seek(0)
             handle.write(_HEADER.pack(MAGIC, FORMAT_VERSION, 0, layout.body_len, checksum))
             handle.flush()
-            os.fsync(handle.fileno())
+            durable.sync_file("checkpoint.write", handle.fileno(), temp)
         os.replace(temp, path)
+        durable.forget(temp)
+        durable.sync_dir(path.parent)
     except BaseException:
+        durable.forget(temp)
         temp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
     return HEADER_BYTES + layout.body_len
 
 
@@ -177,11 +196,13 @@ def _checked_header(path: Path, handle: BinaryIO) -> tuple[int, bytes]:
     header = handle.read(HEADER_BYTES)
     if len(header) < HEADER_BYTES:
         raise CheckpointError(f"{path}: truncated: {len(header)} bytes, shorter than the {HEADER_BYTES}-byte header")
-    magic, version, _flags, body_len, checksum = _HEADER.unpack(header)
+    magic, version, flags, body_len, checksum = _HEADER.unpack(header)
     if magic != MAGIC:
         raise CheckpointError(f"{path}: not a diloco-node checkpoint (magic {magic!r})")
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format version {version}, this build reads {FORMAT_VERSION}")
+    if flags != 0:  # always written 0: so every bit of the file is checked, the header's too
+        raise CheckpointError(f"{path}: header flags {flags:#x}, expected 0: corrupt")
     actual = os.fstat(handle.fileno()).st_size - HEADER_BYTES
     if actual != body_len:
         raise CheckpointError(f"{path}: truncated or padded: header says {body_len} body bytes, file has {actual}")
@@ -189,15 +210,17 @@ def _checked_header(path: Path, handle: BinaryIO) -> tuple[int, bytes]:
 
 
 def read_checkpoint_file(path: Path) -> Checkpoint:
-    """Load and verify one checkpoint file; any problem raises `CheckpointError` naming the file."""
+    """Load and verify one checkpoint file; any problem raises `CheckpointError` naming the file
+    (`CheckpointUnreadable` for an I/O error)."""
     try:
+        failpoints.hit("checkpoint.read")
         with path.open("rb") as handle:
             body_len, checksum = _checked_header(path, handle)
             body = bytearray(body_len)
             if handle.readinto(body) != body_len:
                 raise CheckpointError(f"{path}: short read")
     except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        raise CheckpointUnreadable(f"{path}: cannot read: {exc.strerror or exc}") from None
     if hashlib.sha256(body).digest() != checksum:
         raise CheckpointError(f"{path}: checksum mismatch (sha256 of the body differs from the header): corrupt")
     return _decode_body(path, body)
@@ -212,6 +235,7 @@ def verify_checkpoint_file(path: Path, chunk_bytes: int = 8 * 1024 * 1024) -> di
     """
     digest = hashlib.sha256()
     try:
+        failpoints.hit("checkpoint.read")
         with path.open("rb") as handle:
             body_len, checksum = _checked_header(path, handle)
             head = handle.read(min(body_len, _INDEX_LEN.size + MAX_INDEX_BYTES))
@@ -219,7 +243,7 @@ def verify_checkpoint_file(path: Path, chunk_bytes: int = 8 * 1024 * 1024) -> di
             while chunk := handle.read(chunk_bytes):
                 digest.update(chunk)
     except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        raise CheckpointUnreadable(f"{path}: cannot read: {exc.strerror or exc}") from None
     if digest.digest() != checksum:
         raise CheckpointError(f"{path}: checksum mismatch (sha256 of the body differs from the header): corrupt")
     if len(head) < _INDEX_LEN.size:
@@ -264,15 +288,6 @@ def _decode_body(path: Path, body: bytearray) -> Checkpoint:
             raise CheckpointError(f"{path}: array {name!r} ({dtype_name}{list(shape)}) does not fit the body")
         arrays[name] = np.frombuffer(view[offset:offset + nbytes], dtype=dtype).reshape(shape)
     return Checkpoint(sequence=sequence, meta=meta, arrays=arrays, path=path)
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename or a new file in `directory` durable (its entry, not only the file's data)."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class CheckpointStore:
@@ -336,7 +351,7 @@ class CheckpointStore:
         for old in stale:
             self.path_for(old).unlink(missing_ok=True)
         if stale:
-            fsync_dir(self.directory)
+            durable.sync_dir(self.directory)
         return path
 
     def load_latest(self) -> LoadResult | None:
@@ -353,19 +368,20 @@ class CheckpointStore:
                 checkpoint = read_checkpoint_file(path)
                 if checkpoint.sequence != sequence:
                     raise CheckpointError(f"{path}: holds sequence {checkpoint.sequence}, name says {sequence}")
+                STORAGE.succeeded("checkpoint.read")
                 return LoadResult(checkpoint, tuple(skipped))
+            except CheckpointUnreadable as exc:  # left in place: the disk may be what failed
+                skipped.append(str(exc))
+                STORAGE.failed("checkpoint.read", str(exc))
             except CheckpointError as exc:
                 skipped.append(str(exc))
-                self._quarantine(path)
+                STORAGE.failed("checkpoint.read", str(exc))
+                self.quarantine(path, str(exc))
         if skipped:
             raise CheckpointError("no loadable checkpoint; every candidate failed:\n  " + "\n  ".join(skipped))
         return None
 
-    def _quarantine(self, path: Path) -> None:
-        target = path.with_name(path.name + ".corrupt")
-        suffix = 1
-        while target.exists():
-            target = path.with_name(f"{path.name}.corrupt.{suffix}")
-            suffix += 1
-        os.replace(path, target)
-        fsync_dir(self.directory)
+    def quarantine(self, path: Path, reason: str) -> None:
+        """Set a checkpoint that failed its check aside: `ckpt-N.bin.corrupt-K`, kept, named on /status."""
+        STORAGE.quarantine(path, reason)
+        durable.sync_dir(self.directory)

@@ -25,8 +25,9 @@ skipped (and named in `ExportResult.skipped`) but left where it is: quarantining
 node's business (`CheckpointStore.load_latest`).
 
 The output is written to a temporary file in the target directory, fsynced and renamed into
-place (then the directory fsynced), so a reader never sees a partial export; an existing file
-is replaced only with `force`.
+place (then the directory fsynced; `ops/durable.py`, failpoint `export.write`), so a reader never
+sees a partial export, and a full disk is an `ExportError` that leaves no file behind; an existing
+file is replaced only with `force`.
 
 Metadata (every value a string, as safetensors requires): "format" ("diloco-node-export/1"),
 "manifest" (the canonical manifest JSON: `RunManifest.from_dict(json.loads(...))`),
@@ -77,7 +78,8 @@ import numpy as np
 
 from diloco_node.config.manifest import ConfigError, RunManifest, tensor_differences
 from diloco_node.learn import hf_llama
-from diloco_node.ops.checkpoint import Checkpoint, CheckpointError, fsync_dir, read_checkpoint_file
+from diloco_node.ops import durable, failpoints
+from diloco_node.ops.checkpoint import Checkpoint, CheckpointError, read_checkpoint_file
 from diloco_node.sync.state_codec import params_from_checkpoint
 
 EXPORT_FORMAT = "diloco-node-export/1"
@@ -151,15 +153,21 @@ def read_global_model(data_dir: Path) -> GlobalModel:
 
 
 def read_run_manifest(data_dir: Path) -> RunManifest:
-    """The run manifest the node keeps in its identity file."""
+    """The run manifest the node keeps in its identity file (checksummed record, or the older
+    unframed file)."""
+    # The daemon's record framing, read (not written) here: light, no JAX, no daemon state.
+    from diloco_node.daemon.coordination_records import RecordError, unframe
+
     path = Path(data_dir) / COORDINATION_DIR / IDENTITY_FILE
     try:
-        identity = json.loads(path.read_text())
+        identity = unframe(path.read_bytes(), "node_id")
         return RunManifest.from_dict(identity["manifest"])
     except FileNotFoundError:
         raise ExportError(f"no run manifest: {path} does not exist (is {data_dir} a node's data directory?)") from None
     except OSError as error:
         raise ExportError(f"no run manifest: cannot read {path}: {error.strerror or error}") from None
+    except RecordError as error:
+        raise ExportError(f"no run manifest: {path} is damaged ({error})") from None
     except (ValueError, KeyError, TypeError, ConfigError) as error:
         # ConfigError is a ValueError; named for the reader: a manifest this build refuses.
         raise ExportError(f"no run manifest: {path} holds none this build reads: {error!r}") from None
@@ -298,10 +306,11 @@ def write_export(params: Mapping[str, np.ndarray], metadata: Mapping[str, str], 
     temp = Path(temp_name)
     try:
         os.close(fd)  # the writers open the path themselves
+        failpoints.hit("export.write")
         writer(temp, params, metadata)
         _fsync_file(temp)
         _move_into_place(temp, out, force)
-        fsync_dir(out.parent)
+        durable.sync_dir(out.parent)
     except OSError as error:
         raise ExportError(f"cannot write {out}: {error.strerror or error}") from None
     finally:
@@ -354,6 +363,7 @@ def write_hf_export(model: GlobalModel, out: Path, *, force: bool = False, token
         raise ExportError(f"cannot write in {out.parent}: {error.strerror or error}") from None
     old: Path | None = None
     try:
+        failpoints.hit("export.write")
         try:
             hf_llama.write_llama(temp, model.params, shape, manifest.model.seq_len, metadata=metadata,
                                  tokenizer=tokenizer, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
@@ -366,7 +376,7 @@ def write_hf_export(model: GlobalModel, out: Path, *, force: bool = False, token
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             os.replace(out, old)
         os.replace(temp, out)
-        fsync_dir(out.parent)
+        durable.sync_dir(out.parent)
     except OSError as error:
         raise ExportError(f"cannot write {out}: {error.strerror or error}") from None
     finally:
@@ -415,9 +425,11 @@ def _move_into_place(temp: Path, out: Path, force: bool) -> None:
 
 
 def _fsync_file(path: Path) -> None:
+    """fsync a written file behind failpoint `export.write` (its crashes fire here: the output's
+    final name appears only after this, by a rename, so a crash leaves no partial export)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        durable.sync_file("export.write", fd)
     finally:
         os.close(fd)
 

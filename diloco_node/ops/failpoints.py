@@ -5,7 +5,7 @@ checkpoint written, a file read back). Each one is a name in `POINTS`. In produc
 armed and a point costs one truthiness test of an empty dict. A test or a chaos run arms points
 by name, either in the environment before the daemon starts
 
-    DILOCO_FAILPOINTS="log.append=enospc*3,checkpoint.write=crash-before"
+    DILOCO_X_FAILPOINTS="log.append=enospc*3,checkpoint.write=crash-before"
 
 or at run time (`arm`, which the loopback operator route calls). Actions:
 
@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-ENV_VAR = "DILOCO_FAILPOINTS"
+ENV_VAR = "DILOCO_X_FAILPOINTS"
 CRASH_EXIT_CODE = 86  # distinct from a signal's 128+N, so a test can tell a failpoint crash apart
 
 # Every durable step, by name. A `.read` point fails the read back (eio) or stalls it; a write
@@ -49,12 +49,13 @@ POINTS: Mapping[str, str] = {
     "identity.read": "the identity file read at start",
     "manifest.write": "the identity file written with a new run manifest (founding, joining)",
     "manifest.read": "the run manifest (in the identity file) read at start",
-    "version_rings.write": "the fragment-version rings saved",
-    "version_rings.read": "the fragment-version rings read at start",
+    "version_rings.write": "a past fragment version written into its ring slot (a cache, never fsynced)",
+    "version_rings.read": "a past fragment version read back from its ring slot for a rebase (CRC32-checked)",
     "history.write": "a line appended to the history (history.jsonl)",
     "spool.write": "a relayed payload spooled to disk",
     "spool.read": "a spooled payload read back to serve it",
     "export.write": "an exported model written",
+    "data_cache.write": "a site's tokenized-text cache written (temporary file, fsync, rename)",
 }
 
 ACTIONS = ("enospc", "eio", "crash-before", "crash-after", "stall")
@@ -117,7 +118,7 @@ def parse(spec: str) -> dict[str, Armed]:
 
 
 def load_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Arm what `DILOCO_FAILPOINTS` names (called once at daemon start); returns `armed()`."""
+    """Arm what `DILOCO_X_FAILPOINTS` names (called once at daemon start); returns `armed()`."""
     spec = (os.environ if environ is None else environ).get(ENV_VAR, "")
     parsed = parse(spec)
     with _lock:

@@ -12,9 +12,17 @@ One event per line, a JSON object with exactly these keys:
 Durability: every event is written with one `os.write` on an `O_APPEND` descriptor, so a line
 survives the process being SIGKILLed the moment the call returns (the page cache belongs to the
 kernel). `fsync` only matters for power loss; the default policy ("critical") fsyncs after the
-events that record a promise to peers (vote, lease_acquired, commit, leave, stop). A crash can
-leave at most one torn last line; the reader drops it, the writer cuts it off when it reopens the
-file, and any other malformed line is an error.
+events that record a promise to peers (vote, lease_acquired, commit, leave, stop), through
+`ops/durable.py` at failpoint `history.write`. A crash can leave at most one torn last line; the
+reader drops it, the writer cuts it off when it reopens the file, and any other malformed line is
+an error.
+
+A write the disk refuses (full, failing: `OSError`) never reaches the caller: the history is a
+record of what the node did, and the node (its learner above all) goes on doing it. The event is
+dropped and counted (`lost_events`), a partial line is cut back off the file so the next line starts
+clean, `/status`'s storage section names `history.write` (`ops/storage_health.py`), the log warns
+once per failure streak, and lines resume with the first write that succeeds. A gap in a history is
+therefore possible where the disk failed; a line in it is never half of one.
 
 Bounded on disk: when the live file passes `max_bytes` (default 64 MiB) it is renamed to
 `history.jsonl.1` (older segments shift to `.2`, ... and the one past `keep` is deleted), so a
@@ -27,6 +35,7 @@ Small on purpose: no JAX, no asyncio, a lock around each write so any thread may
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import threading
@@ -35,6 +44,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from diloco_node.ops import durable, failpoints
+from diloco_node.ops.storage_health import STORAGE
+
+log = logging.getLogger("diloco_node.history")
 
 HISTORY_FILE_NAME = "history.jsonl"
 
@@ -185,6 +199,9 @@ class HistoryWriter:
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._cut_torn_tail()
         self._size = os.fstat(self._fd).st_size
+        # Events the disk refused since the writer opened (see the module's docstring).
+        self.lost_events = 0
+        self._closed = False
         # Learner progress accumulated since the last step event.
         self._steps = 0
         self._tokens = 0
@@ -267,23 +284,65 @@ class HistoryWriter:
         return event
 
     def _write_locked(self, event: HistoryEvent) -> None:
-        if self._fd is None:
+        if self._closed:
             raise ValueError(f"history {self.path} is closed")
         line = event.to_line()
-        written = os.write(self._fd, line)
-        if written != len(line):  # disk full: the reader will see a torn line, say so now
-            raise OSError(f"history {self.path}: short write ({written} of {len(line)} bytes)")
-        self._size += written
-        if self.fsync_policy == "always" or (self.fsync_policy == "critical" and event.kind in CRITICAL_KINDS):
-            os.fsync(self._fd)
+        try:
+            if self._fd is None:  # a rotation that failed part way could not reopen the live file
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                self._size = os.fstat(self._fd).st_size
+            failpoints.hit("history.write")
+            written = os.write(self._fd, line)
+            if written != len(line):  # disk full mid-line
+                raise OSError(f"history {self.path}: short write ({written} of {len(line)} bytes)")
+            self._size += written
+            if self.fsync_policy == "always" or (self.fsync_policy == "critical" and event.kind in CRITICAL_KINDS):
+                durable.sync_file("history.write", self._fd)
+        except OSError as error:
+            self._write_failed_locked(event, error)
+            return
         if self.max_bytes is not None and self._size >= self.max_bytes:
-            self._rotate_locked()
+            try:
+                self._rotate_locked()
+            except OSError as error:  # the line is written; the file grows past its bound until a rotation works
+                self._rotation_failed_locked(error)
+                return
+        if STORAGE.succeeded("history.write"):
+            log.warning("%s: history lines are written again (%d events lost while the disk refused them)",
+                        self.path, self.lost_events)
+
+    def _write_failed_locked(self, event: HistoryEvent, error: OSError) -> None:
+        """The disk refused `event`: drop it, cut a partial line back off, say so once per streak."""
+        self.lost_events += 1
+        try:
+            if self._fd is not None and os.fstat(self._fd).st_size != self._size:
+                os.ftruncate(self._fd, self._size)
+        except OSError:
+            pass  # a torn tail is cut when the file is next opened; the reader drops it meanwhile
+        self._report_failure(f"{event.kind} event not written", error)
+
+    def _rotation_failed_locked(self, error: OSError) -> None:
+        """A rotation stopped part way: write on to whatever file is now live."""
+        if self._fd is None:
+            try:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                self._size = os.fstat(self._fd).st_size
+            except OSError:
+                pass  # the next write fails and tries no rotation
+        self._report_failure("history not rotated", error)
+
+    def _report_failure(self, what: str, error: OSError) -> None:
+        first = not STORAGE.is_failing("history.write")
+        STORAGE.failed("history.write", error)
+        if first:
+            log.warning("%s: %s; the node goes on without it until the disk takes writes again: %s",
+                        self.path, what, error)
 
     def _rotate_locked(self) -> None:
         """Live file -> `.1`, `.k` -> `.k+1`, the one past `keep` deleted; then a fresh live file.
         Only whole lines are ever rotated (we rotate between writes), so segments never tear."""
         assert self._fd is not None
-        os.fsync(self._fd)
+        durable.sync_file("history.write", self._fd)
         os.close(self._fd)
         self._fd = None
         for number in range(self.keep, 0, -1):
@@ -294,17 +353,23 @@ class HistoryWriter:
                 else:
                     os.replace(older, rotated_path(self.path, number + 1))
         os.replace(self.path, rotated_path(self.path, 1))
+        durable.sync_dir(self.path.parent)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._size = 0
 
     def close(self) -> None:
         with self._lock:
-            if self._fd is None:
+            if self._closed:
                 return
             self._flush_steps_locked()
-            os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = None
+            self._closed = True
+            if self._fd is not None:
+                try:
+                    durable.sync_file("history.write", self._fd)
+                except OSError as error:  # the lines are written; only their durability is in doubt
+                    STORAGE.failed("history.write", error)
+                os.close(self._fd)
+                self._fd = None
 
     def __enter__(self) -> HistoryWriter:
         return self

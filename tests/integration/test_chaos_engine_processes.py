@@ -5,6 +5,7 @@ tests/test_chaos_engine.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import sys
@@ -15,7 +16,14 @@ from pathlib import Path
 import pytest
 
 from diloco_node.testbed.chaos.checker import check_histories
-from diloco_node.testbed.chaos.harness import ChaosConfig, DaemonLauncher, StandinLauncher, run_chaos, standin_config
+from diloco_node.testbed.chaos.harness import (
+    ChaosConfig,
+    DaemonLauncher,
+    StandinLauncher,
+    lock_is_free,
+    run_chaos,
+    standin_config,
+)
 from diloco_node.testbed.chaos.schedule import COORDINATOR, Fault, Schedule
 from diloco_node.testbed.chaos.supervisor import ProcessSpec, Supervisor, SupervisorError
 from diloco_node.ops.history import HistoryEvent, find_history_files, load_histories
@@ -175,6 +183,31 @@ def test_misuse_is_refused_by_name(tmp_path):
         sup.restart("a")
         with pytest.raises(SupervisorError, match="fraction"):
             sup.slow("a", 1.5)
+
+
+LOCK_HOG = textwrap.dedent("""
+    import fcntl, sys, time
+    with open(sys.argv[1], "a+") as lock:
+        while True:  # inside the lock 99% of the time, as a stand-in can be on a loaded machine
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            time.sleep(0.0099)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            time.sleep(0.0001)
+""")
+
+
+def test_a_standin_is_never_frozen_inside_the_shared_lock(tmp_path):
+    launcher = StandinLauncher()
+    launcher.prepare(tmp_path, min_quorum=1, lease_s=0.5, heartbeat_s=0.1, seed=0)
+    lock = tmp_path / "standin-cluster" / "lock"
+    with Supervisor(terminate_grace_s=1) as sup:
+        sup.start(ProcessSpec("hog", [sys.executable, "-c", LOCK_HOG, str(lock)], tmp_path / "hog.log"))
+        time.sleep(0.3)
+        for _ in range(5):
+            asyncio.run(launcher.freeze(sup, "hog"))
+            assert sup.stopped("hog") and lock_is_free(lock)
+            sup.cont("hog")
+            time.sleep(0.05)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import fcntl
 import json
 import os
 import random
@@ -137,6 +138,10 @@ class Launcher(Protocol):
 
     async def probe(self, slot: NodeSlot, since: float) -> NodeProbe: ...
 
+    async def freeze(self, sup: Supervisor, node: str) -> None:
+        """SIGSTOP `node` for a `stop` fault (a launcher may pick the moment, see StandinLauncher)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -179,6 +184,20 @@ class _HistoryTail:
         return self.commit_steps[i - 1][1] if i else 0
 
 
+FREEZE_ATTEMPTS = 200
+
+
+def lock_is_free(path: Path) -> bool:
+    """Whether no process holds the exclusive flock on `path` (taken and released at once)."""
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return True
+
+
 class StandinLauncher:
     """Stand-in processes (`diloco_node.testbed.chaos.standin`): exercises the engine without the daemon."""
 
@@ -208,6 +227,20 @@ class StandinLauncher:
 
     def env(self) -> dict[str, str] | None:
         return None
+
+    async def freeze(self, sup: Supervisor, node: str) -> None:
+        """SIGSTOP `node`, but never while it holds the stand-ins' shared file lock: a frozen
+        stand-in inside it would stall every other stand-in too (nobody could take the lease), which
+        is not the fault being injected, since a frozen daemon blocks no peer. Measured in CI: a
+        SIGSTOP landed inside the lock on a loaded machine and no failover happened."""
+        assert self._cluster is not None, "prepare() first"
+        for _ in range(FREEZE_ATTEMPTS):
+            sup.stop(node)
+            if lock_is_free(self._cluster / "lock"):
+                return
+            sup.cont(node)  # caught inside the lock: let it leave, then try again
+            await asyncio.sleep(0.002)
+        raise RuntimeError(f"{node} held the stand-in cluster lock at each of {FREEZE_ATTEMPTS} tries")
 
     async def probe(self, slot: NodeSlot, since: float) -> NodeProbe:
         """Readiness and state from the node's own history: a start since launch, the last apply."""
@@ -289,6 +322,9 @@ class DaemonLauncher:
 
     def argv(self, slot: NodeSlot, bootstrap: str | None) -> list[str]:
         return self.spec(slot, bootstrap).argv()
+
+    async def freeze(self, sup: Supervisor, node: str) -> None:
+        sup.stop(node)
 
     def env(self) -> dict[str, str] | None:
         return node_env()
@@ -583,7 +619,7 @@ class ModeRun:
             if fault.action == "kill":
                 sup.kill(node)
             elif fault.action == "stop":
-                sup.stop(node)
+                await self.launcher.freeze(sup, node)
             elif fault.action in ("isolate", "partition"):
                 side, note = self._resolve_side(sup, node, fault.side)
                 self.partitions[number] = frozenset([node, *side])
