@@ -5,24 +5,19 @@ Sites a, b, c (synthetic learners) commit rounds. b was started with a crash fai
 fsynced is dropped, as a power cut would). It exits with the failpoint's status, a and c carry on,
 and b restarted from its data directory loads, survives a full disk (its appends fail with ENOSPC
 for a while: nothing acknowledged, /status names the point, it recovers by itself), catches up and
-agrees: no commit index any site
-reported is lost or reported with another digest, b reaches past the highest one seen before, and
-the chaos checker finds no violation in the three histories.
+agrees: no commit index any site reported is lost or reported with another digest, b reaches past
+the highest one seen before, and the chaos checker finds no violation in the three histories.
 
-The failpoint is armed from a `sitecustomize` on b's path (the daemon's own arming, by variable or
-operator route, is the chaos harness's), reading a private DILOCO_X_* variable.
+The failpoints are armed by b's environment (`DILOCO_X_FAILPOINTS`, read at start).
 """
 
 from __future__ import annotations
-
-import textwrap
-from pathlib import Path
 
 import pytest
 
 from diloco_node.ops import failpoints
 from diloco_node.ops.history import find_history_files, load_histories
-from diloco_node.testbed.launcher import DEFAULT_SETTINGS, REPO
+from diloco_node.testbed.launcher import DEFAULT_SETTINGS
 from diloco_node.testbed.chaos.checker import check_histories
 from diloco_node.testbed.local_cluster import Cluster
 
@@ -33,19 +28,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 STARTUP_S = 150.0
 SYNTHETIC = (*DEFAULT_SETTINGS, "learner=synthetic", "synthetic_steps_per_s=20")
 NAMES = {"a", "b", "c"}
-ARM_VAR = "DILOCO_X_TEST_FAILPOINTS"
-
-
-def _arming_path(root: Path) -> str:
-    directory = root / "arm-failpoints"
-    directory.mkdir(exist_ok=True)
-    (directory / "sitecustomize.py").write_text(textwrap.dedent(f"""
-        import os
-        if os.environ.get({ARM_VAR!r}):
-            from diloco_node.ops import failpoints
-            failpoints.arm(os.environ[{ARM_VAR!r}])
-    """))
-    return f"{directory}:{REPO}"
 
 
 def _voters_everywhere(statuses: dict, names: set[str]) -> bool:
@@ -57,7 +39,7 @@ def test_a_follower_crashing_at_a_log_append_fsync_loses_no_committed_index(tmp_
     with Cluster.create(tmp_path) as cluster:
         a = cluster.add("a", settings=SYNTHETIC)
         cluster.wait_for("a ready", lambda s: s.get("a", {}).get("ready", False), STARTUP_S)
-        crash = {ARM_VAR: "log.append=crash-before@40*1", "PYTHONPATH": _arming_path(tmp_path)}
+        crash = {failpoints.ENV_VAR: "log.append=crash-before@40*1"}
         b = cluster.add("b", bootstrap=a, settings=SYNTHETIC, env=crash)
         cluster.add("c", bootstrap=a, settings=SYNTHETIC)
         cluster.wait_for("three ready voters", lambda s: _voters_everywhere(s, NAMES), STARTUP_S)
@@ -71,7 +53,7 @@ def test_a_follower_crashing_at_a_log_append_fsync_loses_no_committed_index(tmp_
 
         # The same data directory: a restart. Its disk is full for its 10th to 29th appends.
         cluster.remove("b")
-        full = {ARM_VAR: "log.append=enospc@10*20", "PYTHONPATH": _arming_path(tmp_path)}
+        full = {failpoints.ENV_VAR: "log.append=enospc@10*20"}
         b = cluster.add("b", bootstrap=a, settings=SYNTHETIC, env=full)
         recovered = cluster.wait_for("b back after a full disk, caught up", lambda s: "b" in s and s["b"].get("ready")
                                      and s["b"]["storage"].get("failures_total", {}).get("log.append") == 20
