@@ -309,3 +309,44 @@ def test_status_shows_failing_points_and_quarantined_files(tmp_path):
     raw = doc.to_dict()
     del raw["storage"]  # a node from before the storage section
     assert StatusDocument.from_dict(raw).storage == {}
+
+
+async def test_an_unreadable_payload_costs_one_warning_per_streak_not_a_traceback_per_send(tmp_path, caplog):
+    node = Node(tmp_path, "a")
+    node.lead()
+    entry, _, actions = node.core.propose(node.clock.monotonic(), EntryKind.OUTER_COMMIT, b"p" * 10_000,
+                                          fragment=0, round=1)
+    node.io.dispatch(actions)  # on disk: the entry keeps a reference to its record in log.bin
+    failpoints.arm("log.read=eio")
+    message = coord.AppendEntries(2, "a", entry.index - 1, 2, (node.core.log.entry_at(entry.index),), 0, sent_at=1.0)
+    try:
+        for _ in range(3):
+            node.io.send("b", message)
+            for _ in range(3):
+                await asyncio.sleep(0)
+        warnings = [r for r in caplog.records if "cannot send AppendEntries to b" in r.getMessage()]
+        assert len(warnings) == 1 and warnings[0].exc_info is None
+        assert "log.read" in STORAGE.to_status()["failing"]
+    finally:
+        await node.tasks.close()
+
+
+async def test_a_holder_whose_log_record_is_damaged_at_run_time_steps_down(tmp_path):
+    node = Node(tmp_path, "a")
+    node.lead()
+    entry, _, actions = node.core.propose(node.clock.monotonic(), EntryKind.OUTER_COMMIT, b"q" * 10_000,
+                                          fragment=0, round=1)
+    node.io.dispatch(actions)
+    log_bin = tmp_path / "log.bin"
+    data = bytearray(log_bin.read_bytes())
+    data[data.index(b"q" * 10_000) + 50] ^= 0x01  # a bit flips at rest under the running node
+    log_bin.write_bytes(bytes(data))
+    message = coord.AppendEntries(2, "a", entry.index - 1, 2, (node.core.log.entry_at(entry.index),), 0, sent_at=1.0)
+    try:
+        node.io.send("b", message)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert node.core.role is Role.FOLLOWER and "its log is damaged" in node.core.election.last_step_down_reason
+        assert "fails its checksum" in STORAGE.to_status()["failing"]["log.read"]["error"]
+    finally:
+        await node.tasks.close()

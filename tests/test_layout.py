@@ -260,14 +260,8 @@ def test_admission_lives_in_sync_and_imports_no_io() -> None:
 
 
 # Every fsync of the daemon goes through diloco_node/ops/durable.py, behind its failpoint, so a
-# crash failpoint drops what was not fsynced (issue 26). TEMPORARY: the files below are converted
-# on another branch (checkpoints, history, export, the learner's data); the lead empties this
-# set when that branch merges.
-FSYNC_STILL_ALLOWED = {"diloco_node/ops/checkpoint.py", "diloco_node/ops/history.py", "diloco_node/ops/export.py",
-                       "diloco_node/learn/data.py"}
-
-
+# crash failpoint drops what was not fsynced (issue 26).
 def test_every_fsync_goes_through_the_durable_module() -> None:
     calling = {str(path.relative_to(ROOT)) for path in MODULES.values()
                if "os.fsync(" in path.read_text() or "os.fdatasync(" in path.read_text()}
-    assert calling - FSYNC_STILL_ALLOWED == {"diloco_node/ops/durable.py"}
+    assert calling == {"diloco_node/ops/durable.py"}

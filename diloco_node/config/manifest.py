@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Any, Mapping
 
-CODEC_NAMES = ("fp32", "bf16", "int8", "int4", "e3m0")
+CODEC_NAMES = ("fp32", "bf16", "int8", "int4", "e3m0", "topk2", "union8")
 MERGE_METHODS = ("mean", "rda")
 WEIGHTINGS = ("uniform", "tokens")
 APPLY_MODES = ("overwrite", "mix")

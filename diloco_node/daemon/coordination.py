@@ -4,15 +4,17 @@
 module is the only place that performs them: after every call into the core the durable state is
 synced to disk *before* any resulting message leaves (coordination_store.py); `Send` actions go to a
 per-peer outbox drained by one worker task; `ApplyEntry` and `RestoreSnapshot` go to the state
-keeper (state_transfer.py). When the disk refuses a write (full, failing), nothing that depends on
-it leaves: no reply (a peer gets 503 "cannot persist"), no message, no applied entry (held until
-a sync succeeds); a lease holder steps down; the ticker keeps running and retries with backoff on
-the clock, so the node recovers on its own once writes succeed again. After its log was found
-damaged at rest (coordination_store.py) the node neither votes nor stands until a lease holder has
-given it back every entry it may have acknowledged. It also answers the coordination part of the peer API (votes,
+keeper (state_transfer.py). It also answers the coordination part of the peer API (votes,
 appends, heartbeats, leaves, joins, relayed payloads), drives the core's timer, and carries out an
 operator's eviction as the lease holder (`evict`; the register is sync/evictions.py). Nothing is
 sent to an evicted site.
+
+When the disk refuses a write (full, failing), nothing that depends on it leaves: no reply (a peer
+gets 503 "cannot persist"), no message, no applied entry (held until a sync succeeds); a lease
+holder steps down; the ticker keeps running and retries with backoff on the clock, so the node
+recovers on its own once writes succeed again. After its log was found damaged at rest
+(coordination_store.py) the node neither votes nor stands until a lease holder has given it back
+every entry it may have acknowledged.
 
 Relayed commits (relays.py): with `relay_fanout` > 0 this node, as lease holder, sends appends
 with payloads by digest and the bytes down a relay tree; with 0, only payloads over
@@ -32,11 +34,11 @@ from typing import Any
 from bootstrap import messages as coord
 from bootstrap.coordinator_node import CoordinatorNode, PersistentState
 from bootstrap.election import Role
-from bootstrap.entries import EntryKind, LogEntry, Snapshot
+from bootstrap.entries import EntryKind, LogEntry, PayloadUnavailable, Snapshot
 from diloco_node.clock import Clock
 from diloco_node.config.manifest import RunManifest
 from diloco_node.daemon import peers
-from diloco_node.daemon.coordination_store import CoordinationStore, CoordinationStoreError
+from diloco_node.daemon.coordination_store import CoordinationStore, CoordinationStoreError, PayloadDamaged
 from diloco_node.daemon.history_hooks import DaemonHistory
 from diloco_node.daemon.plan import COORDINATION_DEADLINE_S, COORDINATION_TICK_S, relay_timeout_for
 from diloco_node.daemon.relays import DEFAULT_HOLD_S, RelayIO, holder_tree
@@ -59,6 +61,7 @@ STORAGE_RETRY_MAX_S = 2.0
 class _Outbox:
     pending: list[Any] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    payload_unreadable: bool = False  # the last delivery failed reading a payload back
 
 
 class CoordinationIO:
@@ -256,8 +259,20 @@ class CoordinationIO:
             for message in batch:
                 try:
                     await self._deliver(peer, message)
+                    outbox.payload_unreadable = False
                 except asyncio.CancelledError:
                     raise
+                except PayloadUnavailable as error:
+                    # log.bin could not give an entry's bytes back (a failing read, a damaged
+                    # record: `log.read` on /status); the core sends again. Said once per streak.
+                    if not outbox.payload_unreadable:
+                        log.warning("%s: cannot send %s to %s: %s", self.node_id, type(message).__name__, peer, error)
+                    outbox.payload_unreadable = True
+                    if isinstance(error, PayloadDamaged) and self.core.role is Role.LEADER:
+                        # Its copy of a committed entry is damaged: a holder that cannot replicate
+                        # it would stall every follower behind it; another voter has a good copy.
+                        self.core.election.step_down(self.clock.monotonic(), f"its log is damaged: {error}")
+                        log.warning("%s steps down from the lease: %s", self.node_id, error)
                 except Exception as error:  # one bad exchange must not stop the worker
                     log.exception("delivery of %s to %s failed: %s", type(message).__name__, peer, error)
 

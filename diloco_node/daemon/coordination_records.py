@@ -1,10 +1,12 @@
 """The coordination store's small records: checksummed JSON files, the election record kept twice.
 
-A record file is `{"format": 2, "crc32": N, "record": {...}}`, N the CRC-32 of the record's
-canonical JSON (sorted keys), so a bit flip or a truncation is found when the file is read. A file
-written before the framing existed (the record's own keys at the top level) is still read; it has
-no checksum. Files are replaced atomically (`durable.atomic_write`: temporary file, fsync, rename,
-fsync of the directory), behind their failpoint.
+A record file is the record's JSON object with two more keys, `"format": 2` and `"crc32": N`, N the
+CRC-32 of the record's canonical JSON (sorted keys, without those two), so a bit flip or a
+truncation is found when the file is read, and a reader that only wants a field (the exporter
+reads the manifest) reads it as before. A file with neither key was written before the checksum
+existed and is read without one; a single flipped bit cannot remove both keys. Files are replaced
+atomically (`durable.atomic_write`: temporary file, fsync, rename, fsync of the directory), behind
+their failpoint.
 
 The election record (epoch and vote) is what Raft cannot lose: a node that forgot its vote could
 grant a second one in the same epoch. It is written to two files, `election.json` then
@@ -26,6 +28,7 @@ from diloco_node.ops import durable, failpoints
 from diloco_node.ops.storage_health import STORAGE
 
 RECORD_FORMAT = 2
+FRAMING_KEYS = frozenset({"format", "crc32"})
 ELECTION_FILES = ("election.json", "election.copy.json")
 
 
@@ -43,28 +46,31 @@ def _canonical(record: dict[str, Any]) -> bytes:
 
 
 def frame(record: dict[str, Any]) -> bytes:
-    """The bytes of a record file holding `record`."""
-    return json.dumps({"format": RECORD_FORMAT, "crc32": zlib.crc32(_canonical(record)), "record": record},
+    """The bytes of a record file holding `record` (which must not use the two framing keys)."""
+    if FRAMING_KEYS & record.keys():
+        raise ValueError(f"a record may not hold {sorted(FRAMING_KEYS)}")
+    return json.dumps({**record, "format": RECORD_FORMAT, "crc32": zlib.crc32(_canonical(record))},
                       sort_keys=True).encode()
 
 
 def unframe(data: bytes, legacy_key: str) -> dict[str, Any]:
-    """The record in a file's bytes; RecordError when damaged. A file without the framing must
-    have `legacy_key` at its top level (the old format)."""
+    """The record in a file's bytes; RecordError when damaged. A file without the framing keys
+    must have `legacy_key` (the old format)."""
     try:
         raw = json.loads(data)
     except ValueError as error:  # truncated, or a flipped bit that breaks the JSON (or its UTF-8)
         raise RecordError(f"not JSON: {error}") from None
     if not isinstance(raw, dict):
         raise RecordError("not a JSON object")
-    if "format" not in raw:
+    if not FRAMING_KEYS & raw.keys():
         if legacy_key not in raw:
-            raise RecordError(f"neither a framed record nor the old format (no {legacy_key!r})")
+            raise RecordError(f"neither a checksummed record nor the old format (no {legacy_key!r})")
         return raw
-    record, crc = raw.get("record"), raw.get("crc32")
-    if raw["format"] != RECORD_FORMAT or not isinstance(record, dict) or not isinstance(crc, int):
-        raise RecordError(f"format {raw['format']!r} with record and crc32 expected as {RECORD_FORMAT}")
-    if zlib.crc32(_canonical(record)) != crc:
+    record = {key: value for key, value in raw.items() if key not in FRAMING_KEYS}
+    if raw.get("format") != RECORD_FORMAT or not isinstance(raw.get("crc32"), int):
+        raise RecordError(f"format {raw.get('format')!r} and crc32 {raw.get('crc32')!r}: expected format "
+                          f"{RECORD_FORMAT} with its checksum")
+    if zlib.crc32(_canonical(record)) != raw["crc32"]:
         raise RecordError("the record fails its checksum")
     return record
 

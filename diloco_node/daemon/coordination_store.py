@@ -4,19 +4,19 @@ The coordination core (`bootstrap.coordinator_node`) mutates its `PersistentStat
 requires it to be on disk before any message that depends on it leaves the node. `sync()` is
 called after every batch of actions and before sending them; it writes only what changed:
 
-- `election.json` (epoch, vote): rewritten atomically (temp file, fsync, rename, fsync dir);
-- `log.bin`: records `u32 length | u32 crc32 | msgpack body`, fsynced. The first record may be a
-  snapshot header (`{"snapshot": [last_index, last_epoch, voters]}`): the log was compacted (or a
-  snapshot installed) through `last_index`, and the entry records that follow start right after
-  it. A file without a header is a log from index 1 (the format before compaction existed).
-  New entries are appended. When the log was truncated (a conflicting uncommitted suffix replaced
-  by a new leader), compacted, or a snapshot was installed, the whole file (header and kept
-  entries) is rewritten to `.log.bin.tmp` and renamed over `log.bin`: a crash at any moment
+- `election.json` and `election.copy.json` (epoch, vote), `identity.json` (node id, role, run
+  manifest, address book): checksummed records replaced atomically (coordination_records.py);
+- `log.bin`: records `u32 length | u32 crc32 | msgpack body` (log_records.py), fsynced. The first
+  may be a snapshot header: the log was compacted (or a snapshot installed) through its index.
+  New entries are appended; a failed append is cut back before the next. When the log was
+  truncated (a conflicting uncommitted suffix replaced by a new leader), compacted, or a snapshot
+  was installed, the whole file is rewritten to a temp file and renamed over `log.bin`: a crash
   leaves the old log or the new one, never a mix; a temp file left behind is deleted at load.
-  A torn last record (crash mid-append) fails its CRC and is dropped at load: it was never
-  acknowledged, since acknowledgements leave only after `sync()` returned. A header is only ever
-  written by a rewrite, so a damaged header is corruption and refuses to load;
-- `identity.json`: node id, role, run manifest and the address book (rewritten when changed).
+  A torn last record (crash mid-append) is dropped at load: it was never acknowledged, since
+  acknowledgements leave only after `sync()` returned. A complete record failing its CRC is
+  damage at rest: the file is quarantined and its good prefix kept (`damaged_after`). A damaged
+  header refuses to load. Every step is behind its failpoint (ops/failpoints.py) and reports to
+  `STORAGE` (ops/storage_health.py); every fsync goes through ops/durable.py.
 
 Payloads live in `log.bin`, not in memory: once an entry is on disk (appended, rewritten or
 loaded) the in-memory log keeps its metadata and a `StoredPayload` that reads the record back
@@ -55,6 +55,7 @@ from diloco_node.daemon.coordination_records import write_election, write_record
 from diloco_node.daemon.log_records import (  # noqa: F401  (re-exported: the store's record format)
     _RECORD_HEAD,
     INITIAL_SNAPSHOT,
+    AppendFile,
     MAX_RECORD_BYTES,
     WRITE_PIECE_BYTES,
     CoordinationStoreError,
@@ -104,6 +105,15 @@ class PayloadGone(CoordinationStoreError, PayloadUnavailable):
     """An entry's payload is no longer in log.bin (truncated or compacted away) or its record is damaged."""
 
 
+class PayloadDamaged(PayloadGone):
+    """An entry's record in log.bin fails its checksum: damage at rest, found at run time (failing
+    `log.read` on /status; a restart quarantines the file and recovers the entries from peers)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        STORAGE.failed("log.read", message)
+
+
 _temp_path = durable.temp_path
 
 
@@ -121,28 +131,6 @@ def _step(point: str) -> Iterator[None]:
         STORAGE.failed(point, error)
         raise
     STORAGE.succeeded(point)
-
-
-class _AppendFile:
-    """log.bin opened for appending, unbuffered: after a failed write nothing stays queued to be
-    flushed later, and a short write (a disk filling up) is continued until it completes or fails."""
-
-    def __init__(self, path: Path) -> None:
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def write(self, data: bytes | memoryview) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view):]
-
-    def flush(self) -> None:
-        """Nothing is buffered."""
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def close(self) -> None:
-        os.close(self._fd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,7 +347,7 @@ class CoordinationStore:
                 self._cut_tail()
             if self._log_handle is None:
                 durable.track(self._log_path)
-                self._log_handle = _AppendFile(self._log_path)
+                self._log_handle = AppendFile(self._log_path)
             try:
                 located, end = _write_records(self._log_handle, self._log_bytes, entries[start:])
                 self._log_handle.flush()
@@ -485,7 +473,7 @@ class CoordinationStore:
         size, crc = _RECORD_HEAD.unpack_from(record)
         body = memoryview(record)[_RECORD_HEAD.size:]
         if size != len(body) or zlib.crc32(body) != crc:
-            raise PayloadGone(f"{self._log_path}: entry {index}: the record at byte {offset} fails its checksum")
+            raise PayloadDamaged(f"{self._log_path}: entry {index}: the record at byte {offset} fails its checksum")
         try:
             entry = _decode_body(msgpack.unpackb(body, raw=False), offset, self._log_path)
         except (ValueError, msgpack.UnpackException) as error:
@@ -530,7 +518,7 @@ class CoordinationStore:
                 yield piece
             rest = _pread_all(fd, offset + length - end, end)
             if zlib.crc32(rest, running) != crc:
-                raise PayloadGone(f"{self._log_path}: entry {index}: the record at byte {offset} fails its checksum")
+                raise PayloadDamaged(f"{self._log_path}: entry {index}: the record at byte {offset} fails its checksum")
         finally:
             os.close(fd)
 

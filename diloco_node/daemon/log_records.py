@@ -197,3 +197,25 @@ def _pread_all(fd: int, length: int, offset: int) -> bytes:
         length -= len(part)
         offset += len(part)
     return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+class AppendFile:
+    """log.bin opened for appending, unbuffered: after a failed write nothing stays queued to be
+    flushed later, and a short write (a disk filling up) is continued until it completes or fails."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view):]
+
+    def flush(self) -> None:
+        """Nothing is buffered."""
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        os.close(self._fd)

@@ -88,4 +88,5 @@ def readiness(facts: ReadinessFacts) -> Readiness:
 
 def storage_failures(storage: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     """(point, error) pairs from a storage status (`StorageHealth.to_status()`)."""
-    return tuple((point, str(failure.get("error", ""))) for point, failure in sorted(storage.get("failing", {}).items()))
+    failing = storage.get("failing", {})
+    return tuple((point, str(failure.get("error", ""))) for point, failure in sorted(failing.items()))
