@@ -3,9 +3,10 @@
 Per fragment p the learner keeps a remainder e_p (float32, one value per parameter: 4 bytes per
 parameter at most). At each send it hands the codec x = beta * e_p + delta, the codec transmits
 Q(x), and the learner keeps e_p <- x - Q(x). `quantize` must return exactly what the receiver
-decodes from the learner's encoding of x (wire.codecs.quantize_roundtrip, cut the way the sender
-cuts tensors: `whole_tensor_quantizer` for a whole-fragment message, `stream_quantizer` for the
-chunks of a streamed contribution), so the remainder is exactly what did not arrive.
+decodes from the learner's encoding of x (`codec_quantizer`: wire.codecs.quantize_roundtrip per
+tensor), so the remainder is exactly what did not arrive. A whole-fragment message (the simulation
+runner's) and a streamed contribution (the daemon's, cut into chunks of whole codec blocks)
+quantize a tensor to the same values, so one quantizer serves both.
 
 The remainders are reset when the learner's weights stop following its own sends: it adopts the
 global state after an outage or installs a downloaded one (`reset`). They are part of the
@@ -18,38 +19,17 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from wire.contribution_stream import ChunkPlan, chunk_elements_for
-from wire.limits import DEFAULT_LIMITS, Limits
 
 Quantizer = Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]
 
 
-def whole_tensor_quantizer(codec: str) -> Quantizer:
-    """Q of a message that encodes each tensor whole (`encode_named`, the simulation runner's)."""
+def codec_quantizer(codec: str) -> Quantizer:
+    """Q of `codec`: what a receiver decodes from each tensor's encoding, computed without zstd."""
     from wire.codecs import quantize_roundtrip
 
     def quantize(values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {name: np.asarray(quantize_roundtrip(np.asarray(x, np.float32), codec), np.float32).reshape(np.shape(x))
                 for name, x in values.items()}
-
-    return quantize
-
-
-def stream_quantizer(codec: str, limits: Limits = DEFAULT_LIMITS) -> Quantizer:
-    """Q of a streamed contribution (wire.contribution_stream): each tensor cut into the chunks the
-    sender encodes one by one, each chunk quantized on its own, as the receiver decodes it."""
-    from wire.codecs import quantize_roundtrip
-    per_chunk = chunk_elements_for(codec, limits)
-
-    def quantize(values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        out = {}
-        for name, x in values.items():
-            flat = np.asarray(x, np.float32).reshape(-1)
-            q = np.empty_like(flat)
-            for offset, size in ChunkPlan(name, tuple(np.shape(x)), per_chunk).chunk_sizes():
-                q[offset:offset + size] = np.asarray(quantize_roundtrip(flat[offset:offset + size], codec)).reshape(-1)
-            out[name] = q.reshape(np.shape(x))
-        return out
 
     return quantize
 
@@ -78,11 +58,20 @@ class ErrorFeedback:
             else:
                 x[name] = np.add(np.float32(self.decay) * remainder[name], d, dtype=np.float32)
         q = self.quantize(x)
-        self._remainders[p] = {name: np.subtract(x[name], q[name], dtype=np.float32) for name in x}
+        kept = remainder or {}
+        new = {}
+        for name in x:
+            buffer = kept.get(name)
+            if buffer is not None and buffer.shape == x[name].shape and buffer.flags.writeable:
+                new[name] = np.subtract(x[name], q[name], out=buffer)  # the old remainder's memory, reused
+            else:
+                new[name] = np.subtract(x[name], q[name], dtype=np.float32)
+        self._remainders[p] = new
         return x
 
     def remainder(self, p: int) -> dict[str, np.ndarray]:
-        return dict(self._remainders.get(p, {}))
+        """A copy of fragment p's remainder (the next send overwrites the buffers in place)."""
+        return {name: a.copy() for name, a in self._remainders.get(p, {}).items()}
 
     def reset(self, p: int | None = None) -> None:
         """Forget the remainders (of fragment p, or all): the weights no longer follow the sends."""
@@ -95,7 +84,8 @@ class ErrorFeedback:
         return sum(a.nbytes for r in self._remainders.values() for a in r.values())
 
     def state(self) -> dict[str, np.ndarray]:
-        """Every remainder by flat parameter name (fragments partition the names): the checkpoint's."""
+        """Every remainder by flat parameter name (fragments partition the names): the checkpoint's.
+        The buffers themselves: copy them before the next send if they must outlive it."""
         return {name: a for r in self._remainders.values() for name, a in r.items()}
 
     def load(self, flat: Mapping[str, np.ndarray], fragments: Mapping[int, tuple[str, ...]]) -> None:

@@ -34,7 +34,7 @@ import numpy as np
 
 from diloco_node.learn import data as data_lib
 from diloco_node.learn.figures import FigureWindow, StepFigures
-from diloco_node.learn.error_feedback import ErrorFeedback, stream_quantizer
+from diloco_node.learn.error_feedback import ErrorFeedback, codec_quantizer
 from diloco_node.learn.handoffs import LearnerHandoffs
 from diloco_node.sync.apply import ApplyRule, FragmentCounters, apply_merge
 from diloco_node.sync.fragments import FragmentPlan
@@ -163,12 +163,11 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         self._min_step_interval_s = min_step_interval_s
         self._apply_rule = ApplyRule.from_sync_spec(manifest.sync)
         # What the uplink codec dropped from each fragment's sends, sent again with the next one
-        # (None: the run's codec_up keeps no remainder). Q is the streamed contribution's: each
-        # tensor cut into the chunks the node encodes one by one (daemon/rounds.py).
+        # (None: the run's codec_up keeps no remainder).
         self._error_feedback: ErrorFeedback | None = None
         if manifest.sync.uses_error_feedback:
             self._error_feedback = ErrorFeedback(manifest.sync.error_feedback_decay,
-                                                 stream_quantizer(manifest.sync.codec_up))
+                                                 codec_quantizer(manifest.sync.codec_up))
         self._offers: dict[int, _Offer] = {}
         self.stopped_at_step: int | None = None
         self.error: BaseException | None = None

@@ -48,7 +48,7 @@ from bootstrap.entries import EntryKind, LogEntry
 from diloco_node.config.manifest import ConfigError, ModelSpec, RunManifest
 from diloco_node.learn import data as data_lib
 from diloco_node.learn import factory
-from diloco_node.learn.error_feedback import ErrorFeedback, whole_tensor_quantizer
+from diloco_node.learn.error_feedback import ErrorFeedback, codec_quantizer
 from diloco_node.learn import model as model_lib
 from diloco_node.learn.inner import InnerLearner, StackedLearners
 from diloco_node.sync.admission import LEARNER_ROLE, Member, Refused
@@ -430,7 +430,7 @@ class _FragmentSync:
         # Each learner's error-feedback remainders (None: the uplink codec does not use them).
         self.error_feedback: list[ErrorFeedback] | None = None
         if sync.uses_error_feedback:
-            quantize = whole_tensor_quantizer(sync.codec_up)
+            quantize = codec_quantizer(sync.codec_up)
             self.error_feedback = [ErrorFeedback(sync.error_feedback_decay, quantize) for _ in range(M)]
         self.events: list[tuple[float, int, int, object]] = []
         self._seq = 0
