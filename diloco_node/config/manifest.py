@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Any, Mapping
 
-CODEC_NAMES = ("fp32", "bf16", "int8", "int4", "e3m0")
+CODEC_NAMES = ("fp32", "bf16", "int8", "int4", "e3m0", "topk2", "union8")
 MERGE_METHODS = ("mean", "rda", "support_mean")
 # Uplink codecs that send a sparse or low-bit approximation whose error must be carried to the
 # next send (error feedback, learn/error_feedback.py); the dense codecs never use it, so a run that

@@ -2,8 +2,10 @@
 
 Public API (other modules code against exactly this):
 `CODECS`, `CODECS_BY_ID`, `encode_tensor`, `decode_tensor`, `encode_named`, `decode_named`,
-the `Codec` base class and the decode limits. Schemes live in `schemes.py`, the message
-container and its checks in `container.py`; the byte layout is specified in docs/CODECS.md.
+`quantize_roundtrip` (what a tensor decodes to, for error feedback), the `Codec` base class and
+the decode limits. Dense schemes live in `schemes.py`, the sparse ones (`topk2`, `union8`) in
+`sparse.py` with their index coding in `sparse_indices.py`, the message container and its checks
+in `container.py`; the byte layout is specified in docs/CODECS.md.
 """
 
 from wire.codecs.container import (
@@ -19,6 +21,7 @@ from wire.codecs.container import (
     decode_tensor,
     encode_named,
     encode_tensor,
+    quantize_roundtrip,
 )
 from wire.codecs.schemes import MAX_BLOCK_SIZE, Codec
 
@@ -37,4 +40,5 @@ __all__ = [
     "decode_tensor",
     "encode_named",
     "encode_tensor",
+    "quantize_roundtrip",
 ]

@@ -21,6 +21,7 @@ from wire.codecs.layout import FIXED_HEADER as _FIXED_HEADER
 from wire.codecs.layout import NAME_LEN as _NAME_LEN
 from wire.codecs.layout import NDIM as _NDIM
 from wire.codecs.schemes import ALL_CODECS, Codec
+from wire.codecs.sparse import SPARSE_CODECS, SparseCodec
 from wire.errors import LocalProtocolError, RemoteProtocolError
 
 FORMAT_VERSION = 1
@@ -48,8 +49,8 @@ MAX_NDIM = 32
 MAX_PADDING_ELEMENTS = 1 << 24
 
 
-CODECS: dict[str, Codec] = {codec.name: codec for codec in ALL_CODECS}
-CODECS_BY_ID: dict[int, Codec] = {codec.wire_id: codec for codec in ALL_CODECS}
+CODECS: dict[str, Codec] = {codec.name: codec for codec in (*ALL_CODECS, *SPARSE_CODECS)}
+CODECS_BY_ID: dict[int, Codec] = {codec.wire_id: codec for codec in CODECS.values()}
 
 _thread_state = threading.local()
 
@@ -96,27 +97,66 @@ def _check_zstd_level(zstd_level: int | None) -> None:
         raise LocalProtocolError(f"zstd level {zstd_level!r} is not a valid zstd level")
 
 
+def _resolve_block(scheme: Codec, block_size: int | None, top_k: int | None) -> int:
+    """The block (chunk) size a message uses; refuses options the scheme does not take."""
+    if block_size is not None and not scheme.blockwise:
+        raise LocalProtocolError(f"{scheme.name} is elementwise and takes no block size")
+    if top_k is not None and scheme.name != "topk2":
+        raise LocalProtocolError(f"{scheme.name} takes no top_k (only topk2 does)")
+    block = (scheme.default_block_size if block_size is None else block_size) if scheme.blockwise else 0
+    if (problem := scheme.check_block_size(block)) is not None:
+        raise LocalProtocolError(problem)
+    return block
+
+
+def _gather(scheme: Codec, arrays: list[np.ndarray], block: int) -> tuple[np.ndarray, list[int]]:
+    """All tensors in one float32 work buffer (also the dtype conversion) and each one's slot.
+
+    For blockwise schemes each tensor starts on a block boundary, so blocks never mix tensors of
+    different scales; sparse schemes cut their chunks per tensor themselves.
+    """
+    padded = [scheme.padded_count(array.size, block) for array in arrays]
+    work = np.empty(sum(padded), dtype=np.float32)
+    offset = 0
+    for array, slot in zip(arrays, padded):
+        with np.errstate(over="ignore"):  # float64 beyond float32 range becomes inf: refused below
+            work[offset : offset + array.size] = array.reshape(-1)
+        work[offset + array.size : offset + slot] = 0.0
+        offset += slot
+    return work, padded
+
+
+def _encode_work(scheme: Codec, work: np.ndarray, sizes: list[int], block: int, top_k: int | None) -> np.ndarray:
+    if isinstance(scheme, SparseCodec):
+        return scheme.encode_segments(work, sizes, block, top_k)
+    return scheme.encode_body(work, block)
+
+
+def _decode_work(scheme: Codec, body: np.ndarray, sizes: list[int], padded_total: int, block: int) -> np.ndarray:
+    if isinstance(scheme, SparseCodec):
+        return scheme.decode_segments(body, sizes, block)
+    return scheme.decode_body(body, padded_total, block)
+
+
 def encode_named(
     tensors: Mapping[str, np.ndarray],
     codec: str = "int4",
     *,
     zstd_level: int | None = 1,
     block_size: int | None = None,
+    top_k: int | None = None,
 ) -> bytes:
     """Encode several named float tensors as one message (one quantization pass, one zstd frame).
 
     Names keep the mapping's order. `zstd_level=None` never compresses; otherwise the body is
     compressed at that level and sent compressed only if that makes it smaller. `block_size`
-    overrides the scheme's default for blockwise schemes. Deterministic: same input, same bytes.
+    overrides the scheme's default for blockwise schemes (the chunk size C of the sparse ones);
+    `top_k` overrides topk2's k. Deterministic: same input, same bytes.
     Raises LocalProtocolError for non-float or non-finite tensors, bad names, unknown codecs.
     """
     scheme = _resolve_codec(codec)
     _check_zstd_level(zstd_level)
-    if block_size is not None and not scheme.blockwise:
-        raise LocalProtocolError(f"{scheme.name} is elementwise and takes no block size")
-    block = (scheme.default_block_size if block_size is None else block_size) if scheme.blockwise else 0
-    if (problem := scheme.check_block_size(block)) is not None:
-        raise LocalProtocolError(problem)
+    block = _resolve_block(scheme, block_size, top_k)
     if len(tensors) > MAX_TENSORS:
         raise LocalProtocolError(f"{len(tensors)} tensors in one message; at most {MAX_TENSORS}")
 
@@ -138,17 +178,8 @@ def encode_named(
         header += _NAME_LEN.pack(len(name_bytes)) + name_bytes + _NDIM.pack(array.ndim)
         header += b"".join(_DIM.pack(dim) for dim in array.shape)
 
-    # Gather every tensor into one float32 work buffer (also the dtype conversion), each tensor
-    # starting on a block boundary so blocks never mix tensors of different scales.
-    padded = [scheme.padded_count(array.size, block) for array in arrays]
-    work = np.empty(sum(padded), dtype=np.float32)
-    offset = 0
-    for array, slot in zip(arrays, padded):
-        with np.errstate(over="ignore"):  # float64 beyond float32 range becomes inf: refused below
-            work[offset : offset + array.size] = array.reshape(-1)
-        work[offset + array.size : offset + slot] = 0.0
-        offset += slot
-    body = scheme.encode_body(work, block)
+    work, _ = _gather(scheme, arrays, block)
+    body = _encode_work(scheme, work, [array.size for array in arrays], block, top_k)
 
     if zstd_level is not None and body.size:
         compressed = _compressor(zstd_level).compress(body)
@@ -158,11 +189,32 @@ def encode_named(
     return b"".join((header, body))  # joins the array's buffer directly: one copy of the body
 
 
+def quantize_roundtrip(
+    values: np.ndarray, codec: str, *, block_size: int | None = None, top_k: int | None = None
+) -> np.ndarray:
+    """What `decode_tensor(encode_tensor(values, codec, ...))` returns, bit for bit, without zstd.
+
+    A float32 array of the shape of `values`: the Q(x) a sender with error feedback subtracts.
+    Raises LocalProtocolError like `encode_tensor`.
+    """
+    scheme = _resolve_codec(codec)
+    block = _resolve_block(scheme, block_size, top_k)
+    array = _as_float_array("", values)
+    work, padded = _gather(scheme, [array], block)
+    body = _encode_work(scheme, work, [array.size], block, top_k)
+    return _decode_work(scheme, body, [array.size], padded[0], block)[: array.size].reshape(array.shape)
+
+
 def encode_tensor(
-    x: np.ndarray, codec: str = "int4", *, zstd_level: int | None = 1, block_size: int | None = None
+    x: np.ndarray,
+    codec: str = "int4",
+    *,
+    zstd_level: int | None = 1,
+    block_size: int | None = None,
+    top_k: int | None = None,
 ) -> bytes:
     """Encode one float tensor (any shape, incl. scalars and empty) as a message with one unnamed entry."""
-    return encode_named({"": x}, codec, zstd_level=zstd_level, block_size=block_size)
+    return encode_named({"": x}, codec, zstd_level=zstd_level, block_size=block_size, top_k=top_k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,10 +331,17 @@ def _parse(
 def _decode_body(
     scheme: Codec, block: int, entries: list[tuple[str, tuple[int, ...]]], payload: memoryview, compressed: bool
 ) -> list[np.ndarray]:
-    """Check the payload's (declared) size against the header, decompress, decode, split."""
-    padded = [scheme.padded_count(math.prod(shape), block) for _, shape in entries]
+    """Check the payload's (declared) size against the header, decompress, decode, split.
+
+    Blockwise and elementwise bodies have an exact size; a sparse body may be at most its
+    scheme's bound for these shapes, and the scheme checks its exact size from its own prefix.
+    """
+    sizes = [math.prod(shape) for _, shape in entries]
+    padded = [scheme.padded_count(size, block) for size in sizes]
     total_padded = sum(padded)
-    expected = scheme.body_size(total_padded, block)
+    exact = not isinstance(scheme, SparseCodec)
+    expected = scheme.body_size(total_padded, block) if exact else scheme.max_body_size(sizes, block)
+    wanted = "" if exact else "at most "
     if compressed:
         # The frame's declared size is checked before zstd allocates anything for it: a 2 KB
         # frame may claim gigabytes.
@@ -290,20 +349,20 @@ def _decode_body(
             declared = zstandard.frame_content_size(payload)
         except zstandard.ZstdError:
             raise _malformed("body is not a zstd frame") from None
-        if declared != expected:
-            raise _malformed(f"zstd frame declares {declared} bytes, header implies {expected}")
+        if (declared != expected) if exact else not 0 <= declared <= expected:
+            raise _malformed(f"zstd frame declares {declared} bytes, header implies {wanted}{expected}")
         try:
-            raw = _decompressor().decompress(payload, max_output_size=expected, allow_extra_data=False)
+            raw = _decompressor().decompress(payload, max_output_size=max(declared, 1), allow_extra_data=False)
         except zstandard.ZstdError as error:
             raise _malformed(f"zstd frame does not decompress: {error}") from None
-        if len(raw) != expected:
-            raise _malformed(f"zstd frame held {len(raw)} bytes, header implies {expected}")
+        if len(raw) != declared:
+            raise _malformed(f"zstd frame held {len(raw)} bytes, it declares {declared}")
         body = np.frombuffer(raw, dtype=np.uint8)
     else:
-        if len(payload) != expected:
-            raise _malformed(f"body is {len(payload)} bytes, header implies {expected}")
+        if (len(payload) != expected) if exact else len(payload) > expected:
+            raise _malformed(f"body is {len(payload)} bytes, header implies {wanted}{expected}")
         body = np.frombuffer(payload, dtype=np.uint8)
-    flat = scheme.decode_body(body, total_padded, block)
+    flat = _decode_work(scheme, body, sizes, total_padded, block)
     tensors = []
     offset = 0
     for (_, shape), slot in zip(entries, padded):

@@ -87,6 +87,8 @@ class Codec(ABC):
     error_bound: ClassVar[str]
     # 0 for elementwise schemes; otherwise the block size encode uses unless told otherwise.
     default_block_size: ClassVar[int] = 0
+    # Sparse schemes (sparse.py) see each tensor's extent and size their body from the body itself.
+    segmented: ClassVar[bool] = False
 
     @property
     def blockwise(self) -> bool:
