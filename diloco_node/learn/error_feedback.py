@@ -19,14 +19,13 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from wire.codecs import quantize_roundtrip
 
 Quantizer = Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]
 
 
 def codec_quantizer(codec: str) -> Quantizer:
     """Q of `codec`: what a receiver decodes from each tensor's encoding, computed without zstd."""
-    from wire.codecs import quantize_roundtrip
-
     def quantize(values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {name: np.asarray(quantize_roundtrip(np.asarray(x, np.float32), codec), np.float32).reshape(np.shape(x))
                 for name, x in values.items()}
