@@ -32,6 +32,9 @@ from typing import Any
 
 import numpy as np
 
+# This checkout's code, not an installed copy's (the child processes run this file again).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 
 def _status_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -281,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({result['baseline_mib']} MiB) while committing (start-up {result['start_up_peak_bytes_per_param']}), "
               f"resident at the end {result['rss_bytes_per_param']}; log {result['log_bytes_per_param']} B/param "
               f"on disk; peak of one step: {result['step_peak_bytes_per_param']} B/param, "
-              f"{result['step_peak_mib']} MiB", flush=True)
+              f"{result['step_peak_mib']} MiB; error-feedback remainders held "
+              f"{result['error_feedback_bytes_per_param']} B/param", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": results}, indent=1))
     return 0
