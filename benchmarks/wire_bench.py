@@ -1,8 +1,10 @@
 """Benchmark of the wire path: codec speed, streamed transfer throughput, and memory of both ends.
 
 Sections of the JSON report (`--json PATH`):
-- "codecs": per codec, encode/decode MB/s of fp32 input on one core and the size ratio
-  (from benchmarks/codec_bench.measure_codecs).
+- "codecs": per codec, encode/decode MB/s of fp32 input on one core (wall and CPU time), the size
+  ratio, bytes per value and relative L2 error (from benchmarks/codec_bench.measure_codecs), on the
+  heavy-tailed delta; union8 also on what it is for, a merged update of four topk2 contributions
+  (dataset "sparse_union"), where the heavy-tailed delta only shows its dense fallback.
 - "transfer": a 64 MB fragment streamed over loopback directly (`direct_MBps`) and through the link
   emulator capped at 200 Mbit/s (`capped_utilization` = achieved / cap; target >= 0.9); and the peak
   RSS of sender and receiver during a 256 MB transfer, each its own process (target: growth < 64 MB).
@@ -247,8 +249,12 @@ def measure_codec_section(num_elements: int, repeats: int) -> list[dict]:
     from benchmarks.codec_bench import measure_codecs
 
     rows = measure_codecs(num_elements, repeats)
-    return [{"codec": row["codec"], "encode_MBps": round(row["encode_MBps"], 1),
-             "decode_MBps": round(row["decode_MBps"], 1), "ratio": round(row["ratio"], 3)} for row in rows]
+    rows += measure_codecs(num_elements, repeats, codecs=("int4", "union8"), dataset="sparse_union")
+    return [{"codec": row["codec"], "dataset": row["dataset"], "encode_MBps": round(row["encode_MBps"], 1),
+             "decode_MBps": round(row["decode_MBps"], 1), "encode_cpu_MBps": round(row["encode_cpu_MBps"], 1),
+             "decode_cpu_MBps": round(row["decode_cpu_MBps"], 1), "ratio": round(row["ratio"], 3),
+             "bytes_per_value": round(row["bytes_per_value"], 5), "rel_l2_error": round(row["rel_l2_error"], 4)}
+            for row in rows]
 
 
 def measure_contribution_memory(params: int, k: int = 4) -> dict:

@@ -14,7 +14,13 @@ and damaged streamed relayed payloads (wire 2.3: chunks cut, flipped, dropped, s
 another stream, sizes over the bound) to `PayloadAssembler`: refused with RemoteProtocolError, and
 every stream it accepts is exactly the declared bytes.
 
-    .venv/bin/python benchmarks/wire_fuzz.py --examples 100000
+Last, it fuzzes the tensor codecs themselves (`wire.codecs`, every codec, the sparse topk2 and union8
+included): valid messages of random shapes, chunk sizes and k must decode to exactly
+`quantize_roundtrip`; damaged ones (bits flipped, bytes cut, inserted or deleted, header and body
+fields set to hostile values, zstd frames rebuilt around a damaged body) may only raise
+RemoteProtocolError, and whatever they decode to is finite float32 of the declared shapes.
+
+    .venv/bin/python benchmarks/wire_fuzz.py --examples 100000 --codec-examples 100000
 
 The hypothesis properties themselves scale with an environment variable:
     WIRE_FUZZ_EXAMPLES=100000 .venv/bin/python -m pytest tests/test_wire_frames.py -k "total or equal or flipped"
@@ -335,6 +341,114 @@ def fuzz_payload_streams(examples: int, seed: int) -> int:
     return bugs
 
 
+def _codec_messages(rng: random.Random, pool: int) -> list[tuple[bytes, dict]]:
+    """Valid codec messages of random shapes, codecs, chunk sizes and k, with what each decodes to."""
+    import numpy as np
+
+    from wire.codecs import CODECS, encode_named, quantize_roundtrip
+
+    out = []
+    for _ in range(pool):
+        codec = rng.choice(sorted(CODECS))
+        sparse = CODECS[codec].segmented
+        block = rng.choice((64, 128, 256)) if sparse else None
+        top_k = rng.randint(1, block) if codec == "topk2" and rng.random() < 0.5 else None
+        tensors = {}
+        for j in range(rng.randint(1, 3)):
+            side = 600 if sparse else 40  # sparse chunks are 64..256 values: several per tensor
+            shape = rng.choice(((), (rng.randint(0, side),), (rng.randint(0, 5), rng.randint(0, side // 4))))
+            values = np.random.default_rng(rng.randrange(2**32)).standard_normal(shape).astype(np.float32)
+            if rng.random() < 0.5:  # sparse contributions: mostly zeros
+                values[np.random.default_rng(j).random(shape) < rng.random()] = 0.0
+            tensors[f"t{j}"] = values
+        zstd = rng.choice((1, None))
+        message = encode_named(tensors, codec, zstd_level=zstd, block_size=block, top_k=top_k)
+        expected = {name: quantize_roundtrip(value, codec, block_size=block, top_k=top_k)
+                    for name, value in tensors.items()}
+        out.append((message, expected))
+    return out
+
+
+def _damage_codec_message(rng: random.Random, message: bytes) -> bytes:
+    """Damage a codec message: bytes, header fields, or its body under a freshly made zstd frame."""
+    import zstandard
+
+    from wire.codecs.container import FLAG_ZSTD, FLAGS_OFFSET
+
+    how = rng.randrange(6)
+    out = bytearray(message)
+    if how == 0:
+        for _ in range(rng.randint(1, 4)):
+            out[rng.randrange(len(out))] ^= 1 << rng.randrange(8)
+    elif how == 1:
+        del out[rng.randrange(len(out)):]
+    elif how == 2:
+        at = rng.randrange(len(out) + 1)
+        out[at:at] = rng.randbytes(rng.randint(1, 16))
+    elif how == 3:
+        at = rng.randrange(len(out))
+        del out[at:at + rng.randint(1, 16)]
+    elif how == 4:  # a hostile u32 anywhere: block size, count, k, a chunk's count
+        at = rng.randrange(max(1, len(out) - 3))
+        out[at:at + 4] = rng.choice((0, 1, 63, 64, 65, 4096, 2**16, 2**31, 2**32 - 1)).to_bytes(4, "little")
+    else:  # damage inside the compressed body, then compress it again: a well-formed zstd frame
+        from wire.codecs.container import _parse  # the header's own parser finds where the payload starts
+
+        _, _, _, payload, compressed = _parse(bytes(message), 1 << 20, 1 << 20)
+        body = bytearray(zstandard.ZstdDecompressor().decompress(bytes(payload)) if compressed else bytes(payload))
+        if body:
+            for _ in range(rng.randint(1, 3)):
+                body[rng.randrange(len(body))] ^= 1 << rng.randrange(8)
+        if rng.random() < 0.3:
+            body = body[:rng.randrange(len(body) + 1)] if rng.random() < 0.5 else body + rng.randbytes(rng.randint(1, 8))
+        header = bytearray(message[:len(message) - len(payload)])
+        header[FLAGS_OFFSET] = FLAG_ZSTD
+        out = header + zstandard.ZstdCompressor(level=1, write_content_size=True).compress(bytes(body))
+    return bytes(out)
+
+
+def fuzz_codecs(examples: int, seed: int) -> int:
+    """Valid and damaged codec messages into decode_named: only RemoteProtocolError may come out."""
+    import numpy as np
+
+    from wire.codecs import CODECS_BY_ID, decode_named
+    from wire.errors import RemoteProtocolError
+
+    rng = random.Random(seed)
+    counts: collections.Counter[str] = collections.Counter()
+    bugs = 0
+    started = time.perf_counter()
+    messages: list[tuple[bytes, dict]] = []
+    for i in range(examples):
+        if i % 50 == 0:  # a fresh pool now and then: encoding costs more than decoding
+            messages = _codec_messages(rng, 25)
+        message, expected = rng.choice(messages)
+        codec = CODECS_BY_ID[message[5]].name
+        intact = rng.random() < 0.1
+        try:
+            data = message if intact else _damage_codec_message(rng, message)
+            decoded = decode_named(data, max_elements=1 << 12)
+            for value in decoded.values():
+                assert value.dtype == np.float32 and np.isfinite(value).all(), "a decoded tensor is not finite float32"
+            if intact:
+                assert list(decoded) == list(expected) and all(
+                    decoded[n].tobytes() == expected[n].tobytes() for n in expected), "a valid message decoded wrongly"
+            counts[f"{codec} {'intact' if intact else 'damaged'}: accepted"] += 1
+        except RemoteProtocolError as error:
+            counts[f"{codec} {'intact' if intact else 'damaged'}: {error.status_hint}"] += 1
+        except Exception:  # noqa: BLE001 - a bug report, not error handling
+            bugs += 1
+            print(f"BUG in codec example {i} (codec id {codec}, seed {seed}):", file=sys.stderr)
+            traceback.print_exc(limit=6)
+            if bugs >= 5:
+                break
+    elapsed = time.perf_counter() - started
+    print(f"fuzzed {i + 1 if examples else 0} codec messages in {elapsed:.1f} s, bugs: {bugs}")
+    for key in sorted(counts):
+        print(f"  {key:<36} {counts[key]:>8}")
+    return bugs
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--examples", type=int, default=100_000, help="fuzz examples (default 100000)")
@@ -342,12 +456,15 @@ def main() -> int:
     parser.add_argument("--stream-mb", type=int, default=256, help="size of the streamed payload, 0 to skip")
     parser.add_argument("--stream-examples", type=int, default=2_000,
                         help="damaged streamed contributions and relayed payloads for the assemblers (default 2000)")
+    parser.add_argument("--codec-examples", type=int, default=100_000,
+                        help="valid and damaged tensor codec messages (default 100000)")
     args = parser.parse_args()
     if args.stream_mb:
         stream_big(args.stream_mb)  # first, so the RSS growth is not hidden by the fuzz loop's peak
     bugs = fuzz(args.examples, args.seed)
     bugs += fuzz_streams(args.stream_examples, args.seed)
     bugs += fuzz_payload_streams(args.stream_examples, args.seed)
+    bugs += fuzz_codecs(args.codec_examples, args.seed)
     return 1 if bugs else 0
 
 

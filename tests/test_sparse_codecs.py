@@ -48,8 +48,10 @@ def test_quantize_roundtrip_is_the_decoded_message_bit_for_bit(codec: str, shape
 def test_a_fragment_message_decodes_to_each_tensors_own_roundtrip(codec: str) -> None:
     """The learner computes Q per tensor; the message it sends holds the whole fragment."""
     rng = np.random.default_rng(2)
+    # Densities on both sides of union8's sparse/dense crossover, and a tiny fully dense tail, in one message.
     tensors = {"w": rng.standard_normal((3, C + 10)).astype(np.float32), "norm": rng.standard_normal(300).astype(
-        np.float32), "v": sparse_delta(2 * C, 0.01, seed=3)}
+        np.float32), "v": sparse_delta(2 * C, 0.01, seed=3), "u": sparse_delta(3 * C + 3, 0.36, seed=4),
+        "t": sparse_delta(C + 1, 0.001, seed=5)}
     decoded = decode_named(encode_named(tensors, codec))
     assert list(decoded) == list(tensors)
     for name, value in tensors.items():
@@ -171,9 +173,14 @@ def test_union8_decoder_checks_its_chunk_table() -> None:
     head, body = raw_body(encode_tensor(x, "union8", zstd_level=None), entries)
     table = list(struct.unpack("<II", body[:8]))
     assert 0 < table[0] < 100 and 0 < table[1] < 100
-    _refused(head + struct.pack("<II", C + 1, table[1]) + body[8:], "more values than it holds")
-    _refused(head + struct.pack("<II", 3000, table[1]) + body[8:], "sparse where the encoder sends it dense")
-    _refused(head + struct.pack("<II", table[0] + 1, table[1]) + body[8:], "chunk table implies")
+    rest = body[8:]
+
+    def with_table(first: int, second: int) -> bytes:
+        return head + struct.pack("<II", first, second) + rest
+
+    _refused(with_table(C + 1, table[1]), "more values than it holds")
+    _refused(with_table(3000, table[1]), "sparse where the encoder sends it dense")
+    _refused(with_table(table[0] + 1, table[1]), "chunk table implies")
     _refused(head + body + b"\0", "chunk table implies")
     scale = bytearray(body)
     scale[8:10] = struct.pack("<H", 0xBF80)  # -1.0

@@ -55,41 +55,70 @@ def _dense_bytes(lengths: np.ndarray) -> np.ndarray:
     return blocks * (2 + _DENSE_BLOCK // 2)
 
 
-def _encode_dense(work: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
-    """int4 body of these (start, length) spans of `work`, each padded with zeros to whole blocks."""
-    padded = [-(-length // _DENSE_BLOCK) * _DENSE_BLOCK for _, length in spans]
-    buffer = np.zeros(sum(padded), dtype=np.float32)
-    offset = 0
-    for (start, length), slot in zip(spans, padded):
-        buffer[offset : offset + length] = work[start : start + length]
-        offset += slot
-    return _DENSE.encode_body(buffer, _DENSE_BLOCK) if buffer.size else np.zeros(0, dtype=np.uint8)
-
-
-def _decode_dense(body: np.ndarray, out: np.ndarray, spans: list[tuple[int, int]]) -> None:
-    """Decode an int4 body made by `_encode_dense` into those spans of `out`."""
-    padded = [-(-length // _DENSE_BLOCK) * _DENSE_BLOCK for _, length in spans]
-    if not padded:
-        return
-    values = _DENSE.decode_body(body, sum(padded), _DENSE_BLOCK)
-    offset = 0
-    for (start, length), slot in zip(spans, padded):
-        out[start : start + length] = values[offset : offset + length]
-        offset += slot
-
-
-def _chunk_spans(sizes: list[int], chunk: int) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, lengths) in the flat work vector of every chunk of every tensor, in order."""
-    starts, lengths = [], []
-    offset = 0
+def _each_tensor(sizes: list[int], chunk: int, dense: np.ndarray):
+    """Per tensor: (offset, whole chunks, tail length, which whole chunks are dense, whether the tail is)."""
+    first = offset = 0
     for size in sizes:
-        whole = size // chunk
-        starts.append(offset + chunk * np.arange(-(-size // chunk), dtype=np.int64))
-        lengths.append(np.full(whole, chunk, dtype=np.int64))
+        rows, tail = divmod(size, chunk)
+        yield offset, rows, tail, dense[first : first + rows], bool(tail) and bool(dense[first + rows])
+        first += rows + (1 if tail else 0)
+        offset += size
+
+
+def _encode_dense(work: np.ndarray, sizes: list[int], chunk: int, dense: np.ndarray) -> np.ndarray:
+    """int4 body of the chunks marked dense, in order, each padded with zeros to whole int4 blocks."""
+    pieces = []
+    for offset, rows, tail, row_dense, tail_dense in _each_tensor(sizes, chunk, dense):
+        if rows and row_dense.any():
+            block = work[offset : offset + rows * chunk].reshape(rows, chunk)
+            pieces.append((block if row_dense.all() else block[row_dense]).reshape(-1))
+        if tail_dense:
+            padded = np.zeros(-(-tail // _DENSE_BLOCK) * _DENSE_BLOCK, dtype=np.float32)
+            padded[:tail] = work[offset + rows * chunk : offset + rows * chunk + tail]
+            pieces.append(padded)
+    if not pieces:
+        return np.zeros(0, dtype=np.uint8)
+    return _DENSE.encode_body(np.concatenate(pieces), _DENSE_BLOCK)
+
+
+def _decode_dense(body: np.ndarray, out: np.ndarray, sizes: list[int], chunk: int, dense: np.ndarray) -> None:
+    """Decode an int4 body made by `_encode_dense` into the dense chunks of `out`."""
+    if not body.size:
+        return
+    values = _DENSE.decode_body(body, body.size // (2 + _DENSE_BLOCK // 2) * _DENSE_BLOCK, _DENSE_BLOCK)
+    cursor = 0
+    for offset, rows, tail, row_dense, tail_dense in _each_tensor(sizes, chunk, dense):
+        if rows and row_dense.any():
+            block = out[offset : offset + rows * chunk].reshape(rows, chunk)
+            count = int(row_dense.sum())
+            piece = values[cursor : cursor + count * chunk].reshape(count, chunk)
+            if count == rows:
+                block[...] = piece
+            else:
+                block[row_dense] = piece
+            cursor += count * chunk
+        if tail_dense:
+            out[offset + rows * chunk : offset + rows * chunk + tail] = values[cursor : cursor + tail]
+            cursor += -(-tail // _DENSE_BLOCK) * _DENSE_BLOCK
+
+
+def _chunk_lengths(sizes: list[int], chunk: int) -> np.ndarray:
+    """Length of every chunk of every tensor, in order (whole chunks, then a shorter last one)."""
+    lengths = []
+    for size in sizes:
+        lengths.append(np.full(size // chunk, chunk, dtype=np.int64))
         if size % chunk:
             lengths.append(np.array([size % chunk], dtype=np.int64))
+    return np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
+
+
+def _chunk_starts(sizes: list[int], chunk: int) -> np.ndarray:
+    """Offset in the flat output of every chunk of every tensor, in order."""
+    starts, offset = [], 0
+    for size in sizes:
+        starts.append(offset + chunk * np.arange(-(-size // chunk), dtype=np.int64))
         offset += size
-    return np.concatenate(starts or [np.zeros(0, np.int64)]), np.concatenate(lengths or [np.zeros(0, np.int64)])
+    return np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64)
 
 
 class SparseCodec(Codec):
@@ -204,8 +233,7 @@ def _two_bit_values(codes: np.ndarray, levels: np.ndarray) -> np.ndarray:
 def _largest_topk_chunk_bits(chunk: int) -> int:
     """Most bits a whole chunk's codes and indices can take over every k in [1, chunk]."""
     k = np.arange(1, chunk + 1, dtype=np.int64)
-    lengths = np.full(chunk, chunk, dtype=np.int64)
-    return int((2 * k + chunk_index_bits(lengths, k)).max())
+    return int((2 * k + chunk_index_bits(np.full(chunk, chunk, dtype=np.int64), k)).max())
 
 
 class TopK2Codec(SparseCodec):
@@ -217,18 +245,15 @@ class TopK2Codec(SparseCodec):
     error_bound = ("the k largest |x| of each whole chunk of C: |err| <= the distance to the nearer of the "
                    "chunk's two levels; the other values of the chunk decode as 0; partial chunks as int4")
 
-    def _layout(self, sizes: list[int], chunk: int) -> tuple[int, list[tuple[int, int]]]:
-        whole = sum(size // chunk for size in sizes)
-        tails, offset = [], 0
-        for size in sizes:
-            if size % chunk:
-                tails.append((offset + size - size % chunk, size % chunk))
-            offset += size
-        return whole, tails
+    @staticmethod
+    def _partial(sizes: list[int], chunk: int) -> np.ndarray:
+        """Which chunks (in order) are partial, the ones sent dense."""
+        return _chunk_lengths(sizes, chunk) < chunk
 
     def max_body_size(self, sizes: list[int], block_size: int) -> int:
-        whole, tails = self._layout(sizes, block_size)
-        dense = int(_dense_bytes(np.array([length for _, length in tails], dtype=np.int64)).sum())
+        lengths = _chunk_lengths(sizes, block_size)
+        whole = int((lengths == block_size).sum())
+        dense = int(_dense_bytes(lengths[lengths < block_size]).sum())
         # k, two levels per chunk, then three bit regions (codes, low, high), each padded to a byte.
         return 4 + 4 * whole + -(-whole * _largest_topk_chunk_bits(block_size) // 8) + 2 + dense
 
@@ -238,7 +263,6 @@ class TopK2Codec(SparseCodec):
             raise LocalProtocolError(f"topk2 takes 1 <= top_k <= chunk size {block_size}, got {top_k!r}")
         k = int(k)
         require_finite(work)
-        whole, tails = self._layout(sizes, block_size)
         columns, values, offset = [], [], 0
         for size in sizes:
             rows = size // block_size
@@ -251,6 +275,7 @@ class TopK2Codec(SparseCodec):
         columns_all = np.concatenate(columns) if columns else np.zeros((0, k), dtype=np.int64)
         values_all = np.concatenate(values) if values else np.zeros((0, k), dtype=np.float32)
         levels, codes = self.quantize_chunks(values_all)
+        whole = columns_all.shape[0]
         lengths = np.full(whole, block_size, dtype=np.int64)
         counts = np.full(whole, k, dtype=np.int64)
         low, high = encode_indices(lengths, counts, columns_all.reshape(-1))
@@ -260,7 +285,7 @@ class TopK2Codec(SparseCodec):
             _pack_two_bit(codes.reshape(-1)),
             low,
             high,
-            _encode_dense(work, tails),
+            _encode_dense(work, sizes, block_size, self._partial(sizes, block_size)),
         ])
 
     @staticmethod
@@ -283,12 +308,14 @@ class TopK2Codec(SparseCodec):
         (k,) = _U32.unpack(body[:4].tobytes())
         if not 1 <= k <= block_size:
             raise _malformed(f"topk2 declares k = {k} for chunks of {block_size}")
-        whole, tails = self._layout(sizes, block_size)
+        chunk_lengths = _chunk_lengths(sizes, block_size)
+        partial = chunk_lengths < block_size
+        whole = int((~partial).sum())
         lengths = np.full(whole, block_size, dtype=np.int64)
         counts = np.full(whole, k, dtype=np.int64)
         low_size, high_size = region_sizes(lengths, counts)
         code_size = -(-whole * k // 4)
-        dense_size = int(_dense_bytes(np.array([length for _, length in tails], dtype=np.int64)).sum())
+        dense_size = int(_dense_bytes(chunk_lengths[partial]).sum())
         expected = 4 + 4 * whole + code_size + low_size + high_size + dense_size
         if body.size != expected:
             raise _malformed(f"topk2 body is {body.size} bytes, its k and shapes imply {expected}")
@@ -301,19 +328,15 @@ class TopK2Codec(SparseCodec):
             raise _malformed("topk2 levels are negative, out of order or not finite")
         codes = _unpack_two_bit(body[cursor : cursor + code_size], whole * k)
         cursor += code_size
-        indices, _ = decode_indices(body[cursor : cursor + low_size], body[cursor + low_size : cursor + low_size +
-                                    high_size], lengths, counts)
-        cursor += low_size + high_size
+        low = body[cursor : cursor + low_size]
+        cursor += low_size
+        indices, _ = decode_indices(low, body[cursor : cursor + high_size], lengths, counts)
+        cursor += high_size
         out = np.zeros(sum(sizes), dtype=np.float32)
         values = _two_bit_values(codes.reshape(whole, k), levels)
-        starts = []
-        offset = 0
-        for size in sizes:
-            starts.append(offset + block_size * np.arange(size // block_size, dtype=np.int64))
-            offset += size
-        chunk_starts = np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64)
+        chunk_starts = _chunk_starts(sizes, block_size)[~partial]
         out[(chunk_starts[:, None] + indices.reshape(whole, k)).reshape(-1)] = values.reshape(-1)
-        _decode_dense(body[cursor:], out, tails)
+        _decode_dense(body[cursor:], out, sizes, block_size, partial)
         return out
 
 
@@ -344,7 +367,10 @@ _LARGEST_INT8_SCALE_BITS = np.uint16(np.array(_FLOAT32_MAX / _INT8_MAX, dtype=np
 
 
 def _sparse_wins(lengths: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Whether a chunk with this many nonzeros is sent sparse: raw bits no more than dense int4's."""
+    """Whether a chunk with this many nonzeros is sent sparse: raw bits no more than dense int4's.
+
+    Decided per chunk from its own length and count alone, so a tensor encodes the same whatever
+    else its message holds."""
     sparse_bits = 16 + 8 * counts + chunk_index_bits(lengths, counts)
     return sparse_bits <= 8 * _dense_bytes(lengths)
 
@@ -358,7 +384,7 @@ class Union8Codec(SparseCodec):
                    "dense chunks: as int4")
 
     def max_body_size(self, sizes: list[int], block_size: int) -> int:
-        _, lengths = _chunk_spans(sizes, block_size)
+        lengths = _chunk_lengths(sizes, block_size)
         # A sparse chunk takes at most its dense bytes in bits; the two index regions' byte padding adds 2.
         return 4 * lengths.size + int(_dense_bytes(lengths).sum()) + 2
 
@@ -366,47 +392,43 @@ class Union8Codec(SparseCodec):
         if top_k is not None:
             raise LocalProtocolError("union8 sends every nonzero and takes no top_k")
         require_finite(work)
-        starts, lengths = _chunk_spans(sizes, block_size)
+        lengths = _chunk_lengths(sizes, block_size)
+        starts = _chunk_starts(sizes, block_size)
         counts = np.empty(lengths.size, dtype=np.int64)
         first = 0
-        for size in sizes:  # count per tensor: whole chunks as rows, then the partial one
-            rows = size // block_size
-            chunk_start = int(starts[first]) if size else 0
+        for offset, rows, tail, _, _ in _each_tensor(sizes, block_size, np.zeros(lengths.size, dtype=bool)):
             if rows:
                 counts[first : first + rows] = np.count_nonzero(
-                    work[chunk_start : chunk_start + rows * block_size].reshape(rows, block_size), axis=1)
-            if size % block_size:
-                tail_start = chunk_start + rows * block_size
-                counts[first + rows] = np.count_nonzero(work[tail_start : tail_start + size % block_size])
-            first += -(-size // block_size)
+                    work[offset : offset + rows * block_size].reshape(rows, block_size), axis=1)
+            if tail:
+                counts[first + rows] = np.count_nonzero(work[offset + rows * block_size : offset + rows * block_size + tail])
+            first += rows + (1 if tail else 0)
         sparse = _sparse_wins(lengths, counts)
-        sparse_chunks = np.flatnonzero(sparse)
-        indices_all, values_all = _nonzeros_of_chunks(work, starts, counts, sparse)
+        indices, values = _nonzeros_of_chunks(work, starts, counts, sparse)
         sparse_counts = counts[sparse]
-        chunk_of = np.repeat(np.arange(sparse_chunks.size), sparse_counts)
-        absmax = np.zeros(sparse_chunks.size, dtype=np.float32)
-        np.maximum.at(absmax, chunk_of, np.abs(values_all))
+        chunk_of = np.repeat(np.arange(sparse_counts.size), sparse_counts)
+        absmax = np.zeros(sparse_counts.size, dtype=np.float32)
+        np.maximum.at(absmax, chunk_of, np.abs(values))
         scale_bits = np.minimum(ceil_to_bf16_bits(absmax / np.float32(_INT8_MAX)), _LARGEST_INT8_SCALE_BITS)
         scales = np.maximum(bf16_bits_to_f32(scale_bits), _MIN_SCALE)
         scale_bits = ceil_to_bf16_bits(scales)
-        scaled = values_all * (np.float32(1.0) / scales)[chunk_of]
+        scaled = values * (np.float32(1.0) / scales)[chunk_of]
         if (scale_bits == _LARGEST_INT8_SCALE_BITS).any():
             np.clip(scaled, -_INT8_MAX, _INT8_MAX, out=scaled)
         codes = np.rint(scaled).astype(np.int8)
-        low, high = encode_indices(lengths[sparse], sparse_counts, indices_all)
+        low, high = encode_indices(lengths[sparse], sparse_counts, indices)
         table = np.where(sparse, counts, _DENSE_CHUNK).astype("<u4")
-        dense_spans = [(int(s), int(n)) for s, n in zip(starts[~sparse], lengths[~sparse])]
         return np.concatenate([
             table.view(np.uint8),
             scale_bits.view(np.uint8),
             codes.view(np.uint8),
             low,
             high,
-            _encode_dense(work, dense_spans),
+            _encode_dense(work, sizes, block_size, ~sparse),
         ])
 
     def decode_segments(self, body: np.ndarray, sizes: list[int], block_size: int) -> np.ndarray:
-        starts, lengths = _chunk_spans(sizes, block_size)
+        lengths = _chunk_lengths(sizes, block_size)
         if body.size < 4 * lengths.size:
             raise _malformed("union8 body is shorter than its chunk table")
         table = body[: 4 * lengths.size].view("<u4").astype(np.int64)
@@ -432,16 +454,16 @@ class Union8Codec(SparseCodec):
             raise _malformed("union8 body has a negative, NaN or oversized scale")
         codes = body[cursor : cursor + total].view(np.int8)
         cursor += total
-        indices, chunk_of = decode_indices(body[cursor : cursor + low_size],
-                                           body[cursor + low_size : cursor + low_size + high_size],
-                                           lengths[sparse], sparse_counts)
-        cursor += low_size + high_size
+        low = body[cursor : cursor + low_size]
+        cursor += low_size
+        indices, chunk_of = decode_indices(low, body[cursor : cursor + high_size], lengths[sparse], sparse_counts)
+        cursor += high_size
         out = np.zeros(sum(sizes), dtype=np.float32)
         values = codes * scales[chunk_of]
         if total and not np.isfinite(values).all():  # code -128 at the largest scale: no encoder writes it
             raise _malformed("union8 body holds codes that decode to Inf")
-        out[starts[sparse][chunk_of] + indices] = values
-        _decode_dense(body[cursor:], out, [(int(s), int(n)) for s, n in zip(starts[~sparse], lengths[~sparse])])
+        out[_chunk_starts(sizes, block_size)[sparse][chunk_of] + indices] = values
+        _decode_dense(body[cursor:], out, sizes, block_size, ~sparse)
         return out
 
 
@@ -449,15 +471,16 @@ def _nonzeros_of_chunks(
     work: np.ndarray, starts: np.ndarray, counts: np.ndarray, sparse: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """(index within its chunk, value) of every nonzero of the sparse chunks, chunk by chunk, ascending."""
-    chunk_ends = np.append(starts[1:], work.size)
     if int(counts[sparse].sum()) * 2 >= int(counts.sum()):
         # Most nonzeros are sent sparse: one pass over everything, then drop the dense chunks'.
         positions = np.flatnonzero(work)
         chunk_of = np.searchsorted(starts, positions, side="right") - 1
-        keep = sparse[chunk_of]
-        positions, chunk_of = positions[keep], chunk_of[keep]
+        if not sparse.all():
+            keep = sparse[chunk_of]
+            positions, chunk_of = positions[keep], chunk_of[keep]
     else:
-        pieces = [np.flatnonzero(work[s:e]) + s for s, e in zip(starts[sparse].tolist(), chunk_ends[sparse].tolist())]
+        ends = np.append(starts[1:], work.size)
+        pieces = [np.flatnonzero(work[s:e]) + s for s, e in zip(starts[sparse].tolist(), ends[sparse].tolist())]
         positions = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
         chunk_of = np.repeat(np.flatnonzero(sparse), counts[sparse])
     return positions - starts[chunk_of], work[positions]
