@@ -167,10 +167,12 @@ def test_the_learner_thread_sends_x_keeps_x_minus_q_and_keeps_it_through_a_check
     for n in names:
         np.testing.assert_array_equal(remainder[n], due.delta[n] - received[n])
     assert sum(np.count_nonzero(remainder[n]) for n in names) > 0.9 * sum(delta[n].size for n in names)
-    # the next send carries the remainder
+    # the next send carries the remainder, decayed by beta (the manifest's)
     second = thread._contribution(p, 0, 8, 8 * 32, dict(delta), 16)
+    beta = np.float32(SPARSE.sync.error_feedback_decay)
+    assert beta == np.float32(0.95)
     for n in names:
-        np.testing.assert_array_equal(second.delta[n], remainder[n] + delta[n])
+        np.testing.assert_array_equal(second.delta[n], np.add(beta * remainder[n], delta[n], dtype=np.float32))
     # a restarted learner keeps it: the state copy, the checkpoint's arrays, a new thread's restore
     future = thread.request_state()
     thread._answer_state_requests()
