@@ -196,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--zstd-level", type=int, default=1)
     parser.add_argument("--dataset", choices=[*DATASETS, "all"], default="all")
+    parser.add_argument("--codecs", default=",".join(CODECS), help="comma-separated codecs (default: all)")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     parser.add_argument("--crossover", action="store_true",
                         help="also print union8 against int4 over nonzero densities (where union8 turns dense)")
@@ -203,7 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     datasets = list(DATASETS) if args.dataset == "all" else [args.dataset]
     rows = []
     for dataset in datasets:
-        rows += measure_codecs(args.num_elements, args.repeats, dataset=dataset, zstd_level=args.zstd_level)
+        rows += measure_codecs(args.num_elements, args.repeats, codecs=args.codecs.split(","), dataset=dataset,
+                               zstd_level=args.zstd_level)
     print(_format_table(rows))
     if args.crossover:
         print(f"\n{'density':>8}{'union8 B/v':>12}{'union8 err':>12}{'int4 B/v':>10}{'int4 err':>10}{'sparse chunks':>15}")

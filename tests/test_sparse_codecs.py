@@ -239,3 +239,16 @@ def test_topk2_selection_matches_a_stable_sort_even_with_many_ties() -> None:
         assert _top_k_columns(magnitudes, k).tolist() == expected.tolist(), (width, k, rows)
     zero_chunk = np.zeros((1, C), dtype=np.float32)
     assert _top_k_columns(zero_chunk, 64).tolist() == [list(range(64))]
+
+
+def test_extreme_values_stay_finite_and_the_manifest_offers_every_codec() -> None:
+    from diloco_node.config.manifest import CODEC_NAMES
+
+    biggest = np.finfo(np.float32).max
+    x = np.zeros(2 * C + 3, dtype=np.float32)
+    x[[0, 1, 7, C + 5, 2 * C + 1]] = [biggest, -biggest, 1e-45, -biggest / 3, biggest]
+    for codec in SPARSE:
+        decoded = decode_tensor(encode_tensor(x, codec))
+        assert np.isfinite(decoded).all() and bits(decoded) == bits(quantize_roundtrip(x, codec))
+        assert np.sign(decoded[[0, 1]]).tolist() == [1.0, -1.0]
+    assert set(CODEC_NAMES) == set(CODECS)

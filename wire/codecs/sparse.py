@@ -20,7 +20,6 @@ from __future__ import annotations
 import struct
 from abc import abstractmethod
 from functools import lru_cache
-from typing import ClassVar
 
 import numpy as np
 
@@ -164,7 +163,8 @@ class SparseCodec(Codec):
 
 # Candidates for a row's top k are first narrowed with the maxima of groups of this many values:
 # the k-th largest group maximum is a lower bound of the k-th largest value (k distinct values reach
-# it), and only values above it (a few percent of a row) are ranked exactly.
+# it), and only values above it (under 2 % of a row of Gaussian values) are ranked exactly. A group is
+# every (width / _GROUP)-th value, so its maximum is an elementwise maximum of contiguous slices.
 _GROUP = 16
 
 
@@ -173,7 +173,7 @@ def _top_k_columns(magnitudes: np.ndarray, k: int) -> np.ndarray:
     rows, width = magnitudes.shape
     if width % _GROUP == 0 and width // _GROUP >= k:
         groups = width // _GROUP
-        group_max = magnitudes.reshape(rows, groups, _GROUP).max(axis=2)
+        group_max = magnitudes.reshape(rows, _GROUP, groups).max(axis=1)
         bound = np.partition(group_max, groups - k, axis=1)[:, groups - k]
     else:
         bound = np.zeros(rows, dtype=magnitudes.dtype)  # every value is a candidate
