@@ -11,9 +11,11 @@ child process of its own so its peak is its own.
     python benchmarks/memory.py --model medium --json memory.json     # witness and learner
     python benchmarks/memory.py --model medium --roles witness        # one role
     python benchmarks/memory.py --llama 1b --roles witness --rounds 3 # a 1B-parameter replica
+    python benchmarks/memory.py --roles learner --error-feedback topk2  # + the error-feedback remainders
 
 Figures are bytes per model parameter: the global parameters and momentum need 8 (fp32 each),
-AdamW's two moments another 8 and the learner's own parameters 4.
+AdamW's two moments another 8 and the learner's own parameters 4; error feedback (a sparse uplink
+codec) adds its float32 remainders, 4.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+# This checkout's code, not an installed copy's (the child processes run this file again).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def _status_kib(field: str) -> int:
@@ -150,6 +155,7 @@ def run_role(args: argparse.Namespace) -> dict[str, Any]:
         replica.state.use_history(version_rings)  # as the daemon does (node.py)
     phases.mark("replica built (global state)")
     learner = None
+    error_feedback_bytes = 0
     if args.role == "learner":
         from diloco_node.config.manifest import InnerOptimizer
         from diloco_node.learn.inner import InnerLearner
@@ -158,6 +164,20 @@ def run_role(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(2):
             learner.step(tokens[:, :-1], tokens[:, 1:]).block_until_ready()
         phases.mark("learner built, 2 AdamW steps")
+        if args.error_feedback:
+            # The learner's error-feedback remainders (learn/error_feedback.py): one send of every
+            # fragment with a random delta leaves a float32 remainder for every parameter.
+            from diloco_node.learn.error_feedback import ErrorFeedback, codec_quantizer
+            feedback = ErrorFeedback(1.0, codec_quantizer(args.error_feedback))
+            for fragment in plan.fragments:
+                delta = {}
+                for name in fragment.names:
+                    delta[name] = rng.standard_normal(shapes[name], dtype=np.float32)
+                    delta[name] *= 1e-3
+                feedback.compensate(fragment.index, delta)
+                del delta
+            error_feedback_bytes = feedback.nbytes()
+            phases.mark(f"error feedback remainders ({args.error_feedback}), one send of every fragment")
     # From here on the steady state: the start-up's peak (the initial parameters beside their
     # validated copies) is reported above and not counted in what follows.
     start_peak = phases.rows[-1]["peak_bytes_per_param"]
@@ -221,7 +241,8 @@ def run_role(args: argparse.Namespace) -> dict[str, Any]:
             "step_peak_bytes_per_param": {k: phases.per_param(v) for k, v in phases.step_peaks_kib.items()},
             "step_peak_mib": {k: round(v / 1024, 1) for k, v in phases.step_peaks_kib.items()},
             "rss_bytes_per_param": phases.rows[-1]["rss_bytes_per_param"],
-            "baseline_mib": round(phases.baseline_kib / 1024, 1)}
+            "baseline_mib": round(phases.baseline_kib / 1024, 1),
+            "error_feedback_bytes_per_param": round(error_feedback_bytes / params, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10, help="commits per fragment (history fills at 8)")
     parser.add_argument("--batch", type=int, default=4, help="learner batch size")
     parser.add_argument("--roles", default="witness,learner")
+    parser.add_argument("--error-feedback", default="", metavar="CODEC",
+                        help="learner: also hold error-feedback remainders for this uplink codec (e.g. topk2)")
     parser.add_argument("--role", default="", help=argparse.SUPPRESS)  # the child's own role
     parser.add_argument("--history-in-memory", action="store_true",
                         help="keep the rebase history in memory (the in-process runner's way), not on disk")
@@ -261,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({result['baseline_mib']} MiB) while committing (start-up {result['start_up_peak_bytes_per_param']}), "
               f"resident at the end {result['rss_bytes_per_param']}; log {result['log_bytes_per_param']} B/param "
               f"on disk; peak of one step: {result['step_peak_bytes_per_param']} B/param, "
-              f"{result['step_peak_mib']} MiB", flush=True)
+              f"{result['step_peak_mib']} MiB; error-feedback remainders held "
+              f"{result['error_feedback_bytes_per_param']} B/param", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": results}, indent=1))
     return 0

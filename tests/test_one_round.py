@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from bootstrap import messages as coord
-from bootstrap.entries import LogEntry
+from bootstrap.entries import EntryKind, LogEntry
 from diloco_node.clock import FakeClock
 from diloco_node.config.manifest import InnerOptimizer, ModelSpec, RunManifest, SyncSpec
 from diloco_node.daemon.peers import AddressBook
@@ -35,9 +35,9 @@ from diloco_node.sim import runner
 from diloco_node.sync.apply import ApplyRule, FragmentCounters, apply_merge
 from diloco_node.sync.fragments import is_embedding, plan_fragments
 from diloco_node.sync.merge import Contribution
-from diloco_node.sync.replica import Replica
+from diloco_node.sync.replica import CommitPayload, Replica
 from diloco_node.sync.syncer import Syncer
-from wire.codecs import decode_named, encode_named
+from wire.codecs import CODECS_BY_ID, decode_named, encode_named
 from wire.contribution_stream import contribution_chunks, open_for
 
 from conftest import InlineExecutor, NullCounter
@@ -191,6 +191,30 @@ async def test_runner_and_daemon_make_the_same_decisions_and_commit_payloads(ini
     assert re.search(r"grace window of \d\.\d\d s expired with 2 of 3", reasons) and "including 1 early contribution" in reasons
     # The last round of fragment 1 (one learner, K = 2) is still open, for the same reason on both sides.
     assert our_last == their_last and our_last[1].startswith("waiting: 1 of 2 needed contributions")
+
+
+async def test_with_topk2_up_and_union8_down_both_sides_commit_the_same_bits_and_replicas_agree(
+        initial, monkeypatch) -> None:
+    """The sparse codecs: a contribution streamed in chunks (daemon) and one encoded whole (runner)
+    decode to the same values, the merged outer gradient travels as union8, and every replica that
+    applies the commits reaches the same digest."""
+    import sys
+
+    sparse = dataclasses.replace(MANIFEST, sync=dataclasses.replace(MANIFEST.sync, codec_up="topk2",
+                                                                      codec_down="union8"))
+    monkeypatch.setattr(sys.modules[__name__], "MANIFEST", sparse)
+    ours, _, _ = run_runner_side(initial)
+    theirs, _, _ = await run_daemon_side(initial)
+    assert len(ours) == 3 and [payload for *_, payload in ours] == [payload for *_, payload in theirs]
+    plan = _plan(initial)
+    replicas = [Replica(plan, initial, sparse.outer) for _ in range(2)]
+    for index, (_, p, _, payload) in enumerate(ours, start=1):
+        for replica in replicas:
+            assert replica.apply(LogEntry(1, index, EntryKind.OUTER_COMMIT, payload, fragment=p,
+                                          round=replica.state.round(p) + 1)).applied
+    assert replicas[0].state.digest() == replicas[1].state.digest()
+    assert replicas[0].state.digest() != Replica(plan, initial, sparse.outer).state.digest()
+    assert all(CODECS_BY_ID[CommitPayload.decode(payload).delta[5]].name == "union8" for *_, payload in ours)
 
 
 def test_runner_rules_for_decoupled_are_the_manifests(initial) -> None:

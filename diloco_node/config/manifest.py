@@ -20,7 +20,11 @@ from collections.abc import Sequence
 from typing import Any, Mapping
 
 CODEC_NAMES = ("fp32", "bf16", "int8", "int4", "e3m0", "topk2", "union8")
-MERGE_METHODS = ("mean", "rda")
+MERGE_METHODS = ("mean", "rda", "support_mean")
+# Uplink codecs that send a sparse or low-bit approximation whose error must be carried to the
+# next send (error feedback, learn/error_feedback.py); the dense codecs never use it, so a run that
+# names them reproduces the runs made before error feedback existed.
+ERROR_FEEDBACK_CODECS = ("topk2",)
 WEIGHTINGS = ("uniform", "tokens")
 APPLY_MODES = ("overwrite", "mix")
 OUTER_LR_SCHEDULES = ("constant", "linear", "cosine", "step")
@@ -335,6 +339,12 @@ class SyncSpec:
     keep_unmerged: bool = False
     max_tokens_per_step: int = 1 << 20
     max_steps_per_contribution: int = 1 << 16
+    # Error feedback (a learner sends Q(beta * e + delta) and keeps e <- beta * e + delta - Q(...)):
+    # on by default, but only a codec of ERROR_FEEDBACK_CODECS uses it (see `uses_error_feedback`).
+    error_feedback: bool = True
+    # beta: 0.95 measured 1.1% better than 1.0 and level with 0.9 (topk2, docs/PARITY.md "Sparse
+    # outer gradients with error feedback").
+    error_feedback_decay: float = 0.95
 
     def __post_init__(self) -> None:
         _require(self.fragments >= 1, f"sync.fragments = {self.fragments}: must be >= 1")
@@ -353,6 +363,14 @@ class SyncSpec:
         _require(0.0 <= self.mix_alpha <= 1.0, "sync.mix_alpha: must be in [0, 1]")
         _require(self.max_tokens_per_step >= 1, "sync.max_tokens_per_step: must be >= 1")
         _require(self.max_steps_per_contribution >= 1, "sync.max_steps_per_contribution: must be >= 1")
+        _require(math.isfinite(self.error_feedback_decay) and 0.0 <= self.error_feedback_decay <= 1.0,
+                 f"sync.error_feedback_decay = {self.error_feedback_decay}: must be in [0, 1]")
+
+    @property
+    def uses_error_feedback(self) -> bool:
+        """Whether learners keep an error-feedback remainder: `error_feedback` and a codec_up that
+        needs it (ERROR_FEEDBACK_CODECS); int4 and the other dense codecs send as before."""
+        return self.error_feedback and self.codec_up in ERROR_FEEDBACK_CODECS
 
 
 @dataclass(frozen=True, slots=True)

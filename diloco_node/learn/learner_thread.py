@@ -22,6 +22,7 @@ process 0 decides at each boundary and every process does the same.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
@@ -35,6 +36,7 @@ import numpy as np
 
 from diloco_node.learn import data as data_lib
 from diloco_node.learn.figures import FigureWindow, StepFigures
+from diloco_node.learn.error_feedback import ErrorFeedback, codec_quantizer
 from diloco_node.learn.handoffs import LearnerHandoffs
 from diloco_node.sync.apply import ApplyRule, FragmentCounters, apply_merge
 from diloco_node.sync.fragments import FragmentPlan
@@ -68,6 +70,9 @@ class LearnerSnapshot:
     c_steps: list[int]
     c_tokens: list[int]
     sampler: str = ""  # the batch sampler's position (data.BatchSampler.state); "" in older checkpoints
+    # Error-feedback remainders by flat parameter name (learn/error_feedback.py); empty when the
+    # run's uplink codec keeps none, and in older checkpoints.
+    error_feedback: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +164,12 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         self._on_progress = on_progress
         self._min_step_interval_s = min_step_interval_s
         self._apply_rule = ApplyRule.from_sync_spec(manifest.sync)
+        # What the uplink codec dropped from each fragment's sends, sent again with the next one
+        # (None: the run's codec_up keeps no remainder).
+        self._error_feedback: ErrorFeedback | None = None
+        if manifest.sync.uses_error_feedback:
+            self._error_feedback = ErrorFeedback(manifest.sync.error_feedback_decay,
+                                                 codec_quantizer(manifest.sync.codec_up))
         self._offers: dict[int, _Offer] = {}
         self.stopped_at_step: int | None = None
         self.error: BaseException | None = None
@@ -200,6 +211,8 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         # moved since this learner's checkpoint (a rebase), and the counters keep its work.
         self.c_steps = list(snap.c_steps)
         self.c_tokens = list(snap.c_tokens)
+        if self._error_feedback is not None:
+            self._error_feedback.load(snap.error_feedback, dict(enumerate(f.names for f in self.plan.fragments)))
         if snap.sampler:
             try:
                 self._sampler.restore(snap.sampler)
@@ -215,6 +228,8 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
                              for f in self.plan.fragments]
         self.c_steps = [0] * self.plan.num_fragments
         self.c_tokens = [0] * self.plan.num_fragments
+        if self._error_feedback is not None:  # a state installed, not followed from our sends
+            self._error_feedback.reset()
 
     # ---- thread-safe hand-offs ----------------------------------------------------------------
 
@@ -363,7 +378,21 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
                 self.base_rounds[p] = offer.round
                 self._base_params[p] = offer.params
                 self.c_steps[p], self.c_tokens[p] = counters.c_steps, counters.c_tokens
+                self._reset_if_installed(p, offer)
             self._write_params(incoming)
+
+    def _reset_if_installed(self, p: int, offer: _Offer) -> None:
+        """A fragment downloaded or repaired (an offer with no contributors) replaces the weights
+        our sends followed: the remainder of fragment p no longer belongs to them."""
+        if self._error_feedback is not None and any(not c for _, c in offer.contributors_by_round):
+            self._error_feedback.reset(p)
+
+    def _contribution(self, p: int, base_round: int, c_steps: int, c_tokens: int, delta: dict[str, np.ndarray],
+                      step: int) -> DueFragment:
+        """The hand-off of a due fragment: its delta, compensated by error feedback when the codec uses it."""
+        if self._error_feedback is not None:
+            delta = self._error_feedback.compensate(p, delta)
+        return DueFragment(p, base_round, c_steps, c_tokens, delta, step)
 
     def _fragment_leaves(self, names: Iterable[str]) -> dict[str, jax.Array]:
         leaves = jax.tree.leaves(self._inner.params)
@@ -412,8 +441,8 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
             # largest part of it (on the CPU, 112-160 ms against 70 ms for a 150 MB fragment).
             delta = {n: np.subtract(read.base[n], host_view(array), dtype=np.float32)
                      for n, array in read.copies.items()}
-            self._on_contribution(DueFragment(read.fragment, read.base_round, read.c_steps, read.c_tokens, delta,
-                                              read.step))
+            self._on_contribution(self._contribution(read.fragment, read.base_round, read.c_steps, read.c_tokens,
+                                                     delta, read.step))
 
     def _answer_state_requests(self, snap: LearnerSnapshot | None = None) -> None:
         requests = self._take_state_requests()
@@ -434,8 +463,13 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
                 step=self._inner.steps, tokens=self._inner.tokens, params=self._inner.get_flat(),
                 opt_leaves=[np.asarray(leaf) for leaf in jax.tree.leaves(self._inner.opt_state)],
                 base_rounds=list(self.base_rounds), c_steps=list(self.c_steps), c_tokens=list(self.c_tokens),
-                sampler=self._sampler.state())
+                sampler=self._sampler.state(), error_feedback=self._error_feedback_state())
         self._resolve(requests, snap)
+
+    def _error_feedback_state(self) -> dict[str, np.ndarray]:
+        if self._error_feedback is None:
+            return {}
+        return {name: a.copy() for name, a in self._error_feedback.state().items()}
 
     # ---- a multi-host site: every process at every boundary (learn/cluster.py) --------------
 
@@ -498,6 +532,7 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
                 self.base_rounds[p] = offer.round
                 self._base_params[p] = offer.params
                 self.c_steps[p], self.c_tokens[p] = counters.c_steps, counters.c_tokens
+                self._reset_if_installed(p, offer)
             leaves = self._fragment_leaves(names)
             self._write_params(following.share(values, {n: (tuple(leaves[n].shape), np.float32) for n in names}))
         if decision.snapshot:
@@ -514,7 +549,8 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         opt = following.gather({f"{i:05d}": leaf for i, leaf in enumerate(jax.tree.leaves(self._inner.opt_state))})
         return LearnerSnapshot(step=self._inner.steps, tokens=self._inner.tokens, params=params,
                                opt_leaves=[opt[k] for k in sorted(opt)], base_rounds=list(self.base_rounds),
-                               c_steps=list(self.c_steps), c_tokens=list(self.c_tokens), sampler=self._sampler.state())
+                               c_steps=list(self.c_steps), c_tokens=list(self.c_tokens), sampler=self._sampler.state(),
+                               error_feedback=self._error_feedback_state())
 
     def _gather_due(self, p: int) -> None:
         """Fragment p is due on a multi-host site: every process gathers it (a collective, so not
@@ -524,8 +560,8 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         local = following.gather(self._fragment_leaves(self.plan.fragments[p].names))
         if following.leader and self.c_steps[p] > 0:
             delta = {n: (self._base_params[p][n] - local[n]).astype(np.float32) for n in local}
-            self._on_contribution(DueFragment(p, self.base_rounds[p], self.c_steps[p], self.c_tokens[p], delta,
-                                              self._inner.steps))
+            self._on_contribution(self._contribution(p, self.base_rounds[p], self.c_steps[p], self.c_tokens[p], delta,
+                                                     self._inner.steps))
 
 
 def _scalar(value: Any) -> float:
@@ -551,6 +587,7 @@ def snapshot_meta_and_arrays(snap: LearnerSnapshot) -> tuple[dict[str, Any], dic
             "sampler": snap.sampler}
     arrays = {f"learner/params/{n}": a for n, a in snap.params.items()}
     arrays.update({f"learner/opt/{i:05d}": np.asarray(a) for i, a in enumerate(snap.opt_leaves)})
+    arrays.update({f"learner/error_feedback/{n}": a for n, a in snap.error_feedback.items()})
     return meta, arrays
 
 
@@ -558,5 +595,7 @@ def snapshot_from_checkpoint(meta: Mapping[str, Any], arrays: Mapping[str, np.nd
     prefix = "learner/params/"
     params = {k[len(prefix):]: np.array(v) for k, v in arrays.items() if k.startswith(prefix)}
     leaves = [np.array(arrays[f"learner/opt/{i:05d}"]) for i in range(int(meta["opt_leaves"]))]
+    ef_prefix = "learner/error_feedback/"
+    remainders = {k[len(ef_prefix):]: np.array(v, np.float32) for k, v in arrays.items() if k.startswith(ef_prefix)}
     return LearnerSnapshot(int(meta["step"]), int(meta["tokens"]), params, leaves, list(meta["base_rounds"]),
-                           list(meta["c_steps"]), list(meta["c_tokens"]), str(meta.get("sampler", "")))
+                           list(meta["c_steps"]), list(meta["c_tokens"]), str(meta.get("sampler", "")), remainders)

@@ -48,6 +48,7 @@ from bootstrap.entries import EntryKind, LogEntry
 from diloco_node.config.manifest import ConfigError, ModelSpec, RunManifest
 from diloco_node.learn import data as data_lib
 from diloco_node.learn import factory
+from diloco_node.learn.error_feedback import ErrorFeedback, codec_quantizer
 from diloco_node.learn import model as model_lib
 from diloco_node.learn.inner import InnerLearner, StackedLearners
 from diloco_node.sync.admission import LEARNER_ROLE, Member, Refused
@@ -426,6 +427,11 @@ class _FragmentSync:
             st.base_round = [0] * P
             st.base_params = [self.global_state.fragment_params(p) for p in range(P)]
         self.stack = StackedLearners(setup.model, _inner_for(config), M, config.manifest.seed, setup.initial)
+        # Each learner's error-feedback remainders (None: the uplink codec does not use them).
+        self.error_feedback: list[ErrorFeedback] | None = None
+        if sync.uses_error_feedback:
+            quantize = codec_quantizer(sync.codec_up)
+            self.error_feedback = [ErrorFeedback(sync.error_feedback_decay, quantize) for _ in range(M)]
         self.events: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self.bytes_up = self.bytes_down = 0
@@ -626,6 +632,8 @@ class _FragmentSync:
         names = self.plan.fragments[p].names
         local = self.stack.get_flat(st.index, names)
         delta = {n: st.base_params[p][n] - local[n] for n in names}
+        if self.error_feedback is not None:  # send Q(beta * e + delta), keep the rest
+            delta = self.error_feedback[st.index].compensate(p, delta)
         payload = encode_named(delta, sync.codec_up)
         self.bytes_up += len(payload)
         contribution = Contribution(st.name, p, st.base_round[p], decode_named(payload), st.c_steps[p], st.c_tokens[p])
@@ -667,6 +675,8 @@ class _FragmentSync:
 
     def _come_up(self, st: _LearnerState, t: float) -> None:
         st.down = False
+        if self.error_feedback is not None:  # it adopts the global state: its remainders are stale
+            self.error_feedback[st.index].reset()
         # Every missed merge is downloaded and applied in order; counters restart.
         for msg in sorted(st.missed, key=lambda m: (m.fragment, m.round)):
             self.bytes_down += msg.nbytes

@@ -4,7 +4,8 @@ A learner sends delta = Theta_p(base) - theta_m,p against the global fragment ve
 applied. The syncer rebases it onto its current version (Delta_m = (Theta_now - Theta_base) +
 delta), validates it (names, shapes, finite values, counters, norm outliers), weighs it by tokens
 (w = c_tokens^2 / c_steps after capping what a learner may claim), and merges: Radial-Directional
-Averaging for ordinary tensors, a weighted mean for embedding tables. The outer optimizer step that
+Averaging for ordinary tensors, a weighted mean for embedding tables (or, by the manifest, the
+plain weighted mean or the support-normalised mean of sparse contributions everywhere). The outer optimizer step that
 replicas apply to the result is `outer.nesterov_step`.
 
 No I/O, no clock, no JAX. Every rejection carries a reason naming the learner and what was wrong.
@@ -42,7 +43,7 @@ DEFAULT_NORM_REFERENCE_ALPHA = 0.3
 # 2.5x per round for as long as they like (e.g. inner learning-rate warm-up) are never rejected.
 DEFAULT_NORM_REFERENCE_MAX_STEP = 3.0
 
-MERGE_METHODS = ("rda", "mean")
+MERGE_METHODS = ("rda", "mean", "support_mean")
 WEIGHTINGS = ("tokens", "uniform")
 
 
@@ -258,6 +259,27 @@ def _mean_fold(vectors: Iterable[np.ndarray], w: np.ndarray, shape: tuple[int, .
             _add_scaled64(acc, v, w[i])
         del v
     return _scaled_float32(acc, None, float(w.sum()))
+
+
+def support_mean(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+    """Per coordinate, the weighted mean over the contributions that sent it (nonzero there):
+    sum w v / sum of w over those with v != 0, 0 where none did. For sparse contributions (top-k
+    uplinks) a coordinate chosen by one learner keeps that learner's value instead of being shrunk
+    by the learners that did not choose it; dense contributions give the weighted mean."""
+    w = _check_weights(vectors, weights)
+    return _support_mean_fold(iter(vectors), w, np.shape(vectors[0]))
+
+
+def _support_mean_fold(vectors: Iterable[np.ndarray], w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    acc = np.zeros(shape, dtype=np.float64)
+    support = np.zeros(shape, dtype=np.float64)
+    for i, v in enumerate(vectors):
+        if w[i] > 0:
+            _add_scaled64(acc, v, w[i])
+            support += np.where(np.asarray(v) != 0, w[i], 0.0)
+        del v
+    np.divide(acc, support, out=acc, where=support > 0)
+    return acc.astype(np.float32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -555,6 +577,8 @@ def merge_contributions(
         vectors = (_outer_tensor(c, name, current, base) for c, base, _ in accepted_items)
         if method == "rda" and name not in embeddings:
             outer[name] = _rda_fold(vectors, weights, shape)
+        elif method == "support_mean":
+            outer[name] = _support_mean_fold(vectors, weights, shape)
         else:
             outer[name] = _mean_fold(vectors, weights, shape)
     accepted = tuple((c.learner, w) for c, _, w in accepted_items)
