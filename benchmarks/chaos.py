@@ -11,7 +11,8 @@
 Options: --seed N, --duration S (override), --relays FANOUT (every daemon relays commits down a
 tree of that fan-out), --standin (engine self-test with stand-in nodes; its figures say nothing
 about the daemon), --out FILE (the JSON reports), --without-storage-faults (the soak as before
-storage and clock faults existed), --corruptions (which damage a `corrupt` fault may do).
+storage and clock faults existed), --corruptions (which damage a `corrupt` fault may do),
+--codecs UP/DOWN (the run's outer-gradient codecs, e.g. topk2/union8; default the run's default).
 
 Heavy: the soak runs every mode for the full duration (about 25 minutes for both). Run it once,
 alone, and say in any figure you quote whether the machine was shared.
@@ -26,7 +27,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from diloco_node.testbed.chaos.harness import ChaosConfig, DaemonLauncher, StandinLauncher, run_chaos, standin_config
+from diloco_node.config.manifest import CODEC_NAMES
+from diloco_node.testbed.chaos.harness import (
+    DAEMON_CONFIG,
+    ChaosConfig,
+    DaemonLauncher,
+    StandinLauncher,
+    run_chaos,
+    standin_config,
+)
 from diloco_node.testbed.chaos.schedule import CORRUPTIONS
 
 PRESETS = {
@@ -35,6 +44,23 @@ PRESETS = {
     # The goodput comparison: one learner killed for a third of the window, nothing else.
     "goodput": dict(duration_s=300.0, faults=2, joiners=0, scenario="learner-down"),
 }
+
+
+def _codecs(parser: argparse.ArgumentParser, text: str | None) -> tuple[str, str] | None:
+    if text is None:
+        return None
+    up, slash, down = text.partition("/")
+    if not slash or up not in CODEC_NAMES or down not in CODEC_NAMES:
+        parser.error(f"--codecs must be UP/DOWN with each one of {', '.join(CODEC_NAMES)}; got {text!r}")
+    return up, down
+
+
+def _config_template(directory: Path, seed: int, codecs: tuple[str, str]) -> Path:
+    """The harness's daemon config with the run's codecs set ([run.sync] is its last table)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "daemon-template.toml"
+    path.write_text(DAEMON_CONFIG.format(seed=seed) + f'codec_up = "{codecs[0]}"\ncodec_down = "{codecs[1]}"\n')
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,9 +76,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="the soak draws no disk, fsync, corruption or clock faults")
     parser.add_argument("--corruptions", default=",".join(CORRUPTIONS),
                         help=f"what a corrupt fault may do, comma-separated (default: all of {','.join(CORRUPTIONS)})")
+    parser.add_argument("--codecs", default=None, metavar="UP/DOWN",
+                        help="the run's codec_up/codec_down for the daemons, e.g. topk2/union8")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    codecs = _codecs(parser, args.codecs)
+    if codecs and args.standin:
+        parser.error("--codecs needs real daemons (not --standin)")
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="diloco-chaos-bench-"))
     reports = {}
@@ -69,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.standin and args.relays:
             parser.error("--relays needs real daemons (not --standin)")
         extra = (f"relay_fanout={args.relays}",) if args.relays else ()
-        launcher = StandinLauncher() if args.standin else DaemonLauncher(extra_settings=extra)
+        template = _config_template(workdir / name, args.seed, codecs) if codecs else None
+        launcher = StandinLauncher() if args.standin else DaemonLauncher(template, extra_settings=extra)
         started = time.monotonic()
         print(f"{name}: {config.duration_s:.0f}s per mode, histories under {config.workdir}", file=sys.stderr)
         report = run_chaos(config, launcher)
