@@ -310,16 +310,16 @@ class PartsReader:
     def read(self, offset: int, length: int) -> bytes:
         """Bytes [offset, offset + length) clipped to the end (b"" past it): one copy of the range."""
         start, stop = max(0, min(offset, self.total)), max(0, min(offset + max(0, length), self.total))
-        out = bytearray(stop - start)
+        pieces = []
         i = max(0, bisect.bisect_right(self._starts, start) - 1)
         at = start
         while at < stop:
             part, part_start = self._parts[i], self._starts[i]
             take = min(stop, part_start + part.nbytes) - at
-            out[at - start:at - start + take] = part[at - part_start:at - part_start + take]
+            pieces.append(part[at - part_start:at - part_start + take])
             at += take
             i += 1
-        return bytes(out)
+        return b"".join(pieces)  # the range's one copy
 
 
 def decode_fragment(data: bytes | bytearray | memoryview) -> FragmentState:
