@@ -10,36 +10,10 @@ with the loop.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
-import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from diloco_node.daemon.plan import DaemonPlan
-
-log = logging.getLogger("diloco_node.daemon")
-
-# Every allocation of at least this many bytes gets its own pages from the kernel and gives them
-# back when freed. glibc's default raises this threshold, up to 32 MiB, each time such a block is
-# freed; from then on the model's tensors (4-16 MiB each at 1B parameters) and every transfer
-# chunk are carved from per-thread arenas that keep freed memory, and a node's resident set
-# creeps up by a GB over a minute of commits. A fixed threshold also switches that adjustment off.
-ALLOCATIONS_MAPPED_FROM = 1024 * 1024
-_M_MMAP_THRESHOLD = -3  # mallopt parameter numbers (glibc malloc.h)
-
-
-def bound_allocator() -> bool:
-    """Make glibc's malloc return large freed blocks to the kernel (`ALLOCATIONS_MAPPED_FROM`);
-    False where the C library is not glibc (nothing changed). Process-wide, idempotent."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
-        return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, ALLOCATIONS_MAPPED_FROM))
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +26,6 @@ class Pools:
 
     @classmethod
     def open(cls, plan: DaemonPlan, node_id: str) -> Pools:
-        """The node's pools; also bounds the allocator (`bound_allocator`) before they first run."""
-        if not bound_allocator():
-            log.info("%s: malloc is not glibc's; freed blocks may stay in the process", node_id)
         sizes = plan.pools()
         return cls(**{name: ThreadPoolExecutor(size, thread_name_prefix=f"{name}-{node_id}")
                       for name, size in sizes.items()})
