@@ -242,10 +242,6 @@ def main(argv: list[str] | None = None) -> int:
     params = int(args.params)
     if params < WIDTH * 2 * args.fragments:
         parser.error(f"--params must be at least {WIDTH * 2 * args.fragments} for {args.fragments} fragments")
-    if args.role:
-        from diloco_node.daemon.pools import bound_allocator
-
-        bound_allocator()  # as every daemon does when it opens its pools
     if args.role == "servers":
         asyncio.run(_servers(params, args.fragments))
         return 0
