@@ -51,6 +51,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from diloco_node.daemon.memory_bound import issue_target_bytes, memory_bound
 from diloco_node.ops.history import find_history_files, load_histories
 from diloco_node.testbed.launcher import LinkShape
 from diloco_node.testbed.local_cluster import Cluster
@@ -234,15 +235,20 @@ def rss_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def param_count(spec: RunSpec) -> int:
-    """Parameters of the run's model, from its abstract shapes (nothing allocated)."""
+def param_count(spec: RunSpec) -> tuple[int, int]:
+    """(parameters, parameters of the largest fragment) of the run's model and plan, from its
+    abstract shapes (nothing allocated)."""
     from diloco_node.config.settings import load_config
     from diloco_node.learn import factory
-    import jax
+    from diloco_node.learn.model import param_shapes
+    from diloco_node.sync.fragments import plan_fragments
 
     manifest = load_config(None, {}, {**spec.model_settings(), "run.model.seq_len": "256"}).run
     _, state = factory.abstract_model(manifest.model)
-    return int(sum(leaf.size for leaf in jax.tree.leaves(state)))
+    shapes = param_shapes(state)
+    sizes = {name: math.prod(shape) for name, shape in shapes.items()}
+    plan = plan_fragments(shapes, spec.fragments, spec.period, 1)
+    return sum(sizes.values()), max(sum(sizes[n] for n in f.names) for f in plan.fragments)
 
 
 def settings_for(spec: RunSpec) -> tuple[str, ...]:
@@ -300,14 +306,20 @@ def commit_latencies(root: Path, holder: str, t0: float, t1: float) -> tuple[lis
 
 
 def run_one(spec: RunSpec, root: Path, startup_s: float) -> dict:
-    n_params = param_count(spec)
+    n_params, largest_fragment = param_count(spec)
     settings = settings_for(spec)
     link = lambda: LinkShape(bandwidth_mbit=spec.link_mbit, latency_ms=spec.latency_ms)  # noqa: E731
     names = [f"s{i}" for i in range(spec.sites)]
     # Witnesses first: the founder then commits nothing while the others download the state (on
     # a loaded machine a founder that trains and serves downloads at once stalls them for minutes).
     roles = {n: ("witness" if i < spec.witnesses else "learner") for i, n in enumerate(names)}
-    out: dict = {"params": n_params, "model": spec.params, "sites": spec.sites,
+    bound = memory_bound(n_params, largest_fragment)
+    out: dict = {"params": n_params, "largest_fragment_params": largest_fragment,
+                 # docs/SCALE.md "Memory bound": the formula's terms and the issue's target, MiB
+                 "memory_bound_mb": {**{k: round(v / MiB, 1) for k, v in asdict(bound).items()},
+                                     "total": round(bound.total / MiB, 1),
+                                     "target": round(issue_target_bytes(n_params) / MiB, 1)},
+                 "model": spec.params, "sites": spec.sites,
                  "fanout": spec.fanout if spec.fanout else spec.sites - 1, "relays": spec.fanout > 0, "spec": asdict(spec), "roles": roles, "settings": list(settings)}
     print(f"run {spec}", flush=True)
     started = time.monotonic()
@@ -396,6 +408,7 @@ def run_one(spec: RunSpec, root: Path, startup_s: float) -> dict:
         out["load_average_1m"] = {"min": min(loads, default=None), "max": max(loads, default=None)}
         sampler.mark("end")
     _with_samples(out, sampler, n_params)
+    out["within_bound"] = {n: mb <= out["memory_bound_mb"]["total"] for n, mb in out["peak_rss_mb"].items()}
     print(json.dumps({k: v for k, v in out.items() if k not in ("settings", "spec", "rss_samples")}), flush=True)
     return out
 

@@ -42,6 +42,7 @@ from diloco_node.sync.state_codec import FragmentAssembler, FragmentState, State
 from diloco_node.transport import PeerClient, PeerRefused, PeerUnreachable, TransportError
 from wire import messages as wire
 from wire.errors import RemoteProtocolError
+from wire.limits import MAX_CONCURRENT_STREAMS_PER_PEER
 
 # Bytes per SnapshotChunk request: big enough that per-request overhead is noise, small enough
 # that a dropped connection loses little (the download resumes at the offset reached).
@@ -55,6 +56,11 @@ DOWNLOAD_PEERS = 3
 # Chunk requests a download keeps outstanding to one peer. With one, the link idles for a round
 # trip after every chunk (4 MiB at 1 Gbit/s is 34 ms: a 20 ms RTT would waste a third of it).
 CHUNKS_IN_FLIGHT = 3
+# Chunk requests one download keeps outstanding to one peer, whichever fragments they are for: a
+# server answers at most MAX_CONCURRENT_STREAMS_PER_PEER requests of ours at once (it holds a
+# request's slot until its reply is written) and refuses more (429); one slot stays free for our
+# other messages. Matters when fewer peers than DOWNLOAD_PEERS serve (M = 2: the holder alone).
+CHUNK_REQUESTS_PER_PEER = MAX_CONCURRENT_STREAMS_PER_PEER - 1
 # A peer whose copy of a fragment is older than the download's floor is asked again after this
 # pause (round-robin over the peers): it is usually applying the very entries we need.
 BEHIND_FLOOR_RETRY_S = 0.2
@@ -217,6 +223,7 @@ class FragmentDownload:
         # Every fragment must be at least this new (a snapshot install's index): older copies
         # would miss commits the log no longer holds. May be raised while the download runs.
         self.min_commit_index = min_commit_index
+        self._peer_slots: dict[str, asyncio.Semaphore] = {}  # url -> CHUNK_REQUESTS_PER_PEER slots
 
     def raise_floor(self, index: int) -> None:
         """A snapshot through `index` arrived meanwhile: fragments older than it are fetched again."""
@@ -253,8 +260,10 @@ class FragmentDownload:
         await self._one(self.progress[p], attempts)
 
     async def _request_chunk(self, url: str, fragment: int, offset: int) -> wire.SnapshotChunk:
-        replies = await self.client.send(url, wire.SnapshotRequest(fragment, offset, self.chunk_bytes),
-                                         deadline_s=CHUNK_DEADLINE_S)
+        slots = self._peer_slots.setdefault(url, asyncio.Semaphore(CHUNK_REQUESTS_PER_PEER))
+        async with slots:
+            replies = await self.client.send(url, wire.SnapshotRequest(fragment, offset, self.chunk_bytes),
+                                             deadline_s=CHUNK_DEADLINE_S)
         chunk = next((r for r in replies if isinstance(r, wire.SnapshotChunk)), None)
         if chunk is None:
             raise RemoteProtocolError("no snapshot chunk in the reply", 400)

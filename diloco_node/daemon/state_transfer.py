@@ -39,7 +39,7 @@ log = logging.getLogger("diloco_node.daemon")
 INSTALL_RETRY_S = 2.0
 # The most bytes one SnapshotChunk answer carries, whatever the request asks: what one request
 # being served holds in memory (joiners ask for join.py's SNAPSHOT_CHUNK_BYTES, 4 MiB).
-SERVED_CHUNK_BYTES = 16 * 1024 * 1024
+SERVED_CHUNK_BYTES = 4 * 1024 * 1024
 # Download attempts for one fragment repair before it is reported as failed.
 REPAIR_ATTEMPTS = 10
 

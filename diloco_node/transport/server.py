@@ -362,17 +362,23 @@ class PeerServer:
         stream = self._admit(request.remote or "unknown", loop.time())
         if self._certified_senders:
             stream.certified = self._certified(request)[0]
+        # The stream's slot is held until its reply is written: a slow reader's reply counts
+        # against MAX_CONCURRENT_STREAMS and its sender's per-peer streams until it has left, so
+        # the bytes of replies in flight are bounded (daemon/memory_bound.py).
         try:
-            replies = await self._consume(request, kind, self._claimed_sender(request), stream, loop)
-            body = await self._encode_replies(replies, stream.sender)
-        except RemoteProtocolError as error:
-            if stream.sender is None:
-                self.counters.peer(UNAUTHENTICATED).requests_received += 1
-            return await self._refuse(request, stream.sender or UNAUTHENTICATED, error.status_hint, str(error))
+            try:
+                replies = await self._consume(request, kind, self._claimed_sender(request), stream, loop)
+                body = await self._encode_replies(replies, stream.sender)
+            except RemoteProtocolError as error:
+                if stream.sender is None:
+                    self.counters.peer(UNAUTHENTICATED).requests_received += 1
+                return await self._refuse(request, stream.sender or UNAUTHENTICATED, error.status_hint, str(error))
+            assert stream.sender is not None  # a body without an authenticated frame was refused
+            return await self._write_reply(request, stream.sender, body)
         finally:
             self._release(stream)
-        assert stream.sender is not None  # a body without an authenticated frame was refused
-        peer_key = stream.sender
+
+    async def _write_reply(self, request: web.Request, peer_key: str, body: list[bytes]) -> web.StreamResponse:
         length = sum(len(piece) for piece in body)
         self.counters.sent(peer_key, length)
         try:
