@@ -368,17 +368,22 @@ class PeerClient:
         limit = self.max_reply_bytes
         while True:
             chunk = await response.content.readany()
-            if 0 < len(chunk) < DECODE_BATCH_BYTES:  # coalesce what is already buffered: fewer decode calls
-                more = response.content.read_nowait(DECODE_BATCH_BYTES - len(chunk))
-                chunk = chunk + more if more else chunk
-            traffic.bytes_received += len(chunk)
-            received += len(chunk)
+            pieces = [chunk]
+            size = len(chunk)
+            while 0 < size < DECODE_BATCH_BYTES:  # what is already buffered, decoded in one call (not joined)
+                more = response.content.read_nowait(DECODE_BATCH_BYTES - size)
+                if not more:
+                    break
+                pieces.append(more)
+                size += len(more)
+            traffic.bytes_received += size
+            received += size
             if received > limit:
                 raise RemoteProtocolError(f"reply body exceeds {limit} bytes", 413)
-            if len(chunk) + decoder.buffered_bytes < INLINE_DECODE_MAX_BYTES:
-                events = _decode_all(decoder, chunk, self._wall_clock())
+            if size + decoder.buffered_bytes < INLINE_DECODE_MAX_BYTES:
+                events = _decode_all(decoder, pieces, self._wall_clock())
             else:
-                events = await loop.run_in_executor(self._executor, _decode_all, decoder, chunk, self._wall_clock())
+                events = await loop.run_in_executor(self._executor, _decode_all, decoder, pieces, self._wall_clock())
             for event in events:
                 assert isinstance(event, Received)  # the client decoder streams no kind
                 replies.append(event.message)
@@ -388,8 +393,9 @@ class PeerClient:
                 return replies
 
 
-def _decode_all(decoder: FrameDecoder, data: bytes, now_unix: float) -> list[object]:
-    decoder.receive_data(data)
+def _decode_all(decoder: FrameDecoder, pieces: list[bytes], now_unix: float) -> list[object]:
+    for data in pieces:
+        decoder.receive_data(data)
     events = []
     while (event := decoder.next_event(now_unix=now_unix)) is not NEED_DATA and event is not CLOSED:
         events.append(event)
