@@ -224,7 +224,8 @@ def _fragment_with_everything() -> FragmentState:
 
 def _packb_of(state: FragmentState) -> bytes:
     """What encode_fragment wrote before it was built from parts: msgpack.packb of the map."""
-    arrays = {n: [list(a.shape), np.ascontiguousarray(a, np.float32).tobytes()] for n, a in fragment_arrays(state).items()}
+    arrays = {n: [list(a.shape), np.ascontiguousarray(a, np.float32).tobytes()]
+              for n, a in fragment_arrays(state).items()}
     fields = {"format": FRAGMENT_BYTES_FORMAT, "fragment": state.fragment, "round": state.round, "arrays": arrays,
               "norm_ref": state.norm_ref, "merged": [state.merged_tokens, state.merged_steps],
               "commit_wall": state.commit_wall, "evicted": [r.to_plain() for r in state.evicted]}

@@ -359,7 +359,8 @@ class _Received:
     def __init__(self, replica: Replica, fragment: int) -> None:
         self.replica = replica
         self.fragment = fragment
-        self.shapes = fragment_shapes({n: a.shape for n, a in replica.state.fragment_params(fragment, copies=False).items()})
+        tensors = replica.state.fragment_params(fragment, copies=False)  # the state's own arrays: shapes only
+        self.shapes = fragment_shapes({n: a.shape for n, a in tensors.items()})
         self.restart()
 
     def restart(self) -> None:
