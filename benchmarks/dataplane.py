@@ -51,6 +51,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from diloco_node.daemon.memory_bound import issue_target_bytes, memory_bound
 from diloco_node.ops.history import find_history_files, load_histories
 from diloco_node.testbed.launcher import LinkShape
 from diloco_node.testbed.local_cluster import Cluster
@@ -133,15 +134,121 @@ def peak_rss_bytes(pid: int | None) -> int | None:
     return None
 
 
-def param_count(spec: RunSpec) -> int:
-    """Parameters of the run's model, from its abstract shapes (nothing allocated)."""
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
+def process_sample(pid: int) -> tuple[int, int, int, float] | None:
+    """(VmRSS, RssAnon, RssFile in bytes, CPU-seconds user + system) of a process, or None if gone."""
+    try:
+        fields = {}
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(("VmRSS:", "RssAnon:", "RssFile:")):
+                fields[line.split(":")[0]] = int(line.split()[1]) * 1024
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ticks = stat[stat.rindex(")") + 2:].split()
+        cpu = (int(ticks[11]) + int(ticks[12])) / CLOCK_TICKS  # utime, stime: fields 14 and 15
+        return fields.get("VmRSS", 0), fields.get("RssAnon", 0), fields.get("RssFile", 0), cpu
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class RssSampler:
+    """Samples every watched process's resident set and CPU time every `interval_s` in a thread,
+    tagging each sample with the phase `mark` last named: where a peak comes from (start-up, the
+    state download, the first commits) and what each phase cost in CPU, per process."""
+
+    def __init__(self, interval_s: float = 0.1) -> None:
+        import threading
+
+        self.interval_s = interval_s
+        self.pids: dict[str, int] = {}  # name -> pid (daemons, and link emulators as "link:<site>")
+        self.samples: list[tuple[float, str, str, int, int, int, float]] = []  # t, phase, name, rss, anon, file, cpu
+        self.marks: list[tuple[float, str]] = [(0.0, "start-up")]
+        self._t0 = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def watch(self, name: str, pid: int | None) -> None:
+        if pid is not None:
+            self.pids[name] = pid
+
+    def mark(self, phase: str) -> None:
+        self.marks.append((round(time.monotonic() - self._t0, 2), phase))
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            t = round(time.monotonic() - self._t0, 2)
+            phase = self.marks[-1][1]
+            for name, pid in list(self.pids.items()):
+                sample = process_sample(pid)
+                if sample is not None:
+                    self.samples.append((t, phase, name, *sample))
+
+    def report(self, every_s: float = 5.0) -> dict:
+        """Per process: the peak (when, in which phase, anonymous and file-backed parts), the peak
+        and CPU-seconds of every phase, and a timeline thinned to one sample per `every_s`."""
+        out: dict = {"marks": self.marks, "interval_s": self.interval_s, "processes": {}}
+        for name in self.pids:
+            rows = [r for r in self.samples if r[2] == name]
+            if not rows:
+                continue
+            peak = max(rows, key=lambda r: r[3])
+            phases: dict[str, dict] = {}
+            for r in rows:
+                ph = phases.setdefault(r[1], {"peak_rss_mb": 0.0, "cpu_s_first": r[6], "cpu_s_last": r[6],
+                                              "t_first": r[0], "t_last": r[0]})
+                ph["peak_rss_mb"] = max(ph["peak_rss_mb"], round(r[3] / MiB, 1))
+                ph["cpu_s_last"], ph["t_last"] = r[6], r[0]
+            timeline, next_t = [], 0.0
+            for r in rows:
+                if r[0] >= next_t or r is peak:
+                    timeline.append([r[0], round(r[3] / MiB), round(r[4] / MiB)])
+                    next_t = r[0] + every_s
+            out["processes"][name] = {
+                "peak": {"t": peak[0], "phase": peak[1], "rss_mb": round(peak[3] / MiB, 1),
+                         "anon_mb": round(peak[4] / MiB, 1), "file_mb": round(peak[5] / MiB, 1)},
+                "phases": {ph: {"peak_rss_mb": v["peak_rss_mb"], "seconds": round(v["t_last"] - v["t_first"], 1),
+                                "cpu_s": round(v["cpu_s_last"] - v["cpu_s_first"], 2)} for ph, v in phases.items()},
+                "cpu_s_total": round(rows[-1][6], 2),
+                "timeline_mb": timeline}
+        return out
+
+
+def rss_table(report: dict) -> str:
+    """The sampler's report as a compact text table: one row per process and phase."""
+    lines = [f"{'process':<10} {'phase':<28} {'peak RSS MiB':>12} {'seconds':>8} {'CPU-s':>7}"]
+    for name, proc in report["processes"].items():
+        for phase, v in proc["phases"].items():
+            lines.append(f"{name:<10} {phase:<28} {v['peak_rss_mb']:>12.0f} {v['seconds']:>8.1f} {v['cpu_s']:>7.2f}")
+        pk = proc["peak"]
+        lines.append(f"{name:<10} PEAK at {pk['t']:.1f} s in {pk['phase']!r}: {pk['rss_mb']:.0f} MiB "
+                     f"(anon {pk['anon_mb']:.0f}, file {pk['file_mb']:.0f})")
+    return "\n".join(lines)
+
+
+def param_count(spec: RunSpec) -> tuple[int, int]:
+    """(parameters, parameters of the largest fragment) of the run's model and plan, from its
+    abstract shapes (nothing allocated)."""
     from diloco_node.config.settings import load_config
     from diloco_node.learn import factory
-    import jax
+    from diloco_node.learn.model import param_shapes
+    from diloco_node.sync.fragments import plan_fragments
 
     manifest = load_config(None, {}, {**spec.model_settings(), "run.model.seq_len": "256"}).run
     _, state = factory.abstract_model(manifest.model)
-    return int(sum(leaf.size for leaf in jax.tree.leaves(state)))
+    shapes = param_shapes(state)
+    sizes = {name: math.prod(shape) for name, shape in shapes.items()}
+    plan = plan_fragments(shapes, spec.fragments, spec.period, 1)
+    return sum(sizes.values()), max(sum(sizes[n] for n in f.names) for f in plan.fragments)
 
 
 def settings_for(spec: RunSpec) -> tuple[str, ...]:
@@ -199,35 +306,46 @@ def commit_latencies(root: Path, holder: str, t0: float, t1: float) -> tuple[lis
 
 
 def run_one(spec: RunSpec, root: Path, startup_s: float) -> dict:
-    n_params = param_count(spec)
+    n_params, largest_fragment = param_count(spec)
     settings = settings_for(spec)
     link = lambda: LinkShape(bandwidth_mbit=spec.link_mbit, latency_ms=spec.latency_ms)  # noqa: E731
     names = [f"s{i}" for i in range(spec.sites)]
     # Witnesses first: the founder then commits nothing while the others download the state (on
     # a loaded machine a founder that trains and serves downloads at once stalls them for minutes).
     roles = {n: ("witness" if i < spec.witnesses else "learner") for i, n in enumerate(names)}
-    out: dict = {"params": n_params, "model": spec.params, "sites": spec.sites,
+    bound = memory_bound(n_params, largest_fragment)
+    out: dict = {"params": n_params, "largest_fragment_params": largest_fragment,
+                 # docs/SCALE.md "Memory bound": the formula's terms and the issue's target, MiB
+                 "memory_bound_mb": {**{k: round(v / MiB, 1) for k, v in asdict(bound).items()},
+                                     "total": round(bound.total / MiB, 1),
+                                     "target": round(issue_target_bytes(n_params) / MiB, 1)},
+                 "model": spec.params, "sites": spec.sites,
                  "fanout": spec.fanout if spec.fanout else spec.sites - 1, "relays": spec.fanout > 0, "spec": asdict(spec), "roles": roles, "settings": list(settings)}
     print(f"run {spec}", flush=True)
     started = time.monotonic()
-    with Cluster.create(root) as cluster:
+    with Cluster.create(root) as cluster, RssSampler() as sampler:
         try:
+            sampler.mark(f"{names[0]} start-up")
             founder = cluster.add(names[0], settings=settings, link=link(),
                                   role=None if roles[names[0]] == "learner" else "witness")
+            _watch(sampler, cluster, names[0])
             cluster.wait_for("founder ready", guarded(lambda s: s.get(names[0], {}).get("ready", False)), startup_s, 1.0)
             # One joiner at a time: M state downloads at once would measure the start, not the run.
             for i, n in enumerate(names[1:], start=2):
+                sampler.mark(f"{n} joins (state download)")
                 cluster.add(n, bootstrap=founder, settings=settings, link=link(),
                             role=None if roles[n] == "learner" else "witness")
+                _watch(sampler, cluster, n)
                 before = wait_all(cluster, set(names[:i]), startup_s)
             before = wait_all(cluster, set(names), startup_s)
+            sampler.mark("window (commits)")
         except (AssertionError, OutOfMemory) as error:
             out["error"] = f"did not start: {error}"[:2000]
             out["started_sites"] = sorted(cluster.sites)
             out["peak_rss_mb"] = _peak_rss_mb(cluster)
             out["rss_bytes_per_param"] = {n: round(mb * MiB / n_params, 1) for n, mb in out["peak_rss_mb"].items()}
             out["exited"] = {n: s.process.returncode for n, s in cluster.sites.items() if not s.running}
-            return out
+            return _with_samples(out, sampler, n_params)
         out["startup_s"] = round(time.monotonic() - started, 1)
         t0 = time.time()
         holders = {cluster.coordinator(before)}
@@ -239,7 +357,7 @@ def run_one(spec: RunSpec, root: Path, startup_s: float) -> dict:
                 out["error"] = f"stopped after {time.time() - t0:.0f} s: machine memory available below {MIN_AVAILABLE_MB} MiB"
                 out["peak_rss_mb"] = _peak_rss_mb(cluster)
                 out["rss_bytes_per_param"] = {n: round(mb * MiB / n_params, 1) for n, mb in out["peak_rss_mb"].items()}
-                return out
+                return _with_samples(out, sampler, n_params)
             statuses = cluster.poll()
             holders.add(cluster.coordinator(statuses))
             loads.append(float(Path("/proc/loadavg").read_text().split()[0]))
@@ -256,7 +374,7 @@ def run_one(spec: RunSpec, root: Path, startup_s: float) -> dict:
         if holder is None or missing:
             out["error"] = f"no single holder at the end or sites not answering: {sorted(missing)}"
             out["peak_rss_mb"] = peak
-            return out
+            return _with_samples(out, sampler, n_params)
         commits, delays = commit_latencies(root, holder, t0, t1)
         out["commits"] = len(commits)
         sent = after[holder]["bytes"]["sent"] - before[holder]["bytes"]["sent"]
@@ -288,7 +406,31 @@ def run_one(spec: RunSpec, root: Path, startup_s: float) -> dict:
         # Every (index, digest) any site reported while ready, across the run: one digest per index.
         out["digests_agree"] = cluster.conflicting_indices() == {}
         out["load_average_1m"] = {"min": min(loads, default=None), "max": max(loads, default=None)}
-    print(json.dumps({k: v for k, v in out.items() if k not in ("settings", "spec")}), flush=True)
+        sampler.mark("end")
+    _with_samples(out, sampler, n_params)
+    out["within_bound"] = {n: mb <= out["memory_bound_mb"]["total"] for n, mb in out["peak_rss_mb"].items()}
+    print(json.dumps({k: v for k, v in out.items() if k not in ("settings", "spec", "rss_samples")}), flush=True)
+    return out
+
+
+def _watch(sampler: RssSampler, cluster: Cluster, name: str) -> None:
+    site = cluster.sites[name]
+    sampler.watch(name, site.pid)
+    if site.link is not None:
+        sampler.watch(f"link:{name}", site.link.pid)
+
+
+def _with_samples(out: dict, sampler: RssSampler, n_params: int) -> dict:
+    """`out` with the sampler's report, its table printed, and the CPU-seconds per GB of state each
+    process spent while a site downloaded the state (state: 8 bytes a parameter)."""
+    report = sampler.report()
+    out["rss_samples"] = report
+    state_gb = 8 * n_params / 1e9
+    out["download_cpu_s_per_gb"] = {
+        phase: {name: round(proc["phases"][phase]["cpu_s"] / state_gb, 2)
+                for name, proc in report["processes"].items() if phase in proc["phases"]}
+        for _, phase in report["marks"] if phase.endswith("(state download)")}
+    print(rss_table(report), flush=True)
     return out
 
 

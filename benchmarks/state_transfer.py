@@ -5,7 +5,8 @@ Three peer servers serve the same global state (same seed, same bytes) over the 
 process capped at `--link-mbit`. A joiner process runs the daemon's own `FragmentDownload` and
 installs every fragment after checking its SHA-256; the final state digest must equal the
 servers'. Reported: bytes, seconds, aggregate throughput and its share of the 3 links' capacity
-(`utilization`, target >= 0.9), and each process's peak RSS.
+(`utilization`, target >= 0.9), each process's peak RSS, and the CPU-seconds per GB received of the
+joiner (`receiver`), the servers (`sender`) and, apart, the link emulators (`cpu_s_per_GB`).
 
 `--cut-after S` kills one link emulator (SIGKILL: every connection through it reset, the peer
 unreachable from then on) S seconds into the download: the fragment it was carrying resumes at
@@ -50,6 +51,13 @@ def _rss_mb(field: str = "VmHWM") -> float:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU-seconds (user + system) a process has used, from /proc/<pid>/stat."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _auth(node: str):
     from wire.auth import AuthContext, FrameVerifier, derive_frame_key
 
@@ -80,21 +88,27 @@ def _replica(params: int, fragments: int, *, seed: int | None):
 
 
 async def _servers(params: int, fragments: int) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
     from aiohttp import web
 
+    from diloco_node.daemon.plan import CODEC_THREADS
+    from diloco_node.daemon.state_transfer import ServedFragments
     from diloco_node.transport import PeerServer
     from wire import messages as wire
     from wire.messages import MessageKind
 
     replica = _replica(params, fragments, seed=1)
-    for p in range(fragments):
-        replica.fragment_bytes(p)  # serialized once, as a serving daemon caches them
-    state_bytes = sum(len(replica.fragment_bytes(p)[1]) for p in range(fragments))
+    # The daemon's own serving path (daemon/state_transfer.py): chunks read from the state's arrays
+    # in the codec pool, each fragment's digest remembered.
+    served = ServedFragments(replica)
+    codec = ThreadPoolExecutor(CODEC_THREADS, thread_name_prefix="codec")
+    state_bytes = sum(served.read(p, 0, 0)[1] for p in range(fragments))
 
     async def on_snapshot_request(message: wire.SnapshotRequest, peer: object) -> wire.SnapshotChunk:
-        _, data, digest = replica.fragment_bytes(message.fragment)
-        start = min(message.offset, len(data))
-        return wire.SnapshotChunk(message.fragment, 1, start, len(data), digest, data[start:start + message.max_length])
+        _, total, digest, part = await asyncio.get_running_loop().run_in_executor(
+            codec, served.read, message.fragment, message.offset, message.max_length)
+        return wire.SnapshotChunk(message.fragment, 1, min(message.offset, total), total, digest, part)
 
     runners, ports = [], []
     for i in range(PEERS):
@@ -136,10 +150,10 @@ async def _joiner(urls: list[str], params: int, fragments: int) -> None:
     async with PeerClient(auth, verifier, executor=codec) as client:
         download = FragmentDownload(client, replica, lambda: urls, executor=codec, clock=SystemClock())
         print(json.dumps({"started": True}), flush=True)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         await download.run()
-        seconds = time.perf_counter() - start
-    print(json.dumps({"seconds": seconds, "bytes_received": download.bytes_received,
+        seconds, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+    print(json.dumps({"seconds": seconds, "cpu_s": cpu_s, "bytes_received": download.bytes_received,
                       "digest": replica.state.digest(), "peak_rss_MB": round(_rss_mb(), 1)}), flush=True)
 
 
@@ -166,12 +180,14 @@ def run_once(params: int, fragments: int, link_mbit: float, cut_after_s: float |
         joiner = _spawn(__file__, "--role", "joiner", "--params", str(params), "--fragments", str(fragments),
                         "--urls", ",".join(urls))
         json.loads(joiner.stdout.readline())  # the joiner's state is allocated: the download starts now
+        cpu_before = {"servers": _cpu_s(servers.pid), **{f"link{i}": _cpu_s(link.pid) for i, link in enumerate(links)}}
         cut_at = None
         if cut_after_s is not None:
             time.sleep(cut_after_s)
             links[1].send_signal(signal.SIGKILL)
             cut_at = cut_after_s
         result = json.loads(joiner.stdout.readline())
+        cpu_after = {"servers": _cpu_s(servers.pid), **{f"link{i}": _cpu_s(link.pid) for i, link in enumerate(links)}}
         joiner.wait(60)
     finally:
         for proc in (*links, servers):
@@ -189,6 +205,8 @@ def run_once(params: int, fragments: int, link_mbit: float, cut_after_s: float |
         raise RuntimeError(f"joiner's state digest {result['digest']} != the servers' {served['digest']}")
     capacity_Bps = PEERS * link_mbit * 1e6 / 8
     throughput = served["state_bytes"] / result["seconds"]
+    gb = result["bytes_received"] / 1e9
+    spent = {name: cpu_after[name] - cpu_before[name] for name in cpu_before}
     return {
         "params": params,
         "fragments": fragments,
@@ -202,6 +220,12 @@ def run_once(params: int, fragments: int, link_mbit: float, cut_after_s: float |
         "refetched_bytes": result["bytes_received"] - served["state_bytes"],
         "digest_verified": True,
         "peak_rss_MB": {"joiner": result["peak_rss_MB"], "servers": server_report.get("peak_rss_MB")},
+        # CPU-seconds per GB (10^9 bytes) received, over the download: the joiner (receive: frames,
+        # hash, decode, check, install), the servers (send: the 3 servers share a process), and the
+        # link emulators apart (they are the benchmark's, not a site's)
+        "cpu_s_per_GB": {"receiver": round(result["cpu_s"] / gb, 3), "sender": round(spent["servers"] / gb, 3),
+                         "link_emulators": round(sum(v for k, v in spent.items() if k.startswith("link")) / gb, 3)},
+        "cpu_s": {"receiver": round(result["cpu_s"], 2), **{k: round(v, 2) for k, v in spent.items()}},
     }
 
 

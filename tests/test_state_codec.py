@@ -204,3 +204,91 @@ def test_checkpoint_keeps_history_when_the_states_carry_it() -> None:
     back, digest = from_checkpoint(meta, arrays, PLAN)
     assert digest == source.state.digest()
     assert all(_same(a, b) for a, b in zip(back, states, strict=True))
+
+
+# ---- download bytes as parts (served) and decoded as they arrive (received) ----------------
+
+
+def _fragment_with_everything() -> FragmentState:
+    """A fragment with a 0-d array, an empty one, a large one (bin32), a norm reference, totals,
+    a wall time and an eviction: every kind of field the download bytes carry."""
+    from diloco_node.sync.evictions import Evictions
+
+    rng = np.random.default_rng(3)
+    params = {"a/w": rng.standard_normal((3, 5)).astype(np.float32), "b": np.array(1.5, np.float32),
+              "c": rng.standard_normal(70_000).astype(np.float32), "e": np.zeros((0, 4), np.float32)}
+    evicted = Evictions.from_plain([{"node_id": "s9", "index": 4, "reason": "test"}], "test").records()
+    return FragmentState(3, 7, params, {n: a * 2 for n, a in params.items()}, norm_ref=0.5,
+                         merged_tokens=10**12, merged_steps=5, commit_wall=1.7e9, evicted=tuple(evicted))
+
+
+def _packb_of(state: FragmentState) -> bytes:
+    """What encode_fragment wrote before it was built from parts: msgpack.packb of the map."""
+    arrays = {n: [list(a.shape), np.ascontiguousarray(a, np.float32).tobytes()]
+              for n, a in fragment_arrays(state).items()}
+    fields = {"format": FRAGMENT_BYTES_FORMAT, "fragment": state.fragment, "round": state.round, "arrays": arrays,
+              "norm_ref": state.norm_ref, "merged": [state.merged_tokens, state.merged_steps],
+              "commit_wall": state.commit_wall, "evicted": [r.to_plain() for r in state.evicted]}
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def test_download_bytes_from_parts_are_msgpacks_bytes_so_peers_of_any_version_serve_the_same() -> None:
+    state = _fragment_with_everything()
+    assert encode_fragment(state) == _packb_of(state)
+    replica_state = _replica(steps=3).fragment_state(1)
+    assert encode_fragment(replica_state) == msgpack.packb(msgpack.unpackb(encode_fragment(replica_state)),
+                                                           use_bin_type=True)
+
+
+def test_a_parts_reader_serves_any_range_and_the_digest_without_joining_the_parts() -> None:
+    import hashlib
+
+    from diloco_node.sync.state_codec import PartsReader, fragment_parts
+
+    state = _fragment_with_everything()
+    data = encode_fragment(state)
+    reader = PartsReader(fragment_parts(state))
+    assert reader.total == len(data) and reader.digest() == hashlib.sha256(data).digest()
+    for offset, length in [(0, 1), (0, len(data)), (7, 1000), (100, 300_000), (len(data) - 3, 10), (len(data) + 5, 3)]:
+        assert reader.read(offset, length) == data[offset:offset + length]
+
+
+@pytest.mark.parametrize("piece", [1, 7, 4096, 1 << 30])
+def test_an_assembler_decodes_bytes_fed_in_any_pieces_as_decode_fragment_does(piece: int) -> None:
+    import hashlib
+
+    from diloco_node.sync.state_codec import FragmentAssembler, fragment_shapes
+
+    state = _fragment_with_everything()
+    data = encode_fragment(state)
+    assembler = FragmentAssembler(fragment_shapes({n: a.shape for n, a in state.params.items()}))
+    for start in range(0, len(data), piece):
+        assembler.feed(data[start:start + piece])
+    got, expected = assembler.finish(), decode_fragment(data)
+    assert assembler.digest() == hashlib.sha256(data).digest() and assembler.received == len(data)
+    assert _same(got, expected) and got == dataclasses.replace(expected, params=got.params, momentum=got.momentum)
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    (b"\xc1", "a map expected"),
+    (_packed(format=1), f"not a map in format {FRAGMENT_BYTES_FORMAT}"),
+    (_packed(arrays={"params/blocks/0/w": [[4, 4], b"\x00" * 60]}), "not 64 raw bytes"),
+    (_packed(arrays={"params/blocks/0/w": [[8, 2], b"\x00" * 64]}), "shape \\[8, 2\\], this run's is \\[4, 4\\]"),
+    (_packed(arrays={"params/other": [[4, 4], b"\x00" * 64]}), "'params/other' is not one of this fragment's"),
+    (_packed(arrays={"params/blocks/0/w": b"x"}), "is not \\[shape, bytes\\]"),
+    (_packed(norm_ref=float("nan")), "norm_ref = nan must be finite and >= 0"),
+    (_packed(round="3"), "'round' must be an integer"),
+    (_packed(note="x" * (2 << 20)), "a metadata item of"),
+    (_packed()[:-1], "end early"),
+    (_packed() + b"\x00", "after the end"),
+])
+def test_an_assembler_refuses_malformed_bytes_before_allocating_for_them(data: bytes, message: str) -> None:
+    from diloco_node.sync.state_codec import FragmentAssembler, fragment_shapes
+
+    # fragment 1's arrays, and "blocks/0/w" (of another fragment) for the cases that change it
+    shapes = fragment_shapes({**{n: a.shape for n, a in _replica().state.fragment_params(1).items()},
+                              "blocks/0/w": (4, 4)})
+    assembler = FragmentAssembler(shapes)
+    with pytest.raises(StateCodecError, match=message):
+        assembler.feed(data)
+        assembler.finish()

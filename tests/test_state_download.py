@@ -136,3 +136,43 @@ async def test_when_every_attempt_fails_the_download_says_which_fragment_and_why
     with pytest.raises(JoinRefused, match=r"fragment \d: download failed 2 times; last: .*connection refused"):
         await download.run(attempts=2)
     assert all(client.in_flight[url] == 0 for url in PEERS)  # nothing left running
+
+
+async def test_one_peer_alone_gets_no_more_chunk_requests_than_its_stream_slots_allow() -> None:
+    """M = 2: every download worker asks the one peer; a server answers at most
+    MAX_CONCURRENT_STREAMS_PER_PEER requests of one sender at once (and refuses more)."""
+    from wire.limits import MAX_CONCURRENT_STREAMS_PER_PEER
+
+    source, target = _replica(), _replica(seed=1)
+    client = _CountingPeers(source)
+    download = FragmentDownload(client, target, lambda: PEERS[:1], chunk_bytes=CHUNK, **POOL_AND_CLOCK)
+    await download.run()
+    assert target.state.digest() == source.state.digest()
+    assert client.most_in_flight[PEERS[0]] == join.CHUNK_REQUESTS_PER_PEER < MAX_CONCURRENT_STREAMS_PER_PEER
+    assert join.CHUNK_REQUESTS_PER_PEER < join.DOWNLOAD_PEERS * join.CHUNKS_IN_FLIGHT  # so the cap is what bound it
+
+
+def test_served_chunks_are_the_fragment_bytes_and_their_digest_follows_every_change() -> None:
+    """The daemon serves chunks read from the state's arrays (state_transfer.ServedFragments): the
+    same bytes and digest as the serialized fragment, the digest remembered only while the arrays
+    are the state's (an apply or an install of the same round replaces them)."""
+    import hashlib
+
+    from diloco_node.daemon.state_transfer import ServedFragments
+
+    source = _replica()
+    served = ServedFragments(source)
+
+    def whole(p: int) -> tuple[bytes, bytes]:
+        _, total, digest, _ = served.read(p, 0, 0)
+        return b"".join(served.read(p, at, 700)[3] for at in range(0, total, 700)), digest
+
+    data, digest = whole(2)
+    assert data == source.fragment_bytes(2)[1] and digest == hashlib.sha256(data).digest()
+    other = _replica(seed=3)  # the same round of fragment 2, other values, installed as a repair would
+    source.install_fragment_bytes(2, other.fragment_bytes(2)[1])
+    assert source.state.round(2) == 0 and whole(2) == (other.fragment_bytes(2)[1], other.fragment_bytes(2)[2])
+    source.apply(_commit(source, 1, 2))
+    after_apply, digest_after_apply = whole(2)
+    assert source.state.round(2) == 1 and digest_after_apply == hashlib.sha256(after_apply).digest()
+    assert after_apply == source.fragment_bytes(2)[1]

@@ -25,7 +25,6 @@ with the snapshot's index as the floor.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import random
@@ -37,10 +36,13 @@ from dataclasses import dataclass
 from diloco_node.clock import Clock
 from diloco_node.config.manifest import RunManifest
 from diloco_node.config.settings import ConfigError, EffectiveConfig
+from diloco_node.sync.global_state import CheckedFragment, GlobalStateError
 from diloco_node.sync.replica import Replica
+from diloco_node.sync.state_codec import FragmentAssembler, FragmentState, StateCodecError, fragment_shapes
 from diloco_node.transport import PeerClient, PeerRefused, PeerUnreachable, TransportError
 from wire import messages as wire
 from wire.errors import RemoteProtocolError
+from wire.limits import MAX_CONCURRENT_STREAMS_PER_PEER
 
 # Bytes per SnapshotChunk request: big enough that per-request overhead is noise, small enough
 # that a dropped connection loses little (the download resumes at the offset reached).
@@ -54,6 +56,11 @@ DOWNLOAD_PEERS = 3
 # Chunk requests a download keeps outstanding to one peer. With one, the link idles for a round
 # trip after every chunk (4 MiB at 1 Gbit/s is 34 ms: a 20 ms RTT would waste a third of it).
 CHUNKS_IN_FLIGHT = 3
+# Chunk requests one download keeps outstanding to one peer, whichever fragments they are for: a
+# server answers at most MAX_CONCURRENT_STREAMS_PER_PEER requests of ours at once (it holds a
+# request's slot until its reply is written) and refuses more (429); one slot stays free for our
+# other messages. Matters when fewer peers than DOWNLOAD_PEERS serve (M = 2: the holder alone).
+CHUNK_REQUESTS_PER_PEER = MAX_CONCURRENT_STREAMS_PER_PEER - 1
 # A peer whose copy of a fragment is older than the download's floor is asked again after this
 # pause (round-robin over the peers): it is usually applying the very entries we need.
 BEHIND_FLOOR_RETRY_S = 0.2
@@ -216,6 +223,7 @@ class FragmentDownload:
         # Every fragment must be at least this new (a snapshot install's index): older copies
         # would miss commits the log no longer holds. May be raised while the download runs.
         self.min_commit_index = min_commit_index
+        self._peer_slots: dict[str, asyncio.Semaphore] = {}  # url -> CHUNK_REQUESTS_PER_PEER slots
 
     def raise_floor(self, index: int) -> None:
         """A snapshot through `index` arrived meanwhile: fragments older than it are fetched again."""
@@ -252,15 +260,17 @@ class FragmentDownload:
         await self._one(self.progress[p], attempts)
 
     async def _request_chunk(self, url: str, fragment: int, offset: int) -> wire.SnapshotChunk:
-        replies = await self.client.send(url, wire.SnapshotRequest(fragment, offset, self.chunk_bytes),
-                                         deadline_s=CHUNK_DEADLINE_S)
+        slots = self._peer_slots.setdefault(url, asyncio.Semaphore(CHUNK_REQUESTS_PER_PEER))
+        async with slots:
+            replies = await self.client.send(url, wire.SnapshotRequest(fragment, offset, self.chunk_bytes),
+                                             deadline_s=CHUNK_DEADLINE_S)
         chunk = next((r for r in replies if isinstance(r, wire.SnapshotChunk)), None)
         if chunk is None:
             raise RemoteProtocolError("no snapshot chunk in the reply", 400)
         return chunk
 
-    async def _fetch_rest(self, url: str, progress: FragmentProgress, buffer: bytearray) -> None:
-        """Fill `buffer` with fragment bytes from `url`, from its current length to the end.
+    async def _fetch_rest(self, url: str, progress: FragmentProgress, received: _Received) -> None:
+        """Feed `received` fragment bytes from `url`, from the offset it reached to the end.
 
         Once the first reply has told the size, up to `CHUNKS_IN_FLIGHT` requests are outstanding;
         replies are taken in offset order. A reply with another digest means the fragment moved
@@ -268,8 +278,8 @@ class FragmentDownload:
         """
         in_flight: deque[tuple[int, asyncio.Task[wire.SnapshotChunk]]] = deque()
         try:
-            while progress.total is None or len(buffer) < progress.total:
-                next_offset = in_flight[-1][0] + self.chunk_bytes if in_flight else len(buffer)
+            while progress.total is None or received.offset < progress.total:
+                next_offset = in_flight[-1][0] + self.chunk_bytes if in_flight else received.offset
                 window = CHUNKS_IN_FLIGHT if progress.total is not None else 1  # the size is learnt first
                 while len(in_flight) < window and (progress.total is None or next_offset < progress.total):
                     task = asyncio.create_task(self._request_chunk(url, progress.fragment, next_offset))
@@ -281,20 +291,22 @@ class FragmentDownload:
                     for _, other in in_flight:
                         other.cancel()
                     in_flight.clear()
-                    buffer.clear()  # the fragment advanced: start it again
+                    received.restart()  # the fragment advanced: start it again
                     progress.digest, progress.received, progress.commit_index, progress.total = None, 0, 0, None
                     continue
-                if not buffer and chunk.commit_index < self.min_commit_index:
+                if not received.offset and chunk.commit_index < self.min_commit_index:
                     raise _PeerBehind(f"serves fragment {progress.fragment} as of index {chunk.commit_index}, "
                                       f"older than the snapshot through {self.min_commit_index}")
-                if chunk.offset != len(buffer):
-                    raise RemoteProtocolError(f"chunk at offset {chunk.offset}, expected {len(buffer)}", 400)
+                if chunk.offset != received.offset:
+                    raise RemoteProtocolError(f"chunk at offset {chunk.offset}, expected {received.offset}", 400)
                 progress.digest, progress.total = chunk.digest, chunk.total
                 progress.commit_index = max(progress.commit_index, chunk.commit_index)
-                buffer += chunk.payload
-                progress.received = len(buffer)
+                # Hashed and decoded into the fragment's arrays as it arrives, off the event loop:
+                # the fragment's bytes are never held whole.
+                await asyncio.get_running_loop().run_in_executor(self.executor, received.feed, chunk.payload)
+                progress.received = received.offset
                 self.bytes_received += len(chunk.payload)
-                if not chunk.payload and len(buffer) < chunk.total:
+                if not chunk.payload and received.offset < chunk.total:
                     raise RemoteProtocolError("empty chunk before the end", 400)
         finally:
             for _, task in in_flight:
@@ -303,7 +315,7 @@ class FragmentDownload:
                 await asyncio.gather(*(task for _, task in in_flight), return_exceptions=True)
 
     async def _one(self, progress: FragmentProgress, attempts: int, first_peer: int = 0) -> None:
-        buffer = bytearray()
+        received = _Received(self.replica, progress.fragment)
         progress.digest, progress.received, progress.done, progress.commit_index = None, 0, False, 0
         progress.total = None
         errors: list[str] = []
@@ -313,29 +325,73 @@ class FragmentDownload:
                 raise JoinRefused("no peer to download the global state from")
             url = peers[(first_peer + attempt) % len(peers)]
             try:
-                await self._fetch_rest(url, progress, buffer)
-                # Hashing, decoding and checking a fragment take seconds at 1B parameters: in a
-                # worker thread, so heartbeats and the other fragments' chunks keep flowing.
-                loop = asyncio.get_running_loop()
-                digest = await loop.run_in_executor(self.executor, lambda: hashlib.sha256(buffer).digest())
-                if digest != progress.digest:
-                    buffer.clear()
+                await self._fetch_rest(url, progress, received)
+                if received.digest() != progress.digest:
+                    received.restart()
                     progress.digest, progress.received, progress.commit_index, progress.total = None, 0, 0, None
                     raise RemoteProtocolError(f"fragment {progress.fragment}: assembled bytes fail their digest", 400)
                 if progress.commit_index < self.min_commit_index:  # the floor was raised meanwhile
                     raise _PeerBehind(f"fragment {progress.fragment} is as of index {progress.commit_index}, "
                                       f"older than the snapshot through {self.min_commit_index}")
-                checked = await loop.run_in_executor(self.executor, self.replica.check_fragment_bytes,
-                                                     progress.fragment, buffer)
+                # Checking a fragment (finiteness, its state digest) takes seconds at 1B parameters:
+                # in a worker thread, so heartbeats and the other fragments' chunks keep flowing.
+                loop = asyncio.get_running_loop()
+                checked = await loop.run_in_executor(self.executor, received.checked)
                 self.replica.install_checked_bytes(checked)  # the quick half, on the loop like every apply
                 self.max_commit_index = max(self.max_commit_index, progress.commit_index)
                 progress.done = True
                 return
             except _PeerBehind as error:
-                buffer.clear()
+                received.restart()
                 progress.digest, progress.received, progress.commit_index, progress.total = None, 0, 0, None
                 errors.append(f"{url}: {error}")
                 await self.clock.sleep(BEHIND_FLOOR_RETRY_S)
             except (TransportError, RemoteProtocolError) as error:
                 errors.append(f"{url}: {error}")
         raise JoinRefused(f"fragment {progress.fragment}: download failed {attempts} times; last: {errors[-1]}")
+
+
+class _Received:
+    """One fragment's bytes as they arrive: hashed and decoded straight into arrays of the
+    fragment's shapes (state_codec `FragmentAssembler`), so a fragment in flight costs its own
+    size once, never a buffer of its bytes beside the arrays decoded from them."""
+
+    def __init__(self, replica: Replica, fragment: int) -> None:
+        self.replica = replica
+        self.fragment = fragment
+        tensors = replica.state.fragment_params(fragment, copies=False)  # the state's own arrays: shapes only
+        self.shapes = fragment_shapes({n: a.shape for n, a in tensors.items()})
+        self.restart()
+
+    def restart(self) -> None:
+        self.assembler = FragmentAssembler(self.shapes)
+
+    @property
+    def offset(self) -> int:
+        return self.assembler.received
+
+    def feed(self, data: bytes) -> None:
+        try:
+            self.assembler.feed(data)
+        except StateCodecError as error:
+            self.restart()
+            raise RemoteProtocolError(f"fragment {self.fragment} bytes are malformed: {error}", 400) from None
+
+    def digest(self) -> bytes:
+        return self.assembler.digest()
+
+    def checked(self) -> tuple[FragmentState, CheckedFragment]:
+        """The decoded fragment checked against this run (`Replica.check_fragment_bytes`'s result)."""
+        p = self.fragment
+        try:
+            state = self.assembler.finish()
+        except StateCodecError as error:
+            raise RemoteProtocolError(f"fragment {p} bytes are malformed: {error}", 400) from None
+        finally:
+            self.restart()  # the arrays now belong to `state` alone
+        if state.fragment != p:
+            raise RemoteProtocolError(f"fragment {p} bytes hold fragment {state.fragment}", 400)
+        try:
+            return state, self.replica.state.check_fragment(state, adopt=True)  # decoded just now: ours
+        except GlobalStateError as error:
+            raise RemoteProtocolError(f"fragment {p} does not fit this run: {error}", 400) from None

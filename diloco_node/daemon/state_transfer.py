@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Protocol
@@ -26,6 +27,7 @@ from diloco_node.daemon.join import FragmentDownload, JoinRefused
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.ops.status import Counter
 from diloco_node.sync.replica import Replica
+from diloco_node.sync.state_codec import PartsReader, fragment_arrays, fragment_parts
 from diloco_node.transport import PeerClient
 from wire import messages as wire
 from wire.errors import RemoteProtocolError
@@ -35,6 +37,9 @@ log = logging.getLogger("diloco_node.daemon")
 # A snapshot install whose download failed on every peer (a partition, say) tries again after
 # this pause; the node stays not-ready meanwhile and keeps training on its last state.
 INSTALL_RETRY_S = 2.0
+# The most bytes one SnapshotChunk answer carries, whatever the request asks: what one request
+# being served holds in memory (joiners ask for join.py's SNAPSHOT_CHUNK_BYTES, 4 MiB).
+SERVED_CHUNK_BYTES = 4 * 1024 * 1024
 # Download attempts for one fragment repair before it is reported as failed.
 REPAIR_ATTEMPTS = 10
 
@@ -80,6 +85,7 @@ class StateKeeper:
         self.download: FragmentDownload | None = None
         self.repairs_done = 0  # fragments replaced by a repair (part of the digest cache key)
         self._repairing: set[int] = set()
+        self.served = ServedFragments(replica)
 
     # ------------------------------------------------------------------ questions
 
@@ -250,8 +256,35 @@ class StateKeeper:
             raise RemoteProtocolError(f"fragment {message.fragment} does not exist", 400)
         if message.fragment in replica.diverged:
             raise RemoteProtocolError(f"fragment {message.fragment} is being repaired here", 503)
-        _, data, digest = await asyncio.get_running_loop().run_in_executor(
-            self.executor, replica.fragment_bytes, message.fragment)
-        start = min(message.offset, len(data))
-        part = data[start:start + message.max_length]
-        return wire.SnapshotChunk(message.fragment, replica.applied_index, start, len(data), digest, part)
+        round_, total, digest, part = await asyncio.get_running_loop().run_in_executor(
+            self.executor, self.served.read, message.fragment, message.offset, message.max_length)
+        return wire.SnapshotChunk(message.fragment, replica.applied_index, min(message.offset, total), total, digest,
+                                  part)
+
+
+class ServedFragments:
+    """The download bytes of this replica's fragments, read a chunk at a time from the state's own
+    arrays (state_codec `fragment_parts`): serving a download holds one chunk per request in
+    flight, never a serialized fragment. Each fragment's SHA-256 is remembered for as long as
+    its arrays are the state's (weak references: nothing here keeps an old version alive)."""
+
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+        self._digests: dict[int, tuple[tuple, list[weakref.ref], bytes]] = {}
+
+    def read(self, p: int, offset: int, length: int) -> tuple[int, int, bytes, bytes]:
+        """(round, total bytes, SHA-256, bytes [offset, offset + min(length, SERVED_CHUNK_BYTES)))
+        of fragment p as it is now; safe in worker threads (installs replace arrays, never change them)."""
+        state = self.replica.fragment_state(p, copies=False)
+        arrays = fragment_arrays(state)
+        reader = PartsReader(fragment_parts(state))
+        meta = (state.round, state.norm_ref, state.merged_tokens, state.merged_steps, state.commit_wall,
+                len(state.evicted))
+        known = self._digests.get(p)
+        if (known is not None and known[0] == meta and len(known[1]) == len(arrays)
+                and all(ref() is a for ref, a in zip(known[1], arrays.values()))):
+            digest = known[2]
+        else:
+            digest = reader.digest()
+            self._digests[p] = (meta, [weakref.ref(a) for a in arrays.values()], digest)
+        return state.round, reader.total, digest, reader.read(offset, min(length, SERVED_CHUNK_BYTES))

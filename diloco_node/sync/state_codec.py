@@ -23,8 +23,11 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import hashlib
 import math
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -230,13 +233,17 @@ def params_from_checkpoint(arrays: Mapping[str, np.ndarray]) -> dict[str, np.nda
 
 
 def encode_fragment(state: FragmentState) -> bytes:
-    """The bytes a peer serves for one fragment of a state download."""
+    """The bytes a peer serves for one fragment of a state download (`fragment_parts`, joined:
+    one allocation of exactly the output's size)."""
+    return b"".join(fragment_parts(state))
+
+
+def _fragment_fields(state: FragmentState) -> dict[str, Any]:
+    """The download bytes' top-level map, in its wire order; "arrays" holds the arrays themselves."""
     fields: dict[str, Any] = {
         "format": FRAGMENT_BYTES_FORMAT, "fragment": state.fragment, "round": state.round,
-        # Each array's own memory, packed straight into the one output buffer (the same bytes as
-        # `tobytes()`, without a second copy of the fragment: 2 GB for a 1B model's embedding).
-        "arrays": {name: [list(a.shape), memoryview(np.ascontiguousarray(a, dtype=_DTYPE)).cast("B")]
-                   for name, a in fragment_arrays(state).items()},
+        # C-contiguous float32 (no copy when they already are); a 0-d array keeps its shape ()
+        "arrays": {name: np.require(np.asarray(a), _DTYPE, "C") for name, a in fragment_arrays(state).items()},
     }
     if state.norm_ref is not None:
         fields["norm_ref"] = state.norm_ref
@@ -244,10 +251,78 @@ def encode_fragment(state: FragmentState) -> bytes:
     fields["commit_wall"] = state.commit_wall
     if state.evicted:
         fields["evicted"] = [r.to_plain() for r in state.evicted]
-    return msgpack.packb(fields, use_bin_type=True)
+    return fields
 
 
-def decode_fragment(data: bytes) -> FragmentState:
+def fragment_parts(state: FragmentState) -> list[bytes | memoryview]:
+    """The download bytes of a fragment as pieces whose concatenation is exactly what
+    `msgpack.packb` makes of the map (so peers of any version serve the same bytes and a
+    download resumes across them): small msgpack headers and each array's own memory, uncopied.
+    A server reads any byte range from them (`PartsReader`) without building the whole."""
+    packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+    fields = _fragment_fields(state)
+    parts: list[bytes | memoryview] = [packer.pack_map_header(len(fields))]
+    for key, value in fields.items():
+        parts.append(packer.pack(key))
+        if key != "arrays":
+            parts.append(packer.pack(value))
+            continue
+        parts.append(packer.pack_map_header(len(value)))
+        for name, array in value.items():
+            raw = memoryview(array.reshape(-1)).cast("B")
+            parts.append(packer.pack(name) + packer.pack_array_header(2) + packer.pack(list(array.shape))
+                         + _bin_header(raw.nbytes))
+            parts.append(raw)
+    return parts
+
+
+def _bin_header(n: int) -> bytes:
+    """msgpack's header of a bin of n bytes, in its shortest form (as `packb` writes it)."""
+    if n < 1 << 8:
+        return b"\xc4" + struct.pack(">B", n)
+    if n < 1 << 16:
+        return b"\xc5" + struct.pack(">H", n)
+    if n < 1 << 32:
+        return b"\xc6" + struct.pack(">I", n)
+    raise StateCodecError(f"an array of {n} bytes does not fit a msgpack bin")
+
+
+class PartsReader:
+    """Byte ranges of a fragment's download bytes, read from its parts (`fragment_parts`) without
+    joining them: what a server holds for a fragment is its parts (the state's own arrays) and
+    one chunk per request. `digest()` hashes the parts in place (hashlib releases the GIL)."""
+
+    def __init__(self, parts: Sequence[bytes | memoryview]) -> None:
+        self._parts = [memoryview(p).cast("B") for p in parts]
+        self._starts: list[int] = []
+        total = 0
+        for part in self._parts:
+            self._starts.append(total)
+            total += part.nbytes
+        self.total = total
+
+    def digest(self) -> bytes:
+        h = hashlib.sha256()
+        for part in self._parts:
+            h.update(part)
+        return h.digest()
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset + length) clipped to the end (b"" past it): one copy of the range."""
+        start, stop = max(0, min(offset, self.total)), max(0, min(offset + max(0, length), self.total))
+        pieces = []
+        i = max(0, bisect.bisect_right(self._starts, start) - 1)
+        at = start
+        while at < stop:
+            part, part_start = self._parts[i], self._starts[i]
+            take = min(stop, part_start + part.nbytes) - at
+            pieces.append(part[at - part_start:at - part_start + take])
+            at += take
+            i += 1
+        return b"".join(pieces)  # the range's one copy
+
+
+def decode_fragment(data: bytes | bytearray | memoryview) -> FragmentState:
     """Inverse of `encode_fragment` for a peer's bytes; StateCodecError on any structural problem."""
     try:
         raw = msgpack.unpackb(data, raw=False)
@@ -256,11 +331,18 @@ def decode_fragment(data: bytes) -> FragmentState:
     if not isinstance(raw, dict) or raw.get("format") != FRAGMENT_BYTES_FORMAT:
         raise StateCodecError(f"fragment bytes are not a map in format {FRAGMENT_BYTES_FORMAT}")
     fragment = _checked_int("fragment bytes: 'fragment'", raw.get("fragment"))
-    round_ = _checked_int(f"fragment {fragment} bytes: 'round'", raw.get("round"))
     packed = raw.get("arrays")
     if not isinstance(packed, dict):
         raise StateCodecError(f"fragment {fragment} bytes: 'arrays' must be a map")
-    arrays = {name: _unpacked_array(fragment, name, item) for name, item in packed.items()}
+    return _state_from_raw(raw, {name: _unpacked_array(fragment, name, item) for name, item in packed.items()})
+
+
+def _state_from_raw(raw: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> FragmentState:
+    """A FragmentState from a decoded top-level map whose "arrays" are already `arrays`."""
+    if raw.get("format") != FRAGMENT_BYTES_FORMAT:
+        raise StateCodecError(f"fragment bytes are not a map in format {FRAGMENT_BYTES_FORMAT}")
+    fragment = _checked_int("fragment bytes: 'fragment'", raw.get("fragment"))
+    round_ = _checked_int(f"fragment {fragment} bytes: 'round'", raw.get("round"))
     state = from_fragment_arrays(fragment, round_, arrays, raw.get("norm_ref"))
     tokens, steps = _checked_merged(f"fragment {fragment} bytes: 'merged'", raw.get("merged", [0, 0]))
     wall = _checked_wall(f"fragment {fragment} bytes: 'commit_wall'", raw.get("commit_wall", 0.0))
@@ -281,3 +363,195 @@ def _unpacked_array(fragment: int, name: Any, item: Any) -> np.ndarray:
     if any(d < 0 for d in dims) or math.prod(dims) * _DTYPE.itemsize != len(data):
         raise StateCodecError(f"fragment {fragment} bytes: {name}: {len(data)} bytes do not hold shape {list(dims)}")
     return np.frombuffer(data, dtype=_DTYPE).reshape(dims).copy()
+
+
+# ---------------------------------------------------------------------------------------------
+# Download bytes, decoded as they arrive
+# ---------------------------------------------------------------------------------------------
+
+# Outside the arrays a fragment's download bytes hold a few names and numbers: any one string,
+# bin or container larger than these is malformed (and is never allocated).
+MAX_METADATA_ITEM_BYTES = 1 << 20
+MAX_METADATA_ITEMS = 1 << 16
+MAX_METADATA_DEPTH = 16
+
+
+class FragmentAssembler:
+    """Decodes one fragment's download bytes as they arrive, in order, straight into arrays of
+    the shapes `shapes` allows ({array name: shape}, e.g. "params/<tensor>"): the bytes are never
+    held whole, so receiving a fragment costs its arrays and one chunk, not twice the fragment.
+    `feed` also hashes what it is given (`digest()`: the SHA-256 of every byte fed so far).
+    `finish()` is `decode_fragment`'s result for the same bytes, or StateCodecError; an array
+    name or shape `shapes` does not allow is refused before anything is allocated for it."""
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        self._shapes = dict(shapes)
+        self._hash = hashlib.sha256()
+        self.received = 0
+        self._pending = bytearray()  # bytes of a header or metadata item, not yet complete
+        self._target: np.ndarray | None = None  # uint8 view of the array being filled
+        self._filled = 0
+        self._result: dict[str, Any] | None = None
+        self._arrays: dict[str, np.ndarray] = {}
+        self._parser = self._parse()
+        self._want: int | np.ndarray | None = next(self._parser)
+
+    def digest(self) -> bytes:
+        return self._hash.digest()
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        self._hash.update(view)
+        self.received += view.nbytes
+        at = 0
+        while at < view.nbytes:
+            if self._want is None:
+                raise StateCodecError(f"fragment bytes: {view.nbytes - at} bytes after the end")
+            if isinstance(self._want, np.ndarray):  # an array's raw bytes: copied into it directly
+                take = min(view.nbytes - at, self._want.size - self._filled)
+                self._want[self._filled:self._filled + take] = np.frombuffer(view[at:at + take], np.uint8)
+                self._filled += take
+                at += take
+                if self._filled == self._want.size:
+                    self._advance(None)
+                continue
+            take = min(view.nbytes - at, self._want - len(self._pending))
+            self._pending += view[at:at + take]
+            at += take
+            if len(self._pending) == self._want:
+                item, self._pending = bytes(self._pending), bytearray()
+                self._advance(item)
+
+    def finish(self) -> FragmentState:
+        """The decoded fragment, once every byte has been fed."""
+        if self._result is None:
+            raise StateCodecError(f"fragment bytes end early (after {self.received} bytes)")
+        return _state_from_raw(self._result, self._arrays)
+
+    def _advance(self, item: bytes | None) -> None:
+        try:
+            self._want = self._parser.send(item)
+            if isinstance(self._want, np.ndarray):
+                self._filled = 0
+        except StopIteration:
+            self._want = None
+
+    # The parser: a generator that yields how many bytes it needs next (an int) or an array to
+    # fill with raw bytes, and is sent those bytes (or None once the array is full).
+
+    def _parse(self) -> Any:
+        head = yield 1
+        n = yield from self._map_length(head[0])
+        raw: dict[str, Any] = {}
+        for _ in range(n):
+            key = yield from self._value(0)
+            if not isinstance(key, str) or key in raw:
+                raise StateCodecError(f"fragment bytes: key {key!r} is not a new string")
+            if key == "arrays":
+                raw[key] = yield from self._arrays_map()
+            else:
+                raw[key] = yield from self._value(0)
+        if raw.get("format") != FRAGMENT_BYTES_FORMAT:
+            raise StateCodecError(f"fragment bytes are not a map in format {FRAGMENT_BYTES_FORMAT}")
+        if "arrays" not in raw:
+            raise StateCodecError("fragment bytes: no 'arrays'")
+        self._result = raw
+
+    def _arrays_map(self) -> Any:
+        head = yield 1
+        n = yield from self._map_length(head[0])
+        for _ in range(n):
+            name = yield from self._value(0)
+            if not isinstance(name, str) or name in self._arrays:
+                raise StateCodecError(f"fragment bytes: array name {name!r} is not a new string")
+            if (yield 1) != b"\x92":
+                raise StateCodecError(f"fragment bytes: array {name!r} is not [shape, bytes]")
+            shape = yield from self._value(0)
+            expected = self._shapes.get(name)
+            if expected is None:
+                raise StateCodecError(f"fragment bytes: array {name!r} is not one of this fragment's")
+            if not isinstance(shape, list) or tuple(shape) != tuple(expected):
+                raise StateCodecError(f"fragment bytes: {name}: shape {shape!r}, this run's is {list(expected)}")
+            kind = (yield 1)[0]
+            size = yield from self._bin_length(kind)
+            if size is None or size != math.prod(expected) * _DTYPE.itemsize:
+                raise StateCodecError(f"fragment bytes: {name}: not {math.prod(expected) * _DTYPE.itemsize} raw bytes")
+            array = np.empty(expected, _DTYPE)
+            if size:
+                yield array.reshape(-1).view(np.uint8)
+            self._arrays[name] = array
+        return None
+
+    def _map_length(self, kind: int) -> Any:
+        if 0x80 <= kind <= 0x8F:
+            return kind & 0x0F
+        if kind in (0xDE, 0xDF):
+            return (yield from self._uint(2 if kind == 0xDE else 4))
+        raise StateCodecError(f"fragment bytes: a map expected, got type byte 0x{kind:02x}")
+
+    def _bin_length(self, kind: int) -> Any:
+        if kind in (0xC4, 0xC5, 0xC6):
+            return (yield from self._uint({0xC4: 1, 0xC5: 2, 0xC6: 4}[kind]))
+        return None
+
+    def _uint(self, width: int) -> Any:
+        return int.from_bytes((yield width), "big")
+
+    def _value(self, depth: int) -> Any:
+        """One msgpack value outside the arrays (names, numbers, small lists and maps)."""
+        if depth > MAX_METADATA_DEPTH:
+            raise StateCodecError("fragment bytes: metadata nested too deep")
+        kind = (yield 1)[0]
+        if kind <= 0x7F:
+            return kind
+        if kind >= 0xE0:
+            return kind - 0x100
+        if 0xA0 <= kind <= 0xBF or kind in (0xD9, 0xDA, 0xDB):
+            n = kind & 0x1F if kind <= 0xBF else (yield from self._uint({0xD9: 1, 0xDA: 2, 0xDB: 4}[kind]))
+            return (yield from self._small(n)).decode("utf-8", errors="strict") if n else ""
+        if 0x90 <= kind <= 0x9F or kind in (0xDC, 0xDD):
+            n = kind & 0x0F if kind <= 0x9F else (yield from self._uint(2 if kind == 0xDC else 4))
+            self._check_items(n)
+            out = []
+            for _ in range(n):
+                out.append((yield from self._value(depth + 1)))
+            return out
+        if 0x80 <= kind <= 0x8F or kind in (0xDE, 0xDF):
+            n = yield from self._map_length(kind)
+            self._check_items(n)
+            mapping = {}
+            for _ in range(n):
+                key = yield from self._value(depth + 1)
+                try:
+                    mapping[key] = yield from self._value(depth + 1)
+                except TypeError:
+                    raise StateCodecError(f"fragment bytes: unhashable map key {key!r}") from None
+            return mapping
+        fixed = {0xC0: None, 0xC2: False, 0xC3: True}
+        if kind in fixed:
+            return fixed[kind]
+        if kind in (0xC4, 0xC5, 0xC6):
+            n = yield from self._bin_length(kind)
+            return (yield from self._small(n)) if n else b""
+        formats = {0xCA: ">f", 0xCB: ">d", 0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q",
+                   0xD0: ">b", 0xD1: ">h", 0xD2: ">i", 0xD3: ">q"}
+        if kind in formats:
+            fmt = formats[kind]
+            return struct.unpack(fmt, (yield struct.calcsize(fmt)))[0]
+        raise StateCodecError(f"fragment bytes: unsupported msgpack type byte 0x{kind:02x}")
+
+    def _small(self, n: int) -> Any:
+        if n > MAX_METADATA_ITEM_BYTES:
+            raise StateCodecError(f"fragment bytes: a metadata item of {n} bytes")
+        return (yield n)
+
+    @staticmethod
+    def _check_items(n: int) -> None:
+        if n > MAX_METADATA_ITEMS:
+            raise StateCodecError(f"fragment bytes: a metadata container of {n} items")
+
+
+def fragment_shapes(tensor_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """{array name: shape} a fragment's download bytes may hold, from its tensors' shapes."""
+    return {name: tuple(shape) for name, shape in
+            current_arrays(tensor_shapes, tensor_shapes).items()}  # type: ignore[arg-type]

@@ -72,6 +72,9 @@ INLINE_BODY_MAX_BYTES = 256 * KiB
 MAX_REPLY_FRAMES = 1024
 # Replies to a batch of small messages may together exceed one small frame's bound.
 MIN_REPLY_LIMIT_BYTES = 1 * MiB
+# Replies of a known length up to this are read whole before they are decoded (one hop to the pool):
+# a snapshot chunk (4 MiB) and its frame head.
+WHOLE_REPLY_MAX_BYTES = 8 * MiB
 # A refusal's reason text is read up to this size (the server sends at most
 # wire.messages.MAX_REASON_CHARS, 512 characters).
 MAX_REFUSAL_BODY_BYTES = 4 * KiB
@@ -360,25 +363,50 @@ class PeerClient:
             self.counters.refused(peer_key, f"unreachable: {type(error).__name__}")
             raise PeerUnreachable(url, f"{type(error).__name__}: {error}") from None
 
+    async def _read_whole_reply(self, response: aiohttp.ClientResponse, decoder: FrameDecoder,
+                                traffic: PeerTraffic) -> list[Message]:
+        """A reply of known, bounded length (a snapshot chunk, say): read whole, then decoded in one
+        hop to the pool. Decoded as it came, a 4 MiB reply arriving in 64 KiB socket reads would
+        cost a hop per read (the decoder's buffer is past the inline size after the first)."""
+        assert response.content_length is not None
+        pieces = await _read_pieces(response, response.content_length, traffic)
+        events = await asyncio.get_running_loop().run_in_executor(
+            self._executor, _decode_all, decoder, [*pieces, b""], self._wall_clock())
+        replies = []
+        for event in events:
+            assert isinstance(event, Received)  # the client decoder streams no kind
+            replies.append(event.message)
+        if len(replies) > self.options.max_reply_frames:
+            raise RemoteProtocolError(f"more than {self.options.max_reply_frames} reply frames", 400)
+        return replies
+
     async def _read_replies(self, response: aiohttp.ClientResponse, traffic: PeerTraffic) -> list[Message]:
         decoder = FrameDecoder(self._verifier, self.limits)
         loop = asyncio.get_running_loop()
         replies: list[Message] = []
         received = 0
         limit = self.max_reply_bytes
+        if response.content_length is not None and INLINE_DECODE_MAX_BYTES <= response.content_length <= min(
+                limit, WHOLE_REPLY_MAX_BYTES):
+            return await self._read_whole_reply(response, decoder, traffic)
         while True:
             chunk = await response.content.readany()
-            if 0 < len(chunk) < DECODE_BATCH_BYTES:  # coalesce what is already buffered: fewer decode calls
-                more = response.content.read_nowait(DECODE_BATCH_BYTES - len(chunk))
-                chunk = chunk + more if more else chunk
-            traffic.bytes_received += len(chunk)
-            received += len(chunk)
+            pieces = [chunk]
+            size = len(chunk)
+            while 0 < size < DECODE_BATCH_BYTES:  # what is already buffered, decoded in one call (not joined)
+                more = response.content.read_nowait(DECODE_BATCH_BYTES - size)
+                if not more:
+                    break
+                pieces.append(more)
+                size += len(more)
+            traffic.bytes_received += size
+            received += size
             if received > limit:
                 raise RemoteProtocolError(f"reply body exceeds {limit} bytes", 413)
-            if len(chunk) + decoder.buffered_bytes < INLINE_DECODE_MAX_BYTES:
-                events = _decode_all(decoder, chunk, self._wall_clock())
+            if size + decoder.buffered_bytes < INLINE_DECODE_MAX_BYTES:
+                events = _decode_all(decoder, pieces, self._wall_clock())
             else:
-                events = await loop.run_in_executor(self._executor, _decode_all, decoder, chunk, self._wall_clock())
+                events = await loop.run_in_executor(self._executor, _decode_all, decoder, pieces, self._wall_clock())
             for event in events:
                 assert isinstance(event, Received)  # the client decoder streams no kind
                 replies.append(event.message)
@@ -388,8 +416,24 @@ class PeerClient:
                 return replies
 
 
-def _decode_all(decoder: FrameDecoder, data: bytes, now_unix: float) -> list[object]:
-    decoder.receive_data(data)
+async def _read_pieces(response: aiohttp.ClientResponse, length: int, traffic: PeerTraffic) -> list[bytes]:
+    """A reply body of `length` bytes as it arrived, in pieces (not joined)."""
+    pieces: list[bytes] = []
+    size = 0
+    while True:
+        chunk = await response.content.readany()
+        if not chunk:
+            return pieces
+        size += len(chunk)
+        traffic.bytes_received += len(chunk)
+        if size > length:
+            raise RemoteProtocolError(f"reply body longer than its Content-Length {length}", 400)
+        pieces.append(chunk)
+
+
+def _decode_all(decoder: FrameDecoder, pieces: list[bytes], now_unix: float) -> list[object]:
+    for data in pieces:
+        decoder.receive_data(data)
     events = []
     while (event := decoder.next_event(now_unix=now_unix)) is not NEED_DATA and event is not CLOSED:
         events.append(event)

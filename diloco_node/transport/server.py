@@ -35,12 +35,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hashlib
 import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 import aiohttp
 from aiohttp import http_exceptions, web
@@ -70,6 +71,7 @@ from wire.frames import (
     PayloadChunk,
     Received,
     encode_frame,
+    encode_frame_head,
 )
 from wire.limits import DEFAULT_LIMITS, KiB, Limits, MiB
 from wire.messages import MAX_NODE_ID_CHARS, MAX_REASON_CHARS, NODE_ID_PATTERN, Message, MessageKind
@@ -360,29 +362,37 @@ class PeerServer:
         stream = self._admit(request.remote or "unknown", loop.time())
         if self._certified_senders:
             stream.certified = self._certified(request)[0]
+        # The stream's slot is held until its reply is written: a slow reader's reply counts
+        # against MAX_CONCURRENT_STREAMS and its sender's per-peer streams until it has left, so
+        # the bytes of replies in flight are bounded (daemon/memory_bound.py).
         try:
-            replies = await self._consume(request, kind, self._claimed_sender(request), stream, loop)
-            body = await self._encode_replies(replies, stream.sender)
-        except RemoteProtocolError as error:
-            if stream.sender is None:
-                self.counters.peer(UNAUTHENTICATED).requests_received += 1
-            return await self._refuse(request, stream.sender or UNAUTHENTICATED, error.status_hint, str(error))
+            try:
+                replies = await self._consume(request, kind, self._claimed_sender(request), stream, loop)
+                body = await self._encode_replies(replies, stream.sender)
+            except RemoteProtocolError as error:
+                if stream.sender is None:
+                    self.counters.peer(UNAUTHENTICATED).requests_received += 1
+                return await self._refuse(request, stream.sender or UNAUTHENTICATED, error.status_hint, str(error))
+            assert stream.sender is not None  # a body without an authenticated frame was refused
+            return await self._write_reply(request, stream.sender, body)
         finally:
             self._release(stream)
-        assert stream.sender is not None  # a body without an authenticated frame was refused
-        peer_key = stream.sender
-        self.counters.sent(peer_key, len(body))
+
+    async def _write_reply(self, request: web.Request, peer_key: str, body: list[bytes]) -> web.StreamResponse:
+        length = sum(len(piece) for piece in body)
+        self.counters.sent(peer_key, length)
         try:
-            if len(body) <= STREAMED_REPLY_MIN_BYTES:
-                return web.Response(body=body, content_type=FRAME_CONTENT_TYPE)
+            if length <= STREAMED_REPLY_MIN_BYTES:
+                return web.Response(body=b"".join(body), content_type=FRAME_CONTENT_TYPE)
             # A big reply (log read, snapshot chunk) goes out in slices, so the socket buffer never
             # holds a second copy of it.
             response = web.StreamResponse(headers={"Content-Type": FRAME_CONTENT_TYPE})
-            response.content_length = len(body)
+            response.content_length = length
             await response.prepare(request)
-            with memoryview(body) as view:
-                for start in range(0, len(view), STREAMED_REPLY_MIN_BYTES):
-                    await response.write(view[start:start + STREAMED_REPLY_MIN_BYTES])
+            for piece in body:
+                with memoryview(piece) as view:
+                    for start in range(0, len(view), STREAMED_REPLY_MIN_BYTES):
+                        await response.write(view[start:start + STREAMED_REPLY_MIN_BYTES])
             await response.write_eof()
             return response
         except (ConnectionError, aiohttp.ClientConnectionResetError) as error:
@@ -640,17 +650,31 @@ class PeerServer:
             raise RemoteProtocolError(f"one body carries frames of one sender: {stream.sender!r}, then {sender!r}", 400)
         return Peer(node_id=sender, address=request.remote, sent_at_unix=sent_at_unix)
 
-    async def _encode_replies(self, replies: list[Message], to: str | None) -> bytes:
+    async def _encode_replies(self, replies: list[Message], to: str | None) -> list[bytes]:
+        """The reply body as pieces, in order: a big single-payload reply (a snapshot chunk) is its
+        frame's head and the payload itself, which is written as it is, never copied behind a head."""
         loop = asyncio.get_running_loop()
-        frames = []
+        pieces = []
         for reply in replies:
-            encode = functools.partial(encode_frame, reply, self._auth, now_unix=self._wall_clock(),
-                                       nonce=os.urandom(NONCE_BYTES), to=to or ANY_MEMBER)
+            stamp = {"now_unix": self._wall_clock(), "nonce": os.urandom(NONCE_BYTES), "to": to or ANY_MEMBER}
             if approx_payload_bytes(reply) < INLINE_ENCODE_MAX_BYTES:
-                frames.append(encode())
+                pieces.append(encode_frame(reply, self._auth, **stamp))
+            elif reply.STREAMABLE:
+                payload = reply.payload  # type: ignore[attr-defined]
+                pieces.append(await loop.run_in_executor(self._executor, functools.partial(
+                    _frame_head, reply, payload, self._auth, **stamp)))
+                pieces.append(payload)
             else:
-                frames.append(await loop.run_in_executor(self._executor, encode))
-        return b"".join(frames)
+                pieces.append(await loop.run_in_executor(self._executor, functools.partial(
+                    encode_frame, reply, self._auth, **stamp)))
+        return pieces
+
+
+def _frame_head(message: Message, payload: bytes, auth: AuthContext, **stamp: Any) -> bytes:
+    """The head of `message`'s frame, whose payload follows it unchanged: the same bytes as
+    `encode_frame(message)` without joining the two."""
+    return encode_frame_head(message.without_payload(), auth, payload_length=len(payload),
+                             payload_sha256=hashlib.sha256(payload).digest(), **stamp)
 
 
 def _decode_batch(decoder: FrameDecoder, data: bytes, now_unix: float) -> list[Event]:
