@@ -22,6 +22,7 @@ from typing import Any
 from bootstrap import messages as coord
 from bootstrap.coordinator_node import CoordinatorNode, NodeOptions, PersistentState
 from bootstrap.election import LeaseTiming
+from bootstrap.entries import LogEntry
 from diloco_node.daemon.coordination import CoordinationIO
 from diloco_node.daemon.evaluation import GlobalEvaluator
 from diloco_node.daemon.join import JoinRefused
@@ -78,7 +79,8 @@ class SiteParts:
             executor=services.pools.codec, clock=clock, tasks=services.tasks, history=services.history,
             leader_id=lambda: core.election.leader_id, epoch=lambda: core.epoch, report_error=services.report_error,
             commits_applied=services.series.commits_applied, learner=services.slot, after_apply=self.after_apply,
-            on_fragment_commit=self._fragment_committed, bootstrap_url=services.identity.bootstrap_url)
+            on_fragment_commit=self._fragment_committed, on_commit_applied=self._commit_applied,
+            bootstrap_url=services.identity.bootstrap_url)
         if self.restart.install_floor:
             keeper.plan_install(self.restart.install_floor)
         corpus = site.corpus
@@ -122,6 +124,9 @@ class SiteParts:
 
     def _fragment_committed(self, p: int, contributors: tuple[str, ...]) -> None:
         self.rounds.fragment_committed(p, contributors)
+
+    def _commit_applied(self, entry: LogEntry) -> None:
+        self.rounds.commit_applied(entry)
 
     def _after_coordination_step(self) -> None:
         self.rounds.lease_check()

@@ -29,13 +29,13 @@ import numpy as np
 
 from bootstrap import messages as coord
 from bootstrap.coordinator_node import CoordinatorNode
-from bootstrap.entries import EntryKind
+from bootstrap.entries import EntryKind, LogEntry
 from diloco_node.clock import Clock, Timer
 from diloco_node.config.manifest import RunManifest
 from diloco_node.daemon import peers
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.learn.learner_thread import DueFragment
-from diloco_node.ops.status import Counter, Histogram
+from diloco_node.ops.status import Counter, Histogram, OuterGradientStatus
 from diloco_node.sync import admission
 from diloco_node.sync.admission import Admitted, Member, Refused
 from diloco_node.sync.fragments import FragmentPlan
@@ -69,6 +69,35 @@ CONTRIBUTION_MIN_RATE_BYTES_PER_S = 512 * 1024
 REFUSAL_STATUS = {admission.NOT_MEMBER: 403, admission.NOT_LEARNER: 403, admission.LEFT: 403,
                   admission.NOT_LEASE_HOLDER: 409, admission.IN_FLIGHT: 429, admission.UNKNOWN_FRAGMENT: 400,
                   admission.MALFORMED: 400}
+
+
+class OuterGradientBytes:
+    """What the outer gradients cost this node, both ways, for /status and /metrics: the encoded
+    bytes of every contribution chunk it produced (up, whether streamed to a peer or handed to its
+    own syncer) and of every commit payload it applied (down), each with the parameters it carried.
+    Written on the event loop only."""
+
+    def __init__(self, manifest: RunManifest) -> None:
+        self.codec_up = manifest.sync.codec_up
+        self.codec_down = manifest.sync.codec_down
+        self.error_feedback = manifest.sync.uses_error_feedback
+        self.sent_bytes = self.sent_parameters = 0
+        self.applied_bytes = self.applied_parameters = 0
+
+    def chunk_produced(self, head: wire.ContributionOpen, chunk: wire.ContributionChunk) -> None:
+        spec = head.tensors[chunk.tensor]
+        self.sent_bytes += len(chunk.payload)
+        self.sent_parameters += min(head.chunk_elements, spec.num_elements - chunk.offset)
+
+    def commit_applied(self, payload_bytes: int, parameters: int) -> None:
+        self.applied_bytes += payload_bytes
+        self.applied_parameters += parameters
+
+    def status(self) -> OuterGradientStatus:
+        return OuterGradientStatus.of(codec_up=self.codec_up, codec_down=self.codec_down,
+                                      error_feedback=self.error_feedback, sent_bytes=self.sent_bytes,
+                                      sent_parameters=self.sent_parameters, applied_bytes=self.applied_bytes,
+                                      applied_parameters=self.applied_parameters)
 
 
 class RoundDriver:
@@ -108,6 +137,7 @@ class RoundDriver:
         self._wake_timers: dict[int, Timer] = {}
         self._held_lease = False
         self._shapes: dict[int, dict[str, tuple[int, ...]]] = {}
+        self.outer_gradient_bytes = OuterGradientBytes(manifest)
 
     # ------------------------------------------------------------------ learner -> network
 
@@ -163,7 +193,14 @@ class RoundDriver:
         loop = asyncio.get_running_loop()
         chunks: Iterator[wire.ContributionChunk] = contribution_chunks(head, delta)
         while (chunk := await loop.run_in_executor(self.executor, next, chunks, None)) is not None:
+            self.outer_gradient_bytes.chunk_produced(head, chunk)
             yield chunk
+
+    def commit_applied(self, entry: LogEntry) -> None:
+        """An outer commit was applied to the replica: its payload (the codec_down outer gradient and
+        the few bytes naming its contributors) counts as the downlink's cost of the fragment."""
+        if entry.kind is EntryKind.OUTER_COMMIT and entry.fragment is not None:
+            self.outer_gradient_bytes.commit_applied(entry.payload_size, self.plan.fragments[entry.fragment].num_elements)
 
     def fragment_committed(self, p: int, contributors: tuple[str, ...]) -> None:
         """A commit of fragment p was applied: the round latency of our contribution, if it is in."""

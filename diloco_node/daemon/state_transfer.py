@@ -54,7 +54,8 @@ class FragmentSink(Protocol):
 class StateKeeper:
     """`learner` takes every fragment applied, downloaded or repaired; `after_apply` is told the
     applied index after every applied commit, `on_fragment_commit` each committed fragment with its
-    contributors (the round latency metric); a joiner downloads from `bootstrap_url` first."""
+    contributors (the round latency metric), `on_commit_applied` each applied outer commit entry
+    (its bytes on /status); a joiner downloads from `bootstrap_url` first."""
 
     def __init__(self, *, node_id: str, replica: Replica, client: PeerClient, addresses: peers.AddressBook,
                  executor: Executor, clock: Clock, tasks: TaskSet, history: DaemonHistory,
@@ -62,6 +63,7 @@ class StateKeeper:
                  report_error: Callable[[str], None], commits_applied: Counter, learner: FragmentSink,
                  after_apply: Callable[[int], None] = lambda applied_index: None,
                  on_fragment_commit: Callable[[int, tuple[str, ...]], None] = lambda p, contributors: None,
+                 on_commit_applied: Callable[[LogEntry], None] = lambda entry: None,
                  bootstrap_url: str | None = None) -> None:
         self.node_id = node_id
         self.replica = replica
@@ -78,6 +80,7 @@ class StateKeeper:
         self.learner = learner
         self.after_apply = after_apply
         self.on_fragment_commit = on_fragment_commit
+        self.on_commit_applied = on_commit_applied  # each applied outer commit once (its bytes, /status)
         self.bootstrap_url = bootstrap_url  # a joiner's first choice of download peer
         self.consistent_from = 0  # applied index from which our replica is one consistent state
         self.install_floor = 0  # newest snapshot index the state download must reach (0: none)
@@ -119,6 +122,7 @@ class StateKeeper:
             log.info("%s apply %s", self.node_id, outcome.reason)
             if outcome.applied:
                 self.commits_applied.inc()
+                self.on_commit_applied(entry)
         if outcome.diverged and outcome.fragment is not None:
             self.report_error(outcome.reason)
             self.repair(outcome.fragment)

@@ -79,6 +79,7 @@ class StatusFeed:
         self.status.set_log(first_index=self.store.log_first_index, size_bytes=self.store.log_bytes)
         self.status.set_loop_lag(worst_s=self.loop_lag.worst_recent_s, stalls=self.loop_lag.stalls)
         self.status.set_relays(relay_status(self.coordination.relays.status()))
+        self.status.set_outer_gradients(self.rounds.outer_gradient_bytes.status())
         self.status.set_storage({**STORAGE.to_status(), "vote_barrier": self.coordination.vote_barrier})
 
     def state_digest(self) -> str:

@@ -185,6 +185,37 @@ class ByteCounters:
 
 
 @dataclass(frozen=True, slots=True)
+class OuterGradientStatus:
+    """What the outer gradients cost this node: the run's codecs both ways, whether learners keep
+    an error-feedback remainder, the encoded bytes of the contribution chunks this node produced
+    (up) and of the commit payloads it applied (down), with the parameters those bytes carried,
+    and so the bits per parameter each way (None before any)."""
+
+    codec_up: str = ""
+    codec_down: str = ""
+    error_feedback: bool = False
+    sent_bytes: int = 0
+    sent_parameters: int = 0
+    applied_bytes: int = 0
+    applied_parameters: int = 0
+    bits_per_parameter_up: float | None = None
+    bits_per_parameter_down: float | None = None
+
+    @classmethod
+    def of(cls, *, codec_up: str, codec_down: str, error_feedback: bool, sent_bytes: int, sent_parameters: int,
+           applied_bytes: int, applied_parameters: int) -> "OuterGradientStatus":
+        """The section with its bits per parameter worked out from the counters."""
+        return cls(codec_up, codec_down, error_feedback, sent_bytes, sent_parameters, applied_bytes,
+                   applied_parameters, bits_per_parameter(sent_bytes, sent_parameters),
+                   bits_per_parameter(applied_bytes, applied_parameters))
+
+
+def bits_per_parameter(encoded_bytes: int, parameters: int) -> float | None:
+    """8 x bytes / parameters, to 4 decimals; None when no parameter was carried."""
+    return round(8.0 * encoded_bytes / parameters, 4) if parameters > 0 else None
+
+
+@dataclass(frozen=True, slots=True)
 class RelayStatus:
     """Relayed commit payloads at this node (daemon/relays.py): copies it pushed as lease holder,
     forwarded as a relay, served to fetchers; fetches it sent; fetches it promised (bytes it was
@@ -295,6 +326,8 @@ class StatusDocument:
     learner: LearnerStatus = field(default_factory=LearnerStatus)
     evaluation: EvalStatus = field(default_factory=EvalStatus)
     bytes: ByteCounters = field(default_factory=ByteCounters)
+    # The outer gradients' codecs and what they cost, both ways (daemon/rounds.py OuterGradientBytes)
+    outer_gradients: OuterGradientStatus = field(default_factory=OuterGradientStatus)
     quorum: QuorumStatus = field(default_factory=QuorumStatus)
     admission: AdmissionStatus = field(default_factory=AdmissionStatus)  # contributions refused / capped
     fragments: tuple[FragmentStatus, ...] = ()
@@ -351,6 +384,8 @@ class StatusDocument:
             # Older nodes have no evaluation: an absent object is "not evaluated yet".
             evaluation=EvalStatus.from_dict(raw.get("evaluation", {}), "evaluation"),
             bytes=_build(ByteCounters, _get(raw, "bytes", dict), "bytes"),
+            # Older nodes have no outer-gradient section: an absent object reads as unknown codecs, 0 bytes.
+            outer_gradients=_build(OuterGradientStatus, raw.get("outer_gradients", {}), "outer_gradients"),
             quorum=_build(QuorumStatus, _get(raw, "quorum", dict), "quorum"),
             # Older nodes have no admission counters: an absent object reads as all zero.
             admission=_build(AdmissionStatus, raw.get("admission", {}), "admission"),
@@ -508,6 +543,11 @@ class StatusBuilder:
         """The relayed-payload counters (daemon/relays.py, `RelayIO.counts`) and what is held now."""
         with self._lock:
             self._base = dataclasses.replace(self._base, relays=relays)
+
+    def set_outer_gradients(self, outer_gradients: OuterGradientStatus) -> None:
+        """The outer gradients' codecs and byte counters (daemon/rounds.py `OuterGradientBytes`)."""
+        with self._lock:
+            self._base = dataclasses.replace(self._base, outer_gradients=outer_gradients)
 
     def set_loop_lag(self, *, worst_s: float, stalls: int) -> None:
         """The event loop's recent worst lag and its stall count (daemon/loop_monitor.py)."""
@@ -767,6 +807,7 @@ def status_families(doc: StatusDocument) -> list[MetricFamily]:
         return MetricFamily(name, "gauge", help, () if value is None else (({}, value),))
 
     learner = doc.learner
+    outer = doc.outer_gradients
     families = [
         one("diloco_info", "gauge", "Constant 1, labelled with the node's identity.", 1.0,
             {"node_id": doc.node_id, "run_id": doc.run_id, "role": doc.role, "version": doc.version}),
@@ -801,6 +842,15 @@ def status_families(doc: StatusDocument) -> list[MetricFamily]:
         maybe("diloco_learner_lr", "Inner learning rate at the last step window's last step.", learner.lr),
         one("diloco_bytes_sent_total", "counter", "Bytes sent to peers.", doc.bytes.sent),
         one("diloco_bytes_received_total", "counter", "Bytes received from peers.", doc.bytes.received),
+        MetricFamily("diloco_outer_gradient_bytes_total", "counter",
+                     "Encoded outer-gradient bytes: contribution chunks this node produced (up), commit payloads "
+                     "it applied (down), by the run's codec.", (
+                         ({"direction": "up", "codec": outer.codec_up}, float(outer.sent_bytes)),
+                         ({"direction": "down", "codec": outer.codec_down}, float(outer.applied_bytes)))),
+        MetricFamily("diloco_outer_gradient_parameters_total", "counter",
+                     "Parameters the outer-gradient bytes carried (8 x bytes / parameters: bits per parameter).", (
+                         ({"direction": "up", "codec": outer.codec_up}, float(outer.sent_parameters)),
+                         ({"direction": "down", "codec": outer.codec_down}, float(outer.applied_parameters)))),
         one("diloco_log_first_index", "gauge", "Oldest log index held (older ones are compacted).",
             doc.log_first_index),
         one("diloco_log_bytes", "gauge", "Size of the replicated log on disk.", doc.log_bytes),
