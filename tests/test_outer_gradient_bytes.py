@@ -157,7 +157,8 @@ def test_an_applied_union8_commit_counts_its_payload_once_and_a_skipped_one_not_
     counted = driver.outer_gradient_bytes.status()
     assert replica.state.round(p) == 1  # the second, a round already in the state, was skipped
     assert counted.codec_down == "union8"
-    assert counted.applied_bytes == len(payload) and counted.applied_parameters == replica.plan.fragments[p].num_elements
+    assert counted.applied_bytes == len(payload)
+    assert counted.applied_parameters == replica.plan.fragments[p].num_elements
     assert counted.sent_bytes == 0
     lines = render_metrics(StatusDocument("lead", "r", "learner", True, 1, "lead", 1, "",
                                           outer_gradients=counted)).splitlines()

@@ -12,7 +12,9 @@ Both directions of a round live here:
   merge is pure; its result is adopted here, on the loop, once proposed, so a round dropped on the
   way (the lease lost, the state moved, the proposal refused) changes nothing in the syncer.
   Single-frame contributions of wire 2.0 senders are still decoded whole.
-Lease changes reset or seed the syncer. Everything this driver needs is handed to its constructor.
+Lease changes reset or seed the syncer. What the outer gradients cost both ways (chunks encoded up,
+commit payloads applied down) is counted in `OuterGradientBytes` for /status and /metrics.
+Everything this driver needs is handed to its constructor.
 """
 
 from __future__ import annotations
@@ -200,7 +202,8 @@ class RoundDriver:
         """An outer commit was applied to the replica: its payload (the codec_down outer gradient and
         the few bytes naming its contributors) counts as the downlink's cost of the fragment."""
         if entry.kind is EntryKind.OUTER_COMMIT and entry.fragment is not None:
-            self.outer_gradient_bytes.commit_applied(entry.payload_size, self.plan.fragments[entry.fragment].num_elements)
+            parameters = self.plan.fragments[entry.fragment].num_elements
+            self.outer_gradient_bytes.commit_applied(entry.payload_size, parameters)
 
     def fragment_committed(self, p: int, contributors: tuple[str, ...]) -> None:
         """A commit of fragment p was applied: the round latency of our contribution, if it is in."""

@@ -77,6 +77,13 @@ def test_three_sites_commit_and_agree(cluster: Cluster) -> None:
     index = cluster.common_commit_index(FOUNDERS, 60)
     assert len(cluster.history[index]) == 1, f"sites disagree at index {index}: {cluster.history[index]}"
     assert cluster.conflicting_indices() == {}
+    # /status says what the outer gradients cost: every learner has sent and applied some.
+    statuses = cluster.poll()
+    for name in FOUNDERS:
+        outer = statuses[name]["outer_gradients"]
+        assert outer["codec_up"] and outer["codec_down"], (name, outer)
+        assert outer["sent_bytes"] > 0 and outer["applied_bytes"] > 0, (name, outer)
+        assert 0 < outer["bits_per_parameter_up"] < 32 and 0 < outer["bits_per_parameter_down"] < 32, (name, outer)
     # Contributions of all three learners are merged together in some round (with the learners
     # of other tests in it or not).
     all_three = re.compile(r"merged \d+ of \d+ contribution\(s\)[^\n]*\ba w=[^\n]*\bb w=[^\n]*\bc w=")
