@@ -49,7 +49,7 @@ def _entry(i: int, epoch: int = 2) -> LogEntry:
 def _log(tmp_path: Path, last: int, *, mark_every_s: float) -> tuple[CoordinationStore, PersistentState]:
     """A store whose log holds 1..last, appended in two syncs (the mark may follow the second)."""
     store = CoordinationStore(tmp_path)
-    store.mark_interval_s = mark_every_s
+    store.mark.interval_s = mark_every_s
     state = PersistentState.founding(VOTERS)
     state.election = ElectionState(2, "a")
     state.log.entries.extend(_entry(i) for i in range(2, 4))
@@ -70,7 +70,7 @@ def _cut_at_boundary(path: Path, index: int) -> None:
 def test_the_mark_follows_the_durable_end_at_most_once_per_interval(tmp_path):
     store, state = _log(tmp_path, 8, mark_every_s=3600.0)
     assert not (tmp_path / MARK_FILE).exists()  # within the interval: no extra write
-    store.mark_interval_s = 0.0
+    store.mark.interval_s = 0.0
     state.log.entries.append(_entry(9))
     store.sync(state)
     assert unframe((tmp_path / MARK_FILE).read_bytes(), "fsynced_through") == {"fsynced_through": 9}
@@ -106,7 +106,7 @@ def test_a_cut_inside_a_record_below_the_mark_is_damage(tmp_path):
 
 def test_a_torn_append_past_the_mark_is_still_trimmed_quietly(tmp_path):
     store, state = _log(tmp_path, 8, mark_every_s=0.0)  # mark at 8
-    store.mark_interval_s = 3600.0
+    store.mark.interval_s = 3600.0
     state.log.entries.append(_entry(9))
     store.sync(state)  # 9 appended, the mark not yet moved
     log_bin = tmp_path / "log.bin"

@@ -16,12 +16,9 @@ called after every batch of actions and before sending them; it writes only what
   acknowledgements leave only after `sync()` returned. A complete record failing its CRC is
   damage at rest: the file is quarantined and its good prefix kept (`damaged_after`). A damaged
   header refuses to load. A log that ends before an index this node knew durable is damage too,
-  not a torn append (a cut at a record boundary looks like one): the witness is `log.mark.json`,
-  the last index known fsynced (a checksummed record, rewritten at most every `MARK_INTERVAL_S`
-  after an append, never adding an fsync per append, and lowered before a rewrite legitimately
-  shortens the log), and, at restart, the newest checkpoint's applied index (persistence.py,
-  `report_lost_entries`). Every step is behind its failpoint (ops/failpoints.py) and reports to
-  `STORAGE` (ops/storage_health.py); every fsync goes through ops/durable.py.
+  not a torn append: witnesses are `log.mark.json` (`LogMark`, lowered before a rewrite shortens
+  the log), and the newest checkpoint's index (persistence.py: `report_lost_entries`). Each step
+  is behind its failpoint, reports to `STORAGE`; every fsync goes through ops/durable.py.
 
 Payloads live in `log.bin`, not in memory: once an entry is on disk (appended, rewritten or
 loaded) the in-memory log keeps its metadata and a `StoredPayload` that reads the record back
@@ -42,10 +39,8 @@ import functools
 import json
 import os
 import threading
-import time
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,14 +50,16 @@ from bootstrap.coordinator_node import PersistentState
 from bootstrap.election import ElectionState
 from bootstrap.entries import LogEntry, PayloadUnavailable, Snapshot, StoredPayload
 from bootstrap.replog import LogStore
+from diloco_node.clock import Clock, SystemClock
 from diloco_node.daemon.coordination_records import ELECTION_FILES, DamagedStateError, RecordError, read_election
-from diloco_node.daemon.coordination_records import frame, read_record, unframe
+from diloco_node.daemon.coordination_records import MARK_FILE, LogMark, read_record
 from diloco_node.daemon.coordination_records import write_election, write_record
 from diloco_node.daemon.log_records import (  # noqa: F401  (re-exported: the store's record format)
     _RECORD_HEAD,
     INITIAL_SNAPSHOT,
     AppendFile,
     MAX_RECORD_BYTES,
+    PreparedLog,
     WRITE_PIECE_BYTES,
     CoordinationStoreError,
     _decode_body,
@@ -81,13 +78,6 @@ from diloco_node.ops.storage_health import STORAGE
 # Payloads up to this size stay in memory (no-ops, membership, tests' small entries): a reference
 # and a read per use would cost more than the bytes.
 INLINE_PAYLOAD_BYTES = 4096
-# The log's high-water mark (`log.mark.json`) is rewritten at most this often, after an append that
-# moved the durable end: an atomic write (two fsyncs) per second at most, against one fsync per
-# append batch, so a cut of log.bin at rest below it is found at the next start, while the entries
-# of the last second before a crash can still only be told from a torn append by the checkpoint.
-MARK_INTERVAL_S = 1.0
-MARK_FILE = "log.mark.json"
-_MARK_KEY = "fsynced_through"
 
 
 def compaction_point(*, checkpoint_index: int, commit_index: int, snapshot_index: int,
@@ -146,37 +136,15 @@ def _step(point: str) -> Iterator[None]:
     STORAGE.succeeded(point)
 
 
-@dataclass(frozen=True, slots=True)
-class PreparedLog:
-    """A compacted log written to the temp file, waiting for the state that carries its snapshot."""
-
-    snapshot: tuple[int, int]  # (last_index, last_epoch)
-    count: int  # entries written after the header
-    last: tuple[int, int] | None  # (index, epoch) of the last of them
-    size: int
-    located: tuple[tuple[int, int, int, int], ...] = ()  # (index, epoch, offset, length) of each record
-
-    def fits(self, snapshot: Snapshot, entries: list[LogEntry]) -> bool:
-        """True when `entries` (after `snapshot`) start with exactly the entries written."""
-        if (snapshot.last_index, snapshot.last_epoch) != self.snapshot or len(entries) < self.count:
-            return False
-        return self.count == 0 or (entries[self.count - 1].index, entries[self.count - 1].epoch) == self.last
-
-
 class CoordinationStore:
     """The files of one node's coordination state under `directory`."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, clock: Clock | None = None) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._log_path = self.directory / "log.bin"
         self._identity_path = self.directory / "identity.json"
-        self._mark_path = self.directory / MARK_FILE
-        # The high-water mark as last written (0: none), and when (monotonic): the first one is
-        # written a full interval after the store opened.
-        self._mark = 0
-        self._mark_written_at = time.monotonic()
-        self.mark_interval_s = MARK_INTERVAL_S
+        self.mark = LogMark(self.directory, clock or SystemClock())
         self._written_election: tuple[int, str | None] | None = None
         self._written_snapshot: tuple[int, int] = (0, 0)  # (last_index, last_epoch) of the header
         self._written_count = 0
@@ -265,11 +233,11 @@ class CoordinationStore:
             raise CoordinationStoreError(f"{self.directory}: the election record is unreadable: {error}") from None
         election = ElectionState(*election_record) if election_record else ElectionState()
         # A write that crashed before its rename: the old file is still whole; its temp file goes.
-        for path in (self._log_path, self._identity_path, self._mark_path,
+        for path in (self._log_path, self._identity_path, self.mark.path,
                      *(self.directory / name for name in ELECTION_FILES)):
             _temp_path(path).unlink(missing_ok=True)
         self._compaction_path.unlink(missing_ok=True)
-        self._mark = self._read_mark()
+        self.mark.load()
         try:
             snapshot, entries = self._load_log()
         except OSError as error:
@@ -290,9 +258,9 @@ class CoordinationStore:
                     size = os.fstat(handle.fileno()).st_size
                     snapshot, located, valid, damage = _scan_log(handle, size, self._log_path)
             last = located[-1][0].index if located else snapshot.last_index
-            if damage is None and last < self._mark:
+            if damage is None and last < self.mark.index:
                 # Not a torn append: entries through the mark were fsynced (and may be acknowledged).
-                damage = (f"it ends at entry {last} ({size} bytes) but entries through {self._mark} were "
+                damage = (f"it ends at entry {last} ({size} bytes) but entries through {self.mark.index} were "
                           f"fsynced ({MARK_FILE}): cut at rest")
             if damage is not None:
                 self._keep_good_prefix(valid, damage, last)
@@ -324,29 +292,9 @@ class CoordinationStore:
             durable.sync_dir(self.directory)
         self.damaged_after, self.damage_reason = last_good, f"log.bin damaged ({damage}); kept as {kept.name}"
 
-    def _read_mark(self) -> int:
-        """The high-water mark on disk (0: none). A damaged one is quarantined and ignored: it only
-        witnesses damage, the log itself is read as it is."""
-        try:
-            data = self._mark_path.read_bytes()
-        except FileNotFoundError:
-            return 0
-        except OSError as error:
-            raise CoordinationStoreError(f"{self._mark_path}: unreadable: {error}") from None
-        try:
-            mark = unframe(data, _MARK_KEY)[_MARK_KEY]
-            if not isinstance(mark, int) or mark < 0:
-                raise RecordError(f"{_MARK_KEY} is {mark!r}")
-            return mark
-        except (RecordError, KeyError) as error:
-            STORAGE.quarantine(self._mark_path, f"log high-water mark damaged: {error}")
-            return 0
-
     def report_lost_entries(self, last_index: int, witness: str) -> None:
-        """log.bin (loaded, ending at `last_index`) lost entries that `witness` shows were durable (a
-        checkpoint applied past its end): damage at rest, handled as a failed checksum is: the file
-        quarantined, its content kept as the new log.bin, no vote until the entries are back. A no-op
-        when the load already found it damaged."""
+        """log.bin (loaded, ending at `last_index`) lost entries `witness` shows were durable: damage,
+        as a failed checksum is (quarantined, content kept, no vote until the entries are back)."""
         if self.damaged_after is not None:
             return
         damage = f"it ends at entry {last_index} but {witness}: cut at rest"
@@ -355,24 +303,6 @@ class CoordinationStore:
             return
         self.close()
         self._keep_good_prefix(self._log_bytes, damage, last_index)
-
-    def _write_mark(self, index: int) -> None:
-        """Record `index` as fsynced in log.bin, atomically (under failpoint `log.append`, the step it
-        belongs to). Raises OSError."""
-        durable.atomic_write("log.append", self._mark_path, frame({_MARK_KEY: index}))
-        self._mark = index
-        self._mark_written_at = time.monotonic()
-
-    def _advance_mark(self) -> None:
-        """After an append: raise the mark to the durable end, at most once per interval. A failure
-        leaves the older mark (a weaker witness, never a false one) and shows on /status."""
-        last = self.durable_last_index
-        if last <= self._mark or time.monotonic() - self._mark_written_at < self.mark_interval_s:
-            return
-        try:
-            self._write_mark(last)
-        except OSError as error:
-            STORAGE.failed("log.append", f"{MARK_FILE} not written: {error}")
 
     # ---- writing ----------------------------------------------------------------------------
 
@@ -417,7 +347,7 @@ class CoordinationStore:
         self._written_last = (entries[-1].index, entries[-1].epoch) if entries else None
         self._written_count = len(entries)
         if appended:
-            self._advance_mark()
+            self.mark.advance(self.durable_last_index)
 
     def _append(self, entries: list[LogEntry], start: int) -> None:
         """Append `entries[start:]`; in memory they then keep only a reference to their payload."""
@@ -466,10 +396,10 @@ class CoordinationStore:
         with _step("log.truncate"):
             failpoints.hit("log.truncate")
             new_last = entries[-1].index if entries else snapshot.last_index
-            if new_last < self._mark:
+            if new_last < self.mark.index:
                 # A leader replaced a suffix: the mark comes down first, so a crash before the rename
                 # is never read as damage.
-                self._write_mark(new_last)
+                self.mark.write(new_last)
             try:
                 with open(temp, "wb") as handle:
                     durable.track(temp)
