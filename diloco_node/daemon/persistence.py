@@ -155,7 +155,7 @@ class Checkpointer:
             if meta.get("learner"):
                 learner = snapshot_from_checkpoint(meta["learner"], arrays)
         self.replica.applied_index = plan.applied_index
-        if plan.install_floor:
+        if plan.install_floor or plan.fallback_checkpoint is not None:
             log.warning("%s: %s", self.node_id, plan.reason)
         return plan, learner
 
