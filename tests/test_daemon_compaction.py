@@ -316,9 +316,26 @@ def test_restart_without_checkpoint_on_an_uncompacted_log_replays_from_the_start
     assert plan == RestartPlan(0, 0, "replay the log from the initial state through 7")
 
 
-def test_restart_checkpoint_beyond_the_log_is_a_clear_error() -> None:
-    with pytest.raises(ConfigError, match="checkpoint applied through 200 but the durable log ends at 150"):
-        restart_plan(checkpoint_index=200, snapshot_index=100, log_last_index=150, has_peers=True)
+def test_restart_checkpoint_beyond_the_log_without_peers_is_a_clear_error_naming_the_file() -> None:
+    with pytest.raises(ConfigError, match=r"checkpoint applied through 200 but the durable log \(/d/log.bin\) ends "
+                                          r"at 150: it lost committed entries, no older checkpoint"):
+        restart_plan(checkpoint_index=200, snapshot_index=100, log_last_index=150, has_peers=False,
+                     older_checkpoints=(90, 160), log_name="/d/log.bin")
+
+
+def test_restart_checkpoint_beyond_the_log_replays_from_the_newest_older_checkpoint_inside_it() -> None:
+    plan = restart_plan(checkpoint_index=200, snapshot_index=100, log_last_index=150, has_peers=False,
+                        older_checkpoints=(90, 120, 140, 160))
+    assert (plan.applied_index, plan.install_floor, plan.fallback_checkpoint) == (140, 0, 140)
+    assert "replay the log from the older checkpoint at index 140 through 150" in plan.reason
+
+
+def test_restart_checkpoint_beyond_the_log_installs_from_peers_as_of_the_logs_end() -> None:
+    plan = restart_plan(checkpoint_index=200, snapshot_index=100, log_last_index=150, has_peers=True,
+                        older_checkpoints=(90, 160))
+    assert (plan.applied_index, plan.install_floor, plan.fallback_checkpoint) == (150, 150, None)
+    assert plan.reason.endswith("installing the global state from peers as of index 150 and catching up the log "
+                                "from the lease holder")
 
 
 def test_restart_checkpoint_older_than_the_compacted_log_installs_from_peers() -> None:

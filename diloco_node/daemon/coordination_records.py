@@ -8,6 +8,9 @@ existed and is read without one; a single flipped bit cannot remove both keys. F
 atomically (`durable.atomic_write`: temporary file, fsync, rename, fsync of the directory), behind
 their failpoint.
 
+`log.mark.json` (`LogMark`): the last index of log.bin known fsynced, a witness that tells a log
+cut at rest from a torn append (coordination_store.py).
+
 The election record (epoch and vote) is what Raft cannot lose: a node that forgot its vote could
 grant a second one in the same epoch. It is written to two files, `election.json` then
 `election.copy.json`, and the reply that depends on it leaves only once both are durable. A read
@@ -23,6 +26,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from diloco_node.clock import Clock
 from diloco_node.config.manifest import ConfigError
 from diloco_node.ops import durable, failpoints
 from diloco_node.ops.storage_health import STORAGE
@@ -30,6 +34,13 @@ from diloco_node.ops.storage_health import STORAGE
 RECORD_FORMAT = 2
 FRAMING_KEYS = frozenset({"format", "crc32"})
 ELECTION_FILES = ("election.json", "election.copy.json")
+# log.bin's high-water mark is rewritten at most this often, after an append that moved the durable
+# end: an atomic write (two fsyncs) a second at most, never one per append. A cut of log.bin at
+# rest below it is damage; the entries of the last interval before a crash can still only be told
+# from a torn append by a checkpoint past them.
+MARK_INTERVAL_S = 1.0
+MARK_FILE = "log.mark.json"
+_MARK_KEY = "fsynced_through"
 
 
 class RecordError(ValueError):
@@ -134,3 +145,46 @@ def read_election(directory: Path) -> tuple[tuple[int, str | None] | None, bool]
     # Newest first: a higher epoch, and in one epoch a vote over none (a vote is never withdrawn).
     newest = max(found, key=lambda item: (item[0], item[1] is not None))
     return newest, bool(damaged) or present < len(ELECTION_FILES) or len(set(found)) > 1
+
+
+class LogMark:
+    """log.bin's high-water mark: `index` is an entry known fsynced in log.bin (0: none known)."""
+
+    def __init__(self, directory: Path, clock: Clock) -> None:
+        self.path = Path(directory) / MARK_FILE
+        self.index = 0
+        self.interval_s = MARK_INTERVAL_S
+        self._clock = clock
+        self._written_at = clock.monotonic()  # the first one a full interval after the start
+
+    def load(self) -> int:
+        """The mark on disk. A damaged one is quarantined and ignored: it only witnesses damage."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return self.index
+        try:
+            mark = unframe(data, _MARK_KEY)[_MARK_KEY]
+            if not isinstance(mark, int) or mark < 0:
+                raise RecordError(f"{_MARK_KEY} is {mark!r}")
+            self.index = mark
+        except (RecordError, KeyError) as error:
+            STORAGE.quarantine(self.path, f"log high-water mark damaged: {error}")
+        return self.index
+
+    def write(self, index: int) -> None:
+        """Record `index` as fsynced, atomically, under failpoint `log.append` (the step it belongs
+        to). Raises OSError."""
+        durable.atomic_write("log.append", self.path, frame({_MARK_KEY: index}))
+        self.index = index
+        self._written_at = self._clock.monotonic()
+
+    def advance(self, durable_last: int) -> None:
+        """After an append: raise the mark to `durable_last`, at most once per interval. A failure
+        leaves the older mark (a weaker witness, never a false one) and shows on /status."""
+        if durable_last <= self.index or self._clock.monotonic() - self._written_at < self.interval_s:
+            return
+        try:
+            self.write(durable_last)
+        except OSError as error:
+            STORAGE.failed("log.append", f"{MARK_FILE} not written: {error}")

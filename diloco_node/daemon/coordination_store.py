@@ -15,8 +15,10 @@ called after every batch of actions and before sending them; it writes only what
   A torn last record (crash mid-append) is dropped at load: it was never acknowledged, since
   acknowledgements leave only after `sync()` returned. A complete record failing its CRC is
   damage at rest: the file is quarantined and its good prefix kept (`damaged_after`). A damaged
-  header refuses to load. Every step is behind its failpoint (ops/failpoints.py) and reports to
-  `STORAGE` (ops/storage_health.py); every fsync goes through ops/durable.py.
+  header refuses to load. A log that ends before an index this node knew durable is damage too,
+  not a torn append: witnesses are `log.mark.json` (`LogMark`, lowered before a rewrite shortens
+  the log), and the newest checkpoint's index (persistence.py: `report_lost_entries`). Each step
+  is behind its failpoint, reports to `STORAGE`; every fsync goes through ops/durable.py.
 
 Payloads live in `log.bin`, not in memory: once an entry is on disk (appended, rewritten or
 loaded) the in-memory log keeps its metadata and a `StoredPayload` that reads the record back
@@ -39,7 +41,6 @@ import os
 import threading
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,14 +50,16 @@ from bootstrap.coordinator_node import PersistentState
 from bootstrap.election import ElectionState
 from bootstrap.entries import LogEntry, PayloadUnavailable, Snapshot, StoredPayload
 from bootstrap.replog import LogStore
+from diloco_node.clock import Clock, SystemClock
 from diloco_node.daemon.coordination_records import ELECTION_FILES, DamagedStateError, RecordError, read_election
-from diloco_node.daemon.coordination_records import read_record
+from diloco_node.daemon.coordination_records import MARK_FILE, LogMark, read_record
 from diloco_node.daemon.coordination_records import write_election, write_record
 from diloco_node.daemon.log_records import (  # noqa: F401  (re-exported: the store's record format)
     _RECORD_HEAD,
     INITIAL_SNAPSHOT,
     AppendFile,
     MAX_RECORD_BYTES,
+    PreparedLog,
     WRITE_PIECE_BYTES,
     CoordinationStoreError,
     _decode_body,
@@ -133,31 +136,15 @@ def _step(point: str) -> Iterator[None]:
     STORAGE.succeeded(point)
 
 
-@dataclass(frozen=True, slots=True)
-class PreparedLog:
-    """A compacted log written to the temp file, waiting for the state that carries its snapshot."""
-
-    snapshot: tuple[int, int]  # (last_index, last_epoch)
-    count: int  # entries written after the header
-    last: tuple[int, int] | None  # (index, epoch) of the last of them
-    size: int
-    located: tuple[tuple[int, int, int, int], ...] = ()  # (index, epoch, offset, length) of each record
-
-    def fits(self, snapshot: Snapshot, entries: list[LogEntry]) -> bool:
-        """True when `entries` (after `snapshot`) start with exactly the entries written."""
-        if (snapshot.last_index, snapshot.last_epoch) != self.snapshot or len(entries) < self.count:
-            return False
-        return self.count == 0 or (entries[self.count - 1].index, entries[self.count - 1].epoch) == self.last
-
-
 class CoordinationStore:
     """The files of one node's coordination state under `directory`."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, clock: Clock | None = None) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._log_path = self.directory / "log.bin"
         self._identity_path = self.directory / "identity.json"
+        self.mark = LogMark(self.directory, clock or SystemClock())
         self._written_election: tuple[int, str | None] | None = None
         self._written_snapshot: tuple[int, int] = (0, 0)  # (last_index, last_epoch) of the header
         self._written_count = 0
@@ -246,9 +233,11 @@ class CoordinationStore:
             raise CoordinationStoreError(f"{self.directory}: the election record is unreadable: {error}") from None
         election = ElectionState(*election_record) if election_record else ElectionState()
         # A write that crashed before its rename: the old file is still whole; its temp file goes.
-        for path in (self._log_path, self._identity_path, *(self.directory / name for name in ELECTION_FILES)):
+        for path in (self._log_path, self._identity_path, self.mark.path,
+                     *(self.directory / name for name in ELECTION_FILES)):
             _temp_path(path).unlink(missing_ok=True)
         self._compaction_path.unlink(missing_ok=True)
+        self.mark.load()
         try:
             snapshot, entries = self._load_log()
         except OSError as error:
@@ -268,8 +257,13 @@ class CoordinationStore:
                 with open(self._log_path, "rb") as handle:
                     size = os.fstat(handle.fileno()).st_size
                     snapshot, located, valid, damage = _scan_log(handle, size, self._log_path)
+            last = located[-1][0].index if located else snapshot.last_index
+            if damage is None and last < self.mark.index:
+                # Not a torn append: entries through the mark were fsynced (and may be acknowledged).
+                damage = (f"it ends at entry {last} ({size} bytes) but entries through {self.mark.index} were "
+                          f"fsynced ({MARK_FILE}): cut at rest")
             if damage is not None:
-                self._keep_good_prefix(valid, damage, located[-1][0].index if located else snapshot.last_index)
+                self._keep_good_prefix(valid, damage, last)
             elif valid != size:
                 with _step("log.truncate"), open(self._log_path, "r+b") as handle:
                     handle.truncate(valid)
@@ -298,6 +292,18 @@ class CoordinationStore:
             durable.sync_dir(self.directory)
         self.damaged_after, self.damage_reason = last_good, f"log.bin damaged ({damage}); kept as {kept.name}"
 
+    def report_lost_entries(self, last_index: int, witness: str) -> None:
+        """log.bin (loaded, ending at `last_index`) lost entries `witness` shows were durable: damage,
+        as a failed checksum is (quarantined, content kept, no vote until the entries are back)."""
+        if self.damaged_after is not None:
+            return
+        damage = f"it ends at entry {last_index} but {witness}: cut at rest"
+        if not self._log_path.exists():  # removed whole: nothing to keep aside
+            self.damaged_after, self.damage_reason = last_index, f"log.bin missing ({damage})"
+            return
+        self.close()
+        self._keep_good_prefix(self._log_bytes, damage, last_index)
+
     # ---- writing ----------------------------------------------------------------------------
 
     def save_identity(self, identity: dict[str, Any]) -> None:
@@ -323,6 +329,7 @@ class CoordinationStore:
             self._written_election = election
         snapshot, entries = state.log.snapshot, state.log.entries
         count = self._written_count
+        appended = False
         same_snapshot = (snapshot.last_index, snapshot.last_epoch) == self._written_snapshot
         prefix_intact = same_snapshot and len(entries) >= count and (
             count == 0 or (entries[count - 1].index, entries[count - 1].epoch) == self._written_last)
@@ -333,11 +340,14 @@ class CoordinationStore:
             self._rewrite(snapshot, entries)
         elif len(entries) > count:
             self._append(entries, count)
+            appended = True
         if prepared is not None:  # the state moved on differently (e.g. a snapshot was installed)
             self.discard_prepared()
         self._written_snapshot = (snapshot.last_index, snapshot.last_epoch)
         self._written_last = (entries[-1].index, entries[-1].epoch) if entries else None
         self._written_count = len(entries)
+        if appended:
+            self.mark.advance(self.durable_last_index)
 
     def _append(self, entries: list[LogEntry], start: int) -> None:
         """Append `entries[start:]`; in memory they then keep only a reference to their payload."""
@@ -385,6 +395,11 @@ class CoordinationStore:
         header = _encode_snapshot(snapshot)
         with _step("log.truncate"):
             failpoints.hit("log.truncate")
+            new_last = entries[-1].index if entries else snapshot.last_index
+            if new_last < self.mark.index:
+                # A leader replaced a suffix: the mark comes down first, so a crash before the rename
+                # is never read as damage.
+                self.mark.write(new_last)
             try:
                 with open(temp, "wb") as handle:
                     durable.track(temp)

@@ -13,6 +13,7 @@ import io
 import os
 import struct
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -219,3 +220,20 @@ class AppendFile:
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedLog:
+    """A compacted log written to the temp file, waiting for the state that carries its snapshot."""
+
+    snapshot: tuple[int, int]  # (last_index, last_epoch)
+    count: int  # entries written after the header
+    last: tuple[int, int] | None  # (index, epoch) of the last of them
+    size: int
+    located: tuple[tuple[int, int, int, int], ...] = ()  # (index, epoch, offset, length) of each record
+
+    def fits(self, snapshot: Snapshot, entries: list[LogEntry]) -> bool:
+        """True when `entries` (after `snapshot`) start with exactly the entries written."""
+        if (snapshot.last_index, snapshot.last_epoch) != self.snapshot or len(entries) < self.count:
+            return False
+        return self.count == 0 or (entries[self.count - 1].index, entries[self.count - 1].epoch) == self.last

@@ -1,8 +1,10 @@
 """What a site keeps on its own disk between runs: checkpoints, log compaction, and the restart rule.
 
-- `restart_plan` (pure): given the newest good checkpoint's index and the durable log's extent,
-  decide whether a restart replays the log from the checkpoint or must install the global state
-  from peers, or cannot start at all; with the reason.
+- `restart_plan` (pure): given the newest good checkpoint's index (and the older ones') and the
+  durable log's extent, decide whether a restart replays the log from a checkpoint or must install
+  the global state from peers, or cannot start at all; with the reason. A newest checkpoint past
+  the log's end means log.bin lost committed entries at rest: the store reports it as damage
+  (quarantine, vote barrier) and the node recovers from an older checkpoint or from its peers.
 - `Checkpointer`: writes checkpoints (global state, the learner's weights and AdamW state, counters,
   applied index) atomically on the disk thread, restores from the newest good one, and compacts the
   replicated log below a checkpoint that reads back intact. A checkpoint that cannot be written (a
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +34,13 @@ from diloco_node.learn.learner_thread import (
     snapshot_from_checkpoint,
     snapshot_meta_and_arrays,
 )
-from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore, CheckpointUnreadable, verify_checkpoint_file
+from diloco_node.ops.checkpoint import (
+    CheckpointError,
+    CheckpointStore,
+    CheckpointUnreadable,
+    read_checkpoint_file,
+    verify_checkpoint_file,
+)
 from diloco_node.ops.storage_health import STORAGE
 from diloco_node.sync.replica import Replica
 
@@ -47,19 +55,37 @@ class RestartPlan:
     applied_index: int
     install_floor: int
     reason: str
+    # An older checkpoint to restore instead of the newest (whose index is past the log's end).
+    fallback_checkpoint: int | None = None
 
 
 def restart_plan(*, checkpoint_index: int | None, snapshot_index: int, log_last_index: int,
-                 has_peers: bool) -> RestartPlan:
+                 has_peers: bool, older_checkpoints: Sequence[int] = (), log_name: str = "log.bin") -> RestartPlan:
     """The durable log holds the entries after `snapshot_index`; a checkpoint must lie between that
     point and the log's end for a replay from it to be complete. One older than the point (the
     newest failed verification and an older one was used, or checkpoints were removed) cannot be
-    replayed: the state is installed from peers, as after a snapshot install. Raises ConfigError
-    when neither works."""
+    replayed: the state is installed from peers, as after a snapshot install.
+
+    A checkpoint past the log's end (the log lost committed entries: cut at rest) is not used: the
+    newest of `older_checkpoints` (applied indices) inside the log is replayed from; with none, the
+    global state is installed from peers as of the log's end (every entry up to it is committed,
+    since the checkpoint applied past it) and the lost entries come back from the lease holder.
+    Raises ConfigError when nothing works."""
     applied = checkpoint_index or 0
     if applied > log_last_index:
-        raise ConfigError(f"checkpoint applied through {applied} but the durable log ends at {log_last_index}; "
-                          "the coordination directory does not belong to this checkpoint")
+        lost = (f"checkpoint applied through {applied} but the durable log ({log_name}) ends at "
+                f"{log_last_index}: it lost committed entries")
+        fitting = [c for c in older_checkpoints if snapshot_index <= c <= log_last_index]
+        if fitting:
+            older = max(fitting)
+            return RestartPlan(older, 0, f"{lost}; replay the log from the older checkpoint at index {older} "
+                                         f"through {log_last_index}", fallback_checkpoint=older)
+        if not has_peers:
+            raise ConfigError(f"{lost}, no older checkpoint lies inside it, and there is no peer to recover the "
+                              f"state from; restore {log_name}, or remove the data directory and join the run again")
+        return RestartPlan(log_last_index, log_last_index,
+                           f"{lost}; installing the global state from peers as of index {log_last_index} and "
+                           "catching up the log from the lease holder")
     if applied >= snapshot_index:
         source = f"the checkpoint at index {applied}" if checkpoint_index is not None else "the initial state"
         return RestartPlan(applied, 0, f"replay the log from {source} through {log_last_index}")
@@ -110,17 +136,42 @@ class Checkpointer:
                                 has_peers=has_peers)
         else:
             meta, arrays = loaded.checkpoint.meta, loaded.checkpoint.arrays
-            plan = restart_plan(checkpoint_index=int(meta["applied_index"]), snapshot_index=snapshot_index,
-                                log_last_index=log_last, has_peers=has_peers)
+            newest = int(meta["applied_index"])
+            older: dict[int, Path] = {}
+            if newest > log_last:  # log.bin lost entries the checkpoint applied: damage, not a torn append
+                self.store.report_lost_entries(log_last, f"checkpoint {loaded.checkpoint.sequence} applied "
+                                                         f"through {newest}")
+                older = self._older_checkpoints(loaded.checkpoint.sequence)
+            plan = restart_plan(checkpoint_index=newest, snapshot_index=snapshot_index, log_last_index=log_last,
+                                has_peers=has_peers, older_checkpoints=tuple(older),
+                                log_name=str(self.store.log_path) if newest > log_last else "log.bin")
+            if plan.fallback_checkpoint is not None:
+                fallback = read_checkpoint_file(older[plan.fallback_checkpoint])
+                meta, arrays = fallback.meta, fallback.arrays
+                loaded = type(loaded)(fallback, loaded.skipped)
             digest = self._restore_global_state(meta, arrays)
             log.info("%s: resumed from checkpoint %s at index %d digest %s", self.node_id,
                      loaded.checkpoint.sequence, int(meta["applied_index"]), digest)
             if meta.get("learner"):
                 learner = snapshot_from_checkpoint(meta["learner"], arrays)
         self.replica.applied_index = plan.applied_index
-        if plan.install_floor:
+        if plan.install_floor or plan.fallback_checkpoint is not None:
             log.warning("%s: %s", self.node_id, plan.reason)
         return plan, learner
+
+    def _older_checkpoints(self, newest_sequence: int) -> dict[int, Path]:
+        """applied index -> file of each checkpoint older than `newest_sequence` that verifies (streamed).
+        Only when the newest cannot be used; one that fails its check is skipped."""
+        found: dict[int, Path] = {}
+        for sequence in self.checkpoints.sequences():
+            if sequence >= newest_sequence:
+                continue
+            path = self.checkpoints.path_for(sequence)
+            try:
+                found.setdefault(int(verify_checkpoint_file(path)["applied_index"]), path)
+            except (CheckpointError, KeyError, TypeError, ValueError) as error:
+                log.warning("%s: older checkpoint %s not usable: %s", self.node_id, path.name, error)
+        return found
 
     def _load_latest(self) -> Any:
         """The newest good checkpoint. When every one failed its check (all now quarantined, kept
