@@ -272,6 +272,13 @@ class ReplicatedLog:
                 self.match_index[peer] = match_index
             self.next_index[peer] = max(self.next_index[peer], self.match_index[peer] + 1)
             return self.next_index[peer] <= self.last_index
+        if match_index < self.match_index[peer]:
+            # The follower holds less than it once acknowledged: its log was cut at rest (it says
+            # so and will not vote until it has caught up). Believe it, so the missing entries go
+            # out now rather than after the next compaction forces a snapshot. Lowering a match
+            # index only makes the commit rule more conservative, and a stale rejection costs at
+            # most a resend of entries the follower already has (it accepts them unchanged).
+            self.match_index[peer] = match_index
         backed_off = min(self.next_index[peer], match_index + 1)
         self.next_index[peer] = max(self.match_index[peer] + 1, backed_off)
         return True

@@ -208,3 +208,31 @@ def test_joiner_through_bootstrap_peer_becomes_a_voter_then_leaves_gracefully():
     run_pair(nodes, now + 3.0, list(joiner.leave(now)), now)
     assert joiner.left and joiner.status(now)["reasons"]["membership"] == "left: our removal is committed"
     assert leader.log.committed_config.voters == {"a"}
+
+
+def test_a_follower_that_lost_acknowledged_entries_is_sent_them_again_at_once():
+    """A follower whose log.bin was cut at rest rejects the next append with its shorter end:
+    the holder believes it and resends from there, instead of waiting for a snapshot."""
+    leader = fresh("a")
+    leader.reset_progress(["b"])
+    for index in range(1, 7):
+        leader.append_local(1, EntryKind.OUTER_COMMIT, b"p", fragment=0, round=index)
+    follower = fresh("b")
+    outcome = follower.handle_append(leader.replication_message("b", 1, "a", 1.0))
+    assert leader.handle_append_response("b", outcome.success, outcome.match_index) is False
+    assert leader.match_index["b"] == 6
+    cut = fresh("b")  # the same follower after a restart with its log cut back to entry 3
+    everything = leader.replication_message("b", 1, "a", 2.0)
+    assert everything.prev_index == 6 and not everything.entries  # a heartbeat: b holds them all
+    first_three = AppendEntries(**{**{f: getattr(everything, f) for f in everything.__dataclass_fields__},
+                                   "prev_index": 0, "prev_epoch": 0,
+                                   "entries": tuple(leader.entry_at(i) for i in (1, 2, 3))})
+    assert cut.handle_append(first_three).success and cut.last_index == 3
+    leader.append_local(1, EntryKind.OUTER_COMMIT, b"p", fragment=0, round=7)
+    rejected = cut.handle_append(leader.replication_message("b", 1, "a", 3.0))
+    assert not rejected.success and rejected.match_index == 3
+    assert leader.handle_append_response("b", False, rejected.match_index) is True
+    assert leader.match_index["b"] == 3
+    resent = leader.replication_message("b", 1, "a", 4.0)
+    assert [e.index for e in resent.entries] == [4, 5, 6, 7]
+    assert cut.handle_append(resent).success and cut.last_index == 7
