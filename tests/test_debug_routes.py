@@ -87,3 +87,12 @@ async def test_a_client_off_the_loopback_is_refused():
     assert response.status == 403 and b"only on this host's loopback" in response.body
     response = await routes["/debug/clock"](make_mocked_request("POST", "/debug/clock", transport=_RemoteTransport()))
     assert response.status == 403 and failpoints.armed() == {}
+
+
+async def test_a_refused_change_changes_nothing():
+    failpoints.arm("log.append=enospc,history.write=eio")
+    async with TestClient(TestServer(_app(ALLOWED))) as client:
+        for body in ({"disarm": ["log.append", "no.such"]}, {"disarm": ["history.write"], "arm": "log.read=melt"}):
+            response = await client.post("/debug/failpoints", json=body)
+            assert response.status == 400
+            assert failpoints.armed() == {"history.write": "eio", "log.append": "enospc"}

@@ -63,7 +63,11 @@ def debug_routes(environ: Mapping[str, str]) -> web.RouteTableDef:
             return _bad("'disarm' must be a list of failpoint names or \"all\"")
         if not isinstance(arm, str):
             return _bad("'arm' must be a string: point=action,...")
+        unknown = [] if disarm == "all" else [name for name in disarm if name not in failpoints.POINTS]
+        if unknown:  # refused before anything changes, so a typo disarms nothing
+            return _bad(f"unknown failpoints {unknown}; known: {', '.join(sorted(failpoints.POINTS))}")
         try:
+            failpoints.parse(arm)  # the same: a bad spec changes nothing
             if disarm == "all":
                 failpoints.disarm()
             else:
