@@ -52,10 +52,7 @@ def debug_routes(environ: Mapping[str, str]) -> web.RouteTableDef:
 
     @routes.post("/debug/failpoints")
     async def change_failpoints(request: web.Request) -> web.Response:
-        refused = _refusal(request)
-        if refused is not None:
-            return refused
-        body, error = await _json_object(request)
+        body, error = await _loopback_json_object(request)
         if error is not None:
             return error
         disarm, arm = body.get("disarm", []), body.get("arm", "")
@@ -80,10 +77,7 @@ def debug_routes(environ: Mapping[str, str]) -> web.RouteTableDef:
 
     @routes.post("/debug/clock")
     async def skew_clock(request: web.Request) -> web.Response:
-        refused = _refusal(request)
-        if refused is not None:
-            return refused
-        body, error = await _json_object(request)
+        body, error = await _loopback_json_object(request)
         if error is not None:
             return error
         offset, drift = body.get("offset_s", 0.0), body.get("drift_rate", 0.0)
@@ -109,7 +103,11 @@ def _bad(message: str) -> web.Response:
     return web.json_response({"error": message}, status=400)
 
 
-async def _json_object(request: web.Request) -> tuple[dict[str, Any], web.Response | None]:
+async def _loopback_json_object(request: web.Request) -> tuple[dict[str, Any], web.Response | None]:
+    """A POST's JSON object body, or the refusal to answer (403 off loopback, 400 for a bad body)."""
+    refused = _refusal(request)
+    if refused is not None:
+        return {}, refused
     if request.content_length is None or request.content_length > MAX_DEBUG_BODY_BYTES:
         return {}, _bad(f"the body must be a JSON object of at most {MAX_DEBUG_BODY_BYTES} bytes with a Content-Length")
     try:
