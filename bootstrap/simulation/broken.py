@@ -72,4 +72,7 @@ BROKEN_SIM_SETTINGS: dict[str, dict[str, object]] = {
     # Sends votes and append acknowledgements before fsyncing what they promise, and syncs once
     # per tick: a crash in between loses a granted vote or an acknowledged entry.
     "ack_before_fsync": {"fsync_before_ack": False},
+    # Repairs a stale fragment from any peer, even one that has not applied the entry the fragment
+    # is stale since, and calls the state current at once: the entry's apply is skipped for good.
+    "repair_below_floor": {"repair_floor": False},
 }

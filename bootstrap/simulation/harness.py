@@ -13,6 +13,10 @@ the live state away and restarts from the durable copy, so writes that were neve
 really lost. The host fsyncs after each event that changed the persistent state and before it
 sends anything (votes and append acknowledgements included); the `crash_at_fsync` and
 `io_error` faults make one node's next write die just before or just after that fsync.
+
+Each host's application also holds fragments (fragments.py): the `unreadable_payload` fault makes
+its next outer-commit applies fail, and the stale fragment is repaired from a peer under the real
+rule (bootstrap/apply_rule.py); a host that says its state is current must hold the run's state.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dataclasses import dataclass, field, replace
 
 from bootstrap.coordinator_node import CoordinatorNode, NodeOptions, PersistentState
 from bootstrap.election import LeaseTiming, Role
-from bootstrap.entries import EntryKind
+from bootstrap.entries import EntryKind, LogEntry
 from bootstrap.membership import SwimTiming
 from bootstrap.messages import (
     Action,
@@ -39,6 +43,7 @@ from bootstrap.messages import (
     Send,
 )
 from bootstrap.simulation.checker import InvariantChecker, chain_digest
+from bootstrap.simulation.fragments import FragmentModel, FragmentTruth
 from bootstrap.relay_plane import FetchAnswer
 from bootstrap.simulation.relays import FetchReply, Metadata, PayloadRequest, RelayItem, RelayPlane
 from wire.errors import ProtocolError
@@ -64,7 +69,11 @@ FAULT_WEIGHTS: dict[str, float] = {
     "workload": 1.0,
     "crash_at_fsync": 2.0,  # a node's next write: crash just before or just after its fsync
     "io_error": 1.0,  # a node's next write fails: nothing it decided is sent; it reloads what it synced
+    "unreadable_payload": 1.0,  # a node's next outer-commit applies cannot read their payload back
 }
+# A fragment repair's request and answer: a network round trip (the daemon asks at once); a
+# refused or unanswered one is asked again after this.
+REPAIR_RETRY_S = 0.2
 # Faults that exist only when relays are on (so schedules without relays replay as before).
 RELAY_FAULT_WEIGHTS: dict[str, float] = {
     "corrupt_relay": 1.0,  # a member starts altering the payload bytes it forwards
@@ -116,6 +125,9 @@ class SimConfig:
     # False only for the broken variant that acknowledges before its fsync: it sends first and
     # syncs lazily, once per tick, so a crash can lose a vote or an entry it acknowledged.
     fsync_before_ack: bool = True
+    # False only for the broken variant that installs a repaired fragment from a peer that has not
+    # applied the entry the fragment is stale since (the held apply is skipped).
+    repair_floor: bool = True
 
 
 @dataclass(slots=True)
@@ -153,6 +165,7 @@ class _Host:
     # An armed storage fault for the node's next write: "crash before", "crash after" (the fsync)
     # or "io error" (the write fails; the node reloads what it had synced).
     fault_at_fsync: str | None = None
+    fragments: FragmentModel | None = None  # the application's fragments (fragments.py), set at start
 
     def fsync(self) -> None:
         self.durable = copy_persistent(self.persistent)
@@ -183,7 +196,7 @@ def copy_persistent(state: PersistentState) -> PersistentState:
     return replace(state, election=replace(state.election), log=replace(state.log, entries=list(state.log.entries)))
 
 
-_TICK, _DELIVER, _FAULT, _WORKLOAD, _RELAY, _RELAY_TIMER = 0, 1, 2, 3, 4, 5
+_TICK, _DELIVER, _FAULT, _WORKLOAD, _RELAY, _RELAY_TIMER, _REPAIR = 0, 1, 2, 3, 4, 5, 6
 
 
 class Simulation:
@@ -216,6 +229,7 @@ class Simulation:
         count = self.rng.randint(self.config.min_nodes, self.config.max_nodes)
         founders = [f"n{i}" for i in range(count)]
         self.checker = InvariantChecker()
+        self.fragment_truth = FragmentTruth()
         self.relays = (RelayPlane(self.config.relay_fanout, self.config.relay_timeout_s, self.config.relay_verify,
                                   self.config.relay_fetch_deadline_s)
                        if self.config.relay_fanout else None)
@@ -268,6 +282,8 @@ class Simulation:
                 self._on_relay(a, b)  # type: ignore[arg-type]
             elif kind == _RELAY_TIMER:
                 self._on_relay_timer(a, b)  # type: ignore[arg-type]
+            elif kind == _REPAIR:
+                self._on_repair(a, b)  # type: ignore[arg-type]
             elif a == self._workload_generation:
                 self._on_workload()
             if stop is not None and stop():
@@ -368,6 +384,13 @@ class Simulation:
             host = self.rng.choice(alive)
             host.fault_at_fsync = "io error"
             note = f"{host.node_id}: its next write fails"
+        elif fault == "unreadable_payload" and alive:
+            host = self.rng.choice(alive)
+            if leader is not None and self.rng.random() < 0.5:
+                host = self.hosts[leader]  # the issue's case: the holder applies first, its peers lag
+            assert host.fragments is not None
+            host.fragments.unreadable = self.rng.choice((1, 2))
+            note = f"{host.node_id}: its next {host.fragments.unreadable} outer-commit payload(s) unreadable"
         elif fault == "leave" and len(alive) > 3:
             host = self.rng.choice(alive)
             self._dispatch(host, lambda node, local: node.leave(local))
@@ -474,6 +497,8 @@ class Simulation:
 
     def _start(self, host: _Host, *, join: bool) -> None:
         host.generation += 1
+        if host.fragments is None:
+            host.fragments = FragmentModel.new(self.config.repair_floor)
         index = int(host.node_id[1:])
         rng = random.Random(self.seed * 1_000_003 + index * 10_007 + host.generation)
         snapshot = host.persistent.log.snapshot
@@ -483,6 +508,7 @@ class Simulation:
             # plan downloads the state as of the snapshot's index from peers).
             self.checker.on_restore(self.now, host.node_id, snapshot)
             host.digest, host.applied_index = snapshot.state, snapshot.last_index
+            host.fragments.restore(self.fragment_truth, snapshot.last_index)
         try:
             host.node = self.node_factory(
                 host.node_id,
@@ -630,10 +656,13 @@ class Simulation:
                 host.digest = chain_digest(host.digest, action.entry)
                 host.applied_index = action.entry.index
                 self.checker.on_apply(self.now, host.node_id, action.entry, host.digest)
+                self._apply_fragments(host, action.entry)
             elif isinstance(action, RestoreSnapshot):
                 self.checker.on_restore(self.now, host.node_id, action.snapshot)
                 host.digest = action.snapshot.state
                 host.applied_index = action.snapshot.last_index
+                assert host.fragments is not None
+                host.fragments.restore(self.fragment_truth, action.snapshot.last_index)
         if host.applied_index - node.log.store.snapshot.last_index >= self.config.compaction_every:
             node.compact(host.applied_index, host.digest)
             if self.config.fsync_before_ack:
@@ -671,6 +700,48 @@ class Simulation:
         if fault == "io error":
             self._start(host, join=True)  # the daemon drops its state and reloads it from disk
         return False
+
+    # ------------------------------------------------------------ fragments (fragments.py)
+
+    def _apply_fragments(self, host: _Host, entry: LogEntry) -> None:
+        model = host.fragments
+        assert model is not None
+        self.fragment_truth.learn(entry)
+        stale = model.apply(entry)
+        if stale is not None and stale not in model.repairing:
+            model.repairing.add(stale)
+            self._schedule(self.now + self._round_trip(), _REPAIR, host.node_id, stale)
+        self._check_fragments(host)
+
+    def _check_fragments(self, host: _Host) -> None:
+        assert host.fragments is not None
+        problem = self.fragment_truth.check(host.node_id, host.fragments, host.applied_index)
+        if problem is not None:
+            self.checker.violations.append(f"t={self.now:.3f}s {problem}")
+            self.stopped = True
+
+    def _round_trip(self) -> float:
+        return 2 * self.config.base_delay_s + self.rng.expovariate(1.0 / self.jitter)
+
+    def _on_repair(self, node_id: str, fragment: int) -> None:
+        """A repair's answer arrives: a random reachable peer's copy, installed if the rule allows."""
+        host = self.hosts[node_id]
+        model = host.fragments
+        assert model is not None
+        if fragment not in model.stale.floors:
+            model.repairing.discard(fragment)
+            return
+        peers = [h for h in self._sorted_hosts()
+                 if h is not host and h.node is not None and self._link_passes(node_id, h.node_id)]
+        if host.node is not None and peers:
+            peer = self.rng.choice(peers)
+            assert peer.fragments is not None
+            offer = peer.fragments.serve(fragment, peer.applied_index)
+            if offer is not None and model.install(fragment, *offer):
+                model.repairing.discard(fragment)
+                self._check_fragments(host)
+                return
+        self._schedule(self.now + REPAIR_RETRY_S + self._round_trip(), _REPAIR, node_id, fragment)
 
     def _note_commits(self, node: CoordinatorNode, commit_before: int) -> None:
         for index in range(commit_before + 1, node.log.commit_index + 1):

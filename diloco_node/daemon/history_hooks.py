@@ -269,12 +269,15 @@ class DaemonHistory:
         says `snapshot: true`, since the state jumped rather than followed the previous apply."""
         self._next_apply_is_snapshot = True
 
-    def applied(self, entry: LogEntry, replica: ReplicaView, consistent_from: int, epoch: int) -> None:
+    def applied(self, entry: LogEntry, replica: ReplicaView, consistent_from: int, epoch: int,
+                current: bool = True) -> None:
         """After `replica.apply(entry)`. Nothing is recorded while the replica is not one
-        consistent state: a joiner replaying the log below the newest index its download was
-        served at, or a fragment being refetched after a mismatch. The first apply after such a
-        stretch is marked `snapshot` (the state jumped by a download, not by applies)."""
-        if replica.applied_index < consistent_from or replica.diverged:
+        consistent state (`current` False, the state keeper's verdict): a joiner replaying the log
+        below the newest index its download was served at, or a fragment stale since an entry
+        could not be applied to it, until a copy that includes that entry is installed. The first
+        apply after such a stretch is marked `snapshot` (the state jumped by a download, not by
+        applies)."""
+        if not current or replica.applied_index < consistent_from or replica.diverged:
             self._next_apply_is_snapshot = True
             return
         state = replica.state

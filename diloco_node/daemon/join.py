@@ -208,8 +208,11 @@ class FragmentDownload:
 
     def __init__(self, client: PeerClient, replica: Replica, peers: Callable[[], list[str]], *,
                  executor: Executor, clock: Clock, chunk_bytes: int = SNAPSHOT_CHUNK_BYTES,
-                 min_commit_index: int = 0) -> None:
+                 min_commit_index: int = 0, accept: Callable[[int, int], tuple[bool, str]] | None = None) -> None:
+        """`accept(fragment, served index)`: asked just before a downloaded fragment is installed
+        (a repair's floor, bootstrap/apply_rule.py); a refusal asks a peer again like one behind."""
         self.client = client
+        self.accept = accept
         self.replica = replica
         self.peers = peers
         self.executor = executor
@@ -337,6 +340,10 @@ class FragmentDownload:
                 # in a worker thread, so heartbeats and the other fragments' chunks keep flowing.
                 loop = asyncio.get_running_loop()
                 checked = await loop.run_in_executor(self.executor, received.checked)
+                if self.accept is not None:  # nothing awaited from here to the install
+                    accepted, why = self.accept(progress.fragment, progress.commit_index)
+                    if not accepted:
+                        raise _PeerBehind(why)
                 self.replica.install_checked_bytes(checked)  # the quick half, on the loop like every apply
                 self.max_commit_index = max(self.max_commit_index, progress.commit_index)
                 progress.done = True

@@ -207,7 +207,7 @@ class SiteParts:
             replacing_state=keeper.replacing_state(), was_ready=was_ready,
             role="lease holder" if core.is_lease_holder(now) else core.role.value, epoch=core.epoch,
             coordination_silent_s=self._coordination_silent_s(now), lease_s=self.plan.lease_s,
-            storage_failing=storage_failures(STORAGE.to_status()))
+            storage_failing=storage_failures(STORAGE.to_status()), not_current=keeper.current_reason())
 
     def _coordination_silent_s(self, now: float) -> float | None:
         """Seconds since a lease holder was last heard from (0 while we hold the lease)."""

@@ -43,6 +43,9 @@ class ReadinessFacts:
     lease_s: float = float("inf")
     # (failpoint name, error) of each durable step whose last attempt failed (`storage_failures`)
     storage_failing: tuple[tuple[str, str], ...] = ()
+    # Why the replica is not the run's state at its applied index ("" when it is: a stale fragment,
+    # a repaired one ahead of the rest; the state keeper's `current_reason`).
+    not_current: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +79,8 @@ def readiness(facts: ReadinessFacts) -> Readiness:
     also = f"; storage failing: {'; '.join(others)}" if others else ""
     if latched and facts.replacing_state:
         return Readiness(False, became_ready, f"installing a snapshot: {reason}{also}")
+    if latched and facts.not_current:
+        return Readiness(False, became_ready, f"state not current: {facts.not_current}{also}")
     if latched and facts.coordination_silent_s is not None and facts.coordination_silent_s > facts.lease_s:
         return Readiness(False, became_ready,
                          f"coordination stalled: no lease holder heard from for {facts.coordination_silent_s:.1f} s "

@@ -3,8 +3,11 @@
 - Committed entries are applied in order (`apply`) and each applied fragment is offered to the
   learner. While the global state is being replaced (a joiner's download, or a snapshot install
   after the lease holder compacted its log past us) entries are held and applied after it.
-- A fragment whose digest disagrees after an apply is fetched again from a peer (`repair`).
-- Peers download fragments from us (`on_snapshot_request`) only while our state is whole.
+- A fragment whose entry cannot be applied (its payload unreadable, its digest disagreeing, a round
+  missing) is stale from that entry's index on: the state is not current (`current_reason`) until
+  a peer's copy served as of that index or later is installed (`repair`). The decision is
+  bootstrap/apply_rule.py's `StaleFragments`, the one the coordination simulation runs.
+- Peers download fragments from us (`on_snapshot_request`) only while our state is current.
 The download itself (chunks, digests, floors, peers) is join.py's `FragmentDownload`.
 """
 
@@ -19,6 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
+from bootstrap.apply_rule import StaleFragments
 from bootstrap.entries import EntryKind, LogEntry, Snapshot
 from diloco_node.clock import Clock
 from diloco_node.daemon import peers
@@ -88,6 +92,9 @@ class StateKeeper:
         self.download: FragmentDownload | None = None
         self.repairs_done = 0  # fragments replaced by a repair (part of the digest cache key)
         self._repairing: set[int] = set()
+        self._repair_downloads: dict[int, FragmentDownload] = {}
+        self._unoffered: set[int] = set()  # applied or repaired while not current: offered once it is
+        self.stale = StaleFragments()  # fragments an entry could not be applied to, and their floors
         self.served = ServedFragments(replica)
 
     # ------------------------------------------------------------------ questions
@@ -98,7 +105,19 @@ class StateKeeper:
 
     def state_consistent(self) -> bool:
         """The replica is one global state as of its applied index (not mid-download or repair)."""
-        return not self.replacing_state() and not self.replica.diverged
+        return not self.current_reason()
+
+    def current_reason(self) -> str:
+        """Why the replica is not the run's state as of its applied index ("" when it is): it
+        then serves, exports and evaluates nothing and records no state digest."""
+        if self.replacing_state():
+            return "the global state is being replaced (download or snapshot install)"
+        current, why = self.stale.current(self.replica.applied_index)
+        if not current:
+            return why
+        if self.replica.diverged:  # set by the replica, always with a floor here: a backstop
+            return f"fragments {sorted(self.replica.diverged)} being repaired"
+        return ""
 
     def merge_blocker(self, log_applied: int, log_last: int) -> str:
         """Why the lease holder cannot merge on this replica now ("" when it can): the round it
@@ -106,9 +125,7 @@ class StateKeeper:
         its own log and be one state."""
         if log_applied != log_last:
             return f"replica behind its own log: applied {log_applied} of {log_last}"
-        if self.replacing_state():
-            return "the global state is being replaced (download or snapshot install)"
-        return ""
+        return self.current_reason()
 
     # ------------------------------------------------------------------ applying commits
 
@@ -117,7 +134,14 @@ class StateKeeper:
             self.held_applies.append(entry)
             return
         outcome = self.replica.apply(entry)
-        self.history.applied(entry, self.replica, self.consistent_from, self.epoch())
+        if outcome.diverged and outcome.fragment is not None:
+            # Stale from this index on, before anything reads the state: the history records no
+            # digest, nothing is served, and a repair must bring a copy that includes this entry.
+            self.stale.mark(outcome.fragment, entry.index, outcome.reason)
+            download = self._repair_downloads.get(outcome.fragment)
+            if download is not None:
+                download.raise_floor(entry.index)
+        self.history.applied(entry, self.replica, self.consistent_from, self.epoch(), current=self.state_consistent())
         if entry.kind is EntryKind.OUTER_COMMIT:
             log.info("%s apply %s", self.node_id, outcome.reason)
             if outcome.applied:
@@ -127,9 +151,20 @@ class StateKeeper:
             self.report_error(outcome.reason)
             self.repair(outcome.fragment)
         if outcome.applied and outcome.fragment is not None:
-            self._offer(outcome.fragment, outcome.contributors)
+            if self.state_consistent():
+                self._offer(outcome.fragment, outcome.contributors)
+            else:  # the learner adopts nothing from a state that is not the run's
+                self._unoffered.add(outcome.fragment)
             self.on_fragment_commit(outcome.fragment, tuple(outcome.contributors))
             self.after_apply(self.replica.applied_index)
+        self._offer_pending()
+
+    def _offer_pending(self) -> None:
+        """Fragments held back from the learner while the state was not current, once it is."""
+        if self._unoffered and self.state_consistent():
+            for p in sorted(self._unoffered):
+                self._offer(p)
+            self._unoffered.clear()
 
     def _offer(self, p: int, contributors: tuple[str, ...] = ()) -> None:
         """Hand the current fragment p to the learner; `contributors` of the commit that made it
@@ -209,9 +244,10 @@ class StateKeeper:
         for p in range(replica.plan.num_fragments):  # rebased on the new global state
             self._offer(p)
 
-    def _download(self, peers: Callable[[], list[str]], min_commit_index: int = 0) -> FragmentDownload:
+    def _download(self, peers: Callable[[], list[str]], min_commit_index: int = 0,
+                  accept: Callable[[int, int], tuple[bool, str]] | None = None) -> FragmentDownload:
         return FragmentDownload(self.client, self.replica, peers, executor=self.executor, clock=self.clock,
-                                min_commit_index=min_commit_index)
+                                min_commit_index=min_commit_index, accept=accept)
 
     # ------------------------------------------------------------------ repair
 
@@ -223,14 +259,25 @@ class StateKeeper:
         self.tasks.spawn(self._repair(p), name=f"repair-{p}")
 
     async def _repair(self, p: int) -> None:
+        """Until fragment p is no longer stale: a copy from a peer that has applied at least its
+        floor (a peer that has not yet heard of the commit we could not apply is asked again)."""
         try:
-            download = self._download(self.repair_peers)
-            await download.fetch_fragment(p, attempts=REPAIR_ATTEMPTS)
-            log.info("%s repaired fragment %d from a peer", self.node_id, p)
-            self._offer(p)
-        except JoinRefused as error:
-            self.report_error(f"fragment {p} repair failed: {error}")
+            while p in self.stale.floors or p in self.replica.diverged:
+                download = self._repair_downloads[p] = self._download(
+                    self.repair_peers, min_commit_index=self.stale.floor(p), accept=self.stale.offer)
+                try:
+                    await download.fetch_fragment(p, attempts=REPAIR_ATTEMPTS)
+                except JoinRefused as error:
+                    self.report_error(f"fragment {p} repair failed: {error}; retrying in {INSTALL_RETRY_S:.0f} s")
+                    await self.clock.sleep(INSTALL_RETRY_S)
+                    continue
+                self.consistent_from = max(self.consistent_from, self.stale.current_from)
+                log.info("%s repaired fragment %d from a peer (served as of index %d)", self.node_id, p,
+                         download.progress[p].commit_index)
+                self._unoffered.add(p)
+                self._offer_pending()
         finally:
+            self._repair_downloads.pop(p, None)
             self.repairs_done += 1
             self._repairing.discard(p)
 
@@ -256,6 +303,9 @@ class StateKeeper:
         replica = self.replica
         if self.download is not None:
             raise RemoteProtocolError(f"{self.node_id} has no complete global state yet", 503)
+        why = self.current_reason()
+        if why:  # a stale fragment taints the whole state's index: nothing is served, not even the others
+            raise RemoteProtocolError(f"{self.node_id} state not current: {why}", 503)
         if not 0 <= message.fragment < replica.plan.num_fragments:
             raise RemoteProtocolError(f"fragment {message.fragment} does not exist", 400)
         if message.fragment in replica.diverged:

@@ -71,7 +71,8 @@ class StatusFeed:
                                   reason=self.rounds.quorum_reason()[:MAX_QUORUM_REASON_CHARS])
         self.status.set_coordination(
             epoch=core.epoch, coordinator=holder if holder else None,
-            commit_index=replica.applied_index, state_digest=self.state_digest(),
+            # No digest for a state that is not the run's at this index (a stale fragment): "" until repaired.
+            commit_index=replica.applied_index, state_digest=self.state_digest() if self.keeper.state_consistent() else "",
             members=members, quorum=quorum,
             fragments=[FragmentStatus(p, r) for p, r in enumerate(replica.state.rounds())])
         self.status.set_admission(admission_status(self.rounds.syncer.admission.counts))
