@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"what": name, "nodes": report["nodes"], "faults": report["faults"],
                           "violations": report["violations"], **summary}, indent=2))
         for target, result in report["targets"].items():
-            print(f"  {'ok  ' if result['ok'] else 'MISS'} {target}: {result['value']} (target {result['target']})")
+            first = f"; first: {result['first']}" if result.get("first") else ""
+            print(f"  {'ok  ' if result['ok'] else 'MISS'} {target}: {result['value']} (target {result['target']}){first}")
     if args.out is not None:
         args.out.write_text(json.dumps(reports, indent=2) + "\n")
     return 1 if any(r["violations"] for r in reports.values()) else 0

@@ -135,6 +135,21 @@ def test_replicas_applying_one_entry_to_different_states():
     assert "after applying the same entry e1" in violations[0].message
 
 
+def test_every_divergent_index_is_reported_against_the_digest_most_nodes_had():
+    """The issue's shape: one node applies two indices onto a state it did not hold; it is named at
+    each of them, with the entry and both digests, even where it was the first to report."""
+    h = clean_run()
+    for index in (2, 3):
+        i = next(k for k, e in enumerate(h["a"]) if e.kind == "apply" and e.index == index)
+        replace(h, "a", i, ev("a", "apply", h["a"][i].t_mono, epoch=1, index=index, entry_digest=entry(index),
+                             state_digest=f"stale{index}"))
+    divergent = [v for v in check_histories(h) if v.invariant == "digest_divergence"]
+    messages = sorted(v.message for v in divergent if "after applying" in v.message)
+    assert len(messages) == 2, messages
+    assert messages[0].startswith("index 2: a has state stale2 but ") and "had s2 after applying the same entry e2" in messages[0]
+    assert messages[1].startswith("index 3: a has state stale3 but ") and "had s3 after applying the same entry e3" in messages[1]
+
+
 def test_non_finite_parameters_flag():
     h = clean_run()
     i = next(k for k, e in enumerate(h["b"]) if e.kind == "apply" and e.index == 4)

@@ -223,18 +223,31 @@ def _apply_order(nodes: Mapping[str, Sequence[HistoryEvent]]) -> list[Violation]
 def _digests_agree(nodes: Mapping[str, Sequence[HistoryEvent]], finals: Sequence[FinalState]) -> list[Violation]:
     out = []
     first: dict[int, HistoryEvent] = {}
+    # Per (index, entry): the applies, so that each divergent one is named against the digest most
+    # nodes reported (the first reporter may be the odd one out), every divergent index on its own.
+    applies: dict[tuple[int, str | None], list[HistoryEvent]] = {}
     for e in _all_events(nodes):
         if e.kind != "apply":
             continue
         assert e.index is not None
-        known = first.setdefault(e.index, e)
-        if known.state_digest != e.state_digest and known.entry_digest == e.entry_digest:
-            out.append(Violation(
-                "digest_divergence",
-                f"index {e.index}: {e.node} has state {e.state_digest} but {known.node} had {known.state_digest} "
-                f"(t={known.t_mono:.3f}) after applying the same entry {e.entry_digest}",
-                e.t_mono,
-            ))
+        first.setdefault(e.index, e)
+        applies.setdefault((e.index, e.entry_digest), []).append(e)
+    for (index, entry), events in sorted(applies.items(), key=lambda item: item[0][0]):
+        counts: dict[str | None, int] = {}
+        for e in events:
+            counts[e.state_digest] = counts.get(e.state_digest, 0) + 1
+        if len(counts) < 2:
+            continue
+        reference = max(counts, key=lambda d: counts[d])  # ties: the first reported (dicts keep order)
+        holders = sorted({e.node for e in events if e.state_digest == reference})
+        for e in events:
+            if e.state_digest != reference:
+                out.append(Violation(
+                    "digest_divergence",
+                    f"index {index}: {e.node} has state {e.state_digest} but {', '.join(holders)} had "
+                    f"{reference} after applying the same entry {entry}",
+                    e.t_mono,
+                ))
     by_index: dict[int, FinalState] = {}
     for f in finals:
         reference = by_index.setdefault(f.index, f)

@@ -950,6 +950,8 @@ def evaluate_targets(report: Mapping[str, Any], config: ChaosConfig) -> dict[str
     targets: dict[str, dict[str, Any]] = {
         "violations": {"value": len(report["violations"]), "target": "== 0", "ok": not report["violations"]},
     }
+    if report["violations"]:  # the summary line names the first (every one is in the report's list)
+        targets["violations"]["first"] = report["violations"][0]
     silent = sorted({n for mode in MODES if mode in report for n in report[mode].get("nodes_without_history", [])})
     targets["histories"] = {"value": silent, "target": "every node writes <data_dir>/history.jsonl", "ok": not silent}
     dead = {f"{mode}:{n}": rc for mode in MODES if mode in report for n, rc in report[mode].get("nodes_dead_at_end", {}).items()}
