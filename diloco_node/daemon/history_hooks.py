@@ -31,7 +31,7 @@ from bootstrap.coordinator_node import CoordinatorNode
 from bootstrap.election import Role
 from bootstrap.entries import EntryKind, LogEntry, PayloadUnavailable
 from diloco_node.clock import SystemClock
-from diloco_node.ops.history import HISTORY_FILE_NAME, FsyncPolicy, HistoryWriter
+from diloco_node.ops.history import HISTORY_FILE_NAME, UNREADABLE_ENTRY, FsyncPolicy, HistoryWriter
 from diloco_node.sync.replica import CommitPayload
 from wire.errors import RemoteProtocolError
 
@@ -48,9 +48,11 @@ SYNC_BARRIER_PERIODS = 2
 MAX_STEP_GAP_FACTOR = 2.0
 
 
-def entry_digest(entry: LogEntry) -> str:
+def entry_digest(entry: LogEntry) -> str | None:
     """Identity of a log entry: sha256 over everything a replica can observe of it, each field
-    length-prefixed so different splits of the same bytes cannot collide."""
+    length-prefixed so different splits of the same bytes cannot collide. None when its payload
+    cannot be read back now (a failing disk): the event then names no entry rather than one that
+    no other node holds."""
     h = hashlib.sha256(b"diloco-log-entry\0")
 
     def field(data: bytes) -> None:
@@ -66,8 +68,8 @@ def entry_digest(entry: LogEntry) -> str:
     field(b"" if entry.config is None else ",".join(entry.config.sorted_voters()).encode())
     try:
         field(entry.payload_bytes())
-    except PayloadUnavailable:  # the bytes left this node's disk: recorded as such, not invented
-        field(b"\0payload unavailable")
+    except PayloadUnavailable:  # unreadable now: recorded as unknown, not invented
+        return None
     return h.hexdigest()
 
 
@@ -256,6 +258,8 @@ class DaemonHistory:
         if cached is not None and cached[0] is entry:
             return cached[1]
         digest = entry_digest(entry)
+        if digest is None:
+            return UNREADABLE_ENTRY  # not cached: read again at the next event, once the disk answers
         self._digests[entry.index] = (entry, digest)
         if len(self._digests) > 256:  # only the recent tail is ever looked up again
             for index in sorted(self._digests)[:128]:

@@ -62,6 +62,9 @@ KINDS = NODE_KINDS | NEMESIS_KINDS
 
 # Kinds that state something about a log entry must say which entry.
 _ENTRY_KINDS = frozenset({"append", "commit", "apply"})
+# The entry_digest of an append or commit event whose entry's payload the node could not read back
+# then (a failing disk): the entry is unknown to it, not another entry; the checker compares none.
+UNREADABLE_ENTRY = "unreadable"
 # Events after which the default policy fsyncs: each records a promise made to peers
 # (a vote, a lease, a commit) that must not be forgotten across a power loss either.
 CRITICAL_KINDS = frozenset({"vote", "lease_acquired", "commit", "leave", "stop"})

@@ -4,7 +4,8 @@ Pure: it takes parsed histories (`diloco_node.ops.history`) and returns violatio
 invariant's name and a human-readable message naming nodes, indexes, epochs and times. It reads
 no file and no clock. The properties (docs/CHAOS.md has the reasoning):
 
-- one_entry_per_index: every commit/apply event for an index names the same entry digest;
+- one_entry_per_index: every commit/apply event for an index names the same entry digest (an event
+  that names none, its payload unreadable on a failing disk, is not compared);
 - committed_index_lost: a new lease holder's log reaches every index committed before it won,
   and every node's final state reaches every index ever committed;
 - epoch_regressed: a node's current epoch never goes down, across restarts too;
@@ -22,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from diloco_node.ops.history import NEMESIS_KINDS, HistoryEvent
+from diloco_node.ops.history import NEMESIS_KINDS, UNREADABLE_ENTRY, HistoryEvent
 
 INVARIANTS = (
     "one_entry_per_index",
@@ -117,8 +118,8 @@ def _one_entry_per_index(nodes: Mapping[str, Sequence[HistoryEvent]]) -> list[Vi
     first: dict[int, HistoryEvent] = {}
     out = []
     for e in _all_events(nodes):
-        if e.kind not in ("commit", "apply"):
-            continue
+        if e.kind not in ("commit", "apply") or e.entry_digest == UNREADABLE_ENTRY:
+            continue  # the node could not read the entry's payload back then (a failing disk)
         assert e.index is not None
         known = first.setdefault(e.index, e)
         if known.entry_digest != e.entry_digest:
