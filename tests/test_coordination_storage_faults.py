@@ -350,3 +350,22 @@ async def test_a_holder_whose_log_record_is_damaged_at_run_time_steps_down(tmp_p
         assert "fails its checksum" in STORAGE.to_status()["failing"]["log.read"]["error"]
     finally:
         await node.tasks.close()
+
+
+async def test_an_entry_committed_while_a_write_fails_is_applied_exactly_once_whatever_the_error(tmp_path):
+    """Applies the core handed over while the store could not sync are held, also when the store
+    fails in a way it does not expect (a bug), and performed once after the next good sync."""
+    node = Node(tmp_path)
+    real_sync = node.store.sync
+
+    def broken(state, prepared=None):
+        raise RuntimeError("unexpected failure inside the store")
+
+    node.store.sync = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError):
+        await node.io.on_log_append(_append(_commits(2, range(2, 5)), commit=3), Signed("a"))
+    assert node.applied == []  # held: the core already counts 2 and 3 as applied
+    node.store.sync = real_sync  # type: ignore[method-assign]
+    reply = await node.io.on_log_append(_append(_commits(2, range(2, 5)), commit=4), Signed("a"))
+    assert reply.success
+    assert node.applied == [1, 2, 3, 4]  # each once, in order: nothing lost, nothing twice

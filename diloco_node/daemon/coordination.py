@@ -167,8 +167,12 @@ class CoordinationIO:
         503 (RemoteProtocolError): no acknowledgement of anything the disk does not hold."""
         try:
             self.store.sync(self.persistent)
-        except (OSError, CoordinationStoreError) as error:
+        except Exception as error:
+            # Whatever the failure, the applies the core handed over are held, never dropped: the
+            # core counts them applied, so a lost one would leave the replica without that entry.
             self._persist_failed(error, actions)
+            if not isinstance(error, (OSError, CoordinationStoreError)):
+                raise
             if reply_to is not None:
                 raise RemoteProtocolError(f"{self.node_id} cannot persist its coordination state ({error}); "
                                           "nothing is acknowledged until it can", 503) from None
