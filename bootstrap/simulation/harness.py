@@ -230,6 +230,7 @@ class Simulation:
         founders = [f"n{i}" for i in range(count)]
         self.checker = InvariantChecker()
         self.fragment_truth = FragmentTruth()
+        self.repairs = {"installed": 0, "refused": 0}  # repair copies offered to stale fragments
         self.relays = (RelayPlane(self.config.relay_fanout, self.config.relay_timeout_s, self.config.relay_verify,
                                   self.config.relay_fetch_deadline_s)
                        if self.config.relay_fanout else None)
@@ -738,9 +739,11 @@ class Simulation:
             assert peer.fragments is not None
             offer = peer.fragments.serve(fragment, peer.applied_index)
             if offer is not None and model.install(fragment, *offer):
+                self.repairs["installed"] += 1
                 model.repairing.discard(fragment)
                 self._check_fragments(host)
                 return
+            self.repairs["refused"] += offer is not None
         self._schedule(self.now + REPAIR_RETRY_S + self._round_trip(), _REPAIR, node_id, fragment)
 
     def _note_commits(self, node: CoordinatorNode, commit_before: int) -> None:
