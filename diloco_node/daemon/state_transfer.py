@@ -238,11 +238,15 @@ class StateKeeper:
         held, self.held_applies = self.held_applies or [], None
         self.download = None
         self.history.state_replaced()
+        for p in list(self.stale.floors):  # a fragment stale before the download may be whole again
+            if download.progress[p].done:
+                self.stale.offer(p, download.progress[p].commit_index)
         for entry in held:
             if entry.index > replica.applied_index:
                 self.apply(entry)
-        for p in range(replica.plan.num_fragments):  # rebased on the new global state
-            self._offer(p)
+        # Rebased on the new global state, once it is current (a joiner replays the log first).
+        self._unoffered.update(range(replica.plan.num_fragments))
+        self._offer_pending()
 
     def _download(self, peers: Callable[[], list[str]], min_commit_index: int = 0,
                   accept: Callable[[int, int], tuple[bool, str]] | None = None) -> FragmentDownload:

@@ -1,0 +1,102 @@
+"""A replica that could not apply a committed entry is not current until a copy that includes it is in.
+
+The state keeper (daemon/state_transfer.py) with a real replica and history: entry 3's payload
+cannot be read back (as after log.read EIO). From then on nothing reads the state as the run's
+(no apply recorded, no fragment served, no learner offer, not ready) until a copy of the stale
+fragment served as of index 3 or later is installed; a copy from before it is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from bootstrap.entries import EntryKind, LogEntry, PayloadUnavailable, StoredPayload
+from diloco_node.daemon.readiness import ReadinessFacts, readiness
+from diloco_node.daemon.state_transfer import StateKeeper
+from tests.conftest import small_replica
+from tests.test_daemon_history import FakeClock, _real_commits, events, recorder
+from wire import messages as wire
+from wire.errors import RemoteProtocolError
+
+
+class _Learner:
+    def __init__(self) -> None:
+        self.offers: list[int] = []
+
+    def offer_fragment(self, p, round_, params, contributors=()) -> None:
+        self.offers.append(p)
+
+
+class _Tasks:
+    def __init__(self) -> None:
+        self.spawned: list[str] = []
+
+    def spawn(self, coroutine, name: str = "") -> None:
+        coroutine.close()  # the repair's download is not what this test is about
+        self.spawned.append(name)
+
+
+class _Counter:
+    def inc(self) -> None:
+        pass
+
+
+def _unreadable(entry: LogEntry) -> LogEntry:
+    def gone() -> bytes:
+        raise PayloadUnavailable(f"entry {entry.index}: Input/output error (failpoint log.read)")
+    return dataclasses.replace(entry, payload=StoredPayload(entry.payload_size, gone))
+
+
+def _facts(keeper: StateKeeper) -> ReadinessFacts:
+    applied = keeper.replica.applied_index
+    return ReadinessFacts(download=None, learner_compiling=False, has_voters=True, applied_index=applied,
+                          consistent_from=keeper.consistent_from, log_applied_index=applied, commit_target=applied,
+                          replacing_state=keeper.replacing_state(), was_ready=True, role="follower", epoch=5,
+                          not_current=keeper.current_reason())
+
+
+def test_a_fragment_stale_since_an_unreadable_entry_takes_the_whole_state_out_of_service(tmp_path):
+    clock = FakeClock()
+    history = recorder(tmp_path, "n2", clock)
+    replica, learner, tasks = small_replica(), _Learner(), _Tasks()
+    keeper = StateKeeper(node_id="n2", replica=replica, client=None, addresses=None, executor=None, clock=clock,
+                         tasks=tasks, history=history, leader_id=lambda: "n1", epoch=lambda: 5,
+                         report_error=lambda message: None, commits_applied=_Counter(), learner=learner)
+    history.started = True
+    commits = _real_commits(replica, 5, first_index=1, epoch=5)  # fragments 0, 1, 0, 1, 0 at 1..5
+    keeper.apply(commits[0])
+    keeper.apply(commits[1])
+    assert keeper.state_consistent() and learner.offers == [0, 1]
+    truth = small_replica()  # the run's state, applied entry by entry
+    for entry in commits[:3]:
+        truth.apply(entry)
+
+    keeper.apply(_unreadable(commits[2]))  # index 3, fragment 0: its payload is gone
+    assert tasks.spawned == ["repair-0"]
+    assert "fragment 0 stale since index 3" in keeper.current_reason()
+    keeper.apply(commits[3])  # index 4, fragment 1: applied, but the state is still not the run's
+    keeper.apply(commits[4])  # index 5, fragment 0 again: the floor rises
+    assert keeper.stale.floor(0) == 5
+    assert [e.index for e in events(history) if e.kind == "apply"] == [1, 2]  # no digest for 3, 4, 5
+    assert learner.offers == [0, 1]  # the learner took nothing from the state meanwhile
+    verdict = readiness(_facts(keeper))
+    assert not verdict.ready and verdict.reason.startswith("state not current: fragment 0 stale since index 5")
+    with pytest.raises(RemoteProtocolError) as refused:  # nothing is served, not even fragment 1
+        asyncio.run(keeper.on_snapshot_request(wire.SnapshotRequest(1, 0, 1024)))
+    assert refused.value.status_hint == 503 and "not current" in str(refused.value)
+
+    # A peer that has not applied index 5 yet serves a copy from before it: refused.
+    accepted, why = keeper.stale.offer(0, 4)
+    assert not accepted and "behind index 5" in why
+    for entry in commits[3:]:
+        truth.apply(entry)
+    accepted, _ = keeper.stale.offer(0, 5)  # the copy as of 5: installed (as join.py does on yes)
+    assert accepted
+    replica.install_fragment_bytes(0, truth.fragment_bytes(0)[1])
+    keeper._unoffered.add(0)  # what the repair task does once the copy is in
+    keeper._offer_pending()
+    assert keeper.state_consistent() and replica.state.digest() == truth.state.digest()
+    assert sorted(learner.offers[2:]) == [0, 1]  # offered once it is current
