@@ -190,7 +190,7 @@ def test_unreadable_payloads_are_repaired_under_the_rule_and_keep_every_invarian
     config = SimConfig(chaos_s=12.0, warmup_s=4.0, faults=("unreadable_payload", "workload", "partition", "heal"),
                        mean_fault_gap_s=0.5)
     repairs = {"installed": 0, "refused": 0}
-    for seed in range(20):
+    for seed in range(10):
         simulation = Simulation(seed, config)
         result = simulation.run()
         assert result.violations == [], f"seed {seed}: {result.violations[0]}"
@@ -198,4 +198,4 @@ def test_unreadable_payloads_are_repaired_under_the_rule_and_keep_every_invarian
             repairs[outcome] += count
     # The path really ran: stale fragments were repaired, and copies from peers that had not yet
     # applied the entry were refused (the stale copy), not installed.
-    assert repairs["installed"] >= 20 and repairs["refused"] >= 1, repairs
+    assert repairs["installed"] >= 10 and repairs["refused"] >= 1, repairs  # 34 and 29 when written
