@@ -314,10 +314,15 @@ class StateKeeper:
             raise RemoteProtocolError(f"fragment {message.fragment} does not exist", 400)
         if message.fragment in replica.diverged:
             raise RemoteProtocolError(f"fragment {message.fragment} is being repaired here", 503)
+        # The chunk is labelled with the index its bytes are current at: the one before the read,
+        # and only if the fragment did not move on meanwhile (the bytes are read in a worker while
+        # the loop may apply a commit to it; labelled after, they would claim an entry they lack).
+        index, before = replica.applied_index, replica.state.round(message.fragment)
         round_, total, digest, part = await asyncio.get_running_loop().run_in_executor(
             self.executor, self.served.read, message.fragment, message.offset, message.max_length)
-        return wire.SnapshotChunk(message.fragment, replica.applied_index, min(message.offset, total), total, digest,
-                                  part)
+        if round_ != before or replica.state.round(message.fragment) != before or self.current_reason():
+            raise RemoteProtocolError(f"fragment {message.fragment} moved on while it was read; ask again", 503)
+        return wire.SnapshotChunk(message.fragment, index, min(message.offset, total), total, digest, part)
 
 
 class ServedFragments:
