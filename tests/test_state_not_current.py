@@ -100,3 +100,33 @@ def test_a_fragment_stale_since_an_unreadable_entry_takes_the_whole_state_out_of
     keeper._offer_pending()
     assert keeper.state_consistent() and replica.state.digest() == truth.state.digest()
     assert sorted(learner.offers[2:]) == [0, 1]  # offered once it is current
+
+
+def test_a_chunk_is_labelled_with_the_index_its_bytes_are_current_at(tmp_path):
+    """A fragment read in a worker while the loop applies a commit to it: answered 503 (ask again),
+    never labelled with the index after the commit its bytes lack (the race the I/O-error
+    cluster test caught: a repair took bytes from before index 186 labelled 186)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    replica = small_replica()
+    commits = _real_commits(replica, 3, first_index=1, epoch=5)  # fragments 0, 1, 0
+    with ThreadPoolExecutor(1) as executor:
+        keeper = StateKeeper(node_id="n1", replica=replica, client=None, addresses=None, executor=executor,
+                             clock=FakeClock(), tasks=_Tasks(), history=recorder(tmp_path, "n1", FakeClock()),
+                             leader_id=lambda: "n1", epoch=lambda: 5, report_error=lambda message: None,
+                             commits_applied=_Counter(), learner=_Learner())
+        keeper.apply(commits[0])
+        keeper.apply(commits[1])
+        chunk = asyncio.run(keeper.on_snapshot_request(wire.SnapshotRequest(0, 0, 1 << 20)))
+        assert chunk.commit_index == 2
+        read = keeper.served.read
+
+        def read_then_apply(*args):  # the loop applies index 3 (fragment 0) while the bytes are read
+            out = read(*args)
+            replica.apply(commits[2])
+            return out
+
+        keeper.served.read = read_then_apply  # type: ignore[method-assign]
+        with pytest.raises(RemoteProtocolError) as moved:
+            asyncio.run(keeper.on_snapshot_request(wire.SnapshotRequest(0, 0, 1 << 20)))
+        assert moved.value.status_hint == 503 and "moved on while it was read" in str(moved.value)
