@@ -11,6 +11,7 @@ the lease holder's death to the next commit under a healthy majority).
     .venv/bin/python benchmarks/coordination.py --seeds 2000 --relays 2   # payloads down a relay tree
     .venv/bin/python benchmarks/coordination.py --seeds 200 --relays 2 --broken relay_accept_unverified
     .venv/bin/python benchmarks/coordination.py --seeds 500 --broken ack_before_fsync
+    .venv/bin/python benchmarks/coordination.py --seeds 2000 --log-damage   # logs cut at rest: vote floors
 
 Any failing seed replays exactly: `--first-seed S --seeds 1 --verbose`.
 """
@@ -91,6 +92,7 @@ def summarize(results: list[SimResult], args: argparse.Namespace, config: SimCon
         "leader_lease_span_s": round(config.lease.leader_lease_span_s, 4),
         "max_drift_rate": config.lease.max_drift_rate,
         "chaos_virtual_s": config.chaos_s,
+        "log_damage": config.log_damage,
         "virtual_s_total": round(sum(r.virtual_s for r in results), 1),
         "events_total": sum(r.events for r in results),
         "outer_commits_total": sum(r.commits for r in results),
@@ -122,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="run a deliberately broken variant")
     parser.add_argument("--relays", type=int, default=0, metavar="FANOUT",
                         help="commit payloads travel down a relay tree of this fan-out (0: the holder sends all)")
+    parser.add_argument("--log-damage", action="store_true",
+                        help="schedules also cut a node's log at rest (the vote floor, bootstrap/election.py)")
     parser.add_argument("--json", type=Path, help="write the summary here")
     parser.add_argument("--verbose", action="store_true", help="print each failing seed's faults and violations")
     args = parser.parse_args(argv)
@@ -132,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--broken {args.broken} needs --relays FANOUT")
     if args.relays < 0:
         parser.error("--relays must be >= 0")
-    config = SimConfig(chaos_s=args.chaos_s, relay_fanout=args.relays,
+    config = SimConfig(chaos_s=args.chaos_s, relay_fanout=args.relays, log_damage=args.log_damage,
                        **BROKEN_RELAY_VARIANTS.get(args.broken or "", {}),
                        **BROKEN_SIM_SETTINGS.get(args.broken or "", {}))  # type: ignore[arg-type]
     jobs = [(seed, config, args.broken) for seed in range(args.first_seed, args.first_seed + args.seeds)]

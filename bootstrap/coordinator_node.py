@@ -101,14 +101,18 @@ class CoordinatorNode:
         address: str = "",
         options: NodeOptions | None = None,
         is_evicted: Callable[[str], bool] = lambda node_id: False,
+        vote_floor: tuple[int, int] | None = None,
     ) -> None:
         self.node_id = node_id
         self.options = options or NodeOptions()
         self.persistent = persistent
         persistent.incarnation += 1
         self.election = self.election_type(node_id, persistent.election, self.options.lease, rng, now)
+        # The host found its log lacking entries it may have acknowledged (election.py, vote_floor).
+        self.election.vote_floor = vote_floor
         applied = persistent.log.snapshot.last_index if applied_index is None else applied_index
         self.log = self.log_type(node_id, persistent.log, applied, self.options.max_entries_per_append)
+        self.election.lift_vote_floor(self.log.last_log)
         self.membership = Membership(node_id, address, role, persistent.incarnation, rng, now, self.options.swim)
         self._next_heartbeat_at = now
         self._learned_config: ClusterConfig | None = None
@@ -245,6 +249,8 @@ class CoordinatorNode:
             actions += self.membership.handle(message, now)
         else:
             raise LocalProtocolError(f"unknown message type {type(message).__name__}")
+        if self.election.vote_floor is not None:
+            self.election.lift_vote_floor(self.log.last_log)
         actions += self._drain_applies()
         return actions
 

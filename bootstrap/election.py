@@ -97,8 +97,14 @@ def decide_vote(
     leader_id: str | None,
     now: float,
     lease_s: float,
+    vote_floor: tuple[int, int] | None = None,
 ) -> VoteDecision:
-    """Pure vote decision: grant only if every safety rule allows it, and say why not otherwise."""
+    """Pure vote decision: grant only if every safety rule allows it, and say why not otherwise.
+
+    `vote_floor` (epoch, index), set while this node's log lacks entries it may have acknowledged
+    (damage at rest): no entry it acknowledged is past it, so a candidate whose log is at least
+    as up to date as the floor holds every one of them that was committed (the up-to-date rule,
+    applied to the log this node had rather than the one it has)."""
     if request.epoch < current_epoch:
         return VoteDecision(False, False, f"stale epoch {request.epoch} < our epoch {current_epoch}")
     if heard_leader_at is not None and now - heard_leader_at < lease_s:
@@ -120,6 +126,13 @@ def decide_vote(
             adopt,
             f"candidate log (epoch {candidate_last[0]}, index {candidate_last[1]}) is behind ours "
             f"(epoch {our_last_log[0]}, index {our_last_log[1]})",
+        )
+    if vote_floor is not None and candidate_last < vote_floor:
+        return VoteDecision(
+            False,
+            adopt,
+            f"candidate log (epoch {candidate_last[0]}, index {candidate_last[1]}) is behind what this node may "
+            f"have acknowledged before its log lost entries (epoch {vote_floor[0]}, index {vote_floor[1]})",
         )
     return VoteDecision(True, adopt, f"granted to {request.candidate_id} for epoch {request.epoch}")
 
@@ -173,6 +186,10 @@ class Election:
         self.last_vote_reason = ""
         self.last_step_down_reason = ""
         self.last_lease_reason = ""
+        # (epoch, index) no entry this node acknowledged is past, while its log lacks some of them
+        # (lost at rest): it votes only for candidates at least this up to date, and does not
+        # stand itself (its own log is behind what it promised). None: its log is whole.
+        self.vote_floor: tuple[int, int] | None = None
 
     # ------------------------------------------------------------ queries
 
@@ -231,6 +248,7 @@ class Election:
             leader_id=self.leader_id if self.role is not Role.LEADER else self.node_id,
             now=now,
             lease_s=self.timing.lease_s,
+            vote_floor=self.vote_floor,
         )
         kind = "pre-vote" if request.pre_vote else "vote"
         self.last_vote_reason = f"{kind} for {request.candidate_id} epoch {request.epoch}: {decision.reason}"
@@ -255,6 +273,11 @@ class Election:
             return []
         if self.node_id not in config.voters:
             self.election_deadline = now + self.timing.lease_s
+            return []
+        if self.vote_floor is not None:
+            self.election_deadline = now + self.timing.lease_s
+            self.last_vote_reason = (f"not standing: its log is behind what it may have acknowledged "
+                                     f"(epoch {self.vote_floor[0]}, index {self.vote_floor[1]})")
             return []
         if self.heard_leader_at is not None and now - self.heard_leader_at < self.timing.lease_s:
             self.election_deadline = self.heard_leader_at + self.timing.lease_s + self._jitter()
@@ -372,6 +395,15 @@ class Election:
             return "no voter acknowledged any heartbeat"
         ages = ", ".join(f"{peer} {now - sent:.1f}s ago" for peer, sent in sorted(self.renewal_sent_at.items()))
         return f"newest acknowledged heartbeats: {ages}; a lease needs a majority within {self.timing.leader_lease_span_s:.2f}s"
+
+    def lift_vote_floor(self, last_log: tuple[int, int]) -> bool:
+        """The floor is redundant once our own log is at least as up to date (the up-to-date rule
+        then refuses everything it would): lift it. A leader's later truncation of our log only
+        replaces entries with ones of a higher epoch, so our log never falls below it again."""
+        if self.vote_floor is None or last_log < self.vote_floor:
+            return False
+        self.vote_floor = None
+        return True
 
     def step_down(self, now: float, reason: str) -> None:
         if self.role is not Role.FOLLOWER:

@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from diloco_node.ops import failpoints
 from diloco_node.ops.debug_routes import DEBUG_ENV_VAR
+from diloco_node.storage import failpoints
 from diloco_node.testbed.chaos import standin
 from diloco_node.testbed.chaos.harness import ChaosConfig, DaemonLauncher, corrupt_file, storage_fault_spec
 from diloco_node.testbed.chaos.schedule import (
@@ -146,3 +146,18 @@ async def test_a_node_still_starting_is_armed_once_it_answers_and_not_after_the_
 
     run._arm(1, Fault(0.0, "disk_full", "n1", 5.0), never)
     assert await run._armed(1) == "not armed before the heal" and await run._armed(2) == "never tried"
+
+
+def test_the_chaos_command_draws_storage_faults_and_only_the_corruptions_asked_for(capsys):
+    """`diloco-node chaos --storage-faults --corruptions` reaches the schedule as the benchmark's do."""
+    from diloco_node import cli
+
+    argv = ["chaos", "--schedule-only", "--seed", "3", "--duration", "600", "--faults", "24"]
+    assert cli.main([*argv, "--storage-faults", "--corruptions", "log:truncate"]) == 0
+    faults = json.loads(capsys.readouterr().out)["faults"]
+    assert {f["action"] for f in faults} & set(STORAGE_ACTIONS)
+    assert {f["how"] for f in faults if f["action"] == "corrupt"} == {"log:truncate"}
+    assert cli.main(argv) == 0  # without the flag: no storage fault drawn
+    assert not {f["action"] for f in json.loads(capsys.readouterr().out)["faults"]} & set(STORAGE_ACTIONS)
+    assert cli.main([*argv, "--storage-faults", "--corruptions", "log:bogus"]) == 2
+    assert "log:bogus" in capsys.readouterr().err

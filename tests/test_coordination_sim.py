@@ -199,3 +199,50 @@ def test_unreadable_payloads_are_repaired_under_the_rule_and_keep_every_invarian
     # The path really ran: stale fragments were repaired, and copies from peers that had not yet
     # applied the entry were refused (the issue's stale copy), not installed.
     assert repairs["installed"] >= 10 and repairs["refused"] >= 1, repairs  # 34 and 29 when written
+
+
+def lost_entries_scenario(seed: int, node_factory) -> list[str]:
+    """Three nodes: c cut off, a (the holder) commits entry X with b alone, b never learns it is
+    committed (a's messages to b stop), b's log loses X at rest and b restarts, a dies, c returns.
+    c's log lacks X; b's floor (what it had durable) does not: b must not vote c in."""
+    config = SimConfig(min_nodes=3, max_nodes=3, chaos_s=0.0, faults=(), log_damage=True)
+    simulation = Simulation(seed, config, node_factory)
+    simulation.run_until(5.0)
+    holder = simulation.current_lease_holder()
+    assert holder is not None
+    simulation.set_workload(1000.0)
+    simulation.run_until(simulation.now + 1.0)  # every follower applied everything so far
+    b, c = sorted(n for n in simulation.hosts if n != holder)
+    simulation.groups = {holder: 0, b: 0, c: 1}
+    simulation._on_workload()  # X, appended by the holder
+    commit = simulation.hosts[holder].node.log.commit_index  # type: ignore[union-attr]
+    assert simulation.run_until(simulation.now + 2.0,
+                                stop=lambda: simulation.hosts[holder].node.log.commit_index > commit)  # type: ignore[union-attr]
+    simulation.one_way.add((holder, b))  # b acknowledged X but never hears that it is committed
+    simulation.run_until(simulation.now + 0.05)
+    simulation.crash(b)
+    simulation.cut_log_at_rest(b, 0)  # down to what its application applied: X is gone
+    simulation.crash(holder)
+    simulation.groups, simulation.one_way = {}, set()
+    simulation._start(simulation.hosts[b], join=True)
+    simulation.run_until(simulation.now + 15.0)
+    return simulation.checker.violations
+
+
+def test_a_node_whose_log_lost_entries_votes_only_above_its_floor():
+    broken = [lost_entries_scenario(seed, BROKEN_VARIANTS["vote_below_mark"]) for seed in range(8)]
+    assert any(v and re.search("committed differently|overwrite committed", v[0]) for v in broken), broken
+    assert all(lost_entries_scenario(seed, CoordinatorNode) == [] for seed in range(8))
+
+
+def test_schedules_with_logs_damaged_at_rest_keep_every_invariant():
+    """The `cut_log` fault on (SimConfig.log_damage): 100 CI schedules, each with a vote floor in play."""
+    config = SimConfig(chaos_s=12.0, warmup_s=4.0, log_damage=True)
+    failures, cuts = [], 0
+    for seed in range(DEFAULT_SUITE_SEEDS):
+        result = run_seed(seed, config)
+        cuts += sum("cut log" in f for f in result.faults)
+        if result.violations:
+            failures.append(f"seed {seed}: {result.violations[0]}")
+    assert not failures, "\n".join(failures[:10])
+    assert cuts >= DEFAULT_SUITE_SEEDS // 2

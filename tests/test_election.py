@@ -190,3 +190,24 @@ def test_epoch_never_decreases():
     election.observe_epoch(5, 1.0, "c")
     assert not election.observe_epoch(3, 2.0, "b")
     assert election.epoch == 5
+
+
+def test_a_vote_floor_refuses_candidates_behind_what_the_node_may_have_acknowledged():
+    """Its log cut back to (3, 6), the node had (3, 10) durable: only candidates at least that far."""
+    floor = (3, 10)
+    behind = vote(VoteRequest(4, "b", 3, 8), our_last_log=(3, 6), vote_floor=floor)
+    assert not behind.granted and behind.adopt_epoch
+    assert "behind what this node may have acknowledged before its log lost entries (epoch 3, index 10)" in behind.reason
+    assert vote(VoteRequest(4, "b", 3, 10), our_last_log=(3, 6), vote_floor=floor).granted
+    assert vote(VoteRequest(4, "b", 4, 7), our_last_log=(3, 6), vote_floor=floor).granted  # a newer epoch's log
+    assert vote(VoteRequest(4, "b", 3, 8), our_last_log=(3, 6)).granted  # without the floor: by its own log
+
+
+def test_a_node_with_a_vote_floor_does_not_stand_until_its_log_is_back():
+    election = Election("a", ElectionState(3, None), TIMING, random.Random(0), now=0.0)
+    election.vote_floor = (3, 10)
+    assert election.campaign_if_due(100.0, CONFIG, (3, 6)) == []
+    assert "not standing" in election.last_vote_reason and election.role is Role.FOLLOWER
+    assert not election.lift_vote_floor((3, 9)) and election.vote_floor == (3, 10)
+    assert election.lift_vote_floor((4, 7)) and election.vote_floor is None
+    assert election.campaign_if_due(200.0, CONFIG, (4, 7))  # it stands again (a pre-vote round)

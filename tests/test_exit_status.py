@@ -12,7 +12,7 @@ import pytest
 from diloco_node.clock import FakeClock
 from diloco_node.config.manifest import RunManifest
 from diloco_node.config.settings import ConfigError
-from diloco_node.daemon.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_REFUSED, PERMANENT, exit_status_for
+from diloco_node.daemon.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_REFUSED, EXIT_STORAGE, PERMANENT, exit_status_for
 from diloco_node.daemon.join import JoinRefused, negotiate
 from diloco_node.transport import PeerRefused, PeerUnreachable
 from wire import messages as wire
@@ -50,7 +50,7 @@ def test_configuration_errors_and_contradicting_manifests_are_permanent() -> Non
     assert exit_status_for(ConfigError("[node] listen: bad port")) == EXIT_CONFIG
     assert exit_status_for(JoinRefused("run.sync.period: 16 != 8", permanent=True)) == EXIT_REFUSED
     assert exit_status_for(JoinRefused("fragment 1: download failed 20 times")) == EXIT_FAILED
-    assert PERMANENT == {EXIT_CONFIG, EXIT_REFUSED} and EXIT_FAILED not in PERMANENT
+    assert PERMANENT == {EXIT_CONFIG, EXIT_REFUSED, EXIT_STORAGE} and EXIT_FAILED not in PERMANENT
 
 
 def _unit_values(key: str) -> list[str]:

@@ -26,6 +26,15 @@ class _VoteIgnoringLease(Election):
         return super().handle_vote_request(request, now, our_last_log)
 
 
+class _VoteBelowMark(Election):
+    def handle_vote_request(self, request: VoteRequest, now: float, our_last_log: tuple[int, int]) -> VoteResponse | None:
+        floor, self.vote_floor = self.vote_floor, None  # votes by the log it has, not the one it had
+        try:
+            return super().handle_vote_request(request, now, our_last_log)
+        finally:
+            self.vote_floor = floor
+
+
 class _CommitWithoutMajority(ReplicatedLog):
     def advance_commit(self, config: ClusterConfig, current_epoch: int) -> bool:
         if self.last_index > self.commit_index:
@@ -49,6 +58,10 @@ class VoteIgnoringLease(CoordinatorNode):
     election_type = _VoteIgnoringLease
 
 
+class VoteBelowMark(CoordinatorNode):
+    election_type = _VoteBelowMark
+
+
 class CommitWithoutMajority(CoordinatorNode):
     log_type = _CommitWithoutMajority
 
@@ -61,6 +74,8 @@ BROKEN_VARIANTS: dict[str, type[CoordinatorNode]] = {
     "vote_without_log_check": VoteWithoutLogCheck,
     "vote_ignoring_lease": VoteIgnoringLease,
     "commit_without_majority": CommitWithoutMajority,
+    # Unsafe only after a log lost entries at rest: run with SimConfig(log_damage=True).
+    "vote_below_mark": VoteBelowMark,
     # Subtle: unsafe only when clocks drift apart during a narrow window, shorter than an
     # election round trip at a 1 % bound; a directed 20 %-drift scenario test catches it.
     "lease_ignoring_drift": LeaseIgnoringDrift,

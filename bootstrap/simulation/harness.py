@@ -80,6 +80,12 @@ RELAY_FAULT_WEIGHTS: dict[str, float] = {
     "slow_relay": 1.0,  # the payloads sent to a member take seconds longer (its children get promises)
     "promise_then_crash": 1.0,  # the next member that promises bytes crashes right after
 }
+# Faults that exist only with `SimConfig.log_damage` (so schedules without it replay as before).
+DAMAGE_FAULT_WEIGHTS: dict[str, float] = {
+    # A node's log loses a suffix at rest (a cut file, a damaged record): it restarts with a vote
+    # floor, the newest (epoch, index) it ever had durable (an upper bound of what it acknowledged).
+    "cut_log": 2.0,
+}
 # Extra seconds a slow relay's payloads take (a large commit on a thin link).
 SLOW_RELAY_DELAYS_S = (0.5, 1.5, 4.0)
 
@@ -128,6 +134,8 @@ class SimConfig:
     # False only for the broken variant that installs a repaired fragment from a peer that has not
     # applied the entry the fragment is stale since (the held apply is skipped).
     repair_floor: bool = True
+    # Logs damaged at rest (DAMAGE_FAULT_WEIGHTS): the vote floor of election.py under test.
+    log_damage: bool = False
 
 
 @dataclass(slots=True)
@@ -166,9 +174,14 @@ class _Host:
     # or "io error" (the write fails; the node reloads what it had synced).
     fault_at_fsync: str | None = None
     fragments: FragmentModel | None = None  # the application's fragments (fragments.py), set at start
+    # The newest (epoch, index) its disk ever held: nothing it acknowledged is past it. After its
+    # log lost entries at rest, the floor its node votes above until its log is back there.
+    durable_bound: tuple[int, int] = (0, 0)
+    vote_floor: tuple[int, int] | None = None
 
     def fsync(self) -> None:
         self.durable = copy_persistent(self.persistent)
+        self.durable_bound = max(self.durable_bound, last_of(self.durable))
 
     def has_unsynced_writes(self) -> bool:
         durable = self.durable
@@ -189,6 +202,14 @@ class _Host:
         self.anchor_local = self.local(real)
         self.anchor_real = real
         self.clock_rate = rate
+
+
+def last_of(state: PersistentState) -> tuple[int, int]:
+    """(epoch, index) of the last entry a persisted log holds (its snapshot's when it holds none)."""
+    log = state.log
+    if log.entries:
+        return log.entries[-1].epoch, log.entries[-1].index
+    return log.snapshot.last_epoch, log.snapshot.last_index
 
 
 def copy_persistent(state: PersistentState) -> PersistentState:
@@ -247,10 +268,12 @@ class Simulation:
         self._schedule(self.workload_interval, _WORKLOAD, self._workload_generation, None)
         self.run_until(cfg.warmup_s)
         t = cfg.warmup_s
-        weights = FAULT_WEIGHTS | RELAY_FAULT_WEIGHTS
+        weights = FAULT_WEIGHTS | RELAY_FAULT_WEIGHTS | DAMAGE_FAULT_WEIGHTS
         faults = tuple(f for f in cfg.faults if f not in RELAY_FAULT_WEIGHTS or self.relays is not None)
         if self.relays is not None:
             faults += tuple(f for f in RELAY_FAULT_WEIGHTS if f not in faults)
+        if cfg.log_damage:
+            faults += tuple(f for f in DAMAGE_FAULT_WEIGHTS if f not in faults)
         while True:
             t += self.rng.expovariate(1.0 / cfg.mean_fault_gap_s)
             if t >= cfg.warmup_s + cfg.chaos_s:
@@ -392,6 +415,11 @@ class Simulation:
             assert host.fragments is not None
             host.fragments.unreadable = self.rng.choice((1, 2))
             note = f"{host.node_id}: its next {host.fragments.unreadable} outer-commit payload(s) unreadable"
+        elif fault == "cut_log" and self.config.log_damage and alive and not any(
+                h.vote_floor for h in self.hosts.values()):
+            # One damaged log at a time: damage at rest on a majority at once loses committed
+            # entries for good, and no vote rule can then keep both safety and liveness.
+            note = self._cut_log(alive, leader)
         elif fault == "leave" and len(alive) > 3:
             host = self.rng.choice(alive)
             self._dispatch(host, lambda node, local: node.leave(local))
@@ -399,6 +427,38 @@ class Simulation:
         else:
             return
         self.faults_applied.append(f"{self.now:.2f} {note}")
+
+    def _cut_log(self, alive: list[_Host], leader: str | None) -> str:
+        """A follower (the one holding most, often: the likely member of a commit's majority) crashes
+        and its log loses a suffix at rest; half the time the lease holder crashes too, so the
+        next one is elected while the damaged node's log is short."""
+        followers = [h for h in alive if h.node_id != leader] or alive
+        if self.rng.random() < 0.5:
+            host = max(followers, key=lambda h: (last_of(h.persistent), h.node_id))
+        else:
+            host = self.rng.choice(followers)
+        self.crash(host.node_id)
+        durable = host.persistent  # what the disk holds, now that the node is down
+        lost = sum(1 for e in durable.log.entries if e.index > max(host.applied_index, durable.log.snapshot.last_index))
+        self.cut_log_at_rest(host.node_id, len(durable.log.entries) - lost + self.rng.randint(0, max(0, lost - 1)))
+        note = f"cut log of {host.node_id} at rest to index {last_of(durable)[1]} (floor {host.vote_floor})"
+        if leader is not None and leader != host.node_id and self.rng.random() < 0.5:
+            self.crash(leader)
+            note += f", crash leader {leader}"
+        return note
+
+    def cut_log_at_rest(self, node_id: str, keep: int) -> None:
+        """A crashed node's disk keeps only its log's first `keep` entries (never one its application
+        applied: a log cut below those is the restart plan's case, not the vote's); its next start
+        has a vote floor while its log is behind the newest it ever held."""
+        host = self.hosts[node_id]
+        assert host.node is None, "damage at rest: the node is down"
+        log = host.persistent.log
+        applied = sum(1 for e in log.entries if e.index <= max(host.applied_index, log.snapshot.last_index))
+        log.entries = log.entries[:max(keep, applied)]
+        host.fsync()
+        if last_of(host.persistent) < host.durable_bound:
+            host.vote_floor = host.durable_bound
 
     def crash(self, node_id: str) -> None:
         host = self.hosts[node_id]
@@ -510,6 +570,8 @@ class Simulation:
             self.checker.on_restore(self.now, host.node_id, snapshot)
             host.digest, host.applied_index = snapshot.state, snapshot.last_index
             host.fragments.restore(self.fragment_truth, snapshot.last_index)
+        if host.vote_floor is not None and last_of(host.persistent) >= host.vote_floor:
+            host.vote_floor = None  # its log is back where it was: nothing left to guard
         try:
             host.node = self.node_factory(
                 host.node_id,
@@ -520,6 +582,7 @@ class Simulation:
                 role=host.role,
                 address=f"sim://{host.node_id}",
                 options=self.options,
+                **({"vote_floor": host.vote_floor} if host.vote_floor is not None else {}),
             )
         except ProtocolError as error:  # e.g. the application applied entries the disk lost
             self.checker.violations.append(f"t={self.now:.3f}s {host.node_id} cannot restart from its disk: {error}")

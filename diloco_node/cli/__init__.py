@@ -26,6 +26,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "linkemu": ("diloco_node.cli.linkemu", "a WAN link emulator: TCP proxy with bandwidth cap and latency"),
     "run": ("diloco_node.cli.run", "run this site's daemon: found a run, or join one with --bootstrap"),
     "evict": ("diloco_node.cli.evict", "remove a site from this run for good (asks the local lease holder)"),
+    "accept-loss": ("diloco_node.cli.accept_loss",
+                    "let a node whose log lost entries vote again, recording who accepted the loss"),
     "profile": ("diloco_node.cli.profile", "a JAX profiler trace of N seconds of a running daemon (asks the local node)"),
     "certs": ("diloco_node.cli.certs", "a run CA and site certificates for mutual TLS: certs init|issue|revoke"),
     "export": ("diloco_node.cli.export", "write the global model from a site's newest verified checkpoint (safetensors or npz)"),

@@ -3,6 +3,7 @@
     diloco-node chaos --seed 3 --duration 60 --faults 4            # real daemons, both modes
     diloco-node chaos --scenario learner-down --duration 300       # the goodput comparison
     diloco-node chaos --schedule-only --seed 3 --duration 600 --faults 24
+    diloco-node chaos --storage-faults --corruptions log:truncate ...  # disks, fsyncs, damage at rest, clocks
     diloco-node chaos --nodes 5 --coordinator-partition ...       # the lease holder in a cut-off minority
     diloco-node chaos --check RUN_DIR                              # re-check a run's histories
     diloco-node chaos --standin ...                                # stand-in nodes: tests the engine only
@@ -30,7 +31,7 @@ from diloco_node.testbed.chaos.harness import (
     run_chaos,
     standin_config,
 )
-from diloco_node.testbed.chaos.schedule import ScheduleError
+from diloco_node.testbed.chaos.schedule import CORRUPTIONS, ScheduleError
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str = "chaos") -> None:
@@ -48,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser, name: str = "chaos") -> None:
                         help="random nemesis, or one learner down a third of the time (goodput comparison)")
     parser.add_argument("--coordinator-partition", action="store_true",
                         help="the random schedule must also cut the lease holder off with a minority (both ways)")
+    parser.add_argument("--storage-faults", action="store_true",
+                        help="the random schedule also draws disk, fsync, corruption and clock faults (as the soak does)")
+    parser.add_argument("--corruptions", default=",".join(CORRUPTIONS),
+                        help=f"what a corrupt fault may do, comma-separated (default: all of {','.join(CORRUPTIONS)})")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: decoupled, synchronous")
     parser.add_argument("--workdir", type=Path, default=None, help="where histories and logs go (default: a new temp dir)")
     parser.add_argument("--config-template", type=Path, default=None, help="node TOML to use instead of the built-in tiny run")
@@ -69,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
         config = ChaosConfig(
             workdir=workdir, seed=args.seed, nodes=args.nodes, joiners=args.joiners, duration_s=args.duration,
             faults=args.faults, lease_s=args.lease, heartbeat_s=args.heartbeat, scenario=args.scenario,
-            coordinator_partition=args.coordinator_partition,
+            coordinator_partition=args.coordinator_partition, storage_faults=args.storage_faults,
+            corruptions=tuple(c.strip() for c in args.corruptions.split(",") if c.strip()),
             modes=modes, warmup_s=args.warmup, settle_s=args.settle, recovery_s=args.recovery,
             ready_timeout_s=args.ready_timeout,
         )

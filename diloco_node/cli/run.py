@@ -2,8 +2,9 @@
 
 Exit statuses (diloco_node/daemon/exits.py): 0 clean stop (SIGTERM/SIGINT, or the run is complete),
 1 transient failure (a crash, or no bootstrap peer answered within the join deadline: a restart
-helps), 2 configuration error and 3 the run refused us (wrong secret, contradicting manifest): both
-permanent, so the systemd unit does not restart on them (RestartPreventExitStatus=2 3).
+helps), 2 configuration error, 3 the run refused us (wrong secret, contradicting manifest) and 4 a
+file of the node's state unreadable or unwritable at start (one line naming it): all permanent, so
+the systemd unit does not restart on them (RestartPreventExitStatus=2 3 4).
 On a multi-host site, 1 is also a lost host (process 0 or a follower whose learner's collective
 failed), and a host may end by SIGABRT instead: JAX aborts every process of a site whose process 0
 died or whose host missed its heartbeats ([node.cluster] heartbeat_timeout_s); systemd's
@@ -21,7 +22,7 @@ import sys
 from diloco_node.config.settings import ConfigError, add_run_flags, load_config_from_args
 from diloco_node.daemon.exits import EXIT_CONFIG
 from diloco_node.ops.logs import LOG_FORMATS, configure_logging
-from diloco_node.ops import failpoints
+from diloco_node.storage import failpoints
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:

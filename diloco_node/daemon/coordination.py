@@ -40,6 +40,7 @@ from diloco_node.config.manifest import RunManifest
 from diloco_node.daemon import peers
 from diloco_node.daemon.coordination_store import CoordinationStore, CoordinationStoreError, PayloadDamaged
 from diloco_node.daemon.history_hooks import DaemonHistory
+from diloco_node.daemon.lost_entries import barrier_help
 from diloco_node.daemon.plan import COORDINATION_DEADLINE_S, COORDINATION_TICK_S, relay_timeout_for
 from diloco_node.daemon.relays import DEFAULT_HOLD_S, RelayIO, holder_tree
 from diloco_node.daemon.tasks import TaskSet
@@ -110,6 +111,9 @@ class CoordinationIO:
             self.vote_barrier = (f"{store.damage_reason}: no vote until a lease holder has given back the entries "
                                  f"after {store.damaged_after}")
             log.warning("%s: %s", self.node_id, self.vote_barrier)
+            advice = barrier_help(self.node_id, core.log.config.voters, store.damaged_after, self.vote_barrier)
+            if advice is not None and advice["lone_voter"]:  # no one else can end it: say what can
+                log.warning("%s: %s", self.node_id, advice["what_to_do"])
         # Relayed payloads: as holder only when relay_fanout > 0; as follower and relay always.
         self.relays = RelayIO(node_id=self.node_id, fanout=relay_fanout, client=client, url_of=self.url_of,
                               from_log=self._log_payload, tasks=tasks, clock=clock,

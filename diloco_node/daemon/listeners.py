@@ -1,8 +1,8 @@
 """The node's HTTP listeners: the peer port (and the operator port when `status_listen` is set), TLS reloads.
 
 One aiohttp application carries the peer routes (/v1/<kind>, transport/) and, unless the operator
-routes have a listener of their own, /, /status, /metrics, /livez, /readyz, /evict and /profile
-(ops/status.py). Each listener has a connection guard (idle connections closed). With TLS the
+routes have a listener of their own, /, /status, /metrics, /livez, /readyz, /evict, /profile and
+/accept-loss (ops/status.py). Each listener has a connection guard (idle connections closed). With TLS the
 certificates reload without a restart: on SIGHUP at once, and when the files change (checked every
 `tls_reload_check_s`). The application's cleanup closes the node's services, in the order
 `Services.closers` gives. Routes that need the site's parts go through the node's `StartingGate`.
@@ -20,6 +20,7 @@ from aiohttp import web
 
 from diloco_node.clock import process_age_s
 from diloco_node.daemon.gate import StartingGate
+from diloco_node.daemon.lost_entries import accept_loss
 from diloco_node.daemon.plan import DaemonPlan
 from diloco_node.daemon.services import Services
 from diloco_node.daemon.tasks import closed_on_cleanup
@@ -49,7 +50,7 @@ class Listeners:
             client_max_size=plan.http_body_max_bytes)
         self.operator_app.add_routes(operator_routes(
             services.status_document, services.metrics, services.live, services.samples, evict=self._evict,
-            profile=ProfileCapture(cfg.data_dir).capture))
+            profile=ProfileCapture(cfg.data_dir).capture, accept_loss=self._accept_loss))
         self.operator_app.add_routes(debug_routes(os.environ))  # tests and chaos runs only (empty otherwise)
         # Resources live as long as the app; cleanup runs in reverse order of set-up.
         app.cleanup_ctx.append(closed_on_cleanup(*services.closers()))
@@ -93,6 +94,15 @@ class Listeners:
             return 503, {"error": str(error)}
         result: tuple[int, dict[str, Any]] = await parts.evict(node_id, reason)
         return result
+
+    async def _accept_loss(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """`POST /accept-loss`: the operator lifts the vote barrier (daemon/lost_entries.py); 503 while starting."""
+        try:
+            parts = self.gate.parts()
+        except RemoteProtocolError as error:
+            return 503, {"error": str(error)}
+        return accept_loss(parts.coordination, by=body.get("by", ""), reason=body.get("reason", ""),
+                           lost_after=body.get("lost_after"))
 
     async def _start_operator_listener(self, runner: web.AppRunner, app: web.Application) -> None:
         """/status, /metrics, /livez, /readyz and / on their own (plain HTTP, loopback by default)

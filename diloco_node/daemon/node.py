@@ -24,7 +24,8 @@ from typing import Any
 from bootstrap import messages as coord
 from diloco_node.clock import Clock, SystemClock, process_age_s
 from diloco_node.config.settings import ConfigError, EffectiveConfig
-from diloco_node.daemon.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_REFUSED, exit_status_for
+from diloco_node.daemon.exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_REFUSED, EXIT_STORAGE
+from diloco_node.daemon.exits import START_STORAGE_ERRORS, exit_status_for, start_error_line
 from diloco_node.daemon.gate import StartingGate
 from diloco_node.daemon.join import JoinRefused
 from diloco_node.daemon.listeners import Listeners
@@ -60,6 +61,7 @@ class Node:
         self._stop = asyncio.Event()
         self._site_failed = False  # a multi-host site lost a host: exit 1 without leaving the run
         self._ready = False
+        self._running = False  # set once started: an OSError before that is a start error (EXIT_STORAGE)
         self._status_line = StatusLineThrottle()
 
     # ------------------------------------------------------------------ lifecycle
@@ -70,25 +72,29 @@ class Node:
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
             services = Services.open(self.effective, self.plan, self.clock, self.environ, self.gate)
-        except (ConfigError, CheckpointError) as error:
-            log.error("%s", error)
-            self.exit_reason = str(error)
-            return EXIT_CONFIG if isinstance(error, ConfigError) else EXIT_FAILED
+        except ConfigError as error:
+            return self._exit(EXIT_CONFIG, str(error))
+        except CheckpointError as error:  # the data directory is locked: another node uses it, for now
+            return self._exit(EXIT_FAILED, str(error))
+        except START_STORAGE_ERRORS as error:  # a directory it cannot create, a history it cannot read
+            return self._exit(EXIT_STORAGE, start_error_line(error))
         services.pools.install_default(loop)
         listeners = Listeners(services, self.plan, self.gate)
         await listeners.setup()
         code = EXIT_FAILED
         try:
-            await listeners.listen()
+            try:
+                await listeners.listen()
+            except OSError as error:  # only the listen: every later OSError is a file's
+                return self._exit(EXIT_FAILED, f"cannot listen on {self.cfg.listen}: {error}")
             code = await self._main(services)
         except (JoinRefused, ConfigError) as error:
-            log.error("%s", error)
-            self.exit_reason = str(error)
-            code = exit_status_for(error)
-        except OSError as error:
-            log.error("cannot listen on %s: %s", self.cfg.listen, error)
-            self.exit_reason = str(error)
-            code = EXIT_FAILED
+            code = self._exit(exit_status_for(error), str(error))
+        except START_STORAGE_ERRORS as error:
+            # Before the node runs: a coordination, checkpoint or identity file it cannot read or
+            # write (one line naming it, no traceback). Once running, the failure is a crash's.
+            code = (self._exit(EXIT_FAILED, f"stopping: {start_error_line(error).removeprefix('cannot start: ')}")
+                    if self._running else self._exit(EXIT_STORAGE, start_error_line(error)))
         finally:
             await services.tasks.close()
             learner = services.slot.learner
@@ -96,6 +102,12 @@ class Node:
                 learner.stop()
                 await loop.run_in_executor(services.pools.io, learner.join, self.plan.learner_abort_wait_s)
             await listeners.close()
+        return code
+
+    def _exit(self, code: int, reason: str) -> int:
+        """The one line a failed start or run ends with (the log's; `diloco-node run` repeats it)."""
+        log.error("%s", reason)
+        self.exit_reason = reason
         return code
 
     async def _main(self, services: Services) -> int:
@@ -172,6 +184,7 @@ class Node:
             parts.start_training(await preparing, fresh=parts.restored is None)
             self._mark_phase("training started")
         parts.after_apply(parts.replica.applied_index)  # a restart of a complete run ends at once
+        self._running = True
         await self._stop.wait()
         return await self._outcome(services, parts, periodic)
 

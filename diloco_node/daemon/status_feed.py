@@ -13,6 +13,7 @@ from bootstrap import messages as coord
 from diloco_node.daemon.coordination import CoordinationIO
 from diloco_node.daemon.coordination_store import CoordinationStore
 from diloco_node.daemon.loop_monitor import LagWindow
+from diloco_node.daemon.lost_entries import barrier_help
 from diloco_node.daemon.rounds import RoundDriver
 from diloco_node.daemon.state_transfer import StateKeeper
 from diloco_node.sync.admission import AdmissionCounts
@@ -81,7 +82,10 @@ class StatusFeed:
         self.status.set_loop_lag(worst_s=self.loop_lag.worst_recent_s, stalls=self.loop_lag.stalls)
         self.status.set_relays(relay_status(self.coordination.relays.status()))
         self.status.set_outer_gradients(self.rounds.outer_gradient_bytes.status())
-        self.status.set_storage({**STORAGE.to_status(), "vote_barrier": self.coordination.vote_barrier})
+        coordination = self.coordination
+        self.status.set_storage({**STORAGE.to_status(), "vote_barrier": coordination.vote_barrier,
+                                 "vote_barrier_help": barrier_help(coordination.node_id, coordination.core.log.config.voters,
+                                                                   self.store.damaged_after, coordination.vote_barrier)})
 
     def state_digest(self) -> str:
         """The global state's digest, recomputed only when the state changed (it hashes the whole

@@ -911,6 +911,8 @@ def render_metrics(doc: StatusDocument, registry: MetricsRegistry | None = None)
 MAX_EVICT_BODY_BYTES = 4096
 # (node id, reason) -> (HTTP status, JSON body): the daemon's eviction (daemon/coordination.py).
 Evict = Callable[[str, str], Awaitable[tuple[int, dict[str, Any]]]]
+# JSON body -> (HTTP status, JSON body): an operator accepts the loss of log entries (daemon/lost_entries.py).
+AcceptLoss = Callable[[dict[str, Any]], Awaitable[tuple[int, dict[str, Any]]]]
 # seconds -> (HTTP status, JSON body): a profiler capture (ops/profiling.py ProfileCapture.capture).
 Profile = Callable[[Any], Awaitable[tuple[int, dict[str, Any]]]]
 
@@ -925,7 +927,8 @@ def is_loopback(remote: str | None) -> bool:
 
 def operator_routes(snapshot: Callable[[], StatusDocument], registry: MetricsRegistry | None = None,
                     live: Callable[[], Liveness] = lambda: ALIVE, series: StatusSeries | None = None,
-                    evict: Evict | None = None, profile: Profile | None = None) -> "web.RouteTableDef":
+                    evict: Evict | None = None, profile: Profile | None = None,
+                    accept_loss: AcceptLoss | None = None) -> "web.RouteTableDef":
     """aiohttp routes for the operator API; `snapshot()` builds the current document.
 
     `/` and `/series` (the live page and its time series) come from ops/page.py; `series` is the
@@ -943,6 +946,10 @@ def operator_routes(snapshot: Callable[[], StatusDocument], registry: MetricsReg
     `POST /profile` (when `profile` is given), body {"seconds": N}: a JAX profiler trace of the
     running daemon (`diloco-node profile`), loopback only for the same reason; answered when the
     capture is done, with its directory.
+
+    `POST /accept-loss` (when `accept_loss` is given), body {"by", "reason", "lost_after"}: an
+    operator accepts that this node lost the log entries after `lost_after` (`diloco-node
+    accept-loss`), loopback only.
     """
     from aiohttp import web
 
@@ -1010,6 +1017,18 @@ def operator_routes(snapshot: Callable[[], StatusDocument], registry: MetricsReg
             if not isinstance(body, dict) or "seconds" not in body:
                 return web.json_response({"error": 'the body must be {"seconds": <number>}'}, status=400)
             status, answer = await profile(body["seconds"])
+            return web.json_response(answer, status=status)
+
+    if accept_loss is not None:
+        @routes.post("/accept-loss")
+        async def accept_loss_route(request: web.Request) -> web.Response:
+            body, refused = await json_body(request)
+            if refused is not None:
+                return refused
+            if not isinstance(body, dict):
+                return web.json_response({"error": 'the body must be {"by": ..., "reason": ..., "lost_after": N}'},
+                                         status=400)
+            status, answer = await accept_loss(body)
             return web.json_response(answer, status=status)
 
     page_routes(routes, lambda: snapshot().node_id, series)

@@ -41,6 +41,7 @@ from diloco_node.transport.routes import (
     kind_path,
 )
 from diloco_node.transport.server import approx_payload_bytes
+from diloco_node.transport.streaks import FailureStreaks
 from diloco_node.transport.tls import SiteTls
 from wire.auth import ANY_MEMBER, MAC_BYTES, NONCE_BYTES, AuthContext, FrameVerifier
 from wire.errors import LocalProtocolError, RemoteProtocolError
@@ -153,6 +154,7 @@ class PeerClient:
         self._verifier = verifier
         self.limits = limits
         self.counters = counters if counters is not None else TrafficCounters()
+        self._failures = FailureStreaks(log, "send to", "answered again")  # one line per streak, not per request
         self._executor = executor
         self._wall_clock = wall_clock
         self.options = options
@@ -341,6 +343,7 @@ class PeerClient:
                                               expect100=length is None or length > INLINE_BODY_MAX_BYTES,
                                               **tls_options) as response:  # type: ignore[arg-type]
                     stall.reschedule(None)  # from here on sock_read bounds each read
+                    self._failures.succeeded(peer_key)  # it answers: a streak of failures ends (one line)
                     if response.status != 200:
                         reason = (await response.content.read(MAX_REFUSAL_BODY_BYTES)).decode("utf-8", "replace")
                         self.counters.refused(peer_key, f"{response.status} {reason}")
@@ -355,11 +358,11 @@ class PeerClient:
                 which = "upload stalled"
             else:  # a small body is handed over whole: silence after it is the peer's
                 which = "read timeout"
-            log.info("send to %s failed: %s", url, which)
+            self._failures.failed(peer_key, f"{url} failed: {which}")
             self.counters.refused(peer_key, f"unreachable: {which}")
             raise PeerUnreachable(url, f"{which}: {error or 'timed out'}") from None
         except (aiohttp.ClientError, OSError) as error:
-            log.info("send to %s failed: %s: %s", url, type(error).__name__, error)
+            self._failures.failed(peer_key, f"{url} failed: {type(error).__name__}: {error}")
             self.counters.refused(peer_key, f"unreachable: {type(error).__name__}")
             raise PeerUnreachable(url, f"{type(error).__name__}: {error}") from None
 

@@ -57,6 +57,7 @@ from diloco_node.transport.routes import (
     kind_from_name,
     kind_name,
 )
+from diloco_node.transport.streaks import FailureStreaks
 from diloco_node.transport.tls import certificate_sha256, certified_node_id
 from wire.auth import ANY_MEMBER, MAC_BYTES, NONCE_BYTES, AuthContext, FrameVerifier
 from wire.errors import RemoteProtocolError
@@ -228,6 +229,7 @@ class PeerServer:
         self.limits = limits
         self.options = options
         self.counters = counters if counters is not None else TrafficCounters()
+        self._refusals = FailureStreaks(log, "refused", "accepted again")  # one line per streak, not per request
         self._executor = executor  # None: the loop's default pool
         self._wall_clock = wall_clock  # only for frame timestamps (replay window); deadlines use the loop
         self._handlers: dict[MessageKind, MessageHandler] = {}
@@ -381,6 +383,7 @@ class PeerServer:
     async def _write_reply(self, request: web.Request, peer_key: str, body: list[bytes]) -> web.StreamResponse:
         length = sum(len(piece) for piece in body)
         self.counters.sent(peer_key, length)
+        self._refusals.succeeded(peer_key)  # a streak of refusals to this peer ends (one line)
         try:
             if length <= STREAMED_REPLY_MIN_BYTES:
                 return web.Response(body=b"".join(body), content_type=FRAME_CONTENT_TYPE)
@@ -464,7 +467,7 @@ class PeerServer:
         # A refusal's reason is sent back as text, bounded like every reason on the wire: a peer
         # cannot make us echo megabytes.
         reason = reason[:MAX_REASON_CHARS]
-        log.info("refused %s (%s) with %d: %s", peer_key, request.remote, status, reason)
+        self._refusals.failed(peer_key, f"({request.remote}) with {status}: {reason}")
         self.counters.refused(peer_key, f"{status} {reason}")
         response = web.Response(status=status, text=reason)
         response.force_close()
