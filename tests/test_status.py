@@ -161,7 +161,7 @@ def test_one_prefix_counters_total_cumulative_seconds_as_counters_and_histograms
         assert (kind == "counter") == name.endswith("_total"), name
         if "seconds" in name and kind == "gauge":  # instants and windows, never cumulative time
             assert name in ("diloco_uptime_seconds", "diloco_event_loop_lag_seconds", "diloco_learner_step_time_seconds",
-                            "process_start_time_seconds"), name
+                            "diloco_commit_age_seconds", "process_start_time_seconds"), name
     assert types["diloco_learner_compute_seconds_total"] == types["diloco_learner_sync_seconds_total"] == "counter"
     assert "diloco_learner_compute_seconds_total 3.5" in text
     for name in ("diloco_learner_step_seconds", "diloco_round_latency_seconds", "diloco_transfer_seconds"):
@@ -395,3 +395,32 @@ def test_admission_refusals_and_caps_reach_status_and_metrics_by_kind():
     assert _sample(lines, "diloco_contribution_claims_capped_total") == 1
     del raw["admission"]  # a node from before admission counters
     assert StatusDocument.from_dict(raw).admission.capped == 0
+
+
+def test_the_series_the_alerts_read_commit_age_learners_alive_vote_barrier_evicted():
+    """examples/monitoring/alerts.yml's own series: the commit age counts from the start until the
+    commit index grows, then from the wall time it grew; learners alive count learner members only."""
+    from diloco_node.ops.status import EvictedStatus
+
+    wall = [5000.0]
+    builder = StatusBuilder("a", "run", "learner", started_at=100.0)
+    builder.wall = lambda: wall[0]
+    members = [MemberStatus("a", "http://a", "learner", True), MemberStatus("b", "http://b", "learner", False),
+               MemberStatus("w", "http://w", "witness", True)]
+    builder.set_coordination(epoch=1, coordinator="a", commit_index=0, state_digest="", members=members,
+                             quorum=QuorumStatus(0, 2))
+    assert builder.document(now=160.0).commit_age_s == 60.0  # no commit yet: since the start
+    builder.set_coordination(epoch=1, coordinator="a", commit_index=3, state_digest="", members=members,
+                             quorum=QuorumStatus(0, 2))
+    wall[0] += 42.0
+    builder.set_coordination(epoch=1, coordinator="a", commit_index=3, state_digest="", members=members,
+                             quorum=QuorumStatus(0, 2))  # no growth: the age keeps counting
+    doc = builder.document(now=999.0)
+    assert doc.commit_age_s == 42.0 and StatusDocument.from_json(doc.to_json()).commit_age_s == 42.0
+    text = render_metrics(doc)
+    assert "diloco_commit_age_seconds 42.0" in text and "diloco_learners_alive 1.0" in text
+    assert "diloco_storage_vote_barrier 0.0" in text and "diloco_evicted_members 0.0" in text
+    builder.set_storage({"vote_barrier": "log damaged at index 7"})
+    builder.set_evicted([EvictedStatus("c", 9, "gone")])
+    text = render_metrics(builder.document(now=999.0))
+    assert "diloco_storage_vote_barrier 1.0" in text and "diloco_evicted_members 1.0" in text
