@@ -424,3 +424,44 @@ def test_the_series_the_alerts_read_commit_age_learners_alive_vote_barrier_evict
     builder.set_evicted([EvictedStatus("c", 9, "gone")])
     text = render_metrics(builder.document(now=999.0))
     assert "diloco_storage_vote_barrier 1.0" in text and "diloco_evicted_members 1.0" in text
+
+
+def test_status_and_watch_show_learner_figures_eval_sets_outer_gradients_storage_relays_admission():
+    """What `diloco-node status` and `watch` print (both render_table): every section an operator acts on."""
+    from diloco_node.ops.status import (
+        AdmissionStatus,
+        EvalSetStatus,
+        EvalStatus,
+        EvictedStatus,
+        OuterGradientStatus,
+        RelayStatus,
+    )
+
+    builder = StatusBuilder("a", "run", "learner", started_at=0.0)
+    builder.record_learner(step=10, loss=2.5, tokens=1000, now=1.0)
+    builder.record_learner(step=20, loss=2.4, tokens=2000, now=2.0)
+    builder.set_learner_figures(step_time_s=0.1, mfu=0.42, grad_norm=1.25, lr=3e-4)
+    builder.set_evaluation(EvalStatus(None, 7, 1.5, {"wiki": EvalSetStatus(3.125, 4096),
+                                                     "code": EvalSetStatus(None, 2048)}))
+    builder.set_outer_gradients(OuterGradientStatus.of(codec_up="int4", codec_down="int4", error_feedback=True,
+                                                       sent_bytes=1000, sent_parameters=2000,
+                                                       applied_bytes=3000, applied_parameters=6000))
+    builder.set_storage({"failing": {"log.append": {"error": "No space left on device", "consecutive": 3}},
+                         "quarantined": [{"file": "checkpoints/ckpt-000040.bin"}],
+                         "vote_barrier": "log damaged at index 9"})
+    builder.set_admission(AdmissionStatus(in_flight=2, malformed=1, capped=4, last_reason="a second contribution"))
+    builder.set_relays(RelayStatus(pushed=3, refused=1, decisions=("0.4s ago: fetch x from b",)))
+    builder.set_evicted([EvictedStatus("c", 12, "disk lost")])
+    table = render_table(builder.document(now=2.5))
+    for expected in ("step time 0.100s", "mfu 42.0%", "grad norm 1.25", "lr 0.0003",
+                     "eval at commit 7 (1.5s)", "wiki 3.1250 (4.1k tokens)", "code - (2.0k tokens)",
+                     "outer gradients up int4 1000 B 4.00 bits/param  down int4 2.9 KiB 4.00 bits/param",
+                     "error feedback on", "FAILING log.append: No space left on device",
+                     "1 file(s) quarantined: checkpoints/ckpt-000040.bin", "NOT VOTING: log damaged at index 9",
+                     "admission refused in_flight 2  malformed 1  capped 4  last: a second contribution",
+                     "relays pushed 3", "refused 1", "last: 0.4s ago: fetch x from b", "evicted c (index 12: disk lost)"):
+        assert expected in table, (expected, table)
+    quiet = render_table(StatusDocument(node_id="w", run_id="", role="witness", ready=False, epoch=0,
+                                        coordinator=None, commit_index=0, state_digest=""))
+    assert "storage ok" in quiet and "admission refused none" in quiet and "eval -  (not evaluated yet)" in quiet
+    assert "step time -  mfu -  grad norm -  lr -" in quiet
