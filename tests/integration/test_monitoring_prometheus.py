@@ -1,7 +1,8 @@
 """A real Prometheus (Debian's `prometheus` package) with examples/monitoring's alert rules, scraping a
 real two-site run: every expression of the Grafana dashboard answers with series (but those the
 run cannot have, named below with the reason), every rule evaluates without error, no alert fires
-on the healthy run; then one site is SIGKILLed and `DilocoSiteDown` goes pending within its `for`.
+on the healthy run, and `diloco-node status` prints the learner, eval, outer-gradient, storage,
+admission and relay lines; then one site is SIGKILLed and `DilocoSiteDown` goes pending within its `for`.
 
 Slow (two JAX sites and Prometheus, a few minutes on two cores); skipped with the install line
 when the prometheus binary is absent.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -105,6 +107,15 @@ def test_prometheus_scrapes_a_two_site_run_with_the_dashboard_and_the_alerts(tmp
             assert [a for a in alerts if a["state"] == "firing"] == [], alerts
             print(f"healthy run: {len(rules)} rules ok, none firing; pending: "
                   f"{[(a['labels']['alertname'], a['labels'].get('instance')) for a in alerts]}")
+
+            # `diloco-node status` on a running site prints every section an operator acts on.
+            shown = subprocess.run([sys.executable, "-m", "diloco_node", "status", "--peer", a.url],
+                                   capture_output=True, text=True, timeout=60)
+            assert shown.returncode == 0, shown.stderr
+            for section in ("learner step time", "eval at commit", "outer gradients up", "bits/param",
+                            "storage ok", "admission refused", "relays pushed"):
+                assert section in shown.stdout, (section, shown.stdout)
+            print(shown.stdout)
 
             b_target = next(t for t, name in targets.items() if name == "b")
             b.kill()
