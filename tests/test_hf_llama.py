@@ -364,7 +364,7 @@ def test_export_hf_is_hugging_faces_llama_and_imports_back_bit_for_bit(hf_dir: P
     # bos and eos not given: the tokenizer's own, in every file that names them.
     assert (config["bos_token_id"], config["eos_token_id"], config["max_position_embeddings"]) == (2, 4, 16)
     assert json.loads((out / "generation_config.json").read_text()) == {
-        "bos_token_id": 2, "eos_token_id": 4, "pad_token_id": 4, "max_length": 16}
+        "bos_token_id": 2, "eos_token_id": 4, "pad_token_id": 4}
     assert json.loads((out / "special_tokens_map.json").read_text()) == {"bos_token": "<s>", "eos_token": "</s>"}
     tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
     assert (tokenizer_config["tokenizer_class"], tokenizer_config["bos_token"], tokenizer_config["eos_token"],

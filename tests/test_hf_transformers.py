@@ -110,4 +110,4 @@ def test_an_export_loads_with_auto_classes_and_generates(tmp_path: Path, word_to
         generated = model.generate(**prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert generated.shape == (1, 7) and generated[0, :3].tolist() == [3, 4, 5]
     assert all(0 <= t < config["vocab_size"] for t in generated[0].tolist())
-    print(f"\ngenerated: {loaded_tokenizer.decode(generated[0])!r}")
+    print(f"\ngenerated ids {generated[0].tolist()}: {loaded_tokenizer.decode(generated[0])!r}")

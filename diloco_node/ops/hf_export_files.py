@@ -116,9 +116,9 @@ def write_files(directory: Path, *, seq_len: int, bos_token_id: int | None, eos_
                 bos_token: str | None = None, eos_token: str | None = None, with_tokenizer: bool) -> list[str]:
     """Write generation_config.json, and with a tokenizer its tokenizer_config.json and
     special_tokens_map.json, into `directory`; the names written."""
-    generation = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
-                  # generate() pads finished sequences of a batch; eos is what a Llama pads with.
-                  "pad_token_id": eos_token_id, "max_length": seq_len}
+    # generate() pads finished sequences of a batch; eos is what a Llama pads with. No max_length:
+    # set here, transformers warns on every generate(max_new_tokens=...) call.
+    generation = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": eos_token_id}
     written = [GENERATION_CONFIG_FILE]
     _write_json(directory / GENERATION_CONFIG_FILE, generation)
     if with_tokenizer:
