@@ -1,18 +1,16 @@
 """examples/monitoring: the alert rules, their unit tests, the scrape config and the Grafana dashboard.
 
-Without promtool: the dashboard's shape (importable, a datasource variable), every metric family the
-daemon exports drawn by some panel, every series an alert reads exported, every alert with a firing
-and a silent case. With promtool (Debian's `prometheus` package): `promtool check config`, `check
-rules`, `test rules`, and every dashboard expression parsed as a recording rule. A real Prometheus
-scraping a two-site run is tests/integration/test_monitoring_prometheus.py (slow).
+Here, without Prometheus' tools: the dashboard's shape (importable, a datasource variable), every
+metric family the daemon exports drawn by some panel, every series an alert reads exported, every
+alert with a firing and a silent case and a runbook line. promtool's checks (`check config`, `check
+rules`, `test rules`, every dashboard expression parsed) are tests/integration/test_monitoring_promtool.py;
+a real Prometheus scraping a two-site run is tests/integration/test_monitoring_prometheus.py (slow).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,6 @@ from diloco_node.daemon.metrics import DaemonSeries
 from diloco_node.ops.status import MetricsRegistry, StatusDocument, TlsStatus
 
 MONITORING = Path(__file__).resolve().parent.parent / "examples" / "monitoring"
-PROMTOOL_INSTALL = "apt-get install -y prometheus  (Debian's package brings promtool)"
 # Words of PromQL that are not metric names (functions, keywords, aggregation modifiers).
 _PROMQL_WORDS = {"rate", "increase", "delta", "changes", "histogram_quantile", "sum", "by", "without", "on",
                  "ignoring", "group_left", "group_right", "and", "or", "unless", "max", "min", "avg", "time",
@@ -126,39 +123,6 @@ def test_every_alert_has_a_runbook_line() -> None:
     for rule in alert_rules():
         assert rule["annotations"]["runbook"] == f"docs/OPERATIONS.md#alerts: {rule['alert']}"
         assert f"| `{rule['alert']}` |" in operations, f"{rule['alert']}: no runbook line in docs/OPERATIONS.md"
-
-
-def _promtool() -> str:
-    found = shutil.which("promtool")
-    if found is None:
-        pytest.skip(f"promtool not installed: {PROMTOOL_INSTALL}")
-    return found
-
-
-def _run(*args: str, cwd: Path) -> str:
-    done = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
-
-
-def test_promtool_checks_the_config_and_the_rules() -> None:
-    promtool = _promtool()
-    out = _run(promtool, "check", "config", "prometheus.yml", cwd=MONITORING)
-    assert "SUCCESS" in out
-    assert f"SUCCESS: {len(alert_rules())} rules found" in _run(promtool, "check", "rules", "alerts.yml", cwd=MONITORING)
-
-
-def test_promtool_unit_tests_of_the_alerts_pass() -> None:
-    promtool = _promtool()
-    assert "SUCCESS" in _run(promtool, "test", "rules", "alerts_test.yml", cwd=MONITORING)
-
-
-def test_promtool_parses_every_dashboard_expression(tmp_path: Path) -> None:
-    promtool = _promtool()
-    rules = [{"record": f"dashboard:expr_{i}", "expr": grafana_to_promql(expr)}
-             for i, expr in enumerate(dashboard_expressions())]
-    (tmp_path / "dashboard.yml").write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
-    assert f"SUCCESS: {len(rules)} rules found" in _run(promtool, "check", "rules", "dashboard.yml", cwd=tmp_path)
 
 
 def grafana_to_promql(expression: str, job: str = "diloco") -> str:
