@@ -346,21 +346,38 @@ def _llama_data_dir(root: Path, hf: Path, tokenizer_sha256: str = "") -> tuple[P
     return data_dir, final
 
 
-def test_export_hf_is_hugging_faces_llama_and_imports_back_bit_for_bit(hf_dir: Path, tmp_path: Path,
+def test_export_hf_is_hugging_faces_llama_and_imports_back_bit_for_bit(hf_dir: Path, tmp_path: Path, word_tokenizer,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    tokenizer = tmp_path / "tokenizer.json"
-    tokenizer.write_text('{"model": {"type": "WordLevel"}}')
+    tokenizer = word_tokenizer(tmp_path / "tokenizer.json", ["hello", "<s>", "world", "</s>"])  # ids 1-4
     data_dir, final = _llama_data_dir(tmp_path, hf_dir, hashlib.sha256(tokenizer.read_bytes()).hexdigest())
     out = tmp_path / "export"
     assert main(["export", "--data-dir", str(data_dir), "--out", str(out), "--format", "hf",
-                 "--tokenizer", str(tokenizer), "--eos-token-id", "2"]) == 0
+                 "--tokenizer", str(tokenizer)]) == 0
     assert capsys.readouterr().out.endswith(f"to {out} (hf)\n")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                     "special_tokens_map.json", "tokenizer.json",
+                                                     "tokenizer_config.json"]
     assert (out / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
     config = json.loads((out / "config.json").read_text())
     assert (config["architectures"], config["model_type"], config["torch_dtype"]) == (["LlamaForCausalLM"], "llama",
                                                                                       "float32")
-    assert (config["bos_token_id"], config["eos_token_id"], config["max_position_embeddings"]) == (None, 2, 16)
+    # bos and eos not given: the tokenizer's own, in every file that names them.
+    assert (config["bos_token_id"], config["eos_token_id"], config["max_position_embeddings"]) == (2, 4, 16)
+    assert json.loads((out / "generation_config.json").read_text()) == {
+        "bos_token_id": 2, "eos_token_id": 4, "pad_token_id": 4}
+    assert json.loads((out / "special_tokens_map.json").read_text()) == {"bos_token": "<s>", "eos_token": "</s>"}
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert (tokenizer_config["tokenizer_class"], tokenizer_config["bos_token"], tokenizer_config["eos_token"],
+            tokenizer_config["model_max_length"]) == ("PreTrainedTokenizerFast", "<s>", "</s>", 16)
+    # Given ids win over the tokenizer's; an id it does not have is refused.
+    again = tmp_path / "export-given"
+    assert main(["export", "--data-dir", str(data_dir), "--out", str(again), "--format", "hf",
+                 "--tokenizer", str(tokenizer), "--eos-token-id", "3"]) == 0
+    assert json.loads((again / "special_tokens_map.json").read_text()) == {"bos_token": "<s>", "eos_token": "world"}
+    assert json.loads((again / "config.json").read_text())["eos_token_id"] == 3
+    assert main(["export", "--data-dir", str(data_dir), "--out", str(tmp_path / "x"), "--format", "hf",
+                 "--tokenizer", str(tokenizer), "--bos-token-id", "99"]) == 2
+    assert "token id 99 is not an id of the tokenizer" in capsys.readouterr().err
     imported = hf_llama.import_llama(out)
     assert list(imported.params) == sorted(final)
     assert all(np.array_equal(imported.params[n], final[n]) for n in final)  # bit for bit
@@ -371,7 +388,8 @@ def test_export_hf_is_hugging_faces_llama_and_imports_back_bit_for_bit(hf_dir: P
     assert main(["export", "--data-dir", str(data_dir), "--out", str(out), "--format", "hf"]) == 2
     assert f"{out} exists; pass --force" in capsys.readouterr().err
     assert main(["export", "--data-dir", str(data_dir), "--out", str(out), "--format", "hf", "--force"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] is None  # no tokenizer, no id
     (out / "notes.txt").write_text("mine")
     assert main(["export", "--data-dir", str(data_dir), "--out", str(out), "--format", "hf", "--force"]) == 2
     assert "holds notes.txt: not a Hugging Face export" in capsys.readouterr().err

@@ -79,3 +79,35 @@ def test_our_export_loaded_by_transformers_computes_the_same_logits(tmp_path: Pa
     # And back: importing the export gives our parameters bit for bit.
     again = hf_llama.import_llama(out).params
     assert all(np.array_equal(again[name], params[name]) for name in params)
+
+
+def test_an_export_loads_with_auto_classes_and_generates(tmp_path: Path, word_tokenizer) -> None:
+    """`export --format hf` with the site's tokenizer: what `AutoTokenizer` and `AutoModelForCausalLM`
+    load as they are, with bos/eos from the tokenizer, and a model that generates."""
+    import hashlib
+
+    from _hf_reference import hf_config, random_hf_weights, write_hf_dir
+    from test_hf_llama import _llama_data_dir
+
+    from diloco_node.cli import main
+
+    words = ["<s>", "</s>", "hello", "world", "again"]
+    tokenizer = word_tokenizer(tmp_path / "tokenizer.json", words)  # ids: [UNK] 0, <s> 1, </s> 2, ...
+    config = hf_config(False)
+    data_dir, _ = _llama_data_dir(tmp_path, write_hf_dir(tmp_path / "hf", config, random_hf_weights(config)),
+                                  hashlib.sha256(tokenizer.read_bytes()).hexdigest())
+    out = tmp_path / "export"
+    assert main(["export", "--data-dir", str(data_dir), "--out", str(out), "--format", "hf",
+                 "--tokenizer", str(tokenizer)]) == 0
+    loaded_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert (loaded_tokenizer.bos_token, loaded_tokenizer.eos_token) == ("<s>", "</s>")
+    assert (loaded_tokenizer.bos_token_id, loaded_tokenizer.eos_token_id) == (1, 2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert (model.generation_config.bos_token_id, model.generation_config.eos_token_id) == (1, 2)
+    prompt = loaded_tokenizer("hello world again", return_tensors="pt")
+    assert prompt["input_ids"].tolist() == [[3, 4, 5]]
+    with torch.no_grad():
+        generated = model.generate(**prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert generated.shape == (1, 7) and generated[0, :3].tolist() == [3, 4, 5]
+    assert all(0 <= t < config["vocab_size"] for t in generated[0].tolist())
+    print(f"\ngenerated ids {generated[0].tolist()}: {loaded_tokenizer.decode(generated[0])!r}")

@@ -58,7 +58,7 @@ def test_series_is_bounded_oldest_first_with_ages_not_times():
     last = body["samples"][-1]
     assert (last["step"], last["loss"], last["tokens"], last["bytes_sent"], last["bytes_received"]) == (10, 0.4, 1000, 100, 200)
     assert set(last) == {"seq", "age_s", "commit_index", "step", "loss", "eval_loss", "eval_commit_index", "tokens",
-                         "bytes_sent", "bytes_received", "tokens_per_s", "step_time_s", "mfu", "grad_norm", "lr"}
+                         "bytes_sent", "bytes_received", "tokens_per_s", "step_time_s", "mfu", "grad_norm", "lr", "eval_sets"}
 
 
 def test_series_answers_only_samples_after_a_cursor():
@@ -243,3 +243,16 @@ async def test_a_members_status_url_is_learned_from_its_join_and_passed_on():
     assert raw["members"][0]["status_url"] == "http://b:7071"
     del raw["members"][0]["status_url"]
     assert StatusDocument.from_dict(raw).members[0].status_url == ""
+
+
+def test_series_samples_carry_every_eval_sets_loss():
+    """The page draws one eval line per site and set: each sample holds every set's loss by name."""
+    from diloco_node.ops.status import EvalSetStatus, EvalStatus
+
+    clock, builder = FakeClock(), _builder()
+    builder.set_evaluation(EvalStatus(None, 4, 1.0, {"wiki": EvalSetStatus(3.25, 512), "code": EvalSetStatus(None, 0)}))
+    series = StatusSeries(clock, interval_s=2.0, capacity=4)
+    assert series.observe(lambda: builder.document(clock.t))
+    sample = series.to_dict("site-a")["samples"][-1]
+    assert sample["eval_sets"] == {"wiki": 3.25, "code": None} and sample["eval_loss"] is None
+    json.dumps(sample, allow_nan=False)

@@ -161,7 +161,7 @@ def test_one_prefix_counters_total_cumulative_seconds_as_counters_and_histograms
         assert (kind == "counter") == name.endswith("_total"), name
         if "seconds" in name and kind == "gauge":  # instants and windows, never cumulative time
             assert name in ("diloco_uptime_seconds", "diloco_event_loop_lag_seconds", "diloco_learner_step_time_seconds",
-                            "process_start_time_seconds"), name
+                            "diloco_commit_age_seconds", "process_start_time_seconds"), name
     assert types["diloco_learner_compute_seconds_total"] == types["diloco_learner_sync_seconds_total"] == "counter"
     assert "diloco_learner_compute_seconds_total 3.5" in text
     for name in ("diloco_learner_step_seconds", "diloco_round_latency_seconds", "diloco_transfer_seconds"):
@@ -395,3 +395,73 @@ def test_admission_refusals_and_caps_reach_status_and_metrics_by_kind():
     assert _sample(lines, "diloco_contribution_claims_capped_total") == 1
     del raw["admission"]  # a node from before admission counters
     assert StatusDocument.from_dict(raw).admission.capped == 0
+
+
+def test_the_series_the_alerts_read_commit_age_learners_alive_vote_barrier_evicted():
+    """examples/monitoring/alerts.yml's own series: the commit age counts from the start until the
+    commit index grows, then from the wall time it grew; learners alive count learner members only."""
+    from diloco_node.ops.status import EvictedStatus
+
+    wall = [5000.0]
+    builder = StatusBuilder("a", "run", "learner", started_at=100.0)
+    builder.wall = lambda: wall[0]
+    members = [MemberStatus("a", "http://a", "learner", True), MemberStatus("b", "http://b", "learner", False),
+               MemberStatus("w", "http://w", "witness", True)]
+    builder.set_coordination(epoch=1, coordinator="a", commit_index=0, state_digest="", members=members,
+                             quorum=QuorumStatus(0, 2))
+    assert builder.document(now=160.0).commit_age_s == 60.0  # no commit yet: since the start
+    builder.set_coordination(epoch=1, coordinator="a", commit_index=3, state_digest="", members=members,
+                             quorum=QuorumStatus(0, 2))
+    wall[0] += 42.0
+    builder.set_coordination(epoch=1, coordinator="a", commit_index=3, state_digest="", members=members,
+                             quorum=QuorumStatus(0, 2))  # no growth: the age keeps counting
+    doc = builder.document(now=999.0)
+    assert doc.commit_age_s == 42.0 and StatusDocument.from_json(doc.to_json()).commit_age_s == 42.0
+    text = render_metrics(doc)
+    assert "diloco_commit_age_seconds 42.0" in text and "diloco_learners_alive 1.0" in text
+    assert "diloco_storage_vote_barrier 0.0" in text and "diloco_evicted_members 0.0" in text
+    builder.set_storage({"vote_barrier": "log damaged at index 7"})
+    builder.set_evicted([EvictedStatus("c", 9, "gone")])
+    text = render_metrics(builder.document(now=999.0))
+    assert "diloco_storage_vote_barrier 1.0" in text and "diloco_evicted_members 1.0" in text
+
+
+def test_status_and_watch_show_learner_figures_eval_sets_outer_gradients_storage_relays_admission():
+    """What `diloco-node status` and `watch` print (both render_table): every section an operator acts on."""
+    from diloco_node.ops.status import (
+        AdmissionStatus,
+        EvalSetStatus,
+        EvalStatus,
+        EvictedStatus,
+        OuterGradientStatus,
+        RelayStatus,
+    )
+
+    builder = StatusBuilder("a", "run", "learner", started_at=0.0)
+    builder.record_learner(step=10, loss=2.5, tokens=1000, now=1.0)
+    builder.record_learner(step=20, loss=2.4, tokens=2000, now=2.0)
+    builder.set_learner_figures(step_time_s=0.1, mfu=0.42, grad_norm=1.25, lr=3e-4)
+    builder.set_evaluation(EvalStatus(None, 7, 1.5, {"wiki": EvalSetStatus(3.125, 4096),
+                                                     "code": EvalSetStatus(None, 2048)}))
+    builder.set_outer_gradients(OuterGradientStatus.of(codec_up="int4", codec_down="int4", error_feedback=True,
+                                                       sent_bytes=1000, sent_parameters=2000,
+                                                       applied_bytes=3000, applied_parameters=6000))
+    builder.set_storage({"failing": {"log.append": {"error": "No space left on device", "consecutive": 3}},
+                         "quarantined": [{"file": "checkpoints/ckpt-000040.bin"}],
+                         "vote_barrier": "log damaged at index 9"})
+    builder.set_admission(AdmissionStatus(in_flight=2, malformed=1, capped=4, last_reason="a second contribution"))
+    builder.set_relays(RelayStatus(pushed=3, refused=1, decisions=("0.4s ago: fetch x from b",)))
+    builder.set_evicted([EvictedStatus("c", 12, "disk lost")])
+    table = render_table(builder.document(now=2.5))
+    for expected in ("step time 0.100s", "mfu 42.0%", "grad norm 1.25", "lr 0.0003",
+                     "eval at commit 7 (1.5s)", "wiki 3.1250 (4.1k tokens)", "code - (2.0k tokens)",
+                     "outer gradients up int4 1000 B 4.00 bits/param  down int4 2.9 KiB 4.00 bits/param",
+                     "error feedback on", "FAILING log.append: No space left on device",
+                     "1 file(s) quarantined: checkpoints/ckpt-000040.bin", "NOT VOTING: log damaged at index 9",
+                     "admission refused in_flight 2  malformed 1  capped 4  last: a second contribution",
+                     "relays pushed 3", "refused 1", "last: 0.4s ago: fetch x from b", "evicted c (index 12: disk lost)"):
+        assert expected in table, (expected, table)
+    quiet = render_table(StatusDocument(node_id="w", run_id="", role="witness", ready=False, epoch=0,
+                                        coordinator=None, commit_index=0, state_digest=""))
+    assert "storage ok" in quiet and "admission refused none" in quiet and "eval -  (not evaluated yet)" in quiet
+    assert "step time -  mfu -  grad norm -  lr -" in quiet

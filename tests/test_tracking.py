@@ -1,5 +1,6 @@
 """Experiment trackers (ops/tracking.py, `[node.tracking]`): TensorBoard event files written and
-read back, W&B through a fake module (the real wandb is not installed in the test environment),
+read back, W&B through a fake module (the real wandb, offline, where the extra is installed:
+tests/integration/test_tracking_wandb.py),
 a bounded queue that drops its oldest entries, and failing trackers reported, never fatal."""
 
 from __future__ import annotations

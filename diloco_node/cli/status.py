@@ -192,6 +192,60 @@ def _bytes(n: int) -> str:
     return str(n)
 
 
+def _figure(value: float | None, spec: str, unit: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{unit}"
+
+
+def _evaluation_line(doc: StatusDocument) -> str:
+    """Every eval set's loss of the global model, and the commit it was taken at."""
+    evaluation = doc.evaluation
+    if evaluation.commit_index == 0 and evaluation.loss is None and not evaluation.sets:
+        return "eval -  (not evaluated yet)"
+    tokens = {name: figure.tokens for name, figure in evaluation.sets.items()}
+    sets = "  ".join(f"{name} {_figure(loss, '.4f')}" + (f" ({_human(tokens[name])} tokens)" if name in tokens else "")
+                     for name, loss in evaluation.figures())
+    return f"eval at commit {evaluation.commit_index} ({evaluation.seconds:.1f}s)  {sets}"
+
+
+def _outer_gradients_line(doc: StatusDocument) -> str:
+    outer = doc.outer_gradients
+    return (f"outer gradients up {outer.codec_up or '-'} {_bytes(outer.sent_bytes)} "
+            f"{_figure(outer.bits_per_parameter_up, '.2f')} bits/param  "
+            f"down {outer.codec_down or '-'} {_bytes(outer.applied_bytes)} "
+            f"{_figure(outer.bits_per_parameter_down, '.2f')} bits/param  "
+            f"error feedback {'on' if outer.error_feedback else 'off'}")
+
+
+def _storage_line(doc: StatusDocument) -> str:
+    """The failing durable steps, quarantined files and the vote barrier, or "ok"."""
+    storage = doc.storage
+    failing = storage.get("failing") or {}
+    quarantined = storage.get("quarantined") or []
+    parts = [f"FAILING {point}: {info.get('error', '?') if isinstance(info, dict) else info}"
+             for point, info in sorted(failing.items())]
+    if quarantined:
+        parts.append(f"{len(quarantined)} file(s) quarantined: "
+                     + ", ".join(str(q.get("file", "?")) if isinstance(q, dict) else str(q) for q in quarantined))
+    if storage.get("vote_barrier"):
+        parts.append(f"NOT VOTING: {storage['vote_barrier']}")
+    return "storage " + ("  ".join(parts) if parts else "ok")
+
+
+def _admission_line(doc: StatusDocument) -> str:
+    admission = doc.admission
+    refused = "  ".join(f"{kind} {n}" for kind, n in admission.refused.items() if n)
+    line = f"admission refused {refused or 'none'}  capped {admission.capped}"
+    return line + (f"  last: {admission.last_reason}" if admission.last_reason else "")
+
+
+def _relays_line(doc: StatusDocument) -> str:
+    r = doc.relays
+    line = (f"relays pushed {r.pushed} ({_bytes(r.pushed_bytes)})  forwarded {r.forwarded} ({_bytes(r.forwarded_bytes)})  "
+            f"served {r.served}  fetched {r.fetched}  promised {r.promised}  refused {r.refused}  "
+            f"held {r.held} ({_bytes(r.held_bytes)})")
+    return line + (f"  last: {r.decisions[0]}" if r.decisions else "")
+
+
 def render_table(doc: StatusDocument) -> str:
     """A readable multi-line summary of one node's status."""
     learner = doc.learner
@@ -207,8 +261,29 @@ def render_table(doc: StatusDocument) -> str:
         f"quorum {doc.quorum.have}/{doc.quorum.need}" + (f"  {doc.quorum.reason}" if doc.quorum.reason else ""),
         f"learner step {learner.step}  loss {loss}  tokens {_human(learner.tokens)}  "
         f"tokens/s {_human(learner.tokens_per_s)}",
-        f"bytes sent {_bytes(doc.bytes.sent)}  received {_bytes(doc.bytes.received)}  uptime {doc.uptime_s:.0f}s",
+        f"learner step time {_figure(learner.step_time_s, '.3f', 's')}  mfu {_figure(learner.mfu, '.1%')}  "
+        f"grad norm {_figure(learner.grad_norm, '.4g')}  lr {_figure(learner.lr, '.3g')}",
+        _evaluation_line(doc),
+        f"bytes sent {_bytes(doc.bytes.sent)}  received {_bytes(doc.bytes.received)}  uptime {doc.uptime_s:.0f}s  "
+        f"last commit {doc.commit_age_s:.0f}s ago",
+        _outer_gradients_line(doc),
+        _storage_line(doc),
+        f"log first index {doc.log_first_index}  {_bytes(doc.log_bytes)}  event loop lag {doc.loop_lag_s:.3f}s  "
+        f"stalls {doc.loop_stalls}",
+        _admission_line(doc),
+        _relays_line(doc),
     ]
+    if doc.devices.count:
+        devices = doc.devices
+        lines.append(f"devices {devices.count} {devices.platform} over {devices.processes} process(es)  "
+                     f"mesh data {devices.mesh.data} fsdp {devices.mesh.fsdp}")
+    for name, tracker in (("tensorboard", doc.tracking.tensorboard), ("wandb", doc.tracking.wandb)):
+        if tracker.enabled:
+            lines.append(f"tracking {name} {tracker.target}  written {tracker.written}  dropped {tracker.dropped}"
+                         + (f"  error: {tracker.error}" if tracker.error else ""))
+    if doc.evicted:
+        lines.append("evicted " + "  ".join(f"{e.node_id} (index {e.index}" + (f": {e.reason})" if e.reason else ")")
+                                           for e in doc.evicted))
     if doc.tls.enabled:
         tls = doc.tls
         lines.append(f"tls certificate {tls.node_id or '(names no node id)'}  expires {tls.not_after} "

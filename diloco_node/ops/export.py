@@ -52,7 +52,9 @@ Into this project's model: `model.load_flat_params(params_state, params)`.
 
 `--format hf` (runs of the "llama" factory) writes a Hugging Face Llama directory instead
 (learn/hf_llama.py: config.json, model.safetensors with Hugging Face names and layout, and the
-site's tokenizer.json when given): what `transformers.LlamaForCausalLM.from_pretrained` loads.
+site's tokenizer.json when given; ops/hf_export_files.py: generation_config.json, and with the
+tokenizer its tokenizer_config.json and special_tokens_map.json, bos/eos ids from the tokenizer
+when not given): what `AutoTokenizer` and `AutoModelForCausalLM.from_pretrained` load.
 It is built in a temporary directory beside the target and renamed into place.
 
 No JAX here (numpy and safetensors only): the command must start fast and run beside a node. The
@@ -78,6 +80,7 @@ import numpy as np
 
 from diloco_node.config.manifest import ConfigError, RunManifest, tensor_differences
 from diloco_node.learn import hf_llama
+from diloco_node.ops import hf_export_files
 from diloco_node.ops.checkpoint import Checkpoint, CheckpointError, read_checkpoint_file
 from diloco_node.storage import durable, failpoints
 from diloco_node.sync.state_codec import params_from_checkpoint
@@ -86,7 +89,8 @@ EXPORT_FORMAT = "diloco-node-export/1"
 FORMATS = ("safetensors", "npz", "hf")
 HF_FORMAT = "hf"  # a Hugging Face Llama directory; never guessed from a suffix (--out is a directory)
 # What an hf export directory holds: with --force only such a directory is replaced (removed).
-HF_EXPORT_FILES = frozenset({hf_llama.CONFIG_FILE, hf_llama.WEIGHTS_FILE, hf_llama.TOKENIZER_FILE})
+HF_EXPORT_FILES = frozenset({hf_llama.CONFIG_FILE, hf_llama.WEIGHTS_FILE, hf_llama.TOKENIZER_FILE}
+                            | hf_export_files.FILES)
 FORMAT_BY_SUFFIX = {".safetensors": "safetensors", ".npz": "npz"}
 NPZ_METADATA_KEY = "__metadata__"
 # The data directory's layout as the daemon creates it (daemon/services.py: the checkpoint store's
@@ -353,8 +357,18 @@ def write_hf_export(model: GlobalModel, out: Path, *, force: bool = False, token
     _check_hf_target(out, force)
     manifest = RunManifest.from_dict(json.loads(model.metadata["manifest"]))
     shape = llama_shape(manifest)
+    bos_token = eos_token = None
     if tokenizer is not None:
         _check_tokenizer(Path(tokenizer), manifest.data.tokenizer_sha256)
+        try:  # ids not given: the site's tokenizer's own (ops/hf_export_files.py)
+            if bos_token_id is None or eos_token_id is None:
+                found_bos, found_eos = hf_export_files.special_ids(Path(tokenizer))
+                bos_token_id = found_bos if bos_token_id is None else bos_token_id
+                eos_token_id = found_eos if eos_token_id is None else eos_token_id
+            bos_token = hf_export_files.token_text(Path(tokenizer), bos_token_id)
+            eos_token = hf_export_files.token_text(Path(tokenizer), eos_token_id)
+        except hf_export_files.TokenizerFilesError as error:
+            raise ExportError(str(error)) from None
     # The safetensors metadata "format" must be "pt" for transformers; ours is kept beside it.
     metadata = {**{k: v for k, v in model.metadata.items() if k != "format"}, "diloco_format": EXPORT_FORMAT}
     try:
@@ -369,6 +383,9 @@ def write_hf_export(model: GlobalModel, out: Path, *, force: bool = False, token
                                  tokenizer=tokenizer, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
         except hf_llama.HFLlamaError as error:
             raise ExportError(f"{model.checkpoint.name}: {error}") from None
+        hf_export_files.write_files(temp, seq_len=manifest.model.seq_len, bos_token_id=bos_token_id,
+                                    eos_token_id=eos_token_id, bos_token=bos_token, eos_token=eos_token,
+                                    with_tokenizer=tokenizer is not None)
         for entry in temp.iterdir():
             _fsync_file(entry)
         os.chmod(temp, 0o755)  # mkdtemp makes it private; an export is meant to be read

@@ -21,7 +21,7 @@ import math
 import os
 import threading
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -44,7 +44,7 @@ class Sample:
     commit_index: int
     step: int
     loss: float | None  # training loss of this site's learner (None: witness, or not finite yet)
-    eval_loss: float | None  # the global model's loss on this site's eval split
+    eval_loss: float | None  # the global model's loss on this site's held-out slice
     eval_commit_index: int
     tokens: int
     bytes_sent: int
@@ -55,6 +55,9 @@ class Sample:
     mfu: float | None = None
     grad_norm: float | None = None
     lr: float | None = None
+    # Each [node.data.eval.NAME] set's loss of the global model, by name (None: not finite); the
+    # page draws one eval line per site and set.
+    eval_sets: dict[str, float | None] = field(default_factory=dict)
 
 
 def _finite(value: float | None) -> float | None:
@@ -93,7 +96,8 @@ class StatusSeries:
                 eval_commit_index=doc.evaluation.commit_index, tokens=doc.learner.tokens,
                 bytes_sent=doc.bytes.sent, bytes_received=doc.bytes.received,
                 tokens_per_s=_finite(doc.learner.tokens_per_s) or 0.0, step_time_s=_finite(doc.learner.step_time_s),
-                mfu=_finite(doc.learner.mfu), grad_norm=_finite(doc.learner.grad_norm), lr=_finite(doc.learner.lr)))
+                mfu=_finite(doc.learner.mfu), grad_norm=_finite(doc.learner.grad_norm), lr=_finite(doc.learner.lr),
+                eval_sets={name: _finite(figure.loss) for name, figure in doc.evaluation.sets.items()}))
         return True
 
     def to_dict(self, node_id: str, after: int = 0) -> dict[str, Any]:

@@ -347,6 +347,9 @@ class StatusDocument:
     # The disk as the durable steps see it (ops/storage_health.py): `failing` points with their
     # error, `failures_total` by point, `quarantined` files; `vote_barrier` when the node does not vote
     storage: dict[str, Any] = field(default_factory=dict)
+    # Seconds since this node last saw its commit index grow (since it started, before any commit):
+    # the "no commit" alert's figure (examples/monitoring/alerts.yml)
+    commit_age_s: float = 0.0
     schema: str = STATUS_SCHEMA
 
     @property
@@ -412,6 +415,7 @@ class StatusDocument:
             tracking=TrackingStatus.from_dict(raw.get("tracking", {})),
             # Older nodes have no storage section: an absent object reads as nothing failing.
             storage=dict(_get(raw, "storage", dict)) if "storage" in raw else {},
+            commit_age_s=float(_get(raw, "commit_age_s", (int, float))) if "commit_age_s" in raw else 0.0,
         )
 
     @classmethod
@@ -500,7 +504,8 @@ class StatusBuilder:
         self._errors: deque[tuple[float, str]] = deque(maxlen=max_recent_errors)
         self._tls: TlsStatus | None = None
         self._tls_not_after_unix = 0.0
-        self.wall: Callable[[], float] = time.time  # only for the certificate's time to expiry
+        self.wall: Callable[[], float] = time.time  # the certificate's time to expiry, the commit age
+        self._commit_seen_at: float | None = None  # wall time the commit index last grew (None: not since start)
         # The trackers' counters (ops/tracking.py Tracking.status), read when a document is built.
         self.tracking = tracking
 
@@ -517,6 +522,8 @@ class StatusBuilder:
                          members: Sequence[MemberStatus], quorum: QuorumStatus,
                          fragments: Sequence[FragmentStatus] = ()) -> None:
         with self._lock:
+            if commit_index > self._base.commit_index:
+                self._commit_seen_at = self.wall()
             self._base = dataclasses.replace(
                 self._base, epoch=epoch, coordinator=coordinator, commit_index=commit_index,
                 state_digest=state_digest, members=tuple(members), quorum=quorum, fragments=tuple(fragments))
@@ -621,6 +628,8 @@ class StatusBuilder:
                 last_errors=tuple(RecentError(round(now - t, 3), m) for t, m in reversed(self._errors)),
                 tls=self._tls_now() if self._tls is not None else TlsStatus(),
                 tracking=self.tracking() if self.tracking is not None else TrackingStatus(),
+                commit_age_s=round(max(0.0, self.wall() - self._commit_seen_at), 1)
+                if self._commit_seen_at is not None else max(0.0, now - self._started_at),
             )
 
     def _tls_now(self) -> TlsStatus:
@@ -816,10 +825,15 @@ def status_families(doc: StatusDocument) -> list[MetricFamily]:
         one("diloco_epoch", "gauge", "Current election epoch.", doc.epoch),
         one("diloco_is_coordinator", "gauge", "1 when this node holds the coordinator lease.", float(doc.is_coordinator)),
         one("diloco_commit_index", "gauge", "Highest committed log index known.", doc.commit_index),
+        one("diloco_commit_age_seconds", "gauge",
+            "Seconds since this node last saw its commit index grow (since it started, before any).",
+            doc.commit_age_s),
         MetricFamily("diloco_members", "gauge", "Members by liveness as seen from this node.", (
             ({"state": "alive"}, float(sum(m.alive for m in doc.members))),
             ({"state": "dead"}, float(sum(not m.alive for m in doc.members))),
         )),
+        one("diloco_learners_alive", "gauge", "Learner members alive as seen from this node (itself included).",
+            float(sum(m.alive and m.role == "learner" for m in doc.members))),
         one("diloco_quorum_have", "gauge", "Contributions in hand for the round being merged.", doc.quorum.have),
         one("diloco_quorum_need", "gauge", "Contributions required (K).", doc.quorum.need),
         MetricFamily("diloco_contributions_refused_total", "counter",
@@ -859,6 +873,11 @@ def status_families(doc: StatusDocument) -> list[MetricFamily]:
         MetricFamily("diloco_storage_failing", "gauge",
                      "1 for each durable step (failpoint name) whose last attempt failed.",
                      tuple(({"point": point}, 1.0) for point in sorted(doc.storage.get("failing", {})))),
+        one("diloco_storage_vote_barrier", "gauge",
+            "1 while the node does not vote because its log was found damaged (storage.vote_barrier).",
+            float(doc.storage.get("vote_barrier") is not None)),
+        one("diloco_evicted_members", "gauge", "Sites evicted from this run (diloco-node evict).",
+            float(len(doc.evicted))),
         one("diloco_storage_quarantined_files", "gauge", "Files found corrupt and renamed aside (listed on /status).",
             float(len(doc.storage.get("quarantined", ())))),
         one("diloco_relay_pushed_total", "counter", "Relayed payload copies pushed as lease holder.",

@@ -112,7 +112,9 @@ def test_a_hf_llama_continues_pretraining_across_three_sites_and_exports(tmp_pat
     exported = cli("export", "--data-dir", str(data_dir), "--out", str(out), "--format", "hf",
                    "--tokenizer", str(tokenizer))
     assert exported.returncode == 0, exported.stderr
-    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "tokenizer.json"}
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "tokenizer.json",
+                                               "tokenizer_config.json", "special_tokens_map.json",
+                                               "generation_config.json"}
     config = json.loads((out / "config.json").read_text())
     assert (config["hidden_size"], config["num_key_value_heads"], config["vocab_size"]) == (32, 2, 32)
     trained = hf_llama.read_safetensors(out / "model.safetensors")
