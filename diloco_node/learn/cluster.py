@@ -110,6 +110,30 @@ def failure_reason(error: BaseException) -> str:
     return f"{who}: {type(error).__name__}: {first_line}"
 
 
+# How long a process of the site waits at a meeting (`meet`) for the others: process 0 may catch
+# up from the run's log or download a state before it starts training. A process that never comes
+# is found dead by JAX's heartbeats (`heartbeat_timeout_s`) long before this ends.
+MEETING_TIMEOUT_S = 3600
+
+
+def meet(name: str, timeout_s: float = MEETING_TIMEOUT_S) -> None:
+    """Wait until every process of the site has called `meet(name)` (a barrier of JAX's
+    coordination service, not a collective; nothing to do without a cluster).
+
+    Why: the first collective over a set of devices also sets up its connections, and on CPUs (gloo)
+    that set-up gives up after a fixed 30 s when a peer is later than that: a process that compiled
+    the step more slowly (a loaded host), or a process 0 still catching up, would fail the site's
+    first step. Meeting first makes every process start such a collective together; once set up,
+    a collective waits for a late peer as long as it takes.
+    """
+    from jax._src import distributed  # the public API has no barrier; its client has one
+
+    client = distributed.global_state.client
+    if client is None:
+        return
+    client.wait_at_barrier(f"diloco-node:{name}", int(timeout_s * 1000))
+
+
 # Per-fragment actions in a decision: nothing, overwrite with the shared values, or gather the
 # local values first (the apply rule needs them: mix, or a merge without our unsent work).
 APPLY_NONE, APPLY_WRITE, APPLY_AFTER_READ = 0, 1, 2
@@ -138,6 +162,7 @@ class BoundaryDecision:
 def share_manifest(text: str | None) -> str:
     """The run manifest's canonical JSON from process 0 to every process of the site, before the
     learner is built: only process 0 founds, joins or restarts, so only it knows the manifest."""
+    meet("manifest")  # process 0 gets here after its start-up, the others at once
     return BoundaryFollowing(0).share_text(text)
 
 
