@@ -7,7 +7,14 @@ global mesh, so they must also take the same actions between steps, in the same 
 step boundary process 0 decides (stop? a checkpoint copy? which merged fragments to write?) and
 `BoundaryFollowing.decide` broadcasts the decision; the merged tensors travel the same way
 (`share`), and fragment or state reads are gathered from every process's shards (`gather`). There
-is no second protocol between hosts: all of it is `jax.experimental.multihost_utils`.
+is no second protocol between hosts: all of it is `jax.experimental.multihost_utils`, and the
+processes meet (`meet`, a barrier of JAX's coordination service) before each first collective
+whose start they reach at their own pace.
+
+The training thread of every process reads only values of its own devices: a device value that
+spans other processes' devices cannot be fetched there (JAX raises). Figures read a replicated
+scalar's local copy (the loss, the gradient norm); the learning rate is computed on the host
+(`inner.host_learning_rate`); state reads are `gather`ed.
 
 A JAX cluster never spans sites: when one process dies, the site goes down and comes back like
 any restarted site (restart, checkpoint, catch-up from the run's log). How it goes down: a killed

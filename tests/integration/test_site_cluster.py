@@ -23,11 +23,21 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST_DEVICES = "--xla_force_host_platform_device_count=2"
+# How long the two workers may take, start-up to exit: about 20 s alone, 3.5-5 min on two cores
+# shared with eight other test runs (a generous bound, never a speed claim).
+WAIT_S = 420
 
 WORKER = textwrap.dedent("""
-    import hashlib, json, os, sys, threading
+    import faulthandler, hashlib, json, os, sys, threading, time
     from pathlib import Path
-    port, process_id, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    port, process_id, out, dump_after_s = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+    started = time.monotonic()
+    # Where every thread is, shortly before the test gives up on this process: slow or stuck?
+    faulthandler.dump_traceback_later(dump_after_s, exit=False)
+
+    def mark(what):
+        print(f"{time.monotonic() - started:.1f} s: {what}", flush=True)
+
     import jax, numpy as np
     from diloco_node.config.manifest import InnerOptimizer, ModelSpec, RunManifest, SyncSpec
     from diloco_node.config.site_devices import ClusterSpec, MeshShape
@@ -40,6 +50,7 @@ WORKER = textwrap.dedent("""
     from diloco_node.learn.mesh import build_site_mesh
     from diloco_node.sync.fragments import plan_fragments
 
+    mark("imported")
     assert cluster.initialize(ClusterSpec(f"127.0.0.1:{port}", 2, process_id), initialization_timeout_s=120)
     manifest = RunManifest(
         model=ModelSpec.of("llama", vocab_size=256, seq_len=16, size="1m", num_layers=1, d_model=64, d_ff=128),
@@ -72,6 +83,8 @@ WORKER = textwrap.dedent("""
             snaps.append(holder["t"].request_state())  # a checkpoint request mid-run
         # Past three figures windows (each process closes its own, on its own clock: both have
         # closed at least two when process 0 stops the site).
+        if step % 10 == 0:
+            mark(f"step {step}, {len(windows)} figures windows")
         if process_id == 0 and step >= 12 and len(windows) >= 3:
             holder["t"].stop()
 
@@ -80,10 +93,13 @@ WORKER = textwrap.dedent("""
                                          global_params=initial, global_rounds=[0, 0], on_contribution=contribution,
                                          on_progress=progress, inner=inner, following=following,
                                          min_step_interval_s=FIGURES_WINDOW_S / 8)
+    mark("built")
     thread.compile()
+    mark("compiled")
     thread.start()
     thread.begin_training()
-    thread.join(240)
+    thread.join(WAIT_S)
+    mark(f"trained {thread.steps} steps")
     if thread.is_alive() or thread.error is not None:
         # Out at once, past JAX's exit barrier (which a failed peer never reaches): the other
         # process's next collective then fails instead of waiting for this one forever.
@@ -125,9 +141,10 @@ WORKER = textwrap.dedent("""
 # after the other failed the first collective's gloo set-up (the worker then hung at JAX's exit
 # barrier); the processes now meet before it (learn/cluster.py `meet`), and a failed worker exits
 # at once.
+@pytest.mark.timeout(WAIT_S + 120)
 def test_two_processes_of_one_site_train_in_lockstep_and_follow_process_0(tmp_path):
     script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    script.write_text(WORKER.replace("WAIT_S", str(WAIT_S)))
     env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
     # Two CPU devices per process. Not XLA's one-thread limit: a device's all-reduce waits for
     # one thread per local device, and a one-thread pool can deadlock (benchmarks/learner.py).
@@ -137,10 +154,11 @@ def test_two_processes_of_one_site_train_in_lockstep_and_follow_process_0(tmp_pa
     processes = []
     for i in range(2):
         with open(logs[i], "w") as log:
-            processes.append(subprocess.Popen([sys.executable, str(script), str(port), str(i), str(tmp_path / f"p{i}.json")],
+            processes.append(subprocess.Popen([sys.executable, str(script), str(port), str(i), str(tmp_path / f"p{i}.json"),
+                                               str(WAIT_S - 20)],
                                               env=env, stdout=log, stderr=subprocess.STDOUT))
     try:
-        deadline = time.monotonic() + 280
+        deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline and any(p.poll() is None for p in processes):
             if any(p.poll() not in (None, 0) for p in processes):
                 time.sleep(5)  # one failed: the other's collective fails soon after, or it is killed
