@@ -78,6 +78,7 @@ WORKER = textwrap.dedent("""
         figures = holder["t"].figures  # set before this report when the step closed a window
         if figures is not None and (not windows or windows[-1]["step"] != figures.step):
             windows.append({"step": figures.step, "lr": figures.lr, "grad_norm": figures.grad_norm,
+                            "grad_norm_step": figures.grad_norm_step,
                             "schedule_lr": inner.learning_rate(figures.step)})
         if process_id == 0 and step == 5:
             snaps.append(holder["t"].request_state())  # a checkpoint request mid-run
@@ -184,9 +185,11 @@ def test_two_processes_of_one_site_train_in_lockstep_and_follow_process_0(tmp_pa
     for result in (leader, follower):
         # Both processes closed figures windows (the follower's first one is where a device read of
         # another process's array used to kill it), each with a gradient norm and the schedule's lr.
-        assert len(result["windows"]) >= 2, result["windows"]
+        assert len(result["windows"]) >= 2 and result["windows"][-1]["grad_norm"] > 0, result["windows"]
         for window in result["windows"]:
-            assert window["grad_norm"] is not None and window["grad_norm"] > 0
+            # (a window that closed at the first step has no finished step's norm yet: a slow start)
+            assert window["grad_norm_step"] == 0 or window["grad_norm"] > 0, window
+            assert window["grad_norm_step"] == window["step"] - 1
             assert window["lr"] == pytest.approx(window["schedule_lr"]) and window["lr"] > 0
         assert result["checkpoint_bytes"] > 0
     # The same gathered state on both: the same checkpointed weights and the same held-out loss.
