@@ -47,3 +47,28 @@ def test_without_a_cluster_no_process_is_reported_lost_and_the_reason_says_so():
     reason = cluster.failure_reason(RuntimeError("Gloo all-reduce failed: Connection reset by peer\nmore"))
     assert reason == ("a collective of the site's JAX cluster failed (no process reported lost): "
                       "RuntimeError: Gloo all-reduce failed: Connection reset by peer")
+
+
+def test_without_a_cluster_a_meeting_returns_at_once():
+    cluster.meet("nobody-else")  # one process: nothing to wait for
+
+
+# The modules whose code a multi-host site's follower runs on its training thread.
+FOLLOWER_MODULES = ("learn/learner_thread.py", "learn/inner.py", "learn/figures.py", "learn/cluster.py",
+                    "daemon/site_follower.py")
+
+
+def test_the_follower_never_picks_a_device_from_the_global_list():
+    """`jax.devices()[i]` on a multi-host site may be another process's device: a value computed
+    there cannot be fetched (process 1 of a site died in its first figures window this way, reading
+    the lr computed on `jax.devices("cpu")[0]`). Local devices or host numbers only; the mesh
+    (learn/mesh.py) is where the global list belongs."""
+    from pathlib import Path
+
+    import diloco_node
+
+    package = Path(diloco_node.__file__).parent
+    offending = [f"{module}:{n}" for module in FOLLOWER_MODULES
+                 for n, line in enumerate((package / module).read_text().splitlines(), 1)
+                 if "jax.devices(" in line and not line.lstrip().startswith("#")]
+    assert offending == []

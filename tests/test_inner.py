@@ -79,4 +79,6 @@ def test_each_step_reports_its_gradient_norm_before_clipping_and_its_learning_ra
     assert np.isclose(float(learner.last_grad_norm), expected, rtol=1e-4)
     schedule = make_schedule(clipped)
     assert learner.learning_rate(1) == float(schedule(0)) == 0.0  # the first update of the warm-up
-    assert learner.learning_rate(5) == float(schedule(4)) and np.isclose(learner.learning_rate(5), clipped.lr_peak)
+    # computed on the host in float64 (learn/inner.py `host_learning_rate`), the step's in float32
+    assert np.isclose(learner.learning_rate(5), float(schedule(4)), rtol=1e-6)
+    assert np.isclose(learner.learning_rate(5), clipped.lr_peak)

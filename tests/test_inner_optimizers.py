@@ -14,8 +14,8 @@ from diloco_node.config.manifest import (COSINE_FALLBACK_STEPS, ConfigError, Inn
                                          StopSpec)
 from diloco_node.learn import factory
 from diloco_node.learn import model as model_lib
-from diloco_node.learn.inner import (ADAMW, MUON, InnerLearner, StackedLearners, key_path_name, make_optimizer,
-                                     make_schedule, muon_label)
+from diloco_node.learn.inner import (ADAMW, MUON, InnerLearner, StackedLearners, host_learning_rate, key_path_name,
+                                     make_optimizer, make_schedule, muon_label)
 
 from conftest import byte_batches
 
@@ -205,6 +205,26 @@ def test_wsd_without_a_horizon_stays_at_its_peak_and_cosine_falls_back() -> None
     explicit = dataclasses.replace(cosine, total_steps=COSINE_FALLBACK_STEPS)
     for step in (0, 5, 10, 400, 999, 1000, 2000):  # the same schedule as the explicit horizon, bit for bit
         assert float(make_schedule(cosine)(step)) == float(make_schedule(explicit)(step))
+
+
+@pytest.mark.parametrize("inner", [
+    InnerOptimizer(lr_peak=1e-2, lr_final_fraction=0.1, warmup_steps=10, total_steps=100),
+    InnerOptimizer(lr_peak=3e-4, warmup_steps=0, total_steps=7),
+    InnerOptimizer(lr_peak=1e-2, warmup_steps=10),  # cosine's fallback horizon
+    InnerOptimizer(lr_peak=1e-2, lr_final_fraction=0.1, warmup_steps=10, total_steps=100, schedule="wsd",
+                   decay_fraction=0.2),
+    InnerOptimizer(lr_peak=1e-2, warmup_steps=0, total_steps=9, schedule="wsd", decay_fraction=1.0),
+    InnerOptimizer(lr_peak=1e-2, warmup_steps=10, schedule="wsd"),  # no horizon: the peak
+], ids=["cosine", "cosine-no-warmup", "cosine-fallback", "wsd", "wsd-all-decay", "wsd-unbounded"])
+def test_the_host_learning_rate_is_the_schedule_the_step_applies(inner: InnerOptimizer) -> None:
+    """The figures' lr is read on the host with plain numbers (no device: on a multi-host site the
+    default one may be another process's); it is the step's schedule, to float32 rounding."""
+    for peak in (None, 0.02):
+        schedule = make_schedule(inner, peak)
+        for count in (0, 1, 5, 9, 10, 11, 50, 80, 90, 99, 100, 101, 999, 1000, 5000):
+            rate = host_learning_rate(inner, count, peak)
+            assert isinstance(rate, float)
+            assert rate == pytest.approx(float(schedule(count)), rel=1e-5, abs=1e-9), (count, peak)
 
 
 def test_the_stacked_learners_follow_the_wsd_schedule() -> None:

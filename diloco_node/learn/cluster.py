@@ -7,7 +7,14 @@ global mesh, so they must also take the same actions between steps, in the same 
 step boundary process 0 decides (stop? a checkpoint copy? which merged fragments to write?) and
 `BoundaryFollowing.decide` broadcasts the decision; the merged tensors travel the same way
 (`share`), and fragment or state reads are gathered from every process's shards (`gather`). There
-is no second protocol between hosts: all of it is `jax.experimental.multihost_utils`.
+is no second protocol between hosts: all of it is `jax.experimental.multihost_utils`, and the
+processes meet (`meet`, a barrier of JAX's coordination service) before each first collective
+whose start they reach at their own pace.
+
+The training thread of every process reads only values of its own devices: a device value that
+spans other processes' devices cannot be fetched there (JAX raises). Figures read a replicated
+scalar's local copy (the loss, the gradient norm); the learning rate is computed on the host
+(`inner.host_learning_rate`); state reads are `gather`ed.
 
 A JAX cluster never spans sites: when one process dies, the site goes down and comes back like
 any restarted site (restart, checkpoint, catch-up from the run's log). How it goes down: a killed
@@ -110,6 +117,30 @@ def failure_reason(error: BaseException) -> str:
     return f"{who}: {type(error).__name__}: {first_line}"
 
 
+# How long a process of the site waits at a meeting (`meet`) for the others: process 0 may catch
+# up from the run's log or download a state before it starts training. A process that never comes
+# is found dead by JAX's heartbeats (`heartbeat_timeout_s`) long before this ends.
+MEETING_TIMEOUT_S = 3600
+
+
+def meet(name: str, timeout_s: float = MEETING_TIMEOUT_S) -> None:
+    """Wait until every process of the site has called `meet(name)` (a barrier of JAX's
+    coordination service, not a collective; nothing to do without a cluster).
+
+    Why: the first collective over a set of devices also sets up its connections, and on CPUs (gloo)
+    that set-up gives up after a fixed 30 s when a peer is later than that: a process that compiled
+    the step more slowly (a loaded host), or a process 0 still catching up, would fail the site's
+    first step. Meeting first makes every process start such a collective together; once set up,
+    a collective waits for a late peer as long as it takes.
+    """
+    from jax._src import distributed  # the public API has no barrier; its client has one
+
+    client = distributed.global_state.client
+    if client is None:
+        return
+    client.wait_at_barrier(f"diloco-node:{name}", int(timeout_s * 1000))
+
+
 # Per-fragment actions in a decision: nothing, overwrite with the shared values, or gather the
 # local values first (the apply rule needs them: mix, or a merge without our unsent work).
 APPLY_NONE, APPLY_WRITE, APPLY_AFTER_READ = 0, 1, 2
@@ -138,6 +169,7 @@ class BoundaryDecision:
 def share_manifest(text: str | None) -> str:
     """The run manifest's canonical JSON from process 0 to every process of the site, before the
     learner is built: only process 0 founds, joins or restarts, so only it knows the manifest."""
+    meet("manifest")  # process 0 gets here after its start-up, the others at once
     return BoundaryFollowing(0).share_text(text)
 
 

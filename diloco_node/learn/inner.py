@@ -15,6 +15,7 @@ Parameters cross the boundary as flat `dict[str, np.ndarray]` (see `model.flat_p
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, Collection, Iterable, Mapping
 
 import jax
@@ -49,7 +50,7 @@ def make_schedule(inner: InnerOptimizer, peak: float | None = None) -> optax.Sch
         return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=peak, warmup_steps=inner.warmup_steps,
                                                   decay_steps=horizon, end_value=floor)
     warmup = inner.warmup_steps
-    decay_start = max(warmup, horizon - round(inner.decay_fraction * horizon)) if horizon else None
+    decay_start = _wsd_decay_start(inner)
 
     def warmup_stable_decay(count: Any) -> jax.Array:
         step = jnp.asarray(count, jnp.float32)
@@ -61,6 +62,37 @@ def make_schedule(inner: InnerOptimizer, peak: float | None = None) -> optax.Sch
         return rate + (floor - peak) * decayed
 
     return warmup_stable_decay
+
+
+def _wsd_decay_start(inner: InnerOptimizer) -> int | None:
+    """The optimizer count where "wsd" starts its decay (None: no horizon, no decay)."""
+    horizon = inner.horizon()
+    return max(inner.warmup_steps, horizon - round(inner.decay_fraction * horizon)) if horizon else None
+
+
+def host_learning_rate(inner: InnerOptimizer, count: int, peak: float | None = None) -> float:
+    """`make_schedule(inner, peak)(count)` in plain Python numbers: no JAX array and no device.
+
+    The training thread reads the rate for its figures: a JAX evaluation would land on a device,
+    which on a multi-host site may be another process's (its value cannot be fetched there) and
+    on an accelerator queues behind the step in flight. The same formulas as `make_schedule`
+    (optax's warm-up + cosine, our "wsd"), in float64 where the step's are float32.
+    """
+    peak = inner.lr_peak if peak is None else peak
+    floor = peak * inner.lr_final_fraction
+    horizon, warmup = inner.horizon(), inner.warmup_steps
+    if count < warmup:
+        return peak * count / warmup
+    if inner.schedule == "cosine":
+        alpha = 0.0 if peak == 0.0 else floor / peak
+        decay = horizon - warmup
+        done = min(count - warmup, decay)
+        return peak * ((1 - alpha) * 0.5 * (1 + math.cos(math.pi * done / decay)) + alpha)
+    decay_start = _wsd_decay_start(inner)
+    if decay_start is None:
+        return peak
+    decayed = min(1.0, max(0.0, (count - decay_start) / max(horizon - decay_start, 1)))
+    return peak + (floor - peak) * decayed
 
 
 MUON, ADAMW = "muon", "adamw"
@@ -287,7 +319,7 @@ class InnerLearner:
             else:  # given values go tensor by tensor to their shards: no model is initialised
                 self.params = _placed_params(abstract, initial, site_mesh)
             self.opt_state = init(self.params)
-        self._schedule = make_schedule(inner)
+        self._inner_spec = inner  # its schedule, read on the host by `learning_rate`
         self.steps = 0
         self.tokens = 0
         # The last step's gradient norm (a device scalar; fetch it when convenient), None before one.
@@ -307,14 +339,20 @@ class InnerLearner:
     def learning_rate(self, step: int) -> float:
         """The inner learning rate of update number `step` (1 for the first): the schedule at the
         optimizer's count before that update, as AdamW applied it."""
-        return float(self._schedule(max(0, step - 1)))
+        return host_learning_rate(self._inner_spec, max(0, step - 1))
 
-    def compile_step(self, inputs_BxL: np.ndarray, targets_BxL: np.ndarray) -> None:
-        """Compile the jitted step by running it once on throw-away copies (the state is untouched:
-        the step donates its inputs, so it must not see the real buffers)."""
+    def compile_step(self, inputs_BxL: np.ndarray, targets_BxL: np.ndarray,
+                     before_run: Callable[[], None] | None = None) -> None:
+        """Compile the jitted step, then run it once on throw-away copies (the state is untouched:
+        the step donates its inputs, so it must not see the real buffers). `before_run` is called
+        between the two (a multi-host site's processes meet there: learn/cluster.py `meet`)."""
         params = jax.tree.map(jnp.copy, self.params)
         opt_state = jax.tree.map(jnp.copy, self.opt_state)
-        _, _, loss, _ = self._step(params, opt_state, self._put_batch(inputs_BxL), self._put_batch(targets_BxL))
+        batch = self._put_batch(inputs_BxL), self._put_batch(targets_BxL)
+        self._step.lower(params, opt_state, *batch).compile()  # the call below reuses this compilation
+        if before_run is not None:
+            before_run()
+        _, _, loss, _ = self._step(params, opt_state, *batch)
         jax.block_until_ready(loss)
 
     def compiled_variants(self) -> int:

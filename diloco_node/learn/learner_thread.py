@@ -41,7 +41,8 @@ from diloco_node.learn.handoffs import LearnerHandoffs
 from diloco_node.sync.apply import ApplyRule, FragmentCounters, apply_merge
 from diloco_node.sync.fragments import FragmentPlan
 from diloco_node.learn.inner import InnerLearner
-from diloco_node.learn.cluster import APPLY_AFTER_READ, APPLY_NONE, APPLY_WRITE, BoundaryDecision, BoundaryFollowing
+from diloco_node.learn.cluster import (APPLY_AFTER_READ, APPLY_NONE, APPLY_WRITE, BoundaryDecision,
+                                        BoundaryFollowing, meet)
 from diloco_node.learn.mesh import host_copies, host_view, place
 from diloco_node.config.manifest import RunManifest
 
@@ -193,7 +194,9 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         # A throw-away batch of the right shape: drawing from the sampler would move it past a
         # batch the learner never trains on (and off a restored position).
         zeros = np.zeros((self._sampler.batch_size, self._sampler.seq_len), np.int32)
-        self._inner.compile_step(zeros, zeros)
+        # A multi-host site's processes compile at their own speeds, then run the step's first
+        # collectives together (learn/cluster.py `meet`).
+        self._inner.compile_step(zeros, zeros, None if self._following is None else lambda: meet("compiled"))
         for fragment in self.plan.fragments if self._following is None else ():
             # the due fragments' device copies, compiled now too
             jax.block_until_ready(_copy_fragment(self._fragment_leaves(fragment.names)))
@@ -299,7 +302,7 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
                 figures = self._window.step(
                     self._inner.steps, tokens, time.perf_counter(),
                     lambda: (None, 0) if done_grad_norm is None else (_scalar(done_grad_norm), done_step),
-                    self._learning_rate)
+                    self._inner.learning_rate)
                 if figures is not None:
                     self.figures = figures
                 self._report_progress(loss)
@@ -336,16 +339,6 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
             if self._progress_failing:
                 log.warning("learner %s: progress reports work again", self.node_id)
             self._progress_failing = False
-
-    def _learning_rate(self, step: int) -> float:
-        """The schedule's rate for `step`, evaluated on the host CPU: on the accelerator the tiny
-        computation would queue behind the step in flight and its fetch would wait for it."""
-        try:
-            cpu = jax.devices("cpu")[0]
-        except RuntimeError:  # JAX_PLATFORMS without cpu: the default device, after the step
-            return self._inner.learning_rate(step)
-        with jax.default_device(cpu):
-            return self._inner.learning_rate(step)
 
     def _boundary(self) -> None:
         self.take_offers()
@@ -480,6 +473,7 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         assert following is not None
         leaves = jax.tree.leaves(self._inner.params)
         leader = following.leader
+        meet("training")  # the followers begin at once, process 0 when the node is ready
         header = following.share(
             {"h": np.array([self._host_opt is not None, self._inner.steps, self._inner.tokens], np.int64)}
             if leader else None, {"h": ((3,), np.int64)})["h"]
