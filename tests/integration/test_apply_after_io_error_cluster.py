@@ -30,7 +30,7 @@ from diloco_node.ops.history import find_history_files, load_histories
 from diloco_node.testbed.chaos.checker import check_histories
 from diloco_node.testbed.launcher import DEFAULT_SETTINGS
 from diloco_node.testbed.local_cluster import Cluster
-from diloco_node.ops import failpoints
+from diloco_node.storage import failpoints
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
