@@ -4,7 +4,7 @@ A frame is a fixed 24-byte header, a msgpack header map, a 32-byte MAC, then the
 
     magic "DLCO" | major u8 | minor u8 | kind u16 | flags u32 | map_len u32 | payload_len u64   (big-endian)
     header map (map_len bytes): {"run", "from", "ts", "nonce", "pd", "m": {message fields}}
-    mac: HMAC-SHA256(key, fixed header || header map)     (the map's "pd" is SHA-256 of the payload)
+    mac: HMAC-SHA256(key, fixed header || header map)     (the map's "pd" is BLAKE3 of the payload)
     header map key "to": the recipient's node id ("" only for kinds any member may answer), inside the
     MAC, so a captured frame cannot be replayed to another member
     payload (payload_len bytes)
@@ -23,7 +23,6 @@ payload never has to sit in memory. Anything wrong with the peer's bytes raises 
 from __future__ import annotations
 
 import enum
-import hashlib
 import math
 import struct
 from collections.abc import Collection
@@ -32,6 +31,7 @@ from typing import Any
 
 import msgpack
 
+from wire import digest as content_digest
 from wire.auth import ANY_MEMBER, MAC_BYTES, NONCE_BYTES, AuthContext, FrameVerifier, check_run_id, compute_mac
 from wire.errors import LocalProtocolError, RemoteProtocolError
 from wire.limits import DEFAULT_LIMITS, Limits
@@ -42,12 +42,13 @@ MAGIC = b"DLCO"
 # Minor: additive only (new header-map keys, new kinds, new flag bits); receivers accept any minor.
 # 2.0: the header map names the recipient ("to"); a 1.x receiver would ignore it and accept a
 # frame replayed to it from another member's traffic, so the change is incompatible.
-WIRE_MAJOR = 2
-# 2.1: streamed contributions (ContributionOpen, ContributionChunk).
-# 2.2: relayed log payloads (PayloadPush, PayloadFetch; LogAppend entries by SHA-256 and size).
-# 2.3: relayed payloads streamed (PayloadOpen, PayloadChunk); a PayloadFetch is answered by such a
-#      stream back to the asker. PayloadPush is still accepted from a 2.2 sender.
-WIRE_MINOR = 3
+# 3.0: every payload and state digest is BLAKE3 (wire/digest.py), not SHA-256: the "pd" a MAC signs,
+# relayed payload names, SnapshotChunk's digest (now the fragment's state digest, no download
+# digest of its own). A 2.x node would compute the wrong "pd" for every frame, so the change is
+# incompatible; 2.x history: 2.1 streamed contributions, 2.2 relayed log payloads, 2.3 relayed
+# payloads streamed (PayloadOpen, PayloadChunk; PayloadPush still accepted).
+WIRE_MAJOR = 3
+WIRE_MINOR = 0
 FIXED_HEADER = struct.Struct(">4sBBHIIQ")
 FIXED_HEADER_BYTES = FIXED_HEADER.size  # 24
 DIGEST_BYTES = 32
@@ -108,7 +109,7 @@ class PayloadChunk:
 class FrameEnd:
     """The streamed payload is complete and matches the authenticated digest."""
 
-    payload_sha256: bytes
+    payload_digest: bytes
 
 
 Event = Received | FrameHeader | PayloadChunk | FrameEnd | Signal
@@ -124,12 +125,12 @@ def encode_frame(message: Message, auth: AuthContext, *, now_unix: float, nonce:
     addressed to node `to` (ANY_MEMBER only for the kinds in ANY_RECIPIENT_KINDS)."""
     field_map, payload = message.to_wire()
     head = _encode_head(message.KIND, field_map, auth, now_unix=now_unix, nonce=nonce, to=to,
-                        payload_length=len(payload), payload_sha256=hashlib.sha256(payload).digest())
+                        payload_length=len(payload), payload_digest=content_digest.digest(payload))
     return head + payload
 
 
 def encode_frame_head(message: Message, auth: AuthContext, *, now_unix: float, nonce: bytes,
-                      payload_length: int, payload_sha256: bytes, to: str = ANY_MEMBER) -> bytes:
+                      payload_length: int, payload_digest: bytes, to: str = ANY_MEMBER) -> bytes:
     """Everything of a frame but its payload, for sending a large payload without holding it in memory.
 
     `message` is the head (a STREAMABLE message with an empty payload, see Message.without_payload);
@@ -143,14 +144,14 @@ def encode_frame_head(message: Message, auth: AuthContext, *, now_unix: float, n
     if type(payload_length) is not int or not 0 <= payload_length <= U63_MAX:
         raise LocalProtocolError(f"payload_length must be an int in [0, 2^63), got {payload_length!r}")
     message.check_payload_length(payload_length)
-    if type(payload_sha256) is not bytes or len(payload_sha256) != DIGEST_BYTES:
-        raise LocalProtocolError("payload_sha256 must be the 32-byte SHA-256 of the payload")
+    if type(payload_digest) is not bytes or len(payload_digest) != DIGEST_BYTES:
+        raise LocalProtocolError("payload_digest must be the 32-byte BLAKE3 digest of the payload")
     return _encode_head(message.KIND, field_map, auth, now_unix=now_unix, nonce=nonce, to=to,
-                        payload_length=payload_length, payload_sha256=payload_sha256)
+                        payload_length=payload_length, payload_digest=payload_digest)
 
 
 def _encode_head(kind: MessageKind, field_map: dict[str, Any], auth: AuthContext, *, now_unix: float,
-                 nonce: bytes, to: str, payload_length: int, payload_sha256: bytes) -> bytes:
+                 nonce: bytes, to: str, payload_length: int, payload_digest: bytes) -> bytes:
     if not isinstance(auth, AuthContext):
         raise LocalProtocolError("auth must be an AuthContext")
     if not isinstance(now_unix, (int, float)) or not math.isfinite(now_unix) or now_unix < 0:
@@ -164,7 +165,7 @@ def _encode_head(kind: MessageKind, field_map: dict[str, Any], auth: AuthContext
         KEY_SENDER: auth.sender,
         KEY_TIMESTAMP_MS: round(now_unix * 1000),
         KEY_NONCE: nonce,
-        KEY_PAYLOAD_DIGEST: payload_sha256,
+        KEY_PAYLOAD_DIGEST: payload_digest,
         KEY_RECIPIENT: to,
         KEY_MESSAGE: field_map,
     }
@@ -199,7 +200,7 @@ class _Pending:
 class _Authenticated:
     sender: str
     sent_at_unix: float
-    payload_sha256: bytes
+    payload_digest: bytes
     message_fields: dict[str, Any]
 
 
@@ -297,8 +298,9 @@ class FrameDecoder:
         if magic != MAGIC:
             raise RemoteProtocolError(f"not a diloco-node frame (magic {magic!r}, expected {MAGIC!r})", 400)
         if major != WIRE_MAJOR:
-            raise RemoteProtocolError(f"wire version {major}.{minor} is not supported; this node speaks "
-                                      f"{WIRE_MAJOR}.x", 426)
+            raise RemoteProtocolError(f"wire version {major}.{minor} is not supported: this node speaks wire "
+                                      f"{WIRE_MAJOR}.{WIRE_MINOR} (any {WIRE_MAJOR}.x); run the same major "
+                                      "version of diloco-node on every node", 426)
         try:
             kind = MessageKind(kind_id)
         except ValueError:
@@ -325,7 +327,7 @@ class FrameDecoder:
         del self._buffer[:map_end + MAC_BYTES]
         authenticated = self._authenticate(pending, signed, mac, now_unix)
         self._remaining = pending.payload_length
-        self._hasher = hashlib.sha256()
+        self._hasher = content_digest.hasher()
         if pending.kind in self._stream_kinds:
             head = self._build(pending.kind, authenticated.message_fields, b"")
             try:
@@ -356,7 +358,7 @@ class FrameDecoder:
         sender = _field(header_map, KEY_SENDER, str)
         sent_at_ms = _field(header_map, KEY_TIMESTAMP_MS, int)
         nonce = _field(header_map, KEY_NONCE, bytes)
-        payload_sha256 = _field(header_map, KEY_PAYLOAD_DIGEST, bytes)
+        payload_digest = _field(header_map, KEY_PAYLOAD_DIGEST, bytes)
         recipient = _field(header_map, KEY_RECIPIENT, str)
         message_fields = _field(header_map, KEY_MESSAGE, dict)
         try:
@@ -370,14 +372,14 @@ class FrameDecoder:
             raise RemoteProtocolError(f"header map 'ts' {sent_at_ms} out of range", 400)
         if len(nonce) != NONCE_BYTES:
             raise RemoteProtocolError(f"header map 'nonce' must be {NONCE_BYTES} bytes, got {len(nonce)}", 400)
-        if len(payload_sha256) != DIGEST_BYTES:
-            raise RemoteProtocolError(f"header map 'pd' must be {DIGEST_BYTES} bytes, got {len(payload_sha256)}", 400)
+        if len(payload_digest) != DIGEST_BYTES:
+            raise RemoteProtocolError(f"header map 'pd' must be {DIGEST_BYTES} bytes, got {len(payload_digest)}", 400)
         self._verifier.verify(run_id=run_id, sender=sender, sent_at_ms=sent_at_ms, nonce=nonce,
                               signed_bytes=signed, mac=mac, now_unix=now_unix, recipient=recipient,
                               kind=pending.kind)
         if self._first_sender is None:
             self._first_sender = sender
-        return _Authenticated(sender=sender, sent_at_unix=sent_at_ms / 1000, payload_sha256=payload_sha256,
+        return _Authenticated(sender=sender, sent_at_unix=sent_at_ms / 1000, payload_digest=payload_digest,
                               message_fields=message_fields)
 
     def _buffered_payload(self) -> Event:
@@ -388,7 +390,7 @@ class FrameDecoder:
         with memoryview(self._buffer) as view, view[:pending.payload_length] as part:
             payload = bytes(part)
         del self._buffer[:pending.payload_length]
-        if hashlib.sha256(payload).digest() != authenticated.payload_sha256:
+        if content_digest.digest(payload) != authenticated.payload_digest:
             raise RemoteProtocolError(f"{pending.kind.name} payload from {authenticated.sender!r} does not "
                                       "match its authenticated digest", 401)
         message = self._build(pending.kind, authenticated.message_fields, payload)
@@ -399,11 +401,11 @@ class FrameDecoder:
         authenticated = self._authenticated
         assert authenticated is not None
         if self._remaining == 0:
-            if self._hasher.digest() != authenticated.payload_sha256:
+            if self._hasher.digest() != authenticated.payload_digest:
                 raise RemoteProtocolError(f"streamed payload from {authenticated.sender!r} does not match its "
                                           "authenticated digest: discard what was received", 401)
             self._finish_frame()
-            return FrameEnd(payload_sha256=authenticated.payload_sha256)
+            return FrameEnd(payload_digest=authenticated.payload_digest)
         if not self._buffer:
             return self._short()
         size = min(len(self._buffer), self._remaining, self._limits.max_payload_chunk_bytes)
