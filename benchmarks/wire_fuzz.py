@@ -215,7 +215,7 @@ def stream_big(size_mb: int, read_kib: int = 64) -> None:
     elapsed = time.perf_counter() - started
     assert isinstance(end, FrameEnd) and received == size, (end, received)
     print(f"streamed a {size_mb} MiB contribution in {read_kib} KiB reads: {size_mb / elapsed:,.0f} MiB/s "
-          f"({elapsed:.2f} s, SHA-256 included); peak RSS grew {max_rss_mb() - rss_before:.1f} MiB "
+          f"({elapsed:.2f} s, BLAKE3 included); peak RSS grew {max_rss_mb() - rss_before:.1f} MiB "
           f"(from {rss_before:.0f} MiB)")
 
 
