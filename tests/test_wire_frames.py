@@ -593,3 +593,40 @@ def test_a_frame_names_its_recipient_inside_the_mac():
     forged[at:at + 6] = b"site-c"
     with pytest.raises(RemoteProtocolError, match="bad MAC"):
         decode_frame(bytes(forged), at_c, now_unix=NOW)
+
+
+def test_the_receive_queue_gives_back_exactly_what_came_in_any_pieces():
+    """The decoder's queue of received pieces (wire/frames.py `_ByteQueue`) against a bytearray."""
+    from wire.frames import _ByteQueue
+
+    rng = random.Random(1)
+    for _ in range(100):
+        queue, reference = _ByteQueue(), bytearray()
+        for _ in range(40):
+            if rng.random() < 0.6:
+                data = rng.randbytes(rng.choice([0, 1, 5, 100, 70_000, 200_000]))
+                queue.append(data if rng.random() < 0.5 else bytearray(data))
+                reference += data
+            elif reference:
+                n = rng.randrange(len(reference) + 1)
+                if rng.random() < 0.3:
+                    assert queue.peek(n) == bytes(reference[:n])
+                else:
+                    assert queue.take(n) == bytes(reference[:n])
+                    del reference[:n]
+            assert len(queue) == len(reference)
+
+
+def test_a_payload_that_arrives_as_one_read_is_not_copied():
+    """A payload is copied at most once between the socket and its message: when one read holds
+    exactly it, the message holds that very object."""
+    payload = bytes(range(256)) * 1024
+    encoded = frame(FragmentContribution(fragment=0, base_index=0, base_round=0, c_steps=1, c_tokens=1,
+                                         codec="int8", learner_id="site-a", payload=payload))
+    head, body = encoded[:-len(payload)], bytes(encoded[-len(payload):])
+    decoder = FrameDecoder(verifier())
+    decoder.receive_data(head)
+    assert decoder.next_event(now_unix=NOW) is NEED_DATA
+    decoder.receive_data(body)
+    event = decoder.next_event(now_unix=NOW)
+    assert isinstance(event, Received) and event.message.payload == payload and event.message.payload is body

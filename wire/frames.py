@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import math
 import struct
+from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
@@ -204,6 +205,72 @@ class _Authenticated:
     message_fields: dict[str, Any]
 
 
+class _ByteQueue:
+    """Received bytes not yet decoded, kept as the pieces they arrived in. Taking a range copies it
+    once (one join of the pieces it spans), or not at all when it is exactly one whole piece: a
+    payload is copied once on its way from the socket to its message, not into a growing buffer
+    and then out of it. Small pieces (a peer trickling bytes) are gathered into one bytearray of
+    up to GATHER_BYTES, so what the queue holds costs its bytes, not an object per read."""
+
+    SMALL_PIECE_BYTES = 64 * 1024
+    GATHER_BYTES = 1 << 20
+
+    def __init__(self) -> None:
+        self._pieces: deque[bytes | bytearray] = deque()
+        self._offset = 0  # bytes of the first piece already taken
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def append(self, data: bytes | bytearray | memoryview) -> None:
+        size = len(data)
+        if not size:
+            return
+        self._size += size
+        if size < self.SMALL_PIECE_BYTES:
+            last = self._pieces[-1] if self._pieces else None
+            if type(last) is bytearray and len(last) < self.GATHER_BYTES:
+                last += data
+            else:
+                self._pieces.append(bytearray(data))
+        else:  # bytes are immutable: kept as they are; anything else is the caller's and may change
+            self._pieces.append(data if type(data) is bytes else bytes(data))
+
+    def peek(self, n: int) -> bytes:
+        """The first `n` bytes (n <= len), left in place."""
+        parts: list[bytes | memoryview] = []
+        need, offset = n, self._offset
+        for piece in self._pieces:
+            if not need:
+                break
+            take = min(need, len(piece) - offset)
+            parts.append(piece if offset == 0 and take == len(piece) else memoryview(piece)[offset:offset + take])
+            need -= take
+            offset = 0
+        if len(parts) == 1 and type(parts[0]) is bytes:
+            return parts[0]  # type: ignore[return-value]
+        joined = b"".join(parts)
+        for part in parts:  # a view of a gathering bytearray would stop it from growing
+            if type(part) is memoryview:
+                part.release()
+        return joined
+
+    def take(self, n: int) -> bytes:
+        """The first `n` bytes (n <= len), removed."""
+        data = self.peek(n)
+        self._size -= n
+        while n:
+            available = len(self._pieces[0]) - self._offset
+            if n < available:
+                self._offset += n
+                break
+            self._pieces.popleft()
+            self._offset = 0
+            n -= available
+        return data
+
+
 def _refuse_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack ext type {code} is not allowed")
 
@@ -221,7 +288,7 @@ class FrameDecoder:
         self._verifier = verifier
         self._limits = limits
         self._stream_kinds = frozenset(MessageKind(kind) for kind in stream_kinds)
-        self._buffer = bytearray()
+        self._buffer = _ByteQueue()
         self._end_of_stream = False
         self._state = _State.FIXED_HEADER
         self._pending: _Pending | None = None
@@ -245,7 +312,7 @@ class FrameDecoder:
     @property
     def between_frames(self) -> bool:
         """True when no frame is partially decoded (a clean place for the stream to end)."""
-        return self._state is _State.FIXED_HEADER and not self._buffer
+        return self._state is _State.FIXED_HEADER and not len(self._buffer)
 
     def receive_data(self, data: bytes) -> None:
         """Add received bytes; `b""` means the peer ended the stream."""
@@ -256,7 +323,7 @@ class FrameDecoder:
         if len(data) == 0:
             self._end_of_stream = True
         elif self._failure is None:  # a failed stream is dead: keep nothing more from it
-            self._buffer += data
+            self._buffer.append(data)
 
     def next_event(self, *, now_unix: float) -> Event:
         """The next event, `NEED_DATA`, or `CLOSED`. `now_unix` is this node's wall clock (only used
@@ -276,8 +343,8 @@ class FrameDecoder:
     def _advance(self, now_unix: float) -> Event:
         if self._state is _State.FIXED_HEADER:
             if len(self._buffer) < FIXED_HEADER_BYTES:
-                return self._short(allow_close=not self._buffer)
-            self._pending = self._parse_fixed_header(bytes(self._buffer[:FIXED_HEADER_BYTES]))
+                return self._short(allow_close=not len(self._buffer))
+            self._pending = self._parse_fixed_header(self._buffer.peek(FIXED_HEADER_BYTES))
             self._state = _State.HEADER_MAP
         if self._state is _State.HEADER_MAP:
             return self._header_map(now_unix)
@@ -322,9 +389,8 @@ class FrameDecoder:
         map_end = FIXED_HEADER_BYTES + pending.map_length
         if len(self._buffer) < map_end + MAC_BYTES:
             return self._short()
-        signed = bytes(self._buffer[:map_end])
-        mac = bytes(self._buffer[map_end:map_end + MAC_BYTES])
-        del self._buffer[:map_end + MAC_BYTES]
+        head = self._buffer.take(map_end + MAC_BYTES)
+        signed, mac = head[:map_end], head[map_end:]
         authenticated = self._authenticate(pending, signed, mac, now_unix)
         self._remaining = pending.payload_length
         self._hasher = content_digest.hasher()
@@ -387,9 +453,7 @@ class FrameDecoder:
         assert pending is not None and authenticated is not None
         if len(self._buffer) < pending.payload_length:
             return self._short()
-        with memoryview(self._buffer) as view, view[:pending.payload_length] as part:
-            payload = bytes(part)
-        del self._buffer[:pending.payload_length]
+        payload = self._buffer.take(pending.payload_length)
         if content_digest.digest(payload) != authenticated.payload_digest:
             raise RemoteProtocolError(f"{pending.kind.name} payload from {authenticated.sender!r} does not "
                                       "match its authenticated digest", 401)
@@ -406,12 +470,10 @@ class FrameDecoder:
                                           "authenticated digest: discard what was received", 401)
             self._finish_frame()
             return FrameEnd(payload_digest=authenticated.payload_digest)
-        if not self._buffer:
+        if not len(self._buffer):
             return self._short()
         size = min(len(self._buffer), self._remaining, self._limits.max_payload_chunk_bytes)
-        with memoryview(self._buffer) as view, view[:size] as part:
-            data = bytes(part)
-        del self._buffer[:size]
+        data = self._buffer.take(size)
         self._hasher.update(data)
         self._remaining -= size
         return PayloadChunk(data)
