@@ -3,10 +3,13 @@
 Three peer servers serve the same global state (same seed, same bytes) over the real transport
 (authenticated frames, `SnapshotRequest`/`SnapshotChunk`), each behind its own link emulator
 process capped at `--link-mbit`. A joiner process runs the daemon's own `FragmentDownload` and
-installs every fragment after checking its SHA-256; the final state digest must equal the
-servers'. Reported: bytes, seconds, aggregate throughput and its share of the 3 links' capacity
-(`utilization`, target >= 0.9), each process's peak RSS, and the CPU-seconds per GB received of the
-joiner (`receiver`), the servers (`sender`) and, apart, the link emulators (`cpu_s_per_GB`).
+installs every fragment after checking its state digest (wire 3.0: computed while the chunks are
+decoded); the final state digest must equal the servers'. Reported: bytes, seconds, aggregate
+throughput and its share of the 3 links' capacity (`utilization`, target >= 0.9), each process's
+peak RSS, the CPU-seconds per GB received of the joiner (`receiver`), the servers (`sender`) and,
+apart, the link emulators (`cpu_s_per_GB`), and the receiver's CPU-seconds per GB by stage (TLS,
+frames, hash, decode, first touch of pages, finiteness), each timed alone on one fragment's bytes
+(`receiver_stages_cpu_s_per_GB`, `receive_stages`).
 
 `--cut-after S` kills one link emulator (SIGKILL: every connection through it reset, the peer
 unreachable from then on) S seconds into the download: the fragment it was carrying resumes at
@@ -157,6 +160,102 @@ async def _joiner(urls: list[str], params: int, fragments: int) -> None:
                       "digest": replica.state.digest(), "peak_rss_MB": round(_rss_mb(), 1)}), flush=True)
 
 
+# ---- the receive path by stage ------------------------------------------------------------------
+
+STAGE_BYTES = 64 * MB  # one synthetic fragment's arrays, what each stage is timed over
+TLS_RECORD_BYTES = 16 * 1024  # a TLS 1.3 record's most plaintext
+
+
+def receive_stages(fragment_bytes: int = STAGE_BYTES) -> dict[str, float]:
+    """CPU-seconds per GB of each stage of the receive path, each timed alone in this thread over
+    the same fragment's bytes, the way the joiner runs them (4 MiB SnapshotChunks read in 64 KiB
+    pieces): what the end-to-end `receiver` figure is made of. `tls` is AES-256-GCM decryption of
+    16 KiB records (what a TLS 1.3 receiver does per byte; this benchmark's loopback path has no TLS,
+    so it is not in `receiver`); `frame` is the frame decoder without its payload hash (header
+    parse, MAC, buffer copies); `hash` BLAKE3 once over every byte; `decode` the fragment decoder
+    without its state hash (msgpack walk and the copy into the arrays, pages already touched);
+    `first_touch` the kernel's cost of the arrays' fresh pages; `finite` the finiteness scan."""
+    import numpy as np
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from diloco_node.daemon.join import SNAPSHOT_CHUNK_BYTES
+    from diloco_node.sync.outer import all_finite
+    from diloco_node.sync.state_codec import FragmentAssembler, FragmentState, encode_fragment, fragment_shapes
+    from wire import digest as content_digest
+    from wire import messages as wire
+    from wire.auth import FrameVerifier, derive_frame_key
+    from wire.frames import NEED_DATA, FrameDecoder, encode_frame
+
+    rows = max(1, fragment_bytes // 8 // WIDTH)
+    rng = np.random.default_rng(0)
+    params = {"w": rng.standard_normal((rows, WIDTH), dtype=np.float32)}
+    state = FragmentState(0, 1, params, {"w": params["w"] * 0.5})
+    data = encode_fragment(state)
+    gb = len(data) / 1e9
+    chunks = [data[at:at + SNAPSHOT_CHUNK_BYTES] for at in range(0, len(data), SNAPSHOT_CHUNK_BYTES)]
+    auth, _ = _auth("server")
+    frames = b"".join(encode_frame(wire.SnapshotChunk(0, 1, i * SNAPSHOT_CHUNK_BYTES, len(data), bytes(32), chunk),
+                                   auth, now_unix=time.time(), nonce=os.urandom(16), to="joiner")
+                      for i, chunk in enumerate(chunks))
+    pieces = [frames[at:at + 65536] for at in range(0, len(frames), 65536)]
+    shapes = fragment_shapes({"w": (rows, WIDTH)})
+
+    def timed(work) -> float:
+        start = time.process_time()
+        work()
+        return (time.process_time() - start) / gb
+
+    def decode_frames() -> None:
+        decoder = FrameDecoder(FrameVerifier(RUN_ID, derive_frame_key(BENCH_SECRET), node_id="joiner"))
+        for piece in pieces:
+            decoder.receive_data(piece)
+            while decoder.next_event(now_unix=time.time()) is not NEED_DATA:
+                pass
+
+    def hash_all() -> None:
+        h = content_digest.hasher()
+        for chunk in chunks:
+            h.update(chunk)
+
+    def assemble() -> None:
+        assembler = FragmentAssembler(shapes)
+        for chunk in chunks:
+            assembler.feed(chunk)
+        assembler.finish()
+
+    reused = {"w": np.empty((rows, WIDTH), np.float32)}
+    reused["w"].fill(0)  # touched once: writing it again costs the copy alone
+
+    def write_reused() -> None:
+        for _ in range(2):
+            reused["w"][...] = params["w"]
+
+    def write_fresh() -> None:
+        for _ in range(2):
+            fresh = np.empty((rows, WIDTH), np.float32)
+            fresh[...] = params["w"]
+            del fresh
+
+    key = AESGCM(bytes(32))
+    nonce = bytes(12)
+    records = [key.encrypt(nonce, data[at:at + TLS_RECORD_BYTES], None) for at in range(0, len(data), TLS_RECORD_BYTES)]
+
+    def tls() -> None:
+        for record in records:
+            key.decrypt(nonce, record, None)
+
+    hash_cost = timed(hash_all)
+    stages = {
+        "tls": timed(tls),
+        "frame": timed(decode_frames) - hash_cost,
+        "hash": hash_cost,
+        "decode": timed(assemble) - hash_cost,
+        "first_touch": timed(write_fresh) - timed(write_reused),  # per GB of arrays, as above
+        "finite": timed(lambda: all_finite(state.params["w"]) and all_finite(state.momentum["w"])),
+    }
+    return {name: round(max(0.0, value), 3) for name, value in stages.items()}
+
+
 # ---- orchestration ------------------------------------------------------------------------------
 
 
@@ -226,6 +325,8 @@ def run_once(params: int, fragments: int, link_mbit: float, cut_after_s: float |
         "cpu_s_per_GB": {"receiver": round(result["cpu_s"] / gb, 3), "sender": round(spent["servers"] / gb, 3),
                          "link_emulators": round(sum(v for k, v in spent.items() if k.startswith("link")) / gb, 3)},
         "cpu_s": {"receiver": round(result["cpu_s"], 2), **{k: round(v, 2) for k, v in spent.items()}},
+        # The receiver's CPU per GB by stage, each timed alone on one fragment (`receive_stages`)
+        "receiver_stages_cpu_s_per_GB": receive_stages(),
     }
 
 

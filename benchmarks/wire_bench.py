@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import os
 import signal
@@ -34,6 +33,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import blake3
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
@@ -135,7 +136,7 @@ async def _sender(url: str, total: int, tls_dir: Path | None = None) -> None:
 
     block = os.urandom(CHUNK_BYTES)
     count = total // CHUNK_BYTES
-    hasher = hashlib.sha256()
+    hasher = blake3.blake3()
     for _ in range(count):
         hasher.update(block)
     digest = hasher.digest()
@@ -151,7 +152,7 @@ async def _sender(url: str, total: int, tls_dir: Path | None = None) -> None:
     async with PeerClient(auth, verifier, tls=tls) as client:
         baseline_kib = _rss_kib("VmRSS")
         start = time.perf_counter()  # the TLS handshake is inside the measured time
-        await client.send_stream(url, head, payload(), payload_length=count * CHUNK_BYTES, payload_sha256=digest,
+        await client.send_stream(url, head, payload(), payload_length=count * CHUNK_BYTES, payload_digest=digest,
                                  peer="receiver" if tls is not None else None)
         elapsed = time.perf_counter() - start
     print(json.dumps({"bytes": count * CHUNK_BYTES, "seconds": elapsed,

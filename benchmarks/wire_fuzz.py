@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import hashlib
 import random
 import resource
 import sys
@@ -38,6 +37,7 @@ import time
 import traceback
 from pathlib import Path
 
+import blake3
 import msgpack
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -118,7 +118,7 @@ class Fuzzer:
             payload = self.examples.blob(64)
         self.nonce += 1
         header_map = {"run": RUN, "from": "site-a", "ts": round(NOW * 1000), "nonce": self.nonce.to_bytes(16, "big"),
-                      "pd": hashlib.sha256(payload).digest(), "m": fields}
+                      "pd": blake3.blake3(payload).digest(), "m": fields}
         for _ in range(self.rng.randrange(3)):
             header_map[self.rng.choice(["run", "from", "ts", "nonce", "pd", "m"])] = self.garbage_value()
         kind = base.KIND if self.rng.random() < 0.8 else self.rng.randrange(2**16)
@@ -190,13 +190,13 @@ def stream_big(size_mb: int, read_kib: int = 64) -> None:
     """Stream one size_mb contribution through the decoder; report MB/s and peak-RSS growth."""
     block = random.Random(1).randbytes(1 << 20)
     size = size_mb << 20
-    digest = hashlib.sha256()
+    digest = blake3.blake3()
     for _ in range(size_mb):
         digest.update(block)
     head_message = FragmentContribution(fragment=0, base_index=1, base_round=1, c_steps=24, c_tokens=1 << 20,
                                         codec="int4-zstd", learner_id="site-a", payload=b"")
     head = encode_frame_head(head_message, AUTH, now_unix=NOW, nonce=b"\x01" * 16, payload_length=size,
-                             payload_sha256=digest.digest())
+                             payload_digest=digest.digest())
     decoder = FrameDecoder(FrameVerifier(RUN, KEY), stream_kinds=[MessageKind.FRAGMENT_CONTRIBUTION])
     rss_before = max_rss_mb()
     started = time.perf_counter()
@@ -215,7 +215,7 @@ def stream_big(size_mb: int, read_kib: int = 64) -> None:
     elapsed = time.perf_counter() - started
     assert isinstance(end, FrameEnd) and received == size, (end, received)
     print(f"streamed a {size_mb} MiB contribution in {read_kib} KiB reads: {size_mb / elapsed:,.0f} MiB/s "
-          f"({elapsed:.2f} s, SHA-256 included); peak RSS grew {max_rss_mb() - rss_before:.1f} MiB "
+          f"({elapsed:.2f} s, BLAKE3 included); peak RSS grew {max_rss_mb() - rss_before:.1f} MiB "
           f"(from {rss_before:.0f} MiB)")
 
 
@@ -293,7 +293,7 @@ def fuzz_payload_streams(examples: int, seed: int) -> int:
         payload = rng.randbytes(rng.randint(1, 3000))
         chunk_bytes = rng.randint(1, 700)
         bound = len(payload) + rng.choice((0, 0, 1, 1000))
-        head = PayloadOpen(bytes(16), hashlib.sha256(payload).digest(), len(payload), chunk_bytes, "", {})
+        head = PayloadOpen(bytes(16), blake3.blake3(payload).digest(), len(payload), chunk_bytes, "", {})
         chunks = [PayloadChunk(head.stream, offset, payload[offset:offset + length])
                   for offset, length in chunk_spans(len(payload), chunk_bytes)]
         damage = rng.choice(("none", "flip", "cut", "drop", "swap", "stream", "extend", "oversize"))
@@ -318,7 +318,7 @@ def fuzz_payload_streams(examples: int, seed: int) -> int:
             bound = len(payload) - 1
         try:
             assembler = PayloadAssembler(head, bound)
-            kept = hashlib.sha256()
+            kept = blake3.blake3()
             parts = []
             for chunk in chunks:
                 assembler.add(chunk)

@@ -1,7 +1,7 @@
 """One node's side of relayed payloads: commit bytes travel down a relay tree, authority does not.
 
 The lease holder's `AppendEntries` still goes to every follower directly, but as metadata: each
-entry's payload is known to the follower only by its SHA-256. The bytes are pushed once per entry
+entry's payload is known to the follower only by its digest (BLAKE3, wire/digest.py). The bytes are pushed once per entry
 down the relay tree (`bootstrap.relay_tree`); every node that receives them keeps them (in the
 daemon, its log files) and passes them to its children. A follower hands its state machine the
 longest prefix of the holder's entries for which it holds bytes with the digest the holder named
@@ -30,7 +30,6 @@ Two classes, both sans-IO (events and `now` in, actions out; the payload store i
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -40,6 +39,7 @@ from typing import Any, Protocol
 from bootstrap.entries import LogEntry
 from bootstrap.messages import AppendEntries
 from bootstrap.relay_tree import RelayTree
+from wire import digest as content_digest
 from wire.errors import LocalProtocolError
 
 # A follower answers an append it cannot complete yet at most this often per holder, unless the
@@ -74,7 +74,7 @@ MAX_RECENT_DECISIONS = 16
 
 
 def payload_digest(payload: bytes) -> bytes:
-    return hashlib.sha256(payload).digest()
+    return content_digest.digest(payload)
 
 
 def short(digest: bytes) -> str:

@@ -1,7 +1,7 @@
 """Relay trees: who forwards a committed entry's payload to whom, so the lease holder sends it a bounded number of times.
 
 Authority does not move through the tree. The lease holder's own `AppendEntries` still reaches
-every follower directly and still carries each entry's metadata and the SHA-256 of its payload;
+every follower directly and still carries each entry's metadata and the digest of its payload;
 only the payload bytes (the large part: a merged fragment delta) travel down the tree. A follower
 persists and acknowledges an entry only when it holds payload bytes whose digest equals the one
 the holder signed, so a relay can delay bytes but cannot alter them undetected, and commit still

@@ -5,9 +5,9 @@ plane's (tests/test_relay_plane.py); these tests check that the daemon performs 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from pathlib import Path
 
+import blake3
 import pytest
 
 from bootstrap import messages as coord
@@ -158,7 +158,7 @@ def test_the_holder_sends_the_bytes_once_and_they_travel_down_the_chain(tmp_path
         await settle_network()
         # The metadata names the bytes; the noop travels as it is.
         assert not out.entries[0].relayed and out.entries[1].relayed
-        assert out.entries[1].payload_sha256 == hashlib.sha256(PAYLOAD).digest() == again.entries[1].payload_sha256
+        assert out.entries[1].payload_digest == blake3.blake3(PAYLOAD).digest() == again.entries[1].payload_digest
         assert out.entries[1].payload == b"" and out.entries[1].payload_size == len(PAYLOAD)
         pushes = [(src, dst) for src, dst, kind in net.sent if kind == "PayloadOpen"]
         assert pushes == [("a", "b"), ("b", "c"), ("c", "d")]
@@ -214,7 +214,7 @@ def test_a_relay_still_awaiting_the_bytes_promises_them_and_its_child_does_not_c
                 break
             await asyncio.sleep(0.01)
         assert b.counts["promised"] == 1, f"b made no promise; fetches so far: {net.sent}"
-        a.on_fetch(wire.PayloadFetch(out.entries[1].payload_sha256), "b")  # b's bytes arrive now
+        a.on_fetch(wire.PayloadFetch(out.entries[1].payload_digest), "b")  # b's bytes arrive now
         assert await c_done == [b"", PAYLOAD] and await b_done == [b"", PAYLOAD]
         fetches = [(src, dst) for src, dst, kind in net.sent if kind == "PayloadFetch"]
         assert fetches == [("c", "b")]  # c waited on b's promise instead of climbing to a
@@ -285,9 +285,9 @@ def test_altered_bytes_are_refused_kept_nowhere_and_not_forwarded(tmp_path):
     async def scenario() -> None:
         net, tasks = cluster(tmp_path, ["a", "b", "c"])
         tree = plan_relay_tree("a", ["b", "c"], 1)
-        digest = hashlib.sha256(PAYLOAD).digest()
+        digest = blake3.blake3(PAYLOAD).digest()
         forged = wire.PayloadPush(digest, "a", dict(tree.parent), PAYLOAD[:-1] + b"!")
-        with pytest.raises(RemoteProtocolError, match="do not have SHA-256") as refused:
+        with pytest.raises(RemoteProtocolError, match="do not have BLAKE3 digest") as refused:
             net.nodes["b"].on_push(forged, "a")
         assert refused.value.status_hint == 400
         await settle_network()
@@ -303,7 +303,7 @@ def test_altered_bytes_are_refused_kept_nowhere_and_not_forwarded(tmp_path):
 def test_held_payloads_are_bounded_and_read_from_the_log_once_settled():
     log = {(7, 2): b"seven"}
     store = HeldPayloads(lambda index, epoch: log.get((index, epoch)), max_items=2, max_bytes=100)
-    digests = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
+    digests = [blake3.blake3(bytes([i])).digest() for i in range(3)]
     for i, digest in enumerate(digests):
         store.put(digest, bytes([i]) * 10)
     assert digests[0] not in store and store.get(digests[2]) == b"\x02" * 10  # the oldest went first
@@ -322,7 +322,7 @@ def test_once_the_entry_is_in_the_log_its_bytes_leave_memory_and_are_served_from
         b._from_log = lambda index, epoch: log.get((index, epoch))
         out = net.nodes["a"].relayed_append(holders_append(), plan_relay_tree("a", ["b"], 1), leader_commit=4)
         await settle_network()
-        digest = out.entries[1].payload_sha256
+        digest = out.entries[1].payload_digest
         spooled = b.store.held(digest)
         assert isinstance(spooled, SpooledPayload) and spooled.path.exists() and b.store.held_bytes == len(PAYLOAD)
         log[(6, 3)] = (await completed_payloads(b, out))[1]  # what the core appended
@@ -380,7 +380,7 @@ def test_an_entry_whose_payload_is_in_the_log_file_is_hashed_once_off_the_loop_a
         out = a.relayed_append(message, tree, leader_commit=4)
         a.relayed_append(message, tree, leader_commit=4)  # to another follower: no new read, no new push
         await settle_network()
-        assert out.entries[0].payload_sha256 == hashlib.sha256(PAYLOAD).digest()
+        assert out.entries[0].payload_digest == blake3.blake3(PAYLOAD).digest()
         # Hashed once, then read once more for the one copy pushed, a chunk (4096 bytes) at a time.
         assert reads[1:] == [4096] * 5 + [len(PAYLOAD) - 5 * 4096]
         assert await completed_payloads(net.nodes["b"], out) == [PAYLOAD]
@@ -404,7 +404,7 @@ def test_streamed_bytes_are_spooled_to_a_file_and_forwarded_chunk_by_chunk_from_
         net, tasks = cluster(tmp_path, ["a", "b", "c"])
         out = net.nodes["a"].relayed_append(holders_append(), plan_relay_tree("a", ["b", "c"], 1), leader_commit=4)
         await settle_network()
-        digest = out.entries[1].payload_sha256
+        digest = out.entries[1].payload_digest
         for name in ("b", "c"):
             spooled = net.nodes[name].store.held(digest)
             # On disk under the node's spool directory, not in memory; b read it back to forward it.
@@ -418,7 +418,7 @@ def test_streamed_bytes_are_spooled_to_a_file_and_forwarded_chunk_by_chunk_from_
 
 
 @pytest.mark.parametrize("damage, status, problem", [
-    (lambda p: p[:-1] + b"!", 400, "do not have SHA-256"),  # altered by a relay
+    (lambda p: p[:-1] + b"!", 400, "do not have BLAKE3 digest"),  # altered by a relay
     (lambda p: p[:16384], 400, "ended after 16,384 of 22,000 bytes"),  # cut short after whole chunks
 ])
 def test_a_stream_with_altered_or_missing_bytes_is_refused_and_its_spool_file_deleted(tmp_path, damage, status,
@@ -427,7 +427,7 @@ def test_a_stream_with_altered_or_missing_bytes_is_refused_and_its_spool_file_de
         net, tasks = cluster(tmp_path, ["a", "b", "c"])
         b = net.nodes["b"]
         tree = plan_relay_tree("a", ["b", "c"], 1)
-        digest = hashlib.sha256(PAYLOAD).digest()
+        digest = blake3.blake3(PAYLOAD).digest()
         head = wire.PayloadOpen(b"s" * 16, digest, len(PAYLOAD), 4096, "a", dict(tree.parent))
         with pytest.raises(PeerRefused, match=problem) as refused:
             await net.client("a").send_sequence("http://b", stream_frames(head, damage(PAYLOAD), 4096),
@@ -445,7 +445,7 @@ def test_a_body_that_breaks_off_leaves_no_spool_file(tmp_path):
     async def scenario() -> None:
         net, tasks = cluster(tmp_path, ["a", "b"])
         b = net.nodes["b"]
-        head = wire.PayloadOpen(b"s" * 16, hashlib.sha256(PAYLOAD).digest(), len(PAYLOAD), 4096, "", {})
+        head = wire.PayloadOpen(b"s" * 16, blake3.blake3(PAYLOAD).digest(), len(PAYLOAD), 4096, "", {})
 
         async def broken():
             async for frame in stream_frames(head, PAYLOAD[:8192], 4096):
@@ -465,7 +465,7 @@ def test_a_declared_size_over_the_runs_bound_is_refused_before_any_byte_is_spool
         net, tasks = cluster(tmp_path, ["a", "b"], max_payload_bytes=len(PAYLOAD))
         b = net.nodes["b"]
         for size, refused in ((len(PAYLOAD) + 1, True), (len(PAYLOAD), False)):
-            head = wire.PayloadOpen(b"s" * 16, hashlib.sha256(PAYLOAD).digest(), size, 4096, "", {})
+            head = wire.PayloadOpen(b"s" * 16, blake3.blake3(PAYLOAD).digest(), size, 4096, "", {})
             if refused:
                 with pytest.raises(RemoteProtocolError, match="declares 22,001 bytes, more than the 22,000") as error:
                     b.open_stream(head, "a")
@@ -511,7 +511,7 @@ def test_a_spooled_entry_is_written_to_the_log_file_piece_by_piece_and_then_read
     payload = bytes(range(256)) * 40_000  # ~10 MiB: several write pieces
     spool = tmp_path / "spool.part"
     spool.write_bytes(payload)
-    spooled = SpooledPayload(spool, len(payload), hashlib.sha256(payload).digest())
+    spooled = SpooledPayload(spool, len(payload), blake3.blake3(payload).digest())
     pieces: list[int] = []
 
     def counted(piece_bytes: int):
@@ -556,7 +556,7 @@ def test_bytes_already_in_the_log_are_referred_to_not_read_until_used(tmp_path):
     in_log = StoredPayload(5, lambda: reads.append(1) or b"seven")
     log = {(7, 2): in_log}
     store = HeldPayloads(lambda index, epoch: log.get((index, epoch)))
-    digest = hashlib.sha256(b"seven").digest()
+    digest = blake3.blake3(b"seven").digest()
     store.put(digest, b"seven")
     store.settle(digest, 7, 2)
     assert digest in store and store.get(digest) is in_log and reads == []  # a reference, not read
@@ -580,7 +580,7 @@ def test_a_stream_of_bytes_already_here_is_declined_before_its_first_chunk(tmp_p
         out = net.nodes["a"].relayed_append(holders_append(), plan_relay_tree("a", ["b"], 1), leader_commit=4)
         await settle_network()
         b = net.nodes["b"]
-        digest = out.entries[1].payload_sha256
+        digest = out.entries[1].payload_digest
         assert digest in b.store and net.chunks == 6
         head = wire.PayloadOpen(b"t" * 16, digest, len(PAYLOAD), 4096, "", {})
         with pytest.raises(PeerRefused, match="already holds payload") as declined:
@@ -633,7 +633,7 @@ def test_over_real_http_a_payload_streams_into_the_spool_and_a_fetch_streams_bac
             entry = LogEntry(3, 6, EntryKind.OUTER_COMMIT, payload, fragment=0, round=1)
             out = a.relayed_append(coord.AppendEntries(3, "a", 5, 3, (entry,), 4, sent_at=0.0),
                                    plan_relay_tree("a", ["b"], 1), leader_commit=4)
-            digest = out.entries[0].payload_sha256
+            digest = out.entries[0].payload_digest
             for _ in range(200):
                 if digest in b.store:
                     break
@@ -694,10 +694,10 @@ def test_a_declined_fetch_is_answered_404_with_the_planes_reason_and_decisions_r
         fetches = [(src, dst) for src, dst, kind in net.sent if kind == "PayloadFetch"]
         assert fetches[:2] == [("c", "b"), ("c", "a")]
         with pytest.raises(RemoteProtocolError, match="holds no payload .*: not held here, and not on its way") as error:
-            net.nodes["b"].on_fetch(wire.PayloadFetch(out.entries[1].payload_sha256), "c")
+            net.nodes["b"].on_fetch(wire.PayloadFetch(out.entries[1].payload_digest), "c")
         assert error.value.status_hint == 404
         decisions = c.status()["decisions"]
-        assert decisions[0].endswith("release " + out.entries[1].payload_sha256.hex()[:8] + ": the bytes are here")
+        assert decisions[0].endswith("release " + out.entries[1].payload_digest.hex()[:8] + ": the bytes are here")
         assert any("fetch" in line and "from b: committed before it reached us (catching up)" in line
                    for line in decisions)
         assert any("b declined our fetch" in line for line in decisions)

@@ -4,9 +4,9 @@ fragment states out and installed back (all-or-nothing, verified by digest)."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import struct
 
+import blake3
 import numpy as np
 import pytest
 
@@ -83,10 +83,10 @@ def test_digest_changes_with_one_bit_round_or_momentum() -> None:
 
 
 def test_fragment_digest_layout_is_the_documented_one() -> None:
-    """docs/MERGE.md describes the digest so another implementation can reproduce it."""
+    """docs/MERGE.md describes the digest so another implementation can reproduce it (BLAKE3)."""
     state = _state()
     p = 0
-    h = hashlib.sha256(b"diloco-fragment\0")
+    h = blake3.blake3(b"diloco-fragment\0")
     h.update(struct.pack("<qq", p, 0))
     items = [(f"params/{n}", a) for n, a in state.fragment_params(p).items()]
     items += [(f"momentum/{n}", a) for n, a in state.momentum(p).items()]
@@ -118,8 +118,8 @@ def test_digests_and_finiteness_are_remembered_per_fragment_until_it_changes(mon
     from diloco_node.sync import global_state as module
 
     hashed: list[int] = []
-    real = module._fragment_digest
-    monkeypatch.setattr(module, "_fragment_digest", lambda p, *rest: hashed.append(p) or real(p, *rest))
+    real = module.fragment_state_digest
+    monkeypatch.setattr(module, "fragment_state_digest", lambda p, *rest: hashed.append(p) or real(p, *rest))
     state, twin = _state(), _state()
     first = state.digest()
     assert sorted(hashed) == [0, 1, 2]

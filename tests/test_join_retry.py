@@ -55,6 +55,27 @@ async def test_an_unreachable_peer_is_retried_too_but_a_wrong_secret_ends_at_onc
     assert pauses == [] and client.calls == 1 and "401" in str(error)
 
 
+async def test_a_peer_of_another_wire_major_version_ends_the_join_at_once_naming_both() -> None:
+    """The handshake's first frame is refused by a node of another major with 426 and both versions."""
+    import time
+
+    from wire.auth import AuthContext, FrameVerifier, derive_frame_key
+    from wire.errors import RemoteProtocolError
+    from wire.frames import FIXED_HEADER, decode_frame, encode_frame
+
+    key = derive_frame_key(b"s" * 32)
+    now = time.time()
+    frame = bytearray(encode_frame(wire.JoinRequest("j", "http://j:1", wire.Role.LEARNER, bytes(32)),
+                                   AuthContext("run", "j", key), now_unix=now, nonce=bytes(16)))
+    frame[4:6] = bytes([2, 3])  # what a 2.3 node sends (its MAC does not matter: refused before)
+    with pytest.raises(RemoteProtocolError, match=r"wire version 2\.3 is not supported: this node speaks wire 3\.0") as why:
+        decode_frame(bytes(frame), FrameVerifier("run", key), now_unix=now)
+    assert why.value.status_hint == 426 and FIXED_HEADER.size == 24
+    client = _Client(PeerRefused("http://p1:1", 426, str(why.value)))
+    pauses, error = await _join(client, deadline_s=60.0)
+    assert pauses == [] and client.calls == 1 and "2.3" in str(error) and "3.0" in str(error)
+
+
 def test_backoff_doubles_and_is_jittered() -> None:
     rng = random.Random(1)
     draws = [join_backoff_s(attempt, rng) for attempt in (1, 2, 3, 10)]

@@ -18,11 +18,13 @@ from diloco_node.sync import replica as replica_module
 from diloco_node.sync.replica import Replica
 from diloco_node.sync.state_codec import (
     FRAGMENT_BYTES_FORMAT,
+    FragmentAssembler,
     FragmentState,
     StateCodecError,
     decode_fragment,
     encode_fragment,
     fragment_arrays,
+    fragment_shapes,
     from_checkpoint,
     from_fragment_arrays,
     params_from_checkpoint,
@@ -81,44 +83,43 @@ def test_download_bytes_carry_the_fragment_and_its_norm_reference() -> None:
 
 
 def test_download_bytes_follow_an_install_of_the_same_round() -> None:
-    """The per-round cache must not serve what a repair just replaced."""
+    """What is served follows what a repair just installed (same round, other bytes)."""
     served, other = _replica(), _replica(steps=3)
     stale = served.fragment_bytes(0)[1]
     served.install_fragment_bytes(0, other.fragment_bytes(0)[1])
     assert served.fragment_bytes(0)[1] != stale
 
 
-def test_served_fragment_bytes_are_bounded_and_rebuilt_alike(monkeypatch) -> None:
-    """Serving every fragment keeps the bytes of the most recent few only (not 8 B/param of the
-    whole model); a fragment served again after it left is the same bytes, and a commit replaces
-    its fragment's bytes instead of keeping both rounds."""
-    monkeypatch.setattr(replica_module, "SERVED_FRAGMENTS_CACHED", 2)
-    source = _replica(steps=4)
-    first = [source.fragment_bytes(p) for p in range(PLAN.num_fragments)]
-    assert list(source._bytes_cache) == [1, 2]  # the two served most recently, oldest first
-    assert source.fragment_bytes(0) == first[0]  # rebuilt: the same round, bytes and digest
-    assert list(source._bytes_cache) == [2, 0]
-    assert source.fragment_bytes(2) is not None and list(source._bytes_cache) == [0, 2]
-    grad = {n: np.full(a.shape, 0.01, np.float32) for n, a in source.state.fragment_params(2).items()}
-    source.state.apply_outer_gradient(2, grad)
-    round_, data, _ = source.fragment_bytes(2)
-    assert round_ == first[2][0] + 1 and data != first[2][1]
-    assert len(source._bytes_cache) == 2 and source._bytes_cache[2][0] == round_
+def test_fragment_bytes_name_the_state_digest_and_hold_arrays_in_its_order() -> None:
+    """Wire 3.0: the digest beside the bytes is the fragment's state digest (no digest of the
+    download bytes), and the arrays come sorted by name, after "fragment" and "round", so a
+    receiver hashes them into that digest as it decodes them."""
+    source = _replica(steps=3)
+    round_, data, digest = source.fragment_bytes(1)
+    assert digest == bytes.fromhex(source.state.fragment_digest(1))
+    fields = msgpack.unpackb(data, raw=False)
+    keys = list(fields)
+    assert keys.index("fragment") < keys.index("arrays") and keys.index("round") < keys.index("arrays")
+    assert list(fields["arrays"]) == sorted(fields["arrays"])
+    assembler = FragmentAssembler(fragment_shapes({n: a.shape for n, a in source.state.fragment_params(1, copies=False).items()}))
+    for at in range(0, len(data), 7):  # odd chunk sizes: headers and arrays split anywhere
+        assembler.feed(data[at:at + 7])
+    state = assembler.finish()
+    assert assembler.state_digest() == source.state.fragment_digest(1) and state.round == round_
 
 
-def test_served_fragment_bytes_are_bounded_by_size_too_keeping_the_newest(monkeypatch) -> None:
-    source = _replica(steps=2)
-    sizes = [len(source.fragment_bytes(p)[1]) for p in range(PLAN.num_fragments)]
-    source._bytes_cache.clear()
-    monkeypatch.setattr(replica_module, "SERVED_BYTES_CACHED", sizes[0] + sizes[1])
-    for p in range(PLAN.num_fragments):
-        source.fragment_bytes(p)
-    kept = list(source._bytes_cache)
-    assert kept[-1] == PLAN.num_fragments - 1  # the newest stays
-    assert sum(sizes[p] for p in kept) <= sizes[0] + sizes[1] or len(kept) == 1
-    monkeypatch.setattr(replica_module, "SERVED_BYTES_CACHED", 1)  # smaller than any fragment
-    source.fragment_bytes(0)
-    assert list(source._bytes_cache) == [0]  # still served and kept while it is downloaded
+def test_the_assembler_refuses_arrays_out_of_the_digest_order_or_before_the_round() -> None:
+    state = _replica(steps=1).fragment_state(1)
+    shapes = fragment_shapes({n: a.shape for n, a in state.params.items()})
+    arrays = {n: [list(a.shape), np.ascontiguousarray(a, np.float32).tobytes()]
+              for n, a in fragment_arrays(state).items()}
+    reordered = {"format": FRAGMENT_BYTES_FORMAT, "fragment": 1, "round": state.round,
+                 "arrays": dict(reversed(list(arrays.items())))}
+    early = {"format": FRAGMENT_BYTES_FORMAT, "fragment": 1, "arrays": arrays, "round": state.round}
+    for fields, why in ((reordered, "digest's order"), (early, "before 'arrays'")):
+        assembler = FragmentAssembler(shapes)
+        with pytest.raises(StateCodecError, match=why):
+            assembler.feed(msgpack.packb(fields, use_bin_type=True))
 
 
 def test_fragment_bytes_are_the_arrays_own_bytes_in_order() -> None:
@@ -206,6 +207,20 @@ def test_checkpoint_keeps_history_when_the_states_carry_it() -> None:
     assert all(_same(a, b) for a, b in zip(back, states, strict=True))
 
 
+def test_a_checkpoint_from_before_blake3_loads_without_its_sha256_state_digest() -> None:
+    """A checkpoint written before wire 3.0 promises a SHA-256 state digest: it still restores (its
+    file checksum guards its bytes), to the state's BLAKE3 digest."""
+    source = _replica(steps=4)
+    meta, arrays = source.checkpoint_entries()
+    assert meta["digest_hash"] == "blake3"
+    old = {k: v for k, v in meta.items() if k != "digest_hash"}
+    old["state_digest"] = "ab" * 32  # what a SHA-256 layout gave: checked no more
+    assert from_checkpoint(old, arrays, PLAN)[1] is None
+    assert _replica().restore_checkpoint(old, arrays) == source.state.digest()
+    with pytest.raises(GlobalStateError, match="state digest"):
+        _replica().restore_checkpoint({**meta, "state_digest": "ab" * 32}, arrays)
+
+
 # ---- download bytes as parts (served) and decoded as they arrive (received) ----------------
 
 
@@ -240,23 +255,20 @@ def test_download_bytes_from_parts_are_msgpacks_bytes_so_peers_of_any_version_se
                                                            use_bin_type=True)
 
 
-def test_a_parts_reader_serves_any_range_and_the_digest_without_joining_the_parts() -> None:
-    import hashlib
-
+def test_a_parts_reader_serves_any_range_without_joining_the_parts() -> None:
     from diloco_node.sync.state_codec import PartsReader, fragment_parts
 
     state = _fragment_with_everything()
     data = encode_fragment(state)
     reader = PartsReader(fragment_parts(state))
-    assert reader.total == len(data) and reader.digest() == hashlib.sha256(data).digest()
+    assert reader.total == len(data)
     for offset, length in [(0, 1), (0, len(data)), (7, 1000), (100, 300_000), (len(data) - 3, 10), (len(data) + 5, 3)]:
         assert reader.read(offset, length) == data[offset:offset + length]
 
 
 @pytest.mark.parametrize("piece", [1, 7, 4096, 1 << 30])
 def test_an_assembler_decodes_bytes_fed_in_any_pieces_as_decode_fragment_does(piece: int) -> None:
-    import hashlib
-
+    from diloco_node.sync.state_codec import fragment_state_digest
     from diloco_node.sync.state_codec import FragmentAssembler, fragment_shapes
 
     state = _fragment_with_everything()
@@ -265,7 +277,8 @@ def test_an_assembler_decodes_bytes_fed_in_any_pieces_as_decode_fragment_does(pi
     for start in range(0, len(data), piece):
         assembler.feed(data[start:start + piece])
     got, expected = assembler.finish(), decode_fragment(data)
-    assert assembler.digest() == hashlib.sha256(data).digest() and assembler.received == len(data)
+    assert assembler.received == len(data)
+    assert assembler.state_digest() == fragment_state_digest(state.fragment, state.round, state.params, state.momentum)
     assert _same(got, expected) and got == dataclasses.replace(expected, params=got.params, momentum=got.momentum)
 
 

@@ -154,10 +154,8 @@ async def test_one_peer_alone_gets_no_more_chunk_requests_than_its_stream_slots_
 
 def test_served_chunks_are_the_fragment_bytes_and_their_digest_follows_every_change() -> None:
     """The daemon serves chunks read from the state's arrays (state_transfer.ServedFragments): the
-    same bytes and digest as the serialized fragment, the digest remembered only while the arrays
-    are the state's (an apply or an install of the same round replaces them)."""
-    import hashlib
-
+    same bytes as the serialized fragment, named by its state digest, remembered only while the
+    arrays are the state's (an apply or an install of the same round replaces them)."""
     from diloco_node.daemon.state_transfer import ServedFragments
 
     source = _replica()
@@ -168,11 +166,11 @@ def test_served_chunks_are_the_fragment_bytes_and_their_digest_follows_every_cha
         return b"".join(served.read(p, at, 700)[3] for at in range(0, total, 700)), digest
 
     data, digest = whole(2)
-    assert data == source.fragment_bytes(2)[1] and digest == hashlib.sha256(data).digest()
+    assert data == source.fragment_bytes(2)[1] and digest == bytes.fromhex(source.state.fragment_digest(2))
     other = _replica(seed=3)  # the same round of fragment 2, other values, installed as a repair would
     source.install_fragment_bytes(2, other.fragment_bytes(2)[1])
     assert source.state.round(2) == 0 and whole(2) == (other.fragment_bytes(2)[1], other.fragment_bytes(2)[2])
     source.apply(_commit(source, 1, 2))
     after_apply, digest_after_apply = whole(2)
-    assert source.state.round(2) == 1 and digest_after_apply == hashlib.sha256(after_apply).digest()
+    assert source.state.round(2) == 1 and digest_after_apply == bytes.fromhex(source.state.fragment_digest(2))
     assert after_apply == source.fragment_bytes(2)[1]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import hashlib
 import logging
 import os
 import threading
@@ -20,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import blake3
 import numpy as np
 import pytest
 
@@ -383,7 +383,7 @@ def test_a_refused_spool_write_refuses_the_stream_and_the_relay_fetches_the_byte
 def test_an_unreadable_spool_file_is_dropped_and_fetched_again(tmp_path):
     path = tmp_path / "p.part"
     path.write_bytes(PAYLOAD)
-    digest = hashlib.sha256(PAYLOAD).digest()
+    digest = blake3.blake3(PAYLOAD).digest()
     held = HeldPayloads(lambda index, epoch: None)
     held.put(digest, SpooledPayload(path, len(PAYLOAD), digest))
     failpoints.arm("spool.read=eio*1")
@@ -397,13 +397,13 @@ def test_an_unreadable_spool_file_is_dropped_and_fetched_again(tmp_path):
 def test_a_damaged_spool_file_is_detected_quarantined_and_never_served_whole(tmp_path, how, reader):
     path = tmp_path / "p.part"
     path.write_bytes(PAYLOAD)
-    digest = hashlib.sha256(PAYLOAD).digest()
+    digest = blake3.blake3(PAYLOAD).digest()
     held = HeldPayloads(lambda index, epoch: None)
     spooled = SpooledPayload(path, len(PAYLOAD), digest)
     held.put(digest, spooled)
     _damage(path, how)
     taken = bytearray()
-    with pytest.raises(SpoolCorrupt, match="another SHA-256"):
+    with pytest.raises(SpoolCorrupt, match="another digest"):
         if reader == "read":
             taken += spooled.read()
         else:
@@ -421,7 +421,7 @@ def test_a_corrupt_spooled_payload_is_fetched_again_by_the_relay(tmp_path):
         out = net.nodes["a"].relayed_append(holders_append(), plan_relay_tree("a", ["b"], 1), leader_commit=4)
         await settle_network()
         b = net.nodes["b"]
-        digest = out.entries[1].payload_sha256
+        digest = out.entries[1].payload_digest
         spooled = b.store.held(digest)
         assert isinstance(spooled, SpooledPayload)
         _damage(spooled.path, "bit-flip")
@@ -438,7 +438,7 @@ def test_a_corrupt_spooled_payload_is_fetched_again_by_the_relay(tmp_path):
 def test_a_spool_stream_that_the_disk_refuses_is_answered_507(tmp_path):
     async def scenario() -> None:
         net, tasks = cluster(tmp_path, ["a", "b"])
-        digest = hashlib.sha256(PAYLOAD).digest()
+        digest = blake3.blake3(PAYLOAD).digest()
         head = wire.PayloadOpen(b"s" * 16, digest, len(PAYLOAD), 4096, "a", {})
         receiver = net.nodes["b"].open_stream(head, "a")
         failpoints.arm("spool.write=enospc")
@@ -455,7 +455,7 @@ def test_a_spool_stream_that_the_disk_refuses_is_answered_507(tmp_path):
 
 
 def test_a_fresh_copy_of_a_payload_whose_spool_file_was_bad_is_kept(tmp_path):
-    digest = hashlib.sha256(PAYLOAD).digest()
+    digest = blake3.blake3(PAYLOAD).digest()
     held = HeldPayloads(lambda index, epoch: None)
     bad = SpooledPayload(tmp_path / "bad.part", len(PAYLOAD), digest)
     bad.path.write_bytes(PAYLOAD[:-1] + b"!")

@@ -5,12 +5,12 @@ before reading, authentication, deadlines, stream caps, cancellation, and faults
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import blake3
 import aiohttp
 import numpy as np
 import pytest
@@ -90,7 +90,7 @@ class _HashingSink:
 
     def __init__(self, head: Message, peer: Peer, length: int, log: list[str]) -> None:
         self.head, self.peer, self.length, self.log = head, peer, length, log
-        self.hasher = hashlib.sha256()
+        self.hasher = blake3.blake3()
         self.received = 0
         self.max_chunk = 0
 
@@ -126,7 +126,7 @@ async def _pattern(total: int, chunk: int) -> AsyncIterator[bytes]:
 
 
 def _pattern_digest(total: int, chunk: int) -> bytes:
-    h = hashlib.sha256()
+    h = blake3.blake3()
     for i in range(total // chunk):
         h.update(_pattern_chunk(i, chunk))
     return h.digest()
@@ -217,7 +217,7 @@ async def test_a_big_reply_comes_back_whole() -> None:
         assert isinstance(message, SnapshotRequest)
         part = state[message.offset:message.offset + message.max_length]
         return SnapshotChunk(fragment=message.fragment, commit_index=7, offset=message.offset, total=len(state),
-                             digest=hashlib.sha256(state).digest(), payload=part)
+                             digest=blake3.blake3(state).digest(), payload=part)
 
     server.on_message(MessageKind.SNAPSHOT_REQUEST, snapshot)
     async with _serving(server) as url, _client() as client:
@@ -264,7 +264,7 @@ async def test_64_mib_streamed_payload_arrives_whole_in_bounded_memory() -> None
 
         sampler = asyncio.create_task(sample())
         replies = await client.send_stream(url, _contribution_head(), _pattern(total, chunk),
-                                           payload_length=total, payload_sha256=digest)
+                                           payload_length=total, payload_digest=digest)
         done = True
         await sampler
     (sink,) = sinks
@@ -285,10 +285,10 @@ async def test_streamed_payload_from_bytes_and_a_lying_iterator() -> None:
     payload = os.urandom(3 * MiB + 17)
     async with _serving(server) as url, _client() as client:
         await client.send_stream(url, _contribution_head(), bytearray(payload))
-        assert sinks[0].hasher.digest() == hashlib.sha256(payload).digest()
+        assert sinks[0].hasher.digest() == blake3.blake3(payload).digest()
         values = np.linspace(-1, 1, 300_001, dtype=np.float32)  # any buffer goes, without a copy
         await client.send_stream(url, _contribution_head(), values)
-        assert sinks[1].hasher.digest() == hashlib.sha256(values.tobytes()).digest()
+        assert sinks[1].hasher.digest() == blake3.blake3(values.tobytes()).digest()
         log.clear()
 
         async def short() -> AsyncIterator[bytes]:
@@ -296,7 +296,7 @@ async def test_streamed_payload_from_bytes_and_a_lying_iterator() -> None:
 
         with pytest.raises(LocalProtocolError, match="gave 1000 bytes, declared"):
             await client.send_stream(url, _contribution_head(), short(), payload_length=len(payload),
-                                     payload_sha256=hashlib.sha256(payload).digest())
+                                     payload_digest=blake3.blake3(payload).digest())
         await until(lambda: server.active_streams == {})
         # The server either never saw the second head, or saw it and aborted: never a finish.
         assert "finish" not in log and (log == [] or log[-1].startswith("abort"))
@@ -309,7 +309,7 @@ async def test_a_forged_streamed_payload_is_aborted_with_401() -> None:
     server.on_stream(MessageKind.FRAGMENT_CONTRIBUTION, _sink_opener(sinks, log))
     async with _serving(server) as url, _client() as client:
         with pytest.raises(PeerRefused) as refused:
-            await client.send_stream(url, _contribution_head(), b"x" * MiB, payload_sha256=b"\0" * 32)
+            await client.send_stream(url, _contribution_head(), b"x" * MiB, payload_digest=b"\0" * 32)
     assert refused.value.status == 401 and "digest" in refused.value.reason
     assert log == ["open", log[1]] and log[1].startswith("abort") and "digest" in log[1]
 
@@ -338,7 +338,7 @@ async def test_oversize_by_content_length_is_refused_before_reading() -> None:
         # A chunked body has no Content-Length: the frame header's declared size is refused (413)
         # before its payload is read.
         head = encode_frame_head(_contribution_head(), _auth("a"), now_unix=time.time(), nonce=os.urandom(16),
-                                 payload_length=4 * MiB, payload_sha256=b"\0" * 32)
+                                 payload_length=4 * MiB, payload_digest=b"\0" * 32)
 
         async def chunked() -> AsyncIterator[bytes]:
             yield head
@@ -457,7 +457,7 @@ async def test_a_flood_of_concurrent_streams_is_capped_with_429() -> None:
     server.on_stream(MessageKind.FRAGMENT_CONTRIBUTION, _sink_opener(sinks, log))
     release = asyncio.Event()
     payload = b"p" * (2 * MiB)
-    digest = hashlib.sha256(payload).digest()
+    digest = blake3.blake3(payload).digest()
 
     async def held() -> AsyncIterator[bytes]:
         yield payload[: MiB]
@@ -467,7 +467,7 @@ async def test_a_flood_of_concurrent_streams_is_capped_with_429() -> None:
     async with _serving(server) as url, _client() as client:
         async def upload() -> list[Message]:
             return await client.send_stream(url, _contribution_head(), held(), payload_length=len(payload),
-                                             payload_sha256=digest)
+                                             payload_digest=digest)
         first = [asyncio.create_task(upload()) for _ in range(2)]
         await until(lambda: server.active_streams.get("a") == 2)
         flood = await asyncio.gather(*(upload() for _ in range(6)), return_exceptions=True)
@@ -494,7 +494,7 @@ async def test_cancelling_an_upload_leaves_no_half_state() -> None:
 
     async with _serving(server) as url, _client() as client:
         task = asyncio.create_task(client.send_stream(url, _contribution_head(), stuck(),
-                                                      payload_length=2 * MiB, payload_sha256=b"\0" * 32))
+                                                      payload_length=2 * MiB, payload_digest=b"\0" * 32))
         await until(lambda: sinks and sinks[0].received == MiB)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

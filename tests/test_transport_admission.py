@@ -11,13 +11,13 @@ loopback address than the members' client.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import blake3
 import pytest
 from aiohttp import web
 
@@ -184,7 +184,7 @@ async def test_an_authenticated_trickle_is_cut_below_the_minimum_rate() -> None:
     async with _serving(server) as url, _member(limits=limits) as member:
         with pytest.raises(PeerRefused) as refused:
             await member.send_stream(url, head, trickle(), payload_length=len(payload),
-                                     payload_sha256=hashlib.sha256(payload).digest(), peer="b")
+                                     payload_digest=blake3.blake3(payload).digest(), peer="b")
     assert refused.value.status == 408 and "below the minimum rate of 65536 bytes/s" in refused.value.reason
     assert opened[0] == "a" and opened[1].startswith("abort")
     assert server.active_streams == {}

@@ -8,12 +8,12 @@ a direct loop at 100k+).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import os
 import random
 import struct
 
+import blake3
 import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -96,7 +96,7 @@ def signed_raw(kind: int, header_map: object, payload: bytes = b"", *, major: in
 
 def auth_map(message_fields: object, payload: bytes = b"", **overrides: object) -> dict:
     header_map = {"run": RUN, "from": "site-a", "ts": NOW_MS, "nonce": fresh_nonce(),
-                  "pd": hashlib.sha256(payload).digest(), "to": "", "m": message_fields}
+                  "pd": blake3.blake3(payload).digest(), "to": "", "m": message_fields}
     header_map.update(overrides)
     return header_map
 
@@ -167,21 +167,21 @@ def test_streamed_send_with_encode_frame_head():
     message = FragmentContribution(fragment=3, base_index=9, base_round=2, c_steps=24, c_tokens=98304,
                                    codec="int4-zstd", learner_id="site-b", payload=payload)
     head = encode_frame_head(message.without_payload(), AUTH, now_unix=NOW, nonce=fresh_nonce(),
-                             payload_length=len(payload), payload_sha256=hashlib.sha256(payload).digest())
+                             payload_length=len(payload), payload_digest=blake3.blake3(payload).digest())
     assert decode_frame(head + payload, verifier(), now_unix=NOW).message == message
     with pytest.raises(LocalProtocolError, match="without its payload"):
         encode_frame_head(message, AUTH, now_unix=NOW, nonce=fresh_nonce(), payload_length=len(payload),
-                          payload_sha256=hashlib.sha256(payload).digest())
+                          payload_digest=blake3.blake3(payload).digest())
     with pytest.raises(LocalProtocolError, match="cannot be streamed|no single payload"):
         encode_frame_head(LogAck(epoch=1, follower="a", index=1, success=True), AUTH, now_unix=NOW,
-                          nonce=fresh_nonce(), payload_length=0, payload_sha256=bytes(32))
+                          nonce=fresh_nonce(), payload_length=0, payload_digest=bytes(32))
 
 
 def test_streamed_payload_that_does_not_match_its_digest_is_refused_at_the_end():
     payload = b"x" * 100
     message = SnapshotChunk(fragment=0, commit_index=1, offset=0, total=100, digest=bytes(32), payload=b"")
     head = encode_frame_head(message, AUTH, now_unix=NOW, nonce=fresh_nonce(), payload_length=100,
-                             payload_sha256=hashlib.sha256(b"y" * 100).digest())
+                             payload_digest=blake3.blake3(b"y" * 100).digest())
     decoded = run_decoder([head + payload], stream_kinds=[MessageKind.SNAPSHOT_CHUNK])
     assert decoded.status == 401
     assert isinstance(decoded.events[0], FrameHeader) and decoded.events[-1] == PayloadChunk(payload)
@@ -191,7 +191,7 @@ def test_streamed_head_refused_when_declared_length_cannot_fit():
     message = SnapshotChunk(fragment=0, commit_index=1, offset=90, total=100, digest=bytes(32), payload=b"")
     with pytest.raises(LocalProtocolError, match="runs past total"):
         encode_frame_head(message, AUTH, now_unix=NOW, nonce=fresh_nonce(), payload_length=11,
-                          payload_sha256=bytes(32))
+                          payload_digest=bytes(32))
     raw = signed_raw(MessageKind.SNAPSHOT_CHUNK, auth_map(message.to_wire()[0], b"z" * 11), b"z" * 11)
     decoded = run_decoder([raw], stream_kinds=[MessageKind.SNAPSHOT_CHUNK])
     assert (decoded.events, decoded.status) == ((), 400)
@@ -381,7 +381,7 @@ def test_newer_minor_version_and_unknown_flags_are_accepted():
 def test_other_major_version_is_refused_with_426():
     message = CommitNotice(epoch=2, leader="site-a", commit_index=5)
     raw = signed_raw(MessageKind.COMMIT_NOTICE, auth_map(message.to_wire()[0]), major=1)
-    with pytest.raises(RemoteProtocolError, match="wire version 1.0 is not supported") as error:
+    with pytest.raises(RemoteProtocolError, match="wire version 1.0 is not supported: this node speaks wire 3.0") as error:
         decode_frame(raw, verifier(), now_unix=NOW)
     assert error.value.status_hint == 426
 
@@ -469,7 +469,7 @@ def test_limits_refuse_nonsense():
 def test_fixed_header_layout_is_24_bytes_big_endian():
     encoded = frame(LogAck(epoch=2, follower="b", index=7, success=True))
     magic, major, minor, kind, flags, map_length, payload_length = struct.unpack(">4sBBHIIQ", encoded[:24])
-    assert (magic, major, minor, kind, flags, payload_length) == (b"DLCO", 2, 3, 3, 0, 0)
+    assert (magic, major, minor, kind, flags, payload_length) == (b"DLCO", 3, 0, 3, 0, 0)
     assert len(encoded) == 24 + map_length + 32
 
 
@@ -550,6 +550,26 @@ def test_the_example_frame_in_docs_is_what_the_code_produces():
     assert received.message == message
 
 
+def test_the_digest_vectors_in_docs_are_what_the_code_computes():
+    """docs/WIRE.md's BLAKE3 vectors: a payload digest as `pd` carries it, and a fragment's state
+    digest (the layout another implementation must reproduce to check a state download)."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from diloco_node.sync.state_codec import fragment_state_digest
+    from wire.auth import payload_digest
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "WIRE.md").read_text()
+    block = doc.split("<!-- digest-vectors")[1].split("```")[1].removeprefix("text")
+    vectors = {line.rsplit(None, 1)[0]: line.rsplit(None, 1)[1] for line in block.strip().splitlines()}
+    assert vectors.pop('pd("")') == payload_digest(b"").hex()
+    assert vectors.pop("pd(de ad be ef)") == payload_digest(bytes.fromhex("deadbeef")).hex()
+    state = fragment_state_digest(2, 5, {"w": np.array([1.0, -2.0, 0.5], np.float32)},
+                                  {"w": np.array([0.0, 0.25, -1.0], np.float32)})
+    assert vectors.pop("state(2, 5, w)") == state and not vectors
+
+
 def test_a_frame_names_its_recipient_inside_the_mac():
     """A frame captured on its way to one member is refused by every other (401 with the reason);
     only kinds that change nothing a replay could abuse may be addressed to any member."""
@@ -573,3 +593,40 @@ def test_a_frame_names_its_recipient_inside_the_mac():
     forged[at:at + 6] = b"site-c"
     with pytest.raises(RemoteProtocolError, match="bad MAC"):
         decode_frame(bytes(forged), at_c, now_unix=NOW)
+
+
+def test_the_receive_queue_gives_back_exactly_what_came_in_any_pieces():
+    """The decoder's queue of received pieces (wire/frames.py `_ByteQueue`) against a bytearray."""
+    from wire.frames import _ByteQueue
+
+    rng = random.Random(1)
+    for _ in range(100):
+        queue, reference = _ByteQueue(), bytearray()
+        for _ in range(40):
+            if rng.random() < 0.6:
+                data = rng.randbytes(rng.choice([0, 1, 5, 100, 70_000, 200_000]))
+                queue.append(data if rng.random() < 0.5 else bytearray(data))
+                reference += data
+            elif reference:
+                n = rng.randrange(len(reference) + 1)
+                if rng.random() < 0.3:
+                    assert queue.peek(n) == bytes(reference[:n])
+                else:
+                    assert queue.take(n) == bytes(reference[:n])
+                    del reference[:n]
+            assert len(queue) == len(reference)
+
+
+def test_a_payload_that_arrives_as_one_read_is_not_copied():
+    """A payload is copied at most once between the socket and its message: when one read holds
+    exactly it, the message holds that very object."""
+    payload = bytes(range(256)) * 1024
+    encoded = frame(FragmentContribution(fragment=0, base_index=0, base_round=0, c_steps=1, c_tokens=1,
+                                         codec="int8", learner_id="site-a", payload=payload))
+    head, body = encoded[:-len(payload)], bytes(encoded[-len(payload):])
+    decoder = FrameDecoder(verifier())
+    decoder.receive_data(head)
+    assert decoder.next_event(now_unix=NOW) is NEED_DATA
+    decoder.receive_data(body)
+    event = decoder.next_event(now_unix=NOW)
+    assert isinstance(event, Received) and event.message.payload == payload and event.message.payload is body

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 import tracemalloc
 
+import blake3
 import pytest
 from test_contribution_stream import llama_shapes
 
@@ -13,7 +13,7 @@ from diloco_node.daemon.coordination_store import MAX_RECORD_BYTES
 from diloco_node.sync.fragments import WIRE_OVERHEAD_BYTES, plan_fragments, wire_fit_problems
 from wire.codecs import CODECS
 from wire.errors import LocalProtocolError, RemoteProtocolError
-from wire.frames import WIRE_MINOR
+from wire.frames import WIRE_MAJOR, WIRE_MINOR
 from wire.limits import (
     DEFAULT_LIMITS,
     MAX_LOG_APPEND_BYTES,
@@ -35,7 +35,7 @@ PAYLOAD = bytes(range(256)) * 41  # 10,496 bytes
 
 
 def opened(size: int = len(PAYLOAD), chunk_bytes: int = 4096, digest: bytes | None = None) -> PayloadOpen:
-    return PayloadOpen(STREAM, digest or hashlib.sha256(PAYLOAD).digest(), size, chunk_bytes, "a", {"b": "a"})
+    return PayloadOpen(STREAM, digest or blake3.blake3(PAYLOAD).digest(), size, chunk_bytes, "a", {"b": "a"})
 
 
 def chunks(payload: bytes = PAYLOAD, chunk_bytes: int = 4096) -> list[PayloadChunk]:
@@ -43,8 +43,8 @@ def chunks(payload: bytes = PAYLOAD, chunk_bytes: int = 4096) -> list[PayloadChu
             for offset, length in chunk_spans(len(payload), chunk_bytes)]
 
 
-def test_the_wire_minor_is_2_3_and_the_new_kinds_have_stable_ids():
-    assert WIRE_MINOR == 3
+def test_the_wire_version_is_3_0_and_the_stream_kinds_keep_their_ids():
+    assert (WIRE_MAJOR, WIRE_MINOR) == (3, 0)
     assert (MessageKind.PAYLOAD_OPEN, MessageKind.PAYLOAD_CHUNK) == (20, 21)
     assert stream_chunk_bytes() == MAX_PAYLOAD_STREAM_CHUNK_BYTES == 16 * MiB
 
@@ -72,12 +72,12 @@ def test_a_whole_stream_passes_and_the_digest_is_checked_at_the_end():
     for chunk in chunks():
         assembler.add(chunk)
     assert assembler.complete and assembler.chunks_left == 0
-    assembler.finish(hashlib.sha256(PAYLOAD).digest())
+    assembler.finish(blake3.blake3(PAYLOAD).digest())
     other = PayloadAssembler(opened(), max_size=len(PAYLOAD))
     for chunk in chunks():
         other.add(chunk)
-    with pytest.raises(RemoteProtocolError, match="do not have SHA-256") as error:
-        other.finish(hashlib.sha256(b"altered").digest())
+    with pytest.raises(RemoteProtocolError, match="do not have BLAKE3 digest") as error:
+        other.finish(blake3.blake3(b"altered").digest())
     assert error.value.status_hint == 400
 
 
@@ -103,7 +103,7 @@ def test_chunks_out_of_order_or_of_the_wrong_size_are_refused_and_kill_the_strea
         for chunk in bad(chunks()):
             assembler.add(chunk)
     with pytest.raises(RemoteProtocolError, match="already failed"):
-        assembler.finish(hashlib.sha256(PAYLOAD).digest())
+        assembler.finish(blake3.blake3(PAYLOAD).digest())
 
 
 def test_a_short_stream_is_refused():
@@ -111,7 +111,7 @@ def test_a_short_stream_is_refused():
     for chunk in chunks()[:2]:
         assembler.add(chunk)
     with pytest.raises(RemoteProtocolError, match="ended after 8,192 of 10,496 bytes"):
-        assembler.finish(hashlib.sha256(PAYLOAD).digest())
+        assembler.finish(blake3.blake3(PAYLOAD).digest())
 
 
 def test_the_bound_is_the_largest_fragments_commit_within_a_floor_and_the_ceiling():

@@ -1,13 +1,13 @@
-"""Wire 2.2: relayed log entries (SHA-256 and size instead of bytes), PayloadPush and PayloadFetch."""
+"""Wire 2.2: relayed log entries (digest and size instead of bytes), PayloadPush and PayloadFetch."""
 
 from __future__ import annotations
 
-import hashlib
 
+import blake3
 import pytest
 
 from wire.errors import LocalProtocolError, RemoteProtocolError
-from wire.frames import WIRE_MINOR
+from wire.frames import WIRE_MAJOR, WIRE_MINOR
 from wire.messages import (
     MAX_RELAY_FANOUT,
     LogAppend,
@@ -18,16 +18,16 @@ from wire.messages import (
     PayloadPush,
 )
 
-DIGEST = hashlib.sha256(b"delta").digest()
+DIGEST = blake3.blake3(b"delta").digest()
 
 
 def relayed(index: int) -> LogEntry:
     return LogEntry(index=index, epoch=1, kind="commit", metadata={"fragment": 0}, payload=b"",
-                    payload_sha256=DIGEST, payload_size=5)
+                    payload_digest=DIGEST, payload_size=5)
 
 
-def test_the_wire_minor_is_at_least_2_2_and_the_new_kinds_have_stable_ids():
-    assert WIRE_MINOR >= 2
+def test_the_relay_kinds_keep_their_ids_in_wire_3():
+    assert WIRE_MAJOR == 3
     assert (MessageKind.PAYLOAD_PUSH, MessageKind.PAYLOAD_FETCH) == (18, 19)
 
 
@@ -47,18 +47,18 @@ def test_a_2_1_style_decoder_refuses_a_relayed_entry_instead_of_reading_an_empty
 
 
 @pytest.mark.parametrize("change, problem", [
-    ({"payload_sha256": b"short"}, "must be 32 bytes"),
+    ({"payload_digest": b"short"}, "must be 32 bytes"),
     ({"payload_size": 0}, "at least 1 byte"),
     ({"payload": b"x"}, "carries no bytes"),
 ])
 def test_bad_relayed_entries_are_refused_naming_the_field(change, problem):
-    kwargs = dict(index=1, epoch=1, kind="commit", metadata={}, payload=b"", payload_sha256=DIGEST, payload_size=5)
+    kwargs = dict(index=1, epoch=1, kind="commit", metadata={}, payload=b"", payload_digest=DIGEST, payload_size=5)
     with pytest.raises(LocalProtocolError, match=problem):
         LogEntry(**{**kwargs, **change})
 
 
 def test_a_size_without_a_digest_and_a_length_beside_a_digest_are_refused():
-    with pytest.raises(LocalProtocolError, match="payload_size: set without payload_sha256"):
+    with pytest.raises(LocalProtocolError, match="payload_size: set without payload_digest"):
         LogEntry(1, 1, "commit", {}, b"", payload_size=3)
     fields, payload = LogAppend(1, "a", 0, 0, (relayed(1),), 0).to_wire()
     fields["entries"][0]["payload_length"] = 0
@@ -106,13 +106,13 @@ def test_a_peers_push_with_a_cyclic_tree_is_refused_by_the_decoder_as_its_error(
     import msgpack
 
     from wire.auth import FrameVerifier, compute_mac, derive_frame_key
-    from wire.frames import FIXED_HEADER, MAGIC, WIRE_MAJOR, decode_frame
+    from wire.frames import FIXED_HEADER, MAGIC, decode_frame
 
     key = derive_frame_key(b"s" * 32)
     now = 1_800_000_000.0
     payload = b"delta"
     header = {"run": "run-test", "from": "a", "ts": round(now * 1000), "nonce": b"\x01" * 16,
-              "pd": hashlib.sha256(payload).digest(), "to": "",
+              "pd": blake3.blake3(payload).digest(), "to": "",
               "m": {"digest": DIGEST, "root": "a", "parent": {"b": "c", "c": "b"}}}
     map_bytes = msgpack.packb(header, use_bin_type=True)
     fixed = FIXED_HEADER.pack(MAGIC, WIRE_MAJOR, WIRE_MINOR, int(MessageKind.PAYLOAD_PUSH), 0, len(map_bytes),

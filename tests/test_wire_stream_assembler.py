@@ -6,10 +6,10 @@ refused at its end, and the body bound the transport reads going down chunk by c
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Callable
 from typing import Any
 
+import blake3
 import numpy as np
 import pytest
 
@@ -46,11 +46,11 @@ def _contribution() -> Stream:
 
 def _payload() -> Stream:
     payload = bytes(range(256)) * 10
-    head = PayloadOpen(STREAM, hashlib.sha256(payload).digest(), len(payload), 1024, "a", {"b": "a"})
+    head = PayloadOpen(STREAM, blake3.blake3(payload).digest(), len(payload), 1024, "a", {"b": "a"})
     chunks = [PayloadChunk(STREAM, offset, payload[offset:offset + length])
               for offset, length in chunk_spans(len(payload), 1024)]
     return Stream(lambda: PayloadAssembler(head, max_size=len(payload)), chunks,
-                  lambda receiver: receiver.finish(hashlib.sha256(payload).digest()))
+                  lambda receiver: receiver.finish(blake3.blake3(payload).digest()))
 
 
 STREAMS = {"contribution": (_contribution, "streamed contribution refused: "),

@@ -1,7 +1,7 @@
 """Frame authentication: the run secret, the derived MAC key, and the checks every received frame passes.
 
 Every frame carries run id, sender, timestamp and nonce in its header map and an HMAC-SHA256 tag
-over the fixed header and the header map (which includes the payload's SHA-256), so a receiver
+over the fixed header and the header map (which includes the payload's BLAKE3 digest), so a receiver
 authenticates a frame before it reads a payload byte. The header map also names the recipient, so
 a frame captured on its way to one member is refused by every other. `FrameVerifier` refuses, in
 this order: wrong run (409), bad MAC (401), addressed to another node (401), timestamp outside the
@@ -14,7 +14,6 @@ No I/O except `load_run_secret`, which reads the secret file once at start-up; n
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import hmac
 import os
@@ -22,6 +21,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from wire import digest as content_digest
 from wire.errors import LocalProtocolError, RemoteProtocolError
 from wire.limits import DEFAULT_LIMITS, Limits
 from wire.messages import MAX_NODE_ID_CHARS, NODE_ID_PATTERN, MessageKind
@@ -264,5 +264,5 @@ def check_epoch(msg_epoch: int, known_epoch: int) -> str:
 
 
 def payload_digest(payload: bytes) -> bytes:
-    """SHA-256 of a payload, as carried in the header map's `pd` field."""
-    return hashlib.sha256(payload).digest()
+    """BLAKE3 of a payload (wire/digest.py), as carried in the header map's `pd` field."""
+    return content_digest.digest(payload)

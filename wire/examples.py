@@ -171,9 +171,9 @@ class ExampleMessages:
                      for i in range(count))
 
     def relayed_entries(self, first_index: int, max_epoch: int) -> tuple[LogEntry, ...]:
-        """As `entries`, some of them relayed (bytes named by SHA-256 and size, wire 2.2)."""
+        """As `entries`, some of them relayed (bytes named by digest and size, wire 2.2)."""
         return tuple(LogEntry(index=e.index, epoch=e.epoch, kind=e.kind, metadata=e.metadata, payload=b"",
-                              payload_sha256=self.digest(), payload_size=self.rng.randint(1, U63_MAX))
+                              payload_digest=self.digest(), payload_size=self.rng.randint(1, U63_MAX))
                      if self.flag() else e
                      for e in self.entries(first_index, max_epoch))
 

@@ -4,7 +4,7 @@ A frame is a fixed 24-byte header, a msgpack header map, a 32-byte MAC, then the
 
     magic "DLCO" | major u8 | minor u8 | kind u16 | flags u32 | map_len u32 | payload_len u64   (big-endian)
     header map (map_len bytes): {"run", "from", "ts", "nonce", "pd", "m": {message fields}}
-    mac: HMAC-SHA256(key, fixed header || header map)     (the map's "pd" is SHA-256 of the payload)
+    mac: HMAC-SHA256(key, fixed header || header map)     (the map's "pd" is BLAKE3 of the payload)
     header map key "to": the recipient's node id ("" only for kinds any member may answer), inside the
     MAC, so a captured frame cannot be replayed to another member
     payload (payload_len bytes)
@@ -23,15 +23,16 @@ payload never has to sit in memory. Anything wrong with the peer's bytes raises 
 from __future__ import annotations
 
 import enum
-import hashlib
 import math
 import struct
+from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
+from wire import digest as content_digest
 from wire.auth import ANY_MEMBER, MAC_BYTES, NONCE_BYTES, AuthContext, FrameVerifier, check_run_id, compute_mac
 from wire.errors import LocalProtocolError, RemoteProtocolError
 from wire.limits import DEFAULT_LIMITS, Limits
@@ -42,12 +43,13 @@ MAGIC = b"DLCO"
 # Minor: additive only (new header-map keys, new kinds, new flag bits); receivers accept any minor.
 # 2.0: the header map names the recipient ("to"); a 1.x receiver would ignore it and accept a
 # frame replayed to it from another member's traffic, so the change is incompatible.
-WIRE_MAJOR = 2
-# 2.1: streamed contributions (ContributionOpen, ContributionChunk).
-# 2.2: relayed log payloads (PayloadPush, PayloadFetch; LogAppend entries by SHA-256 and size).
-# 2.3: relayed payloads streamed (PayloadOpen, PayloadChunk); a PayloadFetch is answered by such a
-#      stream back to the asker. PayloadPush is still accepted from a 2.2 sender.
-WIRE_MINOR = 3
+# 3.0: every payload and state digest is BLAKE3 (wire/digest.py), not SHA-256: the "pd" a MAC signs,
+# relayed payload names, SnapshotChunk's digest (now the fragment's state digest, no download
+# digest of its own). A 2.x node would compute the wrong "pd" for every frame, so the change is
+# incompatible; 2.x history: 2.1 streamed contributions, 2.2 relayed log payloads, 2.3 relayed
+# payloads streamed (PayloadOpen, PayloadChunk; PayloadPush still accepted).
+WIRE_MAJOR = 3
+WIRE_MINOR = 0
 FIXED_HEADER = struct.Struct(">4sBBHIIQ")
 FIXED_HEADER_BYTES = FIXED_HEADER.size  # 24
 DIGEST_BYTES = 32
@@ -108,7 +110,7 @@ class PayloadChunk:
 class FrameEnd:
     """The streamed payload is complete and matches the authenticated digest."""
 
-    payload_sha256: bytes
+    payload_digest: bytes
 
 
 Event = Received | FrameHeader | PayloadChunk | FrameEnd | Signal
@@ -124,12 +126,12 @@ def encode_frame(message: Message, auth: AuthContext, *, now_unix: float, nonce:
     addressed to node `to` (ANY_MEMBER only for the kinds in ANY_RECIPIENT_KINDS)."""
     field_map, payload = message.to_wire()
     head = _encode_head(message.KIND, field_map, auth, now_unix=now_unix, nonce=nonce, to=to,
-                        payload_length=len(payload), payload_sha256=hashlib.sha256(payload).digest())
+                        payload_length=len(payload), payload_digest=content_digest.digest(payload))
     return head + payload
 
 
 def encode_frame_head(message: Message, auth: AuthContext, *, now_unix: float, nonce: bytes,
-                      payload_length: int, payload_sha256: bytes, to: str = ANY_MEMBER) -> bytes:
+                      payload_length: int, payload_digest: bytes, to: str = ANY_MEMBER) -> bytes:
     """Everything of a frame but its payload, for sending a large payload without holding it in memory.
 
     `message` is the head (a STREAMABLE message with an empty payload, see Message.without_payload);
@@ -143,14 +145,14 @@ def encode_frame_head(message: Message, auth: AuthContext, *, now_unix: float, n
     if type(payload_length) is not int or not 0 <= payload_length <= U63_MAX:
         raise LocalProtocolError(f"payload_length must be an int in [0, 2^63), got {payload_length!r}")
     message.check_payload_length(payload_length)
-    if type(payload_sha256) is not bytes or len(payload_sha256) != DIGEST_BYTES:
-        raise LocalProtocolError("payload_sha256 must be the 32-byte SHA-256 of the payload")
+    if type(payload_digest) is not bytes or len(payload_digest) != DIGEST_BYTES:
+        raise LocalProtocolError("payload_digest must be the 32-byte BLAKE3 digest of the payload")
     return _encode_head(message.KIND, field_map, auth, now_unix=now_unix, nonce=nonce, to=to,
-                        payload_length=payload_length, payload_sha256=payload_sha256)
+                        payload_length=payload_length, payload_digest=payload_digest)
 
 
 def _encode_head(kind: MessageKind, field_map: dict[str, Any], auth: AuthContext, *, now_unix: float,
-                 nonce: bytes, to: str, payload_length: int, payload_sha256: bytes) -> bytes:
+                 nonce: bytes, to: str, payload_length: int, payload_digest: bytes) -> bytes:
     if not isinstance(auth, AuthContext):
         raise LocalProtocolError("auth must be an AuthContext")
     if not isinstance(now_unix, (int, float)) or not math.isfinite(now_unix) or now_unix < 0:
@@ -164,7 +166,7 @@ def _encode_head(kind: MessageKind, field_map: dict[str, Any], auth: AuthContext
         KEY_SENDER: auth.sender,
         KEY_TIMESTAMP_MS: round(now_unix * 1000),
         KEY_NONCE: nonce,
-        KEY_PAYLOAD_DIGEST: payload_sha256,
+        KEY_PAYLOAD_DIGEST: payload_digest,
         KEY_RECIPIENT: to,
         KEY_MESSAGE: field_map,
     }
@@ -199,8 +201,74 @@ class _Pending:
 class _Authenticated:
     sender: str
     sent_at_unix: float
-    payload_sha256: bytes
+    payload_digest: bytes
     message_fields: dict[str, Any]
+
+
+class _ByteQueue:
+    """Received bytes not yet decoded, kept as the pieces they arrived in. Taking a range copies it
+    once (one join of the pieces it spans), or not at all when it is exactly one whole piece: a
+    payload is copied once on its way from the socket to its message, not into a growing buffer
+    and then out of it. Small pieces (a peer trickling bytes) are gathered into one bytearray of
+    up to GATHER_BYTES, so what the queue holds costs its bytes, not an object per read."""
+
+    SMALL_PIECE_BYTES = 64 * 1024
+    GATHER_BYTES = 1 << 20
+
+    def __init__(self) -> None:
+        self._pieces: deque[bytes | bytearray] = deque()
+        self._offset = 0  # bytes of the first piece already taken
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def append(self, data: bytes | bytearray | memoryview) -> None:
+        size = len(data)
+        if not size:
+            return
+        self._size += size
+        if size < self.SMALL_PIECE_BYTES:
+            last = self._pieces[-1] if self._pieces else None
+            if type(last) is bytearray and len(last) < self.GATHER_BYTES:
+                last += data
+            else:
+                self._pieces.append(bytearray(data))
+        else:  # bytes are immutable: kept as they are; anything else is the caller's and may change
+            self._pieces.append(data if type(data) is bytes else bytes(data))
+
+    def peek(self, n: int) -> bytes:
+        """The first `n` bytes (n <= len), left in place."""
+        parts: list[bytes | memoryview] = []
+        need, offset = n, self._offset
+        for piece in self._pieces:
+            if not need:
+                break
+            take = min(need, len(piece) - offset)
+            parts.append(piece if offset == 0 and take == len(piece) else memoryview(piece)[offset:offset + take])
+            need -= take
+            offset = 0
+        if len(parts) == 1 and type(parts[0]) is bytes:
+            return parts[0]  # type: ignore[return-value]
+        joined = b"".join(parts)
+        for part in parts:  # a view of a gathering bytearray would stop it from growing
+            if type(part) is memoryview:
+                part.release()
+        return joined
+
+    def take(self, n: int) -> bytes:
+        """The first `n` bytes (n <= len), removed."""
+        data = self.peek(n)
+        self._size -= n
+        while n:
+            available = len(self._pieces[0]) - self._offset
+            if n < available:
+                self._offset += n
+                break
+            self._pieces.popleft()
+            self._offset = 0
+            n -= available
+        return data
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
@@ -220,7 +288,7 @@ class FrameDecoder:
         self._verifier = verifier
         self._limits = limits
         self._stream_kinds = frozenset(MessageKind(kind) for kind in stream_kinds)
-        self._buffer = bytearray()
+        self._buffer = _ByteQueue()
         self._end_of_stream = False
         self._state = _State.FIXED_HEADER
         self._pending: _Pending | None = None
@@ -244,7 +312,7 @@ class FrameDecoder:
     @property
     def between_frames(self) -> bool:
         """True when no frame is partially decoded (a clean place for the stream to end)."""
-        return self._state is _State.FIXED_HEADER and not self._buffer
+        return self._state is _State.FIXED_HEADER and not len(self._buffer)
 
     def receive_data(self, data: bytes) -> None:
         """Add received bytes; `b""` means the peer ended the stream."""
@@ -255,7 +323,7 @@ class FrameDecoder:
         if len(data) == 0:
             self._end_of_stream = True
         elif self._failure is None:  # a failed stream is dead: keep nothing more from it
-            self._buffer += data
+            self._buffer.append(data)
 
     def next_event(self, *, now_unix: float) -> Event:
         """The next event, `NEED_DATA`, or `CLOSED`. `now_unix` is this node's wall clock (only used
@@ -275,8 +343,8 @@ class FrameDecoder:
     def _advance(self, now_unix: float) -> Event:
         if self._state is _State.FIXED_HEADER:
             if len(self._buffer) < FIXED_HEADER_BYTES:
-                return self._short(allow_close=not self._buffer)
-            self._pending = self._parse_fixed_header(bytes(self._buffer[:FIXED_HEADER_BYTES]))
+                return self._short(allow_close=not len(self._buffer))
+            self._pending = self._parse_fixed_header(self._buffer.peek(FIXED_HEADER_BYTES))
             self._state = _State.HEADER_MAP
         if self._state is _State.HEADER_MAP:
             return self._header_map(now_unix)
@@ -297,8 +365,9 @@ class FrameDecoder:
         if magic != MAGIC:
             raise RemoteProtocolError(f"not a diloco-node frame (magic {magic!r}, expected {MAGIC!r})", 400)
         if major != WIRE_MAJOR:
-            raise RemoteProtocolError(f"wire version {major}.{minor} is not supported; this node speaks "
-                                      f"{WIRE_MAJOR}.x", 426)
+            raise RemoteProtocolError(f"wire version {major}.{minor} is not supported: this node speaks wire "
+                                      f"{WIRE_MAJOR}.{WIRE_MINOR} (any {WIRE_MAJOR}.x); run the same major "
+                                      "version of diloco-node on every node", 426)
         try:
             kind = MessageKind(kind_id)
         except ValueError:
@@ -320,12 +389,11 @@ class FrameDecoder:
         map_end = FIXED_HEADER_BYTES + pending.map_length
         if len(self._buffer) < map_end + MAC_BYTES:
             return self._short()
-        signed = bytes(self._buffer[:map_end])
-        mac = bytes(self._buffer[map_end:map_end + MAC_BYTES])
-        del self._buffer[:map_end + MAC_BYTES]
+        head = self._buffer.take(map_end + MAC_BYTES)
+        signed, mac = head[:map_end], head[map_end:]
         authenticated = self._authenticate(pending, signed, mac, now_unix)
         self._remaining = pending.payload_length
-        self._hasher = hashlib.sha256()
+        self._hasher = content_digest.hasher()
         if pending.kind in self._stream_kinds:
             head = self._build(pending.kind, authenticated.message_fields, b"")
             try:
@@ -356,7 +424,7 @@ class FrameDecoder:
         sender = _field(header_map, KEY_SENDER, str)
         sent_at_ms = _field(header_map, KEY_TIMESTAMP_MS, int)
         nonce = _field(header_map, KEY_NONCE, bytes)
-        payload_sha256 = _field(header_map, KEY_PAYLOAD_DIGEST, bytes)
+        payload_digest = _field(header_map, KEY_PAYLOAD_DIGEST, bytes)
         recipient = _field(header_map, KEY_RECIPIENT, str)
         message_fields = _field(header_map, KEY_MESSAGE, dict)
         try:
@@ -370,14 +438,14 @@ class FrameDecoder:
             raise RemoteProtocolError(f"header map 'ts' {sent_at_ms} out of range", 400)
         if len(nonce) != NONCE_BYTES:
             raise RemoteProtocolError(f"header map 'nonce' must be {NONCE_BYTES} bytes, got {len(nonce)}", 400)
-        if len(payload_sha256) != DIGEST_BYTES:
-            raise RemoteProtocolError(f"header map 'pd' must be {DIGEST_BYTES} bytes, got {len(payload_sha256)}", 400)
+        if len(payload_digest) != DIGEST_BYTES:
+            raise RemoteProtocolError(f"header map 'pd' must be {DIGEST_BYTES} bytes, got {len(payload_digest)}", 400)
         self._verifier.verify(run_id=run_id, sender=sender, sent_at_ms=sent_at_ms, nonce=nonce,
                               signed_bytes=signed, mac=mac, now_unix=now_unix, recipient=recipient,
                               kind=pending.kind)
         if self._first_sender is None:
             self._first_sender = sender
-        return _Authenticated(sender=sender, sent_at_unix=sent_at_ms / 1000, payload_sha256=payload_sha256,
+        return _Authenticated(sender=sender, sent_at_unix=sent_at_ms / 1000, payload_digest=payload_digest,
                               message_fields=message_fields)
 
     def _buffered_payload(self) -> Event:
@@ -385,10 +453,8 @@ class FrameDecoder:
         assert pending is not None and authenticated is not None
         if len(self._buffer) < pending.payload_length:
             return self._short()
-        with memoryview(self._buffer) as view, view[:pending.payload_length] as part:
-            payload = bytes(part)
-        del self._buffer[:pending.payload_length]
-        if hashlib.sha256(payload).digest() != authenticated.payload_sha256:
+        payload = self._buffer.take(pending.payload_length)
+        if content_digest.digest(payload) != authenticated.payload_digest:
             raise RemoteProtocolError(f"{pending.kind.name} payload from {authenticated.sender!r} does not "
                                       "match its authenticated digest", 401)
         message = self._build(pending.kind, authenticated.message_fields, payload)
@@ -399,17 +465,15 @@ class FrameDecoder:
         authenticated = self._authenticated
         assert authenticated is not None
         if self._remaining == 0:
-            if self._hasher.digest() != authenticated.payload_sha256:
+            if self._hasher.digest() != authenticated.payload_digest:
                 raise RemoteProtocolError(f"streamed payload from {authenticated.sender!r} does not match its "
                                           "authenticated digest: discard what was received", 401)
             self._finish_frame()
-            return FrameEnd(payload_sha256=authenticated.payload_sha256)
-        if not self._buffer:
+            return FrameEnd(payload_digest=authenticated.payload_digest)
+        if not len(self._buffer):
             return self._short()
         size = min(len(self._buffer), self._remaining, self._limits.max_payload_chunk_bytes)
-        with memoryview(self._buffer) as view, view[:size] as part:
-            data = bytes(part)
-        del self._buffer[:size]
+        data = self._buffer.take(size)
         self._hasher.update(data)
         self._remaining -= size
         return PayloadChunk(data)

@@ -40,7 +40,7 @@ MAX_NAME_CHARS = 32
 NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]*")
 # Human reasons (vote refusals, leave reasons) are for /status and logs; a line, not an essay.
 MAX_REASON_CHARS = 512
-# Content digests are SHA-256.
+# Content digests are BLAKE3 (wire/digest.py; wire 3.0), manifest digests SHA-256: 32 bytes either way.
 DIGEST_BYTES = 32
 # Log entry metadata (contributors, weights, digests) is small structured data; bound its shape so
 # a hostile map cannot blow the stack or make equality checks quadratic.
@@ -487,7 +487,7 @@ class LogEntry:
     fields (fragment, round, contributors and weights, state digest); `payload` its bulk bytes
     (the encoded merged outer gradient for a commit).
 
-    A *relayed* entry (wire 2.2, only in LogAppend) carries no bytes: `payload_sha256` and
+    A *relayed* entry (wire 2.2, only in LogAppend) carries no bytes: `payload_digest` and
     `payload_size` name the payload, whose bytes travel down a relay tree in PayloadPush frames.
     """
 
@@ -496,7 +496,7 @@ class LogEntry:
     kind: str
     metadata: Mapping[str, Any]
     payload: bytes
-    payload_sha256: bytes = b""  # set: a relayed entry (payload empty, bytes come by PayloadPush)
+    payload_digest: bytes = b""  # set: a relayed entry (payload empty, bytes come by PayloadPush)
     payload_size: int = 0  # a relayed entry's payload length
 
     def __post_init__(self) -> None:
@@ -505,22 +505,22 @@ class LogEntry:
         _uint(owner, "epoch", self.epoch)
         _name(owner, "kind", self.kind)
         _payload(owner, self.payload)
-        _blob(owner, "payload_sha256", self.payload_sha256)
+        _blob(owner, "payload_digest", self.payload_digest)
         _uint(owner, "payload_size", self.payload_size)
-        if self.payload_sha256:
-            _blob(owner, "payload_sha256", self.payload_sha256, exact=DIGEST_BYTES)
+        if self.payload_digest:
+            _blob(owner, "payload_digest", self.payload_digest, exact=DIGEST_BYTES)
             if self.payload:
-                raise _fail(owner, "payload", "a relayed entry (payload_sha256 set) carries no bytes")
+                raise _fail(owner, "payload", "a relayed entry (payload_digest set) carries no bytes")
             if self.payload_size < 1:
                 raise _fail(owner, "payload_size", "a relayed entry's payload is at least 1 byte")
         elif self.payload_size:
-            raise _fail(owner, "payload_size", "set without payload_sha256")
+            raise _fail(owner, "payload_size", "set without payload_digest")
         object.__setattr__(self, "metadata", freeze_metadata(self.metadata, where=f"{owner}.metadata"))
 
     @property
     def relayed(self) -> bool:
-        """True when the bytes are not here but named by `payload_sha256` (see the class docstring)."""
-        return bool(self.payload_sha256)
+        """True when the bytes are not here but named by `payload_digest` (see the class docstring)."""
+        return bool(self.payload_digest)
 
 
 def _entries(owner: str, value: object) -> tuple[LogEntry, ...]:
@@ -541,7 +541,7 @@ def _entries_to_wire(entries: tuple[LogEntry, ...]) -> tuple[list[dict[str, Any]
     # taking it for an entry with an empty payload.
     described = [
         {"index": e.index, "epoch": e.epoch, "kind": e.kind, "metadata": FrozenMap(e.metadata).thaw(),
-         **({"payload_sha256": e.payload_sha256, "payload_size": e.payload_size} if e.relayed
+         **({"payload_digest": e.payload_digest, "payload_size": e.payload_size} if e.relayed
             else {"payload_length": len(e.payload)})}
         for e in entries
     ]
@@ -559,17 +559,17 @@ def _entries_from_wire(owner: str, described: object, payload: bytes) -> tuple[L
         where = f"entries[{position}]"
         if not isinstance(item, Mapping):
             raise _fail(owner, where, "must be a map")
-        relayed = "payload_sha256" in item
+        relayed = "payload_digest" in item
         for key in ("index", "epoch", "kind", "metadata",
                     *(("payload_size",) if relayed else ("payload_length",))):
             if key not in item:
                 raise _fail(owner, f"{where}.{key}", "missing")
         if relayed:
             if "payload_length" in item:
-                raise _fail(owner, f"{where}.payload_length", "a relayed entry (payload_sha256) carries no bytes")
+                raise _fail(owner, f"{where}.payload_length", "a relayed entry (payload_digest) carries no bytes")
             entries.append(LogEntry(index=item["index"], epoch=item["epoch"], kind=item["kind"],
                                     metadata=item["metadata"], payload=b"",
-                                    payload_sha256=item["payload_sha256"], payload_size=item["payload_size"]))
+                                    payload_digest=item["payload_digest"], payload_size=item["payload_size"]))
             continue
         length = item["payload_length"]
         _uint(owner, f"{where}.payload_length", length)
@@ -897,8 +897,11 @@ class SnapshotRequest(Message):
 class SnapshotChunk(Message):
     """Bytes [offset, offset + len(payload)) of fragment `fragment`'s state as of `commit_index`.
 
-    `total` is the full state size and `digest` its SHA-256: the requester verifies the assembled
-    fragment before using it.
+    `total` is the size of the fragment's download bytes and `digest` the fragment's state digest
+    (BLAKE3, `GlobalState.fragment_digest`) as of `commit_index`: chunks of one fragment name it by
+    it, so a reply with another digest means the fragment moved on. Every chunk comes in an
+    authenticated frame; the requester checks the state digest of the fragment it decoded, once,
+    before installing it (wire 3.0: there is no separate digest of the download bytes).
     """
 
     KIND: ClassVar[MessageKind] = MessageKind.SNAPSHOT_CHUNK
@@ -1012,7 +1015,7 @@ def check_relay_tree(owner: str, root: str, parent: Mapping[str, str]) -> None:
 
 @dataclass(frozen=True, slots=True)
 class PayloadPush(Message):
-    """A relayed log entry's payload: bytes claimed to have SHA-256 `digest`.
+    """A relayed log entry's payload: bytes claimed to have BLAKE3 digest `digest`.
 
     Pushed down the relay tree, `root` (the lease holder) and `parent` (member -> the member that
     sends it the bytes) say whom the receiver passes them to: the members whose parent it is. As
@@ -1043,7 +1046,7 @@ class PayloadPush(Message):
 
 @dataclass(frozen=True, slots=True)
 class PayloadFetch(Message):
-    """Ask a member for the payload with SHA-256 `digest`.
+    """Ask a member for the payload with BLAKE3 digest `digest`.
 
     Wire 2.3: answered with an empty 200 at once, the bytes then stream back to the asker as a
     PayloadOpen without a tree (its own request, so no reply holds the payload); 404 when the
@@ -1061,7 +1064,7 @@ class PayloadFetch(Message):
 class PayloadOpen(Message):
     """The first frame of a relayed log entry's payload streamed in chunks (wire 2.3).
 
-    `digest` and `size` name the whole payload (SHA-256, bytes); `chunk_bytes` is what every
+    `digest` and `size` name the whole payload (BLAKE3 digest, bytes); `chunk_bytes` is what every
     PayloadChunk of this `stream` carries except the last (the rest); `root` and `parent` are the
     relay tree as in PayloadPush (empty: keep, do not pass on: a fetch answer, or a push from a
     holder that sends to every member itself). The receiver checks `size` against the largest

@@ -13,7 +13,7 @@ receiver does, the stream id, nothing after the last chunk, dead after a refusal
   `wire.limits.MAX_RELAYED_PAYLOAD_BYTES`) and its chunk size within the chunk payload limit;
 - checks each chunk before the host keeps it: that its offset is where the last one ended, that
   it is exactly the size the open implies;
-- checks at the end (`finish`) that every byte came and that the SHA-256 the host computed is the
+- checks at the end (`finish`) that every byte came and that the BLAKE3 digest the host computed is the
   declared one. Any failure is a `RemoteProtocolError` (400, or 413 for sizes) and the assembler
   is dead: the host deletes what it spooled.
 """
@@ -72,7 +72,7 @@ class PayloadAssembler(StreamAssembler[PayloadOpen, PayloadChunk]):
 
     Construct it from the PayloadOpen (raises RemoteProtocolError if the declaration is over
     `max_size` or its chunks over the chunk limit); `add` each chunk in arrival order before
-    keeping it (raises on the first bad one; the assembler is then dead); `finish` with the SHA-256
+    keeping it (raises on the first bad one; the assembler is then dead); `finish` with the BLAKE3 digest
     the host computed once the body ended.
     """
 
@@ -114,12 +114,12 @@ class PayloadAssembler(StreamAssembler[PayloadOpen, PayloadChunk]):
                                f"{expected:,}", 413 if len(chunk.payload) > expected else 400)
         self.received += len(chunk.payload)
 
-    def finish(self, sha256: bytes) -> None:
+    def finish(self, digest: bytes) -> None:
         """The body ended and the host hashed what it kept: refused if short or not the declared bytes."""
         self._check_alive()
         if not self.complete:
             raise self._fail(f"short: {self.received:,} of {self.head.size:,} bytes",
                              f"the stream ended after {self.received:,} of {self.head.size:,} bytes")
-        if sha256 != self.head.digest:
+        if digest != self.head.digest:
             raise self._fail("digest mismatch",
-                             f"the bytes do not have SHA-256 {self.head.digest.hex()[:16]}..; nothing kept")
+                             f"the bytes do not have BLAKE3 digest {self.head.digest.hex()[:16]}..; nothing kept")

@@ -19,7 +19,6 @@ runs in the learner thread, everything else on the event loop.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import struct
@@ -33,6 +32,7 @@ from bootstrap.entries import EntryKind, LogEntry, PayloadUnavailable
 from diloco_node.clock import SystemClock
 from diloco_node.ops.history import HISTORY_FILE_NAME, UNREADABLE_ENTRY, FsyncPolicy, HistoryWriter
 from diloco_node.sync.replica import CommitPayload
+from wire import digest as content_digest
 from wire.errors import RemoteProtocolError
 
 # A synchronous learner (quorum K > 1: a merge waits for peers) may run this many sync periods
@@ -49,11 +49,11 @@ MAX_STEP_GAP_FACTOR = 2.0
 
 
 def entry_digest(entry: LogEntry) -> str | None:
-    """Identity of a log entry: sha256 over everything a replica can observe of it, each field
-    length-prefixed so different splits of the same bytes cannot collide. None when its payload
-    cannot be read back now (a failing disk): the event then names no entry rather than one that
-    no other node holds."""
-    h = hashlib.sha256(b"diloco-log-entry\0")
+    """Identity of a log entry: BLAKE3 (wire/digest.py, like every content digest) over everything a
+    replica can observe of it, each field length-prefixed so different splits of the same bytes
+    cannot collide. None when its payload cannot be read back now (a failing disk): the event then
+    names no entry rather than one that no other node holds."""
+    h = content_digest.hasher(b"diloco-log-entry\0")
 
     def field(data: bytes) -> None:
         h.update(struct.pack("<Q", len(data)))

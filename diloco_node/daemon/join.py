@@ -3,18 +3,21 @@
 Handshake (`request_membership`): a JoinRequest carrying the SHA-256 of the manifest we would
 run. A bootstrap peer that is still starting (503) or unreachable is asked again, round-robin over
 the bootstrap list with exponential backoff and jitter, until `JOIN_DEADLINE_S`; refusals that
-asking again cannot change (wrong secret 401, other run 409, contradicting settings) end at once. The peer answers a Membership with the run's manifest bytes; it admits us (adds us to its
+asking again cannot change (wrong secret 401, other run 409, another wire major version 426,
+contradicting settings) end at once. The peer answers a Membership with the run's manifest bytes; it admits us (adds us to its
 member view, so the lease holder starts replicating to us) only when the digests agree. A
 joiner whose own settings merely left keys at their defaults adopts the run's manifest and asks
 again with the run's digest; one whose explicit settings contradict the run stops with the
 difference spelled out (`config.check_joiner_manifest`), having changed nothing anywhere.
 
 Download (`FragmentDownload`): each fragment's serialized state in chunks (SnapshotRequest /
-SnapshotChunk), resumable from the byte offset reached, from any peer that serves it; the whole
-is checked against the chunk's SHA-256 before it is installed. Up to `DOWNLOAD_PEERS` peers serve
+SnapshotChunk), resumable from the byte offset reached, from any peer that serves it. Chunks name
+the fragment by its state digest (wire 3.0): each comes in an authenticated frame, the bytes are
+decoded and hashed into that state digest as they arrive, and the decoded fragment's digest is
+checked against the one the chunks named, once, before it is installed. Up to `DOWNLOAD_PEERS` peers serve
 different fragments at once, and each keeps `CHUNKS_IN_FLIGHT` requests outstanding, so the
 links' capacities add up and no link idles for a round trip between chunks. If the fragment moved on while we
-were downloading (the digest changed), the download restarts for that fragment. A download may
+were downloading (the digest or the size changed), the download restarts for that fragment. A download may
 carry a floor (`min_commit_index`): fragments served as of an older log index are fetched again,
 from another peer, until each is at least that new.
 
@@ -181,8 +184,9 @@ async def _negotiate_once(client: PeerClient, urls: Sequence[str], effective: Ef
         except JoinRefused as error:
             if error.permanent:
                 raise
-            if "refused with 401" in str(error) or "refused with 409" in str(error):
-                # A wrong secret or run: asking anyone again cannot help.
+            if any(f"refused with {status}" in str(error) for status in (401, 409, 426)):
+                # A wrong secret, run or wire major version (the refusal names both versions):
+                # asking anyone again cannot help.
                 raise JoinRefused(str(error), permanent=True) from None
             errors.append(str(error))
             transient = transient or error.transient
@@ -203,7 +207,7 @@ class FragmentProgress:
 
 class FragmentDownload:
     """Downloads every fragment of the global state into `replica`, resumable, digest-verified.
-    Each fragment's bytes are hashed and checked in `executor` (the codec pool); a peer behind the
+    Each fragment's bytes are decoded, hashed and checked in `executor` (the codec pool); a peer behind the
     floor is asked again after a pause on `clock`."""
 
     def __init__(self, client: PeerClient, replica: Replica, peers: Callable[[], list[str]], *,
@@ -276,8 +280,9 @@ class FragmentDownload:
         """Feed `received` fragment bytes from `url`, from the offset it reached to the end.
 
         Once the first reply has told the size, up to `CHUNKS_IN_FLIGHT` requests are outstanding;
-        replies are taken in offset order. A reply with another digest means the fragment moved
-        on while we downloaded: everything is dropped and the fragment starts again.
+        replies are taken in offset order. A reply with another digest or size means the fragment
+        moved on while we downloaded (its state, or the evictions its bytes carry): everything is
+        dropped and the fragment starts again.
         """
         in_flight: deque[tuple[int, asyncio.Task[wire.SnapshotChunk]]] = deque()
         try:
@@ -290,7 +295,7 @@ class FragmentDownload:
                     next_offset += self.chunk_bytes
                 _, task = in_flight.popleft()
                 chunk = await task
-                if progress.digest is not None and chunk.digest != progress.digest:
+                if progress.digest is not None and (chunk.digest, chunk.total) != (progress.digest, progress.total):
                     for _, other in in_flight:
                         other.cancel()
                     in_flight.clear()
@@ -329,17 +334,18 @@ class FragmentDownload:
             url = peers[(first_peer + attempt) % len(peers)]
             try:
                 await self._fetch_rest(url, progress, received)
-                if received.digest() != progress.digest:
-                    received.restart()
-                    progress.digest, progress.received, progress.commit_index, progress.total = None, 0, 0, None
-                    raise RemoteProtocolError(f"fragment {progress.fragment}: assembled bytes fail their digest", 400)
                 if progress.commit_index < self.min_commit_index:  # the floor was raised meanwhile
                     raise _PeerBehind(f"fragment {progress.fragment} is as of index {progress.commit_index}, "
                                       f"older than the snapshot through {self.min_commit_index}")
-                # Checking a fragment (finiteness, its state digest) takes seconds at 1B parameters:
-                # in a worker thread, so heartbeats and the other fragments' chunks keep flowing.
+                # Checking a fragment (finiteness, its shapes) takes seconds at 1B parameters: in a
+                # worker thread, so heartbeats and the other fragments' chunks keep flowing.
                 loop = asyncio.get_running_loop()
-                checked = await loop.run_in_executor(self.executor, received.checked)
+                expected = progress.digest
+                try:
+                    checked = await loop.run_in_executor(self.executor, received.checked, expected)
+                except RemoteProtocolError:
+                    progress.digest, progress.received, progress.commit_index, progress.total = None, 0, 0, None
+                    raise
                 if self.accept is not None:  # nothing awaited from here to the install
                     accepted, why = self.accept(progress.fragment, progress.commit_index)
                     if not accepted:
@@ -359,9 +365,10 @@ class FragmentDownload:
 
 
 class _Received:
-    """One fragment's bytes as they arrive: hashed and decoded straight into arrays of the
-    fragment's shapes (state_codec `FragmentAssembler`), so a fragment in flight costs its own
-    size once, never a buffer of its bytes beside the arrays decoded from them."""
+    """One fragment's bytes as they arrive: decoded straight into arrays of the fragment's shapes
+    and hashed into its state digest as they are copied (state_codec `FragmentAssembler`), so a
+    fragment in flight costs its own size once, never a buffer of its bytes beside the arrays
+    decoded from them, and its bytes are hashed once."""
 
     def __init__(self, replica: Replica, fragment: int) -> None:
         self.replica = replica
@@ -384,21 +391,25 @@ class _Received:
             self.restart()
             raise RemoteProtocolError(f"fragment {self.fragment} bytes are malformed: {error}", 400) from None
 
-    def digest(self) -> bytes:
-        return self.assembler.digest()
-
-    def checked(self) -> tuple[FragmentState, CheckedFragment]:
-        """The decoded fragment checked against this run (`Replica.check_fragment_bytes`'s result)."""
+    def checked(self, expected_digest: bytes | None) -> tuple[FragmentState, CheckedFragment]:
+        """The decoded fragment checked against this run and against the state digest its chunks
+        named (`Replica.check_fragment_bytes`'s result); RemoteProtocolError (400) if it is not that
+        state: the peer's bytes were not the fragment they named."""
         p = self.fragment
         try:
             state = self.assembler.finish()
+            digest = self.assembler.state_digest()
         except StateCodecError as error:
             raise RemoteProtocolError(f"fragment {p} bytes are malformed: {error}", 400) from None
         finally:
             self.restart()  # the arrays now belong to `state` alone
         if state.fragment != p:
             raise RemoteProtocolError(f"fragment {p} bytes hold fragment {state.fragment}", 400)
-        try:
-            return state, self.replica.state.check_fragment(state, adopt=True)  # decoded just now: ours
+        if expected_digest is None or bytes.fromhex(digest) != expected_digest:
+            named = expected_digest.hex()[:12] if expected_digest else "none"
+            raise RemoteProtocolError(f"fragment {p}: the assembled state has digest {digest[:12]}, its chunks named "
+                                      f"{named}", 400)
+        try:  # decoded and hashed just now: ours, not hashed again
+            return state, self.replica.state.check_fragment(state, adopt=True, digest=digest)
         except GlobalStateError as error:
             raise RemoteProtocolError(f"fragment {p} does not fit this run: {error}", 400) from None

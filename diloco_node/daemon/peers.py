@@ -52,9 +52,9 @@ def entry_to_wire(entry: LogEntry) -> wire.LogEntry:
 
 
 def relayed_entry_to_wire(entry: LogEntry, digest: bytes, size: int) -> wire.LogEntry:
-    """An entry whose payload travels down the relay tree: named by its SHA-256 and size (wire 2.2)."""
+    """An entry whose payload travels down the relay tree: named by its BLAKE3 digest and size (wire 2.2)."""
     described = entry_to_wire(replace(entry, payload=b""))
-    return replace(described, payload_sha256=digest, payload_size=size)
+    return replace(described, payload_digest=digest, payload_size=size)
 
 
 def entry_from_wire(entry: wire.LogEntry) -> LogEntry:

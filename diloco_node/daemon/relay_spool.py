@@ -5,7 +5,7 @@ The relay's decisions are elsewhere (`bootstrap/relay_plane.py`) and so is its t
 
 - `PayloadReceiver` takes one streamed payload (a PayloadOpen, then PayloadChunks): each chunk's
   place and size checked by the wire's `PayloadAssembler`, written to a spool file and hashed in a
-  worker thread. Whole and of the declared SHA-256, it becomes a `SpooledPayload`; otherwise its file
+  worker thread. Whole and of the declared digest (BLAKE3), it becomes a `SpooledPayload`; otherwise its file
   is deleted.
 - `HeldPayloads` is the relay plane's `PayloadStore`: verified payloads by digest, bounded by count
   and bytes (the oldest go first, their files deleted), until their entry is in the log (`settle`);
@@ -16,7 +16,7 @@ Faults (failpoints `spool.write`, `spool.read`). Spool files are never fsynced: 
 every start, so a crash leaves nothing a restart could serve (the crash points fire where a payload's
 file is complete). A spool write the disk refuses ends the stream with a 507 refusal and deletes the
 partial file: the sender keeps its bytes and this node fetches them later, as for any lost stream.
-Every read of a spool file is checked against the payload's SHA-256 (its name on the wire): a file
+Every read of a spool file is checked against the payload's BLAKE3 digest (its name on the wire): a file
 that does not match (a bit flip, a truncation) is quarantined (kept, named on `/status`) and the
 payload is dropped from `HeldPayloads`, so the relay wants it again and fetches it; the reader gets
 `SpoolCorrupt` (a `PayloadUnavailable`) before the last piece, so no whole bad copy is served.
@@ -25,7 +25,6 @@ payload is dropped from `HeldPayloads`, so the relay wants it again and fetches 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import shutil
 import tempfile
@@ -37,6 +36,7 @@ from typing import BinaryIO
 from bootstrap.entries import PayloadUnavailable, StoredPayload
 from diloco_node.ops.storage_health import STORAGE
 from diloco_node.storage import failpoints
+from wire import digest as content_digest
 from wire import messages as wire
 from wire.errors import LocalProtocolError, RemoteProtocolError
 from wire.payload_stream import PayloadAssembler
@@ -89,7 +89,7 @@ class SpooledPayload:
             return logged if isinstance(logged, bytes) else logged.read()
         except OSError as error:
             raise self._unreadable(error) from None
-        self._check(hashlib.sha256(data).digest(), len(data))
+        self._check(content_digest.digest(data), len(data))
         return data
 
     def pieces(self, piece_bytes: int) -> Iterator[bytes]:
@@ -101,7 +101,7 @@ class SpooledPayload:
             return
         except OSError as error:
             raise self._unreadable(error) from None
-        hasher = hashlib.sha256()
+        hasher = content_digest.hasher()
         size = 0
         with handle:  # once open, the bytes stay readable even if the file is deleted meanwhile
             # One piece is held back until the next is read: the last one is yielded only once the
@@ -129,7 +129,7 @@ class SpooledPayload:
             STORAGE.succeeded("spool.read")
             return
         reason = (f"relayed payload {self.digest.hex()[:16]}..: spool file holds {size} bytes of another "
-                  f"SHA-256 (expected {self.size} bytes)")
+                  f"digest (expected {self.size} bytes)")
         self.bad = True
         STORAGE.failed("spool.read", reason)
         try:
@@ -180,8 +180,8 @@ def payload_pieces(payload: Payload, piece_bytes: int) -> Iterator[bytes]:
 
 
 def hash_payload(payload: Payload) -> tuple[bytes, int]:
-    """SHA-256 and size, read a piece at a time (a stored record's CRC is checked by the end)."""
-    hasher = hashlib.sha256()
+    """BLAKE3 digest and size, read a piece at a time (a stored record's CRC is checked by the end)."""
+    hasher = content_digest.hasher()
     size = 0
     for piece in payload_pieces(payload, HASH_PIECE_BYTES):
         hasher.update(piece)
@@ -198,7 +198,7 @@ def entry_payload(payload: Payload) -> Payload:
 
 
 class HeldPayloads:
-    """The `PayloadStore` of the relay plane: verified payloads by SHA-256 until the log holds them.
+    """The `PayloadStore` of the relay plane: verified payloads by digest until the log holds them.
 
     A payload is a `SpooledPayload` (a streamed one, on disk), the log's reference to an entry's
     bytes (the holder's own while it pushes them), or bytes (small ones, a 2.2 single-frame push).
@@ -324,7 +324,7 @@ class PayloadReceiver:
                  accept: Callable[[SpooledPayload], None], ended: Callable[[bool], None]) -> None:
         self.assembler, self.sender, self.path = assembler, sender, path
         self._progress, self._accept, self._ended = progress, accept, ended
-        self._hasher = hashlib.sha256()
+        self._hasher = content_digest.hasher()
         self._file: BinaryIO | None = None
         self._done = False
         progress(0)

@@ -7,7 +7,7 @@ the class the coordination simulation runs; this module only performs its action
 themselves are `relay_spool.py`'s.
 
 - **As lease holder** (`[node] relay_fanout` > 0), `relayed_append` turns an outgoing
-  `AppendEntries` into a wire LogAppend whose payload-bearing entries are *relayed* (SHA-256 and
+  `AppendEntries` into a wire LogAppend whose payload-bearing entries are *relayed* (BLAKE3 digest and
   size, no bytes), and the first time an entry leaves, `PayloadRelay.outgoing` pushes its bytes to
   the tree's first level. With `relay_fanout` = 0 only payloads over `INLINE_PAYLOAD_MAX_BYTES`
   are relayed, in a star (the holder pushes to every member itself); smaller ones stay inline.
@@ -229,7 +229,7 @@ class RelayIO:
         return relayed
 
     def digest_of(self, entry: LogEntry) -> tuple[bytes, int]:
-        """SHA-256 and size of an entry's payload, computed once per (index, epoch) (an entry never
+        """BLAKE3 digest and size of an entry's payload, computed once per (index, epoch) (an entry never
         changes), read a piece at a time; `prepare` computes them off the event loop beforehand."""
         key = (entry.index, entry.epoch)
         known = self._digests.get(key)
@@ -245,7 +245,7 @@ class RelayIO:
 
     async def prepare(self, entries: Sequence[LogEntry]) -> None:
         """Hash, in a worker thread, the payloads of `entries` that will go by digest and were not
-        hashed yet (a commit of a large model is a second or more of SHA-256: not on the event loop)."""
+        hashed yet (a commit of a large model is a second or more of hashing: not on the event loop)."""
         relayed = self.relayed_entries(entries)
         for entry in entries:
             key = (entry.index, entry.epoch)
@@ -314,11 +314,11 @@ class RelayIO:
         self._perform(actions)
 
     def on_push(self, push: wire.PayloadPush, sender: str) -> None:
-        """A 2.2 single-frame push: kept and forwarded if its SHA-256 is `push.digest`, else refused (400)."""
+        """A 2.2 single-frame push: kept and forwarded if its digest is `push.digest`, else refused (400)."""
         if payload_digest(push.payload) != push.digest:
             self.counts["refused"] += 1
             self.relay.refused += 1
-            raise RemoteProtocolError(f"PayloadPush from {sender}: the bytes do not have SHA-256 "
+            raise RemoteProtocolError(f"PayloadPush from {sender}: the bytes do not have BLAKE3 digest "
                                       f"{push.digest.hex()[:16]}..; nothing kept", 400)
         self.accept(push, push.payload, sender)
 
@@ -341,8 +341,8 @@ class RelayIO:
         payloads by entry index: a spooled one as a `StoredPayload` the log store copies into
         log.bin piece by piece, so the bytes never sit in memory whole.
         """
-        wanted = {e.payload_sha256: (e.index <= message.leader_commit, e.payload_size) for e in message.entries
-                  if e.relayed and e.payload_sha256 not in self.store}
+        wanted = {e.payload_digest: (e.index <= message.leader_commit, e.payload_size) for e in message.entries
+                  if e.relayed and e.payload_digest not in self.store}
         if wanted:
             now = self.clock.monotonic()
             events = []
@@ -362,7 +362,7 @@ class RelayIO:
         payloads: dict[int, StoredPayload | bytes] = {}
         for entry in message.entries:
             if entry.relayed:
-                payload = self.store.get(entry.payload_sha256)
+                payload = self.store.get(entry.payload_digest)
                 if payload is None:
                     break
                 if isinstance(payload, SpooledPayload):
@@ -381,8 +381,8 @@ class RelayIO:
         there, and count as arrived (promised askers served from the log, waiters released)."""
         now = self.clock.monotonic()
         for entry in message.entries:
-            if entry.relayed and self.store.settle(entry.payload_sha256, entry.index, entry.epoch):
-                self._perform(self.follower.on_arrival(entry.payload_sha256, now))
+            if entry.relayed and self.store.settle(entry.payload_digest, entry.index, entry.epoch):
+                self._perform(self.follower.on_arrival(entry.payload_digest, now))
 
     # ------------------------------------------------------------------ the plane's actions performed
 

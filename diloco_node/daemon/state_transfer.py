@@ -31,7 +31,7 @@ from diloco_node.daemon.join import FragmentDownload, JoinRefused
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.ops.status import Counter
 from diloco_node.sync.replica import Replica
-from diloco_node.sync.state_codec import PartsReader, fragment_arrays, fragment_parts
+from diloco_node.sync.state_codec import PartsReader, fragment_arrays, fragment_parts, fragment_state_digest
 from diloco_node.transport import PeerClient
 from wire import messages as wire
 from wire.errors import RemoteProtocolError
@@ -328,26 +328,26 @@ class StateKeeper:
 class ServedFragments:
     """The download bytes of this replica's fragments, read a chunk at a time from the state's own
     arrays (state_codec `fragment_parts`): serving a download holds one chunk per request in
-    flight, never a serialized fragment. Each fragment's SHA-256 is remembered for as long as
-    its arrays are the state's (weak references: nothing here keeps an old version alive)."""
+    flight, never a serialized fragment. Chunks name the fragment by its state digest (wire 3.0),
+    the state's own memo when it is the same arrays (an apply computed it), else hashed from the
+    arrays served; remembered for as long as its arrays are the state's (weak references: nothing
+    here keeps an old version alive)."""
 
     def __init__(self, replica: Replica) -> None:
         self.replica = replica
         self._digests: dict[int, tuple[tuple, list[weakref.ref], bytes]] = {}
 
     def read(self, p: int, offset: int, length: int) -> tuple[int, int, bytes, bytes]:
-        """(round, total bytes, SHA-256, bytes [offset, offset + min(length, SERVED_CHUNK_BYTES)))
+        """(round, total bytes, state digest, bytes [offset, offset + min(length, SERVED_CHUNK_BYTES)))
         of fragment p as it is now; safe in worker threads (installs replace arrays, never change them)."""
         state = self.replica.fragment_state(p, copies=False)
         arrays = fragment_arrays(state)
         reader = PartsReader(fragment_parts(state))
-        meta = (state.round, state.norm_ref, state.merged_tokens, state.merged_steps, state.commit_wall,
-                len(state.evicted))
         known = self._digests.get(p)
-        if (known is not None and known[0] == meta and len(known[1]) == len(arrays)
+        if (known is not None and known[0] == (state.round,) and len(known[1]) == len(arrays)
                 and all(ref() is a for ref, a in zip(known[1], arrays.values()))):
             digest = known[2]
         else:
-            digest = reader.digest()
-            self._digests[p] = (meta, [weakref.ref(a) for a in arrays.values()], digest)
+            digest = bytes.fromhex(fragment_state_digest(p, state.round, state.params, state.momentum))
+            self._digests[p] = ((state.round,), [weakref.ref(a) for a in arrays.values()], digest)
         return state.round, reader.total, digest, reader.read(offset, min(length, SERVED_CHUNK_BYTES))

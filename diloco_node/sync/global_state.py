@@ -2,8 +2,8 @@
 
 Every replica applies the same committed outer gradients in the same order with the same
 elementwise float32 arithmetic (`outer.nesterov_step`, with the lr and momentum the schedule gives
-the round: `outer_schedule.py`), so replicas stay bit-identical; the sha256
-digests prove it. A bounded history of past versions per fragment lets the syncer rebase
+the round: `outer_schedule.py`), so replicas stay bit-identical; the BLAKE3
+digests prove it (layout: state_codec.py). A bounded history of past versions per fragment lets the syncer rebase
 contributions made against an older round: `FragmentHistory` keeps it in memory (the default,
 what the in-process runner and the tests use); the daemon injects a ring on disk
 (`daemon/history_ring.py`) through `use_history`, so the history costs no memory per version. `fragment_state`/`install` hand fragments out and take
@@ -16,7 +16,6 @@ Pure: no I/O, no clock. Invalid input raises `GlobalStateError` before anything 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import struct
 from collections import OrderedDict
@@ -29,7 +28,15 @@ from diloco_node.config.manifest import OuterOptimizer
 from diloco_node.sync.fragments import FragmentPlan
 from diloco_node.sync.outer import finite_float32, nesterov_chunks
 from diloco_node.sync.outer_schedule import check_schedule, outer_step_values
-from diloco_node.sync.state_codec import MOMENTUM, PARAMS, FragmentState, current_arrays
+from diloco_node.sync.state_codec import (
+    MOMENTUM,
+    PARAMS,
+    FragmentState,
+    digest_start,
+    fragment_state_digest,
+    hash_tensor_header,
+)
+from wire import digest as content_digest
 
 # How many versions of each fragment (current included) are kept for rebasing. A contribution is
 # made against the version its learner last applied; with one fragment round per period H and
@@ -292,18 +299,18 @@ class GlobalState:
         params, momentum, round_ = self._params[p], self._momentum[p], self._rounds[p]
         grads = self._checked_gradient(p, outer_gradient)
         lr, mu = outer_step_values(self.outer, round_ + 1)
-        h = _digest_start(p, round_ + 1)
+        h = digest_start(p, round_ + 1)
         # The digest's order: every "momentum/<name>" tensor, then every "params/<name>" one, each
         # in name order. The first pass also checks both results of every tensor, in the order
         # `_stepped` does, so a step that would not be finite is refused with the same reason.
         for name in sorted(grads):
-            _hash_tensor_header(h, f"{MOMENTUM}/{name}", params[name].shape)
+            hash_tensor_header(h, f"{MOMENTUM}/{name}", params[name].shape)
             for _, theta, buf in nesterov_chunks(params[name], momentum[name], grads[name], lr, mu):
                 if not (np.all(np.isfinite(theta)) and np.all(np.isfinite(buf))):
                     raise GlobalStateError(f"outer step on fragment {p} would make {name} non-finite; not applied")
                 h.update(np.ascontiguousarray(buf, dtype=_DTYPE).view(np.uint8))
         for name in sorted(grads):
-            _hash_tensor_header(h, f"{PARAMS}/{name}", params[name].shape)
+            hash_tensor_header(h, f"{PARAMS}/{name}", params[name].shape)
             for _, theta, _ in nesterov_chunks(params[name], momentum[name], grads[name], lr, mu):
                 h.update(np.ascontiguousarray(theta, dtype=_DTYPE).view(np.uint8))
         return h.hexdigest()
@@ -339,7 +346,7 @@ class GlobalState:
     # --- digests -----------------------------------------------------------------------------
 
     def fragment_digest(self, p: int) -> str:
-        """sha256 over the fragment index, its round, then each tensor in sorted name order.
+        """BLAKE3 over the fragment index, its round, then each tensor in sorted name order.
 
         Tensors are "params/<name>" and "momentum/<name>"; each contributes its name, dtype,
         shape and raw little-endian float32 bytes, every field length-prefixed (exact layout in
@@ -350,14 +357,14 @@ class GlobalState:
         memo = self._digest_memo[p]
         if memo is not None and memo[0] == version:
             return memo[1]
-        digest = _fragment_digest(p, self._rounds[p], self._params[p], self._momentum[p])
+        digest = fragment_state_digest(p, self._rounds[p], self._params[p], self._momentum[p])
         if self._versions[p] == version:  # not replaced meanwhile (another thread may step it)
             self._digest_memo[p] = (version, digest)
         return digest
 
     def digest(self) -> str:
-        """sha256 over the number of fragments and every fragment digest in index order."""
-        h = hashlib.sha256(b"diloco-global-state\0")
+        """BLAKE3 over the number of fragments and every fragment digest in index order."""
+        h = content_digest.hasher(b"diloco-global-state\0")
         h.update(struct.pack("<q", self.num_fragments))
         for p in range(self.num_fragments):
             h.update(bytes.fromhex(self.fragment_digest(p)))
@@ -393,12 +400,15 @@ class GlobalState:
         return self.install_checked(self.check_fragment(state, expected_digest))
 
     def check_fragment(self, state: FragmentState, expected_digest: str | None = None, *,
-                       adopt: bool = False) -> CheckedFragment:
+                       adopt: bool = False, digest: str | None = None) -> CheckedFragment:
         """`install_fragment`'s checks and digest, changing nothing: the slow half (copies, a
         finiteness scan and a hash of the fragment), safe to run in a worker thread. `adopt`:
-        the caller hands over `state`'s arrays (just decoded, nobody else's): kept, not copied."""
+        the caller hands over `state`'s arrays (just decoded, nobody else's): kept, not copied.
+        `digest`: the state digest this node computed of these very arrays while it decoded them
+        (state_codec `FragmentAssembler.state_digest`), so they are not hashed a second time."""
         p, round_, params, momentum, history = self._validated_state(state, copy=not adopt)
-        digest = _fragment_digest(p, round_, params, momentum)
+        if digest is None:
+            digest = fragment_state_digest(p, round_, params, momentum)
         if expected_digest is not None and digest != expected_digest:
             raise GlobalStateError(f"fragment {p} state digest {digest[:12]} != expected {expected_digest[:12]}")
         return CheckedFragment(p, round_, params, momentum, history, digest)
@@ -525,28 +535,3 @@ def _validated_array(value: Any, name: str, shape: tuple | None, what: str, copy
     if arr is None:
         raise GlobalStateError(f"{what}: {why}")
     return np.array(arr, dtype=_DTYPE, copy=True) if copy else np.asarray(arr, dtype=_DTYPE)
-
-
-def _digest_start(p: int, round_: int) -> Any:
-    h = hashlib.sha256(b"diloco-fragment\0")
-    h.update(struct.pack("<qq", p, round_))
-    return h
-
-
-def _hash_tensor_header(h: Any, name: str, shape: tuple[int, ...]) -> None:
-    """A tensor's fields before its raw bytes: name, dtype, shape and byte count, length-prefixed."""
-    for field_bytes in (name.encode(), _DTYPE.str.encode()):
-        h.update(struct.pack("<q", len(field_bytes)))
-        h.update(field_bytes)
-    h.update(struct.pack("<q", len(shape)))
-    h.update(struct.pack(f"<{len(shape)}q", *shape))
-    h.update(struct.pack("<q", math.prod(shape) * _DTYPE.itemsize))
-
-
-def _fragment_digest(p: int, round_: int, params: Mapping[str, np.ndarray], momentum: Mapping[str, np.ndarray]) -> str:
-    h = _digest_start(p, round_)
-    for name, arr in sorted(current_arrays(params, momentum).items(), key=lambda item: item[0]):
-        data = np.ascontiguousarray(arr, dtype=_DTYPE)
-        _hash_tensor_header(h, name, data.shape)
-        h.update(data.reshape(-1).view(np.uint8))  # the raw bytes, hashed in place (no copy)
-    return h.hexdigest()

@@ -17,9 +17,7 @@ No I/O and no clock here.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +35,7 @@ from diloco_node.sync.state_codec import (
     StateCodecError,
     decode_fragment,
     encode_fragment,
+    fragment_state_digest,
     evictions_from_checkpoint,
     from_checkpoint,
     to_checkpoint,
@@ -46,13 +45,6 @@ from wire.errors import RemoteProtocolError
 
 # A commit payload's msgpack map is a few names and numbers around the delta bytes.
 MAX_COMMIT_METADATA_BYTES = 1 << 20
-# Serialized fragments kept for peers downloading them. A joiner downloads one fragment at a time
-# from each peer (daemon/join.py), so a server needs about one per joiner; a fragment asked for
-# after it left the cache is serialized again (the same bytes: the state has not moved).
-SERVED_FRAGMENTS_CACHED = 4
-# ... and at most this many bytes of them (the newest is kept whatever its size): a large model's
-# embedding fragment alone is GBs, and four of those beside the state would not fit the host.
-SERVED_BYTES_CACHED = 1024**3
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,11 +124,6 @@ class Replica:
         self.merged: list[tuple[int, int]] = [(0, 0)] * plan.num_fragments
         self.commit_wall: list[float] = [0.0] * plan.num_fragments  # newest commit's planning time
         self.evictions = Evictions()  # sites removed from this run for good (never undone)
-        # p -> (round, evictions known, bytes, sha256) of the fragments served most recently (the
-        # bytes carry the evictions too), oldest first: a joiner fetches a fragment in many chunks,
-        # each a call to `fragment_bytes`, so the bytes are kept while it downloads them; at most
-        # SERVED_FRAGMENTS_CACHED of them, not 8 B/param once every fragment has been served.
-        self._bytes_cache: OrderedDict[int, tuple[int, int, bytes, bytes]] = OrderedDict()
 
     # ---- the leader's preview ---------------------------------------------------------------
 
@@ -232,33 +219,15 @@ class Replica:
         self.commit_wall = [s.commit_wall for s in ordered]
         for state in states:  # the register only grows: what we applied ourselves stays
             self.evictions.merge(state.evicted)
-        self._bytes_cache.clear()
         return digest
 
     def fragment_bytes(self, p: int) -> tuple[int, bytes, bytes]:
-        """(round, download bytes, sha256) of fragment p as it is now (cached per round)."""
-        round_, evicted = self.state.round(p), len(self.evictions)
-        # Peers are served from executor threads; each OrderedDict operation is atomic, and one
-        # that finds the entry gone (another thread evicted it meanwhile) is simply skipped.
-        cached = self._bytes_cache.get(p)
-        if cached is not None and cached[:2] == (round_, evicted):
-            try:
-                self._bytes_cache.move_to_end(p)
-            except KeyError:
-                pass
-            return round_, cached[2], cached[3]
-        self._bytes_cache.pop(p, None)  # an older round's bytes: not kept beside the new ones
-        data = encode_fragment(self.fragment_state(p, copies=False))
-        digest = hashlib.sha256(data).digest()
-        self._bytes_cache[p] = (round_, evicted, data, digest)
-        while len(self._bytes_cache) > 1 and (
-                len(self._bytes_cache) > SERVED_FRAGMENTS_CACHED
-                or sum(len(kept[2]) for kept in list(self._bytes_cache.values())) > SERVED_BYTES_CACHED):
-            try:
-                self._bytes_cache.popitem(last=False)
-            except KeyError:
-                break
-        return round_, data, digest
+        """(round, download bytes, state digest) of fragment p as it is now, serialized whole: what
+        a test or a tool hands to `install_fragment_bytes`. Serving peers reads the state's own
+        arrays a chunk at a time instead (daemon/state_transfer.py `ServedFragments`)."""
+        state = self.fragment_state(p, copies=False)
+        digest = fragment_state_digest(p, state.round, state.params, state.momentum)
+        return state.round, encode_fragment(state), bytes.fromhex(digest)
 
     def install_fragment_bytes(self, p: int, data: bytes) -> str:
         """Replace fragment p from a peer's download bytes (checked fully before anything changes)."""
@@ -290,7 +259,6 @@ class Replica:
         self.merged[p] = (state.merged_tokens, state.merged_steps)
         self.commit_wall[p] = state.commit_wall
         self.evictions.merge(state.evicted)
-        self._bytes_cache.pop(p, None)
         self.diverged.discard(p)
         return digest
 
@@ -303,7 +271,8 @@ class Replica:
 
     def restore_checkpoint(self, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> str:
         """Replace the replicated state from a checkpoint's metadata and arrays, verified against
-        the digest it promises; StateCodecError or GlobalStateError (nothing changed) otherwise."""
+        the digest it promises (one written before wire 3.0 promises none that still names anything:
+        state_codec `from_checkpoint`); StateCodecError or GlobalStateError (nothing changed) otherwise."""
         states, digest = from_checkpoint(meta, arrays, self.plan)
         evicted = evictions_from_checkpoint(meta)
         installed = self.install_states(states, expected_digest=digest)

@@ -10,11 +10,16 @@ in memory; this module gives them their names and their serialized forms:
   "momentum/<tensor>" and "history/<round>/<tensor>". The fragment digest hashes the first two
   names (`current_arrays`), so the digest layout and every serialized form name tensors alike.
 - checkpoint entries (`to_checkpoint` / `from_checkpoint`): the named arrays of every fragment under
-  "global/", plus metadata {"rounds", "state_digest", "norm_refs"} and, once a site was evicted,
+  "global/", plus metadata {"rounds", "state_digest", "digest_hash", "norm_refs"} and, once a site was evicted,
   "evicted" (`evictions_from_checkpoint`); a checkpoint holds other arrays (the learner's) beside them.
 - download bytes (`encode_fragment` / `decode_fragment`): what a peer serves for one fragment of a
   state download: a msgpack map of the metadata and the named arrays as [shape, raw <f4 bytes],
-  plus "evicted" once a site was evicted (absent reads as none: older peers interoperate).
+  plus "evicted" once a site was evicted (absent reads as none). Format 3: "fragment" and
+  "round" come before "arrays", and the arrays come in the digest's order (sorted names), so a
+  receiver computes the fragment's state digest while it decodes (`FragmentAssembler`).
+- the state digest's layout (`fragment_state_digest`, `digest_start`, `hash_tensor_header`):
+  BLAKE3 (wire/digest.py) over the fragment index, its round, then each of `current_arrays` in
+  sorted name order, each field length-prefixed (docs/MERGE.md).
 
 Decoding checks structure only (names, integer rounds, byte lengths, the norm reference); whether
 the arrays fit a run's plan and are finite is `GlobalState`'s check when it installs them.
@@ -25,7 +30,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import hashlib
 import math
 import struct
 from collections.abc import Mapping, Sequence
@@ -37,6 +41,7 @@ import numpy as np
 
 from diloco_node.sync.evictions import EvictionError, EvictionRecord, Evictions
 from diloco_node.sync.fragments import FragmentPlan
+from wire import digest as content_digest
 
 PARAMS = "params"
 MOMENTUM = "momentum"
@@ -44,7 +49,8 @@ HISTORY = "history"
 # Checkpoint array names of the global state start with this; the learner's start with "learner/".
 CHECKPOINT_PREFIX = "global/"
 # Version of the download bytes; a peer serving another version is refused by `decode_fragment`.
-FRAGMENT_BYTES_FORMAT = 2
+# 3 (wire 3.0): arrays in the state digest's order, after "fragment" and "round".
+FRAGMENT_BYTES_FORMAT = 3
 _DTYPE = np.dtype("<f4")  # the one dtype of the global state on every wire and disk
 
 
@@ -86,9 +92,45 @@ def current_arrays(params: Mapping[str, np.ndarray], momentum: Mapping[str, np.n
     return named
 
 
+# ---------------------------------------------------------------------------------------------
+# The state digest's layout
+# ---------------------------------------------------------------------------------------------
+
+
+def digest_start(p: int, round_: int) -> Any:
+    """A fragment digest's hasher after its fixed prefix: a domain label, the index and the round."""
+    h = content_digest.hasher(b"diloco-fragment\0")
+    h.update(struct.pack("<qq", p, round_))
+    return h
+
+
+def hash_tensor_header(h: Any, name: str, shape: tuple[int, ...]) -> None:
+    """A tensor's fields before its raw bytes: name, dtype, shape and byte count, length-prefixed."""
+    for field_bytes in (name.encode(), _DTYPE.str.encode()):
+        h.update(struct.pack("<q", len(field_bytes)))
+        h.update(field_bytes)
+    h.update(struct.pack("<q", len(shape)))
+    h.update(struct.pack(f"<{len(shape)}q", *shape))
+    h.update(struct.pack("<q", math.prod(shape) * _DTYPE.itemsize))
+
+
+def fragment_state_digest(p: int, round_: int, params: Mapping[str, np.ndarray],
+                          momentum: Mapping[str, np.ndarray]) -> str:
+    """The fragment's state digest (hex): `digest_start`, then every array of `current_arrays` in
+    sorted name order, its header and its raw little-endian float32 bytes (hashed in place)."""
+    h = digest_start(p, round_)
+    for name, arr in sorted(current_arrays(params, momentum).items(), key=lambda item: item[0]):
+        shape = np.shape(arr)  # a 0-d array's own shape (), as `digest_after` and receivers hash it
+        data = np.ascontiguousarray(arr, dtype=_DTYPE)  # (at least 1-d: only its bytes are used)
+        hash_tensor_header(h, name, shape)
+        h.update(data.reshape(-1).view(np.uint8))
+    return h.hexdigest()
+
+
 def fragment_arrays(state: FragmentState) -> dict[str, np.ndarray]:
-    """Every array of the fragment by name: current parameters and buffer, then history versions."""
-    named = current_arrays(state.params, state.momentum)
+    """Every array of the fragment by name: current parameters and buffer in the digest's order
+    (sorted names), then history versions."""
+    named = dict(sorted(current_arrays(state.params, state.momentum).items(), key=lambda item: item[0]))
     for round_, version in state.history.items():
         named.update({f"{HISTORY}/{round_}/{n}": a for n, a in version.items()})
     return named
@@ -166,6 +208,7 @@ def to_checkpoint(fragments: Sequence[FragmentState], state_digest: str,
     meta: dict[str, Any] = {
         "rounds": [f.round for f in fragments],
         "state_digest": state_digest,
+        "digest_hash": content_digest.DIGEST_NAME,
         "norm_refs": {str(f.fragment): f.norm_ref for f in fragments if f.norm_ref is not None},
         "merged": [[f.merged_tokens, f.merged_steps] for f in fragments],
         "commit_wall": [f.commit_wall for f in fragments],
@@ -177,15 +220,21 @@ def to_checkpoint(fragments: Sequence[FragmentState], state_digest: str,
 
 
 def from_checkpoint(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
-                    plan: FragmentPlan) -> tuple[list[FragmentState], str]:
+                    plan: FragmentPlan) -> tuple[list[FragmentState], str | None]:
     """(one FragmentState per fragment of `plan`, the state digest the checkpoint promises).
+
+    A checkpoint written before wire 3.0 ("digest_hash" absent) promises a SHA-256 state digest,
+    which no longer names anything: None then (its file's own checksum still guards its bytes,
+    and the state's digest is computed afresh when it is installed).
 
     Arrays without the "global/" prefix belong to others and are skipped; the arrays are copied
     out of the checkpoint's buffer.
     """
     try:
         rounds = [_checked_int(f"checkpoint: rounds[{p}]", r) for p, r in enumerate(meta["rounds"])]
-        digest = str(meta["state_digest"])
+        digest: str | None = str(meta["state_digest"])
+        if meta.get("digest_hash") != content_digest.DIGEST_NAME:
+            digest = None
         norm_refs = {int(p): v for p, v in meta.get("norm_refs", {}).items()}
         merged = [_checked_merged(f"checkpoint: merged[{p}]", m) for p, m in enumerate(meta.get("merged", []))]
         walls = [_checked_wall(f"checkpoint: commit_wall[{p}]", w) for p, w in enumerate(meta.get("commit_wall", []))]
@@ -290,7 +339,7 @@ def _bin_header(n: int) -> bytes:
 class PartsReader:
     """Byte ranges of a fragment's download bytes, read from its parts (`fragment_parts`) without
     joining them: what a server holds for a fragment is its parts (the state's own arrays) and
-    one chunk per request. `digest()` hashes the parts in place (hashlib releases the GIL)."""
+    one chunk per request."""
 
     def __init__(self, parts: Sequence[bytes | memoryview]) -> None:
         self._parts = [memoryview(p).cast("B") for p in parts]
@@ -300,12 +349,6 @@ class PartsReader:
             self._starts.append(total)
             total += part.nbytes
         self.total = total
-
-    def digest(self) -> bytes:
-        h = hashlib.sha256()
-        for part in self._parts:
-            h.update(part)
-        return h.digest()
 
     def read(self, offset: int, length: int) -> bytes:
         """Bytes [offset, offset + length) clipped to the end (b"" past it): one copy of the range."""
@@ -380,13 +423,16 @@ class FragmentAssembler:
     """Decodes one fragment's download bytes as they arrive, in order, straight into arrays of
     the shapes `shapes` allows ({array name: shape}, e.g. "params/<tensor>"): the bytes are never
     held whole, so receiving a fragment costs its arrays and one chunk, not twice the fragment.
-    `feed` also hashes what it is given (`digest()`: the SHA-256 of every byte fed so far).
+    As each array's bytes are copied in, they are hashed into the fragment's state digest
+    (`state_digest()`, the same as `fragment_state_digest` of the decoded arrays): the bytes are
+    hashed where they already are, once, and the installer need not hash the arrays again.
     `finish()` is `decode_fragment`'s result for the same bytes, or StateCodecError; an array
-    name or shape `shapes` does not allow is refused before anything is allocated for it."""
+    name or shape `shapes` does not allow, arrays out of the digest's order, or arrays before
+    "fragment" and "round" are refused before anything is allocated for them."""
 
     def __init__(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
         self._shapes = dict(shapes)
-        self._hash = hashlib.sha256()
+        self._state_hash: Any = None  # started once "fragment" and "round" are known
         self.received = 0
         self._pending = bytearray()  # bytes of a header or metadata item, not yet complete
         self._target: np.ndarray | None = None  # uint8 view of the array being filled
@@ -396,12 +442,14 @@ class FragmentAssembler:
         self._parser = self._parse()
         self._want: int | np.ndarray | None = next(self._parser)
 
-    def digest(self) -> bytes:
-        return self._hash.digest()
+    def state_digest(self) -> str:
+        """The state digest (hex) of the arrays fed so far; whole once `finish` has succeeded."""
+        if self._state_hash is None:
+            raise StateCodecError("fragment bytes: no arrays yet")
+        return self._state_hash.hexdigest()
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")
-        self._hash.update(view)
         self.received += view.nbytes
         at = 0
         while at < view.nbytes:
@@ -409,7 +457,9 @@ class FragmentAssembler:
                 raise StateCodecError(f"fragment bytes: {view.nbytes - at} bytes after the end")
             if isinstance(self._want, np.ndarray):  # an array's raw bytes: copied into it directly
                 take = min(view.nbytes - at, self._want.size - self._filled)
-                self._want[self._filled:self._filled + take] = np.frombuffer(view[at:at + take], np.uint8)
+                piece = view[at:at + take]
+                self._state_hash.update(piece)  # hashed where the bytes are, as they are copied
+                self._want[self._filled:self._filled + take] = np.frombuffer(piece, np.uint8)
                 self._filled += take
                 at += take
                 if self._filled == self._want.size:
@@ -448,6 +498,7 @@ class FragmentAssembler:
             if not isinstance(key, str) or key in raw:
                 raise StateCodecError(f"fragment bytes: key {key!r} is not a new string")
             if key == "arrays":
+                self._start_digest(raw)
                 raw[key] = yield from self._arrays_map()
             else:
                 raw[key] = yield from self._value(0)
@@ -457,13 +508,25 @@ class FragmentAssembler:
             raise StateCodecError("fragment bytes: no 'arrays'")
         self._result = raw
 
+    def _start_digest(self, raw: Mapping[str, Any]) -> None:
+        """The state digest starts with the fragment and round: format 3 sends them first."""
+        for key in ("fragment", "round"):
+            value = raw.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
+                raise StateCodecError(f"fragment bytes: {key!r} must be an integer in [0, 2^63) before 'arrays'")
+        self._state_hash = digest_start(raw["fragment"], raw["round"])
+
     def _arrays_map(self) -> Any:
         head = yield 1
         n = yield from self._map_length(head[0])
+        last = ""
         for _ in range(n):
             name = yield from self._value(0)
             if not isinstance(name, str) or name in self._arrays:
                 raise StateCodecError(f"fragment bytes: array name {name!r} is not a new string")
+            if name <= last:
+                raise StateCodecError(f"fragment bytes: array {name!r} after {last!r}, not in the digest's order")
+            last = name
             if (yield 1) != b"\x92":
                 raise StateCodecError(f"fragment bytes: array {name!r} is not [shape, bytes]")
             shape = yield from self._value(0)
@@ -477,6 +540,7 @@ class FragmentAssembler:
             if size is None or size != math.prod(expected) * _DTYPE.itemsize:
                 raise StateCodecError(f"fragment bytes: {name}: not {math.prod(expected) * _DTYPE.itemsize} raw bytes")
             array = np.empty(expected, _DTYPE)
+            hash_tensor_header(self._state_hash, name, tuple(expected))
             if size:
                 yield array.reshape(-1).view(np.uint8)
             self._arrays[name] = array

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import hashlib
 import logging
 import os
 import time
@@ -43,6 +42,7 @@ from diloco_node.transport.routes import (
 from diloco_node.transport.server import approx_payload_bytes
 from diloco_node.transport.streaks import FailureStreaks
 from diloco_node.transport.tls import SiteTls
+from wire import digest as content_digest
 from wire.auth import ANY_MEMBER, MAC_BYTES, NONCE_BYTES, AuthContext, FrameVerifier
 from wire.errors import LocalProtocolError, RemoteProtocolError
 from wire.frames import (
@@ -221,12 +221,12 @@ class PeerClient:
         return await self._post(base_url.rstrip("/") + kind_path(kind), chunks, len(body), peer, deadline_s)
 
     async def send_stream(self, base_url: str, head: Message, payload: Payload, *,
-                          payload_length: int | None = None, payload_sha256: bytes | None = None,
+                          payload_length: int | None = None, payload_digest: bytes | None = None,
                           peer: str | None = None, deadline_s: float | None = None) -> list[Message]:
         """Upload one large payload as a streamed frame of `head`'s kind.
 
         `head` is the message with an empty payload (`message.without_payload()`). For a bytes-like
-        payload, length and SHA-256 are computed here (in the thread pool); an async iterator must
+        payload, length and digest (BLAKE3) are computed here (in the thread pool); an async iterator must
         come with both, since the authenticated frame header carries them before the first byte.
         """
         loop = asyncio.get_running_loop()
@@ -235,15 +235,15 @@ class PeerClient:
             if payload_length is not None and payload_length != len(view):
                 raise LocalProtocolError(f"payload_length {payload_length} != len(payload) {len(view)}")
             payload_length = len(view)
-            if payload_sha256 is None:
-                payload_sha256 = await loop.run_in_executor(self._executor, lambda: hashlib.sha256(view).digest())
+            if payload_digest is None:
+                payload_digest = await loop.run_in_executor(self._executor, lambda: content_digest.digest(view))
             source: AsyncIterable[bytes | memoryview] = _slices(view, self.options.upload_chunk_bytes)
         else:
-            if payload_length is None or payload_sha256 is None:
-                raise LocalProtocolError("a streamed payload from an iterator needs payload_length and payload_sha256")
+            if payload_length is None or payload_digest is None:
+                raise LocalProtocolError("a streamed payload from an iterator needs payload_length and payload_digest")
             source = payload
         head_bytes = encode_frame_head(head, self._auth, now_unix=self._wall_clock(), nonce=os.urandom(NONCE_BYTES),
-                                       payload_length=payload_length, payload_sha256=payload_sha256,
+                                       payload_length=payload_length, payload_digest=payload_digest,
                                        to=peer or ANY_MEMBER)
         misuse: list[LocalProtocolError] = []
         body = _exactly(head_bytes, source, payload_length, misuse)

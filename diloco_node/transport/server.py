@@ -26,7 +26,7 @@ Handlers are registered per message kind by the composition root:
   bounded by what the consumer says its declaration still allows (`max_remaining_bytes`), so its
   size follows the model's shapes rather than a fixed cap; memory is one frame.
 
-Decoding batches of 64 KiB or more (SHA-256 of payloads, msgpack) and encoding big replies run in a
+Decoding batches of 64 KiB or more (BLAKE3 of payloads, msgpack) and encoding big replies run in a
 thread pool, never on the event loop.
 """
 
@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import hashlib
 import logging
 import os
 import time
@@ -59,6 +58,7 @@ from diloco_node.transport.routes import (
 )
 from diloco_node.transport.streaks import FailureStreaks
 from diloco_node.transport.tls import certificate_sha256, certified_node_id
+from wire import digest as content_digest
 from wire.auth import ANY_MEMBER, MAC_BYTES, NONCE_BYTES, AuthContext, FrameVerifier
 from wire.errors import RemoteProtocolError
 from wire.frames import (
@@ -677,7 +677,7 @@ def _frame_head(message: Message, payload: bytes, auth: AuthContext, **stamp: An
     """The head of `message`'s frame, whose payload follows it unchanged: the same bytes as
     `encode_frame(message)` without joining the two."""
     return encode_frame_head(message.without_payload(), auth, payload_length=len(payload),
-                             payload_sha256=hashlib.sha256(payload).digest(), **stamp)
+                             payload_digest=content_digest.digest(payload), **stamp)
 
 
 def _decode_batch(decoder: FrameDecoder, data: bytes, now_unix: float) -> list[Event]:

@@ -57,13 +57,13 @@ WRITERS = {
             ring.record(r, {"a": np.full(32, r, np.float32)})
     """,
     "spool.write": """
-        import asyncio, hashlib
+        import asyncio, blake3
         from diloco_node.daemon.relay_spool import PayloadReceiver, SpoolDirectory
         from wire import messages as wire
         from wire.payload_stream import PayloadAssembler
         spool = SpoolDirectory(root)
         async def receive(payload):
-            digest = hashlib.sha256(payload).digest()
+            digest = blake3.blake3(payload).digest()
             head = wire.PayloadOpen(b"s" * 16, digest, len(payload), 4096, "a", {})
             receiver = PayloadReceiver(PayloadAssembler(head, 1 << 20), "a", spool.new_file(digest),
                                        progress=lambda n: None, accept=lambda p: None, ended=lambda r: None)
