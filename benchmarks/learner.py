@@ -198,9 +198,12 @@ def daemon_learner(manifest: RunManifest, tokens: np.ndarray, steps: int, round_
         time.sleep(0.001)
     elapsed = time.perf_counter() - started
     counted = learner.steps - first
-    host_ms = [1e3 * s for s in list(learner.host_seconds)[-counted:]]
     learner.stop()
     learner.join(60)
+    # One host time per step, oldest first (read once the thread is done: it appends to them).
+    times = list(learner.host_seconds)
+    offset = learner.steps - len(times)
+    host_ms = [1e3 * s for s in times[max(0, first - offset):first + counted - offset]]
     network.inbox.put(None)
     network.thread.join(10)
     if learner.error is not None:

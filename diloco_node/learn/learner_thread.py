@@ -116,10 +116,6 @@ class _PendingRead:
 # the transfer to the host must read copies); compiled once per fragment, in `compile`.
 _copy_fragment = jax.jit(lambda arrays: {name: jnp.copy(array) for name, array in arrays.items()})
 
-# Steps the device holds at the moment the thread waits for a result: the one it computes and the
-# next, already dispatched. The loss the thread fetches is the older one's, so the host's work of a
-# boundary (sampling, reports, hand-offs) overlaps the newer step.
-STEPS_IN_FLIGHT = 2
 # Host times per step kept for `host_ms_per_step` (about a minute of small steps).
 HOST_TIMES_KEPT = 4096
 
@@ -345,8 +341,9 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
                 # Due fragments read at the previous boundary: their copies reached the host
                 # while this step was being dispatched and computed.
                 self._finish_reads()
-                # The one wait of the loop: the older of the STEPS_IN_FLIGHT steps, while the
-                # device goes on with the newer.
+                # The one wait of the loop, on the older of two steps in flight (the device holds
+                # the one it computes and the next, already dispatched): the host's work of a
+                # boundary (sampling, reports, hand-offs) overlaps the newer step.
                 waiting = time.perf_counter()
                 loss = _scalar(previous_loss if previous_loss is not None else loss_now)
                 waited = time.perf_counter() - waiting
