@@ -27,7 +27,9 @@ per token over the devices' peak; n/a on a CPU) of each, and their ratio (daemon
 the goal 0.98: best run over best run, and the median of each daemon run over the plain run just
 before it), the offers applied (to show traffic flowed), the training thread's own host time per
 step (`host_ms_per_step` p50 and p99: everything the thread does between waiting on one step and
-dispatching the next; the device idles once it exceeds the step's device time), the
+dispatching the next, wall time; the device idles once it exceeds the step's device time; and the
+same steps' CPU time of the thread, `host_cpu_ms_per_step`, which a loaded machine does not
+inflate), the
 device-to-host bytes of the due fragments against their float32 size (int4 is encoded on the
 device: codes and scales only), and the cost of reading one due fragment (device copy, transfer,
 delta; and the int4 program's dispatch and landing on the host) and writing one merged fragment
@@ -167,7 +169,8 @@ class DaemonRun:
     steps_per_s: float
     offers: int
     bytes_encoded: int
-    host_ms: list[float]  # the training thread's host time of each measured step
+    host_ms: list[float]  # the training thread's host time of each measured step (wall)
+    host_cpu_ms: list[float]  # the same steps' CPU time of the training thread
     due_transfer_bytes: int  # device-to-host bytes of the due fragments (int4: codes and scales)
     due_fp32_bytes: int  # the same fragments' float32 size
     dues: int
@@ -204,11 +207,13 @@ def daemon_learner(manifest: RunManifest, tokens: np.ndarray, steps: int, round_
     times = list(learner.host_seconds)
     offset = learner.steps - len(times)
     host_ms = [1e3 * s for s in times[max(0, first - offset):first + counted - offset]]
+    cpu_times = list(learner.host_cpu_seconds)
+    host_cpu_ms = [1e3 * s for s in cpu_times[max(0, first - offset):first + counted - offset]]
     network.inbox.put(None)
     network.thread.join(10)
     if learner.error is not None:
         raise RuntimeError(f"the learner thread failed: {learner.error!r}")
-    return DaemonRun(counted / elapsed, network.offers, network.bytes, host_ms, learner.due_transfer_bytes,
+    return DaemonRun(counted / elapsed, network.offers, network.bytes, host_ms, host_cpu_ms, learner.due_transfer_bytes,
                      learner.due_fp32_bytes, sum(network.rounds.values()))
 
 
@@ -313,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             return (f"{steps_per_s:.2f} steps/s, {steps_per_s * tokens_per_step:,.0f} tokens/s, MFU "
                     + (f"{100 * value:.1f}%" if value is not None else "n/a (no known peak)"))
 
-        plain_runs, daemon_runs, host_ms, offers, sent = [], [], [], 0, 0
+        plain_runs, daemon_runs, host_ms, host_cpu_ms, offers, sent = [], [], [], [], 0, 0
         run: DaemonRun | None = None
         for _ in range(args.repeats):
             started = time.perf_counter()
@@ -325,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             run = daemon_learner(manifest, tokens, args.steps, args.round_trip_ms / 1000, mesh)
             rate, offers, sent = run.steps_per_s, run.offers, run.bytes_encoded
             host_ms += run.host_ms
+            host_cpu_ms += run.host_cpu_ms
             gc.collect()
             daemon_runs.append(rate)
             print(f"{count} device(s): daemon learner {shown(rate)} ({offers} merged fragments applied, "
@@ -345,10 +351,11 @@ def main(argv: list[str] | None = None) -> int:
                         "plain_mfu_best": mfu_of(max(plain_runs)), "daemon_mfu_best": mfu_of(max(daemon_runs)),
                         "offers_applied_last_run": offers, "bytes_encoded_last_run": sent, "fragment": costs,
                         "host_ms_per_step": percentiles_ms(host_ms),
+                        "host_cpu_ms_per_step": percentiles_ms(host_cpu_ms),
                         "due_fragments_last_run": run.dues if run else 0,
                         "device_to_host_bytes_last_run": run.due_transfer_bytes if run else 0,
                         "due_fp32_bytes_last_run": run.due_fp32_bytes if run else 0})
-        host = percentiles_ms(host_ms)
+        host, host_cpu = percentiles_ms(host_ms), percentiles_ms(host_cpu_ms)
         print(f"{count} device(s): daemon learner / plain loop: {ratio:.3f} best/best, {pair_ratio:.3f} median of "
               f"pairs (target >= 0.95, goal 0.98); best: plain {shown(max(plain_runs))}, daemon "
               f"{shown(max(daemon_runs))}; one "
@@ -356,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
               f"write {costs['write_ms_median']:.2f} ms; int4 on the device: dispatch "
               f"{costs['int4_dispatch_ms_median']:.2f} ms, on the host after {costs['int4_to_host_ms_median']:.2f} ms, "
               f"{costs['int4_transfer_bytes'] / max(costs['fragment_bytes'], 1):.3f} of the fp32 bytes; "
-              f"host_ms_per_step p50 {host['p50']:.3f} ms, p99 {host['p99']:.3f} ms", flush=True)
+              f"host_ms_per_step p50 {host['p50']:.3f} ms, p99 {host['p99']:.3f} ms (the thread's CPU time: p50 "
+              f"{host_cpu['p50']:.3f} ms, p99 {host_cpu['p99']:.3f} ms)", flush=True)
     report = {
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "jax": jax.__version__,
         "model": dataclasses.asdict(manifest.model) | {"tensors": len(factory.model_signature(manifest.model))},

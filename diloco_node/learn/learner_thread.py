@@ -221,6 +221,9 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         # The thread's own host time of each step (everything but waiting on the device and
         # pacing), the critical path on an accelerator; the latest HOST_TIMES_KEPT, in seconds.
         self.host_seconds: collections.deque[float] = collections.deque(maxlen=HOST_TIMES_KEPT)
+        # The same steps' CPU time of this thread (`time.thread_time`): on a loaded machine the
+        # wall time above also counts the time the thread was runnable but not running.
+        self.host_cpu_seconds: collections.deque[float] = collections.deque(maxlen=HOST_TIMES_KEPT)
         # The latest closed window's figures (None until the first window closes); replaced whole.
         self.figures: StepFigures | None = None
         self._window = FigureWindow()
@@ -321,7 +324,7 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
                 self._cluster_start()
             self._window.begin(time.perf_counter())
             while True:
-                started = time.perf_counter()
+                started, cpu_started = time.perf_counter(), time.thread_time()
                 if self._following is not None:
                     if self._cluster_boundary():
                         break
@@ -371,6 +374,7 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
                 finished = time.perf_counter()
                 self.sync_seconds_total += (computing - started) + (finished - computed)
                 self.host_seconds.append(finished - started - waited)
+                self.host_cpu_seconds.append(time.thread_time() - cpu_started)
                 if self._min_step_interval_s > 0:
                     rest = self._min_step_interval_s - (time.perf_counter() - started)
                     if rest > 0:
