@@ -20,7 +20,7 @@ python="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log to OUT/NAME.log, print the tail
-    local name="$1" limit="$2"; shift 2
+    local name="$1" limit=$(( $2 * limit_scale )); shift 2
     local started=$SECONDS
     echo "=== $name (limit ${limit}s)"
     timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
@@ -36,12 +36,14 @@ nvidia-smi -L 2>/dev/null || true
 # Tiny: the learner stages at a size the CPU runs in seconds (proves the stages and their outputs
 # work; the figures mean nothing); the attention stages, which need an accelerator, are left out.
 tiny="${ACCEL_CHECK_TINY:-}"
+limit_scale=1
 if [[ -n "$tiny" ]]; then
+    limit_scale="${ACCEL_CHECK_LIMIT_SCALE:-4}"  # a small CPU compiles slower than a GPU steps
     one_b=(--option size=1m --option compute_dtype='"bfloat16"' --vocab-size 256 --seq-len 64 --batch-size 4
            --fragments 4 --period 4 --steps 20 --repeats 2)
     hundred_m=(--option size=1m --option compute_dtype='"bfloat16"' --vocab-size 256 --seq-len 64 --batch-size 4
-               --fragments 4 --period 4 --steps 20 --repeats 2)
-    sites=(--size 1m --seq-len 64 --batch-size 4 --platform cpu --jax-platforms cpu --duration 15)
+               --fragments 4 --period 4 --steps 10 --repeats 1)
+    sites=(--size 1m --seq-len 64 --batch-size 4 --platform cpu --jax-platforms cpu --duration 10)
     remat=(--size 1m --vocab-size 256 --seq-len 256 --steps 2)
 else
     one_b=(--option size=1b --option compute_dtype='"bfloat16"' --vocab-size 128256 --seq-len 2048 --batch-size 8
