@@ -25,9 +25,15 @@ mesh with the same batches:
 Reported per device count: steps/s, tokens/s and MFU (learn/flops.py: the model's training FLOPs
 per token over the devices' peak; n/a on a CPU) of each, and their ratio (daemon / plain; the target is >= 0.95,
 the goal 0.98: best run over best run, and the median of each daemon run over the plain run just
-before it), the offers applied (to show traffic flowed), and the cost of reading one due
-fragment (device copy, transfer, delta) and writing one merged fragment (placed with each
-tensor's sharding) on the mesh. Each side runs `--repeats` times, alternating; the best run of
+before it), the offers applied (to show traffic flowed), the training thread's own host time per
+step (`host_ms_per_step` p50 and p99: everything the thread does between waiting on one step and
+dispatching the next, wall time; the device idles once it exceeds the step's device time; and the
+same steps' CPU time of the thread, `host_cpu_ms_per_step`, which a loaded machine does not
+inflate), the
+device-to-host bytes of the due fragments against their float32 size (int4 is encoded on the
+device: codes and scales only), and the cost of reading one due fragment (device copy, transfer,
+delta; and the int4 program's dispatch and landing on the host) and writing one merged fragment
+(placed with each tensor's sharding) on the mesh. Each side runs `--repeats` times, alternating; the best run of
 each side is compared (the machine's noise only slows runs down).
 """
 
@@ -75,6 +81,7 @@ from diloco_node.learn import factory  # noqa: E402
 from diloco_node.learn import flops as flops_lib  # noqa: E402
 from diloco_node.learn import model as model_lib  # noqa: E402
 from diloco_node.learn.inner import InnerLearner  # noqa: E402
+from diloco_node.learn.device_quantize import EncodedTensor, delta_program  # noqa: E402
 from diloco_node.learn.learner_thread import DueFragment, LearnerThread, _copy_fragment  # noqa: E402
 from diloco_node.learn.mesh import MeshShape, SiteMesh, build_site_mesh, host_view, place  # noqa: E402
 from diloco_node.sync.fragments import plan_fragments  # noqa: E402
@@ -141,21 +148,36 @@ class NetworkStandIn:
 
     def _run(self) -> None:
         while (due := self.inbox.get()) is not None:
-            payload = encode_named(due.delta, self.manifest.sync.codec_up)
+            # An int4 delta comes encoded on the device (learn/device_quantize.py): reading it here,
+            # off the training thread, waits for its transfer, as the daemon's codec pool does.
+            delta = {n: np.asarray(d) for n, d in due.delta.items()}
+            payload = encode_named(delta, self.manifest.sync.codec_up)
             self.bytes += len(payload)
             time.sleep(self.round_trip_s)
             assert self.learner is not None
             round_ = self.rounds.get(due.fragment, 0) + 1
             self.rounds[due.fragment] = round_
             # A "merged" fragment: the learner's own base moved by half its delta (a valid state).
-            merged = {n: np.asarray(self.base[n] - 0.5 * d, np.float32) for n, d in due.delta.items()}
+            merged = {n: np.asarray(self.base[n] - 0.5 * d, np.float32) for n, d in delta.items()}
             self.base.update(merged)
             self.learner.offer_fragment(due.fragment, round_, merged, contributors=("bench",))
             self.offers += 1
 
 
+@dataclasses.dataclass
+class DaemonRun:
+    steps_per_s: float
+    offers: int
+    bytes_encoded: int
+    host_ms: list[float]  # the training thread's host time of each measured step (wall)
+    host_cpu_ms: list[float]  # the same steps' CPU time of the training thread
+    due_transfer_bytes: int  # device-to-host bytes of the due fragments (int4: codes and scales)
+    due_fp32_bytes: int  # the same fragments' float32 size
+    dues: int
+
+
 def daemon_learner(manifest: RunManifest, tokens: np.ndarray, steps: int, round_trip_s: float,
-                   mesh: SiteMesh) -> tuple[float, int, int]:
+                   mesh: SiteMesh) -> DaemonRun:
     inner = InnerLearner(manifest.model, manifest.inner, manifest.seed, site_mesh=mesh)
     initial = inner.get_flat()  # one host copy, as a founding site's replica takes it
     plan = plan_fragments({n: a.shape for n, a in initial.items()}, manifest.sync.fragments, manifest.sync.period,
@@ -181,11 +203,24 @@ def daemon_learner(manifest: RunManifest, tokens: np.ndarray, steps: int, round_
     counted = learner.steps - first
     learner.stop()
     learner.join(60)
+    # One host time per step, oldest first (read once the thread is done: it appends to them).
+    times = list(learner.host_seconds)
+    offset = learner.steps - len(times)
+    host_ms = [1e3 * s for s in times[max(0, first - offset):first + counted - offset]]
+    cpu_times = list(learner.host_cpu_seconds)
+    host_cpu_ms = [1e3 * s for s in cpu_times[max(0, first - offset):first + counted - offset]]
     network.inbox.put(None)
     network.thread.join(10)
     if learner.error is not None:
         raise RuntimeError(f"the learner thread failed: {learner.error!r}")
-    return counted / elapsed, network.offers, network.bytes
+    return DaemonRun(counted / elapsed, network.offers, network.bytes, host_ms, host_cpu_ms, learner.due_transfer_bytes,
+                     learner.due_fp32_bytes, sum(network.rounds.values()))
+
+
+def percentiles_ms(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p99": None}
+    return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
 
 
 def fragment_costs(manifest: RunManifest, mesh: SiteMesh, repeats: int = 20) -> dict[str, float]:
@@ -212,8 +247,28 @@ def fragment_costs(manifest: RunManifest, mesh: SiteMesh, repeats: int = 20) -> 
         placed = {n: place(base[n], arrays[n].sharding) for n in names}
         jax.block_until_ready(placed)
         writes.append(time.perf_counter() - started)
+    # The int4 path: the training thread only dispatches the fragment's program and starts the
+    # transfer (`dispatch`); the codes and scales reach the host later (`to host`).
+    program = delta_program(tuple(names))
+    device_base = {n: place(base[n], arrays[n].sharding) for n in names}
+    jax.block_until_ready(program(device_base, arrays))
+    dispatches, landed, transfer = [], [], 0
+    for _ in range(repeats):
+        started = time.perf_counter()
+        encoded = program(device_base, arrays)
+        for parts in encoded.values():
+            for array in parts:
+                array.copy_to_host_async()
+        dispatches.append(time.perf_counter() - started)
+        tensors = [EncodedTensor(n, arrays[n].shape, *encoded[n]) for n in names]
+        for tensor in tensors:
+            tensor.host_parts()
+        landed.append(time.perf_counter() - started)
+        transfer = sum(t.transfer_bytes for t in tensors)
     return {"fragment_tensors": len(names), "fragment_bytes": int(sum(flat[n].nbytes for n in names)),
-            "read_ms_median": 1e3 * float(np.median(reads)), "write_ms_median": 1e3 * float(np.median(writes))}
+            "read_ms_median": 1e3 * float(np.median(reads)), "write_ms_median": 1e3 * float(np.median(writes)),
+            "int4_dispatch_ms_median": 1e3 * float(np.median(dispatches)),
+            "int4_to_host_ms_median": 1e3 * float(np.median(landed)), "int4_transfer_bytes": transfer}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
             return (f"{steps_per_s:.2f} steps/s, {steps_per_s * tokens_per_step:,.0f} tokens/s, MFU "
                     + (f"{100 * value:.1f}%" if value is not None else "n/a (no known peak)"))
 
-        plain_runs, daemon_runs, offers, sent = [], [], 0, 0
+        plain_runs, daemon_runs, host_ms, host_cpu_ms, offers, sent = [], [], [], [], 0, 0
+        run: DaemonRun | None = None
         for _ in range(args.repeats):
             started = time.perf_counter()
             plain_runs.append(plain_loop(manifest, tokens, args.steps, mesh))
@@ -271,7 +327,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{count} device(s): plain {shown(plain_runs[-1])} (the run with its start-up and compilation: "
                   f"{time.perf_counter() - started:.0f} s)", flush=True)
             started = time.perf_counter()
-            rate, offers, sent = daemon_learner(manifest, tokens, args.steps, args.round_trip_ms / 1000, mesh)
+            run = daemon_learner(manifest, tokens, args.steps, args.round_trip_ms / 1000, mesh)
+            rate, offers, sent = run.steps_per_s, run.offers, run.bytes_encoded
+            host_ms += run.host_ms
+            host_cpu_ms += run.host_cpu_ms
             gc.collect()
             daemon_runs.append(rate)
             print(f"{count} device(s): daemon learner {shown(rate)} ({offers} merged fragments applied, "
@@ -290,13 +349,24 @@ def main(argv: list[str] | None = None) -> int:
                         "plain_tokens_per_s_best": max(plain_runs) * tokens_per_step,
                         "daemon_tokens_per_s_best": max(daemon_runs) * tokens_per_step,
                         "plain_mfu_best": mfu_of(max(plain_runs)), "daemon_mfu_best": mfu_of(max(daemon_runs)),
-                        "offers_applied_last_run": offers, "bytes_encoded_last_run": sent, "fragment": costs})
+                        "offers_applied_last_run": offers, "bytes_encoded_last_run": sent, "fragment": costs,
+                        "host_ms_per_step": percentiles_ms(host_ms),
+                        "host_cpu_ms_per_step": percentiles_ms(host_cpu_ms),
+                        "due_fragments_last_run": run.dues if run else 0,
+                        "device_to_host_bytes_last_run": run.due_transfer_bytes if run else 0,
+                        "due_fp32_bytes_last_run": run.due_fp32_bytes if run else 0})
+        host, host_cpu = percentiles_ms(host_ms), percentiles_ms(host_cpu_ms)
         print(f"{count} device(s): daemon learner / plain loop: {ratio:.3f} best/best, {pair_ratio:.3f} median of "
               f"pairs (target >= 0.95, goal 0.98); best: plain {shown(max(plain_runs))}, daemon "
               f"{shown(max(daemon_runs))}; one "
               f"fragment ({costs['fragment_bytes'] / 1e6:.1f} MB): read {costs['read_ms_median']:.2f} ms, "
-              f"write {costs['write_ms_median']:.2f} ms", flush=True)
+              f"write {costs['write_ms_median']:.2f} ms; int4 on the device: dispatch "
+              f"{costs['int4_dispatch_ms_median']:.2f} ms, on the host after {costs['int4_to_host_ms_median']:.2f} ms, "
+              f"{costs['int4_transfer_bytes'] / max(costs['fragment_bytes'], 1):.3f} of the fp32 bytes; "
+              f"host_ms_per_step p50 {host['p50']:.3f} ms, p99 {host['p99']:.3f} ms (the thread's CPU time: p50 "
+              f"{host_cpu['p50']:.3f} ms, p99 {host_cpu['p99']:.3f} ms)", flush=True)
     report = {
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "jax": jax.__version__,
         "model": dataclasses.asdict(manifest.model) | {"tensors": len(factory.model_signature(manifest.model))},
         "device": str(jax.devices()[0]), "steps": args.steps, "batch": [args.batch_size, args.seq_len],
         "results": results,

@@ -1,15 +1,18 @@
-"""The daemon's training thread on a device mesh: due fragments read from sharded parameters (one
-step late, overlapped with the next step) carry exactly the delta of the step they were due at,
+"""The daemon's training thread on a device mesh: due fragments taken from sharded parameters (read
+one step late, or int4-encoded on the device) carry the delta of the step they were due at,
 and merged fragments written back keep every leaf's layout without recompiling the step."""
 
+import dataclasses
 import threading
 
 import jax
 import numpy as np
+import pytest
 
 from diloco_node.config.manifest import InnerOptimizer, ModelSpec, RunManifest, SyncSpec
 from diloco_node.learn import data as data_lib
 from diloco_node.learn import model as model_lib
+from diloco_node.learn.device_quantize import EncodedTensor
 from diloco_node.learn.inner import InnerLearner
 from diloco_node.learn.learner_thread import DueFragment, LearnerThread, learner_index
 from diloco_node.learn.mesh import MeshShape, build_site_mesh
@@ -23,7 +26,8 @@ CORPUS = data_lib.Corpus(np.random.default_rng(0).integers(0, 256, 8192).astype(
                          np.arange(512, dtype=np.uint8), 256, "random bytes")
 
 
-def _thread(on_contribution, steps_wanted: int) -> tuple[LearnerThread, dict[str, np.ndarray], threading.Event]:
+def _thread(on_contribution, steps_wanted: int,
+            manifest: RunManifest = MANIFEST) -> tuple[LearnerThread, dict[str, np.ndarray], threading.Event]:
     mesh = build_site_mesh(MeshShape(data=1, fsdp=2), jax.devices()[:2], min_sharded_elements=1)
     inner = InnerLearner(MANIFEST.model, MANIFEST.inner, MANIFEST.seed, site_mesh=mesh)
     initial = inner.get_flat()
@@ -34,7 +38,7 @@ def _thread(on_contribution, steps_wanted: int) -> tuple[LearnerThread, dict[str
         if step >= steps_wanted:
             done.set()
 
-    thread = LearnerThread(node_id="a", manifest=MANIFEST, plan=plan, corpus=CORPUS, global_params=initial,
+    thread = LearnerThread(node_id="a", manifest=manifest, plan=plan, corpus=CORPUS, global_params=initial,
                            global_rounds=[0, 0], on_contribution=on_contribution, on_progress=progress, inner=inner)
     thread.compile()
     return thread, initial, done
@@ -51,9 +55,13 @@ def _run(thread: LearnerThread, done: threading.Event) -> None:
     assert thread.error is None
 
 
-def test_a_due_fragment_read_one_step_late_carries_the_delta_of_its_own_step():
+@pytest.mark.parametrize("codec", ["fp32", "int4"])
+def test_a_due_fragment_carries_the_delta_of_its_own_step(codec: str):
+    """fp32: read to the host one step late, exact; int4: encoded on the device (its decoded values
+    within half a quantization step of the exact delta, learn/device_quantize.py)."""
     received: list[DueFragment] = []
-    thread, initial, done = _thread(received.append, 6)
+    manifest = dataclasses.replace(MANIFEST, sync=dataclasses.replace(MANIFEST.sync, codec_up=codec))
+    thread, initial, done = _thread(received.append, 6, manifest)
     _run(thread, done)
     assert received
     # The same model on one device, the same batches: its weights after step `due.step`.
@@ -65,7 +73,10 @@ def test_a_due_fragment_read_one_step_late_carries_the_delta_of_its_own_step():
         after_step[step] = model_lib.flat_params(plain.params)
     for due in received:
         for name, delta in due.delta.items():
-            np.testing.assert_allclose(delta, initial[name] - after_step[due.step][name], atol=2e-5, err_msg=name)
+            exact = initial[name] - after_step[due.step][name]
+            half_step = 0.0 if codec == "fp32" else float(np.abs(exact).max()) / 7 / 2 * 1.01
+            assert isinstance(delta, EncodedTensor) == (codec == "int4")
+            np.testing.assert_allclose(np.asarray(delta), exact, atol=2e-5 + half_step, err_msg=name)
         assert due.c_steps == due.step  # nothing merged: the counters count every step
 
 
@@ -75,7 +86,7 @@ def test_merged_fragments_written_back_keep_the_layout_and_never_recompile_the_s
 
     def merge_back(due: DueFragment) -> None:  # called on the training thread: offers are thread-safe
         rounds[due.fragment] += 1
-        merged = {n: np.full_like(d, 0.01) for n, d in due.delta.items()}
+        merged = {n: np.full(np.shape(d), 0.01, np.float32) for n, d in due.delta.items()}
         holder["thread"].offer_fragment(due.fragment, rounds[due.fragment], merged, contributors=("a",))
 
     thread, _, done = _thread(merge_back, 10)

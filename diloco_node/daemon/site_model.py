@@ -92,15 +92,20 @@ def build_site_model(manifest: RunManifest, *, learner: bool, data: SiteData | N
     `initial_values` (a fresh joiner, whose download replaces every fragment) a site that does not
     train starts from zeros instead of initialising the model. `version_rings`: where the replica keeps
     the fragment versions it rebases on (on disk: no fp32 copy of the model per kept round)."""
-    factory.check_signature(manifest)
     trains = learner and not synthetic
-    corpus = open_learner_data(manifest, data or SiteData(), cache_dir) if trains else None
     site_mesh = build_site_mesh(mesh_shape) if trains else None
+    # The model derived once (one factory call, under eval_shape) and passed on to the learner.
+    build = (factory.build_model(manifest.model, site_mesh.attention, site_mesh.remat) if site_mesh is not None
+             else factory.build_model(manifest.model))
+    factory.check_signature(manifest, factory.signature_of(build.abstract))
+    corpus = open_learner_data(manifest, data or SiteData(), cache_dir) if trains else None
     # A run that starts from a Hugging Face Llama (`[run.model] init_from`): its state at index 0 is
     # the imported weights (digest-checked), not the seed's; the learner's parameters are placed
     # from them, no model is initialised. A site without the directory (not the founder) gets its
     # state from its checkpoint or a peer, as a joiner does.
     imported = factory.imported_initial(manifest.model) if manifest.model.init_from and initial_values else None
+    if imported is None:
+        factory.drop_sealed_import()
     if manifest.model.init_from and initial_values and imported is None:
         log.warning("the run starts from %s, which this site does not have: its state must come from its "
                     "checkpoint or a peer", manifest.model.init_from)
@@ -113,13 +118,13 @@ def build_site_model(manifest: RunManifest, *, learner: bool, data: SiteData | N
         log.log(logging.WARNING if fallback else logging.INFO, "inner optimizer %s, %s schedule over %s (%s)",
                 inner_cfg.optimizer, inner_cfg.schedule, f"{horizon} learner steps" if horizon else "no end", source)
         inner = InnerLearner(manifest.model, manifest.learner_inner(), manifest.seed, initial=imported,
-                             site_mesh=site_mesh)
+                             site_mesh=site_mesh, build=build)
     if imported is not None:
         initial = imported
     elif inner is not None and not inner.site_mesh.multi_process:
         initial = inner.get_flat()
     elif not initial_values:  # every value is about to be downloaded
-        initial = factory.zero_flat_params(manifest.model)
+        initial = build.zeros()
     else:  # a witness, or a multi-host site (no process alone can read its parameters): the same seed
         initial = factory.init_flat_params(manifest.model, manifest.seed)
     shapes = {n: a.shape for n, a in initial.items()}
@@ -135,7 +140,7 @@ def build_site_model(manifest: RunManifest, *, learner: bool, data: SiteData | N
     replica = Replica(plan, initial, manifest.resolved_outer(), manifest.stop, manifest.founded_at, adopt_initial=True)
     if version_rings is not None:
         replica.state.use_history(version_rings)
-    syncer = Syncer(manifest, plan, factory.embedding_names(manifest.model, initial))
+    syncer = Syncer(manifest, plan, list(build.embeddings))
     return SiteModel(manifest, corpus, inner, plan, replica, syncer,
                      site_mesh.describe() if site_mesh is not None else None, shapes)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from dataclasses import dataclass
 import gc
 import importlib
 import logging
@@ -153,7 +154,8 @@ def execution_graphdef(spec: ModelSpec, attention: str = "auto", remat: str = "n
     spec = recipe(spec)
     if (attention, remat) == ("auto", "none"):
         return graphdef_of(spec)
-    module = nnx.eval_shape(lambda: _call_factory(spec, 0))
+    # The checked abstract model merged back into a module: the factory is not called again.
+    module = nnx.merge(*abstract_model(spec))
     configure = getattr(module, "set_execution", None)
     if not callable(configure):
         log.info("model factory %r has no set_execution(): mesh.attention = %r and mesh.remat = %r do not apply "
@@ -168,6 +170,44 @@ def execution_graphdef(spec: ModelSpec, attention: str = "auto", remat: str = "n
     return graphdef
 
 
+@functools.lru_cache(maxsize=16)
+def site_initialiser(spec: ModelSpec, seed: int, site_mesh: Any) -> Callable[[], nnx.State]:
+    """The sharded initialiser of a site's mesh (a `learn.mesh.SiteMesh`), compiled once per
+    (model, seed, mesh) in a process: a site that builds its learner again (a rebuilt node in
+    tests, a restarted learner) reuses the compilation."""
+    spec = recipe(spec)
+    return sharded_init_fn(spec, seed, site_mesh.tree_shardings(abstract_model(spec)[1]))
+
+
+@dataclass(frozen=True, eq=False)
+class ModelBuild:
+    """A site's model derived once (`build_model`) and passed on: the checked structure and
+    abstract parameters (one call of the factory, under `eval_shape`), the execution graphdef of
+    the site's attention and remat choices, every parameter's shape and the embeddings the merge
+    treats as such."""
+
+    spec: ModelSpec  # the recipe (no sealed signature)
+    graphdef: nnx.GraphDef
+    abstract: nnx.State
+    execution: nnx.GraphDef
+    shapes: Mapping[str, tuple[int, ...]]
+    embeddings: tuple[str, ...]
+
+    def zeros(self) -> dict[str, np.ndarray]:
+        """`zero_flat_params` of this model, built from the shapes here."""
+        return {name: np.zeros(shape, np.float32) for name, shape in self.shapes.items()}
+
+
+def build_model(spec: ModelSpec, attention: str = "auto", remat: str = "none") -> ModelBuild:
+    """Everything a site derives from its model spec, once (the factory is called once per
+    process and spec: `abstract_model`'s cache; the execution graphdef reuses its module)."""
+    spec = recipe(spec)
+    graphdef, abstract = abstract_model(spec)
+    shapes = {path_name(path): tuple(int(d) for d in leaf.shape) for path, leaf in nnx.to_flat_state(abstract)}
+    return ModelBuild(spec, graphdef, abstract, execution_graphdef(spec, attention, remat), shapes,
+                      tuple(embedding_names(spec, shapes)))
+
+
 def sharded_init_fn(spec: ModelSpec, seed: int, shardings: Any) -> Callable[[], nnx.State]:
     """The jitted initialiser `init_params_sharded` runs (lower and compile it to read XLA's
     per-device memory analysis of start-up)."""
@@ -180,7 +220,8 @@ def sharded_init_fn(spec: ModelSpec, seed: int, shardings: Any) -> Callable[[], 
     return jax.jit(build, out_shardings=shardings)
 
 
-def init_params_sharded(spec: ModelSpec, seed: int, shardings: Any, replicated: Any) -> nnx.State:
+def init_params_sharded(spec: ModelSpec, seed: int, shardings: Any, replicated: Any,
+                        initialiser: Callable[[], nnx.State] | None = None) -> nnx.State:
     """The freshly initialised parameters created directly in `shardings`' layout (a pytree of
     shardings shaped like the parameters): the factory runs inside `jit` with those output
     shardings, so each device computes and holds only its own shard and no device, and no host,
@@ -189,8 +230,9 @@ def init_params_sharded(spec: ModelSpec, seed: int, shardings: Any, replicated: 
     The values are those of the same factory and seed compiled as one program: equal to
     `init_params`' eager ones up to float rounding (XLA fuses the initialisers' arithmetic), not
     bit for bit. A run's initial state is its founder's, whichever way it was built; every other
-    site downloads it or adopts it (multi-host sites share process 0's)."""
-    params = sharded_init_fn(spec, seed, shardings)()
+    site downloads it or adopts it (multi-host sites share process 0's). `initialiser`: the
+    compiled one of the site (`site_initialiser`), else one is built for `shardings`."""
+    params = (initialiser or sharded_init_fn(spec, seed, shardings))()
     finite = jax.jit(lambda tree: jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]),
                      out_shardings=replicated)(params)
     finite_host = np.asarray(finite if finite.is_fully_addressable else finite.addressable_data(0))
@@ -256,9 +298,31 @@ def seal(manifest: RunManifest) -> RunManifest:
     `init_from`, the imported model's shape fills the options and its digest is sealed first."""
     spec = manifest.model
     if spec.init_from:
-        spec = import_spec(spec)[0]
+        spec, params = import_spec(spec)
+        # The founder builds its state from these weights next (`imported_initial`): handed over,
+        # so the directory is read once. One slot: a later seal replaces it.
+        _SEALED_IMPORT.clear()
+        _SEALED_IMPORT[(spec.init_from, spec.init_sha256, _fingerprint(Path(spec.init_from)))] = params
     model = spec.sealed(model_signature(spec))
     return dataclasses.replace(manifest, model=model)
+
+
+# The weights `seal` imported, until `imported_initial` takes them (or `drop_sealed_import`).
+_SEALED_IMPORT: dict[tuple[str, str, tuple], dict[str, np.ndarray]] = {}
+
+
+def _fingerprint(directory: Path) -> tuple:
+    """Every file's name, size and modification time: weights written again since `seal` are read
+    again (and refused if they are not the sealed ones)."""
+    try:
+        return tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in directory.iterdir() if f.is_file()))
+    except OSError:
+        return ()
+
+
+def drop_sealed_import() -> None:
+    """Forget weights `seal` imported that no one will take (a site that starts without them)."""
+    _SEALED_IMPORT.clear()
 
 
 # `[run.model]` keys a Hugging Face import decides: any of them also set must agree with config.json.
@@ -315,6 +379,11 @@ def imported_initial(spec: ModelSpec) -> dict[str, np.ndarray] | None:
     (a site other than the founder: its state comes from its checkpoint or a peer)."""
     if not spec.init_from or not Path(spec.init_from).is_dir():
         return None
+    key = (spec.init_from, spec.init_sha256, _fingerprint(Path(spec.init_from)))
+    sealed = _SEALED_IMPORT.pop(key, None) if spec.init_sha256 else None
+    if sealed is not None:  # this process sealed the run from them: read and checked already
+        _SEALED_IMPORT.clear()
+        return sealed
     imported = hf_llama.import_llama(Path(spec.init_from))
     if spec.init_sha256 and imported.sha256 != spec.init_sha256:  # unsealed (not founded yet): nothing to hold to
         raise ConfigError(f"the weights in {spec.init_from} (digest {imported.sha256}) are not the ones this run "

@@ -292,7 +292,10 @@ class InnerLearner:
     """
 
     def __init__(self, model: ModelSpec, inner: InnerOptimizer, seed: int,
-                 initial: Mapping[str, np.ndarray] | None = None, site_mesh: SiteMesh | None = None):
+                 initial: Mapping[str, np.ndarray] | None = None, site_mesh: SiteMesh | None = None,
+                 build: factory.ModelBuild | None = None):
+        """`build`: the site's model derived once (`factory.build_model` with the mesh's attention
+        and remat), else derived here."""
         if site_mesh is not None:
             site_mesh.check_batch(inner.batch_size)  # before anything is built
         model = factory.recipe(model)
@@ -310,12 +313,15 @@ class InnerLearner:
             # Sharded start-up: parameters and AdamW moments are created in the mesh's layout
             # (shardings from abstract shapes), so no device holds a whole unsharded model.
             self._step, init = _compiled_mesh_step(model, inner, site_mesh)
-            _, abstract = factory.abstract_model(model)
+            if build is None:
+                build = factory.build_model(model, site_mesh.attention, site_mesh.remat)
+            abstract = build.abstract
             # What the step runs: the model with this site's attention and remat choices.
-            self.graphdef = factory.execution_graphdef(model, site_mesh.attention, site_mesh.remat)
-            if initial is None:
+            self.graphdef = build.execution
+            if initial is None:  # the site's initialiser, compiled once per mesh
                 self.params = factory.init_params_sharded(model, seed, site_mesh.tree_shardings(abstract),
-                                                          site_mesh.replicated())
+                                                          site_mesh.replicated(),
+                                                          factory.site_initialiser(model, seed, site_mesh))
             else:  # given values go tensor by tensor to their shards: no model is initialised
                 self.params = _placed_params(abstract, initial, site_mesh)
             self.opt_state = init(self.params)

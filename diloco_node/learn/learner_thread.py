@@ -15,13 +15,19 @@ the latest closed step window (tokens/s, step time, gradient norm, learning rate
 are in `figures`, set before the `on_progress` of the step that closed the window.
 
 On a device mesh (learn/mesh.py) merged fragments are placed with each parameter's own sharding
-and a due fragment is copied on the devices and read one step later, overlapped with the next
-step. On a multi-host site (`following`, learn/cluster.py) this same thread runs on every host:
+when they are offered, and installed at the boundary by one compiled update that donates the
+fragment's old buffers. With the int4 uplink (learn/device_quantize.py) a due fragment never
+crosses to the host as float32: one compiled program per fragment takes its delta against the base
+(kept on the device, or placed from the host with `base_on_device=False`) and encodes it; the
+thread starts the transfer of the codes and scales, hands them over and dispatches the next step
+without waiting for them (whoever encodes the contribution reads them). Other codecs copy the
+fragment on the devices and read it one step later, overlapped with the next step. On a multi-host site (`following`, learn/cluster.py) this same thread runs on every host:
 process 0 decides at each boundary and every process does the same.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import logging
@@ -35,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco_node.learn import data as data_lib
+from diloco_node.learn.device_quantize import DEVICE_CODECS, EncodedTensor, delta_program
 from diloco_node.learn.figures import FigureWindow, StepFigures
 from diloco_node.learn.error_feedback import ErrorFeedback, codec_quantizer
 from diloco_node.learn.handoffs import LearnerHandoffs
@@ -51,13 +58,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class DueFragment:
-    """What the learner hands over when fragment p's slot comes: δ = Θ_p(base) − θ_p and counters."""
+    """What the learner hands over when fragment p's slot comes: δ = Θ_p(base) − θ_p and counters.
+    With the int4 uplink each tensor of `delta` is an `EncodedTensor` (encoded on the device; it has
+    a shape and reads as its decoded float32 values), otherwise a float32 array."""
 
     fragment: int
     base_round: int
     c_steps: int
     c_tokens: int
-    delta: dict[str, np.ndarray]
+    delta: Mapping[str, Any]
     step: int
 
 
@@ -108,6 +117,17 @@ class _PendingRead:
 # the transfer to the host must read copies); compiled once per fragment, in `compile`.
 _copy_fragment = jax.jit(lambda arrays: {name: jnp.copy(array) for name, array in arrays.items()})
 
+# Host times per step kept for `host_ms_per_step` (about a minute of small steps).
+HOST_TIMES_KEPT = 4096
+
+
+def _install_program(shardings: Mapping[str, jax.sharding.Sharding]) -> Callable:
+    """One fragment's merged values written over its parameter leaves: a copy into the donated old
+    buffers (the device base keeps the offered arrays, so the step must not donate those), with each
+    leaf's own sharding so the step never recompiles."""
+    return jax.jit(lambda old, new: {name: jnp.copy(new[name]) for name in old}, donate_argnums=0,
+                   out_shardings=dict(shardings), keep_unused=True)
+
 
 def learner_index(node_id: str) -> int:
     """A stable per-site stream index for the batch sampler (different sites, different batches)."""
@@ -129,6 +149,7 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         min_step_interval_s: float = 0.0,
         inner: InnerLearner | None = None,
         following: BoundaryFollowing | None = None,
+        base_on_device: bool = True,
     ) -> None:
         super().__init__(f"learner-{node_id}")
         self.node_id = node_id  # the learner's name in commits' contributor lists
@@ -171,6 +192,22 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         if manifest.sync.uses_error_feedback:
             self._error_feedback = ErrorFeedback(manifest.sync.error_feedback_decay,
                                                  codec_quantizer(manifest.sync.codec_up))
+        # The due-fragment path: int4 encoded on the device (one program per fragment), or float32
+        # read to the host (other codecs, error feedback, a multi-host site's gather).
+        self._encode_on_device = (manifest.sync.codec_up in DEVICE_CODECS and following is None
+                                  and self._error_feedback is None)
+        self._delta_programs = [delta_program(f.names) for f in plan.fragments] if self._encode_on_device else []
+        # The base each delta is taken against, on the devices: 4 bytes per parameter of device
+        # memory (one float32 copy of the model). `base_on_device=False` (tight devices) places
+        # the host base at each due fragment instead (one host-to-device copy of the fragment).
+        self._base_on_device = base_on_device and self._encode_on_device
+        self._device_base: list[dict[str, jax.Array]] = []
+        self._installs = ([_install_program({n: self._shardings[n] for n in f.names}) for f in plan.fragments]
+                          if self._base_on_device else [])
+        self._place_device_base(global_params)
+        # Bytes handed from the device to the host for due fragments, and their float32 size.
+        self.due_transfer_bytes = 0
+        self.due_fp32_bytes = 0
         self._offers: dict[int, _Offer] = {}
         self.stopped_at_step: int | None = None
         self.error: BaseException | None = None
@@ -182,6 +219,12 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         # computing due deltas, checkpoint copies). Pacing sleeps are in neither.
         self.compute_seconds_total = 0.0
         self.sync_seconds_total = 0.0
+        # The thread's own host time of each step (everything but waiting on the device and
+        # pacing), the critical path on an accelerator; the latest HOST_TIMES_KEPT, in seconds.
+        self.host_seconds: collections.deque[float] = collections.deque(maxlen=HOST_TIMES_KEPT)
+        # The same steps' CPU time of this thread (`time.thread_time`): on a loaded machine the
+        # wall time above also counts the time the thread was runnable but not running.
+        self.host_cpu_seconds: collections.deque[float] = collections.deque(maxlen=HOST_TIMES_KEPT)
         # The latest closed window's figures (None until the first window closes); replaced whole.
         self.figures: StepFigures | None = None
         self._window = FigureWindow()
@@ -197,10 +240,24 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         # A multi-host site's processes compile at their own speeds, then run the step's first
         # collectives together (learn/cluster.py `meet`).
         self._inner.compile_step(zeros, zeros, None if self._following is None else lambda: meet("compiled"))
-        for fragment in self.plan.fragments if self._following is None else ():
-            # the due fragments' device copies, compiled now too
-            jax.block_until_ready(_copy_fragment(self._fragment_leaves(fragment.names)))
+        for p, fragment in enumerate(self.plan.fragments if self._following is None else ()):
+            # the due fragments' programs (device encoding, or device copies), compiled now too
+            leaves = self._fragment_leaves(fragment.names)
+            if self._encode_on_device:
+                jax.block_until_ready(self._delta_programs[p](self._delta_base(p), leaves))
+            else:
+                jax.block_until_ready(_copy_fragment(leaves))
+            if self._installs:  # on throw-away copies: the install donates what it overwrites
+                jax.block_until_ready(self._installs[p](_copy_fragment(leaves), self._device_base[p]))
         return time.perf_counter() - started
+
+    def _place_device_base(self, values: Mapping[str, np.ndarray]) -> None:
+        if self._base_on_device:
+            self._device_base = [{n: place(np.asarray(values[n], np.float32), self._shardings[n]) for n in f.names}
+                                 for f in self.plan.fragments]
+
+    def _delta_base(self, p: int) -> Mapping[str, Any]:
+        return self._device_base[p] if self._base_on_device else self._base_params[p]
 
     def restore(self, snap: LearnerSnapshot) -> None:
         """Resume a checkpointed learner (before `start`): weights, AdamW state, step and tokens."""
@@ -229,6 +286,7 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         self.base_rounds = list(global_rounds)
         self._base_params = [{n: np.array(global_params[n], np.float32) for n in f.names}
                              for f in self.plan.fragments]
+        self._place_device_base(global_params)
         self.c_steps = [0] * self.plan.num_fragments
         self.c_tokens = [0] * self.plan.num_fragments
         if self._error_feedback is not None:  # a state installed, not followed from our sends
@@ -269,7 +327,7 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
                 self._cluster_start()
             self._window.begin(time.perf_counter())
             while True:
-                started = time.perf_counter()
+                started, cpu_started = time.perf_counter(), time.thread_time()
                 if self._following is not None:
                     if self._cluster_boundary():
                         break
@@ -289,7 +347,12 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
                 # Due fragments read at the previous boundary: their copies reached the host
                 # while this step was being dispatched and computed.
                 self._finish_reads()
+                # The one wait of the loop, on the older of two steps in flight (the device holds
+                # the one it computes and the next, already dispatched): the host's work of a
+                # boundary (sampling, reports, hand-offs) overlaps the newer step.
+                waiting = time.perf_counter()
                 loss = _scalar(previous_loss if previous_loss is not None else loss_now)
+                waited = time.perf_counter() - waiting
                 previous_loss = loss_now
                 tokens = int(np.size(y))
                 for p in range(self.plan.num_fragments):
@@ -311,7 +374,10 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
                         self._gather_due(p)
                     else:
                         self._start_read(p)
-                self.sync_seconds_total += (computing - started) + (time.perf_counter() - computed)
+                finished = time.perf_counter()
+                self.sync_seconds_total += (computing - started) + (finished - computed)
+                self.host_seconds.append(finished - started - waited)
+                self.host_cpu_seconds.append(time.thread_time() - cpu_started)
                 if self._min_step_interval_s > 0:
                     rest = self._min_step_interval_s - (time.perf_counter() - started)
                     if rest > 0:
@@ -356,12 +422,16 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
             # fragments were offered, straight into the parameter leaves. Anything else (mix, or a
             # merge without our unsent work) goes through the apply rule on host copies.
             incoming: dict[str, Any] = {}
+            installs: dict[int, dict[str, jax.Array]] = {}
             for p, offer in taken.items():
                 counters = FragmentCounters(self.c_steps[p], self.c_tokens[p])
                 contributors = offer.contributors_after(self.base_rounds[p])
                 keeps_local = rule.keep_unmerged and self.node_id not in contributors and counters.c_steps > 0
                 if rule.mode == "overwrite" and not keeps_local:
-                    incoming.update(offer.on_device)
+                    if self._installs:
+                        installs[p] = offer.on_device
+                    else:
+                        incoming.update(offer.on_device)
                     counters = FragmentCounters()
                 else:
                     local = self._read_params(offer.params)
@@ -370,8 +440,12 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
                     incoming.update(new)
                 self.base_rounds[p] = offer.round
                 self._base_params[p] = offer.params
+                if self._base_on_device:  # the offer's placed arrays, never donated (installs copy them)
+                    self._device_base[p] = offer.on_device
                 self.c_steps[p], self.c_tokens[p] = counters.c_steps, counters.c_tokens
                 self._reset_if_installed(p, offer)
+            for p, values in installs.items():
+                incoming.update(self._installs[p](self._fragment_leaves(values), values))
             self._write_params(incoming)
 
     def _reset_if_installed(self, p: int, offer: _Offer) -> None:
@@ -416,6 +490,9 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         boundary, after the next step is dispatched, so the device never waits for the host."""
         if self.c_steps[p] == 0:
             return
+        if self._encode_on_device:
+            self._encode_due(p)
+            return
         copies = _copy_fragment(self._fragment_leaves(self.plan.fragments[p].names))
         for array in copies.values():
             array.copy_to_host_async()
@@ -423,6 +500,22 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         # `_base_params[p]` (a new dict), it never edits the one held here.
         self._pending_reads.append(_PendingRead(p, self.base_rounds[p], self.c_steps[p], self.c_tokens[p],
                                                 self._inner.steps, self._base_params[p], copies))
+
+    def _encode_due(self, p: int) -> None:
+        """Fragment p is due and the uplink is int4: its delta and encoding are one program queued
+        behind the step just dispatched; the codes and scales start for the host and are handed
+        over at once (`EncodedTensor`: read by the codec pool, never waited for here)."""
+        leaves = self._fragment_leaves(self.plan.fragments[p].names)
+        encoded = self._delta_programs[p](self._delta_base(p), leaves)
+        delta = {}
+        for name, parts in encoded.items():
+            for array in parts:
+                array.copy_to_host_async()
+            delta[name] = tensor = EncodedTensor(name, leaves[name].shape, *parts)
+            self.due_transfer_bytes += tensor.transfer_bytes
+            self.due_fp32_bytes += 4 * tensor.size
+        self._on_contribution(DueFragment(p, self.base_rounds[p], self.c_steps[p], self.c_tokens[p], delta,
+                                          self._inner.steps))
 
     def _finish_reads(self) -> None:
         reads, self._pending_reads = self._pending_reads, []
