@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from diloco_node.ops import failpoints
 from diloco_node.ops.debug_routes import DEBUG_ENV_VAR
+from diloco_node.storage import failpoints
 from diloco_node.testbed.chaos import standin
 from diloco_node.testbed.chaos.harness import ChaosConfig, DaemonLauncher, corrupt_file, storage_fault_spec
 from diloco_node.testbed.chaos.schedule import (

@@ -22,10 +22,11 @@ from bootstrap.entries import EntryKind, LogEntry
 from diloco_node.clock import FakeClock
 from diloco_node.daemon import peers
 from diloco_node.daemon.coordination import CoordinationIO
-from diloco_node.daemon.coordination_records import DamagedStateError, frame, unframe
+from diloco_node.daemon.coordination_records import DamagedStateError
 from diloco_node.daemon.coordination_store import CoordinationStore
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.ops.storage_health import STORAGE
+from diloco_node.storage.records import frame, unframe
 from wire.errors import RemoteProtocolError
 
 from conftest import NoDisk

@@ -25,8 +25,8 @@ from diloco_node.daemon.coordination import STORAGE_RETRY_MAX_S, CoordinationIO
 from diloco_node.daemon.coordination_store import CoordinationStore, CoordinationStoreError
 from diloco_node.daemon.readiness import ReadinessFacts, readiness, storage_failures
 from diloco_node.daemon.tasks import TaskSet
-from diloco_node.ops import failpoints
 from diloco_node.ops.storage_health import STORAGE
+from diloco_node.storage import failpoints
 from wire.errors import RemoteProtocolError
 
 from conftest import NoDisk

@@ -10,8 +10,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 
 from diloco_node.clock import SystemClock, set_wall_skew
-from diloco_node.ops import failpoints
 from diloco_node.ops.debug_routes import DEBUG_ENV_VAR, debug_allowed, debug_routes
+from diloco_node.storage import failpoints
 
 ALLOWED = {failpoints.ENV_VAR: ""}
 

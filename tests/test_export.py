@@ -274,7 +274,7 @@ def test_missing_manifest_is_exit_2_not_an_export_without_one(node_dir: Path, tm
 
 def test_a_checkpoint_that_does_not_fit_the_runs_model_is_exit_2_naming_tensors(
         node_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from diloco_node.daemon.coordination_records import frame, unframe
+    from diloco_node.storage.records import frame, unframe
 
     identity_path = node_dir / "coordination" / "identity.json"
     identity = unframe(identity_path.read_bytes(), "node_id")

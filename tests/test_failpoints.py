@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from diloco_node.ops import durable, failpoints
+from diloco_node.storage import durable, failpoints
 
 
 @pytest.fixture(autouse=True)

@@ -20,13 +20,13 @@ from diloco_node.clock import FakeClock
 from diloco_node.config.settings import ConfigError
 from diloco_node.daemon import peers
 from diloco_node.daemon.coordination import CoordinationIO
-from diloco_node.daemon.coordination_records import unframe
 from diloco_node.daemon.coordination_store import MARK_FILE, CoordinationStore
 from diloco_node.daemon.log_records import _scan_log
 from diloco_node.daemon.persistence import Checkpointer
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.ops.checkpoint import CheckpointStore
 from diloco_node.ops.storage_health import STORAGE
+from diloco_node.storage.records import unframe
 
 from conftest import NoDisk
 from test_coordination_corruption import QuietClient

@@ -14,11 +14,11 @@ from bootstrap.election import ElectionState
 from diloco_node.clock import FakeClock
 from diloco_node.daemon import peers
 from diloco_node.daemon.coordination import CoordinationIO
-from diloco_node.daemon.coordination_records import unframe
 from diloco_node.daemon.coordination_store import MARK_FILE, CoordinationStore
 from diloco_node.daemon.lost_entries import LOSS_FILE, accept_loss, barrier_help, is_lone_voter, read_acceptances
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.ops.storage_health import STORAGE
+from diloco_node.storage.records import unframe
 
 from conftest import NoDisk
 from test_coordination_corruption import QuietClient

@@ -30,10 +30,10 @@ from diloco_node.daemon.persistence import Checkpointer, restart_plan
 from diloco_node.daemon.relay_spool import HeldPayloads, SpoolCorrupt, SpooledPayload
 from diloco_node.learn import data as data_lib
 from diloco_node.ops import export as export_lib
-from diloco_node.ops import failpoints
 from diloco_node.ops.checkpoint import CheckpointError, CheckpointStore
 from diloco_node.ops.history import HistoryWriter, read_history
 from diloco_node.ops.storage_health import STORAGE
+from diloco_node.storage import failpoints
 from wire import messages as wire
 
 from test_daemon_relays import PAYLOAD, cluster, completed_payloads, holders_append, settle_network, spool_files

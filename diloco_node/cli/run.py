@@ -22,7 +22,7 @@ import sys
 from diloco_node.config.settings import ConfigError, add_run_flags, load_config_from_args
 from diloco_node.daemon.exits import EXIT_CONFIG
 from diloco_node.ops.logs import LOG_FORMATS, configure_logging
-from diloco_node.ops import failpoints
+from diloco_node.storage import failpoints
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:

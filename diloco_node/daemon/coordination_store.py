@@ -18,7 +18,7 @@ called after every batch of actions and before sending them; it writes only what
   header refuses to load. A log that ends before an index this node knew durable is damage too,
   not a torn append: witnesses are `log.mark.json` (`LogMark`, lowered before a rewrite shortens
   the log), and the newest checkpoint's index (persistence.py: `report_lost_entries`). Each step
-  is behind its failpoint, reports to `STORAGE`; every fsync goes through ops/durable.py.
+  is behind its failpoint, reports to `STORAGE`; every fsync goes through storage/durable.py.
 
 Payloads live in `log.bin`, not in memory: once an entry is on disk (appended, rewritten or
 loaded) the in-memory log keeps its metadata and a `StoredPayload` that reads the record back
@@ -72,8 +72,8 @@ from diloco_node.daemon.log_records import (  # noqa: F401  (re-exported: the st
     decode_log,
     encode_log,
 )
-from diloco_node.ops import durable, failpoints
 from diloco_node.ops.storage_health import STORAGE
+from diloco_node.storage import durable, failpoints
 
 # Payloads up to this size stay in memory (no-ops, membership, tests' small entries): a reference
 # and a read per use would cost more than the bytes.

@@ -42,8 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
-from diloco_node.ops import failpoints
 from diloco_node.ops.storage_health import STORAGE
+from diloco_node.storage import failpoints
 
 log = logging.getLogger("diloco_node.daemon")
 

@@ -17,7 +17,8 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol
 
-from diloco_node.daemon.coordination_records import RecordError, read_record, write_record
+from diloco_node.daemon.coordination_records import read_record, write_record
+from diloco_node.storage.records import RecordError
 
 log = logging.getLogger("diloco_node.daemon")
 

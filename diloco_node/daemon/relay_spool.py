@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from bootstrap.entries import PayloadUnavailable, StoredPayload
-from diloco_node.ops import failpoints
 from diloco_node.ops.storage_health import STORAGE
+from diloco_node.storage import failpoints
 from wire import messages as wire
 from wire.errors import LocalProtocolError, RemoteProtocolError
 from wire.payload_stream import PayloadAssembler

@@ -54,7 +54,7 @@ from diloco_node.config.manifest import DataAgreement, RunManifest
 from diloco_node.config.site_data import DOCUMENT_SOURCES, SiteData
 from diloco_node.learn import documents as documents_lib
 from diloco_node.learn import token_files
-from diloco_node.ops import durable, failpoints
+from diloco_node.storage import durable, failpoints
 
 # Files of the stdlib that are not the standard library proper (third-party installs).
 _STDLIB_EXCLUDED_DIRS = ("site-packages", "dist-packages")
@@ -320,7 +320,7 @@ def _cached_ranges(meta_path: Path, tokens_path: Path, dtype: np.dtype, file_cou
 
 def _replace_atomically(path: Path, write: Callable[[Any], None]) -> None:
     """Write a file under a temporary name, sync it, then rename it: a crash leaves no half file.
-    Failpoint `data_cache.write` (ops/failpoints.py): a full disk here leaves no file at all."""
+    Failpoint `data_cache.write` (storage/failpoints.py): a full disk here leaves no file at all."""
     failpoints.hit("data_cache.write")
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
     try:

@@ -9,7 +9,7 @@ File layout (`ckpt-<sequence>.bin`, all integers little-endian):
 
 No pickle anywhere: metadata is plain msgpack, arrays are raw bytes plus a dtype name from a
 fixed list. A checkpoint is written to a temporary file in the same directory, fsynced, renamed
-into place and the directory fsynced (`ops/durable.py`, failpoint `checkpoint.write`), so a crash
+into place and the directory fsynced (`storage/durable.py`, failpoint `checkpoint.write`), so a crash
 at any moment leaves either the old set of checkpoints or the old set plus one complete new file.
 Loading (failpoint `checkpoint.read`) verifies magic, version, length and checksum and raises
 `CheckpointError` naming the file; `load_latest` falls back to the previous good checkpoint and
@@ -36,8 +36,8 @@ from typing import Any, BinaryIO, Mapping
 import msgpack
 import numpy as np
 
-from diloco_node.ops import durable, failpoints
 from diloco_node.ops.storage_health import STORAGE
+from diloco_node.storage import durable, failpoints
 
 MAGIC = b"DILOCOCK"
 FORMAT_VERSION = 1

@@ -5,7 +5,7 @@ sets `DILOCO_X_DEBUG_ROUTES=1`, or names `DILOCO_X_FAILPOINTS`) and answered onl
 this host's loopback:
 
 - `POST /debug/failpoints`, body `{"arm": "point=action,...", "disarm": ["point", ...] | "all"}`
-  (either or both; disarming first): arms and disarms failpoints by name (ops/failpoints.py) and
+  (either or both; disarming first): arms and disarms failpoints by name (storage/failpoints.py) and
   answers `{"armed": {point: action}}`. `GET /debug/failpoints` answers the same without a change.
 - `POST /debug/clock`, body `{"offset_s": S, "drift_rate": R}`: from now on this process's wall
   clock reads S seconds (plus R seconds per second) off the host's (clock.py `set_wall_skew`);
@@ -24,8 +24,8 @@ from typing import Any
 from aiohttp import web
 
 from diloco_node import clock
-from diloco_node.ops import failpoints
 from diloco_node.ops.status import is_loopback
+from diloco_node.storage import failpoints
 
 MAX_DEBUG_BODY_BYTES = 4096
 # A tooling variable (DILOCO_X_*: never read as configuration), so a chaos run can allow the routes

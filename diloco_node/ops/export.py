@@ -25,7 +25,7 @@ skipped (and named in `ExportResult.skipped`) but left where it is: quarantining
 node's business (`CheckpointStore.load_latest`).
 
 The output is written to a temporary file in the target directory, fsynced and renamed into
-place (then the directory fsynced; `ops/durable.py`, failpoint `export.write`), so a reader never
+place (then the directory fsynced; `storage/durable.py`, failpoint `export.write`), so a reader never
 sees a partial export, and a full disk is an `ExportError` that leaves no file behind; an existing
 file is replaced only with `force`.
 
@@ -78,8 +78,8 @@ import numpy as np
 
 from diloco_node.config.manifest import ConfigError, RunManifest, tensor_differences
 from diloco_node.learn import hf_llama
-from diloco_node.ops import durable, failpoints
 from diloco_node.ops.checkpoint import Checkpoint, CheckpointError, read_checkpoint_file
+from diloco_node.storage import durable, failpoints
 from diloco_node.sync.state_codec import params_from_checkpoint
 
 EXPORT_FORMAT = "diloco-node-export/1"
@@ -156,7 +156,7 @@ def read_run_manifest(data_dir: Path) -> RunManifest:
     """The run manifest the node keeps in its identity file (checksummed record, or the older
     unframed file)."""
     # The daemon's record framing, read (not written) here: light, no JAX, no daemon state.
-    from diloco_node.daemon.coordination_records import RecordError, unframe
+    from diloco_node.storage.records import RecordError, unframe
 
     path = Path(data_dir) / COORDINATION_DIR / IDENTITY_FILE
     try:

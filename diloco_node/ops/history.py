@@ -13,7 +13,7 @@ Durability: every event is written with one `os.write` on an `O_APPEND` descript
 survives the process being SIGKILLed the moment the call returns (the page cache belongs to the
 kernel). `fsync` only matters for power loss; the default policy ("critical") fsyncs after the
 events that record a promise to peers (vote, lease_acquired, commit, leave, stop), through
-`ops/durable.py` at failpoint `history.write`. A crash can leave at most one torn last line; the
+`storage/durable.py` at failpoint `history.write`. A crash can leave at most one torn last line; the
 reader drops it, the writer cuts it off when it reopens the file, and any other malformed line is
 an error.
 
@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from diloco_node.ops import durable, failpoints
 from diloco_node.ops.storage_health import STORAGE
+from diloco_node.storage import durable, failpoints
 
 log = logging.getLogger("diloco_node.history")
 

@@ -1,7 +1,7 @@
 """What the node's disk is doing to it: failed durable steps, recoveries and quarantined files.
 
 Every durable step that fails (a full disk, an I/O error, a checksum that does not match) is
-recorded here by its failpoint name (`diloco_node.ops.failpoints.POINTS`), from whichever thread
+recorded here by its failpoint name (`diloco_node.storage.failpoints.POINTS`), from whichever thread
 hit it; the next success at the same point clears it. A file found corrupt is renamed aside and
 listed here. `/status` shows `to_status()` (the `storage` section) and the readiness reason names
 the failing points, so an operator sees "log.append: No space left on device" instead of a

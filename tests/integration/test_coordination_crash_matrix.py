@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from diloco_node.daemon.coordination_store import CoordinationStore
-from diloco_node.ops import failpoints
+from diloco_node.storage import failpoints
 
 LIFE = textwrap.dedent("""
     import json, sys
@@ -29,7 +29,7 @@ LIFE = textwrap.dedent("""
     from bootstrap.election import ElectionState
     from bootstrap.entries import ClusterConfig, EntryKind, LogEntry, Snapshot
     from diloco_node.daemon.coordination_store import CoordinationStore
-    from diloco_node.ops import failpoints
+    from diloco_node.storage import failpoints
 
     failpoints.load_from_env()
     store = CoordinationStore(Path(sys.argv[1]))

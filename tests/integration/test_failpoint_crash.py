@@ -9,12 +9,12 @@ import textwrap
 
 import pytest
 
-from diloco_node.ops import failpoints
+from diloco_node.storage import failpoints
 
 WRITER = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from diloco_node.ops import durable, failpoints
+    from diloco_node.storage import durable, failpoints
     failpoints.load_from_env()
     path = Path(sys.argv[1])
     durable.track(path)

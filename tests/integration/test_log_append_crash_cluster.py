@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from diloco_node.ops import failpoints
 from diloco_node.ops.history import find_history_files, load_histories
+from diloco_node.storage import failpoints
 from diloco_node.testbed.launcher import DEFAULT_SETTINGS
 from diloco_node.testbed.chaos.checker import check_histories
 from diloco_node.testbed.local_cluster import Cluster

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from diloco_node.daemon.exits import EXIT_CONFIG, EXIT_STORAGE
-from diloco_node.ops import failpoints
+from diloco_node.storage import failpoints
 from diloco_node.testbed.launcher import DEFAULT_SETTINGS, REPO, Site, SiteSpec, write_secret
 
 STARTUP_S = 180.0

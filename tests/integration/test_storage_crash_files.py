@@ -1,5 +1,5 @@
 """A process crash just before or just after the fsync of each of the node's other files (issue 26),
-with what was not fsynced really dropped (`ops/durable.py`), then a restart in this process: each
+with what was not fsynced really dropped (`storage/durable.py`), then a restart in this process: each
 file comes back as the newest GOOD version, never a partial one.
 
 Points: checkpoint.write, history.write, version_rings.write, spool.write, export.write,
@@ -22,15 +22,15 @@ from diloco_node.daemon.history_ring import DiskVersionRings
 from diloco_node.daemon.relay_spool import SpoolDirectory
 from diloco_node.learn import data as data_lib
 from diloco_node.ops import export as export_lib
-from diloco_node.ops import failpoints
 from diloco_node.ops.checkpoint import CheckpointStore
 from diloco_node.ops.history import HistoryWriter, read_history
+from diloco_node.storage import failpoints
 
 PRELUDE = textwrap.dedent("""
     import sys
     from pathlib import Path
     import numpy as np
-    from diloco_node.ops import failpoints
+    from diloco_node.storage import failpoints
     failpoints.load_from_env()
     root = Path(sys.argv[1])
 """)

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from diloco_node.ops import failpoints
 from diloco_node.ops.debug_routes import DEBUG_ENV_VAR
 from diloco_node.ops.history import (
     HISTORY_FILE_NAME,
@@ -49,6 +48,7 @@ from diloco_node.ops.history import (
     load_histories,
     read_history,
 )
+from diloco_node.storage import failpoints
 from diloco_node.testbed.chaos.checker import (
     Violation,
     check_histories,

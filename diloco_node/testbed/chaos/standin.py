@@ -9,7 +9,7 @@ state digest, learner step progress, and a restart that replays from a checkpoin
 synchronous mode (min_quorum = every learner) waits, unproductive, while any learner is missing,
 which is what makes the stand-in's goodput comparison meaningful.
 
-It models the storage and clock faults too, with the daemon's failpoints (ops/failpoints.py)
+It models the storage and clock faults too, with the daemon's failpoints (storage/failpoints.py)
 armed from `DILOCO_X_FAILPOINTS` and, at run time, from `<data_dir>/failpoints.spec`: its own durable
 state (checkpoint.json: applied index, digest, epoch, with a CRC) is written behind
 `checkpoint.write` and its commits appended to the shared log behind `log.append`, each fsynced,
@@ -37,8 +37,8 @@ import zlib
 from pathlib import Path
 
 from diloco_node.clock import SystemClock, set_wall_skew
-from diloco_node.ops import durable, failpoints
 from diloco_node.ops.history import HISTORY_FILE_NAME, HistoryWriter
+from diloco_node.storage import durable, failpoints
 
 TICK_S = 0.05  # one loop turn: a "learner step" and a look at the lease and the log
 # A learner counts as present while its heartbeat file is younger than this.

@@ -18,7 +18,7 @@ import os
 import threading
 from pathlib import Path
 
-from diloco_node.ops import failpoints
+from diloco_node.storage import failpoints
 
 _synced_length: dict[Path, int] = {}
 _lock = threading.Lock()

@@ -12,7 +12,7 @@ or at run time (`arm`, which the loopback operator route calls). Actions:
 - `enospc`, `eio`: the step raises `OSError` with that errno, as a full or failing disk would;
 - `crash-before`, `crash-after`: the process exits at once (no cleanup, no flush) just before or
   just after the step's fsync. Before exiting, whatever was written but not fsynced is dropped
-  (`diloco_node.ops.durable` truncates each file it tracks to its last fsynced length), so a test
+  (`diloco_node.storage.durable` truncates each file it tracks to its last fsynced length), so a test
   sees what a power cut would leave, not what the page cache would have saved;
 - `stall:SECONDS`: the calling thread blocks that long (a disk that hangs).
 
