@@ -22,7 +22,7 @@ from diloco_node.storage import failpoints
 from diloco_node.testbed.launcher import DEFAULT_SETTINGS, REPO, Site, SiteSpec, write_secret
 
 STARTUP_S = 180.0
-# A hang guard, not a speed target: the start's time is measured by the report (docs/DAEMON.md).
+# A hang guard, not a speed target (the tests assert no timing).
 EXIT_WAIT_S = 120.0
 SETTINGS = (*DEFAULT_SETTINGS, "learner=synthetic", "checkpoint_interval_s=1")
 
