@@ -127,7 +127,7 @@ async def test_contribution_bytes_count_both_to_a_peer_and_to_our_own_syncer() -
 
 
 class _History:
-    def applied(self, entry, replica, consistent_from, epoch) -> None:
+    def applied(self, entry, replica, consistent_from, epoch, current=True) -> None:
         pass
 
 
