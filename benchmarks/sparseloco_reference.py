@@ -51,7 +51,7 @@ import numpy as np  # noqa: E402
 from diloco_node.learn import data as data_lib  # noqa: E402
 from diloco_node.learn import factory  # noqa: E402
 from diloco_node.learn import model as model_lib  # noqa: E402
-from diloco_node.learn.inner import StackedLearners  # noqa: E402
+from diloco_node.learn.inner import StackedLearners, make_schedule  # noqa: E402
 from diloco_node.cli.train import default_manifest  # noqa: E402
 
 # SparseLoCo's compression: the top 64 of every chunk of 4,096 values, two bits each.
@@ -106,6 +106,9 @@ class Settings:
     outer_momentum: float = 0.0  # Nesterov; 0: SparseLoCo's plain SGD
     dense: bool = False
     error_feedback: bool = True
+    # Scale the remainder by min(1, inner lr now / inner lr at the previous send) before adding the
+    # new delta: the remainder is displacement made at a larger step size than the delta's.
+    lr_scaled_remainder: bool = False
 
 
 def run(s: Settings, corpus: data_lib.Corpus | None = None, log=print) -> dict:
@@ -124,6 +127,8 @@ def run(s: Settings, corpus: data_lib.Corpus | None = None, log=print) -> dict:
     theta = {n: np.array(a, np.float32) for n, a in model_lib.flat_params(params).items()}
     stack = StackedLearners(model, inner, s.learners, manifest.seed, theta)
     mask = np.ones(s.learners, dtype=bool)
+    schedule = make_schedule(inner)
+    previous_lr = float(schedule(0))
     remainders = [{n: np.zeros_like(a) for n, a in theta.items()} for _ in range(s.learners)]
     sent_ever = {n: np.zeros(a.shape, bool) for n, a in theta.items()}
     momentum = {n: np.zeros_like(a) for n, a in theta.items()}
@@ -135,13 +140,16 @@ def run(s: Settings, corpus: data_lib.Corpus | None = None, log=print) -> dict:
             stack.step(np.stack([b[0] for b in batches]), np.stack([b[1] for b in batches]), mask)
         done += h
         deltas = [{n: theta[n] - a for n, a in stack.get_flat(m).items()} for m in range(s.learners)]
+        lr_now = float(schedule(done))
+        decay = s.beta * (min(1.0, lr_now / previous_lr) if s.lr_scaled_remainder and previous_lr > 0 else 1.0)
+        previous_lr = lr_now
         sent = []
         for m, delta in enumerate(deltas):
             if s.dense:
                 sent.append(delta)
                 continue
             e = remainders[m]
-            x = {n: (s.beta * e[n] + d if s.error_feedback else d).astype(np.float32) for n, d in delta.items()}
+            x = {n: (decay * e[n] + d if s.error_feedback else d).astype(np.float32) for n, d in delta.items()}
             q = {n: top_k_two_level(v, s.top_k) for n, v in x.items()}
             remainders[m] = {n: x[n] - q[n] for n in x}
             for n in q:
@@ -190,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outer-momentum", type=float, default=0.0, help="Nesterov momentum (0: plain SGD)")
     parser.add_argument("--dense", action="store_true", help="the dense twin: no compression")
     parser.add_argument("--no-error-feedback", action="store_true")
+    parser.add_argument("--lr-scaled-remainder", action="store_true",
+                        help="scale the remainder by min(1, inner lr now / at the previous send)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
@@ -197,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     for seed in seeds:
         s = Settings(seed=seed, steps=args.steps, learners=args.learners, period=args.period, beta=args.beta,
                      top_k=args.top_k, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-                     dense=args.dense, error_feedback=not args.no_error_feedback)
+                     dense=args.dense, error_feedback=not args.no_error_feedback,
+                     lr_scaled_remainder=args.lr_scaled_remainder)
         result = run(s)
         print(f"seed {seed} {'dense' if s.dense else 'sparse'} H {s.period} beta {s.beta} k {s.top_k} "
               f"outer lr {s.outer_lr} momentum {s.outer_momentum}: eval_loss {result['eval_loss']:.4f}"
