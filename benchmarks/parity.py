@@ -39,6 +39,7 @@ from diloco_node.learn import data as data_lib  # noqa: E402
 from diloco_node.learn import factory  # noqa: E402
 from diloco_node.sim import runner  # noqa: E402
 from diloco_node.config.manifest import ConfigError, RunManifest  # noqa: E402
+from diloco_node.config.presets import expand_preset  # noqa: E402
 from diloco_node.cli.train import default_manifest  # noqa: E402
 
 NUM_LEARNERS = 4
@@ -93,6 +94,10 @@ def with_overrides(manifest: RunManifest, overrides: dict[str, dict[str, object]
     """The manifest with `overrides` applied, validated like a config file (unknown keys are errors)."""
     if not overrides:
         return manifest
+    try:  # --set sync.preset=NAME: the preset's keys, under any key set explicitly
+        overrides = expand_preset(overrides)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     raw = manifest.to_dict()
     for section, values in overrides.items():
         if not isinstance(raw.get(section), dict):
@@ -141,6 +146,8 @@ def _row(result: runner.RunResult, *, mode: str, scenario: str, seed: int, cell:
         "codecs": "" if mode == "data_parallel" else cell.codecs, "inner_lr": manifest.inner.lr_peak,
         "optimizer": manifest.inner.optimizer,
         "eval_batch_losses": [round(x, 5) for x in result.eval_batch_losses],
+        # Per merged round of a sparse uplink (sim/sparse_diagnostics.py); empty for dense codecs.
+        "sparse_rounds": result.sparse_rounds,
     }
 
 

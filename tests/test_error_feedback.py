@@ -211,3 +211,9 @@ def test_the_runner_sends_the_remainder_with_error_feedback_on_and_its_decay_mat
     # sparse up, sparse union down: far fewer bytes than int4 both ways for the same run
     int4 = runner.run(_config("decoupled"), corpus)
     assert on.bytes_up * 5 < int4.bytes_up and on.bytes_cross_site * 2 < int4.bytes_cross_site
+    # per-round diagnostics of the sparse uplink: one row per merge, none for a dense codec
+    assert len(on.sparse_rounds) == on.merges and int4.sparse_rounds == []
+    assert all(r["remainder_over_delta"] > 0 for r in on.sparse_rounds if r["remainder_over_delta"] is not None)
+    assert all(r["remainder_over_delta"] in (0.0, None) for r in off.sparse_rounds)
+    coverage = [r["sent_ever"] for r in on.sparse_rounds if r["fragment"] == 0]
+    assert coverage == sorted(coverage) and 0 < coverage[-1] < 1

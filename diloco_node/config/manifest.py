@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Any, Mapping
 
+from diloco_node.config.presets import expand_preset
+
 CODEC_NAMES = ("fp32", "bf16", "int8", "int4", "e3m0", "topk2", "union8")
 MERGE_METHODS = ("mean", "rda", "support_mean")
 # Uplink codecs that send a sparse or low-bit approximation whose error must be carried to the
@@ -476,6 +478,10 @@ class RunManifest:
     def from_dict(cls, raw: Mapping[str, Any]) -> "RunManifest":
         """Build from a nested mapping; unknown sections or keys are errors, missing ones default."""
         _require(isinstance(raw, Mapping), "manifest: expected a table/mapping")
+        try:
+            raw = expand_preset(raw)  # [run.sync] preset: its keys, where the config sets none
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         sections = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - set(sections))
         _require(not unknown, f"manifest: unknown key(s) {', '.join(unknown)}; known: {', '.join(sections)}")

@@ -45,12 +45,13 @@ from collections.abc import Callable, Collection
 import numpy as np
 
 from bootstrap.entries import EntryKind, LogEntry
-from diloco_node.config.manifest import ConfigError, ModelSpec, RunManifest
+from diloco_node.config.manifest import ERROR_FEEDBACK_CODECS, ConfigError, ModelSpec, RunManifest
 from diloco_node.learn import data as data_lib
 from diloco_node.learn import factory
 from diloco_node.learn.error_feedback import ErrorFeedback, codec_quantizer
 from diloco_node.learn import model as model_lib
 from diloco_node.learn.inner import InnerLearner, StackedLearners
+from diloco_node.sim.sparse_diagnostics import SparseDiagnostics
 from diloco_node.sync.admission import LEARNER_ROLE, Member, Refused
 from diloco_node.sync.apply import ApplyRule, FragmentCounters, apply_merge
 from diloco_node.sync.fragments import FragmentPlan, plan_fragments
@@ -175,6 +176,8 @@ class RunResult:
     # The mean loss of each eval batch, in the eval set's order: two runs on the same eval set can
     # be compared batch by batch (a paired difference, whose noise is far below either's stderr).
     eval_batch_losses: tuple[float, ...] = ()
+    # Per merged round of a sparse uplink (sim/sparse_diagnostics.py); empty for dense codecs.
+    sparse_rounds: list[dict] = field(default_factory=list)
 
     @property
     def bytes_cross_site(self) -> int:
@@ -432,6 +435,7 @@ class _FragmentSync:
         if sync.uses_error_feedback:
             quantize = codec_quantizer(sync.codec_up)
             self.error_feedback = [ErrorFeedback(sync.error_feedback_decay, quantize) for _ in range(M)]
+        self.diagnostics = SparseDiagnostics() if sync.codec_up in ERROR_FEEDBACK_CODECS else None
         self.events: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self.bytes_up = self.bytes_down = 0
@@ -509,6 +513,7 @@ class _FragmentSync:
             wall_s=0.0, data_parallel_bytes_equivalent=dp_equiv, merge_log=self.merge_log, loss_curve=self.curve,
             missed_merges_applied=self.missed_merges_applied, eval_loss_stderr=eval_stderr,
             eval_batch_losses=eval_batch_losses,
+            sparse_rounds=self.diagnostics.rows if self.diagnostics is not None else [],
         )
 
     # --- learners ---
@@ -631,12 +636,15 @@ class _FragmentSync:
         sync = self.config.manifest.sync
         names = self.plan.fragments[p].names
         local = self.stack.get_flat(st.index, names)
-        delta = {n: st.base_params[p][n] - local[n] for n in names}
+        raw = delta = {n: st.base_params[p][n] - local[n] for n in names}
         if self.error_feedback is not None:  # send Q(beta * e + delta), keep the rest
             delta = self.error_feedback[st.index].compensate(p, delta)
         payload = encode_named(delta, sync.codec_up)
         self.bytes_up += len(payload)
         contribution = Contribution(st.name, p, st.base_round[p], decode_named(payload), st.c_steps[p], st.c_tokens[p])
+        if self.diagnostics is not None:
+            remainder = self.error_feedback[st.index].remainder(p) if self.error_feedback is not None else {}
+            self.diagnostics.sent(st.name, p, st.base_round[p], raw, contribution.delta, remainder)
         st.sent_step[p] = st.sync_step
         if self.policy.blocking:
             st.awaiting[p] = st.sync_step + self.policy.overlap
@@ -731,6 +739,8 @@ class _FragmentSync:
             assert merged is not None
             nbytes = len(merged.encoded)
             self.merges += 1
+            if self.diagnostics is not None and merged.outer_gradient is not None:
+                self.diagnostics.merged(p, merged.round, t, merged.contributors, merged.outer_gradient)
             if self._in_outage(t):
                 self.merges_outage += 1
         down_s = self.config.link.transfer_s(nbytes)
