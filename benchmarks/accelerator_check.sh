@@ -44,7 +44,7 @@ if [[ -n "$tiny" ]]; then
     hundred_m=(--option size=1m --option compute_dtype='"bfloat16"' --vocab-size 256 --seq-len 64 --batch-size 4
                --fragments 4 --period 4 --steps 10 --repeats 1)
     sites=(--size 1m --seq-len 64 --batch-size 4 --platform cpu --jax-platforms cpu --duration 10)
-    remat=(--size 1m --vocab-size 256 --seq-len 256 --steps 2)
+    remat=(--size 1m --vocab-size 256 --seq-len 128 --steps 1)
 else
     one_b=(--option size=1b --option compute_dtype='"bfloat16"' --vocab-size 128256 --seq-len 2048 --batch-size 8
            --fragments 24 --period 24 --steps 20 --repeats 2)
