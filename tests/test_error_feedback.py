@@ -122,7 +122,11 @@ def test_int4_both_ways_with_error_feedback_on_reproduces_the_run_made_before_it
     config = dataclasses.replace(config, manifest=dataclasses.replace(config.manifest, sync=sync))
     result = runner.run(config, corpus)
     log_digest = hashlib.sha256("\n".join(result.merge_log).encode()).hexdigest()[:16]
-    assert (result.eval_loss, result.bytes_up, result.bytes_down, result.merges, log_digest) == BEFORE_OUTAGE
+    loss, *exact = BEFORE_OUTAGE
+    # Bytes, merges and the merge log must be the very same run; the eval loss only to float32
+    # rounding: XLA's CPU code differs by instruction set (this machine gives 3.290228009).
+    assert (result.bytes_up, result.bytes_down, result.merges, log_digest) == tuple(exact)
+    assert result.eval_loss == pytest.approx(loss, rel=1e-6)
 
 
 # ------------------------------------------------------------------ with the real sparse codec
