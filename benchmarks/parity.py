@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -33,10 +34,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
 
 from diloco_node.learn import data as data_lib  # noqa: E402
 from diloco_node.learn import factory  # noqa: E402
+from diloco_node.learn import model as model_lib  # noqa: E402
 from diloco_node.sim import runner  # noqa: E402
 from diloco_node.config.manifest import ConfigError, RunManifest  # noqa: E402
 from diloco_node.cli.train import default_manifest  # noqa: E402
@@ -145,8 +146,9 @@ def _row(result: runner.RunResult, *, mode: str, scenario: str, seed: int, cell:
 
 
 def _param_count(manifest: RunManifest) -> int:
-    _, params = factory.init_params(factory.recipe(manifest.model), 0)
-    return sum(int(leaf.size) for leaf in jax.tree.leaves(params))
+    """Parameters of the manifest's model, from its abstract shapes (no weights are initialised)."""
+    _, abstract = factory.abstract_model(factory.recipe(manifest.model))
+    return sum(int(math.prod(shape)) for shape in model_lib.param_shapes(abstract).values())
 
 
 def run_all(steps: int | Iterable[int], modes: list[str], scenarios: list[str], seed: int | Iterable[int],
