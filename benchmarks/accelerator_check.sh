@@ -47,6 +47,12 @@ stage learner_100m 90 "$python" benchmarks/learner.py --option size=100m --optio
 stage two_sites 150 "$python" benchmarks/accelerator_sites.py --sites 2 --duration 40 --size 100m --seq-len 1024 \
     --batch-size 16 --platform gpu
 
+# The quality ladder (docs/PARITY.md, "Quality by size"): data-parallel vs decoupled at 6.4M and
+# 25.3M parameters, 10 tokens per parameter, each rung under its own limit inside the script. It
+# writes benchmarks/results/accelerator/<UTC date>/quality.json (and OUT/quality_ladder/quality.json);
+# carry benchmarks/corpus with the tree so the device trains on the CPU figures' corpus.
+stage quality_ladder 570 env PYTHON="$python" benchmarks/quality_ladder.sh "$out/quality_ladder"
+
 stage attention_memory 50 "$python" benchmarks/attention_memory.py --contexts 2048 8192 \
     --variants xla:none cudnn:none chunked:none chunked:full --time 3
 exit 0
