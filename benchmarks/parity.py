@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -33,10 +34,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
 
 from diloco_node.learn import data as data_lib  # noqa: E402
 from diloco_node.learn import factory  # noqa: E402
+from diloco_node.learn import model as model_lib  # noqa: E402
 from diloco_node.sim import runner  # noqa: E402
 from diloco_node.config.manifest import ConfigError, RunManifest  # noqa: E402
 from diloco_node.config.presets import expand_preset  # noqa: E402
@@ -152,8 +153,9 @@ def _row(result: runner.RunResult, *, mode: str, scenario: str, seed: int, cell:
 
 
 def _param_count(manifest: RunManifest) -> int:
-    _, params = factory.init_params(factory.recipe(manifest.model), 0)
-    return sum(int(leaf.size) for leaf in jax.tree.leaves(params))
+    """Parameters of the manifest's model, from its abstract shapes (no weights are initialised)."""
+    _, abstract = factory.abstract_model(factory.recipe(manifest.model))
+    return sum(int(math.prod(shape)) for shape in model_lib.param_shapes(abstract).values())
 
 
 def run_all(steps: int | Iterable[int], modes: list[str], scenarios: list[str], seed: int | Iterable[int],
@@ -163,7 +165,8 @@ def run_all(steps: int | Iterable[int], modes: list[str], scenarios: list[str], 
             dp_overrides: dict[str, dict[str, object]] | None = None, *,
             learners: Iterable[int] = (NUM_LEARNERS,), codecs: Iterable[str] = ("",),
             presets: Iterable[str] = (DEFAULT_PRESET,), dp_lrs: Iterable[float] = (),
-            global_batch: int | None = None, eval_batches: int = EVAL_BATCHES) -> dict:
+            global_batch: int | None = None, eval_batches: int = EVAL_BATCHES,
+            corpora: dict[int, data_lib.Corpus] | None = None) -> dict:
     """Every (preset, steps, learners, codecs) cell x seed x scenario x mode.
 
     `overrides` change the manifest of the fragment modes (diloco, streaming, decoupled),
@@ -172,7 +175,8 @@ def run_all(steps: int | Iterable[int], modes: list[str], scenarios: list[str], 
     explicit overrides win. data_parallel does not depend on the codecs, so it runs once per cell
     without them; `dp_lrs` adds data_parallel rows at other inner peak learning rates (uniform
     runs of the same cells), which the summary uses for the gap to data-parallel at its best rate.
-    An empty codec ("") keeps the manifest's codecs.
+    An empty codec ("") keeps the manifest's codecs. `corpora` gives each seed's corpus (default:
+    the standard library's files, split by the seed).
     """
     steps_list = [steps] if isinstance(steps, int) else list(steps)
     seeds = [seed] if isinstance(seed, int) else list(seed)
@@ -188,7 +192,7 @@ def run_all(steps: int | Iterable[int], modes: list[str], scenarios: list[str], 
     results = []
     param_counts: dict[str, int] = {}
     # One corpus per seed (its held-out split depends on the seed), read once for every cell.
-    corpora = {s: data_lib.stdlib_corpus(seed=s) for s in seeds}
+    corpora = corpora if corpora is not None else {s: data_lib.stdlib_corpus(seed=s) for s in seeds}
     for preset in presets:
         for n_steps in steps_list:
             for m in learners:
@@ -235,7 +239,7 @@ def run_all(steps: int | Iterable[int], modes: list[str], scenarios: list[str], 
               "eval_windows": eval_batches * EVAL_BATCH_SIZE, "manifest": with_overrides(first, overrides or {}).to_dict(),
               "data_parallel_manifest": with_overrides(first, dp_overrides or {}).to_dict(), "base_step_s": 1.0,
               "link": dataclasses.asdict(runner.LinkModel()), "straggler_slowdown": runner.STRAGGLER_SLOWDOWN,
-              "corpus": "stdlib .py files (split by seed)", "min_round_interval_factor": min_round_interval_factor,
+              "corpus": corpora[seeds[0]].description, "min_round_interval_factor": min_round_interval_factor,
               "param_counts": param_counts}
     report = {"results": results, "config": config}
     report["gaps"] = gaps(report)

@@ -1,5 +1,7 @@
 """The in-process runner: every mode merges, determinism, outages, stragglers, byte accounting."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -41,6 +43,17 @@ def test_every_mode_trains_merges_and_spends_the_token_budget(corpus, mode):
         assert any("merged" in line for line in result.merge_log)
         # int4 deltas: far fewer bytes than fp32 data-parallel for the same tokens
         assert result.bytes_cross_site * 10 < result.data_parallel_bytes_equivalent
+        # Only contributions' deltas left the device (the overwrite rule reads no local fragment).
+        assert 0 < result.device_to_host_bytes == result.fragment_bytes_due
+
+
+def test_a_rule_that_reads_the_local_fragment_brings_only_that_fragment_to_the_host(corpus):
+    config = _config("decoupled")
+    mixing = dataclasses.replace(config, manifest=dataclasses.replace(
+        config.manifest, sync=dataclasses.replace(config.manifest.sync, apply="mix")))
+    plain, mixed = runner.run(config, corpus), runner.run(mixing, corpus)
+    assert mixed.device_to_host_bytes == mixed.fragment_bytes_due > plain.device_to_host_bytes
+    assert mixed.eval_loss != plain.eval_loss  # the rule was applied with the local values
 
 
 def test_data_parallel_bytes_are_raw_fp32_gradient_up_and_mean_down(corpus):

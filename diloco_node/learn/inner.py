@@ -28,6 +28,7 @@ from optax.contrib import MuonDimensionNumbers, scale_by_muon
 from diloco_node.config.manifest import InnerOptimizer, ModelSpec
 from diloco_node.learn import factory
 from diloco_node.learn import model as model_lib
+from diloco_node.learn import stacked_rows
 from diloco_node.learn.mesh import SiteMesh
 from diloco_node.sync.fragments import is_embedding
 
@@ -383,7 +384,12 @@ class InnerLearner:
 
 
 class StackedLearners:
-    """M learners in one stacked pytree; `step` advances the masked subset in one vmapped call."""
+    """M learners in one stacked pytree; `step` advances the masked subset in one vmapped call.
+
+    One learner's fragment is read, diffed against its base, or written by compiled programs that
+    move only that learner's row (`learn/stacked_rows.py`), never the whole stack; the bytes they
+    bring to the host are counted in `device_to_host_bytes`.
+    """
 
     def __init__(self, model: ModelSpec, inner: InnerOptimizer, num_learners: int, seed: int,
                  initial: Mapping[str, np.ndarray] | None = None):
@@ -404,13 +410,17 @@ class StackedLearners:
         self.tokens = np.zeros(num_learners, dtype=np.int64)
         # Path tuples of every parameter, so flat names map to leaves of the stacked state.
         self._paths = {model_lib.path_name(path): path for path, _ in nnx.to_flat_state(params)}
+        self._shapes = {name: tuple(leaf.shape) for name, leaf in
+                        ((model_lib.path_name(path), leaf) for path, leaf in nnx.to_flat_state(params))}
         self._step = _compiled_masked_step(model, inner)
+        self.device_to_host_bytes = 0  # parameter bytes brought to the host by get_flat / fragment_delta
 
-    def step(self, inputs_MxBxL: np.ndarray, targets_MxBxL: np.ndarray, mask_M: np.ndarray) -> jax.Array:
+    def step(self, inputs_MxBxL: Any, targets_MxBxL: Any, mask_M: np.ndarray) -> jax.Array:
         """Step the learners where `mask_M` is True; returns per-learner losses (device array).
 
         Rows of masked-out learners still need a (any) batch of the right shape; their state is
-        left untouched and their loss is meaningless.
+        left untouched and their loss is meaningless. The batches may be host arrays or device
+        arrays placed ahead (`jax.device_put`); nothing here waits for the device.
         """
         mask_M = np.asarray(mask_M, dtype=bool)
         self.params, self.opt_state, loss_M = self._step(self.params, self.opt_state, inputs_MxBxL, targets_MxBxL, mask_M)
@@ -425,23 +435,53 @@ class StackedLearners:
             node = node[part]
         return node
 
-    def get_flat(self, learner: int, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
-        """Host copies of learner `learner`'s named parameters (all when `names` is None)."""
+    def _names(self, names: Iterable[str] | None) -> list[str]:
         names = list(self._paths) if names is None else list(names)
-        return {name: np.array(np.asarray(self._leaf(name)[...])[learner], dtype=np.float32) for name in names}
+        unknown = [n for n in names if n not in self._paths]
+        if unknown:
+            raise KeyError(f"unknown parameter name(s): {', '.join(unknown[:5])}")
+        return names
+
+    def _index(self, learner: int) -> np.int32:
+        if not 0 <= learner < self.num_learners:
+            raise IndexError(f"learner {learner}: there are {self.num_learners}")
+        return np.int32(learner)
+
+    def _stacked(self, names: list[str]) -> tuple[jax.Array, ...]:
+        return tuple(self._leaf(name)[...] for name in names)
+
+    def get_flat(self, learner: int, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+        """Host copies of learner `learner`'s named parameters (all when `names` is None); only
+        that learner's rows leave the device."""
+        names = self._names(names)
+        rows = stacked_rows.to_host(stacked_rows.take_rows(self._stacked(names), self._index(learner)))
+        self.device_to_host_bytes += stacked_rows.nbytes(rows)
+        return dict(zip(names, rows))
+
+    def fragment_delta(self, learner: int, base: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """`base[n] - θ_learner[n]` for every tensor of `base` (float32), computed on the device:
+        the outer delta a contribution encodes, the same bits as the host's subtraction. Only the
+        delta comes to the host."""
+        names = self._names(base)
+        for name in names:
+            if tuple(np.shape(base[name])) != self._shapes[name]:
+                raise ValueError(f"parameter {name}: shape {np.shape(base[name])} != expected {self._shapes[name]}")
+        values = tuple(np.asarray(base[name], dtype=np.float32) for name in names)
+        rows = stacked_rows.to_host(stacked_rows.delta_rows(self._stacked(names), self._index(learner), values))
+        self.device_to_host_bytes += stacked_rows.nbytes(rows)
+        return dict(zip(names, rows))
 
     def set_flat(self, learner: int, flat: Mapping[str, np.ndarray]) -> None:
-        """Overwrite learner `learner`'s named tensors; its AdamW state is kept (as DiLoCo does)."""
-        for name, value in flat.items():
-            if name not in self._paths:
-                raise KeyError(f"unknown parameter name: {name}")
-            leaf = self._leaf(name)
-            # Edited on the host: a device scatter would compile once per tensor shape.
-            stacked = np.array(leaf[...], dtype=np.float32)
-            if tuple(stacked.shape[1:]) != tuple(np.shape(value)):
-                raise ValueError(f"parameter {name}: shape {np.shape(value)} != expected {tuple(stacked.shape[1:])}")
-            stacked[learner] = value
-            leaf[...] = jnp.asarray(stacked)
+        """Overwrite learner `learner`'s named tensors; its AdamW state is kept (as DiLoCo does).
+        One compiled program writes the row on the device (the other learners' rows stay there)."""
+        names = self._names(flat)
+        for name in names:
+            if tuple(np.shape(flat[name])) != self._shapes[name]:
+                raise ValueError(f"parameter {name}: shape {np.shape(flat[name])} != expected {self._shapes[name]}")
+        values = tuple(np.asarray(flat[name], dtype=np.float32) for name in names)
+        updated = stacked_rows.set_rows(self._stacked(names), self._index(learner), values)
+        for name, value in zip(names, updated):
+            self._leaf(name).set_value(value)  # whole replace: the donated old buffer is never read
 
     def learner_params(self, learner: int) -> nnx.State:
         """Learner `learner`'s parameters as an (unstacked) State, e.g. for evaluation."""

@@ -40,7 +40,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 
@@ -52,6 +52,7 @@ from diloco_node.learn.error_feedback import ErrorFeedback, codec_quantizer
 from diloco_node.learn import model as model_lib
 from diloco_node.learn.inner import InnerLearner, StackedLearners
 from diloco_node.sim.sparse_diagnostics import SparseDiagnostics
+from diloco_node.sim.batches import StackedBatches
 from diloco_node.sync.admission import LEARNER_ROLE, Member, Refused
 from diloco_node.sync.apply import ApplyRule, FragmentCounters, apply_merge
 from diloco_node.sync.fragments import FragmentPlan, plan_fragments
@@ -178,6 +179,10 @@ class RunResult:
     eval_batch_losses: tuple[float, ...] = ()
     # Per merged round of a sparse uplink (sim/sparse_diagnostics.py); empty for dense codecs.
     sparse_rounds: list[dict] = field(default_factory=list)
+    # Fragment modes: parameter bytes the learners' stack brought to the host, and the fp32 bytes
+    # of the fragments the algorithm read (contributions' deltas, local fragments an apply rule read).
+    device_to_host_bytes: int = 0
+    fragment_bytes_due: int = 0
 
     @property
     def bytes_cross_site(self) -> int:
@@ -450,7 +455,10 @@ class _FragmentSync:
         probe = len(encode_named(self.global_state.fragment_params(0), sync.codec_up))
         self.syncer.prime(step_s=config.base_step_s / max(config.speed(m) for m in range(M)), quorum_s=0.0,
                           sync_s=2 * config.link.transfer_s(probe))
-        self._zero_batch = np.zeros((config.manifest.inner.batch_size, config.manifest.model.seq_len), np.int32)
+        self.batches = StackedBatches(setup.samplers, config.manifest.inner.batch_size, config.manifest.model.seq_len)
+        # fp32 bytes of the fragments the algorithm read from the learners: each contribution's
+        # delta, and the local fragment when the apply rule reads it (runner_overhead's "due").
+        self.fragment_bytes_due = 0
         self._losses: list[tuple[np.ndarray, object]] = []
         self.curve: list[tuple[float, int, float]] = []
         self._ticks = 0
@@ -512,7 +520,8 @@ class _FragmentSync:
             learner_steps=tuple(int(s) for s in self.stack.steps), virtual_s=self.stop_time or self.now,
             wall_s=0.0, data_parallel_bytes_equivalent=dp_equiv, merge_log=self.merge_log, loss_curve=self.curve,
             missed_merges_applied=self.missed_merges_applied, eval_loss_stderr=eval_stderr,
-            eval_batch_losses=eval_batch_losses,
+            eval_batch_losses=eval_batch_losses, device_to_host_bytes=self.stack.device_to_host_bytes,
+            fragment_bytes_due=self.fragment_bytes_due,
             sparse_rounds=self.diagnostics.rows if self.diagnostics is not None else [],
         )
 
@@ -527,15 +536,8 @@ class _FragmentSync:
         mask = np.zeros(config.num_learners, dtype=bool)
         for m in indices:
             mask[m] = True
-        rows_in, rows_tg = [], []
-        for m in range(config.num_learners):
-            if mask[m]:
-                x, y = self.setup.samplers[m].next()
-            else:
-                x, y = self._zero_batch, self._zero_batch
-            rows_in.append(x)
-            rows_tg.append(y)
-        loss_M = self.stack.step(np.stack(rows_in), np.stack(rows_tg), mask)
+        inputs, targets = self.batches.take(mask)
+        loss_M = self.stack.step(inputs, targets, mask)
         self._losses.append((mask, loss_M))
         self._ticks += 1
         for m in indices:
@@ -623,7 +625,7 @@ class _FragmentSync:
         if adopt:
             new, counters = msg.params, FragmentCounters()
         else:
-            local = self.stack.get_flat(st.index, msg.params)
+            local = _LocalFragment(self, st.index, list(msg.params))  # read only if the rule reads it
             new, counters = apply_merge(local, st.base_params[p], msg.params, msg.contributors,
                                         FragmentCounters(st.c_steps[p], st.c_tokens[p]), learner=st.name,
                                         rule=self.apply_rule)
@@ -635,8 +637,9 @@ class _FragmentSync:
     def _send(self, st: _LearnerState, p: int, t: float) -> None:
         sync = self.config.manifest.sync
         names = self.plan.fragments[p].names
-        local = self.stack.get_flat(st.index, names)
-        raw = delta = {n: st.base_params[p][n] - local[n] for n in names}
+        # base - local on the device (the same float32 bits as on the host): only the delta crosses.
+        raw = delta = self.stack.fragment_delta(st.index, {n: st.base_params[p][n] for n in names})
+        self.fragment_bytes_due += sum(v.nbytes for v in delta.values())
         if self.error_feedback is not None:  # send Q(beta * e + delta), keep the rest
             delta = self.error_feedback[st.index].compensate(p, delta)
         payload = encode_named(delta, sync.codec_up)
@@ -757,6 +760,30 @@ class _FragmentSync:
                 continue
             st.inbox.append(msg)
             self._push(msg.arrival, _DELIVER, st.index)
+
+
+class _LocalFragment(Mapping):
+    """A learner's local fragment for the apply rule, brought from the device on first access:
+    the paper's overwrite rule never reads it, so a merge then moves nothing to the host."""
+
+    def __init__(self, sync: _FragmentSync, learner: int, names: list[str]):
+        self._sync, self._learner, self._names = sync, learner, names
+        self._values: dict[str, np.ndarray] | None = None
+
+    def _load(self) -> dict[str, np.ndarray]:
+        if self._values is None:
+            self._values = self._sync.stack.get_flat(self._learner, self._names)
+            self._sync.fragment_bytes_due += sum(v.nbytes for v in self._values.values())
+        return self._values
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._load()[name]
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 @dataclass(frozen=True, slots=True)
