@@ -110,6 +110,16 @@ def test_a_node_ending_below_the_committed_index_lost_it():
     assert "digest_divergence" not in found  # c's state is the right one for index 3
 
 
+def test_a_node_ending_with_its_state_not_current_is_behind_not_divergent():
+    h = clean_run()
+    finals = final_states_from(h)
+    finals[2] = FinalState("c", 3, "", t_mono=10.0)  # /status named no digest: state not current
+    found = {v.invariant: v.message for v in check_histories(h, finals)}
+    assert found["committed_index_lost"].startswith("c ended at index 3, but index 4 was committed")
+    assert "not_converged" in found
+    assert "digest_divergence" not in found
+
+
 def test_epoch_going_down_on_a_node():
     h = clean_run()
     h["b"].append(ev("b", "vote", 9.0, epoch=1, detail={"for": "a"}))

@@ -265,7 +265,10 @@ def _digests_agree(nodes: Mapping[str, Sequence[HistoryEvent]], finals: Sequence
                              max((f.t_mono for f in finals if f.t_mono is not None), default=None)))
     for f in finals:
         applied = first.get(f.index)
-        if applied is not None and applied.state_digest != f.state_digest:
+        # An empty digest is a node that said its state is not current (its /status names no
+        # state_digest until a stale fragment is repaired): it holds no claim to compare, and
+        # not_converged / committed_index_lost already report a node left behind.
+        if applied is not None and f.state_digest and applied.state_digest != f.state_digest:
             out.append(Violation(
                 "digest_divergence",
                 f"{f.node} ended at index {f.index} with state {f.state_digest}, but applying index {f.index} "
