@@ -370,6 +370,49 @@ def test_checkpointer_restores_the_global_state_and_applies_the_restart_plan(tmp
     assert target.applied_index == 120 and target.state.digest() == state.digest()
 
 
+async def test_a_snapshot_installed_while_the_checkpoint_is_read_back_drops_the_compaction(
+        tmp_path: Path, monkeypatch) -> None:
+    """A follower resumed after a pause runs its overdue periodic checkpoint; while the disk thread
+    reads the file back, the loop installs the lease holder's snapshot (the holder compacted past
+    the follower meanwhile). The compaction decided before that read no longer fits the log: it is
+    dropped, the log left as the snapshot made it. Before, it asserted on the epoch of an index the
+    log no longer held, which ended the node's periodic task (its /status froze at "ready, applied
+    N" while it went on applying: the compaction cluster test timed out once on that)."""
+    from types import SimpleNamespace
+
+    import diloco_node.daemon.persistence as persistence
+    from diloco_node.ops.checkpoint import verify_checkpoint_file
+
+    state = _state(_log(100))
+    replog = ReplicatedLog("b", state.log, applied_index=100)
+    replog.commit_index = 100
+    store = CoordinationStore(tmp_path / "coordination")
+    store.sync(state)
+    replica = small_replica()
+    replica.applied_index = 100
+    errors: list[str] = []
+
+    def read_back_while_a_snapshot_arrives(path: Path) -> dict:
+        meta = verify_checkpoint_file(path)
+        restored, _ = replog.install_snapshot(Snapshot(130, 1, VOTERS))  # what the loop does meanwhile
+        assert restored
+        store.sync(state)
+        return meta
+
+    monkeypatch.setattr(persistence, "verify_checkpoint_file", read_back_while_a_snapshot_arrives)
+    with CheckpointStore(tmp_path / "checkpoints") as checkpoints, ThreadPoolExecutor(1) as disk:
+        checkpointer = Checkpointer(node_id="b", checkpoints=checkpoints, store=store, replica=replica,
+                                    disk_executor=disk, retain_entries=16, report_error=errors.append)
+        coordination = SimpleNamespace(log=replog, compact=replog.compact)
+        await checkpointer.checkpoint_and_compact(None, coordination, state, stopping=lambda: False)  # type: ignore[arg-type]
+    store.close()
+    assert errors == []
+    assert (replog.store.snapshot.last_index, replog.first_index, replog.applied_index) == (130, 131, 130)
+    loaded = CoordinationStore(tmp_path / "coordination").load_persistent()
+    assert loaded.log.snapshot.last_index == 130 and loaded.log.entries == []
+    assert not (tmp_path / "coordination" / ".log.bin.compact.tmp").exists()
+
+
 # ---------------------------------------------------------------- /status and /metrics
 
 

@@ -462,6 +462,46 @@ async def test_checkpoint_interval_s_is_how_often_the_daemon_checkpoints(tmp_pat
     assert taken == [1000.0 + interval * (i + 1) for i in range(checkpoints)]
 
 
+async def test_a_periodic_checkpoint_that_raises_is_tried_again_and_status_keeps_refreshing(tmp_path: Path) -> None:
+    """checkpoint_interval_s after a failure: the job that raised is reported and tried again at the
+    next interval, and the same loop keeps refreshing /status and readiness. Before, one exception
+    (a compaction racing a snapshot install) ended the loop: /status froze at its last document."""
+    from types import SimpleNamespace
+
+    clock = _YieldingClock()
+    daemon = _daemon(tmp_path, clock, checkpoint_interval_s="10")
+    refreshed: list[float] = []
+    taken: list[float] = []
+    errors: list[str] = []
+
+    def refresh(now: float) -> None:
+        refreshed.append(now)
+        if now >= 1050.0:
+            raise _Horizon
+
+    async def checkpoint() -> None:
+        taken.append(clock.now)
+        if len(taken) == 1:
+            raise AssertionError("the log moved past the compaction point")
+
+    async def refresh_members(voters) -> None:
+        pass
+
+    daemon._ready = True
+    daemon._update_readiness = lambda services, parts, now: None
+    parts = SimpleNamespace(feed=SimpleNamespace(refresh=refresh), periodic_checkpoint=checkpoint,
+                            core=SimpleNamespace(log=SimpleNamespace(config=SimpleNamespace(voters=()))))
+    services = SimpleNamespace(identity=SimpleNamespace(refresh_members=refresh_members), node_id="a",
+                               samples=SimpleNamespace(observe=lambda document: None), status_document=None,
+                               report_error=errors.append)
+    with pytest.raises(_Horizon):
+        await daemon._periodic(services, parts)
+    assert taken == [1010.0, 1020.0, 1030.0, 1040.0]  # the one that raised, then every interval on
+    assert refreshed[-1] >= 1050.0 and len(refreshed) > 10
+    assert errors == ["the periodic checkpoint failed: AssertionError: the log moved past the compaction point; "
+                      "tried again at the next interval"]
+
+
 @pytest.mark.parametrize("processes, timeout_s, warned, suspect", [
     (2, 8, True, "process 1"), (3, 8, True, "another of the site's processes"), (2, 40, False, "")])
 async def test_cluster_heartbeat_timeout_and_num_processes_decide_when_and_whom_a_stalled_step_blames(

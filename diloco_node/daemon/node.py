@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 import signal
+from collections.abc import Coroutine
 from typing import Any
 
 from bootstrap import messages as coord
@@ -278,10 +279,11 @@ class Node:
             services.samples.observe(services.status_document)
             if now >= next_checkpoint and self._ready:
                 next_checkpoint = now + plan.checkpoint_interval_s
-                await parts.periodic_checkpoint()
+                await _survived("the periodic checkpoint", parts.periodic_checkpoint(), services)
             if now >= next_refresh:
                 next_refresh = now + plan.member_refresh_s
-                await services.identity.refresh_members(parts.core.log.config.voters)
+                await _survived("the member refresh", services.identity.refresh_members(parts.core.log.config.voters),
+                                services)
             await clock.sleep(plan.status_refresh_s)
 
     def _update_readiness(self, services: Services, parts: SiteParts, now: float) -> None:
@@ -293,3 +295,14 @@ class Node:
         if self._status_line.due(verdict.reason, now):
             services.notifier.status(verdict.reason)
         services.status.set_ready(verdict.ready, verdict.reason)
+
+
+async def _survived(what: str, job: Coroutine[Any, Any, Any], services: Services) -> None:
+    """Run one periodic job; its failure is reported (log with traceback, /status errors) and the
+    loop goes on: the same loop refreshes /status and readiness, which must never freeze because a
+    checkpoint or a compaction raised (the next interval tries again)."""
+    try:
+        await job
+    except Exception as error:
+        log.exception("%s: %s failed", services.node_id, what)
+        services.report_error(f"{what} failed: {type(error).__name__}: {error}; tried again at the next interval")

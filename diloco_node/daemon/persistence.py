@@ -26,6 +26,7 @@ import numpy as np
 
 from bootstrap.coordinator_node import CoordinatorNode, PersistentState
 from bootstrap.entries import Snapshot
+from bootstrap.replog import ReplicatedLog
 from diloco_node.config.settings import ConfigError
 from diloco_node.daemon.coordination_store import CoordinationStore, CoordinationStoreError, compaction_point
 from diloco_node.learn.learner_thread import (
@@ -269,13 +270,19 @@ class Checkpointer:
             self.report_error(f"checkpoint {path.name} holds index {verified}, expected {checkpointed}; "
                               "log not compacted")
             return
+        if _log_moved_past(replog, through):
+            # A snapshot was installed while the file was read back (a follower resumed after a pause
+            # and the holder had compacted past it): the log no longer holds `through`.
+            log.info("%s: compaction through %d dropped: the log moved past it (a snapshot was installed "
+                     "meanwhile)", self.node_id, through)
+            return
         epoch = replog.epoch_at(through)
         assert epoch is not None
         snapshot = Snapshot(through, epoch, replog.config_at(through))
         committed = [e for i in range(through + 1, replog.commit_index + 1) if (e := replog.entry_at(i)) is not None]
         prepared = await loop.run_in_executor(self.disk_executor, self.store.prepare_compaction, snapshot,
                                               committed)
-        if stopping() or replog.store.snapshot.last_index >= through or replog.applied_index < through:
+        if stopping() or _log_moved_past(replog, through):
             self.store.discard_prepared()  # stopping, or a snapshot was installed meanwhile
             return
         before = self.store.log_bytes
@@ -283,3 +290,9 @@ class Checkpointer:
         self.store.sync(persistent, prepared)
         log.info("%s: log %s; log.bin %d -> %d bytes, first index %d", self.node_id, reason, before,
                  self.store.log_bytes, self.store.log_first_index)
+
+
+def _log_moved_past(replog: ReplicatedLog, through: int) -> bool:
+    """Whether a compaction through `through`, decided before an await, no longer fits the log: a
+    snapshot installed meanwhile starts the log at or after it (or the applied index is behind it)."""
+    return replog.store.snapshot.last_index >= through or replog.applied_index < through
