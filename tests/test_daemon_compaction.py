@@ -350,6 +350,27 @@ def test_restart_compacted_log_without_checkpoint_or_peers_is_a_clear_error() ->
         restart_plan(checkpoint_index=None, snapshot_index=100, log_last_index=105, has_peers=False)
 
 
+@pytest.mark.parametrize("older, has_peers, snapshot, expected", [
+    ((90, 110, 130), True, 100, (130, 0, 130, False)),  # an older current checkpoint inside the log: replayed from
+    ((90,), True, 100, (140, 140, None, False)),  # none inside it: installed from peers as of its index
+    ((), False, 0, (0, 0, None, True)),  # alone on an uncompacted log: replayed from the initial state
+])
+def test_restart_never_replays_onto_a_checkpoint_written_while_the_state_was_not_current(
+        older: tuple[int, ...], has_peers: bool, snapshot: int, expected: tuple) -> None:
+    plan = restart_plan(checkpoint_index=140, snapshot_index=snapshot, log_last_index=150, has_peers=has_peers,
+                        older_checkpoints=older, not_current="fragment 1 stale since index 138: payload unreadable")
+    assert (plan.applied_index, plan.install_floor, plan.fallback_checkpoint, plan.initial_state) == expected
+    assert plan.reason.startswith("the checkpoint at index 140 was written while the global state was not current "
+                                  "(fragment 1 stale since index 138")
+
+
+def test_restart_on_a_state_not_current_without_peers_or_older_checkpoint_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="not current .*no older checkpoint lies inside the durable log "
+                                          r"\(compacted through 100\), and there is no peer"):
+        restart_plan(checkpoint_index=140, snapshot_index=100, log_last_index=150, has_peers=False,
+                     older_checkpoints=(90,), not_current="a download under way")
+
+
 def test_checkpointer_restores_the_global_state_and_applies_the_restart_plan(tmp_path: Path) -> None:
     """The real Checkpointer on real stores: a checkpoint inside the log is restored bit for bit."""
     source = small_replica()

@@ -130,3 +130,82 @@ def test_a_chunk_is_labelled_with_the_index_its_bytes_are_current_at(tmp_path):
         with pytest.raises(RemoteProtocolError) as moved:
             asyncio.run(keeper.on_snapshot_request(wire.SnapshotRequest(0, 0, 1 << 20)))
         assert moved.value.status_hint == 503 and "moved on while it was read" in str(moved.value)
+
+
+def test_the_checkpoint_written_at_stop_while_not_current_is_never_replayed_onto_nor_exported(tmp_path):
+    """The stop path writes its checkpoint whatever the state (its learner matters), the way
+    parts.py `stop` does: with the keeper's `current_reason`. A restart then installs the global state
+    from peers as of its index, or replays the log from an older checkpoint written while the state
+    was current, never from this one (it would claim the state current at index 5); and an export
+    reads the older one. Before, the checkpoint said nothing and a restart replayed onto it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bootstrap.coordinator_node import PersistentState
+    from bootstrap.entries import ClusterConfig, Snapshot
+    from bootstrap.replog import LogStore
+    from diloco_node.daemon.persistence import Checkpointer
+    from diloco_node.ops.checkpoint import CheckpointStore
+    from diloco_node.ops.export import ExportError, _newest_verified_checkpoint
+
+    clock = FakeClock()
+    replica, tasks = small_replica(), _Tasks()
+    keeper = StateKeeper(node_id="n2", replica=replica, client=None, addresses=None, executor=None, clock=clock,
+                         tasks=tasks, history=recorder(tmp_path, "n2", clock), leader_id=lambda: "n1",
+                         epoch=lambda: 5, report_error=lambda message: None, commits_applied=_Counter(),
+                         learner=_Learner())
+    commits = _real_commits(replica, 5, first_index=1, epoch=5)
+    truth = small_replica()
+    for entry in commits:
+        truth.apply(entry)
+    log_after_stop = PersistentState.founding(["n1", "n2", "n3"])
+    log_after_stop.log = LogStore(Snapshot(0, 0, ClusterConfig()), list(commits))
+
+    def restart(checkpoints: CheckpointStore, has_peers: bool = True):
+        fresh = small_replica()
+        checkpointer = Checkpointer(node_id="n2", checkpoints=checkpoints, store=None, replica=fresh,  # type: ignore[arg-type]
+                                    disk_executor=None, retain_entries=256, report_error=lambda _: None)  # type: ignore[arg-type]
+        plan, _ = checkpointer.restore(log_after_stop, has_peers=has_peers)
+        return plan, fresh
+
+    with CheckpointStore(tmp_path / "checkpoints") as checkpoints, ThreadPoolExecutor(1) as disk:
+        checkpointer = Checkpointer(node_id="n2", checkpoints=checkpoints, store=None, replica=replica,  # type: ignore[arg-type]
+                                    disk_executor=disk, retain_entries=256, report_error=lambda _: None)
+        keeper.apply(commits[0])
+        keeper.apply(commits[1])
+        asyncio.run(checkpointer.checkpoint(None, not_current=keeper.current_reason()))  # current: a normal one
+        keeper.apply(_unreadable(commits[2]))
+        keeper.apply(commits[3])
+        keeper.apply(commits[4])
+        assert keeper.current_reason().startswith("fragment 0 stale since index 5")
+        asyncio.run(checkpointer.checkpoint(None, not_current=keeper.current_reason()))  # the one at stop
+        assert checkpoints.load_latest().checkpoint.meta["state_not_current"].startswith("fragment 0 stale")
+
+        plan, restored = restart(checkpoints)  # the log holds 1..5 and an older current checkpoint at 2
+        assert (plan.applied_index, plan.install_floor, plan.fallback_checkpoint) == (2, 0, 2)
+        assert "written while the global state was not current (fragment 0 stale since index 5" in plan.reason
+        for entry in commits[2:]:  # the replay from it reaches the run's state
+            restored.apply(entry)
+        assert restored.state.digest() == truth.state.digest()
+
+        checkpoint, skipped = _newest_verified_checkpoint(tmp_path / "checkpoints")
+        assert checkpoint.meta["applied_index"] == 2  # the export is of the older one, and says why
+        assert "not current (fragment 0 stale since index 5" in skipped[0]
+
+        checkpoints.path_for(1).unlink()
+        plan, _ = restart(checkpoints)  # no older checkpoint: the state is installed from peers
+        assert (plan.applied_index, plan.install_floor) == (5, 5) and "installing the global state from peers" in plan.reason
+        reinstalling = StateKeeper(node_id="n2", replica=small_replica(), client=None, addresses=None, executor=None,
+                                   clock=clock, tasks=_Tasks(), history=recorder(tmp_path / "r", "n2", clock),
+                                   leader_id=lambda: "n1", epoch=lambda: 5, report_error=lambda message: None,
+                                   commits_applied=_Counter(), learner=_Learner())
+        reinstalling.plan_install(plan.install_floor)
+        reinstalling.start_install(plan.install_floor)  # what the node does once coordination runs
+        assert not readiness(_facts(reinstalling)).ready  # not current until the download is in
+
+        plan, restored = restart(checkpoints, has_peers=False)  # alone, on an uncompacted log
+        assert (plan.applied_index, plan.initial_state) == (0, True)
+        for entry in commits:
+            restored.apply(entry)
+        assert restored.state.digest() == truth.state.digest()
+        with pytest.raises(ExportError, match="not current"):
+            _newest_verified_checkpoint(tmp_path / "checkpoints")

@@ -179,10 +179,11 @@ class SiteParts:
             # changes them): a copy here was 4 bytes a parameter and, at 1B, a 3.9 s stall of the
             # event loop at the moment training starts. A learner that keeps weights copies them.
             learner.adopt_global(state.all_params(copies=False), list(state.rounds()))
-        else:  # a restored learner keeps its own weights; fragments committed since arrive as offers
-            for p in range(self.site.plan.num_fragments):
-                learner.offer_fragment(p, state.round(p), state.fragment_params(p, copies=False))
         self.services.slot.fill(learner)
+        if not fresh:
+            # A restored learner keeps its own weights; the fragments committed since arrive as offers,
+            # and only from a current state (a restart that installs or repairs it offers them after).
+            self.keeper.rebase_learner()
         learner.start()
         learner.begin_training()
 
@@ -227,9 +228,10 @@ class SiteParts:
         coordination.frozen = True
         if self._ticker is not None:
             self._ticker.cancel()
-        # Always written, even mid-download: its learner state matters, and a restart re-installs
-        # an inconsistent global state from peers.
-        await self.checkpointer.checkpoint(services.slot.learner)
+        # Always written, even while the state is not current (a stale fragment, a download): its
+        # learner state matters. Such a checkpoint says so, and a restart installs the global state
+        # (or replays from an older checkpoint) instead of replaying onto it (`restart_plan`).
+        await self.checkpointer.checkpoint(services.slot.learner, not_current=self.keeper.current_reason())
         services.store.sync(coordination.persistent)
         coordination.relays.close()  # its spool files: the log holds every payload it took
         replica = self.replica

@@ -44,6 +44,7 @@ from diloco_node.ops.checkpoint import (
 )
 from diloco_node.ops.storage_health import STORAGE
 from diloco_node.sync.replica import Replica
+from diloco_node.sync.state_codec import NOT_CURRENT_KEY, checkpoint_not_current
 
 log = logging.getLogger("diloco_node.daemon")
 
@@ -56,12 +57,16 @@ class RestartPlan:
     applied_index: int
     install_floor: int
     reason: str
-    # An older checkpoint to restore instead of the newest (whose index is past the log's end).
+    # An older checkpoint to restore instead of the newest (whose index is past the log's end, or
+    # whose global state was not current when written).
     fallback_checkpoint: int | None = None
+    # The checkpoint's global state is not restored: the log is replayed from the run's initial state.
+    initial_state: bool = False
 
 
 def restart_plan(*, checkpoint_index: int | None, snapshot_index: int, log_last_index: int,
-                 has_peers: bool, older_checkpoints: Sequence[int] = (), log_name: str = "log.bin") -> RestartPlan:
+                 has_peers: bool, older_checkpoints: Sequence[int] = (), log_name: str = "log.bin",
+                 not_current: str = "") -> RestartPlan:
     """The durable log holds the entries after `snapshot_index`; a checkpoint must lie between that
     point and the log's end for a replay from it to be complete. One older than the point (the
     newest failed verification and an older one was used, or checkpoints were removed) cannot be
@@ -71,6 +76,12 @@ def restart_plan(*, checkpoint_index: int | None, snapshot_index: int, log_last_
     newest of `older_checkpoints` (applied indices) inside the log is replayed from; with none, the
     global state is installed from peers as of the log's end (every entry up to it is committed,
     since the checkpoint applied past it) and the lost entries come back from the lease holder.
+
+    A checkpoint whose global state was not current when written (`not_current` says why: a stale
+    fragment, a download under way; only the one written at stop) is never replayed onto: that
+    would claim the state current at its index. The log is replayed from the newest of
+    `older_checkpoints` inside it (checkpoints that were current), else the state is installed from
+    peers as of the checkpoint's index, else (an uncompacted log) replayed from the initial state.
     Raises ConfigError when nothing works."""
     applied = checkpoint_index or 0
     if applied > log_last_index:
@@ -87,6 +98,10 @@ def restart_plan(*, checkpoint_index: int | None, snapshot_index: int, log_last_
         return RestartPlan(log_last_index, log_last_index,
                            f"{lost}; installing the global state from peers as of index {log_last_index} and "
                            "catching up the log from the lease holder")
+    if not_current and applied >= snapshot_index:
+        return _restart_past_a_state_not_current(applied, not_current, snapshot_index=snapshot_index,
+                                                 log_last_index=log_last_index, has_peers=has_peers,
+                                                 older_checkpoints=older_checkpoints)
     if applied >= snapshot_index:
         source = f"the checkpoint at index {applied}" if checkpoint_index is not None else "the initial state"
         return RestartPlan(applied, 0, f"replay the log from {source} through {log_last_index}")
@@ -96,6 +111,24 @@ def restart_plan(*, checkpoint_index: int | None, snapshot_index: int, log_last_
     return RestartPlan(snapshot_index, snapshot_index,
                        f"the global state is as of index {applied} but the durable log starts after "
                        f"{snapshot_index}: installing the global state from peers")
+
+
+def _restart_past_a_state_not_current(applied: int, not_current: str, *, snapshot_index: int, log_last_index: int,
+                                      has_peers: bool, older_checkpoints: Sequence[int]) -> RestartPlan:
+    """`restart_plan` for a checkpoint inside the log whose global state was not current."""
+    why = f"the checkpoint at index {applied} was written while the global state was not current ({not_current})"
+    fitting = [c for c in older_checkpoints if snapshot_index <= c <= log_last_index]
+    if fitting:
+        older = max(fitting)
+        return RestartPlan(older, 0, f"{why}; replay the log from the older checkpoint at index {older} through "
+                                     f"{log_last_index}", fallback_checkpoint=older)
+    if has_peers and applied > 0:
+        return RestartPlan(applied, applied, f"{why}; installing the global state from peers as of index {applied}")
+    if snapshot_index == 0:
+        return RestartPlan(0, 0, f"{why}; replay the log from the initial state through {log_last_index}",
+                           initial_state=True)
+    raise ConfigError(f"{why}, no older checkpoint lies inside the durable log (compacted through "
+                      f"{snapshot_index}), and there is no peer to install the state from")
 
 
 def learner_to_resume(snapshot: LearnerSnapshot | None, learner_kind: str, node_id: str) -> LearnerSnapshot | None:
@@ -138,38 +171,52 @@ class Checkpointer:
         else:
             meta, arrays = loaded.checkpoint.meta, loaded.checkpoint.arrays
             newest = int(meta["applied_index"])
+            not_current = checkpoint_not_current(meta)
+            # Its learner is resumed whatever its global state was: only the global state is not trusted.
+            learner_source = (meta, arrays) if not_current else None
             older: dict[int, Path] = {}
             if newest > log_last:  # log.bin lost entries the checkpoint applied: damage, not a torn append
                 self.store.report_lost_entries(log_last, f"checkpoint {loaded.checkpoint.sequence} applied "
                                                          f"through {newest}")
+            if newest > log_last or not_current:
                 older = self._older_checkpoints(loaded.checkpoint.sequence)
             plan = restart_plan(checkpoint_index=newest, snapshot_index=snapshot_index, log_last_index=log_last,
                                 has_peers=has_peers, older_checkpoints=tuple(older),
-                                log_name=str(self.store.log_path) if newest > log_last else "log.bin")
+                                log_name=str(self.store.log_path) if newest > log_last else "log.bin",
+                                not_current=not_current)
             if plan.fallback_checkpoint is not None:
                 fallback = read_checkpoint_file(older[plan.fallback_checkpoint])
                 meta, arrays = fallback.meta, fallback.arrays
                 loaded = type(loaded)(fallback, loaded.skipped)
-            digest = self._restore_global_state(meta, arrays)
-            log.info("%s: resumed from checkpoint %s at index %d digest %s", self.node_id,
-                     loaded.checkpoint.sequence, int(meta["applied_index"]), digest)
-            if meta.get("learner"):
-                learner = snapshot_from_checkpoint(meta["learner"], arrays)
+            if plan.initial_state:
+                log.info("%s: the global state of checkpoint %s is not restored", self.node_id,
+                         loaded.checkpoint.sequence)
+            else:
+                digest = self._restore_global_state(meta, arrays)
+                log.info("%s: resumed from checkpoint %s at index %d digest %s", self.node_id,
+                         loaded.checkpoint.sequence, int(meta["applied_index"]), digest)
+            learner_meta, learner_arrays = learner_source or (meta, arrays)
+            if learner_meta.get("learner"):
+                learner = snapshot_from_checkpoint(learner_meta["learner"], learner_arrays)
         self.replica.applied_index = plan.applied_index
-        if plan.install_floor or plan.fallback_checkpoint is not None:
+        if plan.install_floor or plan.fallback_checkpoint is not None or plan.initial_state:
             log.warning("%s: %s", self.node_id, plan.reason)
         return plan, learner
 
     def _older_checkpoints(self, newest_sequence: int) -> dict[int, Path]:
-        """applied index -> file of each checkpoint older than `newest_sequence` that verifies (streamed).
-        Only when the newest cannot be used; one that fails its check is skipped."""
+        """applied index -> file of each checkpoint older than `newest_sequence` that verifies (streamed)
+        and was written while the state was current. Only when the newest cannot be used; one that
+        fails its check is skipped."""
         found: dict[int, Path] = {}
         for sequence in self.checkpoints.sequences():
             if sequence >= newest_sequence:
                 continue
             path = self.checkpoints.path_for(sequence)
             try:
-                found.setdefault(int(verify_checkpoint_file(path)["applied_index"]), path)
+                meta = verify_checkpoint_file(path)
+                if checkpoint_not_current(meta):
+                    continue  # its global state is no better than the newest's
+                found.setdefault(int(meta["applied_index"]), path)
             except (CheckpointError, KeyError, TypeError, ValueError) as error:
                 log.warning("%s: older checkpoint %s not usable: %s", self.node_id, path.name, error)
         return found
@@ -193,13 +240,17 @@ class Checkpointer:
         """The replicated state (norm references included), verified against the checkpoint's digest."""
         return self.replica.restore_checkpoint(meta, arrays)
 
-    async def checkpoint(self, learner: LearnerThread | None) -> tuple[Path, int] | None:
+    async def checkpoint(self, learner: LearnerThread | None, not_current: str = "") -> tuple[Path, int] | None:
         """Local weights, AdamW state, counters, applied index and the global state, atomically.
         Returns (file, applied index), or None when the disk refused the write (reported; the
-        previous checkpoints stay as they were). The caller decides whether the state is worth saving."""
+        previous checkpoints stay as they were). The caller decides whether the state is worth saving;
+        `not_current` (why the state is not the run's at its index, the one at stop) is written with
+        it, so that a restart never replays onto it (`restart_plan`) and no export reads it."""
         replica = self.replica
         global_meta, arrays = replica.checkpoint_entries()
         meta: dict[str, Any] = {"node_id": self.node_id, "applied_index": replica.applied_index, **global_meta}
+        if not_current:
+            meta[NOT_CURRENT_KEY] = not_current
         if learner is not None:
             snap = await asyncio.wrap_future(learner.request_state())
             learner_meta, learner_arrays = snapshot_meta_and_arrays(snap)
@@ -213,7 +264,8 @@ class Checkpointer:
             return None
         if STORAGE.succeeded("checkpoint.write"):
             log.warning("%s: checkpoints are written again (%s)", self.node_id, path.name)
-        log.info("%s checkpoint %s at index %d", self.node_id, path.name, meta["applied_index"])
+        log.info("%s checkpoint %s at index %d%s", self.node_id, path.name, meta["applied_index"],
+                 f" (global state not current: {not_current})" if not_current else "")
         return path, int(meta["applied_index"])
 
     def _write_failed(self, error: OSError) -> None:

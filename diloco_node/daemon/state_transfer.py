@@ -244,8 +244,12 @@ class StateKeeper:
         for entry in held:
             if entry.index > replica.applied_index:
                 self.apply(entry)
-        # Rebased on the new global state, once it is current (a joiner replays the log first).
-        self._unoffered.update(range(replica.plan.num_fragments))
+        self.rebase_learner()  # on the new global state, once it is current (a joiner replays the log first)
+
+    def rebase_learner(self) -> None:
+        """Offer every fragment to the learner: now if the state is current, else once it is (after a
+        download, or a restored learner at start while a repair or an install is still to come)."""
+        self._unoffered.update(range(self.replica.plan.num_fragments))
         self._offer_pending()
 
     def _download(self, peers: Callable[[], list[str]], min_commit_index: int = 0,

@@ -22,7 +22,9 @@ writes checkpoints and identity.json atomically (temporary file, rename), so a f
 either complete or absent; a checkpoint the node rotates away between listing and reading is
 looked for again rather than reported as corrupt. A checkpoint that fails verification is
 skipped (and named in `ExportResult.skipped`) but left where it is: quarantining it is the
-node's business (`CheckpointStore.load_latest`).
+node's business (`CheckpointStore.load_latest`). So is one the node wrote at stop while its global
+state was not current (a stale fragment, a download under way: `state_codec.checkpoint_not_current`):
+the export is then of the newest checkpoint written while it was.
 
 The output is written to a temporary file in the target directory, fsynced and renamed into
 place (then the directory fsynced; `storage/durable.py`, failpoint `export.write`), so a reader never
@@ -83,7 +85,7 @@ from diloco_node.learn import hf_llama
 from diloco_node.ops import hf_export_files
 from diloco_node.ops.checkpoint import Checkpoint, CheckpointError, read_checkpoint_file
 from diloco_node.storage import durable, failpoints
-from diloco_node.sync.state_codec import params_from_checkpoint
+from diloco_node.sync.state_codec import checkpoint_not_current, params_from_checkpoint
 
 EXPORT_FORMAT = "diloco-node-export/1"
 FORMATS = ("safetensors", "npz", "hf")
@@ -227,6 +229,9 @@ def _not_a_global_model(checkpoint: Checkpoint, sequence: int) -> str | None:
         return "holds no global model parameters"
     if "applied_index" not in checkpoint.meta or "state_digest" not in checkpoint.meta:
         return "has no applied_index / state_digest in its metadata: not a node's checkpoint"
+    not_current = checkpoint_not_current(checkpoint.meta)
+    if not_current:  # written at stop while a fragment was stale or a download ran: not the run's model
+        return f"was written while the global state was not current ({not_current})"
     return None
 
 

@@ -12,6 +12,7 @@ in memory; this module gives them their names and their serialized forms:
 - checkpoint entries (`to_checkpoint` / `from_checkpoint`): the named arrays of every fragment under
   "global/", plus metadata {"rounds", "state_digest", "digest_hash", "norm_refs"} and, once a site was evicted,
   "evicted" (`evictions_from_checkpoint`); a checkpoint holds other arrays (the learner's) beside them.
+  One written while the state was not current says why (`NOT_CURRENT_KEY`, `checkpoint_not_current`).
 - download bytes (`encode_fragment` / `decode_fragment`): what a peer serves for one fragment of a
   state download: a msgpack map of the metadata and the named arrays as [shape, raw <f4 bytes],
   plus "evicted" once a site was evicted (absent reads as none). Format 3: "fragment" and
@@ -48,6 +49,10 @@ MOMENTUM = "momentum"
 HISTORY = "history"
 # Checkpoint array names of the global state start with this; the learner's start with "learner/".
 CHECKPOINT_PREFIX = "global/"
+# A checkpoint written while the replica was not the run's state at its applied index (a stale
+# fragment, a download in progress: only the one written at stop can be) says why under this key.
+# Its learner is resumed; its global state is never replayed onto nor exported.
+NOT_CURRENT_KEY = "state_not_current"
 # Version of the download bytes; a peer serving another version is refused by `decode_fragment`.
 # 3 (wire 3.0): arrays in the state digest's order, after "fragment" and "round".
 FRAGMENT_BYTES_FORMAT = 3
@@ -217,6 +222,12 @@ def to_checkpoint(fragments: Sequence[FragmentState], state_digest: str,
         meta["evicted"] = evicted.to_plain()
     arrays = {CHECKPOINT_PREFIX + name: array for f in fragments for name, array in fragment_arrays(f).items()}
     return meta, arrays
+
+
+def checkpoint_not_current(meta: Mapping[str, Any]) -> str:
+    """Why a checkpoint's global state was not current when it was written ("" when it was, and for
+    checkpoints written before the key existed: those were only written while current, or at stop)."""
+    return str(meta.get(NOT_CURRENT_KEY) or "")
 
 
 def from_checkpoint(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
