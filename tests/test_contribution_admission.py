@@ -55,7 +55,7 @@ def _driver(members: dict[str, tuple[coord.MemberRole, coord.MemberState]], exec
     driver = RoundDriver(node_id="lead", manifest=manifest, plan=plan, syncer=syncer,
                          replica=Replica(plan, initial, manifest.outer), coordination=core,
                          addresses=AddressBook(), client=None, executor=executor or InlineExecutor(), clock=clock,
-                         tasks=TaskSet(), dispatch=lambda actions: None, replica_behind=lambda: "held in tests",
+                         tasks=TaskSet(), dispatch=lambda actions: None, replica_behind=lambda proposal=None: "held in tests",
                          report_error=pytest.fail, contributions_sent=NullCounter(), merges_proposed=NullCounter())
     driver.lease_check()
     return driver, syncer, clock

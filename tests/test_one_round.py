@@ -145,7 +145,7 @@ async def run_daemon_side(initial) -> tuple[list[tuple[float, int, str, bytes]],
     tasks = TaskSet()
     driver = RoundDriver(node_id="a", manifest=MANIFEST, plan=plan, syncer=syncer, replica=replica,
                          coordination=core, addresses=AddressBook(), client=None, executor=InlineExecutor(),
-                         clock=clock, tasks=tasks, dispatch=lambda actions: None, replica_behind=lambda: "",
+                         clock=clock, tasks=tasks, dispatch=lambda actions: None, replica_behind=lambda proposal=None: "",
                          report_error=pytest.fail, contributions_sent=NullCounter(), merges_proposed=NullCounter())
     driver.lease_check()  # the lease from START on, as the runner's syncer has it
 

@@ -81,7 +81,7 @@ def _driver(leader: str, client: object = None) -> RoundDriver:
                          syncer=Syncer(MANIFEST, plan, [n for n in SHAPES if is_embedding(n)]),
                          replica=Replica(plan, initial, MANIFEST.outer), coordination=core, addresses=addresses,
                          client=client, executor=InlineExecutor(), clock=FakeClock(1000.0), tasks=TaskSet(),
-                         dispatch=lambda actions: None, replica_behind=lambda: "held in tests",
+                         dispatch=lambda actions: None, replica_behind=lambda proposal=None: "held in tests",
                          report_error=pytest.fail, contributions_sent=NullCounter(), merges_proposed=NullCounter())
     driver.limits = Limits(max_chunk_elements=16)  # several chunks per tensor
     driver.lease_check()

@@ -56,7 +56,7 @@ class HeldPool(Executor):
         self.merges.clear()
 
 
-def _driver(proposals: list, accept_proposals: bool = True):
+def _driver(proposals: list, accept_proposals: bool = True, merge_rule=None):
     plan = plan_fragments(SHAPES, 2, 8, 2)
     replica = Replica(plan, {n: np.zeros(s, np.float32) for n, s in SHAPES.items()}, MANIFEST.outer)
     replica.norm_refs = {0: REFERENCE}
@@ -77,9 +77,11 @@ def _driver(proposals: list, accept_proposals: bool = True):
     core = SimpleNamespace(is_lease_holder=lambda now: lease["held"], propose=propose,
                            election=SimpleNamespace(leader_id="a"), membership=SimpleNamespace(members=members))
     pool, tasks, errors = HeldPool(), TaskSet(), []
+    # `merge_rule(replica)`: the state keeper's rule on this replica (none: never blocked).
+    behind = merge_rule(replica) if merge_rule is not None else (lambda proposal=None: "")
     driver = RoundDriver(node_id="a", manifest=MANIFEST, plan=plan, syncer=syncer, replica=replica,
                          coordination=core, addresses=AddressBook(), client=None, executor=pool, clock=clock,
-                         tasks=tasks, dispatch=lambda actions: None, replica_behind=lambda: "",
+                         tasks=tasks, dispatch=lambda actions: None, replica_behind=behind,
                          report_error=errors.append, contributions_sent=NullCounter(), merges_proposed=NullCounter())
     driver.lease_check()
     return driver, syncer, pool, tasks, lease, errors
@@ -140,3 +142,38 @@ async def test_a_proposed_round_is_adopted_on_the_loop() -> None:
     assert proposals == [0] and errors == []
     assert syncer.norm_ref.get(0) == driver.replica.norm_refs[0] != REFERENCE  # what the commit carried
     assert syncer.last_merge_at == {0: 1000.0} and syncer.last_merge_reason.startswith("fragment 0: merging")
+
+
+async def test_a_round_merged_while_its_fragment_went_stale_is_not_proposed(tmp_path) -> None:
+    """While the pool merges fragment 0's round 1, a commit of that fragment's round 1 is applied
+    here and cannot be (its payload unreadable, as with log.read EIO): the replica's round for 0 stays
+    at 0, so round 1 still looks like the next one, but the fragment is stale. The proposal asks the
+    state keeper's rule (`StateKeeper.merge_blocker`, the one that held the merge back before it
+    began) and is dropped; before, the driver checked the replica's round alone and proposed round 1 a
+    second time, merged on a state that was not the run's."""
+    from bootstrap.entries import EntryKind
+    from diloco_node.daemon.state_transfer import StateKeeper
+    from tests.test_daemon_history import FakeClock as HistoryClock, recorder
+    from tests.test_state_not_current import _Counter, _Learner, _Tasks, _unreadable
+
+    keepers: list[StateKeeper] = []
+
+    def keeper_rule(replica):
+        clock = HistoryClock()
+        keeper = StateKeeper(node_id="a", replica=replica, client=None, addresses=None, executor=None, clock=clock,
+                             tasks=_Tasks(), history=recorder(tmp_path, "a", clock), leader_id=lambda: "a",
+                             epoch=lambda: 1, report_error=lambda message: None, commits_applied=_Counter(),
+                             learner=_Learner())
+        keepers.append(keeper)
+        return lambda proposal=None: keeper.merge_blocker(replica.applied_index, replica.applied_index, proposal)
+
+    proposals: list[int] = []
+    driver, syncer, pool, tasks, _, errors = _driver(proposals, merge_rule=keeper_rule)
+    await _merge_in_the_pool(driver, pool)
+    committed = LogEntry(1, 1, EntryKind.OUTER_COMMIT, b"unreadable here", fragment=0, round=1, digest="d")
+    keepers[0].apply(_unreadable(committed))
+    assert driver.replica.state.round(0) == 0 and "fragment 0 stale since index 1" in keepers[0].current_reason()
+    await _finish(pool, tasks)
+    assert proposals == []
+    assert errors == ["fragment 0 round 1 dropped: state not current: fragment 0 stale since index 1: fragment 0 "
+                      "round 1 could not be applied: entry 1: Input/output error (failpoint log.read)"]

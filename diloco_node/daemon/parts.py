@@ -106,7 +106,8 @@ class SiteParts:
             node_id=node_id, manifest=site.manifest, plan=site.plan, syncer=site.syncer, replica=replica,
             coordination=core, addresses=addresses, client=services.client, executor=services.pools.codec,
             clock=clock, tasks=services.tasks, dispatch=coordination.dispatch,
-            replica_behind=lambda: keeper.merge_blocker(core.log.applied_index, core.log.last_index),
+            replica_behind=lambda proposal=None: keeper.merge_blocker(core.log.applied_index, core.log.last_index,
+                                                                      proposal),
             report_error=services.report_error, contributions_sent=series.contributions_sent,
             merges_proposed=series.merges_proposed, round_latency=series.round_latency_seconds,
             transfer=series.transfer_seconds)

@@ -108,7 +108,7 @@ class RoundDriver:
     def __init__(self, *, node_id: str, manifest: RunManifest, plan: FragmentPlan, syncer: Syncer,
                  replica: Replica, coordination: CoordinatorNode, addresses: peers.AddressBook,
                  client: PeerClient, executor: Executor, clock: Clock, tasks: TaskSet,
-                 dispatch: Callable[[list[coord.Action]], Any], replica_behind: Callable[[], str],
+                 dispatch: Callable[[list[coord.Action]], Any], replica_behind: Callable[..., str],
                  report_error: Callable[[str], None], contributions_sent: Counter,
                  merges_proposed: Counter, round_latency: Histogram | None = None,
                  transfer: Histogram | None = None) -> None:
@@ -126,7 +126,9 @@ class RoundDriver:
         self.clock = clock
         self.tasks = tasks
         self.dispatch = dispatch
-        # "" when the replica is one state that includes every entry of our own log, else why not.
+        # Why the replica cannot be merged on ("" when it can): `replica_behind()` before a merge,
+        # `replica_behind(proposal=(fragment, round))` before proposing what it merged. The rule is
+        # the state keeper's (`StateKeeper.merge_blocker`): nothing here reads the replica's rounds.
         self.replica_behind = replica_behind
         self.report_error = report_error
         self.contributions_sent = contributions_sent
@@ -347,8 +349,12 @@ class RoundDriver:
             log.info("%s syncer: %s", self.node_id, plan.reason)
             merged = plan.merged
             assert merged is not None
-            if merged.round != self.replica.state.round(p) + 1:
-                self.report_error(f"fragment {p}: state moved during the merge; round dropped")
+            # The replica may have moved while the pool merged: a commit applied, or one that could
+            # not be applied (the round stays put then, but the fragment is stale: proposing the
+            # same round again would waste the contributions on a round every peer already has).
+            blocked = self.replica_behind(proposal=(p, merged.round))
+            if blocked:
+                self.report_error(f"fragment {p} round {merged.round} dropped: {blocked}")
                 return
             entry, why, actions = self.coordination.propose(self.clock.monotonic(), EntryKind.OUTER_COMMIT, plan.payload,
                                                             fragment=p, round=merged.round, digest=plan.digest)

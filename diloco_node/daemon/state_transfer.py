@@ -119,13 +119,24 @@ class StateKeeper:
             return f"fragments {sorted(self.replica.diverged)} being repaired"
         return ""
 
-    def merge_blocker(self, log_applied: int, log_last: int) -> str:
-        """Why the lease holder cannot merge on this replica now ("" when it can): the round it
-        proposes must be the next one of its fragment, so the state must include every entry of
-        its own log and be one state."""
-        if log_applied != log_last:
-            return f"replica behind its own log: applied {log_applied} of {log_last}"
-        return self.current_reason()
+    def merge_blocker(self, log_applied: int, log_last: int, proposal: tuple[int, int] | None = None) -> str:
+        """Why the lease holder cannot merge on this replica now ("" when it can), the one rule for
+        both moments of a round (daemon/rounds.py). The round it proposes must be the next one of its
+        fragment on the run's state: before a merge, the state must include every entry of its own
+        log and be current; before proposing `proposal` = (fragment, round) merged meanwhile, it must
+        still be current (a commit that could not be applied leaves the round where it was but the
+        fragment stale) and that round still the fragment's next one."""
+        if proposal is None:
+            if log_applied != log_last:
+                return f"replica behind its own log: applied {log_applied} of {log_last}"
+            return self.current_reason()
+        why = self.current_reason()
+        if why:
+            return f"state not current: {why}"
+        p, round_ = proposal
+        if round_ != self.replica.state.round(p) + 1:
+            return f"the state moved during the merge: fragment {p} is at round {self.replica.state.round(p)}"
+        return ""
 
     # ------------------------------------------------------------------ applying commits
 
