@@ -2,7 +2,8 @@
 
 The rule: a replica applies index i only onto the state after i - 1. When it cannot apply a
 committed entry to a fragment (the payload cannot be read back, the digest disagrees, a round is
-missing), that fragment is *stale* from that index on: the replica says its state is not current,
+missing), that fragment is *stale* from that index on (every fragment, when entries before i never
+reached the state at all: `gap`): the replica says its state is not current,
 and the only way back is a copy of the fragment from a peer that has applied at least that index
 (its *floor*; every later entry the replica could not apply to the fragment raises it). A copy served
 as of an older index is refused: installing it would silently drop the entries between (the
@@ -35,6 +36,17 @@ class StaleFragments:
         `index` or later is installed."""
         self.floors[fragment] = max(self.floors.get(fragment, 0), index)
         self.reasons[fragment] = f"fragment {fragment} stale since index {self.floors[fragment]}: {reason}"
+
+    def gap(self, applied_index: int, index: int, fragments: int) -> str:
+        """Entry `index` arrives at a state as of `applied_index`: when it does not follow, the entries
+        between never reached the state, and which fragments they changed is not known, so every
+        fragment is stale from `index` (a copy must include it). The reason, or "" when it follows."""
+        if index <= applied_index + 1:
+            return ""
+        reason = f"entries {applied_index + 1}..{index - 1} never reached the state (applied {applied_index})"
+        for p in range(fragments):
+            self.mark(p, index, reason)
+        return reason
 
     def floor(self, fragment: int) -> int:
         """The lowest log index a peer's copy of `fragment` may be served at (0: not stale)."""

@@ -40,3 +40,17 @@ def test_the_broken_variant_takes_any_copy():
     stale = StaleFragments(enforce_floor=False)
     stale.mark(1, 11, "payload unreadable")
     assert stale.offer(1, 3)[0] and stale.current(11)[0]
+
+
+def test_entries_that_never_reached_the_state_make_every_fragment_stale_from_the_next_one():
+    stale = StaleFragments()
+    assert stale.gap(10, 11, 3) == "" and stale.current(11) == (True, "")
+    reason = stale.gap(10, 14, 3)  # 11..13 were handed over to nobody
+    assert reason == "entries 11..13 never reached the state (applied 10)"
+    assert [stale.floor(p) for p in range(3)] == [14, 14, 14]
+    current, why = stale.current(14)
+    assert not current and why.startswith("fragment 0 stale since index 14: entries 11..13 never reached")
+    assert not stale.offer(0, 13)[0]  # a copy must include the entry that revealed the gap
+    for p in range(3):
+        assert stale.offer(p, 14)[0]
+    assert stale.current(14) == (True, "")

@@ -209,3 +209,27 @@ def test_the_checkpoint_written_at_stop_while_not_current_is_never_replayed_onto
         assert restored.state.digest() == truth.state.digest()
         with pytest.raises(ExportError, match="not current"):
             _newest_verified_checkpoint(tmp_path / "checkpoints")
+
+
+def test_an_entry_that_does_not_follow_the_applied_index_takes_the_state_out_of_service_at_once(tmp_path):
+    """Issue 32, item 4 ("a gap"): entries that never reached the state (a hand-over lost them) are
+    noticed at the next entry, not at each fragment's next commit: every fragment is stale from it,
+    every fragment is fetched, nothing is recorded or offered meanwhile; an entry handed over a
+    second time is not applied again (applied exactly once)."""
+    clock = FakeClock()
+    history = recorder(tmp_path, "n2", clock)
+    replica, learner, tasks, errors = small_replica(), _Learner(), _Tasks(), []
+    keeper = StateKeeper(node_id="n2", replica=replica, client=None, addresses=None, executor=None, clock=clock,
+                         tasks=tasks, history=history, leader_id=lambda: "n1", epoch=lambda: 5,
+                         report_error=errors.append, commits_applied=_Counter(), learner=learner)
+    history.started = True
+    commits = _real_commits(replica, 4, first_index=1, epoch=5)  # fragments 0, 1, 0, 1 at 1..4
+    keeper.apply(commits[0])
+    keeper.apply(commits[0])  # handed over again: ignored, the state is not touched
+    assert replica.applied_index == 1 and errors == ["entry 1 handed over again (applied 1); ignored"]
+    keeper.apply(commits[2])  # index 3: index 2 (fragment 1) never reached the state
+    assert sorted(tasks.spawned) == ["repair-0", "repair-1"]
+    assert keeper.current_reason().startswith("fragment 0 stale since index 3: entries 2..2 never reached the state")
+    assert "state not current: entries 2..2 never reached the state (applied 1)" in errors[-1]
+    assert [e.index for e in events(history) if e.kind == "apply"] == [1]
+    assert learner.offers == [0] and not readiness(_facts(keeper)).ready

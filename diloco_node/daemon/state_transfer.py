@@ -144,7 +144,14 @@ class StateKeeper:
         if self.held_applies is not None:
             self.held_applies.append(entry)
             return
-        outcome = self.replica.apply(entry)
+        replica = self.replica
+        if entry.index <= replica.applied_index:  # applied exactly once: never again, never backwards
+            self.report_error(f"entry {entry.index} handed over again (applied {replica.applied_index}); ignored")
+            return
+        # Index i only onto the state after i - 1: entries that never arrived make every fragment stale
+        # now, not at each fragment's next commit (which may be many indices later).
+        gap = self.stale.gap(replica.applied_index, entry.index, replica.plan.num_fragments)
+        outcome = replica.apply(entry)
         if outcome.diverged and outcome.fragment is not None:
             # Stale from this index on, before anything reads the state: the history records no
             # digest, nothing is served, and a repair must bring a copy that includes this entry.
@@ -161,6 +168,12 @@ class StateKeeper:
         if outcome.diverged and outcome.fragment is not None:
             self.report_error(outcome.reason)
             self.repair(outcome.fragment)
+        if gap:
+            self.report_error(f"state not current: {gap}; every fragment is fetched from a peer")
+            for download in self._repair_downloads.values():
+                download.raise_floor(entry.index)
+            for p in range(replica.plan.num_fragments):
+                self.repair(p)
         if outcome.applied and outcome.fragment is not None:
             if self.state_consistent():
                 self._offer(outcome.fragment, outcome.contributors)
