@@ -435,54 +435,27 @@ def _daemon(tmp_path: Path, clock: _YieldingClock, **overrides: str):
 async def test_checkpoint_interval_s_is_how_often_the_daemon_checkpoints(tmp_path: Path, interval: float,
                                                                           checkpoints: int) -> None:
     """The daemon's periodic job (daemon/node.py `_periodic`) on a fake clock, for 100 s."""
-    from types import SimpleNamespace
-
     clock = _YieldingClock()
-    daemon = _daemon(tmp_path, clock, checkpoint_interval_s=str(interval))
     taken: list[float] = []
-
-    def refresh(now: float) -> None:
-        if now >= 1100.0:
-            raise _Horizon
 
     async def checkpoint() -> None:
         taken.append(clock.now)
 
-    async def refresh_members(voters) -> None:
-        pass
-
-    daemon._ready = True
-    daemon._update_readiness = lambda services, parts, now: None
-    parts = SimpleNamespace(feed=SimpleNamespace(refresh=refresh), periodic_checkpoint=checkpoint,
-                            core=SimpleNamespace(log=SimpleNamespace(config=SimpleNamespace(voters=()))))
-    services = SimpleNamespace(identity=SimpleNamespace(refresh_members=refresh_members),
-                               samples=SimpleNamespace(observe=lambda document: None), status_document=None)
-    with pytest.raises(_Horizon):
-        await daemon._periodic(services, parts)
+    await _run_periodic(_daemon(tmp_path, clock, checkpoint_interval_s=str(interval)), checkpoint, until=1100.0)
     assert taken == [1000.0 + interval * (i + 1) for i in range(checkpoints)]
 
 
-async def test_a_periodic_checkpoint_that_raises_is_tried_again_and_status_keeps_refreshing(tmp_path: Path) -> None:
-    """checkpoint_interval_s after a failure: the job that raised is reported and tried again at the
-    next interval, and the same loop keeps refreshing /status and readiness. Before, one exception
-    (a compaction racing a snapshot install) ended the loop: /status froze at its last document."""
+async def _run_periodic(daemon, checkpoint, *, until: float, refreshed: list[float] | None = None,
+                        errors: list[str] | None = None) -> None:
+    """The daemon's periodic loop with `checkpoint` as its checkpoint job, until the status refresh
+    at `until` (each refresh's time goes to `refreshed`, each reported error to `errors`)."""
     from types import SimpleNamespace
 
-    clock = _YieldingClock()
-    daemon = _daemon(tmp_path, clock, checkpoint_interval_s="10")
-    refreshed: list[float] = []
-    taken: list[float] = []
-    errors: list[str] = []
-
     def refresh(now: float) -> None:
-        refreshed.append(now)
-        if now >= 1050.0:
+        if refreshed is not None:
+            refreshed.append(now)
+        if now >= until:
             raise _Horizon
-
-    async def checkpoint() -> None:
-        taken.append(clock.now)
-        if len(taken) == 1:
-            raise AssertionError("the log moved past the compaction point")
 
     async def refresh_members(voters) -> None:
         pass
@@ -493,9 +466,27 @@ async def test_a_periodic_checkpoint_that_raises_is_tried_again_and_status_keeps
                             core=SimpleNamespace(log=SimpleNamespace(config=SimpleNamespace(voters=()))))
     services = SimpleNamespace(identity=SimpleNamespace(refresh_members=refresh_members), node_id="a",
                                samples=SimpleNamespace(observe=lambda document: None), status_document=None,
-                               report_error=errors.append)
+                               report_error=(errors if errors is not None else []).append)
     with pytest.raises(_Horizon):
         await daemon._periodic(services, parts)
+
+
+async def test_a_periodic_checkpoint_that_raises_is_tried_again_and_status_keeps_refreshing(tmp_path: Path) -> None:
+    """checkpoint_interval_s after a failure: the job that raised is reported and tried again at the
+    next interval, and the same loop keeps refreshing /status and readiness. Before, one exception
+    (a compaction racing a snapshot install) ended the loop: /status froze at its last document."""
+    clock = _YieldingClock()
+    refreshed: list[float] = []
+    taken: list[float] = []
+    errors: list[str] = []
+
+    async def checkpoint() -> None:
+        taken.append(clock.now)
+        if len(taken) == 1:
+            raise AssertionError("the log moved past the compaction point")
+
+    await _run_periodic(_daemon(tmp_path, clock, checkpoint_interval_s="10"), checkpoint, until=1050.0,
+                        refreshed=refreshed, errors=errors)
     assert taken == [1010.0, 1020.0, 1030.0, 1040.0]  # the one that raised, then every interval on
     assert refreshed[-1] >= 1050.0 and len(refreshed) > 10
     assert errors == ["the periodic checkpoint failed: AssertionError: the log moved past the compaction point; "
