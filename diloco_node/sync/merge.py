@@ -195,7 +195,8 @@ def _sum_squares(read: Callable[[int, int], np.ndarray], lo: int, hi: int) -> fl
     return _sum_squares(read, lo, lo + half) + _sum_squares(read, lo + half, hi)
 
 
-def _chunks(size: int, step: int = CHUNK_ELEMENTS) -> Iterable[slice]:
+def _chunks(size: int) -> Iterable[slice]:
+    step = CHUNK_ELEMENTS  # read at each call: tests shrink it
     return (slice(start, min(start + step, size)) for start in range(0, size, step))
 
 
@@ -203,9 +204,10 @@ def _add_scaled64(acc: np.ndarray, v: np.ndarray, factor: float) -> None:
     """acc += float64(v) * factor, elementwise (the bits of the whole-array expression), a chunk
     of float64 at a time instead of a float64 copy of v."""
     flat_acc, flat_v = acc.reshape(-1), np.asarray(v).reshape(-1)
+    scaled = np.empty(min(flat_acc.size, CHUNK_ELEMENTS), dtype=np.float64)
     for part in _chunks(flat_acc.size):
-        v64 = np.array(flat_v[part], dtype=np.float64)
-        np.multiply(v64, factor, out=v64)
+        v64 = scaled[:part.stop - part.start]
+        np.multiply(flat_v[part], factor, out=v64, dtype=np.float64)  # cast to float64, then scaled
         flat_acc[part] += v64
 
 
@@ -227,6 +229,8 @@ class _Stream:
         need = hi - lo
         while need > 0:
             if self._piece is None or self._used == self._piece.size:
+                # A producer may reuse its buffer for the next piece: what was read of this one is copied.
+                parts = [np.array(part) for part in parts]
                 self._piece, self._used = next(self._pieces).reshape(-1), 0
                 continue
             take = min(need, self._piece.size - self._used)
@@ -239,6 +243,20 @@ class _Stream:
         if len(parts) == 1:
             return parts[0]
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.float32)
+
+
+class _BlockBuffer:
+    """One float64 block, reused for every block of a tensor: a fresh 32 MiB accumulator per
+    block would be fresh pages from the kernel each time, their first touch costing more than
+    the arithmetic done in them."""
+
+    def __init__(self, size: int) -> None:
+        self._buffer = np.empty(min(size, MERGE_BLOCK_ELEMENTS), dtype=np.float64)
+
+    def zeros(self, n: int) -> np.ndarray:
+        block = self._buffer[:n]
+        block.fill(0.0)
+        return block
 
 
 def _array_pieces(value: np.ndarray) -> Iterator[np.ndarray]:
@@ -299,13 +317,13 @@ def _rda_fold(sources: Sequence[VectorSource], w: np.ndarray, shape: tuple[int, 
         streams = [(sources[i](), factor) for i, factor in factors]
 
         def pieces() -> Iterator[np.ndarray]:
+            blocks = _BlockBuffer(size)
             for lo, hi in _blocks(size):
-                acc = np.zeros(hi - lo, dtype=np.float64)
+                acc = blocks.zeros(hi - lo)
                 for stream, factor in streams:
                     _add_scaled64(acc, stream.read(lo, hi), factor)  # the bits of (w / n) * v
                 acc /= total
                 yield acc
-                del acc  # before the next block's: one accumulator at a time
         return _Stream(pieces())
 
     d_norm = math.sqrt(_sum_squares(direction().read, 0, size))
@@ -337,13 +355,13 @@ def _mean_fold(sources: Sequence[VectorSource], w: np.ndarray, shape: tuple[int,
     flat = out.reshape(-1)
     total = float(w.sum())
     streams = [(sources[i](), w[i]) for i in range(len(w)) if w[i] > 0]
+    blocks = _BlockBuffer(flat.size)
     for lo, hi in _blocks(flat.size):
-        acc = np.zeros(hi - lo, dtype=np.float64)
+        acc = blocks.zeros(hi - lo)
         for stream, wi in streams:
             _add_scaled64(acc, stream.read(lo, hi), wi)
         acc /= total
         flat[lo:hi] = acc
-        del acc  # before the next block's: one accumulator at a time
     return out
 
 
@@ -360,17 +378,16 @@ def _support_mean_fold(sources: Sequence[VectorSource], w: np.ndarray, shape: tu
     out = np.empty(shape, dtype=np.float32)
     flat = out.reshape(-1)
     streams = [(sources[i](), w[i]) for i in range(len(w)) if w[i] > 0]
+    acc_blocks, support_blocks = _BlockBuffer(flat.size), _BlockBuffer(flat.size)
     for lo, hi in _blocks(flat.size):
-        acc = np.zeros(hi - lo, dtype=np.float64)
-        support = np.zeros(hi - lo, dtype=np.float64)
+        acc, support = acc_blocks.zeros(hi - lo), support_blocks.zeros(hi - lo)
         for stream, wi in streams:
             v = stream.read(lo, hi)
             _add_scaled64(acc, v, wi)
-            support += np.where(v != 0, wi, 0.0)
+            np.add(support, wi, out=support, where=v != 0)  # the bits of support += where(v != 0, w, 0)
             del v
         np.divide(acc, support, out=acc, where=support > 0)
         flat[lo:hi] = acc
-        del acc, support  # before the next block's
     return out
 
 
