@@ -24,6 +24,26 @@ RUN_ID = "bench-contributions"
 BENCH_SECRET = b"benchmark-secret-not-for-production"  # in-process only
 
 
+def read_frames(verifier, pieces) -> None:
+    """Decode every frame of `pieces` (a stream cut as a socket delivers it): a stage's work."""
+    from wire.frames import NEED_DATA, FrameDecoder
+
+    decoder = FrameDecoder(verifier)
+    for piece in pieces:
+        decoder.receive_data(piece)
+        while decoder.next_event(now_unix=time.time()) is not NEED_DATA:
+            pass
+
+
+def hash_pieces(pieces) -> None:
+    """BLAKE3 over every piece, as one content hash: a stage's work."""
+    from wire import digest as content_digest
+
+    h = content_digest.hasher()
+    for piece in pieces:
+        h.update(piece)
+
+
 def syncer_stages(values: int = STAGE_VALUES, contributions: int = CONTRIBUTIONS) -> dict[str, float]:
     """CPU-s per GB of fp32 values of each stage: `frame` (the frame decoder without its payload
     hash: header parse, MAC, the payload's copy), `hash` (BLAKE3 of the payloads), `decode` (the
@@ -35,11 +55,10 @@ def syncer_stages(values: int = STAGE_VALUES, contributions: int = CONTRIBUTIONS
 
     from diloco_node.sync.global_state import FragmentHistory
     from diloco_node.sync.merge import Contribution, ContributionCaps, merge_contributions
-    from wire import digest as content_digest
     from wire.auth import AuthContext, FrameVerifier, derive_frame_key
     from wire.codecs import decode_named, encode_named
     from wire.contribution_stream import ContributionAssembler, contribution_chunks, open_for
-    from wire.frames import NEED_DATA, FrameDecoder, encode_frame
+    from wire.frames import encode_frame
 
     key = derive_frame_key(BENCH_SECRET)
     shapes = {"w": (values,)}
@@ -67,16 +86,10 @@ def syncer_stages(values: int = STAGE_VALUES, contributions: int = CONTRIBUTIONS
         return (time.process_time() - start) / per_gb
 
     def decode_frames() -> None:
-        decoder = FrameDecoder(FrameVerifier(RUN_ID, key, node_id="holder"))
-        for piece in pieces:
-            decoder.receive_data(piece)
-            while decoder.next_event(now_unix=time.time()) is not NEED_DATA:
-                pass
+        read_frames(FrameVerifier(RUN_ID, key, node_id="holder"), pieces)
 
     def hash_all() -> None:
-        h = content_digest.hasher()
-        for chunk in chunks[0]:
-            h.update(chunk.payload)
+        hash_pieces(chunk.payload for chunk in chunks[0])
 
     kept = []
 

@@ -184,10 +184,10 @@ def receive_stages(fragment_bytes: int = STAGE_BYTES) -> dict[str, float]:
     from diloco_node.daemon.join import SNAPSHOT_CHUNK_BYTES
     from diloco_node.sync.outer import all_finite
     from diloco_node.sync.state_codec import FragmentAssembler, FragmentState, encode_fragment, fragment_shapes
-    from wire import digest as content_digest
+    from contribution_stages import hash_pieces, read_frames
     from wire import messages as wire
     from wire.auth import FrameVerifier, derive_frame_key
-    from wire.frames import NEED_DATA, FrameDecoder, encode_frame
+    from wire.frames import encode_frame
 
     rows = max(1, fragment_bytes // 8 // WIDTH)
     rng = np.random.default_rng(0)
@@ -209,16 +209,10 @@ def receive_stages(fragment_bytes: int = STAGE_BYTES) -> dict[str, float]:
         return (time.process_time() - start) / gb
 
     def decode_frames() -> None:
-        decoder = FrameDecoder(FrameVerifier(RUN_ID, derive_frame_key(BENCH_SECRET), node_id="joiner"))
-        for piece in pieces:
-            decoder.receive_data(piece)
-            while decoder.next_event(now_unix=time.time()) is not NEED_DATA:
-                pass
+        read_frames(FrameVerifier(RUN_ID, derive_frame_key(BENCH_SECRET), node_id="joiner"), pieces)
 
     def hash_all() -> None:
-        h = content_digest.hasher()
-        for chunk in chunks:
-            h.update(chunk)
+        hash_pieces(chunks)
 
     def assemble() -> None:
         assembler = FragmentAssembler(shapes)
