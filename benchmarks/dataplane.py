@@ -23,12 +23,16 @@ Measured per run, over a window of --duration seconds after every site is ready:
 - link_utilization: bytes the holder sent / (link rate x window x (sites - 1)), since its
   commits leave through sites - 1 emulated links (min(fanout, sites - 1) with relays), and each site's own bytes in and out / (link
   rate x window);
+- syncer_stages_cpu_s_per_GB: the lease holder's side of a round stage by stage (frames, hash,
+  int4 decode, merge, codec_down), CPU-seconds per GB of fp32 values, each stage timed alone in
+  this process before the runs (benchmarks/contribution_stages.py; `--stages` prints only these);
 - relays {node: counts}: each site's relay counters over the window (/status `relays`): copies
   pushed as the tree's root, forwarded, fetch answers served, fetches sent, and their bytes;
   the holder's `served` says how often a site had to climb to it for a payload.
 
     python benchmarks/dataplane.py --json out.json [--preset baseline | --quick]
     python benchmarks/dataplane.py --json out.json --params 100m --sites 4 --duration 60
+    python benchmarks/dataplane.py --json out.json --stages
 
 Figures depend on the machine and its load; the JSON records the load average. Peak RSS does
 not depend on load. `--fanout F` turns relayed commits on (docs/OPERATIONS.md "Relayed commits")
@@ -463,7 +467,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="relay fan-out: every site's [node] relay_fanout (0: no relays)")
     parser.add_argument("--startup-s", type=float, default=600.0, help="give up on a run not ready by then")
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories (logs, histories)")
+    parser.add_argument("--stages", action="store_true",
+                        help="only time the syncer's stages (benchmarks/contribution_stages.py), no daemons")
     args = parser.parse_args(argv)
+    if args.stages or not args.quick:  # the smoke run skips them: its model is too small to time
+        from contribution_stages import syncer_stages
+
+        stages = {"syncer_stages_cpu_s_per_GB": syncer_stages(), "load_avg": os.getloadavg()}
+        if args.stages:
+            Path(args.json).write_text(json.dumps(stages, indent=1) + "\n")
+            print(json.dumps(stages))
+            return 0
+    else:
+        stages = {}
     if not 0 <= args.fanout <= 16:
         parser.error(f"--fanout {args.fanout}: must be in [0, 16] (0: no relays)")
     if args.quick:
@@ -480,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="diloco-dataplane-"))
     results: dict = {"machine": {"cpus": os.cpu_count(), "memory_gib": _memory_gib(),
                                  "note": "shared with other jobs; latencies are noisy, peak RSS is not"},
-                     "runs": []}
+                     **stages, "runs": []}
     try:
         for i, spec in enumerate(runs):
             results["runs"].append(run_one(spec, root / f"run{i}", args.startup_s))

@@ -173,18 +173,21 @@ def receive_stages(fragment_bytes: int = STAGE_BYTES) -> dict[str, float]:
     16 KiB records (what a TLS 1.3 receiver does per byte; this benchmark's loopback path has no TLS,
     so it is not in `receiver`); `frame` is the frame decoder without its payload hash (header
     parse, MAC, buffer copies); `hash` BLAKE3 once over every byte; `decode` the fragment decoder
-    without its state hash (msgpack walk and the copy into the arrays, pages already touched);
-    `first_touch` the kernel's cost of the arrays' fresh pages; `finite` the finiteness scan."""
+    without its state hash (msgpack walk and the copy into the fragment's new arrays, so it
+    includes their first touch); `first_touch` the kernel's cost of fresh pages as numpy allocates
+    them (transparent huge pages asked for: cheap when the kernel has them free, dear when it must
+    compact memory first), `first_touch_4k_pages` the same with 4 KiB pages; `finite` the
+    finiteness scan."""
     import numpy as np
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
     from diloco_node.daemon.join import SNAPSHOT_CHUNK_BYTES
     from diloco_node.sync.outer import all_finite
     from diloco_node.sync.state_codec import FragmentAssembler, FragmentState, encode_fragment, fragment_shapes
-    from wire import digest as content_digest
+    from contribution_stages import hash_pieces, read_frames
     from wire import messages as wire
     from wire.auth import FrameVerifier, derive_frame_key
-    from wire.frames import NEED_DATA, FrameDecoder, encode_frame
+    from wire.frames import encode_frame
 
     rows = max(1, fragment_bytes // 8 // WIDTH)
     rng = np.random.default_rng(0)
@@ -206,16 +209,10 @@ def receive_stages(fragment_bytes: int = STAGE_BYTES) -> dict[str, float]:
         return (time.process_time() - start) / gb
 
     def decode_frames() -> None:
-        decoder = FrameDecoder(FrameVerifier(RUN_ID, derive_frame_key(BENCH_SECRET), node_id="joiner"))
-        for piece in pieces:
-            decoder.receive_data(piece)
-            while decoder.next_event(now_unix=time.time()) is not NEED_DATA:
-                pass
+        read_frames(FrameVerifier(RUN_ID, derive_frame_key(BENCH_SECRET), node_id="joiner"), pieces)
 
     def hash_all() -> None:
-        h = content_digest.hasher()
-        for chunk in chunks:
-            h.update(chunk)
+        hash_pieces(chunks)
 
     def assemble() -> None:
         assembler = FragmentAssembler(shapes)
@@ -223,18 +220,29 @@ def receive_stages(fragment_bytes: int = STAGE_BYTES) -> dict[str, float]:
             assembler.feed(chunk)
         assembler.finish()
 
-    reused = {"w": np.empty((rows, WIDTH), np.float32)}
-    reused["w"].fill(0)  # touched once: writing it again costs the copy alone
+    # Both arrays of the fragment in one allocation: over glibc's largest mmap threshold (32 MiB),
+    # so every fresh one is new pages from the kernel (a 32 MB array would reuse the heap's).
+    both = np.concatenate([params["w"].reshape(-1), state.momentum["w"].reshape(-1)])
+    reused = np.empty(both.shape, np.float32)
+    reused.fill(0)  # touched once: writing it again costs the copy alone
 
     def write_reused() -> None:
-        for _ in range(2):
-            reused["w"][...] = params["w"]
+        reused[...] = both
 
     def write_fresh() -> None:
-        for _ in range(2):
-            fresh = np.empty((rows, WIDTH), np.float32)
-            fresh[...] = params["w"]
-            del fresh
+        fresh = np.empty(both.shape, np.float32)
+        fresh[...] = both
+        del fresh
+
+    def write_fresh_small_pages() -> None:
+        # numpy asks for transparent huge pages on large arrays; a huge page is one fault, but where
+        # none is free the kernel may compact memory for it first (THP defrag "madvise"): the
+        # fragment arrays' first touch then costs several CPU-s per GB. With 4 KiB pages it is steady.
+        hugepages = np._core.multiarray._set_madvise_hugepage(False)
+        try:
+            write_fresh()
+        finally:
+            np._core.multiarray._set_madvise_hugepage(hugepages)
 
     key = AESGCM(bytes(32))
     nonce = bytes(12)
@@ -251,6 +259,7 @@ def receive_stages(fragment_bytes: int = STAGE_BYTES) -> dict[str, float]:
         "hash": hash_cost,
         "decode": timed(assemble) - hash_cost,
         "first_touch": timed(write_fresh) - timed(write_reused),  # per GB of arrays, as above
+        "first_touch_4k_pages": timed(write_fresh_small_pages) - timed(write_reused),
         "finite": timed(lambda: all_finite(state.params["w"]) and all_finite(state.momentum["w"])),
     }
     return {name: round(max(0.0, value), 3) for name, value in stages.items()}

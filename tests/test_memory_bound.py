@@ -38,7 +38,7 @@ def test_the_1b_bound_is_within_the_issue_target_and_is_the_figure_the_docs_give
     (server, "MAX_CONCURRENT_STREAMS", state_transfer.SERVED_CHUNK_BYTES + server.STREAMED_REPLY_MIN_BYTES),
     (state_transfer, "SERVED_CHUNK_BYTES", server.MAX_CONCURRENT_STREAMS),
     (server, "STREAMED_REPLY_MIN_BYTES", server.MAX_CONCURRENT_STREAMS),
-    (memory_bound, "FRAGMENT_COPIES_IN_FLIGHT", 4 * LARGEST_FRAGMENT_1B),
+    (memory_bound, "APPLY_COPIES", 4 * LARGEST_FRAGMENT_1B),  # at 1B the apply's term is the larger
 ])
 def test_the_bound_moves_with_each_named_limit_of_the_code(monkeypatch, module, name: str, per_unit: int) -> None:
     before = memory_bound_bytes(PARAMS_1B, LARGEST_FRAGMENT_1B)
@@ -73,3 +73,75 @@ def test_the_served_chunk_is_capped_whatever_a_request_asks() -> None:
 def test_a_bound_of_no_model_is_refused(params: int, largest: int) -> None:
     with pytest.raises(ValueError, match="need 0 < largest fragment <= params"):
         memory_bound_bytes(params, largest)
+
+
+@pytest.mark.parametrize("embedding_names", [[], ["embed/embedding"]])  # RDA (three passes), the weighted mean
+def test_the_commit_term_is_what_the_lease_holders_merge_and_commit_hold(monkeypatch, embedding_names) -> None:
+    """tracemalloc over a one-tensor fragment of T bytes of fp32 (a large model's embedding), four
+    streamed int4 contributions kept encoded, two of them stale (rebased), blocks smaller than the
+    tensor: the merge holds its float32 result and at most one block (`merge_block_bytes`), the whole
+    commit (merge, codec_down encode and decode, the digest preview) at most the bound's commit term."""
+    import math
+    import tracemalloc
+
+    import numpy as np
+
+    from diloco_node.config.manifest import OuterOptimizer, RunManifest, SyncSpec
+    from diloco_node.sync import merge
+    from diloco_node.sync.fragments import plan_fragments
+    from diloco_node.sync.merge import Contribution, merge_contributions
+    from diloco_node.sync.replica import Replica
+    from diloco_node.sync.syncer import OpenRound, Syncer, TakenRound
+    from wire.contribution_stream import ContributionAssembler, contribution_chunks, open_for
+    from wire.limits import Limits
+
+    block = 1 << 18  # the contributions' chunks, as in a run (both 4 Mi values there); T is 8 blocks
+    monkeypatch.setattr(merge, "MERGE_BLOCK_ELEMENTS", block)
+    shapes = {"embed/embedding": (2048, 1024)}  # 2M values, T = 8 MiB
+    tensor_bytes = 4 * math.prod(shapes["embed/embedding"])
+    plan = plan_fragments(shapes, 1, 2, 0)
+    rng = np.random.default_rng(0)
+    replica = Replica(plan, {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()},
+                      OuterOptimizer())
+    for _ in range(2):  # rounds to rebase from
+        replica.state.apply_outer_gradient(0, {n: (1e-3 * rng.standard_normal(s)).astype(np.float32)
+                                               for n, s in shapes.items()})
+    limits = Limits(max_chunk_elements=block)
+    pending = {}
+    for learner, lag in (("a", 0), ("b", 2), ("c", 0), ("d", 1)):
+        delta = {n: (1e-3 * rng.standard_normal(s)).astype(np.float32) for n, s in shapes.items()}
+        head = open_for(shapes, fragment=0, base_index=0, base_round=0, c_steps=1, c_tokens=1, codec="int4",
+                        learner_id=learner, stream=bytes(16), limits=limits)
+        assembler = ContributionAssembler(head, shapes, limits)
+        for chunk in contribution_chunks(head, delta):
+            assembler.add(chunk)
+        del delta
+        contribution = Contribution(learner, 0, replica.state.round(0) - lag, assembler.finish(), 8, 8 * 64)
+        pending[learner] = (contribution, 0.0, None)
+    contributions = [c for c, _, _ in pending.values()]
+    manifest = RunManifest(sync=SyncSpec(fragments=1, period=2, overlap=0, min_quorum=1))  # codec_down int4
+    syncer = Syncer(manifest, plan, embedding_names)
+    current = replica.state.fragment_params(0, copies=False)
+
+    tracemalloc.start()
+    try:
+        result = merge_contributions(contributions, current, replica.state.history(0), caps=syncer.caps,
+                                     embedding_names=embedding_names)
+        _, merge_peak = tracemalloc.get_traced_memory()
+        del result
+        tracemalloc.reset_peak()
+        base, _ = tracemalloc.get_traced_memory()
+        commit = syncer.plan_commit(TakenRound(0, OpenRound(0.0, pending=pending), "due"), replica.state,
+                                    replica.digest_after)
+        _, commit_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert commit.proposes and "2 rebased" in commit.reason, commit.reason
+    # the merge: its float32 result, and one block of temporaries at most
+    assert tensor_bytes <= merge_peak <= tensor_bytes + merge.merge_block_bytes(), \
+        f"merge peak {merge_peak / tensor_bytes:.2f} T, block {merge.merge_block_bytes() / tensor_bytes:.2f} T"
+    # the commit: within the bound's commit term, and its copies not far above what it holds
+    held = commit_peak - base
+    assert 0.9 * memory_bound.COMMIT_COPIES * tensor_bytes <= held, f"commit peak {held / tensor_bytes:.2f} T"
+    assert held <= memory_bound.COMMIT_COPIES * tensor_bytes + merge.merge_block_bytes(), \
+        f"commit peak {held / tensor_bytes:.2f} T"

@@ -709,14 +709,14 @@ def test_any_peer_garbage_gives_a_result_never_an_exception(garbage) -> None:
 # ------------------------------------------------------------------ contributions kept encoded
 
 
-def _encoded(delta: dict[str, np.ndarray], max_chunk_elements: int = 1 << 22):
+def _encoded(delta: dict[str, np.ndarray], max_chunk_elements: int = 1 << 22, codec: str = "int8"):
     """What the lease holder keeps of a streamed contribution (wire 2.1): its chunks, encoded."""
     from wire.contribution_stream import ContributionAssembler, contribution_chunks, open_for
     from wire.limits import Limits
 
     limits = Limits(max_chunk_elements=max_chunk_elements)
     shapes = {n: a.shape for n, a in delta.items()}
-    head = open_for(shapes, fragment=0, base_index=0, base_round=0, c_steps=1, c_tokens=1, codec="int8",
+    head = open_for(shapes, fragment=0, base_index=0, base_round=0, c_steps=1, c_tokens=1, codec=codec,
                     learner_id="x", stream=bytes(16), limits=limits)
     assembler = ContributionAssembler(head, shapes, limits)
     for chunk in contribution_chunks(head, delta):
@@ -829,6 +829,7 @@ def test_golden_trajectory_is_the_same_bits_with_the_smallest_chunks(monkeypatch
     # trajectory (merged gradients, applied steps, digests) must not change by a bit.
     default_arrays, default_record = _golden_trajectory()
     monkeypatch.setattr(merge_module, "CHUNK_ELEMENTS", 128)
+    monkeypatch.setattr(merge_module, "MERGE_BLOCK_ELEMENTS", 200)  # blocks cut across the norm's leaves
     monkeypatch.setattr(outer_module, "STEP_CHUNK_ELEMENTS", 128)
     arrays, record = _golden_trajectory()
     assert record == default_record
@@ -857,3 +858,73 @@ def test_two_colluding_outliers_of_four_cannot_lift_the_reference_check() -> Non
     result = _merge(honest + liars, reference_norm=_norm_of(honest[0]))
     assert sorted(learner for learner, _ in result.rejected) == ["y", "z"]
     assert [n for n, _ in result.accepted] == ["a", "b"]
+
+
+def _whole_support_mean(vectors: list[np.ndarray], weights: list[float]) -> np.ndarray:
+    acc = np.zeros(vectors[0].shape, dtype=np.float64)
+    support = np.zeros(vectors[0].shape, dtype=np.float64)
+    for v, w in zip(vectors, weights):
+        acc += np.asarray(v, np.float64) * w
+        support += np.where(v != 0, w, 0.0)
+    np.divide(acc, support, out=acc, where=support > 0)
+    return acc.astype(np.float32)
+
+
+def _whole_merge(result, contributions, current, history, method: str) -> dict[str, np.ndarray]:
+    """The merge of the accepted contributions as whole-array expressions: each delta decoded
+    whole, rebased whole, and folded with fragment-sized float64 arrays (the merge before it
+    went block by block across contributions)."""
+    by_name = {c.learner: c for c in contributions}
+    accepted = [(by_name[learner], w) for learner, w in result.accepted]
+    out = {}
+    for name in sorted(current):
+        vectors = []
+        for c, _ in accepted:
+            d = np.asarray(c.delta[name], dtype=np.float32)
+            if c.base_round != history.newest_round:
+                d = rebase({name: d}, history.version(c.base_round), current)[name]
+            vectors.append(d)
+        weights = [w for _, w in accepted]
+        if method == "support_mean":
+            out[name] = _whole_support_mean(vectors, weights)
+        elif method == "rda" and name not in EMBEDDINGS:  # RDA of one vector is that vector, exactly
+            out[name] = vectors[0] if len(vectors) == 1 else _whole_rda(vectors, weights)
+        else:
+            w = np.asarray(weights)
+            out[name] = (sum(np.asarray(v, np.float64) * wi for v, wi in zip(vectors, w)) / w.sum()).astype(np.float32)
+    return out
+
+
+@pytest.mark.parametrize("codec", [None, "fp32", "bf16", "int8", "int4", "e3m0", "topk2", "union8"])
+def test_the_merge_block_by_block_is_the_whole_array_merge_for_every_codec(monkeypatch, codec) -> None:
+    """Random rounds (stale contributions rebased, sparse values, 1 to 5 learners), every merge
+    method and weighting, contributions kept encoded with every codec (None: plain arrays), blocks
+    and streamed chunks that cut tensors anywhere: the same bits as the whole-array merge."""
+    rng = np.random.default_rng(sum(map(ord, codec or "plain")))
+    shapes = {"embed/embedding": (97, 33), "blocks/0/w": (1001,), "blocks/0/b": (3,), "blocks/0/z": (0,)}
+    current = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    history = FragmentHistory(fragment=0, capacity=4)
+    history.record(0, current)
+    for r in (1, 2):
+        current = {n: (a + 0.01 * rng.standard_normal(a.shape)).astype(np.float32) for n, a in current.items()}
+        history.record(r, current)
+    monkeypatch.setattr(merge_module, "CHUNK_ELEMENTS", 128)
+    # blocks that cut every tensor; and (plain arrays, int4: the default codec) one block per tensor
+    for block in (200, 4096) if codec in (None, "int4") else (200,):
+        monkeypatch.setattr(merge_module, "MERGE_BLOCK_ELEMENTS", block)
+        contributions = []
+        for k in range(int(rng.integers(1, 6))):
+            delta = {n: (0.01 * rng.standard_normal(s) * (rng.random(s) < 0.7)).astype(np.float32)
+                     for n, s in shapes.items()}
+            if codec is not None:
+                delta = _encoded(delta, int(rng.choice([128, 320, 4096])), codec)
+            contributions.append(Contribution(f"l{k}", 0, int(rng.integers(0, 3)), delta,
+                                              int(rng.integers(1, 20)), int(rng.integers(1, 5000))))
+        for method in ("rda", "mean", "support_mean"):
+            for weighting in ("tokens", "uniform"):
+                result = merge_contributions(contributions, current, history, method=method, weighting=weighting,
+                                             caps=CAPS, embedding_names=EMBEDDINGS)
+                assert result.outer_gradient is not None, result.reason
+                expected = _whole_merge(result, contributions, current, history, method)
+                for name in shapes:
+                    assert result.outer_gradient[name].tobytes() == expected[name].tobytes(), (block, method, name)

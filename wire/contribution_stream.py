@@ -162,15 +162,18 @@ class EncodedDelta(Mapping[str, np.ndarray]):
         self.encoded_bytes = sum(len(p) for parts in self._chunks.values() for p in parts)
 
     def __getitem__(self, name: str) -> np.ndarray:
-        parts = self._chunks[name]
-        shape = self.shapes[name]
-        out = np.empty(math.prod(shape), dtype=np.float32)
+        out = np.empty(math.prod(self.shapes[name]), dtype=np.float32)
         offset = 0
-        for part in parts:
-            values = decode_tensor(part)
+        for values in self.decoded_chunks(name):
             out[offset:offset + values.size] = values
             offset += values.size
-        return out.reshape(shape)
+        return out.reshape(self.shapes[name])
+
+    def decoded_chunks(self, name: str) -> Iterator[np.ndarray]:
+        """Tensor `name`'s values in order, one decoded chunk (1-D float32) at a time: what the
+        merge folds, so a contribution is never decoded whole."""
+        for part in self._chunks[name]:
+            yield decode_tensor(part).reshape(-1)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._chunks)

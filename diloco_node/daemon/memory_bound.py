@@ -4,9 +4,10 @@ a fragment passes through: what a site's `MemoryMax=` is computed from (docs/SCA
 The bound is a sum of terms, each a named limit of the code that holds those bytes:
 - the runtime (Python, numpy, JAX imported, aiohttp; measured: `RUNTIME_BYTES`);
 - the replicated state: parameters and Nesterov momentum, fp32 (`STATE_BYTES_PER_PARAM`);
-- the fragment being worked on: a merge, an apply or a synthetic learner's delta holds at most
-  `FRAGMENT_COPIES_IN_FLIGHT` fp32 copies of the largest fragment (the chunked merge and apply,
-  docs/DAEMON.md "Memory"); a snapshot install of a running site (its state resident) holds
+- the fragment being worked on, the larger of: the lease holder's commit of the largest
+  fragment (`COMMIT_COPIES` fp32 copies of it, the merge's float32 result and codec_down's encoder,
+  plus one block of the merge, `merge.merge_block_bytes()`), and an apply or a synthetic learner's
+  delta (`APPLY_COPIES` fp32 copies; docs/DAEMON.md "Memory"); a snapshot install of a running site (its state resident) holds
   instead up to `join.DOWNLOAD_PEERS` downloaded fragments beside it, decoded straight into their
   arrays (a fresh joiner's state is untouched zero pages, which the downloaded arrays replace);
 - state download chunks being received: `join.DOWNLOAD_PEERS` x `join.CHUNKS_IN_FLIGHT` requests of
@@ -23,9 +24,11 @@ adds its own training state (docs/OPERATIONS.md, "Memory").
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from diloco_node.daemon import join, state_transfer
+from diloco_node.sync import merge
 from diloco_node.transport import server
 from wire.limits import MiB
 
@@ -33,8 +36,14 @@ from wire.limits import MiB
 RUNTIME_BYTES = 800 * MiB
 STATE_BYTES_PER_PARAM = 8  # parameters and the Nesterov buffer, fp32
 FP32_BYTES = 4
-# fp32 copies of the fragment being merged or applied: the merge's 3.3 (docs/DAEMON.md), rounded up.
-FRAGMENT_COPIES_IN_FLIGHT = 4
+# fp32 copies of the fragment the lease holder commits (sync/syncer.py `plan_commit`): the merge's
+# float32 result (1; it folds every contribution block by block, sync/merge.py), then codec_down's
+# encoder beside it, its float32 work copy (1) and the codes, scales and compressed bytes (int4:
+# under 0.5); the result goes before the bytes are decoded back. tests/test_memory_bound.py measures it.
+COMMIT_COPIES = 2.5
+# fp32 copies of the fragment a replica applies (the decoded outer gradient, the new parameters and
+# momentum, chunk temporaries: 3.3 measured, docs/DAEMON.md) or a synthetic learner's delta; rounded up.
+APPLY_COPIES = 4
 # A chunk on its way in: the socket reader's buffer, the frame decoder's, the payload handed on.
 RECEIVE_COPIES = 3
 
@@ -61,7 +70,8 @@ def memory_bound(params: int, largest_fragment_params: int, *, installing: bool 
     if params <= 0 or not 0 < largest_fragment_params <= params:
         raise ValueError(f"params = {params}, largest_fragment_params = {largest_fragment_params}: "
                          "need 0 < largest fragment <= params")
-    working = FRAGMENT_COPIES_IN_FLIGHT * FP32_BYTES * largest_fragment_params
+    fragment_bytes = FP32_BYTES * largest_fragment_params
+    working = max(math.ceil(COMMIT_COPIES * fragment_bytes) + merge.merge_block_bytes(), APPLY_COPIES * fragment_bytes)
     if installing:
         working = max(working, join.DOWNLOAD_PEERS * STATE_BYTES_PER_PARAM * largest_fragment_params)
     return MemoryBound(

@@ -17,11 +17,11 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Collection, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Collection, Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from diloco_node.sync.outer import finite_float32
+from diloco_node.sync.outer import all_finite, finite_float32
 
 if TYPE_CHECKING:  # only for annotations
     from diloco_node.config.manifest import SyncSpec
@@ -150,6 +150,21 @@ def _check_weights(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> n
 # Elements handled at once by the merge's elementwise work and norms (512 KiB of float64): the
 # fragment-sized float64 temporaries of a whole-array expression become chunk-sized ones.
 CHUNK_ELEMENTS = 1 << 16
+# Values of one tensor the merge folds across every contribution at once: the contribution
+# stream's chunk (`wire.contribution_stream.chunk_elements_for`, 4 Mi values for every codec), so
+# a streamed contribution's chunk is decoded once, folded and dropped within one block. A block
+# holds its float64 accumulator (support_mean: two), one contribution's values and their rebase
+# (`MERGE_BLOCK_BYTES`); the merge's only fragment-sized array is its float32 result.
+MERGE_BLOCK_ELEMENTS = 1 << 22
+# What one block holds at most, in bytes per value: two float64 accumulators (16), the values
+# in hand as float32 (4), their rebase's float32 temporary (4), and a streamed chunk that ends
+# inside the block, decoded (4) and the joined values (4).
+MERGE_BLOCK_BYTES_PER_VALUE = 32
+
+
+def merge_block_bytes() -> int:
+    """The most a merge holds besides its float32 result: one block's temporaries (memory bound)."""
+    return MERGE_BLOCK_BYTES_PER_VALUE * MERGE_BLOCK_ELEMENTS + 8 * CHUNK_ELEMENTS
 
 
 def _norm64(x: np.ndarray) -> float:
@@ -161,50 +176,104 @@ def _norm64(x: np.ndarray) -> float:
     summation splits it, so the sum is the same bits with one chunk of float64 in memory.
     """
     flat = np.asarray(x).reshape(-1)  # a view of a contiguous array (the merge's always are)
-    return math.sqrt(_sum_squares(flat, 0, flat.size))
+    return math.sqrt(_sum_squares(lambda lo, hi: flat[lo:hi], 0, flat.size))
 
 
-def _sum_squares(flat: np.ndarray, lo: int, hi: int) -> float:
+def _sum_squares(read: Callable[[int, int], np.ndarray], lo: int, hi: int) -> float:
     # numpy's pairwise sum of n > 128 values is pairwise(first n2) + pairwise(rest), n2 = n // 2
     # rounded down to a multiple of 8 (numpy/_core/src/umath/loops_utils.h.src); a reduce over a
     # contiguous float64 slice is one such pairwise sum (tests/test_merge.py checks both against
     # the whole-array expression). So recursing the same way down to chunks gives the same bits.
+    # `read(lo, hi)` gives values lo..hi; leaves are read in order, so it may be a stream.
     n = hi - lo
     if n <= CHUNK_ELEMENTS:
-        chunk = np.asarray(flat[lo:hi], dtype=np.float64)
-        return float(np.add.reduce(chunk * chunk))
+        chunk = np.array(read(lo, hi), dtype=np.float64)
+        np.multiply(chunk, chunk, out=chunk)
+        return float(np.add.reduce(chunk))
     half = n // 2
     half -= half % 8
-    return _sum_squares(flat, lo, lo + half) + _sum_squares(flat, lo + half, hi)
+    return _sum_squares(read, lo, lo + half) + _sum_squares(read, lo + half, hi)
 
 
 def _chunks(size: int) -> Iterable[slice]:
-    return (slice(start, min(start + CHUNK_ELEMENTS, size)) for start in range(0, size, CHUNK_ELEMENTS))
+    step = CHUNK_ELEMENTS  # read at each call: tests shrink it
+    return (slice(start, min(start + step, size)) for start in range(0, size, step))
 
 
 def _add_scaled64(acc: np.ndarray, v: np.ndarray, factor: float) -> None:
     """acc += float64(v) * factor, elementwise (the bits of the whole-array expression), a chunk
     of float64 at a time instead of a float64 copy of v."""
     flat_acc, flat_v = acc.reshape(-1), np.asarray(v).reshape(-1)
+    scaled = np.empty(min(flat_acc.size, CHUNK_ELEMENTS), dtype=np.float64)
     for part in _chunks(flat_acc.size):
-        v64 = np.array(flat_v[part], dtype=np.float64)
-        np.multiply(v64, factor, out=v64)
+        v64 = scaled[:part.stop - part.start]
+        np.multiply(flat_v[part], factor, out=v64, dtype=np.float64)  # cast to float64, then scaled
         flat_acc[part] += v64
 
 
-def _scaled_float32(acc: np.ndarray, factor: float | None, divisor: float | None = None) -> np.ndarray:
-    """float32 of (acc * factor) or (acc / divisor), elementwise, chunk by chunk into the result;
-    `acc` (float64, ours) is scaled in place on the way."""
-    out = np.empty(acc.shape, dtype=np.float32)
-    flat_acc, flat_out = acc.reshape(-1), out.reshape(-1)
-    for part in _chunks(flat_acc.size):
-        chunk = flat_acc[part]
-        if factor is not None:
-            chunk *= factor
-        else:
-            chunk /= divisor
-        flat_out[part] = chunk
-    return out
+class _Stream:
+    """A tensor's values read in order, block after block: `read(lo, hi)` with each `lo` the
+    previous `hi`. The values come as pieces (a streamed contribution's decoded chunks, the
+    merge's own blocks), and at most one piece is held between two reads."""
+
+    def __init__(self, pieces: Iterator[np.ndarray]) -> None:
+        self._pieces = pieces
+        self._piece: np.ndarray | None = None
+        self._used = 0  # values of the held piece already read
+        self._at = 0  # the next value to be read
+
+    def read(self, lo: int, hi: int) -> np.ndarray:
+        if lo != self._at:
+            raise ValueError(f"read {lo}..{hi} out of order (next is {self._at})")
+        parts: list[np.ndarray] = []
+        need = hi - lo
+        while need > 0:
+            if self._piece is None or self._used == self._piece.size:
+                # A producer may reuse its buffer for the next piece: what was read of this one is copied.
+                parts = [np.array(part) for part in parts]
+                self._piece, self._used = next(self._pieces).reshape(-1), 0
+                continue
+            take = min(need, self._piece.size - self._used)
+            parts.append(self._piece[self._used:self._used + take])
+            self._used += take
+            need -= take
+        if self._piece is not None and self._used == self._piece.size:
+            self._piece = None  # consumed: dropped now, not at the next read
+        self._at = hi
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.float32)
+
+
+class _BlockBuffer:
+    """One float64 block, reused for every block of a tensor: a fresh 32 MiB accumulator per
+    block would be fresh pages from the kernel each time, their first touch costing more than
+    the arithmetic done in them."""
+
+    def __init__(self, size: int) -> None:
+        self._buffer = np.empty(min(size, MERGE_BLOCK_ELEMENTS), dtype=np.float64)
+
+    def zeros(self, n: int) -> np.ndarray:
+        block = self._buffer[:n]
+        block.fill(0.0)
+        return block
+
+
+def _array_pieces(value: np.ndarray) -> Iterator[np.ndarray]:
+    yield np.asarray(value).reshape(-1)
+
+
+# One vector's values, a fresh stream each time it is read: the merge reads each contribution
+# once per pass (RDA: its norm, its direction, the result), decoding it again rather than keep it.
+VectorSource = Callable[[], _Stream]
+
+
+def _blocks(size: int) -> Iterable[tuple[int, int]]:
+    return ((lo, min(lo + MERGE_BLOCK_ELEMENTS, size)) for lo in range(0, size, MERGE_BLOCK_ELEMENTS))
+
+
+def _array_source(v: np.ndarray) -> VectorSource:
+    return lambda: _Stream(_array_pieces(v))
 
 
 def rda(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
@@ -215,50 +284,85 @@ def rda(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
     (RDA of a single vector is that vector; returning it exactly avoids a float round trip).
     """
     w = _check_weights(vectors, weights)
-    return _rda_fold(iter(vectors), w, np.shape(vectors[0]))
+    return _rda_fold([_array_source(v) for v in vectors], w, np.shape(vectors[0]))
 
 
-def _rda_fold(vectors: Iterable[np.ndarray], w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """RDA over vectors produced one at a time (the merge decodes each when it is needed), so only
-    the float64 direction and the vector in hand are in memory. Same operations, same order, same
-    bits as folding a list."""
+def _copy_of(source: VectorSource, shape: tuple[int, ...]) -> np.ndarray:
+    out = np.empty(shape, dtype=np.float32)
+    flat, stream = out.reshape(-1), source()
+    for lo, hi in _blocks(flat.size):
+        flat[lo:hi] = stream.read(lo, hi)
+    return out
+
+
+def _rda_fold(sources: Sequence[VectorSource], w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """RDA with every vector read as a stream, three times (its norm; the direction and its norm;
+    the result), so besides the float32 result only one block is in memory. Same operations, same
+    order per value, same bits as the whole-array expressions."""
     positive = [i for i in range(len(w)) if w[i] > 0]
     if len(positive) == 1:
-        for i, v in enumerate(vectors):
-            if i == positive[0]:
-                return np.array(v, dtype=np.float32, copy=True)
+        return _copy_of(sources[positive[0]], shape)
+    size = math.prod(shape)
     total = float(w.sum())
     radius = 0.0
-    direction = np.zeros(shape, dtype=np.float64)
-    for i, v in enumerate(vectors):
-        if not w[i] > 0:
-            continue
-        n = _norm64(v)
+    factors: list[tuple[int, float]] = []  # (vector, w / |v|) of the vectors with a direction
+    for i in positive:
+        n = math.sqrt(_sum_squares(sources[i]().read, 0, size))
         radius += w[i] * n
         if n > 0.0:
-            _add_scaled64(direction, v, w[i] / n)  # elementwise: the bits of (w / n) * v
-        del v
+            factors.append((i, w[i] / n))
     radius /= total
-    direction /= total
-    d_norm = _norm64(direction)
+
+    def direction() -> _Stream:
+        streams = [(sources[i](), factor) for i, factor in factors]
+
+        def pieces() -> Iterator[np.ndarray]:
+            blocks = _BlockBuffer(size)
+            for lo, hi in _blocks(size):
+                acc = blocks.zeros(hi - lo)
+                for stream, factor in streams:
+                    _add_scaled64(acc, stream.read(lo, hi), factor)  # the bits of (w / n) * v
+                acc /= total
+                yield acc
+        return _Stream(pieces())
+
+    d_norm = math.sqrt(_sum_squares(direction().read, 0, size))
     if d_norm == 0.0:  # all zero, or directions cancel exactly: no direction to go
         return np.zeros(shape, dtype=np.float32)
-    return _scaled_float32(direction, radius / d_norm)  # the bits of (radius / d_norm) * direction
+    scale = radius / d_norm
+    out = np.empty(shape, dtype=np.float32)
+    flat, stream = out.reshape(-1), direction()
+    for lo, hi in _blocks(size):
+        block = stream.read(lo, hi)
+        for part in _chunks(hi - lo):
+            chunk = block[part]
+            chunk *= scale  # the bits of (radius / d_norm) * direction
+            flat[lo + part.start:lo + part.stop] = chunk
+        del block, chunk
+    return out
 
 
 def weighted_mean(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
     """sum w v / sum w, accumulated in float64, returned float32."""
     w = _check_weights(vectors, weights)
-    return _mean_fold(iter(vectors), w, np.shape(vectors[0]))
+    return _mean_fold([_array_source(v) for v in vectors], w, np.shape(vectors[0]))
 
 
-def _mean_fold(vectors: Iterable[np.ndarray], w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    acc = np.zeros(shape, dtype=np.float64)
-    for i, v in enumerate(vectors):
-        if w[i] > 0:
-            _add_scaled64(acc, v, w[i])
-        del v
-    return _scaled_float32(acc, None, float(w.sum()))
+def _mean_fold(sources: Sequence[VectorSource], w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """The weighted mean, block by block across every vector: each vector read once, one float64
+    block accumulator, the float32 result."""
+    out = np.empty(shape, dtype=np.float32)
+    flat = out.reshape(-1)
+    total = float(w.sum())
+    streams = [(sources[i](), w[i]) for i in range(len(w)) if w[i] > 0]
+    blocks = _BlockBuffer(flat.size)
+    for lo, hi in _blocks(flat.size):
+        acc = blocks.zeros(hi - lo)
+        for stream, wi in streams:
+            _add_scaled64(acc, stream.read(lo, hi), wi)
+        acc /= total
+        flat[lo:hi] = acc
+    return out
 
 
 def support_mean(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
@@ -267,19 +371,24 @@ def support_mean(vectors: Sequence[np.ndarray], weights: Sequence[float]) -> np.
     uplinks) a coordinate chosen by one learner keeps that learner's value instead of being shrunk
     by the learners that did not choose it; dense contributions give the weighted mean."""
     w = _check_weights(vectors, weights)
-    return _support_mean_fold(iter(vectors), w, np.shape(vectors[0]))
+    return _support_mean_fold([_array_source(v) for v in vectors], w, np.shape(vectors[0]))
 
 
-def _support_mean_fold(vectors: Iterable[np.ndarray], w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    acc = np.zeros(shape, dtype=np.float64)
-    support = np.zeros(shape, dtype=np.float64)
-    for i, v in enumerate(vectors):
-        if w[i] > 0:
-            _add_scaled64(acc, v, w[i])
-            support += np.where(np.asarray(v) != 0, w[i], 0.0)
-        del v
-    np.divide(acc, support, out=acc, where=support > 0)
-    return acc.astype(np.float32)
+def _support_mean_fold(sources: Sequence[VectorSource], w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    out = np.empty(shape, dtype=np.float32)
+    flat = out.reshape(-1)
+    streams = [(sources[i](), w[i]) for i in range(len(w)) if w[i] > 0]
+    acc_blocks, support_blocks = _BlockBuffer(flat.size), _BlockBuffer(flat.size)
+    for lo, hi in _blocks(flat.size):
+        acc, support = acc_blocks.zeros(hi - lo), support_blocks.zeros(hi - lo)
+        for stream, wi in streams:
+            v = stream.read(lo, hi)
+            _add_scaled64(acc, v, wi)
+            np.add(support, wi, out=support, where=v != 0)  # the bits of support += where(v != 0, w, 0)
+            del v
+        np.divide(acc, support, out=acc, where=support > 0)
+        flat[lo:hi] = acc
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -378,6 +487,10 @@ class PrevalidatedDelta(Protocol):
     shapes: Mapping[str, tuple[int, ...]]
     tensor_norms: Mapping[str, float]
 
+    def decoded_chunks(self, name: str) -> Iterator[np.ndarray]:
+        """Tensor `name`'s values in order, a decoded chunk (1-D float32) at a time."""
+        ...
+
 
 def _names_problem(c: Contribution, current: Mapping[str, np.ndarray]) -> str | None:
     names = set(c.delta)
@@ -419,22 +532,44 @@ def _delta_norm(c: Contribution, current: Mapping[str, np.ndarray]) -> tuple[flo
     return math.sqrt(sum(n ** 2 for n in norms)), None
 
 
-def _delta_tensor(c: Contribution, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """One tensor of an already validated delta, as float32 (decoded now if it is kept encoded)."""
+def _delta_pieces(c: Contribution, name: str) -> Iterator[np.ndarray]:
+    """One tensor of an already validated delta, as float32 pieces in order: a streamed
+    contribution's decoded chunks, or a plain array a block at a time."""
     if isinstance(c.delta, PrevalidatedDelta):
-        return c.delta[name]
-    arr, why = finite_float32(c.delta[name], name, shape)
-    assert arr is not None, why  # _delta_norm accepted this delta
-    return arr
+        yield from c.delta.decoded_chunks(name)
+        return
+    flat = np.asarray(c.delta[name]).reshape(-1)
+    for lo, hi in _blocks(flat.size):
+        with np.errstate(over="ignore"):  # _delta_norm accepted it: finite within float32
+            yield np.asarray(flat[lo:hi], dtype=np.float32)
 
 
-def _outer_tensor(c: Contribution, name: str, current: Mapping[str, np.ndarray],
-                  base: Mapping[str, np.ndarray] | None) -> np.ndarray:
-    """Contribution c's outer gradient for one tensor: its delta, rebased when its base is older."""
-    d = _delta_tensor(c, name, np.shape(current[name]))
-    if base is None:
-        return d
-    return rebase({name: d}, base, current)[name]
+def _outer_source(c: Contribution, name: str, current: Mapping[str, np.ndarray],
+                  base: Mapping[str, np.ndarray] | None) -> VectorSource:
+    """Contribution c's outer gradient for one tensor, as a stream of blocks: its delta, rebased
+    block by block when its base is older (the bits of `rebase`, which is elementwise)."""
+    size = math.prod(np.shape(current[name]))
+
+    def blocks() -> Iterator[np.ndarray]:
+        delta = _Stream(_delta_pieces(c, name))
+        if base is None:
+            for lo, hi in _blocks(size):
+                yield delta.read(lo, hi)
+            return
+        now, then = np.asarray(current[name]).reshape(-1), np.asarray(base[name]).reshape(-1)
+        with np.errstate(over="ignore", invalid="ignore"):  # non-finite rebases are rejected by name
+            for lo, hi in _blocks(size):
+                moved = np.subtract(now[lo:hi], then[lo:hi], dtype=np.float32)
+                np.add(moved, delta.read(lo, hi), out=moved, dtype=np.float32)
+                yield moved
+                del moved
+
+    return lambda: _Stream(blocks())
+
+
+def _finite_source(source: VectorSource, size: int) -> bool:
+    stream = source()
+    return all(all_finite(stream.read(lo, hi)) for lo, hi in _blocks(size))
 
 
 def merge_contributions(
@@ -551,7 +686,8 @@ def merge_contributions(
             reject(c.learner, f"base round {c.base_round} has been evicted (history keeps rounds "
                               f"{history.oldest_round}..{current_round})")
             continue
-        if not all(np.all(np.isfinite(_outer_tensor(c, name, current, base))) for name in sorted(current)):
+        if not all(_finite_source(_outer_source(c, name, current, base), int(np.size(current[name])))
+                   for name in sorted(current)):
             reject(c.learner, f"non-finite values after rebasing from round {c.base_round}")
             continue
         accepted_items.append((c, base, weight))
@@ -567,20 +703,21 @@ def merge_contributions(
             reason = f"nothing to merge for fragment {fragment}: all {total} contribution(s) rejected"
         return MergeResult(None, (), rejected_sorted, reason, (), round_median, delta_norms)
 
-    # 4. merge tensor by tensor, each contribution's tensor decoded (and rebased) when it is folded in:
-    # one tensor's float64 accumulator and one contribution's tensor in memory, besides the result
+    # 4. merge tensor by tensor, block by block across every contribution, each contribution's
+    # values decoded (and rebased) a chunk at a time as they are folded in: besides the float32
+    # result, one block's temporaries (`merge_block_bytes`)
     weights = np.asarray([w for _, _, w in accepted_items], dtype=np.float64)  # each finite and > 0 (step 1)
     embeddings = set(embedding_names)
     outer: dict[str, np.ndarray] = {}
     for name in sorted(current):
         shape = tuple(np.shape(current[name]))
-        vectors = (_outer_tensor(c, name, current, base) for c, base, _ in accepted_items)
+        sources = [_outer_source(c, name, current, base) for c, base, _ in accepted_items]
         if method == "rda" and name not in embeddings:
-            outer[name] = _rda_fold(vectors, weights, shape)
+            outer[name] = _rda_fold(sources, weights, shape)
         elif method == "support_mean":
-            outer[name] = _support_mean_fold(vectors, weights, shape)
+            outer[name] = _support_mean_fold(sources, weights, shape)
         else:
-            outer[name] = _mean_fold(vectors, weights, shape)
+            outer[name] = _mean_fold(sources, weights, shape)
     accepted = tuple((c.learner, w) for c, _, w in accepted_items)
     how = f"{method}, {'token-weighted' if weighting == 'tokens' else 'uniform weights'}"
     reason = (f"merged {len(accepted)} of {total} contribution(s) for fragment {fragment} at round {current_round} "

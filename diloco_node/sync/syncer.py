@@ -126,7 +126,7 @@ class MergedRound:
 
     fragment: int
     round: int  # the round the fragment reaches once this commits
-    result: MergeResult
+    result: MergeResult  # its outer_gradient is dropped once encoded: `outer_gradient` is what applies
     encoded: bytes  # the outer gradient as codec_down bytes (what crosses the wire)
     outer_gradient: dict[str, np.ndarray] | None  # those bytes decoded: what every replica applies
     decision_reason: str
@@ -350,6 +350,9 @@ class Syncer:
         if result.outer_gradient is None:
             return MergedRound(p, state.round(p), result, b"", None, taken.decision_reason, norm_ref, reason)
         encoded = encode_named(result.outer_gradient, sync.codec_down)
+        # The merge's own float32 result goes before its bytes are decoded back: what every replica
+        # applies is the decoded one, and the two are never held together (docs/DAEMON.md, "Memory").
+        result = dataclasses.replace(result, outer_gradient=None)
         decoded = decode_named(encoded, max_elements=self.plan.fragments[p].num_elements)
         return MergedRound(p, state.round(p) + 1, result, encoded, decoded, taken.decision_reason, norm_ref, reason)
 
