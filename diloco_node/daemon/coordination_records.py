@@ -6,7 +6,13 @@ atomically (`durable.atomic_write`: temporary file, fsync, rename, fsync of the 
 their failpoint.
 
 `log.mark.json` (`LogMark`): the last index of log.bin known fsynced, a witness that tells a log
-cut at rest from a torn append (coordination_store.py).
+cut at rest from a torn append (coordination_store.py). It is a lower bound, written at most once a
+second.
+
+`vote_floor.json` (`VoteFloor`): the newest (epoch, index) log.bin ever held, written (after the
+log's own fsync) by every sync that moves it up, so before any acknowledgement that depends on it
+leaves: an upper bound of every entry this node acknowledged. A node whose log was cut at rest
+votes only for a candidate whose log is at least that up to date (bootstrap/election.py).
 
 The election record (epoch and vote) is what Raft cannot lose: a node that forgot its vote could
 grant a second one in the same epoch. It is written to two files, `election.json` then
@@ -35,6 +41,9 @@ ELECTION_FILES = ("election.json", "election.copy.json")
 MARK_INTERVAL_S = 1.0
 MARK_FILE = "log.mark.json"
 _MARK_KEY = "fsynced_through"
+FLOOR_FILE = "vote_floor.json"
+FLOOR_POINT = "vote_floor.write"
+_FLOOR_KEY = "last_log"
 
 
 class DamagedStateError(ConfigError):
@@ -144,3 +153,42 @@ class LogMark:
             self.write(durable_last)
         except OSError as error:
             STORAGE.failed("log.append", f"{MARK_FILE} not written: {error}")
+
+
+class VoteFloor:
+    """The newest (epoch, index) log.bin ever held: `value` (None while unknown: no file yet, or a
+    damaged one, quarantined). `loaded` is what the file said at start, the floor of a node whose
+    log was found cut at rest (coordination_store.py)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = Path(directory) / FLOOR_FILE
+        self.value: tuple[int, int] | None = None
+        self.loaded: tuple[int, int] | None = None
+
+    def load(self) -> tuple[int, int] | None:
+        """The floor on disk (OSError when it cannot be read). A damaged one is quarantined and the
+        floor unknown: a node with a damaged log then falls back to not voting at all."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            value = unframe(data, _FLOOR_KEY)[_FLOOR_KEY]
+            if (not isinstance(value, list) or len(value) != 2
+                    or not all(type(part) is int and part >= 0 for part in value)):
+                raise RecordError(f"{_FLOOR_KEY} is {value!r}")
+            self.value = self.loaded = (value[0], value[1])
+        except (RecordError, KeyError) as error:
+            STORAGE.quarantine(self.path, f"vote floor damaged: {error}")
+        return self.loaded
+
+    def cover(self, last_log: tuple[int, int]) -> None:
+        """Raise the floor to `last_log` when that is newer (durably; OSError when the write fails,
+        and then nothing that depends on `last_log` may be acknowledged). Never lowered here."""
+        if self.value is None or last_log > self.value:
+            self.write(last_log)
+
+    def write(self, last_log: tuple[int, int]) -> None:
+        """Replace the floor with `last_log`, even a lower one (only an operator's accepted loss)."""
+        write_record(FLOOR_POINT, self.path, {_FLOOR_KEY: [last_log[0], last_log[1]]})
+        self.value = last_log
