@@ -80,13 +80,15 @@ def _one_line_naming(stderr: str, name: str) -> str:
     return line
 
 
+# Each of these ends before JAX is imported (daemon/start_check.py): a few seconds a case.
 @pytest.mark.parametrize("relative", [
     "coordination/election.json",
-    pytest.param("coordination/election.copy.json", marks=pytest.mark.slow),
+    "coordination/election.copy.json",
     "coordination/log.bin",
-    pytest.param("coordination/log.mark.json", marks=pytest.mark.slow),
-    pytest.param("coordination/identity.json", marks=pytest.mark.slow),
-    pytest.param("history.jsonl", marks=pytest.mark.slow),
+    "coordination/log.mark.json",
+    "coordination/vote_floor.json",
+    "coordination/identity.json",
+    "history.jsonl",
 ])
 def test_a_directory_where_a_file_should_be_ends_the_start_in_one_line(founded, tmp_path, relative) -> None:
     code, stderr = _restart(founded, tmp_path, breaking=_as_directory, relative=relative)
@@ -112,8 +114,7 @@ def test_an_io_error_reading_a_file_at_start_ends_in_one_line(founded, tmp_path,
     assert code == EXIT_STORAGE and "Input/output error" in line
 
 
-@pytest.mark.parametrize("relative", ["coordination/identity.json", pytest.param(
-    "coordination/election.json+copy", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("relative", ["coordination/identity.json", "coordination/election.json+copy"])
 def test_a_record_cut_in_half_is_quarantined_and_refused_in_one_line(founded, tmp_path, relative) -> None:
     """A checksummed record cut in half is damage, not an I/O error: kept aside, and the start
     refused with what to do (a node must not forget its identity or its vote)."""
