@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diloco_node.storage import failpoints  # noqa: E402
-from diloco_node.testbed.launcher import DEFAULT_SETTINGS, REPO, Site, SiteSpec, write_secret  # noqa: E402
+from diloco_node.testbed.launcher import DEFAULT_SETTINGS, REPO, SiteSpec, run_until_checkpointed, write_secret  # noqa: E402
 
 SETTINGS = (*DEFAULT_SETTINGS, "learner=synthetic", "checkpoint_interval_s=1")
 STARTUP_S = 300.0  # a hang guard for the founder, not a figure
@@ -62,23 +61,7 @@ CASES = [
 
 def found(root: Path) -> SiteSpec:
     spec = SiteSpec("a", root / "data", root / "a.log", write_secret(root / "secret"), settings=SETTINGS)
-    site = Site(spec).start()
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while time.monotonic() < deadline:
-            status = site.status()
-            if status and status.get("ready") and any((spec.data_dir / "checkpoints").glob("ckpt-*.bin")):
-                break
-            if not site.running:
-                raise SystemExit(f"the founder exited:\n{site.log_text()[-3000:]}")
-            time.sleep(0.5)
-        else:
-            raise SystemExit(f"the founder never became ready with a checkpoint:\n{site.log_text()[-3000:]}")
-        site.signal(signal.SIGTERM)
-        if site.wait(60) != 0:
-            raise SystemExit(f"the founder did not stop cleanly:\n{site.log_text()[-3000:]}")
-    finally:
-        site.close()
+    run_until_checkpointed(spec, STARTUP_S)
     return spec
 
 

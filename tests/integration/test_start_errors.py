@@ -10,16 +10,14 @@ in half (damage at rest: quarantined, then refused or recovered as the store's r
 from __future__ import annotations
 
 import shutil
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from diloco_node.daemon.exits import EXIT_CONFIG, EXIT_STORAGE
 from diloco_node.storage import failpoints
-from diloco_node.testbed.launcher import DEFAULT_SETTINGS, REPO, Site, SiteSpec, write_secret
+from diloco_node.testbed.launcher import DEFAULT_SETTINGS, REPO, SiteSpec, run_until_checkpointed, write_secret
 
 STARTUP_S = 180.0
 # A hang guard, not a speed target (the tests assert no timing).
@@ -32,21 +30,7 @@ def founded(tmp_path_factory) -> SiteSpec:
     """A founder's data directory with its coordination files and at least one checkpoint."""
     root = tmp_path_factory.mktemp("founder")
     spec = SiteSpec("a", root / "data", root / "a.log", write_secret(root / "secret"), settings=SETTINGS)
-    site = Site(spec).start()
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while time.monotonic() < deadline:
-            status = site.status()
-            if status and status.get("ready") and any((spec.data_dir / "checkpoints").glob("ckpt-*.bin")):
-                break
-            assert site.running, site.log_text()[-3000:]
-            time.sleep(0.5)
-        else:
-            pytest.fail(f"the founder never became ready with a checkpoint:\n{site.log_text()[-3000:]}")
-        site.signal(signal.SIGTERM)
-        assert site.wait(60) == 0, site.log_text()[-3000:]
-    finally:
-        site.close()
+    run_until_checkpointed(spec, STARTUP_S)
     return spec
 
 
