@@ -22,7 +22,7 @@ from bootstrap.entries import EntryKind, LogEntry
 from diloco_node.clock import FakeClock
 from diloco_node.daemon import peers
 from diloco_node.daemon.coordination import CoordinationIO
-from diloco_node.daemon.coordination_records import DamagedStateError
+from diloco_node.daemon.coordination_records import DamagedStateError, VoteFloor
 from diloco_node.daemon.coordination_store import FLOOR_FILE, CoordinationStore
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.ops.storage_health import STORAGE
@@ -150,7 +150,7 @@ def test_a_bit_flip_inside_the_log_is_quarantined_and_its_good_prefix_kept(tmp_p
 def test_a_log_cut_short_mid_record_loses_only_its_torn_tail(tmp_path):
     _log_with_commits(tmp_path, 8)
     # A torn append never got past its fsync, so the vote floor never covered it (still entry 7).
-    (tmp_path / FLOOR_FILE).write_bytes(frame({"last_log": [2, 7]}))
+    (tmp_path / FLOOR_FILE).write_bytes(VoteFloor.encode((2, 7)))
     log_bin = tmp_path / "log.bin"
     cut(log_bin, _payload_offset(log_bin, 8) + 10)
     store = CoordinationStore(tmp_path)

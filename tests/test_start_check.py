@@ -46,7 +46,7 @@ def test_a_readable_node_and_a_new_one_pass(tmp_path) -> None:
     check_state_files(tmp_path)
 
 
-@pytest.mark.parametrize("name", ["election.json", "log.bin", "log.mark.json", "vote_floor.json"])
+@pytest.mark.parametrize("name", ["election.json", "log.bin", "log.mark.json", "vote_floor.bin"])
 def test_a_directory_where_a_state_file_should_be_is_named(tmp_path, name) -> None:
     directory = _node_dir(tmp_path)
     path = directory / name

@@ -17,11 +17,11 @@ from bootstrap.entries import EntryKind, LogEntry
 from diloco_node.clock import FakeClock
 from diloco_node.daemon import peers
 from diloco_node.daemon.coordination import CoordinationIO
+from diloco_node.daemon.coordination_records import FLOOR_RECORD_BYTES, VoteFloor
 from diloco_node.daemon.coordination_store import FLOOR_FILE, MARK_FILE, CoordinationStore
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.ops.storage_health import STORAGE
 from diloco_node.storage import failpoints
-from diloco_node.storage.records import frame, unframe
 from wire.errors import RemoteProtocolError
 
 from conftest import NoDisk
@@ -42,7 +42,7 @@ def _clean():
 
 def _on_disk(tmp_path) -> tuple[int, int] | None:
     path = tmp_path / FLOOR_FILE
-    return tuple(unframe(path.read_bytes(), "last_log")["last_log"]) if path.exists() else None
+    return VoteFloor(tmp_path).load() if path.exists() else None
 
 
 def _entry(index: int, epoch: int = 2) -> LogEntry:
@@ -123,12 +123,18 @@ def test_a_log_cut_in_the_floors_epoch_is_damage_even_past_the_mark(tmp_path):
 
 def test_a_damaged_floor_is_quarantined_and_unknown(tmp_path):
     _synced(tmp_path, [_entry(i) for i in range(2, 9)])
-    (tmp_path / FLOOR_FILE).write_bytes(frame({"last_log": [2, 8]})[:-3])
+    record = bytearray(VoteFloor.encode((2, 8)))
+    assert len(record) == FLOOR_RECORD_BYTES
+    (tmp_path / FLOOR_FILE).write_bytes(bytes(record[:-3]))  # a write torn by a crash
     store = CoordinationStore(tmp_path)
     assert store.load_persistent().log.entries[-1].index == 8 and store.floor.loaded is None
     assert STORAGE.to_status()["quarantined"][0]["file"].endswith(FLOOR_FILE)
-    (tmp_path / FLOOR_FILE).write_bytes(frame({"last_log": [2, -1]}))
+    record[9] ^= 1  # a bit flipped at rest
+    (tmp_path / FLOOR_FILE).write_bytes(bytes(record))
     assert CoordinationStore(tmp_path).floor.load() is None
+    # Unknown, with a whole log: written again by the next sync.
+    store.sync(store.load_persistent())
+    assert _on_disk(tmp_path) == (2, 8)
 
 
 async def test_a_node_with_a_floor_votes_for_a_complete_candidate_and_the_election_completes(tmp_path):

@@ -17,10 +17,10 @@ called after every batch of actions and before sending them; it writes only what
   damage at rest: the file is quarantined and its good prefix kept (`damaged_after`). A damaged
   header refuses to load. A log that ends before an index this node knew durable is damage too,
   not a torn append: witnesses are `log.mark.json` (`LogMark`, lowered before a rewrite shortens
-  the log), `vote_floor.json` (below: a log ending in the floor's epoch before its index), and the
+  the log), `vote_floor.bin` (below: a log ending in the floor's epoch before its index), and the
   newest checkpoint's index (persistence.py: `report_lost_entries`). Each step is behind its
   failpoint, reports to `STORAGE`; every fsync goes through storage/durable.py.
-- `vote_floor.json` (`VoteFloor`): the newest (epoch, index) log.bin held, raised by `sync()` after
+- `vote_floor.bin` (`VoteFloor`): the newest (epoch, index) log.bin held, raised by `sync()` after
   the log's fsync: no acknowledgement leaves past it. A node with entries lost votes only above it.
 
 Payloads live in `log.bin`, not in memory: once an entry is on disk (appended, rewritten or
@@ -589,6 +589,7 @@ class CoordinationStore:
 
     def close(self) -> None:
         """Close the files (reads reopen what they need)."""
+        self.floor.close()
         if self._log_handle is not None:
             self._log_handle.close()
             self._log_handle = None

@@ -70,7 +70,7 @@ def _one_line_naming(stderr: str, name: str) -> str:
     "coordination/election.copy.json",
     "coordination/log.bin",
     "coordination/log.mark.json",
-    "coordination/vote_floor.json",
+    "coordination/vote_floor.bin",
     "coordination/identity.json",
     "history.jsonl",
 ])
