@@ -25,7 +25,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diloco_node.storage import failpoints  # noqa: E402
-from diloco_node.testbed.launcher import DEFAULT_SETTINGS, REPO, SiteSpec, run_until_checkpointed, write_secret  # noqa: E402
+from diloco_node.testbed.launcher import (  # noqa: E402
+    DEFAULT_SETTINGS, REPO, SiteSpec, run_until_checkpointed, write_secret,
+)
 
 SETTINGS = (*DEFAULT_SETTINGS, "learner=synthetic", "checkpoint_interval_s=1")
 STARTUP_S = 300.0  # a hang guard for the founder, not a figure

@@ -249,7 +249,8 @@ def test_schedules_with_logs_damaged_at_rest_keep_every_invariant():
     assert cuts >= DEFAULT_SUITE_SEEDS // 3 and worst >= 4  # 43 and 7 when written
 
 
-@pytest.mark.slow  # 65 schedules (caught at seed 64), ~20 s loaded; the directed scenario above stays in the default suite
+# 65 schedules (caught at seed 64), ~20 s loaded: slow; the directed scenario above stays in the default suite
+@pytest.mark.slow
 def test_checker_catches_vote_below_mark_in_random_schedules_within_ci_budget():
     """The `cut_log` fault strikes at its worst moment half the time (harness.py, WORST_MOMENT_CUT_SHARE):
     a follower's log is cut just after the holder committed an entry with it alone, and the holder

@@ -80,5 +80,6 @@ def test_checkpoints_none_of_which_can_be_read_stop_the_start_and_one_readable_i
     check_state_files(tmp_path)  # the older one reads: the start loads it (or says why not)
     older.unlink()
     older.mkdir()
-    with pytest.raises(CheckpointError, match="(?s)every candidate failed:.*ckpt-0+2.bin: cannot read: Is a directory.*ckpt-0+1.bin"):
+    failed = "(?s)every candidate failed:.*ckpt-0+2.bin: cannot read: Is a directory.*ckpt-0+1.bin"
+    with pytest.raises(CheckpointError, match=failed):
         check_state_files(tmp_path)

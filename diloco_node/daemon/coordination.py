@@ -245,8 +245,8 @@ class CoordinationIO:
         replog, election = self.core.log, self.core.election
         if self._narrow:
             if election.vote_floor is None:
-                log.warning("%s votes again (and may stand): its log is back to (epoch %d, index %d), its vote floor", self.node_id,
-                            *replog.last_log)
+                log.warning("%s votes again (and may stand): its log is back to (epoch %d, index %d), its vote floor",
+                            self.node_id, *replog.last_log)
                 self.vote_barrier = None
                 self.store.damaged_after = None
             return

@@ -345,7 +345,8 @@ class CoordinationStore:
             self.mark.advance(self.durable_last_index)
         if self.floor.value is not None or self.damaged_after is None:
             # Once log.bin holds it. A damaged log's unknown floor stays unwritten (no vote at all).
-            self.floor.cover((entries[-1].epoch, entries[-1].index) if entries else (snapshot.last_epoch, snapshot.last_index))
+            last = entries[-1] if entries else None
+            self.floor.cover((last.epoch, last.index) if last else (snapshot.last_epoch, snapshot.last_index))
 
     def _append(self, entries: list[LogEntry], start: int) -> None:
         """Append `entries[start:]`; in memory they then keep only a reference to their payload."""
