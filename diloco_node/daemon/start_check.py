@@ -10,7 +10,7 @@ would), the high-water mark and the vote floor, the head of `log.bin` (behind it
 error. Read failpoints armed at start are hit here as well as by the start. Nothing is written but
 what the record readers quarantine; what it cannot see (damage deep in `log.bin`, a checkpoint
 whose header is corrupt or whose body fails its checksum) is the start's to find, with the same
-one line. Importing this module imports no JAX (tests/test_start_check.py).
+one line. Importing this module imports no JAX (tests/integration/test_commands_without_jax.py).
 """
 
 from __future__ import annotations
