@@ -22,8 +22,8 @@ from bootstrap.entries import EntryKind, LogEntry
 from diloco_node.clock import FakeClock
 from diloco_node.daemon import peers
 from diloco_node.daemon.coordination import CoordinationIO
-from diloco_node.daemon.coordination_records import DamagedStateError
-from diloco_node.daemon.coordination_store import CoordinationStore
+from diloco_node.daemon.coordination_records import DamagedStateError, VoteFloor
+from diloco_node.daemon.coordination_store import FLOOR_FILE, CoordinationStore
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.ops.storage_health import STORAGE
 from diloco_node.storage.records import frame, unframe
@@ -149,6 +149,8 @@ def test_a_bit_flip_inside_the_log_is_quarantined_and_its_good_prefix_kept(tmp_p
 
 def test_a_log_cut_short_mid_record_loses_only_its_torn_tail(tmp_path):
     _log_with_commits(tmp_path, 8)
+    # A torn append never got past its fsync, so the vote floor never covered it (still entry 7).
+    (tmp_path / FLOOR_FILE).write_bytes(VoteFloor.encode((2, 7)))
     log_bin = tmp_path / "log.bin"
     cut(log_bin, _payload_offset(log_bin, 8) + 10)
     store = CoordinationStore(tmp_path)
@@ -171,35 +173,80 @@ class QuietClient:
         return []
 
 
-async def test_after_log_damage_the_node_votes_only_once_a_lease_holder_gave_its_entries_back(tmp_path):
-    _log_with_commits(tmp_path, 8)
+def _damaged_io(tmp_path: Path) -> tuple[CoordinationIO, CoordinationStore, QuietClient]:
+    """b's log held 1..8 of epoch 2 (its vote floor), and a bit flip at rest lost it 5..8."""
     log_bin = tmp_path / "log.bin"
     flip_bit(log_bin, _payload_offset(log_bin, 5) + 100)
     store = CoordinationStore(tmp_path)
     persistent = store.load_persistent()
     core = CoordinatorNode("b", persistent, now=0.0, rng=random.Random(0), applied_index=4)
-    tasks = TaskSet()
     client = QuietClient()
     io = CoordinationIO(core=core, persistent=persistent, store=store, history=NoDisk(), client=client,
                         addresses=peers.AddressBook({n: f"https://{n}:7070" for n in VOTERS}), clock=FakeClock(1000.0),
-                        tasks=tasks, on_apply=lambda e: None, on_restore_snapshot=lambda s: None,
+                        tasks=TaskSet(), on_apply=lambda e: None, on_restore_snapshot=lambda s: None,
                         after_step=lambda: None, remember_member=lambda *a: None, report_error=lambda m: None)
+    return io, store, client
+
+
+async def _stands_not(io: CoordinationIO, client: QuietClient) -> None:
+    """Its own (pre-)vote requests do not leave: it does not stand."""
+    io.dispatch(io.core.tick(1000.0))
+    await io.tasks.close()
+    assert not any(isinstance(m, peers.wire.VoteRequest) for m in client.sent)
+    io.tasks = TaskSet()
+
+
+def _vote(candidate: str, last_epoch: int, last_index: int, epoch: int = 3):
+    return peers.to_wire(coord.VoteRequest(epoch, candidate, last_epoch, last_index), epoch=0, commit_index=0,
+                         last_index=0)
+
+
+async def test_after_log_damage_the_node_votes_only_above_its_floor_until_its_log_is_back(tmp_path):
+    _log_with_commits(tmp_path, 8)
+    io, store, client = _damaged_io(tmp_path)
     try:
-        assert io.vote_barrier is not None and "after 4" in io.vote_barrier
-        # c (whose log is as short as ours now) asks for a vote: refused, the lost entries might be committed.
-        request = peers.to_wire(coord.VoteRequest(3, "c", 2, 4), epoch=0, commit_index=0, last_index=0)
-        with pytest.raises(RemoteProtocolError, match="does not vote yet") as refused:
-            await io.on_vote_request(request, Signed("c"))
-        assert refused.value.status_hint == 503
-        # Nor does it stand: its own (pre-)vote requests do not leave.
-        actions = core.tick(1000.0)
-        assert any(isinstance(a, coord.Send) and isinstance(a.message, coord.VoteRequest) for a in actions)
-        io.dispatch(actions)
-        await tasks.close()
-        assert not any(isinstance(m, peers.wire.VoteRequest) for m in client.sent)
+        assert io.vote_barrier is not None and "after 4" in io.vote_barrier and "(epoch 2, index 8)" in io.vote_barrier
+        assert io.core.election.vote_floor == (2, 8)
+        # c, whose log ends where ours does now, is refused: 5..8 may be committed and it lacks them.
+        refused = await io.on_vote_request(_vote("c", 2, 4), Signed("c"))
+        assert not refused.granted and "may have acknowledged" in refused.reason
+        # a, whose log is as up to date as the newest ours held, gets the vote.
+        granted = await io.on_vote_request(_vote("a", 2, 8), Signed("a"))
+        assert granted.granted and io.persistent.election.voted_for == "a"
+        await _stands_not(io, client)
+
+        # Lease holder a (epoch 3) sends back 5..8 and its epoch's no-op.
+        entries = tuple([LogEntry(2, i, EntryKind.OUTER_COMMIT, bytes([i]) * 5000, fragment=0, round=i)
+                         for i in range(5, 9)] + [LogEntry(3, 9, EntryKind.NOOP)])
+        partial = coord.AppendEntries(3, "a", 4, 2, entries[:2], 6, sent_at=1.0)
+        reply = await io.on_log_append(peers.to_wire(partial, epoch=3, commit_index=6, last_index=6), Signed("a"))
+        assert reply.success and io.vote_barrier is not None  # its log ends at (2, 6), below the floor
+        rest = coord.AppendEntries(3, "a", 6, 2, entries[2:], 9, sent_at=2.0)
+        reply = await io.on_log_append(peers.to_wire(rest, epoch=3, commit_index=9, last_index=9), Signed("a"))
+        assert reply.success and io.vote_barrier is None and store.damaged_after is None
+        assert io.core.election.vote_floor is None
+        reloaded = CoordinationStore(tmp_path)
+        assert [e.index for e in reloaded.load_persistent().log.entries] == list(range(1, 10))
+        assert reloaded.damaged_after is None and reloaded.floor.loaded == (3, 9)
+    finally:
+        await io.tasks.close()
+
+
+async def test_after_log_damage_without_a_floor_the_node_votes_only_once_a_lease_holder_gave_its_entries_back(
+        tmp_path):
+    _log_with_commits(tmp_path, 8)
+    (tmp_path / FLOOR_FILE).unlink()  # a data directory from before the floor, or one that lost it too
+    io, store, client = _damaged_io(tmp_path)
+    try:
+        assert io.vote_barrier is not None and "after 4" in io.vote_barrier and "no vote floor" in io.vote_barrier
+        for candidate, last in (("c", (2, 4)), ("a", (2, 8))):  # whoever asks
+            with pytest.raises(RemoteProtocolError, match="does not vote yet") as refused:
+                await io.on_vote_request(_vote(candidate, *last), Signed(candidate))
+            assert refused.value.status_hint == 503
+        await _stands_not(io, client)
+        assert not (tmp_path / FLOOR_FILE).exists()  # never set to the cut log's end while barred
 
         # Lease holder a (epoch 3) sends back 5..8 and its epoch's no-op, and commits the no-op.
-        tasks = io.tasks = TaskSet()
         entries = tuple([LogEntry(2, i, EntryKind.OUTER_COMMIT, bytes([i]) * 5000, fragment=0, round=i)
                          for i in range(5, 9)] + [LogEntry(3, 9, EntryKind.NOOP)])
         partial = coord.AppendEntries(3, "a", 4, 2, entries[:2], 6, sent_at=1.0)
@@ -209,5 +256,8 @@ async def test_after_log_damage_the_node_votes_only_once_a_lease_holder_gave_its
         reply = await io.on_log_append(peers.to_wire(rest, epoch=3, commit_index=9, last_index=9), Signed("a"))
         assert reply.success and io.vote_barrier is None and store.damaged_after is None
         assert [e.index for e in CoordinationStore(tmp_path).load_persistent().log.entries] == list(range(1, 10))
+        # Written again once the barrier lifted (the next sync): its log holds all it acknowledged.
+        io.dispatch([])
+        assert CoordinationStore(tmp_path).floor.load() == (3, 9)
     finally:
-        await tasks.close()
+        await io.tasks.close()

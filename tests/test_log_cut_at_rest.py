@@ -26,6 +26,7 @@ from diloco_node.daemon.persistence import Checkpointer
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.ops.checkpoint import CheckpointStore
 from diloco_node.ops.storage_health import STORAGE
+from diloco_node.storage import failpoints
 from diloco_node.storage.records import unframe
 
 from conftest import NoDisk
@@ -108,7 +109,9 @@ def test_a_torn_append_past_the_mark_is_still_trimmed_quietly(tmp_path):
     store, state = _log(tmp_path, 8, mark_every_s=0.0)  # mark at 8
     store.mark.interval_s = 3600.0
     state.log.entries.append(_entry(9))
-    store.sync(state)  # 9 appended, the mark not yet moved
+    failpoints.arm("vote_floor.write=eio*1")  # the crash came before the floor covered 9
+    with pytest.raises(OSError):
+        store.sync(state)  # 9 appended and fsynced, the mark not yet moved, the floor not raised
     log_bin = tmp_path / "log.bin"
     log_bin.write_bytes(log_bin.read_bytes()[:-100])
     reloaded = CoordinationStore(tmp_path)

@@ -457,7 +457,7 @@ def test_status_and_watch_show_learner_figures_eval_sets_outer_gradients_storage
                      "eval at commit 7 (1.5s)", "wiki 3.1250 (4.1k tokens)", "code - (2.0k tokens)",
                      "outer gradients up int4 1000 B 4.00 bits/param  down int4 2.9 KiB 4.00 bits/param",
                      "error feedback on", "FAILING log.append: No space left on device",
-                     "1 file(s) quarantined: checkpoints/ckpt-000040.bin", "NOT VOTING: log damaged at index 9",
+                     "1 file(s) quarantined: checkpoints/ckpt-000040.bin", "VOTE BARRIER: log damaged at index 9",
                      "admission refused in_flight 2  malformed 1  capped 4  last: a second contribution",
                      "relays pushed 3", "refused 1", "last: 0.4s ago: fetch x from b", "evicted c (index 12: disk lost)"):
         assert expected in table, (expected, table)

@@ -86,6 +86,16 @@ DAMAGE_FAULT_WEIGHTS: dict[str, float] = {
     # floor, the newest (epoch, index) it ever had durable (an upper bound of what it acknowledged).
     "cut_log": 2.0,
 }
+# How often a `cut_log` strikes at the worst moment instead of a random one: the lease holder and
+# the fullest follower are cut off from the other nodes, and the follower's log is cut the moment
+# the holder has committed an entry with it alone (before the follower learns the commit, so the
+# entry is above what its application applied), and the holder crashes. The entry is then only in
+# the damaged log and the dead holder's: only the vote floor keeps a lagging node from winning.
+WORST_MOMENT_CUT_SHARE = 0.5
+# How often the worst-moment cut looks at the holder's commit index, and how long it waits for a
+# commit before it gives up (and heals the partition it made).
+WORST_MOMENT_POLL_S = 0.005
+WORST_MOMENT_WAIT_S = 5.0
 # Extra seconds a slow relay's payloads take (a large commit on a thin link).
 SLOW_RELAY_DELAYS_S = (0.5, 1.5, 4.0)
 
@@ -218,6 +228,7 @@ def copy_persistent(state: PersistentState) -> PersistentState:
 
 
 _TICK, _DELIVER, _FAULT, _WORKLOAD, _RELAY, _RELAY_TIMER, _REPAIR = 0, 1, 2, 3, 4, 5, 6
+_CUT_AFTER_COMMIT = "cut_log after commit"  # the worst-moment cut's follow-up fault (never drawn)
 
 
 class Simulation:
@@ -243,6 +254,9 @@ class Simulation:
         self.trace = 0
         self.faults_applied: list[str] = []
         self.stopped = False
+        # A worst-moment log cut in progress: (follower, holder, holder's commit index when it began,
+        # when it gives up).
+        self._pending_cut: tuple[str, str, int, float] | None = None
         self.round = 0
         self.last_commit: tuple[float, int] | None = None  # (time, epoch) of the newest outer commit
         self.options = NodeOptions(lease=self.config.lease, swim=self.config.swim,
@@ -415,11 +429,15 @@ class Simulation:
             assert host.fragments is not None
             host.fragments.unreadable = self.rng.choice((1, 2))
             note = f"{host.node_id}: its next {host.fragments.unreadable} outer-commit payload(s) unreadable"
-        elif fault == "cut_log" and self.config.log_damage and alive and not any(
+        elif fault == "cut_log" and self.config.log_damage and alive and self._pending_cut is None and not any(
                 h.vote_floor for h in self.hosts.values()):
             # One damaged log at a time: damage at rest on a majority at once loses committed
             # entries for good, and no vote rule can then keep both safety and liveness.
             note = self._cut_log(alive, leader)
+        elif fault == _CUT_AFTER_COMMIT and self._pending_cut is not None:
+            note = self._cut_after_commit()
+            if note is None:
+                return
         elif fault == "leave" and len(alive) > 3:
             host = self.rng.choice(alive)
             self._dispatch(host, lambda node, local: node.leave(local))
@@ -431,8 +449,17 @@ class Simulation:
     def _cut_log(self, alive: list[_Host], leader: str | None) -> str:
         """A follower (the one holding most, often: the likely member of a commit's majority) crashes
         and its log loses a suffix at rest; half the time the lease holder crashes too, so the
-        next one is elected while the damaged node's log is short."""
+        next one is elected while the damaged node's log is short. Or, WORST_MOMENT_CUT_SHARE of
+        the time, the cut waits for its worst moment (`_cut_after_commit`)."""
         followers = [h for h in alive if h.node_id != leader] or alive
+        if leader is not None and len(followers) >= 2 and self.rng.random() < WORST_MOMENT_CUT_SHARE:
+            host = max(followers, key=lambda h: (last_of(h.persistent), h.node_id))
+            holder = self.hosts[leader].node
+            assert holder is not None
+            self.groups = {h.node_id: (0 if h.node_id in (leader, host.node_id) else 1) for h in self._sorted_hosts()}
+            self._pending_cut = (host.node_id, leader, holder.log.commit_index, self.now + WORST_MOMENT_WAIT_S)
+            self._schedule(self.now + WORST_MOMENT_POLL_S, _FAULT, _CUT_AFTER_COMMIT, None)
+            return f"cut off all but {leader} and {host.node_id}: {host.node_id}'s log is cut at the next commit"
         if self.rng.random() < 0.5:
             host = max(followers, key=lambda h: (last_of(h.persistent), h.node_id))
         else:
@@ -446,6 +473,28 @@ class Simulation:
             self.crash(leader)
             note += f", crash leader {leader}"
         return note
+
+    def _cut_after_commit(self) -> str | None:
+        """The worst-moment cut: once the holder committed past where it began, the follower crashes,
+        its log loses every entry its application has not applied, the holder crashes, the follower
+        restarts and the partition heals. None while it still waits."""
+        assert self._pending_cut is not None
+        follower, holder, commit, give_up_at = self._pending_cut
+        leader = self.hosts[holder].node
+        if leader is not None and self.hosts[follower].node is not None and self.now < give_up_at:
+            if leader.log.commit_index <= commit:
+                self._schedule(self.now + WORST_MOMENT_POLL_S, _FAULT, _CUT_AFTER_COMMIT, None)
+                return None
+            self._pending_cut, self.groups = None, {}
+            self.crash(follower)
+            self.cut_log_at_rest(follower, 0)
+            self.crash(holder)
+            self._start(self.hosts[follower], join=True)
+            return (f"cut log of {follower} at rest to index {last_of(self.hosts[follower].persistent)[1]} "
+                    f"(floor {self.hosts[follower].vote_floor}) after {holder} committed {leader.log.commit_index}, "
+                    f"crash leader {holder}")
+        self._pending_cut, self.groups = None, {}
+        return f"no commit by {holder} with {follower}: the worst-moment cut gives up"
 
     def cut_log_at_rest(self, node_id: str, keep: int) -> None:
         """A crashed node's disk keeps only its log's first `keep` entries (never one its application

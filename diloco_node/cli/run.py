@@ -53,6 +53,25 @@ def _use_persistent_compilation_cache(data_dir: str) -> None:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
+def _check_state_files(data_dir: str) -> int | None:
+    """The node's own files read before JAX is imported (daemon/start_check.py): an exit status
+    and its one line when they cannot be, else None."""
+    from diloco_node.daemon.exits import EXIT_STORAGE, START_STORAGE_ERRORS, start_error_line
+    from diloco_node.daemon.start_check import check_state_files
+
+    try:
+        check_state_files(data_dir)
+    except ConfigError as error:  # a damaged record the start refuses (quarantined, named)
+        code, line = EXIT_CONFIG, str(error)
+    except START_STORAGE_ERRORS as error:
+        code, line = EXIT_STORAGE, start_error_line(error)
+    else:
+        return None
+    logging.getLogger("diloco_node.daemon").error("%s", line)
+    print(f"diloco-node run: {line}", file=sys.stderr)
+    return code
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         effective = load_config_from_args(args)
@@ -73,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("diloco_node.daemon").warning("%s", warning)
     if armed_failpoints:
         logging.getLogger("diloco_node.daemon").warning("failpoints armed (a test or chaos run): %s", armed_failpoints)
+    if not (cluster.enabled and cluster.process_id > 0):  # a follower host keeps no coordination state
+        code = _check_state_files(effective.node.data_dir)
+        if code is not None:
+            return code
     _use_persistent_compilation_cache(effective.node.data_dir)
     if cluster.enabled:
         from diloco_node.learn import cluster as cluster_lib  # imports JAX

@@ -227,7 +227,7 @@ def _storage_line(doc: StatusDocument) -> str:
         parts.append(f"{len(quarantined)} file(s) quarantined: "
                      + ", ".join(str(q.get("file", "?")) if isinstance(q, dict) else str(q) for q in quarantined))
     if storage.get("vote_barrier"):
-        parts.append(f"NOT VOTING: {storage['vote_barrier']}")
+        parts.append(f"VOTE BARRIER: {storage['vote_barrier']}")
     return "storage " + ("  ".join(parts) if parts else "ok")
 
 

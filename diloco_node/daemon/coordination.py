@@ -13,8 +13,10 @@ When the disk refuses a write (full, failing), nothing that depends on it leaves
 gets 503 "cannot persist"), no message, no applied entry (held until a sync succeeds); a lease
 holder steps down; the ticker keeps running and retries with backoff on the clock, so the node
 recovers on its own once writes succeed again. After its log was found damaged at rest
-(coordination_store.py) the node neither votes nor stands until a lease holder has given it back
-every entry it may have acknowledged.
+(coordination_store.py) the node does not stand, and votes only for a candidate whose log is at
+least as up to date as its vote floor (the newest entry its log held: the core's `vote_floor`),
+until its own log is back there; with no floor known (a floor file lost too) it does not vote at
+all until a lease holder has given it back every entry it may have acknowledged.
 
 Relayed commits (relays.py): with `relay_fanout` > 0 this node, as lease holder, sends appends
 with payloads by digest and the bytes down a relay tree; with 0, only payloads over
@@ -104,12 +106,23 @@ class CoordinationIO:
         self.storage_error: str | None = None
         self._storage_retry_s = tick_s
         self._held: list[coord.Action] = []
-        # Why this node does not vote (nor stand) yet: its log was damaged at rest and lost entries
-        # after `store.damaged_after` that it may have acknowledged (None: it votes).
+        # Why this node does not stand, nor vote freely, yet: its log was damaged at rest and lost
+        # entries after `store.damaged_after` that it may have acknowledged (None: it votes). With a
+        # floor known, the core votes above it (`_narrow`); without, no vote at all.
         self.vote_barrier: str | None = None
-        if store.damaged_after is not None:
+        floor = store.floor.loaded if store.damaged_after is not None else None
+        self._narrow = floor is not None
+        if floor is not None:
+            core.election.vote_floor = floor
+            core.election.lift_vote_floor(core.log.last_log)
+            self.vote_barrier = (f"{store.damage_reason}: it lost the entries after {store.damaged_after}; it votes "
+                                 f"only for a candidate whose log is at least as up to date as (epoch {floor[0]}, "
+                                 f"index {floor[1]}), the newest its log held, and does not stand, until its log "
+                                 "is back there")
+        elif store.damaged_after is not None:
             self.vote_barrier = (f"{store.damage_reason}: no vote until a lease holder has given back the entries "
-                                 f"after {store.damaged_after}")
+                                 f"after {store.damaged_after} (no vote floor known)")
+        if self.vote_barrier is not None:
             log.warning("%s: %s", self.node_id, self.vote_barrier)
             advice = barrier_help(self.node_id, core.log.config.voters, store.damaged_after, self.vote_barrier)
             if advice is not None and advice["lone_voter"]:  # no one else can end it: say what can
@@ -225,10 +238,18 @@ class CoordinationIO:
             self._check_vote_barrier()
 
     def _check_vote_barrier(self) -> None:
-        """Lift the barrier once a lease holder of the current epoch has committed one of its own
+        """Lift the barrier once this log is as up to date as its floor (the core lifted it), or,
+        with no floor known, once a lease holder of the current epoch has committed one of its own
         entries past the damage and this log holds it: the holder's log holds every entry committed
         before its epoch's first (Raft's leader completeness), so ours now does too."""
         replog, election = self.core.log, self.core.election
+        if self._narrow:
+            if election.vote_floor is None:
+                log.warning("%s votes again (and may stand): its log is back to (epoch %d, index %d), its vote floor",
+                            self.node_id, *replog.last_log)
+                self.vote_barrier = None
+                self.store.damaged_after = None
+            return
         floor = self.store.damaged_after or 0
         commit = replog.commit_index
         if (election.leader_id not in (None, self.node_id) and commit > floor and commit <= replog.last_index
@@ -246,7 +267,7 @@ class CoordinationIO:
     def send(self, to: str, message: coord.Message) -> None:
         if to == self.node_id or self.core.is_evicted(to):
             return
-        if self.vote_barrier is not None and isinstance(message, coord.VoteRequest):
+        if self.vote_barrier is not None and not self._narrow and isinstance(message, coord.VoteRequest):
             return  # it does not stand either: its own vote would be one it may not give
         outbox = self._outboxes.get(to)
         if outbox is None:
@@ -369,7 +390,7 @@ class CoordinationIO:
     async def on_vote_request(self, message: wire.VoteRequest, peer: Any) -> wire.Message | None:
         self.check_open()
         self.same_sender(message.candidate, peer, "VoteRequest")
-        if self.vote_barrier is not None:
+        if self.vote_barrier is not None and not self._narrow:  # (with a floor, the core decides)
             raise RemoteProtocolError(f"{self.node_id} does not vote yet: {self.vote_barrier}", 503)
         reply = self.dispatch(self.handle(peers.vote_request_from_wire(message)), reply_to=peer.node_id,
                               reply_type=coord.VoteResponse)

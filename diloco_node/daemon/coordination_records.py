@@ -6,7 +6,13 @@ atomically (`durable.atomic_write`: temporary file, fsync, rename, fsync of the 
 their failpoint.
 
 `log.mark.json` (`LogMark`): the last index of log.bin known fsynced, a witness that tells a log
-cut at rest from a torn append (coordination_store.py).
+cut at rest from a torn append (coordination_store.py). It is a lower bound, written at most once a
+second.
+
+`vote_floor.bin` (`VoteFloor`): the newest (epoch, index) log.bin ever held, written (after the
+log's own fsync, in place, one fsync) by every sync that moves it up, so before any acknowledgement that depends on it
+leaves: an upper bound of every entry this node acknowledged. A node whose log was cut at rest
+votes only for a candidate whose log is at least that up to date (bootstrap/election.py).
 
 The election record (epoch and vote) is what Raft cannot lose: a node that forgot its vote could
 grant a second one in the same epoch. It is written to two files, `election.json` then
@@ -18,6 +24,9 @@ are damaged does it refuse to start (`DamagedStateError`), since no vote can the
 
 from __future__ import annotations
 
+import os
+import struct
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +44,12 @@ ELECTION_FILES = ("election.json", "election.copy.json")
 MARK_INTERVAL_S = 1.0
 MARK_FILE = "log.mark.json"
 _MARK_KEY = "fsynced_through"
+FLOOR_FILE = "vote_floor.bin"
+FLOOR_POINT = "vote_floor.write"
+_FLOOR_MAGIC = b"VFL1"
+_FLOOR_HEAD = struct.Struct("<4sQQ")  # magic, epoch, index
+_FLOOR_CRC = struct.Struct("<I")
+FLOOR_RECORD_BYTES = _FLOOR_HEAD.size + _FLOOR_CRC.size
 
 
 class DamagedStateError(ConfigError):
@@ -144,3 +159,78 @@ class LogMark:
             self.write(durable_last)
         except OSError as error:
             STORAGE.failed("log.append", f"{MARK_FILE} not written: {error}")
+
+
+class VoteFloor:
+    """The newest (epoch, index) log.bin ever held: `value` (None while unknown: no file yet, or a
+    damaged one, quarantined). `loaded` is what the file said at start, the floor of a node whose
+    log was found cut at rest (coordination_store.py).
+
+    One fixed-size record (`FLOOR_RECORD`: magic, epoch, index, CRC-32 of the rest), created by an
+    atomic write and then overwritten in place with one fsync: a floor is raised by every sync that
+    extends the log, so it costs one small fsync, not a file created, renamed and its directory
+    synced. A write torn by a crash, or a record damaged at rest, fails its CRC and makes the floor
+    unknown, which only ever bars more votes (a node with a damaged log and no floor votes for no
+    one); a crash before the fsync leaves the older floor, which covers every acknowledgement sent
+    before it, since none depending on the new one left."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = Path(directory) / FLOOR_FILE
+        self.value: tuple[int, int] | None = None
+        self.loaded: tuple[int, int] | None = None
+        self._fd = -1
+
+    @staticmethod
+    def encode(last_log: tuple[int, int]) -> bytes:
+        body = _FLOOR_HEAD.pack(_FLOOR_MAGIC, *last_log)
+        return body + _FLOOR_CRC.pack(zlib.crc32(body))
+
+    def load(self) -> tuple[int, int] | None:
+        """The floor on disk (OSError when it cannot be read). A damaged one is quarantined and the
+        floor unknown: a node with a damaged log then falls back to not voting at all."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        body = data[:_FLOOR_HEAD.size]
+        if (len(data) != FLOOR_RECORD_BYTES or not body.startswith(_FLOOR_MAGIC)
+                or _FLOOR_CRC.unpack_from(data, _FLOOR_HEAD.size)[0] != zlib.crc32(body)):
+            STORAGE.quarantine(self.path, f"vote floor damaged: {len(data)} bytes, not a {FLOOR_RECORD_BYTES}-byte "
+                                          "record with its checksum")
+            return None
+        _, epoch, index = _FLOOR_HEAD.unpack(body)
+        self.value = self.loaded = (epoch, index)
+        return self.loaded
+
+    def cover(self, last_log: tuple[int, int]) -> None:
+        """Raise the floor to `last_log` when that is newer, durably (OSError when the write fails:
+        then nothing that depends on `last_log` may be acknowledged). Never lowered here."""
+        if self.value is None or last_log > self.value:
+            self.write(last_log)
+
+    def write(self, last_log: tuple[int, int]) -> None:
+        """Replace the floor with `last_log`, even a lower one (only an operator's accepted loss)."""
+        record = self.encode(last_log)
+        try:
+            if self._fd < 0 and self.value is None:  # a new file: its directory entry made durable too
+                durable.atomic_write(FLOOR_POINT, self.path, record)
+            else:
+                failpoints.hit(FLOOR_POINT)
+                if self._fd < 0:
+                    self._fd = os.open(self.path, os.O_WRONLY)
+                os.pwrite(self._fd, record, 0)
+                durable.sync_file(FLOOR_POINT, self._fd)
+        except OSError as error:
+            self.close()
+            STORAGE.failed(FLOOR_POINT, error)
+            raise
+        STORAGE.succeeded(FLOOR_POINT)
+        self.value = last_log
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -17,8 +17,11 @@ called after every batch of actions and before sending them; it writes only what
   damage at rest: the file is quarantined and its good prefix kept (`damaged_after`). A damaged
   header refuses to load. A log that ends before an index this node knew durable is damage too,
   not a torn append: witnesses are `log.mark.json` (`LogMark`, lowered before a rewrite shortens
-  the log), and the newest checkpoint's index (persistence.py: `report_lost_entries`). Each step
-  is behind its failpoint, reports to `STORAGE`; every fsync goes through storage/durable.py.
+  the log), `vote_floor.bin` (below: a log ending in the floor's epoch before its index), and the
+  newest checkpoint's index (persistence.py: `report_lost_entries`). Each step is behind its
+  failpoint, reports to `STORAGE`; every fsync goes through storage/durable.py.
+- `vote_floor.bin` (`VoteFloor`): the newest (epoch, index) log.bin held, raised by `sync()` after
+  the log's fsync: no acknowledgement leaves past it. A node with entries lost votes only above it.
 
 Payloads live in `log.bin`, not in memory: once an entry is on disk (appended, rewritten or
 loaded) the in-memory log keeps its metadata and a `StoredPayload` that reads the record back
@@ -52,25 +55,12 @@ from bootstrap.entries import LogEntry, PayloadUnavailable, Snapshot, StoredPayl
 from bootstrap.replog import LogStore
 from diloco_node.clock import Clock, SystemClock
 from diloco_node.daemon.coordination_records import ELECTION_FILES, DamagedStateError, RecordError, read_election
-from diloco_node.daemon.coordination_records import MARK_FILE, LogMark, read_record
+from diloco_node.daemon.coordination_records import FLOOR_FILE, MARK_FILE, LogMark, VoteFloor, read_record
 from diloco_node.daemon.coordination_records import write_election, write_record
 from diloco_node.daemon.log_records import (  # noqa: F401  (re-exported: the store's record format)
-    _RECORD_HEAD,
-    INITIAL_SNAPSHOT,
-    AppendFile,
-    MAX_RECORD_BYTES,
-    PreparedLog,
-    WRITE_PIECE_BYTES,
-    CoordinationStoreError,
-    _decode_body,
-    _encode_entry,
-    _encode_snapshot,
-    _pread_all,
-    _record_parts,
-    _scan_log,
-    _write_records,
-    decode_log,
-    encode_log,
+    _RECORD_HEAD, INITIAL_SNAPSHOT, MAX_RECORD_BYTES, WRITE_PIECE_BYTES, AppendFile, CoordinationStoreError,
+    PreparedLog, _decode_body, _encode_entry, _encode_snapshot, _pread_all, _record_parts, _scan_log,
+    _write_records, decode_log, encode_log,
 )
 from diloco_node.ops.storage_health import STORAGE
 from diloco_node.storage import durable, failpoints
@@ -118,10 +108,7 @@ class PayloadDamaged(PayloadGone):
 
 
 _temp_path = durable.temp_path
-
-
-def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True)
+_canonical = functools.partial(json.dumps, sort_keys=True)
 
 
 @contextlib.contextmanager
@@ -145,6 +132,7 @@ class CoordinationStore:
         self._log_path = self.directory / "log.bin"
         self._identity_path = self.directory / "identity.json"
         self.mark = LogMark(self.directory, clock or SystemClock())
+        self.floor = VoteFloor(self.directory)
         self._written_election: tuple[int, str | None] | None = None
         self._written_snapshot: tuple[int, int] = (0, 0)  # (last_index, last_epoch) of the header
         self._written_count = 0
@@ -233,12 +221,13 @@ class CoordinationStore:
             raise CoordinationStoreError(f"{self.directory}: the election record is unreadable: {error}") from None
         election = ElectionState(*election_record) if election_record else ElectionState()
         # A write that crashed before its rename: the old file is still whole; its temp file goes.
-        for path in (self._log_path, self._identity_path, self.mark.path,
+        for path in (self._log_path, self._identity_path, self.mark.path, self.floor.path,
                      *(self.directory / name for name in ELECTION_FILES)):
             _temp_path(path).unlink(missing_ok=True)
         self._compaction_path.unlink(missing_ok=True)
         self.mark.load()
         try:
+            self.floor.load()
             snapshot, entries = self._load_log()
         except OSError as error:
             raise CoordinationStoreError(f"{self._log_path}: unreadable: {error}") from None
@@ -258,10 +247,16 @@ class CoordinationStore:
                     size = os.fstat(handle.fileno()).st_size
                     snapshot, located, valid, damage = _scan_log(handle, size, self._log_path)
             last = located[-1][0].index if located else snapshot.last_index
+            last_epoch = located[-1][0].epoch if located else snapshot.last_epoch
+            floor = self.floor.loaded
             if damage is None and last < self.mark.index:
                 # Not a torn append: entries through the mark were fsynced (and may be acknowledged).
                 damage = (f"it ends at entry {last} ({size} bytes) but entries through {self.mark.index} were "
                           f"fsynced ({MARK_FILE}): cut at rest")
+            elif damage is None and floor is not None and floor[0] == last_epoch and last < floor[1]:
+                # Written once log.bin held it, fsynced; no leader shortens a log within one epoch.
+                damage = (f"it ends at entry {last} of epoch {last_epoch} but held entry {floor[1]} of that "
+                          f"epoch ({FLOOR_FILE}): cut at rest")
             if damage is not None:
                 self._keep_good_prefix(valid, damage, last)
             elif valid != size:
@@ -348,6 +343,10 @@ class CoordinationStore:
         self._written_count = len(entries)
         if appended:
             self.mark.advance(self.durable_last_index)
+        if self.floor.value is not None or self.damaged_after is None:
+            # Once log.bin holds it. A damaged log's unknown floor stays unwritten (no vote at all).
+            last = entries[-1] if entries else None
+            self.floor.cover((last.epoch, last.index) if last else (snapshot.last_epoch, snapshot.last_index))
 
     def _append(self, entries: list[LogEntry], start: int) -> None:
         """Append `entries[start:]`; in memory they then keep only a reference to their payload."""
@@ -591,6 +590,7 @@ class CoordinationStore:
 
     def close(self) -> None:
         """Close the files (reads reopen what they need)."""
+        self.floor.close()
         if self._log_handle is not None:
             self._log_handle.close()
             self._log_handle = None

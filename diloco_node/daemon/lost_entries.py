@@ -1,8 +1,9 @@
 """The vote barrier's way out: what a node that lost log entries says about it, and the
 operator's explicit acceptance of the loss.
 
-A node whose log.bin was found damaged at rest neither votes nor stands until a lease holder has
-given it back every entry it may have acknowledged (coordination.py). When it is the lone voter
+A node whose log.bin was found damaged at rest does not stand, and votes only for a candidate at
+least as up to date as its vote floor (or not at all when no floor is known), until it holds again
+every entry it may have acknowledged (coordination.py). When it is the lone voter
 (the other voters are fewer than a majority, so no lease holder can ever be elected without its
 vote) nobody can: the run stays without a lease holder. `/status` (`storage.vote_barrier_help`)
 and the log then say so, and what the operator can do (docs/OPERATIONS.md, "A voter that lost log
@@ -35,6 +36,7 @@ class _Store(Protocol):
     damaged_after: int | None
     damage_reason: str
     mark: Any
+    floor: Any
 
     @property
     def durable_last_index(self) -> int: ...
@@ -45,6 +47,7 @@ class _Coordination(Protocol):
     store: _Store
     vote_barrier: str | None
     clock: Any  # the node's Clock: `wall()` stamps the record
+    core: Any  # the CoordinatorNode: its log's end, its election's floor
 
 
 def is_lone_voter(node_id: str, voters: list[str] | tuple[str, ...] | frozenset[str]) -> bool:
@@ -85,7 +88,8 @@ def accept_loss(coordination: _Coordination, *, by: str, reason: str, lost_after
     """`POST /accept-loss`: lift the vote barrier because an operator accepts losing the entries
     after `lost_after` (it must be the index the node reports: the operator accepts THIS loss).
     The acceptance is written (fsynced) before the barrier lifts; the log's high-water mark is
-    lowered to what log.bin holds, so a restart does not find the same loss again.
+    lowered to what log.bin holds, and the vote floor to its last entry, so a restart does not find
+    the same loss again.
     Returns (HTTP status, JSON body); a refusal changes nothing."""
     store, node_id = coordination.store, coordination.node_id
     if coordination.vote_barrier is None or store.damaged_after is None:
@@ -98,19 +102,24 @@ def accept_loss(coordination: _Coordination, *, by: str, reason: str, lost_after
         return 409, {"error": f"{node_id} lost the entries after {store.damaged_after}, not after {lost_after!r}: "
                               f"accept exactly that loss (--lost-after {store.damaged_after})",
                      "lost_after": store.damaged_after}
+    last_log = coordination.core.log.last_log
     record = {"node_id": node_id, "by": by.strip(), "reason": reason.strip(), "lost_after": lost_after,
-              "fsynced_through": store.mark.index, "damage": store.damage_reason,
+              "fsynced_through": store.mark.index, "vote_floor": store.floor.value and list(store.floor.value),
+              "damage": store.damage_reason,
               "at_unix": round(coordination.clock.wall(), 3)}
     try:
         accepted = read_acceptances(store.directory)
         write_record(LOSS_POINT, store.directory / LOSS_FILE, {_LOSS_KEY: [*accepted, record]})
         if store.mark.index > store.durable_last_index:
             store.mark.write(store.durable_last_index)
+        if store.floor.value != last_log:  # down to the log it has: the loss is accepted
+            store.floor.write(last_log)
     except (OSError, RecordError) as error:
         return 503, {"error": f"{node_id} cannot record the acceptance ({error}); the barrier stays"}
     log.warning("%s: %s accepted the loss of the entries after %d (%s); it votes again: %s", node_id, record["by"],
                 lost_after, record["reason"], store.damage_reason)
     coordination.vote_barrier = None
+    coordination.core.election.vote_floor = None
     store.damaged_after = None
     return 200, {"message": f"{node_id} votes again: the loss of the entries after {lost_after} accepted by "
                             f"{record['by']}, recorded in {LOSS_FILE}", "record": record}

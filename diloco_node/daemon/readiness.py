@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # Durable steps without which the node can acknowledge nothing (coordination_store.py).
-BLOCKING_POINTS = frozenset({"election.write", "log.append", "log.truncate"})
+BLOCKING_POINTS = frozenset({"election.write", "log.append", "log.truncate", "vote_floor.write"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from diloco_node.daemon.notify import BackgroundNotifier
 from diloco_node.daemon.peer_api import PeerApi
 from diloco_node.daemon.plan import DaemonPlan
 from diloco_node.daemon.pools import Pools
+from diloco_node.daemon.start_check import CHECKPOINTS_DIR, COORDINATION_DIR
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.daemon.training import LearnerReports, LearnerSlot
 from diloco_node.ops.checkpoint import CheckpointStore
@@ -44,9 +45,6 @@ from wire.auth import AuthContext, FrameVerifier, RunSecretError, derive_frame_k
 from wire.errors import LocalProtocolError
 
 log = logging.getLogger("diloco_node.daemon")
-
-CHECKPOINTS_DIR = "checkpoints"
-COORDINATION_DIR = "coordination"
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,8 @@ POINTS: Mapping[str, str] = {
     "log.truncate": "log.bin rewritten whole (a leader overwrote a conflicting suffix, a snapshot was installed), "
                     "or cut back to its last good record at start",
     "log.compact": "the log rewritten below a checkpoint (compaction)",
+    "vote_floor.write": "the vote floor (the newest epoch and index log.bin held) raised, after log.bin's fsync "
+                        "and before anything that depends on it is acknowledged",
     "log.read": "log.bin read back (at start, for catch-up and for payloads)",
     "checkpoint.write": "a checkpoint written (temporary file, fsync, rename)",
     "checkpoint.read": "a checkpoint read back at start",

@@ -358,7 +358,26 @@ def launch_site(spec: SiteSpec) -> Site:
         raise
 
 
+def run_until_checkpointed(spec: SiteSpec, timeout_s: float) -> None:
+    """Run the node of `spec` until it is ready and has written a checkpoint, then stop it with
+    SIGTERM (a data directory to restart from); LaunchError with its log's tail otherwise."""
+    with launch_site(spec) as site:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            status = site.status()
+            if status and status.get("ready") and any((spec.data_dir / "checkpoints").glob("ckpt-*.bin")):
+                break
+            if not site.running:
+                raise LaunchError(f"{spec.node_id} exited before its first checkpoint:\n{site.log_text()[-3000:]}")
+            time.sleep(0.5)
+        else:
+            raise LaunchError(f"{spec.node_id} never became ready with a checkpoint:\n{site.log_text()[-3000:]}")
+        site.signal(signal.SIGTERM)
+        if site.wait(60) != 0:
+            raise LaunchError(f"{spec.node_id} did not stop cleanly:\n{site.log_text()[-3000:]}")
+
+
 __all__ = [
     "DEFAULT_SETTINGS", "REPO", "ChildProcess", "LaunchError", "LinkShape", "Site", "SiteSpec", "free_port",
-    "launch_site", "node_env", "start_link", "write_secret",
+    "launch_site", "node_env", "run_until_checkpointed", "start_link", "write_secret",
 ]

@@ -40,3 +40,10 @@ def test_export_imports_no_jax() -> None:
     code = ("import sys, diloco_node.ops.export, diloco_node.cli.export; "
             "sys.exit('jax' in sys.modules or 'flax' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, check=False).returncode == 0
+
+
+def test_the_state_files_read_before_a_start_imports_no_jax() -> None:
+    """`diloco-node run` reads the node's own files before the import (daemon/start_check.py): a
+    start that cannot read them ends without waiting for JAX."""
+    code = "import sys, diloco_node.daemon.start_check; sys.exit(1 if 'jax' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO, check=False, timeout=120).returncode == 0

@@ -10,16 +10,14 @@ in half (damage at rest: quarantined, then refused or recovered as the store's r
 from __future__ import annotations
 
 import shutil
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from diloco_node.daemon.exits import EXIT_CONFIG, EXIT_STORAGE
 from diloco_node.storage import failpoints
-from diloco_node.testbed.launcher import DEFAULT_SETTINGS, REPO, Site, SiteSpec, write_secret
+from diloco_node.testbed.launcher import DEFAULT_SETTINGS, REPO, SiteSpec, run_until_checkpointed, write_secret
 
 STARTUP_S = 180.0
 # A hang guard, not a speed target (the tests assert no timing).
@@ -32,21 +30,7 @@ def founded(tmp_path_factory) -> SiteSpec:
     """A founder's data directory with its coordination files and at least one checkpoint."""
     root = tmp_path_factory.mktemp("founder")
     spec = SiteSpec("a", root / "data", root / "a.log", write_secret(root / "secret"), settings=SETTINGS)
-    site = Site(spec).start()
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while time.monotonic() < deadline:
-            status = site.status()
-            if status and status.get("ready") and any((spec.data_dir / "checkpoints").glob("ckpt-*.bin")):
-                break
-            assert site.running, site.log_text()[-3000:]
-            time.sleep(0.5)
-        else:
-            pytest.fail(f"the founder never became ready with a checkpoint:\n{site.log_text()[-3000:]}")
-        site.signal(signal.SIGTERM)
-        assert site.wait(60) == 0, site.log_text()[-3000:]
-    finally:
-        site.close()
+    run_until_checkpointed(spec, STARTUP_S)
     return spec
 
 
@@ -80,13 +64,15 @@ def _one_line_naming(stderr: str, name: str) -> str:
     return line
 
 
+# Each of these ends before JAX is imported (daemon/start_check.py): a few seconds a case.
 @pytest.mark.parametrize("relative", [
     "coordination/election.json",
-    pytest.param("coordination/election.copy.json", marks=pytest.mark.slow),
+    "coordination/election.copy.json",
     "coordination/log.bin",
-    pytest.param("coordination/log.mark.json", marks=pytest.mark.slow),
-    pytest.param("coordination/identity.json", marks=pytest.mark.slow),
-    pytest.param("history.jsonl", marks=pytest.mark.slow),
+    "coordination/log.mark.json",
+    "coordination/vote_floor.bin",
+    "coordination/identity.json",
+    "history.jsonl",
 ])
 def test_a_directory_where_a_file_should_be_ends_the_start_in_one_line(founded, tmp_path, relative) -> None:
     code, stderr = _restart(founded, tmp_path, breaking=_as_directory, relative=relative)
@@ -112,8 +98,7 @@ def test_an_io_error_reading_a_file_at_start_ends_in_one_line(founded, tmp_path,
     assert code == EXIT_STORAGE and "Input/output error" in line
 
 
-@pytest.mark.parametrize("relative", ["coordination/identity.json", pytest.param(
-    "coordination/election.json+copy", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("relative", ["coordination/identity.json", "coordination/election.json+copy"])
 def test_a_record_cut_in_half_is_quarantined_and_refused_in_one_line(founded, tmp_path, relative) -> None:
     """A checksummed record cut in half is damage, not an I/O error: kept aside, and the start
     refused with what to do (a node must not forget its identity or its vote)."""
