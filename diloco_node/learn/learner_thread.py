@@ -60,7 +60,8 @@ log = logging.getLogger(__name__)
 class DueFragment:
     """What the learner hands over when fragment p's slot comes: δ = Θ_p(base) − θ_p and counters.
     With the int4 uplink each tensor of `delta` is an `EncodedTensor` (encoded on the device; it has
-    a shape and reads as its decoded float32 values), otherwise a float32 array."""
+    a shape and reads as its decoded float32 values; the contribution stream frames its bytes
+    as they are), otherwise a float32 array."""
 
     fragment: int
     base_round: int
