@@ -29,7 +29,8 @@ before it), the offers applied (to show traffic flowed), the training thread's o
 step (`host_ms_per_step` p50 and p99: everything the thread does between waiting on one step and
 dispatching the next, wall time; the device idles once it exceeds the step's device time; and the
 same steps' CPU time of the thread, `host_cpu_ms_per_step`, which a loaded machine does not
-inflate), the
+inflate; and `step_dispatch_cpu_ms`, the CPU time of the plain loop's `learner.step` calls: the
+jitted call's own dispatch), the
 device-to-host bytes of the due fragments against their float32 size (int4 is encoded on the
 device: codes and scales only), and the cost of reading one due fragment (device copy, transfer,
 delta; and the int4 program's dispatch and landing on the host) and writing one merged fragment
@@ -166,6 +167,7 @@ class StepWatch:
 class PlainRun:
     steps_per_s: float
     idle_fraction: float  # wall time with zero steps in flight (`StepWatch`)
+    dispatch_cpu_ms: list[float]  # the thread's CPU time in each `learner.step` call (the dispatch)
 
 
 def plain_loop(manifest: RunManifest, tokens: np.ndarray, steps: int, mesh: SiteMesh) -> PlainRun:
@@ -177,14 +179,17 @@ def plain_loop(manifest: RunManifest, tokens: np.ndarray, steps: int, mesh: Site
     watch = StepWatch(learner)
     started = time.perf_counter()
     in_flight: list[jax.Array] = []
+    dispatch_cpu_ms = []
     for x, y in batches[WARMUP_STEPS:]:
+        cpu_started = time.thread_time()
         in_flight.append(learner.step(x, y))
+        dispatch_cpu_ms.append(1e3 * (time.thread_time() - cpu_started))
         if len(in_flight) > PLAIN_QUEUE_DEPTH:
             jax.block_until_ready(in_flight.pop(0))
     jax.block_until_ready(in_flight)
     ended = time.perf_counter()
     watch.close()
-    return PlainRun(steps / (ended - started), watch.idle_fraction(started, ended))
+    return PlainRun(steps / (ended - started), watch.idle_fraction(started, ended), dispatch_cpu_ms)
 
 
 class NetworkStandIn:
@@ -383,13 +388,14 @@ def main(argv: list[str] | None = None) -> int:
                     + (f"{100 * value:.1f}%" if value is not None else "n/a (no known peak)"))
 
         plain_runs, daemon_runs, host_ms, host_cpu_ms, offers, sent = [], [], [], [], 0, 0
-        plain_idle, daemon_idle = [], []
+        plain_idle, daemon_idle, dispatch_cpu_ms = [], [], []
         run: DaemonRun | None = None
         for _ in range(args.repeats):
             started = time.perf_counter()
             plain = plain_loop(manifest, tokens, args.steps, mesh)
             plain_runs.append(plain.steps_per_s)
             plain_idle.append(plain.idle_fraction)
+            dispatch_cpu_ms += plain.dispatch_cpu_ms
             gc.collect()  # the plain loop's model and optimizer state leave the devices before the next
             print(f"{count} device(s): plain {shown(plain_runs[-1])} (the run with its start-up and compilation: "
                   f"{time.perf_counter() - started:.0f} s)", flush=True)
@@ -420,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                         "offers_applied_last_run": offers, "bytes_encoded_last_run": sent, "fragment": costs,
                         "host_ms_per_step": percentiles_ms(host_ms),
                         "host_cpu_ms_per_step": percentiles_ms(host_cpu_ms),
+                        "step_dispatch_cpu_ms": percentiles_ms(dispatch_cpu_ms),
                         "plain_idle_fraction": plain_idle, "daemon_idle_fraction": daemon_idle,
                         "due_fragments_last_run": run.dues if run else 0,
                         "device_to_host_bytes_last_run": run.due_transfer_bytes if run else 0,
@@ -433,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{costs['int4_dispatch_ms_median']:.2f} ms, on the host after {costs['int4_to_host_ms_median']:.2f} ms, "
               f"{costs['int4_transfer_bytes'] / max(costs['fragment_bytes'], 1):.3f} of the fp32 bytes; "
               f"host_ms_per_step p50 {host['p50']:.3f} ms, p99 {host['p99']:.3f} ms (the thread's CPU time: p50 "
-              f"{host_cpu['p50']:.3f} ms, p99 {host_cpu['p99']:.3f} ms); wall time with no step in flight: plain "
+              f"{host_cpu['p50']:.3f} ms, p99 {host_cpu['p99']:.3f} ms; the step's dispatch alone, in the plain loop: "
+              f"p50 {percentiles_ms(dispatch_cpu_ms)['p50']:.3f} ms); wall time with no step in flight: plain "
               f"{', '.join(f'{x:.3f}' for x in plain_idle)}, daemon {', '.join(f'{x:.3f}' for x in daemon_idle)}",
               flush=True)
     report = {
