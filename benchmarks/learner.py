@@ -29,11 +29,14 @@ before it), the offers applied (to show traffic flowed), the training thread's o
 step (`host_ms_per_step` p50 and p99: everything the thread does between waiting on one step and
 dispatching the next, wall time; the device idles once it exceeds the step's device time; and the
 same steps' CPU time of the thread, `host_cpu_ms_per_step`, which a loaded machine does not
-inflate), the
+inflate; and `step_dispatch_cpu_ms`, the CPU time of the plain loop's `learner.step` calls: the
+jitted call's own dispatch), the
 device-to-host bytes of the due fragments against their float32 size (int4 is encoded on the
 device: codes and scales only), and the cost of reading one due fragment (device copy, transfer,
 delta; and the int4 program's dispatch and landing on the host) and writing one merged fragment
-(placed with each tensor's sharding) on the mesh. Each side runs `--repeats` times, alternating; the best run of
+(placed with each tensor's sharding) on the mesh; and the share of wall time with no training step
+in flight, plain and daemon (`StepWatch`: backend-neutral, from dispatch and completion times, an
+upper bound of the device's idle time). Each side runs `--repeats` times, alternating; the best run of
 each side is compared (the machine's noise only slows runs down).
 """
 
@@ -85,7 +88,7 @@ from diloco_node.learn.device_quantize import EncodedTensor, delta_program  # no
 from diloco_node.learn.learner_thread import DueFragment, LearnerThread, _copy_fragment  # noqa: E402
 from diloco_node.learn.mesh import MeshShape, SiteMesh, build_site_mesh, host_view, place  # noqa: E402
 from diloco_node.sync.fragments import plan_fragments  # noqa: E402
-from wire.codecs import encode_named  # noqa: E402
+from wire.contribution_stream import contribution_chunks, open_for  # noqa: E402
 
 WARMUP_STEPS = 10
 # Steps the plain loop lets JAX queue ahead (the daemon's learner keeps about as many). Two keep a
@@ -113,20 +116,80 @@ def tokens_for(manifest: RunManifest) -> np.ndarray:
     return np.random.default_rng(0).integers(0, manifest.model.vocab_size, 2_000_000, dtype=np.int64).astype(np.uint32)
 
 
-def plain_loop(manifest: RunManifest, tokens: np.ndarray, steps: int, mesh: SiteMesh) -> float:
+class StepWatch:
+    """When each step was dispatched and when it was seen done: `learner.step` is wrapped to stamp
+    the dispatch, and a watcher thread blocks on each step's loss in turn and stamps its return.
+
+    `idle_fraction(start, end)` is the share of that wall time with zero steps in flight (none
+    dispatched and not yet done): the device had no training step to run. Backend-neutral (it
+    uses only dispatch and `block_until_ready`); an upper bound of the device's idle time, since
+    a step is seen done a thread wake-up after it is, and other device work (a due fragment's
+    program, an install) counts as idle here.
+    """
+
+    def __init__(self, learner: InnerLearner) -> None:
+        self.spans: list[list[float]] = []  # [dispatched, done] per step, in dispatch order
+        self._queue: queue.Queue[tuple[list[float], jax.Array] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._watch, name="step-watch", daemon=True)
+        self._thread.start()
+        step = learner.step
+
+        def watched(inputs: np.ndarray, targets: np.ndarray) -> jax.Array:
+            span = [time.perf_counter(), float("inf")]
+            loss = step(inputs, targets)
+            self.spans.append(span)
+            self._queue.put((span, loss))
+            return loss
+
+        learner.step = watched  # type: ignore[method-assign]
+
+    def _watch(self) -> None:
+        while (item := self._queue.get()) is not None:
+            span, loss = item
+            jax.block_until_ready(loss)
+            span[1] = time.perf_counter()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(60)
+
+    def idle_fraction(self, start: float, end: float) -> float:
+        busy, covered_to = 0.0, start
+        for dispatched, done in self.spans:  # dispatch order: the spans' starts never decrease
+            lo, hi = max(dispatched, covered_to), min(done, end)
+            if hi > lo:
+                busy += hi - lo
+                covered_to = hi
+        return 1.0 - busy / (end - start)
+
+
+@dataclasses.dataclass
+class PlainRun:
+    steps_per_s: float
+    idle_fraction: float  # wall time with zero steps in flight (`StepWatch`)
+    dispatch_cpu_ms: list[float]  # the thread's CPU time in each `learner.step` call (the dispatch)
+
+
+def plain_loop(manifest: RunManifest, tokens: np.ndarray, steps: int, mesh: SiteMesh) -> PlainRun:
     learner = InnerLearner(manifest.model, manifest.inner, manifest.seed, site_mesh=mesh)
     sampler = data_lib.BatchSampler(tokens, manifest.inner.batch_size, manifest.model.seq_len, 0)
     batches = [sampler.next() for _ in range(WARMUP_STEPS + steps)]
     for x, y in batches[:WARMUP_STEPS]:
         jax.block_until_ready(learner.step(x, y))
+    watch = StepWatch(learner)
     started = time.perf_counter()
     in_flight: list[jax.Array] = []
+    dispatch_cpu_ms = []
     for x, y in batches[WARMUP_STEPS:]:
+        cpu_started = time.thread_time()
         in_flight.append(learner.step(x, y))
+        dispatch_cpu_ms.append(1e3 * (time.thread_time() - cpu_started))
         if len(in_flight) > PLAIN_QUEUE_DEPTH:
             jax.block_until_ready(in_flight.pop(0))
     jax.block_until_ready(in_flight)
-    return steps / (time.perf_counter() - started)
+    ended = time.perf_counter()
+    watch.close()
+    return PlainRun(steps / (ended - started), watch.idle_fraction(started, ended), dispatch_cpu_ms)
 
 
 class NetworkStandIn:
@@ -148,11 +211,13 @@ class NetworkStandIn:
 
     def _run(self) -> None:
         while (due := self.inbox.get()) is not None:
-            # An int4 delta comes encoded on the device (learn/device_quantize.py): reading it here,
-            # off the training thread, waits for its transfer, as the daemon's codec pool does.
-            delta = {n: np.asarray(d) for n, d in due.delta.items()}
-            payload = encode_named(delta, self.manifest.sync.codec_up)
-            self.bytes += len(payload)
+            # The contribution's chunks as the daemon's codec pool makes them: an int4 delta comes
+            # encoded on the device (learn/device_quantize.py) and its bytes are framed as they are.
+            head = open_for({n: np.shape(d) for n, d in due.delta.items()}, fragment=due.fragment, base_index=0,
+                            base_round=due.base_round, c_steps=due.c_steps, c_tokens=due.c_tokens,
+                            codec=self.manifest.sync.codec_up, learner_id="bench", stream=bytes(16))
+            self.bytes += sum(len(chunk.payload) for chunk in contribution_chunks(head, due.delta))
+            delta = {n: np.asarray(d) for n, d in due.delta.items()}  # for the stand-in's merge only
             time.sleep(self.round_trip_s)
             assert self.learner is not None
             round_ = self.rounds.get(due.fragment, 0) + 1
@@ -174,6 +239,7 @@ class DaemonRun:
     due_transfer_bytes: int  # device-to-host bytes of the due fragments (int4: codes and scales)
     due_fp32_bytes: int  # the same fragments' float32 size
     dues: int
+    idle_fraction: float  # wall time with zero steps in flight (`StepWatch`)
 
 
 def daemon_learner(manifest: RunManifest, tokens: np.ndarray, steps: int, round_trip_s: float,
@@ -191,6 +257,7 @@ def daemon_learner(manifest: RunManifest, tokens: np.ndarray, steps: int, round_
                             on_progress=lambda *progress: None, inner=inner)
     network.learner = learner
     learner.compile()
+    watch = StepWatch(inner)
     network.thread.start()
     learner.start()
     learner.begin_training()
@@ -199,10 +266,12 @@ def daemon_learner(manifest: RunManifest, tokens: np.ndarray, steps: int, round_
     first, started = learner.steps, time.perf_counter()
     while learner.steps < first + steps:
         time.sleep(0.001)
-    elapsed = time.perf_counter() - started
+    ended = time.perf_counter()
+    elapsed = ended - started
     counted = learner.steps - first
     learner.stop()
     learner.join(60)
+    watch.close()
     # One host time per step, oldest first (read once the thread is done: it appends to them).
     times = list(learner.host_seconds)
     offset = learner.steps - len(times)
@@ -214,7 +283,7 @@ def daemon_learner(manifest: RunManifest, tokens: np.ndarray, steps: int, round_
     if learner.error is not None:
         raise RuntimeError(f"the learner thread failed: {learner.error!r}")
     return DaemonRun(counted / elapsed, network.offers, network.bytes, host_ms, host_cpu_ms, learner.due_transfer_bytes,
-                     learner.due_fp32_bytes, sum(network.rounds.values()))
+                     learner.due_fp32_bytes, sum(network.rounds.values()), watch.idle_fraction(started, ended))
 
 
 def percentiles_ms(values: list[float]) -> dict[str, float | None]:
@@ -319,10 +388,14 @@ def main(argv: list[str] | None = None) -> int:
                     + (f"{100 * value:.1f}%" if value is not None else "n/a (no known peak)"))
 
         plain_runs, daemon_runs, host_ms, host_cpu_ms, offers, sent = [], [], [], [], 0, 0
+        plain_idle, daemon_idle, dispatch_cpu_ms = [], [], []
         run: DaemonRun | None = None
         for _ in range(args.repeats):
             started = time.perf_counter()
-            plain_runs.append(plain_loop(manifest, tokens, args.steps, mesh))
+            plain = plain_loop(manifest, tokens, args.steps, mesh)
+            plain_runs.append(plain.steps_per_s)
+            plain_idle.append(plain.idle_fraction)
+            dispatch_cpu_ms += plain.dispatch_cpu_ms
             gc.collect()  # the plain loop's model and optimizer state leave the devices before the next
             print(f"{count} device(s): plain {shown(plain_runs[-1])} (the run with its start-up and compilation: "
                   f"{time.perf_counter() - started:.0f} s)", flush=True)
@@ -331,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             rate, offers, sent = run.steps_per_s, run.offers, run.bytes_encoded
             host_ms += run.host_ms
             host_cpu_ms += run.host_cpu_ms
+            daemon_idle.append(run.idle_fraction)
             gc.collect()
             daemon_runs.append(rate)
             print(f"{count} device(s): daemon learner {shown(rate)} ({offers} merged fragments applied, "
@@ -352,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
                         "offers_applied_last_run": offers, "bytes_encoded_last_run": sent, "fragment": costs,
                         "host_ms_per_step": percentiles_ms(host_ms),
                         "host_cpu_ms_per_step": percentiles_ms(host_cpu_ms),
+                        "step_dispatch_cpu_ms": percentiles_ms(dispatch_cpu_ms),
+                        "plain_idle_fraction": plain_idle, "daemon_idle_fraction": daemon_idle,
                         "due_fragments_last_run": run.dues if run else 0,
                         "device_to_host_bytes_last_run": run.due_transfer_bytes if run else 0,
                         "due_fp32_bytes_last_run": run.due_fp32_bytes if run else 0})
@@ -364,7 +440,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{costs['int4_dispatch_ms_median']:.2f} ms, on the host after {costs['int4_to_host_ms_median']:.2f} ms, "
               f"{costs['int4_transfer_bytes'] / max(costs['fragment_bytes'], 1):.3f} of the fp32 bytes; "
               f"host_ms_per_step p50 {host['p50']:.3f} ms, p99 {host['p99']:.3f} ms (the thread's CPU time: p50 "
-              f"{host_cpu['p50']:.3f} ms, p99 {host_cpu['p99']:.3f} ms)", flush=True)
+              f"{host_cpu['p50']:.3f} ms, p99 {host_cpu['p99']:.3f} ms; the step's dispatch alone, in the plain loop: "
+              f"p50 {percentiles_ms(dispatch_cpu_ms)['p50']:.3f} ms); wall time with no step in flight: plain "
+              f"{', '.join(f'{x:.3f}' for x in plain_idle)}, daemon {', '.join(f'{x:.3f}' for x in daemon_idle)}",
+              flush=True)
     report = {
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "jax": jax.__version__,
         "model": dataclasses.asdict(manifest.model) | {"tensors": len(factory.model_signature(manifest.model))},

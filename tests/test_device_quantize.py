@@ -4,12 +4,16 @@ and a decoded `EncodedTensor` that re-encodes to the bytes the device made."""
 
 from __future__ import annotations
 
+import dataclasses
+from unittest import mock
+
 import jax
 import numpy as np
 import pytest
 
 from diloco_node.learn import device_quantize as dq
-from wire.codecs import CODECS, encode_tensor
+from wire.codecs import CODECS, encode_tensor, frame_body
+from wire.contribution_stream import contribution_chunks, open_for
 from wire.errors import LocalProtocolError
 
 INT4 = CODECS["int4"]
@@ -91,3 +95,49 @@ def test_the_fragment_program_encodes_base_minus_params() -> None:
         delta = np.subtract(base[name], params[name], dtype=np.float32)
         np.testing.assert_array_equal(dq.body_bytes(np.asarray(out[name][0]), np.asarray(out[name][1])),
                                       _reference_body(delta))
+
+
+def _chunks(head, delta) -> list:
+    return [(c.tensor, c.offset, c.payload) for c in contribution_chunks(head, delta)]
+
+
+@pytest.mark.parametrize("chunk_blocks", [1, 3, 1000])
+def test_device_encoded_chunks_are_framed_as_the_host_encodes_the_raw_delta(chunk_blocks: int) -> None:
+    """The daemon's contribution stream frames a device-encoded tensor's own bytes (no decode):
+    every chunk (whole blocks, a tensor's short tail chunk, an empty tensor) is the payload a host
+    encoder of the raw float32 delta writes, zstd or not."""
+    cases = _cases()
+    raw = {name: cases[name] for name in ("random", "heavy_tailed", "one_value", "matrix", "subnormal")}
+    raw["empty"] = np.zeros((0, 3), np.float32)
+    head = open_for({n: v.shape for n, v in raw.items()}, fragment=0, base_index=0, base_round=0, c_steps=1,
+                    c_tokens=1, codec="int4", learner_id="a", stream=b"s" * 16)
+    head = dataclasses.replace(head, chunk_elements=chunk_blocks * BLOCK)
+    encoded = {n: dq.EncodedTensor(n, v.shape, *_encode(v)) for n, v in raw.items()}
+    framed = _chunks(head, encoded)
+    assert framed == _chunks(head, raw)
+    assert len(framed) > len(raw) or chunk_blocks == 1000
+    # No decode on the way: the framed path never builds the float32 tensor.
+    with mock.patch.object(dq.EncodedTensor, "__array__", side_effect=AssertionError("decoded")):
+        assert _chunks(head, encoded) == framed
+    # Chunks that are not whole blocks (never planned: `chunk_elements_for` cuts whole blocks) cut
+    # the device's blocks: they are re-encoded from the decoded values, as before this framing.
+    odd = dataclasses.replace(head, chunk_elements=BLOCK + 2)
+    assert _chunks(odd, encoded) == _chunks(odd, {n: np.asarray(t) for n, t in encoded.items()})
+
+
+def test_a_non_finite_device_delta_is_refused_when_framed() -> None:
+    x = np.ones(2 * BLOCK, np.float32)
+    x[5] = np.nan
+    head = open_for({"t": x.shape}, fragment=0, base_index=0, base_round=0, c_steps=1, c_tokens=1, codec="int4",
+                    learner_id="a", stream=b"s" * 16)
+    with pytest.raises(LocalProtocolError, match="NaN or Inf"):
+        _chunks(head, {"t": dq.EncodedTensor("t", x.shape, *_encode(x))})
+
+
+def test_frame_body_checks_the_body_it_is_given() -> None:
+    body = _reference_body(np.ones(BLOCK, np.float32))
+    assert frame_body(BLOCK, "int4", body) == encode_tensor(np.ones(BLOCK, np.float32), "int4")
+    with pytest.raises(LocalProtocolError, match="uint8 bytes"):
+        frame_body(BLOCK + 1, "int4", body)
+    with pytest.raises(LocalProtocolError, match="encode the values"):
+        frame_body(BLOCK, "topk2", body)

@@ -29,10 +29,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from wire.codecs import CODECS, decode_tensor, encode_tensor
+from wire.codecs import CODECS, decode_tensor, encode_tensor, frame_body
 from wire.codecs.schemes import Codec
 from wire.errors import RemoteProtocolError
 from wire.limits import DEFAULT_LIMITS, Limits
@@ -291,19 +292,40 @@ class ContributionAssembler(StreamAssembler[ContributionOpen, ContributionChunk]
         return EncodedDelta(self._parts, {p.name: p.shape for p in self._plans}, norms)
 
 
+@runtime_checkable
+class BlockEncoded(Protocol):
+    """A tensor already encoded with a dense codec's body layout (the learner's device quantizer
+    hands these over): `codec` names the scheme, `body_of(offset, values)` gives the body of the
+    values [offset, offset + values), a span of whole blocks (the tensor's tail block padded with
+    zeros, as an encoder pads it). Its chunks are framed as they are, never decoded."""
+
+    codec: str
+    size: int
+
+    def body_of(self, offset: int, values: int) -> np.ndarray: ...
+
+
 def contribution_chunks(head: ContributionOpen, delta: Mapping[str, np.ndarray], *,
                         zstd_level: int | None = 1) -> Iterator[ContributionChunk]:
     """The sender's side: encode `delta` chunk by chunk in the open's order (one chunk in memory).
 
     A generator: each chunk is encoded when the consumer asks for it, so a sender streaming them
-    holds one encoded chunk at a time besides the delta itself.
+    holds one encoded chunk at a time besides the delta itself. A `BlockEncoded` tensor in the
+    open's codec has its bodies framed directly (chunks start on whole blocks: `chunk_elements_for`),
+    the same bytes as encoding its values.
     """
     for index, spec in enumerate(head.tensors):
-        flat = np.asarray(delta[spec.name]).reshape(-1)
-        if flat.size != spec.num_elements:
-            raise ValueError(f"tensor {spec.name}: {flat.size} values, the open declares {spec.shape}")
+        value = delta[spec.name]
+        encoded = isinstance(value, BlockEncoded) and value.codec == head.codec
+        flat = None if encoded else np.asarray(value).reshape(-1)
+        size = value.size if encoded else flat.size
+        if size != spec.num_elements:
+            raise ValueError(f"tensor {spec.name}: {size} values, the open declares {spec.shape}")
         for offset, values in ChunkPlan(spec.name, spec.shape, head.chunk_elements).chunk_sizes():
-            payload = encode_tensor(flat[offset:offset + values], head.codec, zstd_level=zstd_level)
+            if encoded:
+                payload = frame_body(values, head.codec, value.body_of(offset, values), zstd_level=zstd_level)
+            else:
+                payload = encode_tensor(flat[offset:offset + values], head.codec, zstd_level=zstd_level)
             yield ContributionChunk(head.stream, index, offset, payload)
 
 

@@ -12,9 +12,10 @@ subnormal operands to zero on the CPU (and may on an accelerator) where numpy ke
 
 On the host, `EncodedTensor` is one tensor's encoding as the learner hands it over: the device
 arrays whose transfer to the host was started when it was made, decoded by the reference decoder
-only when someone reads it (`np.asarray`, on the daemon's codec pool). Re-encoding what it decodes
-gives the bytes the device made (the int4 code of a decoded block is the block's code), so the
-daemon's contribution stream, its receiver and the runner see exactly what a host encoder sends.
+only when someone reads it (`np.asarray`). The daemon's contribution stream frames its bytes as
+they are (`body_of`, `wire.contribution_stream.BlockEncoded`), with no decode; and re-encoding what
+it decodes gives the same bytes (the int4 code of a decoded block is the block's code), so the
+receiver and the runner see exactly what a host encoder sends.
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ class EncodedTensor:
     whoever encodes the contribution, never by the training thread."""
 
     dtype = np.dtype(np.float32)
+    codec = "int4"  # `wire.contribution_stream.BlockEncoded`: its chunks are framed from these bytes
 
     def __init__(self, name: str, shape: tuple[int, ...], scale_bits: Any, codes: Any, finite: Any) -> None:
         self.name = name
@@ -131,13 +133,29 @@ class EncodedTensor:
         scale_bits, codes, finite = (np.asarray(a) for a in self._parts)
         return scale_bits, codes, bool(finite)
 
-    def body(self) -> np.ndarray:
-        """The int4 body of this tensor, as the reference encoder writes it. A non-finite delta is
-        refused as the reference refuses it."""
+    def _finite_parts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(scale bits, codes); a non-finite delta is refused as the reference encoder refuses it."""
         scale_bits, codes, finite = self.host_parts()
         if not finite:
             raise LocalProtocolError(f"tensor {self.name}: delta contains NaN or Inf; codecs encode finite values only")
-        return body_bytes(scale_bits, codes)
+        return scale_bits, codes
+
+    def body(self) -> np.ndarray:
+        """The int4 body of this tensor, as the reference encoder writes it."""
+        return body_bytes(*self._finite_parts())
+
+    def body_of(self, offset: int, values: int) -> np.ndarray:
+        """The int4 body the reference encoder writes for the values [offset, offset + values) as
+        one tensor: its blocks' scales and codes sliced out, when the span is whole blocks (or
+        ends at the tensor's end, whose padding is the encoder's); else re-encoded from the
+        decoded values (the same bytes, the slow way)."""
+        if offset % INT4_BLOCK == 0 and (values % INT4_BLOCK == 0 or offset + values == self.size):
+            scale_bits, codes = self._finite_parts()
+            first, end = offset // INT4_BLOCK, offset // INT4_BLOCK + padded_size(values) // INT4_BLOCK
+            return body_bytes(scale_bits[first:end], codes[first:end])
+        work = np.zeros(padded_size(values), np.float32)
+        work[:values] = np.asarray(self).reshape(-1)[offset:offset + values]
+        return _INT4.encode_body(work, INT4_BLOCK)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         padded = padded_size(self.size)

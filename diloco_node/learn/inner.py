@@ -223,27 +223,59 @@ def _train_step_fn(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, mic
     return step
 
 
+def _over_leaves(step: Callable, param_def: Any, opt_def: Any) -> Callable:
+    """`step` over the leaf lists of the parameters and the optimizer state (each rebuilt from its
+    treedef inside the trace, flattened again on the way out).
+
+    Why: a flax NNX State's leaves sit in `Variable` nodes that JAX flattens and rebuilds in Python
+    at every call of a jitted function (about 0.02 ms per leaf: 4 ms per step at llama-1m on two
+    loaded cores, and it grows with the number of tensors). A list of arrays is flattened in C++.
+    The computation is the same (same leaves, same order), so the results are bit for bit equal.
+    """
+    def flat_step(param_leaves, opt_leaves, inputs_BxL, targets_BxL):
+        params, opt_state, loss, grad_norm = step(jax.tree.unflatten(param_def, param_leaves),
+                                                  jax.tree.unflatten(opt_def, opt_leaves), inputs_BxL, targets_BxL)
+        new_params, new_param_def = jax.tree.flatten(params)
+        new_opt, new_opt_def = jax.tree.flatten(opt_state)
+        if new_param_def != param_def or new_opt_def != opt_def:  # at trace time only
+            raise AssertionError("the step changed the structure of the parameters or the optimizer state")
+        return new_params, new_opt, loss, grad_norm
+
+    return flat_step
+
+
+def _state_defs(model: ModelSpec, inner: InnerOptimizer) -> tuple[Any, Any]:
+    """The treedefs of the model's parameters and of its optimizer state."""
+    _, abstract = factory.abstract_model(factory.recipe(model))
+    return jax.tree.structure(abstract), jax.tree.structure(jax.eval_shape(_optimizer(model, inner).init, abstract))
+
+
 @functools.lru_cache(maxsize=16)
 def _compiled_single_step(model: ModelSpec, inner: InnerOptimizer) -> Callable:
-    """One jitted step per (model, optimizer) per process: later runs reuse its compilation."""
+    """One jitted step over leaf lists (`_over_leaves`) per (model, optimizer) per process: later
+    runs reuse its compilation."""
     graphdef = factory.graphdef_of(model)
-    return jax.jit(_train_step_fn(graphdef, _optimizer(model, inner)), donate_argnums=(0, 1))
+    return jax.jit(_over_leaves(_train_step_fn(graphdef, _optimizer(model, inner)), *_state_defs(model, inner)),
+                   donate_argnums=(0, 1))
 
 
 @functools.lru_cache(maxsize=16)
 def _compiled_mesh_step(model: ModelSpec, inner: InnerOptimizer, site_mesh: SiteMesh) -> tuple[Callable, Callable]:
-    """(step, init) on a site's mesh: the step with every input and output's sharding fixed by the
-    layout rule (parameters and moments keep their layout step after step, so a fragment written
-    back with its leaf's sharding never recompiles it), and the optimizer's init with the same."""
+    """(step, init) on a site's mesh: the step over leaf lists (`_over_leaves`) with every input and
+    output's sharding fixed by the layout rule (parameters and moments keep their layout step after
+    step, so a fragment written back with its leaf's sharding never recompiles it), and the
+    optimizer's init with the same."""
     _, abstract = factory.abstract_model(factory.recipe(model))
     graphdef = factory.execution_graphdef(factory.recipe(model), site_mesh.attention, site_mesh.remat)
     tx = _optimizer(model, inner)
     param_shardings = site_mesh.tree_shardings(abstract)
     opt_shardings = site_mesh.tree_shardings(jax.eval_shape(tx.init, abstract))
+    param_leaves, opt_leaves = jax.tree.leaves(param_shardings), jax.tree.leaves(opt_shardings)
     batch = site_mesh.batch_sharding()
-    step = jax.jit(_train_step_fn(graphdef, tx, site_mesh.microbatches, site_mesh.microbatch_sharding()),
-                   in_shardings=(param_shardings, opt_shardings, batch, batch),
-                   out_shardings=(param_shardings, opt_shardings, site_mesh.replicated(), site_mesh.replicated()),
+    step = jax.jit(_over_leaves(_train_step_fn(graphdef, tx, site_mesh.microbatches, site_mesh.microbatch_sharding()),
+                                *_state_defs(model, inner)),
+                   in_shardings=(param_leaves, opt_leaves, batch, batch),
+                   out_shardings=(param_leaves, opt_leaves, site_mesh.replicated(), site_mesh.replicated()),
                    donate_argnums=(0, 1))
     init = jax.jit(tx.init, in_shardings=(param_shardings,), out_shardings=opt_shardings)
     return step, init
@@ -284,6 +316,15 @@ def _placed_params(abstract: nnx.State, initial: Mapping[str, np.ndarray], site_
     return model_lib.load_flat_params(abstract, placed)  # placed float32 arrays are taken as they are
 
 
+def _leaves_of(tree: Any, treedef: Any, what: str) -> list:
+    """The leaves of `tree`, which must have the step's structure (else the step would recompile
+    or misread them)."""
+    leaves, found = jax.tree.flatten(tree)
+    if found != treedef:
+        raise ValueError(f"{what}: structure {found} differs from the step's {treedef}")
+    return leaves
+
+
 class InnerLearner:
     """One learner's local model and AdamW state, stepped by a jitted function with donated buffers.
 
@@ -307,6 +348,7 @@ class InnerLearner:
             if initial is not None:
                 params = model_lib.load_flat_params(params, initial)
             self.graphdef = graphdef
+            self._param_def, self._opt_def = _state_defs(model, inner)
             self.params = params
             self.opt_state = self.tx.init(params)
             self._step = _compiled_single_step(model, inner)
@@ -319,6 +361,7 @@ class InnerLearner:
             abstract = build.abstract
             # What the step runs: the model with this site's attention and remat choices.
             self.graphdef = build.execution
+            self._param_def, self._opt_def = _state_defs(model, inner)
             if initial is None:  # the site's initialiser, compiled once per mesh
                 self.params = factory.init_params_sharded(model, seed, site_mesh.tree_shardings(abstract),
                                                           site_mesh.replicated(),
@@ -327,18 +370,42 @@ class InnerLearner:
                 self.params = _placed_params(abstract, initial, site_mesh)
             self.opt_state = init(self.params)
         self._inner_spec = inner  # its schedule, read on the host by `learning_rate`
+        self._place_batches = site_mesh is not None and not site_mesh.batch_sharding().is_fully_addressable
         self.steps = 0
         self.tokens = 0
         # The last step's gradient norm (a device scalar; fetch it when convenient), None before one.
         self.last_grad_norm: jax.Array | None = None
 
     def _put_batch(self, tokens_BxL: np.ndarray) -> Any:
-        return tokens_BxL if self.site_mesh is None else self.site_mesh.put_batch(tokens_BxL)
+        """The batch as the step takes it: the host array itself where every device is this
+        process's (the jitted call places it by its `in_shardings`, in C++: half the host time of
+        a `device_put` first), else placed shard by shard (a multi-host site's global array)."""
+        if self._place_batches:
+            return self.site_mesh.put_batch(tokens_BxL)
+        return tokens_BxL
+
+    # The state lives as two lists of arrays between steps (what the step is jitted over: see
+    # `_over_leaves`); `params` and `opt_state` rebuild the trees on demand, off the step path.
+    @property
+    def params(self) -> nnx.State:
+        return jax.tree.unflatten(self._param_def, self.param_leaves)
+
+    @params.setter
+    def params(self, params: nnx.State) -> None:
+        self.param_leaves = _leaves_of(params, self._param_def, "parameters")
+
+    @property
+    def opt_state(self) -> Any:
+        return jax.tree.unflatten(self._opt_def, self.opt_leaves)
+
+    @opt_state.setter
+    def opt_state(self, opt_state: Any) -> None:
+        self.opt_leaves = _leaves_of(opt_state, self._opt_def, "optimizer state")
 
     def step(self, inputs_BxL: np.ndarray, targets_BxL: np.ndarray) -> jax.Array:
         """One AdamW step; returns the loss as a device array (fetch it when convenient)."""
-        self.params, self.opt_state, loss, self.last_grad_norm = self._step(
-            self.params, self.opt_state, self._put_batch(inputs_BxL), self._put_batch(targets_BxL))
+        self.param_leaves, self.opt_leaves, loss, self.last_grad_norm = self._step(
+            self.param_leaves, self.opt_leaves, self._put_batch(inputs_BxL), self._put_batch(targets_BxL))
         self.steps += 1
         self.tokens += int(np.size(targets_BxL))
         return loss
@@ -353,8 +420,8 @@ class InnerLearner:
         """Compile the jitted step, then run it once on throw-away copies (the state is untouched:
         the step donates its inputs, so it must not see the real buffers). `before_run` is called
         between the two (a multi-host site's processes meet there: learn/cluster.py `meet`)."""
-        params = jax.tree.map(jnp.copy, self.params)
-        opt_state = jax.tree.map(jnp.copy, self.opt_state)
+        params = [jnp.copy(leaf) for leaf in self.param_leaves]
+        opt_state = [jnp.copy(leaf) for leaf in self.opt_leaves]
         batch = self._put_batch(inputs_BxL), self._put_batch(targets_BxL)
         self._step.lower(params, opt_state, *batch).compile()  # the call below reuses this compilation
         if before_run is not None:
@@ -378,8 +445,7 @@ class InnerLearner:
 
     def put_opt_leaves(self, leaves: Iterable[np.ndarray]) -> None:
         """The AdamW state from host copies of its leaves (a checkpoint), in the step's layout."""
-        treedef = jax.tree.structure(self.opt_state)
-        state = jax.tree.unflatten(treedef, [jnp.asarray(a) for a in leaves])
+        state = jax.tree.unflatten(self._opt_def, [jnp.asarray(a) for a in leaves])
         self.opt_state = state if self.site_mesh is None else self.site_mesh.put_tree(state)
 
 

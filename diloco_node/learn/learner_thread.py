@@ -60,7 +60,8 @@ log = logging.getLogger(__name__)
 class DueFragment:
     """What the learner hands over when fragment p's slot comes: δ = Θ_p(base) − θ_p and counters.
     With the int4 uplink each tensor of `delta` is an `EncodedTensor` (encoded on the device; it has
-    a shape and reads as its decoded float32 values), otherwise a float32 array."""
+    a shape and reads as its decoded float32 values; the contribution stream frames its bytes
+    as they are), otherwise a float32 array."""
 
     fragment: int
     base_round: int
@@ -172,7 +173,7 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
             raise RuntimeError("parameter leaf names do not match the model's flat names")
         # Every parameter's layout on the site's devices: a merged fragment is written back with
         # exactly its leaf's sharding, so the compiled step sees the same inputs (no recompile).
-        leaves = jax.tree.leaves(self._inner.params)
+        leaves = self._inner.param_leaves
         self._shardings = {name: leaves[i].sharding for name, i in self._leaf_index.items()}
         self._pending_reads: list[_PendingRead] = []
         self._sampler = data_lib.BatchSampler(corpus.train, manifest.inner.batch_size, manifest.model.seq_len,
@@ -462,7 +463,7 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         return DueFragment(p, base_round, c_steps, c_tokens, delta, step)
 
     def _fragment_leaves(self, names: Iterable[str]) -> dict[str, jax.Array]:
-        leaves = jax.tree.leaves(self._inner.params)
+        leaves = self._inner.param_leaves
         return {n: leaves[self._leaf_index[n]] for n in names}
 
     def _read_params(self, names: Iterable[str]) -> dict[str, np.ndarray]:
@@ -472,8 +473,9 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
     def _write_params(self, flat: Mapping[str, Any]) -> None:
         """Write tensors into the parameter leaves, each with its leaf's own sharding (a host value
         is placed, a device value already placed by `offer_fragment` is taken as it is)."""
-        params = self._inner.params
-        leaves = jax.tree.leaves(params)
+        if not flat:
+            return
+        leaves = list(self._inner.param_leaves)
         for name, value in flat.items():
             i = self._leaf_index[name]
             if tuple(np.shape(value)) != tuple(leaves[i].shape):
@@ -482,7 +484,7 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
             if not (isinstance(value, jax.Array) and value.sharding == sharding):
                 value = place(np.asarray(value, dtype=np.float32), sharding)
             leaves[i] = value
-        self._inner.params = jax.tree.unflatten(jax.tree.structure(params), leaves)
+        self._inner.param_leaves = leaves
 
     def _start_read(self, p: int) -> None:
         """Fragment p is due: copy its tensors on the device (one dispatch, queued behind the step
@@ -547,7 +549,7 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         if snap is None:
             snap = LearnerSnapshot(
                 step=self._inner.steps, tokens=self._inner.tokens, params=self._inner.get_flat(),
-                opt_leaves=[np.asarray(leaf) for leaf in jax.tree.leaves(self._inner.opt_state)],
+                opt_leaves=[np.asarray(leaf) for leaf in self._inner.opt_leaves],
                 base_rounds=list(self.base_rounds), c_steps=list(self.c_steps), c_tokens=list(self.c_tokens),
                 sampler=self._sampler.state(), error_feedback=self._error_feedback_state())
         self._resolve(requests, snap)
@@ -564,7 +566,7 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         restored, step and token counts, and the sampler's position (so all sample one batch)."""
         following = self._following
         assert following is not None
-        leaves = jax.tree.leaves(self._inner.params)
+        leaves = self._inner.param_leaves
         leader = following.leader
         meet("training")  # the followers begin at once, process 0 when the node is ready
         header = following.share(
@@ -574,7 +576,7 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
                                  {n: (tuple(leaves[i].shape), np.float32) for n, i in self._leaf_index.items()})
         self._inner.set_flat(params)
         if header[0]:
-            template = [(tuple(leaf.shape), leaf.dtype) for leaf in jax.tree.leaves(self._inner.opt_state)]
+            template = [(tuple(leaf.shape), leaf.dtype) for leaf in self._inner.opt_leaves]
             self._inner.put_opt_leaves(following.share_list(self._host_opt if leader else None, template))
         self._inner.steps, self._inner.tokens = int(header[1]), int(header[2])
         sampler = following.share_text(self._sampler.state() if leader else None)
@@ -633,7 +635,7 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         following = self._following
         assert following is not None
         params = following.gather(self._fragment_leaves(self._leaf_index))
-        opt = following.gather({f"{i:05d}": leaf for i, leaf in enumerate(jax.tree.leaves(self._inner.opt_state))})
+        opt = following.gather({f"{i:05d}": leaf for i, leaf in enumerate(self._inner.opt_leaves)})
         return LearnerSnapshot(step=self._inner.steps, tokens=self._inner.tokens, params=params,
                                opt_leaves=[opt[k] for k in sorted(opt)], base_rounds=list(self.base_rounds),
                                c_steps=list(self.c_steps), c_tokens=list(self.c_tokens), sampler=self._sampler.state(),

@@ -2,6 +2,7 @@
 
 Public API (other modules code against exactly this):
 `CODECS`, `CODECS_BY_ID`, `encode_tensor`, `decode_tensor`, `encode_named`, `decode_named`,
+`frame_body` (the message of a body encoded elsewhere, e.g. by a device twin of a scheme),
 `quantize_roundtrip` (what a tensor decodes to, for error feedback), the `Codec` base class and
 the decode limits. Dense schemes live in `schemes.py`, the sparse ones (`topk2`, `union8`) in
 `sparse.py` with their index coding in `sparse_indices.py`, the message container and its checks
@@ -21,6 +22,7 @@ from wire.codecs.container import (
     decode_tensor,
     encode_named,
     encode_tensor,
+    frame_body,
     quantize_roundtrip,
 )
 from wire.codecs.schemes import MAX_BLOCK_SIZE, Codec
@@ -40,5 +42,6 @@ __all__ = [
     "decode_tensor",
     "encode_named",
     "encode_tensor",
+    "frame_body",
     "quantize_roundtrip",
 ]

@@ -180,13 +180,41 @@ def encode_named(
 
     work, _ = _gather(scheme, arrays, block)
     body = _encode_work(scheme, work, [array.size for array in arrays], block, top_k)
+    return _framed(header, body, zstd_level)
 
+
+def _framed(header: bytearray, body: np.ndarray, zstd_level: int | None) -> bytes:
+    """Header and body as one message, the body zstd-compressed when that makes it smaller."""
     if zstd_level is not None and body.size:
         compressed = _compressor(zstd_level).compress(body)
         if len(compressed) < body.size:
             header[FLAGS_OFFSET] = FLAG_ZSTD
             return b"".join((header, compressed))
     return b"".join((header, body))  # joins the array's buffer directly: one copy of the body
+
+
+def frame_body(num_elements: int, codec: str, body: np.ndarray, *, zstd_level: int | None = 1) -> bytes:
+    """The message `encode_tensor(values, codec, zstd_level=...)` writes for a 1-D tensor of
+    `num_elements` values whose body (`Codec.encode_body` of them, at the scheme's default block)
+    was computed elsewhere: a twin of the scheme's encoder next to the values (the learner's
+    device quantizer), so the body is not decoded and encoded again to be framed.
+
+    Dense schemes only (a sparse body depends on its tensors' sizes). The caller answers for the
+    body's bytes; its size is checked. Raises LocalProtocolError on misuse.
+    """
+    scheme = _resolve_codec(codec)
+    _check_zstd_level(zstd_level)
+    if isinstance(scheme, SparseCodec):
+        raise LocalProtocolError(f"{scheme.name} bodies depend on their tensors' sizes; encode the values instead")
+    block = _resolve_block(scheme, None, None)
+    body = np.asarray(body)
+    expected = scheme.body_size(scheme.padded_count(num_elements, block), block)
+    if body.dtype != np.uint8 or body.ndim != 1 or body.size != expected:
+        raise LocalProtocolError(f"a {scheme.name} body of {num_elements} values is {expected} uint8 bytes, "
+                                 f"got {body.dtype} {body.shape}")
+    header = bytearray(_FIXED_HEADER.pack(MAGIC, FORMAT_VERSION, scheme.wire_id, 0, 0, block, 1))
+    header += _NAME_LEN.pack(0) + _NDIM.pack(1) + _DIM.pack(num_elements)
+    return _framed(header, body, zstd_level)
 
 
 def quantize_roundtrip(
