@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from diloco_node.config.manifest import SyncSpec
-from diloco_node.sync.apply import ApplyRule, FragmentCounters, apply_merge
+from diloco_node.sync.apply import ApplyRule, FragmentCounters, SentFragment, apply_merge
 
 BASE = {"w": np.array([1.0, 2.0], np.float32)}
 MERGED = {"w": np.array([1.5, 1.0], np.float32)}  # the run moved by (+0.5, -1.0) since BASE
@@ -51,3 +52,29 @@ def test_the_rule_comes_from_the_run_manifest() -> None:
     assert ApplyRule.from_sync_spec(SyncSpec()) == ApplyRule("overwrite", 0.5, False)
     assert ApplyRule.from_sync_spec(SyncSpec(apply="mix", mix_alpha=0.3, keep_unmerged=True)) == \
         ApplyRule("mix", 0.3, True)
+
+
+EAGER = ApplyRule(mode="eager")
+# What this learner sent 2 steps ago: LOCAL has moved by (-0.25, +0.5) since, over 2 steps and 200 tokens.
+SENT = SentFragment({"w": np.array([1.0, 2.0], np.float32)}, FragmentCounters(c_steps=5, c_tokens=500))
+
+
+def test_eager_takes_the_progress_made_while_the_round_was_in_flight_on_top_of_the_merge() -> None:
+    new, counters = apply_merge(LOCAL, BASE, MERGED, {"me", "b"}, COUNTERS, learner="me", rule=EAGER, sent=SENT)
+    np.testing.assert_array_equal(new["w"], np.array([1.25, 1.5], np.float32))  # merged + (local - sent)
+    assert new["w"].dtype == np.float32
+    assert counters == FragmentCounters(2, 200)  # only the steps since the send: the next contribution's
+
+
+def test_eager_overwrites_a_merge_without_our_contribution_or_with_no_send_pending() -> None:
+    for contributors, sent in (({"b"}, SENT), ({"me"}, None)):
+        new, counters = apply_merge(LOCAL, BASE, MERGED, contributors, COUNTERS, learner="me", rule=EAGER, sent=sent)
+        np.testing.assert_array_equal(new["w"], MERGED["w"])
+        assert counters == FragmentCounters(0, 0)
+
+
+def test_a_learner_that_does_not_keep_its_fragment_as_sent_refuses_eager_before_training() -> None:
+    sync = SyncSpec(apply="eager")
+    with pytest.raises(ValueError, match="eager"):
+        ApplyRule.from_sync_spec(sync)
+    assert ApplyRule.from_sync_spec(sync, keeps_sent=True) == ApplyRule("eager", 0.5, False)

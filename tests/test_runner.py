@@ -49,11 +49,12 @@ def test_every_mode_trains_merges_and_spends_the_token_budget(corpus, mode):
 
 def test_a_rule_that_reads_the_local_fragment_brings_only_that_fragment_to_the_host(corpus):
     config = _config("decoupled")
-    mixing = dataclasses.replace(config, manifest=dataclasses.replace(
-        config.manifest, sync=dataclasses.replace(config.manifest.sync, apply="mix")))
-    plain, mixed = runner.run(config, corpus), runner.run(mixing, corpus)
-    assert mixed.device_to_host_bytes == mixed.fragment_bytes_due > plain.device_to_host_bytes
-    assert mixed.eval_loss != plain.eval_loss  # the rule was applied with the local values
+    plain = runner.run(config, corpus)
+    for rule in ("mix", "eager"):
+        other = runner.run(dataclasses.replace(config, manifest=dataclasses.replace(
+            config.manifest, sync=dataclasses.replace(config.manifest.sync, apply=rule))), corpus)
+        assert other.device_to_host_bytes == other.fragment_bytes_due > plain.device_to_host_bytes, rule
+        assert other.eval_loss != plain.eval_loss, rule  # the rule was applied with the local values
 
 
 def test_data_parallel_bytes_are_raw_fp32_gradient_up_and_mean_down(corpus):

@@ -28,7 +28,7 @@ MERGE_METHODS = ("mean", "rda", "support_mean")
 # names them reproduces the runs made before error feedback existed.
 ERROR_FEEDBACK_CODECS = ("topk2",)
 WEIGHTINGS = ("uniform", "tokens")
-APPLY_MODES = ("overwrite", "mix")
+APPLY_MODES = ("overwrite", "mix", "eager")  # eager: the in-process runner only (sync/apply.py)
 OUTER_LR_SCHEDULES = ("constant", "linear", "cosine", "step")
 INNER_OPTIMIZERS = ("adamw", "muon")
 INNER_SCHEDULES = ("cosine", "wsd")

@@ -54,7 +54,7 @@ from diloco_node.learn.inner import InnerLearner, StackedLearners
 from diloco_node.sim.sparse_diagnostics import SparseDiagnostics
 from diloco_node.sim.batches import StackedBatches
 from diloco_node.sync.admission import LEARNER_ROLE, Member, Refused
-from diloco_node.sync.apply import ApplyRule, FragmentCounters, apply_merge
+from diloco_node.sync.apply import ApplyRule, FragmentCounters, SentFragment, apply_merge
 from diloco_node.sync.fragments import FragmentPlan, plan_fragments
 from diloco_node.sync.merge import Contribution
 from diloco_node.sync.quorum import DEFAULT_MIN_ROUND_INTERVAL_FACTOR, QuorumPolicy, RoundDecision
@@ -400,6 +400,7 @@ class _LearnerState:
     base_params: list[dict[str, np.ndarray]] = field(default_factory=list)
     awaiting: dict[int, int] = field(default_factory=dict)  # fragment -> last step allowed before its merge
     sent_step: dict[int, int] = field(default_factory=dict)  # fragment -> sync_step of its last send
+    sent: dict[int, SentFragment] = field(default_factory=dict)  # fragment -> as sent (apply rule eager only)
     inbox: list[_MergeMsg] = field(default_factory=list)
     missed: list[_MergeMsg] = field(default_factory=list)
     compute_s: float = 0.0
@@ -426,7 +427,7 @@ class _FragmentSync:
         rules = round_rules(config, period)
         self.syncer = Syncer(config.manifest, self.plan, factory.embedding_names(setup.model, setup.initial), rules)
         self.rounds = VirtualRounds(self.syncer, self.replica)
-        self.apply_rule = ApplyRule.from_sync_spec(sync)
+        self.apply_rule = ApplyRule.from_sync_spec(sync, keeps_sent=True)
         M = config.num_learners
         self.learners = [_LearnerState(m, f"learner-{m}", config.base_step_s / config.speed(m)) for m in range(M)]
         P = self.plan.num_fragments
@@ -628,7 +629,7 @@ class _FragmentSync:
             local = _LocalFragment(self, st.index, list(msg.params))  # read only if the rule reads it
             new, counters = apply_merge(local, st.base_params[p], msg.params, msg.contributors,
                                         FragmentCounters(st.c_steps[p], st.c_tokens[p]), learner=st.name,
-                                        rule=self.apply_rule)
+                                        rule=self.apply_rule, sent=st.sent.pop(p, None))
         self.stack.set_flat(st.index, new)
         st.base_round[p] = msg.round
         st.base_params[p] = msg.params
@@ -640,6 +641,9 @@ class _FragmentSync:
         # base - local on the device (the same float32 bits as on the host): only the delta crosses.
         raw = delta = self.stack.fragment_delta(st.index, {n: st.base_params[p][n] for n in names})
         self.fragment_bytes_due += sum(v.nbytes for v in delta.values())
+        if self.apply_rule.mode == "eager":  # the fragment as sent, base - (base - local): no device read
+            st.sent[p] = SentFragment({n: st.base_params[p][n] - v for n, v in raw.items()},
+                                      FragmentCounters(st.c_steps[p], st.c_tokens[p]))
         if self.error_feedback is not None:  # send Q(beta * e + delta), keep the rest
             delta = self.error_feedback[st.index].compensate(p, delta)
         payload = encode_named(delta, sync.codec_up)
@@ -695,6 +699,7 @@ class _FragmentSync:
             self.missed_merges_applied += 1
         st.missed = []
         st.awaiting.clear()
+        st.sent.clear()
         for p in range(self.plan.num_fragments):
             st.c_steps[p] = st.c_tokens[p] = 0
         if self.stop_time is not None:
