@@ -176,9 +176,17 @@ def reference_model_results():
     return {tie: _loss_and_grads(tie, "reference") for tie in (True, False)}
 
 
+# Each whole-model case compiles a model forward and backward (seconds on two cores): the default
+# suite runs every attention choice once and both head tyings, the other pairings run under `slow`.
+_SLOW = pytest.mark.slow
+
+
 # chunk 5 over 12 positions: three chunks, the last padded.
-@pytest.mark.parametrize("tie", [True, False])
-@pytest.mark.parametrize("attention", ["xla", "chunked", "auto"])
+@pytest.mark.parametrize("attention,tie", [
+    ("xla", False), ("chunked", True), ("auto", False),
+    pytest.param("xla", True, marks=_SLOW), pytest.param("chunked", False, marks=_SLOW),
+    pytest.param("auto", True, marks=_SLOW),
+])
 def test_model_logits_and_gradients_equal_across_attention_choices(attention: str, tie: bool,
                                                                     reference_model_results) -> None:
     logits_ref, loss_ref, grads_ref = reference_model_results[tie]
@@ -191,8 +199,10 @@ def test_model_logits_and_gradients_equal_across_attention_choices(attention: st
         np.testing.assert_allclose(grads[name], grads_ref[name], atol=1e-6, rtol=1e-4, err_msg=name)
 
 
-@pytest.mark.parametrize("remat", ["full", "dots"])
-@pytest.mark.parametrize("attention,tie", [("chunked", True), ("reference", False)])
+@pytest.mark.parametrize("attention,tie,remat", [
+    ("chunked", True, "dots"), ("reference", False, "full"),
+    pytest.param("chunked", True, "full", marks=_SLOW), pytest.param("reference", False, "dots", marks=_SLOW),
+])
 def test_remat_choices_give_equal_losses_and_gradients(attention: str, tie: bool, remat: str,
                                                        reference_model_results) -> None:
     if attention == "reference":
