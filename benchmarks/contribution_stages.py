@@ -124,6 +124,15 @@ def syncer_stages(values: int = STAGE_VALUES, contributions: int = CONTRIBUTIONS
 
 
 if __name__ == "__main__":
+    import argparse
     import json
 
-    print(json.dumps({"syncer_stages_cpu_s_per_GB": syncer_stages(), "load_avg": os.getloadavg()}))
+    parser = argparse.ArgumentParser(description="The lease holder's CPU-s per GB of contributions, stage by stage "
+                                                 "(what benchmarks/dataplane.py --stages prints).")
+    parser.add_argument("--values", type=int, default=STAGE_VALUES, help="fp32 values of the synthetic fragment")
+    parser.add_argument("--contributions", type=int, default=CONTRIBUTIONS, help="contributions one round merges")
+    args = parser.parse_args()
+    if args.values < 1 or args.contributions < 1:
+        parser.error("--values and --contributions must be at least 1")
+    stages = syncer_stages(args.values, args.contributions)
+    print(json.dumps({"syncer_stages_cpu_s_per_GB": stages, "load_avg": os.getloadavg()}))
