@@ -1,5 +1,5 @@
 """A site's device mesh: axis sizes, the layout rule and the global batch (the same loss curve on
-1, 2 and 4 devices, in a subprocess with 4 forced host devices:
+1 and 4 devices, in a subprocess with 4 forced host devices:
 tests/integration/test_mesh_processes.py)."""
 
 import jax
