@@ -77,8 +77,8 @@ def test_muon_steps_reduce_the_loss_and_differ_from_adamw() -> None:
 def test_stacked_muon_learners_step_together_and_masked_ones_keep_their_state_bit_for_bit() -> None:
     rng = np.random.default_rng(1)
     inputs, targets = byte_batches(rng, 3)
-    stack = StackedLearners(BYTES, MUON_INNER, num_learners=3, seed=0)
-    single = InnerLearner(BYTES, MUON_INNER, seed=0)
+    stack = StackedLearners(LLAMA_TIED, MUON_INNER, num_learners=3, seed=0)
+    single = InnerLearner(LLAMA_TIED, MUON_INNER, seed=0)
     before = stack.get_flat(1)
     before_opt = [np.asarray(leaf)[1].copy() for leaf in jax.tree.leaves(stack.opt_state)]
     for _ in range(3):
@@ -100,8 +100,8 @@ def test_muon_learner_on_a_sharded_mesh_steps_like_the_unsharded_one() -> None:
 
     mesh = build_site_mesh(MeshShape(data=1, fsdp=2), jax.devices()[:2], min_sharded_elements=1)
     inner = dataclasses.replace(MUON_INNER, batch_size=2)
-    sharded = InnerLearner(BYTES, inner, seed=0, site_mesh=mesh)
-    plain = InnerLearner(BYTES, inner, seed=0)
+    sharded = InnerLearner(LLAMA_TIED, inner, seed=0, site_mesh=mesh)
+    plain = InnerLearner(LLAMA_TIED, inner, seed=0)
     rng = np.random.default_rng(2)
     for _ in range(2):
         inputs, targets = (a[0] for a in byte_batches(rng, 1))
