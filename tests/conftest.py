@@ -1,7 +1,8 @@
 """Test-wide setup and the helpers tests share.
 
-Before JAX initialises: two host CPU devices (tests of data-parallel learners need several), and
-the persistent compilation cache the test nodes already use, so a second run of the suite skips
+Before JAX initialises: two host CPU devices (tests of data-parallel learners need several), XLA's
+backend at its lowest optimisation level (compiling is most of these tests' time), and the
+persistent compilation cache the test nodes already use, so a second run of the suite skips
 most of XLA's compile time (the in-process learner tests are mostly compiling).
 
 The layout (README.md, "Run the tests"): a test that starts another process lives under
@@ -17,7 +18,10 @@ from pathlib import Path
 
 from diloco_node.testbed.launcher import JAX_CACHE, REPO  # imports no JAX: the setup below comes first
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+# LLVM at -O0 for the in-process tests: they check what programs compute, never how fast, and
+# most of their CPU is XLA compiling small programs once (a third less for test_attention.py,
+# measured from a cold cache). Test nodes (testbed/launcher.py) keep the default level.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", JAX_CACHE)
 # The learners' programs are small, each under JAX's default 1 s threshold: cache them all.

@@ -26,8 +26,9 @@ from wire.codecs import decode_named, encode_named
 
 SEQ_LEN = 16
 VOCAB = 300
+# One narrow layer: every property here holds at any depth, and each eval compiles the model again.
 MANIFEST = RunManifest.from_dict({"seed": 3, "model": {"factory": "llama", "vocab_size": VOCAB, "seq_len": SEQ_LEN,
-                                                       "size": "1m"},
+                                                       "size": "1m", "num_layers": 1, "d_model": 64, "d_ff": 128},
                                   "sync": {"fragments": 1, "period": 8, "overlap": 1, "codec_down": "fp32"}})
 
 

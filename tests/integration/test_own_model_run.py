@@ -23,17 +23,21 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 STARTUP_S = 150.0
 VOCAB = 70_000
+# Narrow and short: every learner's step computes logits over the whole 70,000-token vocabulary.
+SEQ_LEN = 16
 MODEL_CODE = '''
 from flax import nnx
+
+WIDTH = 8
 
 
 class WideVocab(nnx.Module):
     """A tiny language model over a large vocabulary (defined only in the test)."""
 
     def __init__(self, vocab, rngs):
-        self.embed = nnx.Embed(vocab, 16, rngs=rngs)
-        self.mix = nnx.Linear(16, 16, rngs=rngs)
-        self.head = nnx.Linear(16, vocab, use_bias=False, rngs=rngs)
+        self.embed = nnx.Embed(vocab, WIDTH, rngs=rngs)
+        self.mix = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.head = nnx.Linear(WIDTH, vocab, use_bias=False, rngs=rngs)
 
     def __call__(self, tokens):
         return self.head(nnx.gelu(self.mix(self.embed(tokens))))
@@ -57,7 +61,7 @@ def test_own_model_on_uint32_tokens_stops_by_tokens_and_exports(tmp_path) -> Non
     settings = tuple(s for s in DEFAULT_SETTINGS if not s.startswith("run.model.size")) + (
         "run.model.factory=wide_vocab_model:build", f"run.model.vocab_size={VOCAB}",
         "data.source=tokens", f"data.paths={token_file}", "data.token_dtype=uint32",
-        "run.stop.tokens=6000", "run.sync.min_quorum=3",
+        f"run.model.seq_len={SEQ_LEN}", "run.stop.tokens=6000", "run.sync.min_quorum=3",
     )
     env = {"PYTHONPATH": os.pathsep.join([str(modules), str(REPO)])}
     with Cluster.create(tmp_path / "run") as cluster:
@@ -93,11 +97,11 @@ def _check_export_loads_back(out, data_dir, ids) -> None:
     from diloco_node.sync.state_codec import params_from_checkpoint
 
     exported = load_file(str(out))
-    assert exported["embed/embedding"].shape == (VOCAB, 16)
-    graphdef, params = nnx.split(wide_vocab_model.build({"vocab_size": VOCAB, "seq_len": 32}, nnx.Rngs(params=0)),
+    assert exported["embed/embedding"].shape == (VOCAB, wide_vocab_model.WIDTH)
+    graphdef, params = nnx.split(wide_vocab_model.build({"vocab_size": VOCAB, "seq_len": SEQ_LEN}, nnx.Rngs(params=0)),
                                  nnx.Param)
     evaluate = model_lib.make_eval_fn(graphdef)
-    inputs, targets = data_lib.eval_batches(ids[-3000:], 2, 4, 32)
+    inputs, targets = data_lib.eval_batches(ids[-3000:], 2, 4, SEQ_LEN)
     from_file = float(evaluate(model_lib.load_flat_params(params, exported), inputs, targets))
     with CheckpointStore(data_dir / "checkpoints") as store:
         loaded = store.load_latest()
