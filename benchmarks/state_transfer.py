@@ -9,7 +9,9 @@ throughput and its share of the 3 links' capacity (`utilization`, target >= 0.9)
 peak RSS, the CPU-seconds per GB received of the joiner (`receiver`), the servers (`sender`) and,
 apart, the link emulators (`cpu_s_per_GB`), and the receiver's CPU-seconds per GB by stage (TLS,
 frames, hash, decode, first touch of pages, finiteness), each timed alone on one fragment's bytes
-(`receiver_stages_cpu_s_per_GB`, `receive_stages`).
+(`receiver_stages_cpu_s_per_GB`, `receive_stages`; alone with `--stages`). The joiner's CPU is
+also split by thread (`receiver_threads_cpu_s_per_GB`: the event loop, the codec pool) and its
+page faults counted (`receiver_page_faults_per_GB`): what the stages, timed alone, leave out.
 
 `--cut-after S` kills one link emulator (SIGKILL: every connection through it reset, the peer
 unreachable from then on) S seconds into the download: the fragment it was carrying resumes at
@@ -56,7 +58,29 @@ def _rss_mb(field: str = "VmHWM") -> float:
 
 def _cpu_s(pid: int) -> float:
     """CPU-seconds (user + system) a process has used, from /proc/<pid>/stat."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
+    return _cpu_s_of(Path(f"/proc/{pid}/stat"))
+
+
+def _thread_cpu_s() -> dict[str, float]:
+    """CPU-seconds each group of this process's threads has used: the event loop's (the main
+    thread: sockets, HTTP, asyncio), the codec pool's (frames, hashes, decode, checks), the rest."""
+    import threading
+
+    names = {thread.native_id: thread.name for thread in threading.enumerate()}
+    groups: dict[str, float] = {"event_loop": 0.0, "codec_pool": 0.0, "other": 0.0}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            spent = _cpu_s_of(task / "stat")
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = names.get(int(task.name), "")
+        group = "event_loop" if int(task.name) == os.getpid() else "codec_pool" if name.startswith("codec") else "other"
+        groups[group] += spent
+    return groups
+
+
+def _cpu_s_of(stat_path: Path) -> float:
+    stat = stat_path.read_text()
     fields = stat[stat.rindex(")") + 2:].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -140,6 +164,7 @@ async def _servers(params: int, fragments: int) -> None:
 
 
 async def _joiner(urls: list[str], params: int, fragments: int) -> None:
+    import resource
     from concurrent.futures import ThreadPoolExecutor
 
     from diloco_node.clock import SystemClock
@@ -153,20 +178,28 @@ async def _joiner(urls: list[str], params: int, fragments: int) -> None:
     async with PeerClient(auth, verifier, executor=codec) as client:
         download = FragmentDownload(client, replica, lambda: urls, executor=codec, clock=SystemClock())
         print(json.dumps({"started": True}), flush=True)
+        threads_start = _thread_cpu_s()
+        faults_start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start, cpu_start = time.perf_counter(), time.process_time()
         await download.run()
         seconds, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
-    print(json.dumps({"seconds": seconds, "cpu_s": cpu_s, "bytes_received": download.bytes_received,
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_start
+        threads = {name: spent - threads_start.get(name, 0.0) for name, spent in _thread_cpu_s().items()}
+    print(json.dumps({"seconds": seconds, "cpu_s": cpu_s, "threads_cpu_s": threads, "page_faults": faults,
+                      "bytes_received": download.bytes_received,
                       "digest": replica.state.digest(), "peak_rss_MB": round(_rss_mb(), 1)}), flush=True)
 
 
 # ---- the receive path by stage ------------------------------------------------------------------
 
 STAGE_BYTES = 64 * MB  # one synthetic fragment's arrays, what each stage is timed over
+# Fresh memory first touched by a new process (the joiner's state at 100e6 parameters): more than
+# the few hundred MB a process usually finds warm, bounded to fit the machine.
+COLD_TOUCH_BYTES = 800 * MB
 TLS_RECORD_BYTES = 16 * 1024  # a TLS 1.3 record's most plaintext
 
 
-def receive_stages(fragment_bytes: int = STAGE_BYTES) -> dict[str, float]:
+def receive_stages(fragment_bytes: int = STAGE_BYTES, cold_bytes: int = COLD_TOUCH_BYTES) -> dict[str, float]:
     """CPU-seconds per GB of each stage of the receive path, each timed alone in this thread over
     the same fragment's bytes, the way the joiner runs them (4 MiB SnapshotChunks read in 64 KiB
     pieces): what the end-to-end `receiver` figure is made of. `tls` is AES-256-GCM decryption of
@@ -175,9 +208,12 @@ def receive_stages(fragment_bytes: int = STAGE_BYTES) -> dict[str, float]:
     parse, MAC, buffer copies); `hash` BLAKE3 once over every byte; `decode` the fragment decoder
     without its state hash (msgpack walk and the copy into the fragment's new arrays, so it
     includes their first touch); `first_touch` the kernel's cost of fresh pages as numpy allocates
-    them (transparent huge pages asked for: cheap when the kernel has them free, dear when it must
-    compact memory first), `first_touch_4k_pages` the same with 4 KiB pages; `finite` the
-    finiteness scan."""
+    them (transparent huge pages asked for), measured on memory this process freed just before
+    (warm), `first_touch_4k_pages` the same with 4 KiB pages, and `first_touch_cold` in a fresh
+    process over `cold_bytes` (the joiner's case: its state's pages are new to it; on a VM whose
+    free huge pages went back to the host this costs several CPU-s per GB); `finite` the
+    finiteness scan. The path hashes every byte twice (the frame's payload digest, then the state
+    digest as it is decoded): `hash` is one pass."""
     import numpy as np
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
@@ -260,9 +296,22 @@ def receive_stages(fragment_bytes: int = STAGE_BYTES) -> dict[str, float]:
         "decode": timed(assemble) - hash_cost,
         "first_touch": timed(write_fresh) - timed(write_reused),  # per GB of arrays, as above
         "first_touch_4k_pages": timed(write_fresh_small_pages) - timed(write_reused),
+        "first_touch_cold": _first_touch_cold(cold_bytes),
         "finite": timed(lambda: all_finite(state.params["w"]) and all_finite(state.momentum["w"])),
     }
     return {name: round(max(0.0, value), 3) for name, value in stages.items()}
+
+
+def _first_touch_cold(nbytes: int) -> float:
+    """CPU-s per GB a fresh process spends first touching `nbytes` of new float32 arrays (huge pages
+    asked for, as numpy does), less rewriting them: the fragment arrays' first touch in a joiner."""
+    script = ("import numpy as np, time\n"
+              f"a = np.empty({nbytes // 4}, np.float32)\n"
+              "t = time.process_time(); a.fill(1); fresh = time.process_time() - t\n"
+              "t = time.process_time(); a.fill(2); again = time.process_time() - t\n"
+              f"print((fresh - again) / {nbytes / 1e9})\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    return float(out)
 
 
 # ---- orchestration ------------------------------------------------------------------------------
@@ -333,7 +382,16 @@ def run_once(params: int, fragments: int, link_mbit: float, cut_after_s: float |
         # link emulators apart (they are the benchmark's, not a site's)
         "cpu_s_per_GB": {"receiver": round(result["cpu_s"] / gb, 3), "sender": round(spent["servers"] / gb, 3),
                          "link_emulators": round(sum(v for k, v in spent.items() if k.startswith("link")) / gb, 3)},
+        # The receiver's CPU per GB by thread: the event loop (sockets, HTTP, asyncio) and the codec
+        # pool (frames, hashes, decode into arrays, checks); and the pages it faulted in per GB
+        # (4 KiB each unless huge: fresh memory the receive path touched)
+        "receiver_threads_cpu_s_per_GB": {k: round(v / gb, 3) for k, v in result["threads_cpu_s"].items()},
+        "receiver_page_faults_per_GB": round(result["page_faults"] / gb),
         "cpu_s": {"receiver": round(result["cpu_s"], 2), **{k: round(v, 2) for k, v in spent.items()}},
+        # Cores the benchmark's processes kept busy on average over the download, of this machine's:
+        # near the machine's count, the links are not what limits `utilization`, the CPU is
+        "cores_busy": round((result["cpu_s"] + sum(spent.values())) / result["seconds"], 2),
+        "cores": os.cpu_count(),
         # The receiver's CPU per GB by stage, each timed alone on one fragment (`receive_stages`)
         "receiver_stages_cpu_s_per_GB": receive_stages(),
     }
@@ -346,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--link-mbit", type=float, default=1000.0, help="cap of each of the 3 links")
     parser.add_argument("--cut-after", type=float, default=None, metavar="S", help="kill one link S seconds in")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--stages", action="store_true",
+                        help="print only the receiver's stage figures (no processes, no links)")
     parser.add_argument("--role", choices=("servers", "joiner"), help=argparse.SUPPRESS)
     parser.add_argument("--urls", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -357,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.role == "joiner":
         asyncio.run(_joiner(args.urls.split(","), params, args.fragments))
+        return 0
+    if args.stages:
+        print(json.dumps({"receiver_stages_cpu_s_per_GB": receive_stages()}, indent=2))
         return 0
     report = run_once(params, args.fragments, args.link_mbit, args.cut_after)
     text = json.dumps(report, indent=2)
