@@ -19,7 +19,8 @@ from typing import Any
 
 import msgpack
 
-from bootstrap.entries import ClusterConfig, EntryKind, LogEntry, Snapshot, StoredPayload
+from bootstrap.entries import ClusterConfig, EntryKind, LogEntry, PayloadUnavailable, Snapshot, StoredPayload
+from diloco_node.ops.storage_health import STORAGE
 
 _RECORD_HEAD = struct.Struct("<II")
 # One entry holds one merged fragment delta (at most wire.limits.MAX_RELAYED_PAYLOAD_BYTES) and its
@@ -32,9 +33,21 @@ _SNAPSHOT_KEY = "snapshot"
 INITIAL_SNAPSHOT = Snapshot(0, 0, ClusterConfig())
 
 
-
 class CoordinationStoreError(Exception):
     """The durable coordination state is unreadable; the message names the file."""
+
+
+class PayloadGone(CoordinationStoreError, PayloadUnavailable):
+    """An entry's payload is no longer in log.bin (truncated or compacted away) or its record is damaged."""
+
+
+class PayloadDamaged(PayloadGone):
+    """An entry's record in log.bin fails its checksum: damage at rest, found at run time (failing
+    `log.read` on /status until `repair_damage` has quarantined the file and kept its good prefix)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        STORAGE.failed("log.read", message)
 
 
 def _record(body: bytes) -> bytes:
