@@ -23,6 +23,7 @@ from diloco_node.clock import FakeClock
 from diloco_node.daemon import peers
 from diloco_node.daemon.coordination import CoordinationIO
 from diloco_node.daemon.coordination_store import CoordinationStore, PayloadDamaged
+from diloco_node.daemon.lost_entries import accept_loss
 from diloco_node.daemon.tasks import TaskSet
 from diloco_node.ops.storage_health import STORAGE
 from wire.errors import LocalProtocolError
@@ -195,5 +196,21 @@ async def test_a_damaged_record_already_rewritten_away_changes_nothing(tmp_path)
         io.repair_damaged_log()
         assert io.store.damage_found is None and io.log_repair is None and io.vote_barrier is None
         assert io.core.log.last_index == 8 and not list(tmp_path.glob("log.bin.corrupt-*"))
+    finally:
+        await io.tasks.close()
+
+
+async def test_a_loss_found_while_running_below_what_was_applied_is_not_accepted_before_a_restart(tmp_path):
+    io = _running_follower(tmp_path, [])
+    try:
+        data = bytearray((tmp_path / "log.bin").read_bytes())
+        data[data.index(bytes([5]) * 5000) + 100] ^= 0x04
+        (tmp_path / "log.bin").write_bytes(bytes(data))
+        with pytest.raises(PayloadDamaged):
+            io.core.log.entry_at(5).payload.read()
+        io.repair_damaged_log()
+        status, body = accept_loss(io, by="Ada", reason="test", lost_after=4)
+        assert status == 409 and "restart it first" in body["error"] and io.vote_barrier is not None
+        assert not (tmp_path / "loss-accepted.json").exists()
     finally:
         await io.tasks.close()

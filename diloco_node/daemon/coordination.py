@@ -112,6 +112,7 @@ class CoordinationIO:
         self.vote_barrier: str | None = None
         # The last repair of log.bin while running (`repair_damaged_log`), for /status; None: none.
         self.log_repair: dict[str, Any] | None = None
+        self._repair_failing = False
         floor = store.floor.loaded if store.damaged_after is not None else None
         self._narrow = floor is not None
         if floor is not None:
@@ -186,9 +187,15 @@ class CoordinationIO:
         held = self.core.log.last_log
         try:
             last = self.store.repair_damage()
-        except (OSError, CoordinationStoreError) as error:  # the next tick tries again
-            self.report_error(f"cannot repair the damaged log.bin yet: {error}")
+        except (OSError, CoordinationStoreError) as error:  # an OSError: the next tick tries again
+            if not isinstance(error, OSError):
+                self.store.damage_found = None  # (a damaged header: the next start refuses and says so)
+            if not self._repair_failing:  # one warning per failure streak, not one per tick
+                log.warning("%s cannot repair its damaged log.bin now: %s", self.node_id, error)
+                self.report_error(f"cannot repair the damaged log.bin: {error}")
+            self._repair_failing = True
             return
+        self._repair_failing = False
         if last is None:
             return
         floor = self.store.floor.value
