@@ -33,11 +33,6 @@ NAMES = {"a", "b", "c"}
 READ_BACK_BYTES = 8192
 
 
-def _voters_everywhere(statuses: dict, names: set[str]) -> bool:
-    return names <= {n for n, d in statuses.items() if d.get("ready")} and all(
-        {m["node_id"] for m in statuses[n]["members"] if m["voter"]} == NAMES for n in names)
-
-
 def _records(log_bin) -> dict[int, tuple[int, bytes, int, int]]:
     """index -> (epoch, payload, record offset, record length) of each entry in `log_bin`."""
     with open(log_bin, "rb") as handle:
@@ -61,11 +56,7 @@ def _flip_a_committed_record(log_bin, commit_index: int) -> int:
 
 def test_a_record_damaged_while_running_is_fetched_again_without_a_restart(tmp_path) -> None:
     with Cluster.create(tmp_path) as cluster:
-        a = cluster.add("a", settings=SYNTHETIC)
-        cluster.wait_for("a ready", lambda s: s.get("a", {}).get("ready", False), STARTUP_S)
-        cluster.add("b", bootstrap=a, settings=SYNTHETIC)
-        cluster.add("c", bootstrap=a, settings=SYNTHETIC)
-        cluster.wait_for("three ready voters", lambda s: _voters_everywhere(s, NAMES), STARTUP_S)
+        cluster.start_voters(sorted(NAMES), settings=SYNTHETIC, timeout=STARTUP_S)
         statuses = cluster.wait_for("12 entries and a lease holder", lambda s: all(
             s.get(n, {}).get("commit_index", 0) >= 12 for n in NAMES) and cluster.coordinator(s) in NAMES, 120)
         holder = cluster.coordinator(statuses)
