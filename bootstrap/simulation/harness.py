@@ -553,6 +553,7 @@ class Simulation:
         """End of chaos: a clean network and every crashed (not departed) node restarted."""
         self.groups = {}
         self.one_way = set()
+        self._pending_cut = None  # a worst-moment cut still waiting is called off, not struck after the heal
         if self.relays is not None:
             self.relays.slow.clear()
             self.relays.crash_next_promiser = False
