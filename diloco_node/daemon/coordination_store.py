@@ -265,12 +265,12 @@ class CoordinationStore:
         self.close()
         with _step("log.read"), open(self._log_path, "rb") as handle:
             failpoints.hit("log.read")
-            snapshot, scanned, valid, damage = _scan_log(handle, os.fstat(handle.fileno()).st_size, self._log_path)
+            size = os.fstat(handle.fileno()).st_size
+            snapshot, scanned, valid, damage = _scan_log(handle, size, self._log_path, payloads=False)
         if damage is None or (snapshot.last_index, snapshot.last_epoch) != self._written_snapshot:
             self.damage_found = None
             return None
         located = [(entry.index, entry.epoch, offset, length) for entry, offset, length in scanned]
-        del scanned  # the payloads: only the locations are kept
         last = located[-1][0] if located else snapshot.last_index
         self._keep_good_prefix(valid, damage, last, located)
         self.damage_found = None
