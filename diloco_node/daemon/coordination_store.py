@@ -14,7 +14,8 @@ called after every batch of actions and before sending them; it writes only what
   leaves the old log or the new one, never a mix; a temp file left behind is deleted at load.
   A torn last record (crash mid-append) is dropped at load: it was never acknowledged, since
   acknowledgements leave only after `sync()` returned. A complete record failing its CRC is
-  damage at rest: the file is quarantined and its good prefix kept (`damaged_after`). A damaged
+  damage at rest: the file is quarantined and its good prefix kept (`damaged_after`), at load or,
+  when a payload read finds it while running (`damage_found`), by `repair_damage`. A damaged
   header refuses to load. A log that ends before an index this node knew durable is damage too,
   not a torn append: witnesses are `log.mark.json` (`LogMark`, lowered before a rewrite shortens
   the log), `vote_floor.bin` (below: a log ending in the floor's epoch before its index), and the
