@@ -11,7 +11,7 @@ the lease holder's death to the next commit under a healthy majority).
     .venv/bin/python benchmarks/coordination.py --seeds 2000 --relays 2   # payloads down a relay tree
     .venv/bin/python benchmarks/coordination.py --seeds 200 --relays 2 --broken relay_accept_unverified
     .venv/bin/python benchmarks/coordination.py --seeds 500 --broken ack_before_fsync
-    .venv/bin/python benchmarks/coordination.py --seeds 2000 --log-damage   # logs cut at rest: vote floors
+    .venv/bin/python benchmarks/coordination.py --seeds 2000 --log-damage   # logs damaged: vote floors
 
 Any failing seed replays exactly: `--first-seed S --seeds 1 --verbose`.
 """
@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--relays", type=int, default=0, metavar="FANOUT",
                         help="commit payloads travel down a relay tree of this fan-out (0: the holder sends all)")
     parser.add_argument("--log-damage", action="store_true",
-                        help="schedules also cut a node's log at rest (the vote floor, bootstrap/election.py)")
+                        help="schedules also cut a node's log at rest and damage a running node's log (the vote "
+                             "floor, bootstrap/election.py)")
     parser.add_argument("--json", type=Path, help="write the summary here")
     parser.add_argument("--verbose", action="store_true", help="print each failing seed's faults and violations")
     args = parser.parse_args(argv)

@@ -177,6 +177,19 @@ class CoordinatorNode:
     def compact(self, through_index: int, state: bytes) -> Snapshot:
         return self.log.compact(through_index, state)
 
+    def lose_entries(self, from_index: int, now: float, vote_floor: tuple[int, int] | None) -> int:
+        """The log lost its entries from `from_index` on while running (a damaged record): it
+        cannot serve them, so it steps down; it may have acknowledged them, so it votes only above
+        `vote_floor` (the newest entry it held; None: the caller refuses every vote) and does not
+        stand until its log is back there. Returns how many entries were dropped."""
+        self.election.step_down(now, f"its log lost the entries from {from_index}")
+        current = self.election.vote_floor
+        if vote_floor is not None and (current is None or vote_floor > current):
+            self.election.vote_floor = vote_floor
+        dropped = self.log.forget_from(from_index)
+        self.election.lift_vote_floor(self.log.last_log)
+        return dropped
+
     def propose(
         self,
         now: float,

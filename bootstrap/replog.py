@@ -183,6 +183,23 @@ class ReplicatedLog:
             self.last_commit_reason = f"leader {message.leader_id} committed through {message.leader_commit}"
         return AppendOutcome(True, last_new_index, f"appended through {last_new_index}")
 
+    def forget_from(self, index: int) -> int:
+        """Drop the entries from `index` on, committed ones included: their bytes were lost (a
+        damaged record found at run time). Returns how many were dropped.
+
+        The commit and applied indices stay where they are, above the log's end for a while: the
+        application holds what it applied, so nothing is applied twice; the entries come back by a
+        leader's appends (or a snapshot covering them, `install_snapshot`), and applying resumes
+        after `applied_index` once the commit index passes it again. Whoever calls this must not
+        lead, nor vote below what the log held (the caller's vote floor)."""
+        if index <= self.store.snapshot.last_index:
+            raise LocalProtocolError(f"cannot forget from {index}: the snapshot covers {self.store.snapshot.last_index}")
+        dropped = max(0, self.last_index - index + 1)
+        del self.store.entries[index - self.first_index:]
+        self.next_index.clear()
+        self.match_index.clear()
+        return dropped
+
     def _conflict_hint(self, prev_index: int) -> int:
         """Back off past the whole conflicting epoch at once, but never below what is committed."""
         floor = max(self.commit_index, self.store.snapshot.last_index)
@@ -193,9 +210,20 @@ class ReplicatedLog:
         return max(floor, index - 1)
 
     def install_snapshot(self, snapshot: Snapshot) -> tuple[bool, str]:
-        """Adopt a leader's snapshot if it is ahead of what we committed. True if the app must restore."""
+        """Adopt a leader's snapshot if it is ahead of what we committed. True if the app must restore.
+
+        A log that lost committed entries its application already applied (`forget_from`) adopts a
+        snapshot covering them as its new start without a restore: the application holds that
+        state already, and the entries after it come back by appends."""
         if snapshot.last_index <= self.commit_index:
-            return False, f"snapshot through {snapshot.last_index} is not ahead of our commit {self.commit_index}"
+            if snapshot.last_index > self.last_index and snapshot.last_index <= self.applied_index:
+                self.store.snapshot = snapshot
+                self.store.entries.clear()
+                return False, (f"adopted snapshot through {snapshot.last_index} as the log's start: the log lost "
+                               f"entries the application holds (applied through {self.applied_index})")
+            if snapshot.last_index <= self.last_index:
+                return False, f"snapshot through {snapshot.last_index} is not ahead of our commit {self.commit_index}"
+            # Lost entries the application has not applied either: only the snapshot holds them now.
         if self.epoch_at(snapshot.last_index) == snapshot.last_epoch:
             kept = [entry for entry in self.store.entries if entry.index > snapshot.last_index]
         else:
@@ -317,6 +345,8 @@ class ReplicatedLog:
             raise LocalProtocolError(f"cannot compact through {through_index}: only {self.applied_index} applied")
         if through_index <= self.store.snapshot.last_index:
             return self.store.snapshot
+        if through_index > self.last_index:
+            raise LocalProtocolError(f"cannot compact through {through_index}: the log ends at {self.last_index}")
         epoch = self.epoch_at(through_index)
         assert epoch is not None
         snapshot = Snapshot(through_index, epoch, self.config_at(through_index), state)

@@ -20,7 +20,8 @@ from diloco_node.clock import SystemClock
 from diloco_node.ops.checkpoint import CheckpointStore
 from diloco_node.config.settings import ConfigError
 from diloco_node.daemon import peers
-from diloco_node.daemon.coordination_store import CoordinationStore, CoordinationStoreError, compaction_point
+from diloco_node.daemon.coordination_store import CoordinationStore, CoordinationStoreError
+from diloco_node.daemon.persistence import compaction_point
 from diloco_node.daemon.join import FragmentDownload
 from diloco_node.daemon.peers import snapshot_from_wire, snapshot_to_wire
 from diloco_node.daemon.persistence import Checkpointer, RestartPlan, restart_plan

@@ -23,7 +23,7 @@ from bootstrap.election import LeaseTiming
 from bootstrap.messages import AppendEntries, Send
 from diloco_node.config.manifest import InnerOptimizer
 from diloco_node.config.settings import NodeConfig, load_config
-from diloco_node.daemon.coordination_store import compaction_point
+from diloco_node.daemon.persistence import compaction_point
 from diloco_node.daemon.plan import plan_from
 from diloco_node.learn.inner import make_optimizer
 from diloco_node.ops.checkpoint import CheckpointStore

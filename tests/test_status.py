@@ -448,7 +448,8 @@ def test_status_and_watch_show_learner_figures_eval_sets_outer_gradients_storage
                                                        applied_bytes=3000, applied_parameters=6000))
     builder.set_storage({"failing": {"log.append": {"error": "No space left on device", "consecutive": 3}},
                          "quarantined": [{"file": "checkpoints/ckpt-000040.bin"}],
-                         "vote_barrier": "log damaged at index 9"})
+                         "vote_barrier": "log damaged at index 9",
+                         "log_repair": {"lost_after": 8, "dropped": 3, "held": [2, 11], "refilled": False}})
     builder.set_admission(AdmissionStatus(in_flight=2, malformed=1, capped=4, last_reason="a second contribution"))
     builder.set_relays(RelayStatus(pushed=3, refused=1, decisions=("0.4s ago: fetch x from b",)))
     builder.set_evicted([EvictedStatus("c", 12, "disk lost")])
@@ -458,6 +459,7 @@ def test_status_and_watch_show_learner_figures_eval_sets_outer_gradients_storage
                      "outer gradients up int4 1000 B 4.00 bits/param  down int4 2.9 KiB 4.00 bits/param",
                      "error feedback on", "FAILING log.append: No space left on device",
                      "1 file(s) quarantined: checkpoints/ckpt-000040.bin", "VOTE BARRIER: log damaged at index 9",
+                     "LOG REPAIR: entries after 8 being fetched again",
                      "admission refused in_flight 2  malformed 1  capped 4  last: a second contribution",
                      "relays pushed 3", "refused 1", "last: 0.4s ago: fetch x from b", "evicted c (index 12: disk lost)"):
         assert expected in table, (expected, table)

@@ -152,7 +152,7 @@ def test_a_checkpoint_damaged_before_compaction_reads_it_is_quarantined_and_the_
         path, index = asyncio.run(checkpointer.checkpoint(None))  # type: ignore[misc]
         _damage(path, how)
         # A log long enough to compact below the checkpoint: the compaction reads the checkpoint first.
-        coordination = SimpleNamespace(log=SimpleNamespace(commit_index=100, store=SimpleNamespace(
+        coordination = SimpleNamespace(log=SimpleNamespace(commit_index=100, last_index=100, store=SimpleNamespace(
             snapshot=SimpleNamespace(last_index=0))))
         asyncio.run(checkpointer.compact_log(coordination, None, path, index, lambda: False))  # type: ignore[arg-type]
         assert "did not verify; log not compacted" in errors[0]

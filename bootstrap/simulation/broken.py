@@ -43,6 +43,14 @@ class _CommitWithoutMajority(ReplicatedLog):
         return False
 
 
+class _ReapplyAfterLoss(ReplicatedLog):
+    def forget_from(self, index: int) -> int:
+        dropped = super().forget_from(index)
+        # Counts the lost entries as never applied: they are applied again when they come back.
+        self.commit_index = self.applied_index = min(self.applied_index, self.last_index)
+        return dropped
+
+
 class _LeaseIgnoringDrift(Election):
     def refresh_lease(self, now: float, config: ClusterConfig) -> None:
         until, reason = lease_expiry(config=config, self_id=self.node_id, now=now,
@@ -70,12 +78,18 @@ class LeaseIgnoringDrift(CoordinatorNode):
     election_type = _LeaseIgnoringDrift
 
 
+class ReapplyAfterLoss(CoordinatorNode):
+    log_type = _ReapplyAfterLoss
+
+
 BROKEN_VARIANTS: dict[str, type[CoordinatorNode]] = {
     "vote_without_log_check": VoteWithoutLogCheck,
     "vote_ignoring_lease": VoteIgnoringLease,
     "commit_without_majority": CommitWithoutMajority,
     # Unsafe only after a log lost entries at rest: run with SimConfig(log_damage=True).
     "vote_below_mark": VoteBelowMark,
+    # Applies entries its log lost while running a second time: also only with log_damage.
+    "reapply_after_loss": ReapplyAfterLoss,
     # Subtle: unsafe only when clocks drift apart during a narrow window, shorter than an
     # election round trip at a 1 % bound; a directed 20 %-drift scenario test catches it.
     "lease_ignoring_drift": LeaseIgnoringDrift,

@@ -90,6 +90,11 @@ class InvariantChecker:
         if known_digest != digest_after:
             self._fail(time, f"{node_id} state after {entry.index} differs from other replicas")
 
+    def state_installed(self, node_id: str, index: int) -> None:
+        """`node_id`'s application was replaced by the run's state as of `index` (a restart whose log
+        lost entries it had applied); its applies go on from there."""
+        self.applied[node_id] = index
+
     def on_restore(self, time: float, node_id: str, snapshot: Snapshot) -> None:
         applied = self.applied.get(node_id, 0)
         if snapshot.last_index <= applied:

@@ -85,6 +85,10 @@ DAMAGE_FAULT_WEIGHTS: dict[str, float] = {
     # A node's log loses a suffix at rest (a cut file, a damaged record): it restarts with a vote
     # floor, the newest (epoch, index) it ever had durable (an upper bound of what it acknowledged).
     "cut_log": 2.0,
+    # A running node finds a record of its log damaged (a payload read, a compaction): it drops that
+    # entry and every later one, applied ones included, and gets them back from the lease holder
+    # without a restart (daemon/coordination.py `repair_damaged_log`; the core's `lose_entries`).
+    "damage_while_running": 1.0,
 }
 # How often a `cut_log` strikes at the worst moment instead of a random one: the lease holder and
 # the fullest follower are cut off from the other nodes, and the follower's log is cut the moment
@@ -429,11 +433,11 @@ class Simulation:
             assert host.fragments is not None
             host.fragments.unreadable = self.rng.choice((1, 2))
             note = f"{host.node_id}: its next {host.fragments.unreadable} outer-commit payload(s) unreadable"
-        elif fault == "cut_log" and self.config.log_damage and alive and self._pending_cut is None and not any(
-                h.vote_floor for h in self.hosts.values()):
+        elif fault in ("cut_log", "damage_while_running") and self.config.log_damage and alive and (
+                self._pending_cut is None and not any(self._lacks_entries(h) for h in self.hosts.values())):
             # One damaged log at a time: damage at rest on a majority at once loses committed
             # entries for good, and no vote rule can then keep both safety and liveness.
-            note = self._cut_log(alive, leader)
+            note = self._cut_log(alive, leader) if fault == "cut_log" else self._damage_while_running(alive, leader)
         elif fault == _CUT_AFTER_COMMIT and self._pending_cut is not None:
             note = self._cut_after_commit()
             if note is None:
@@ -473,6 +477,32 @@ class Simulation:
             self.crash(leader)
             note += f", crash leader {leader}"
         return note
+
+    @staticmethod
+    def _lacks_entries(host: _Host) -> bool:
+        """Whether `host`'s log is still short of entries it lost (its vote floor not yet lifted)."""
+        if host.vote_floor is None:
+            return False
+        return host.node is None or host.node.election.vote_floor is not None
+
+    def _damage_while_running(self, alive: list[_Host], leader: str | None) -> str:
+        """A running node (the lease holder half the time) finds a record of its log damaged: the
+        entry and all after it are dropped (applied and committed ones too: their bytes are gone),
+        what is left is its disk, and it votes only above the newest entry it held until the lease
+        holder has sent them back. No crash: the daemon repairs this while it runs."""
+        host = self.hosts[leader] if leader is not None and self.rng.random() < 0.5 else self.rng.choice(alive)
+        node = host.node
+        assert node is not None
+        if node.log.last_index < node.log.first_index:
+            return f"{host.node_id}: a damaged record found while running, but its log holds no entry"
+        index = self.rng.randint(node.log.first_index, node.log.last_index)
+        dropped = node.lose_entries(index, host.local(self.now), host.durable_bound)
+        self.leaders.pop(host.node_id, None)
+        host.fsync()  # the good prefix is what its disk holds now
+        if last_of(host.persistent) < host.durable_bound:
+            host.vote_floor = host.durable_bound
+        return (f"{host.node_id} found its log damaged at {index} while running: {dropped} entries dropped "
+                f"(applied through {host.applied_index}, floor {host.vote_floor})")
 
     def _cut_after_commit(self) -> str | None:
         """The worst-moment cut: once the holder committed past where it began, the follower crashes,
@@ -523,6 +553,7 @@ class Simulation:
         """End of chaos: a clean network and every crashed (not departed) node restarted."""
         self.groups = {}
         self.one_way = set()
+        self._pending_cut = None  # a worst-moment cut still waiting is called off, not struck after the heal
         if self.relays is not None:
             self.relays.slow.clear()
             self.relays.crash_next_promiser = False
@@ -621,6 +652,15 @@ class Simulation:
             host.fragments.restore(self.fragment_truth, snapshot.last_index)
         if host.vote_floor is not None and last_of(host.persistent) >= host.vote_floor:
             host.vote_floor = None  # its log is back where it was: nothing left to guard
+        last = last_of(host.persistent)[1]
+        if host.applied_index > last:
+            # Its log lost applied entries while running and it restarts before they came back: the
+            # daemon's restart plan (a checkpoint past the log's end) installs the run's state as of
+            # the log's end from peers, and replays from there.
+            host.applied_index = last
+            host.digest = snapshot.state if last == snapshot.last_index else self.checker.truth_digest[last]
+            self.checker.state_installed(host.node_id, last)
+            host.fragments.restore(self.fragment_truth, last)
         try:
             host.node = self.node_factory(
                 host.node_id,
@@ -776,7 +816,8 @@ class Simulation:
                 host.applied_index = action.snapshot.last_index
                 assert host.fragments is not None
                 host.fragments.restore(self.fragment_truth, action.snapshot.last_index)
-        if host.applied_index - node.log.store.snapshot.last_index >= self.config.compaction_every:
+        if (host.applied_index - node.log.store.snapshot.last_index >= self.config.compaction_every
+                and host.applied_index <= node.log.last_index):  # (not while entries it applied are lost)
             node.compact(host.applied_index, host.digest)
             if self.config.fsync_before_ack:
                 host.fsync()

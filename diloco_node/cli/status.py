@@ -217,7 +217,7 @@ def _outer_gradients_line(doc: StatusDocument) -> str:
 
 
 def _storage_line(doc: StatusDocument) -> str:
-    """The failing durable steps, quarantined files and the vote barrier, or "ok"."""
+    """The failing durable steps, quarantined files, a log repair under way and the vote barrier, or "ok"."""
     storage = doc.storage
     failing = storage.get("failing") or {}
     quarantined = storage.get("quarantined") or []
@@ -226,6 +226,9 @@ def _storage_line(doc: StatusDocument) -> str:
     if quarantined:
         parts.append(f"{len(quarantined)} file(s) quarantined: "
                      + ", ".join(str(q.get("file", "?")) if isinstance(q, dict) else str(q) for q in quarantined))
+    repair = storage.get("log_repair")
+    if isinstance(repair, dict) and not repair.get("refilled"):
+        parts.append(f"LOG REPAIR: entries after {repair.get('lost_after', '?')} being fetched again")
     if storage.get("vote_barrier"):
         parts.append(f"VOTE BARRIER: {storage['vote_barrier']}")
     return "storage " + ("  ".join(parts) if parts else "ok")

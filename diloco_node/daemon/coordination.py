@@ -110,6 +110,9 @@ class CoordinationIO:
         # entries after `store.damaged_after` that it may have acknowledged (None: it votes). With a
         # floor known, the core votes above it (`_narrow`); without, no vote at all.
         self.vote_barrier: str | None = None
+        # The last repair of log.bin while running (`repair_damaged_log`), for /status; None: none.
+        self.log_repair: dict[str, Any] | None = None
+        self._repair_failing = False
         floor = store.floor.loaded if store.damaged_after is not None else None
         self._narrow = floor is not None
         if floor is not None:
@@ -157,6 +160,7 @@ class CoordinationIO:
         failed_step = False
         while True:
             try:
+                self.repair_damaged_log()
                 self.dispatch(self.core.tick(self.clock.monotonic()))
                 self.after_step()
                 failed_step = False
@@ -171,6 +175,42 @@ class CoordinationIO:
             else:
                 await self.clock.sleep(self._storage_retry_s)
                 self._storage_retry_s = min(self._storage_retry_s * 2, max(STORAGE_RETRY_MAX_S, self.tick_s))
+
+    def repair_damaged_log(self) -> None:
+        """A record of log.bin failed its check while running (read for a send, an apply, a
+        compaction): the file is quarantined and its good prefix kept, the entries after it leave
+        the log in memory (the applied state keeps them, nothing is applied twice), and the lease
+        holder sends them again, as after a restart. Meanwhile the node does not lead or stand, and
+        votes only above its vote floor (with none known, not at all)."""
+        if self.store.damage_found is None:
+            return
+        held = self.core.log.last_log
+        try:
+            last = self.store.repair_damage()
+        except (OSError, CoordinationStoreError) as error:  # an OSError: the next tick tries again
+            if not isinstance(error, OSError):
+                self.store.damage_found = None  # (a damaged header: the next start refuses and says so)
+            if not self._repair_failing:  # one warning per failure streak, not one per tick
+                log.warning("%s cannot repair its damaged log.bin now: %s", self.node_id, error)
+                self.report_error(f"cannot repair the damaged log.bin: {error}")
+            self._repair_failing = True
+            return
+        self._repair_failing = False
+        if last is None:
+            return
+        floor = self.store.floor.value
+        dropped = self.core.lose_entries(last + 1, self.clock.monotonic(), floor)
+        self._narrow = floor is not None
+        self.vote_barrier = (f"{self.store.damage_reason}, found while running: it lost the entries after {last}; "
+                             + (f"it votes only for a candidate whose log is at least as up to date as (epoch "
+                                f"{floor[0]}, index {floor[1]}), the newest its log held, and does not stand, until "
+                                "its log is back there" if floor is not None else "no vote until a lease holder has "
+                                "given them back (no vote floor known)"))
+        self.log_repair = {"lost_after": last, "dropped": dropped, "held": list(held), "refilled": False,
+                           "reason": self.store.damage_reason}
+        log.warning("%s: log repaired while running: %d entries after %d dropped, fetched again from the lease "
+                    "holder; %s", self.node_id, dropped, last, self.vote_barrier)
+        self.report_error(f"log.bin damaged while running; entries after {last} fetched again")
 
     def handle(self, message: coord.Message) -> list[coord.Action]:
         return self.core.handle(message, self.clock.monotonic())
@@ -247,8 +287,7 @@ class CoordinationIO:
             if election.vote_floor is None:
                 log.warning("%s votes again (and may stand): its log is back to (epoch %d, index %d), its vote floor",
                             self.node_id, *replog.last_log)
-                self.vote_barrier = None
-                self.store.damaged_after = None
+                self._barrier_lifted()
             return
         floor = self.store.damaged_after or 0
         commit = replog.commit_index
@@ -256,8 +295,13 @@ class CoordinationIO:
                 and replog.epoch_at(commit) == self.core.epoch):
             log.warning("%s votes again: its log holds the entries through %d from lease holder %s", self.node_id,
                         commit, election.leader_id)
-            self.vote_barrier = None
-            self.store.damaged_after = None
+            self._barrier_lifted()
+
+    def _barrier_lifted(self) -> None:
+        self.vote_barrier = None
+        self.store.damaged_after = None
+        if self.log_repair is not None:
+            self.log_repair["refilled"] = True
 
     def dispatch_dropping_replies(self, actions: list[coord.Action]) -> None:
         self.dispatch([a for a in actions if not (isinstance(a, coord.Send) and isinstance(a.message, coord.PingAck))])

@@ -14,7 +14,8 @@ called after every batch of actions and before sending them; it writes only what
   leaves the old log or the new one, never a mix; a temp file left behind is deleted at load.
   A torn last record (crash mid-append) is dropped at load: it was never acknowledged, since
   acknowledgements leave only after `sync()` returned. A complete record failing its CRC is
-  damage at rest: the file is quarantined and its good prefix kept (`damaged_after`). A damaged
+  damage at rest: the file is quarantined and its good prefix kept (`damaged_after`), at load or,
+  when a payload read finds it while running (`damage_found`), by `repair_damage`. A damaged
   header refuses to load. A log that ends before an index this node knew durable is damage too,
   not a torn append: witnesses are `log.mark.json` (`LogMark`, lowered before a rewrite shortens
   the log), `vote_floor.bin` (below: a log ending in the floor's epoch before its index), and the
@@ -51,7 +52,7 @@ import msgpack
 
 from bootstrap.coordinator_node import PersistentState
 from bootstrap.election import ElectionState
-from bootstrap.entries import LogEntry, PayloadUnavailable, Snapshot, StoredPayload
+from bootstrap.entries import LogEntry, Snapshot, StoredPayload
 from bootstrap.replog import LogStore
 from diloco_node.clock import Clock, SystemClock
 from diloco_node.daemon.coordination_records import ELECTION_FILES, DamagedStateError, RecordError, read_election
@@ -59,7 +60,7 @@ from diloco_node.daemon.coordination_records import FLOOR_FILE, MARK_FILE, LogMa
 from diloco_node.daemon.coordination_records import write_election, write_record
 from diloco_node.daemon.log_records import (  # noqa: F401  (re-exported: the store's record format)
     _RECORD_HEAD, INITIAL_SNAPSHOT, MAX_RECORD_BYTES, WRITE_PIECE_BYTES, AppendFile, CoordinationStoreError,
-    PreparedLog, _decode_body, _encode_entry, _encode_snapshot, _pread_all, _record_parts, _scan_log,
+    PayloadDamaged, PayloadGone, PreparedLog, _decode_body, _encode_entry, _encode_snapshot, _pread_all, _record_parts, _scan_log,
     _write_records, decode_log, encode_log,
 )
 from diloco_node.ops.storage_health import STORAGE
@@ -68,43 +69,6 @@ from diloco_node.storage import durable, failpoints
 # Payloads up to this size stay in memory (no-ops, membership, tests' small entries): a reference
 # and a read per use would cost more than the bytes.
 INLINE_PAYLOAD_BYTES = 4096
-
-
-def compaction_point(*, checkpoint_index: int, commit_index: int, snapshot_index: int,
-                     retain: int) -> tuple[int | None, str]:
-    """How far the log may be compacted after a verified checkpoint at `checkpoint_index`.
-
-    Never past the checkpoint (a restart replays the log from it, so checkpoint and log must
-    stay contiguous) nor past the commit index, and `retain` entries below that are kept for
-    peers that lag a little; and only once the cut drops at least half as many entries as it keeps.
-    Returns (index to compact through, or None; reason).
-    """
-    bound = min(checkpoint_index, commit_index)
-    through = bound - retain
-    if through <= snapshot_index:
-        return None, (f"nothing to compact: checkpoint {checkpoint_index}, commit {commit_index}, keeping "
-                      f"{retain} entries puts the cut at {through}, log already starts after {snapshot_index}")
-    # A cut rewrites the retained tail; waiting until it drops at least half as many entries as it
-    # keeps bounds the rewriting at ~3x the log's own writes, however often checkpoints come.
-    min_drop = max(1, retain // 2)
-    if through - snapshot_index < min_drop:
-        return None, (f"not yet: the cut at {through} would drop {through - snapshot_index} entries, "
-                      f"fewer than {min_drop} (half the {retain} kept)")
-    return through, (f"compact through {through}: {retain} entries kept below "
-                     f"min(checkpoint {checkpoint_index}, commit {commit_index})")
-
-
-class PayloadGone(CoordinationStoreError, PayloadUnavailable):
-    """An entry's payload is no longer in log.bin (truncated or compacted away) or its record is damaged."""
-
-
-class PayloadDamaged(PayloadGone):
-    """An entry's record in log.bin fails its checksum: damage at rest, found at run time (failing
-    `log.read` on /status; a restart quarantines the file and recovers the entries from peers)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        STORAGE.failed("log.read", message)
 
 
 _temp_path = durable.temp_path
@@ -149,6 +113,9 @@ class CoordinationStore:
         # not vote until it has them again from a lease holder.
         self.damaged_after: int | None = None
         self.damage_reason = ""
+        # The index of a record found failing its checksum while running (set on any thread that
+        # read it): `repair_damage` deals with it on the event loop.
+        self.damage_found: int | None = None
         # Where each entry's record is in the current log.bin: index -> (epoch, offset, length).
         # Read by StoredPayload readers on any thread, replaced on the loop: under the lock, with
         # the read descriptor (reopened after a rename).
@@ -270,12 +237,13 @@ class CoordinationStore:
             durable.track(self._log_path)
         return snapshot, entries
 
-    def _keep_good_prefix(self, valid: int, damage: str, last_good: int) -> None:
-        """log.bin is damaged at rest: rename it aside and start a new one from its good prefix."""
-        kept = STORAGE.quarantine(self._log_path, damage)
+    def _keep_good_prefix(self, valid: int, damage: str, last_good: int,
+                          located: list[tuple[int, int, int, int]] | None = None) -> None:
+        """log.bin is damaged at rest: its first `valid` bytes (through entry `last_good`) become the
+        new log.bin and the file is renamed aside whole. `located`: the kept records, at run time."""
         temp = _temp_path(self._log_path)
         with _step("log.truncate"):
-            with open(kept, "rb") as source, open(temp, "wb") as target:
+            with open(self._log_path, "rb") as source, open(temp, "wb") as target:
                 remaining = valid
                 while remaining > 0:
                     piece = source.read(min(remaining, WRITE_PIECE_BYTES))
@@ -283,9 +251,34 @@ class CoordinationStore:
                     remaining -= len(piece)
                 target.flush()
                 durable.sync_file("log.truncate", target.fileno(), temp)
-            os.replace(temp, self._log_path)
-            durable.sync_dir(self.directory)
+            kept = STORAGE.quarantine(self._log_path, damage)
+            current = [(index, *at) for index, at in self._locations.items()]
+            self._replace_log(temp, current if located is None else located)
         self.damaged_after, self.damage_reason = last_good, f"log.bin damaged ({damage}); kept as {kept.name}"
+
+    def repair_damage(self) -> int | None:
+        """After a record failed its check while running (`damage_found`), on the event loop: when
+        log.bin has a damaged record, keep the good prefix before it (the file quarantined whole) and
+        return the last index kept: the caller drops the later entries from the core's log before
+        the next `sync`. None when log.bin reads whole (the record was in a file since rewritten)."""
+        if self.damage_found is None:
+            return None
+        self.close()
+        with _step("log.read"), open(self._log_path, "rb") as handle:
+            failpoints.hit("log.read")
+            size = os.fstat(handle.fileno()).st_size
+            snapshot, scanned, valid, damage = _scan_log(handle, size, self._log_path, payloads=False)
+        if damage is None or (snapshot.last_index, snapshot.last_epoch) != self._written_snapshot:
+            self.damage_found = None
+            return None
+        located = [(entry.index, entry.epoch, offset, length) for entry, offset, length in scanned]
+        last = located[-1][0] if located else snapshot.last_index
+        self._keep_good_prefix(valid, damage, last, located)
+        self.damage_found = None
+        self._log_bytes, self._tail_dirty = valid, False
+        self._written_count = len(located)
+        self._written_last = (last, located[-1][1]) if located else None
+        return last
 
     def report_lost_entries(self, last_index: int, witness: str) -> None:
         """log.bin (loaded, ending at `last_index`) lost entries `witness` shows were durable: damage,
@@ -469,6 +462,11 @@ class CoordinationStore:
             STORAGE.failed("log.read", error)
             raise PayloadGone(f"{self._log_path}: entry {index}: {error}") from None
 
+    def _damaged(self, index: int, offset: int) -> PayloadDamaged:
+        """A record failed its checksum (any thread): `repair_damage` looks at the file next."""
+        self.damage_found = index
+        return PayloadDamaged(f"{self._log_path}: entry {index}: the record at byte {offset} fails its checksum")
+
     def read_payload(self, index: int, epoch: int) -> bytes:
         """The payload of entry `index` of `epoch` from log.bin (any thread): the record's CRC,
         index and epoch are checked. CoordinationStoreError when the log no longer holds that entry
@@ -487,7 +485,7 @@ class CoordinationStore:
         size, crc = _RECORD_HEAD.unpack_from(record)
         body = memoryview(record)[_RECORD_HEAD.size:]
         if size != len(body) or zlib.crc32(body) != crc:
-            raise PayloadDamaged(f"{self._log_path}: entry {index}: the record at byte {offset} fails its checksum")
+            raise self._damaged(index, offset)
         try:
             entry = _decode_body(msgpack.unpackb(body, raw=False), offset, self._log_path)
         except (ValueError, msgpack.UnpackException) as error:
@@ -532,7 +530,7 @@ class CoordinationStore:
                 yield piece
             rest = _pread_all(fd, offset + length - end, end)
             if zlib.crc32(rest, running) != crc:
-                raise PayloadDamaged(f"{self._log_path}: entry {index}: the record at byte {offset} fails its checksum")
+                raise self._damaged(index, offset)
         finally:
             os.close(fd)
 

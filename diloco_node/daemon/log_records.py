@@ -13,13 +13,14 @@ import io
 import os
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
-from bootstrap.entries import ClusterConfig, EntryKind, LogEntry, Snapshot, StoredPayload
+from bootstrap.entries import ClusterConfig, EntryKind, LogEntry, PayloadUnavailable, Snapshot, StoredPayload
+from diloco_node.ops.storage_health import STORAGE
 
 _RECORD_HEAD = struct.Struct("<II")
 # One entry holds one merged fragment delta (at most wire.limits.MAX_RELAYED_PAYLOAD_BYTES) and its
@@ -32,9 +33,21 @@ _SNAPSHOT_KEY = "snapshot"
 INITIAL_SNAPSHOT = Snapshot(0, 0, ClusterConfig())
 
 
-
 class CoordinationStoreError(Exception):
     """The durable coordination state is unreadable; the message names the file."""
+
+
+class PayloadGone(CoordinationStoreError, PayloadUnavailable):
+    """An entry's payload is no longer in log.bin (truncated or compacted away) or its record is damaged."""
+
+
+class PayloadDamaged(PayloadGone):
+    """An entry's record in log.bin fails its checksum: damage at rest, found at run time (failing
+    `log.read` on /status until `repair_damage` has quarantined the file and kept its good prefix)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        STORAGE.failed("log.read", message)
 
 
 def _record(body: bytes) -> bytes:
@@ -78,11 +91,11 @@ def decode_log(data: bytes, path: Path) -> tuple[Snapshot, list[LogEntry], int]:
     return snapshot, [entry for entry, _, _ in located], valid
 
 
-def _scan_log(handle: Any, size: int,
-              path: Path) -> tuple[Snapshot, list[tuple[LogEntry, int, int]], int, str | None]:
+def _scan_log(handle: Any, size: int, path: Path,
+              payloads: bool = True) -> tuple[Snapshot, list[tuple[LogEntry, int, int]], int, str | None]:
     """Read a log record by record from `handle` (`size` bytes): (snapshot, [(entry, record offset,
-    record length)], byte length of the valid prefix, damage). Entries carry their payload bytes;
-    the caller decides what stays in memory (one record is in memory at a time).
+    record length)], byte length of the valid prefix, damage). Entries carry their payload bytes
+    (none with `payloads` False: a scan for the records' places only, one record in memory at a time).
 
     A last record that runs past the end of the file is a torn append (it was never fsynced, so
     never acknowledged): the scan stops there, `damage` None. A complete record that fails its
@@ -124,7 +137,7 @@ def _scan_log(handle: Any, size: int,
             if record.index != expected:
                 after = f"entry {entries[-1][0].index}" if entries else f"the snapshot through {snapshot.last_index}"
                 raise CoordinationStoreError(f"{path}: entry {record.index} follows {after}")
-            entries.append((record, offset, _RECORD_HEAD.size + length))
+            entries.append((record if payloads else replace(record, payload=b""), offset, _RECORD_HEAD.size + length))
         offset = start + length
     return snapshot, entries, offset, damage
 

@@ -102,7 +102,15 @@ def accept_loss(coordination: _Coordination, *, by: str, reason: str, lost_after
         return 409, {"error": f"{node_id} lost the entries after {store.damaged_after}, not after {lost_after!r}: "
                               f"accept exactly that loss (--lost-after {store.damaged_after})",
                      "lost_after": store.damaged_after}
-    last_log = coordination.core.log.last_log
+    replog = coordination.core.log
+    if replog.applied_index > replog.last_index:
+        # Lost while running, after its replica applied them: voting now would let it lead a log
+        # that counts new entries at those indexes as committed and applied. A restart puts the
+        # replica back inside the log (an older checkpoint), then the loss can be accepted.
+        return 409, {"error": f"{node_id} applied entries through {replog.applied_index} that its log lost while "
+                              "running: restart it first (it resumes from a checkpoint inside its log), then "
+                              "accept the loss", "lost_after": store.damaged_after}
+    last_log = replog.last_log
     record = {"node_id": node_id, "by": by.strip(), "reason": reason.strip(), "lost_after": lost_after,
               "fsynced_through": store.mark.index, "vote_floor": store.floor.value and list(store.floor.value),
               "damage": store.damage_reason,

@@ -28,7 +28,7 @@ from bootstrap.coordinator_node import CoordinatorNode, PersistentState
 from bootstrap.entries import Snapshot
 from bootstrap.replog import ReplicatedLog
 from diloco_node.config.settings import ConfigError
-from diloco_node.daemon.coordination_store import CoordinationStore, CoordinationStoreError, compaction_point
+from diloco_node.daemon.coordination_store import CoordinationStore, CoordinationStoreError
 from diloco_node.learn.learner_thread import (
     LearnerSnapshot,
     LearnerThread,
@@ -62,6 +62,30 @@ class RestartPlan:
     fallback_checkpoint: int | None = None
     # The checkpoint's global state is not restored: the log is replayed from the run's initial state.
     initial_state: bool = False
+
+
+def compaction_point(*, checkpoint_index: int, commit_index: int, snapshot_index: int,
+                     retain: int) -> tuple[int | None, str]:
+    """How far the log may be compacted after a verified checkpoint at `checkpoint_index`.
+
+    Never past the checkpoint (a restart replays the log from it, so checkpoint and log must
+    stay contiguous) nor past the commit index, and `retain` entries below that are kept for
+    peers that lag a little; and only once the cut drops at least half as many entries as it keeps.
+    Returns (index to compact through, or None; reason).
+    """
+    bound = min(checkpoint_index, commit_index)
+    through = bound - retain
+    if through <= snapshot_index:
+        return None, (f"nothing to compact: checkpoint {checkpoint_index}, commit {commit_index}, keeping "
+                      f"{retain} entries puts the cut at {through}, log already starts after {snapshot_index}")
+    # A cut rewrites the retained tail; waiting until it drops at least half as many entries as it
+    # keeps bounds the rewriting at ~3x the log's own writes, however often checkpoints come.
+    min_drop = max(1, retain // 2)
+    if through - snapshot_index < min_drop:
+        return None, (f"not yet: the cut at {through} would drop {through - snapshot_index} entries, "
+                      f"fewer than {min_drop} (half the {retain} kept)")
+    return through, (f"compact through {through}: {retain} entries kept below "
+                     f"min(checkpoint {checkpoint_index}, commit {commit_index})")
 
 
 def restart_plan(*, checkpoint_index: int | None, snapshot_index: int, log_last_index: int,
@@ -300,7 +324,9 @@ class Checkpointer:
         loop = asyncio.get_running_loop()
         replog = coordination.log
         # Decided first: most checkpoints cut nothing, and those need not read their file back.
-        through, reason = compaction_point(checkpoint_index=checkpointed, commit_index=replog.commit_index,
+        # Never past the log's end: after a damaged record was found it lacks committed entries for a while.
+        through, reason = compaction_point(checkpoint_index=checkpointed,
+                                           commit_index=min(replog.commit_index, replog.last_index),
                                            snapshot_index=replog.store.snapshot.last_index,
                                            retain=self.retain_entries)
         if through is None:
@@ -347,4 +373,5 @@ class Checkpointer:
 def _log_moved_past(replog: ReplicatedLog, through: int) -> bool:
     """Whether a compaction through `through`, decided before an await, no longer fits the log: a
     snapshot installed meanwhile starts the log at or after it (or the applied index is behind it)."""
-    return replog.store.snapshot.last_index >= through or replog.applied_index < through
+    return (replog.store.snapshot.last_index >= through or replog.applied_index < through
+            or replog.last_index < replog.commit_index)  # entries dropped meanwhile (a damaged record)

@@ -84,6 +84,7 @@ class StatusFeed:
         self.status.set_outer_gradients(self.rounds.outer_gradient_bytes.status())
         coordination = self.coordination
         self.status.set_storage({**STORAGE.to_status(), "vote_barrier": coordination.vote_barrier,
+                                 "log_repair": coordination.log_repair,
                                  "vote_barrier_help": barrier_help(coordination.node_id, coordination.core.log.config.voters,
                                                                    self.store.damaged_after, coordination.vote_barrier)})
 

@@ -346,6 +346,7 @@ class StatusDocument:
     tracking: TrackingStatus = field(default_factory=TrackingStatus)  # experiment trackers (ops/tracking.py)
     # The disk as the durable steps see it (ops/storage_health.py): `failing` points with their
     # error, `failures_total` by point, `quarantined` files; `vote_barrier` when the node does not vote
+    # freely; `log_repair` after log.bin was found damaged while running (lost_after, refilled)
     storage: dict[str, Any] = field(default_factory=dict)
     # Seconds since this node last saw its commit index grow (since it started, before any commit):
     # the "no commit" alert's figure (examples/monitoring/alerts.yml)

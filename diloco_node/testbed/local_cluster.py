@@ -122,6 +122,17 @@ class Cluster:
                 self.reporters.setdefault(doc["commit_index"], set()).add(node_id)
         return out
 
+    def start_voters(self, names: Sequence[str], *, settings: Sequence[str], timeout: float) -> dict[str, dict[str, Any]]:
+        """The first of `names` founds the run and the others join it; returns the statuses once
+        every one is ready and sees all of them as voters."""
+        founder = self.add(names[0], settings=settings)
+        self.wait_for(f"{names[0]} ready", lambda s: s.get(names[0], {}).get("ready", False), timeout)
+        for name in names[1:]:
+            self.add(name, bootstrap=founder, settings=settings)
+        return self.wait_for(f"{len(names)} ready voters", lambda s: set(names) <= {
+            n for n, d in s.items() if d.get("ready")} and all(
+            {m["node_id"] for m in s[n]["members"] if m["voter"]} == set(names) for n in names), timeout)
+
     def wait_for(self, what: str, check: Callable[[dict[str, dict[str, Any]]], bool], timeout: float,
                  interval: float = 0.3) -> dict[str, dict[str, Any]]:
         deadline = time.monotonic() + timeout

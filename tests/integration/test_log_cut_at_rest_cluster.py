@@ -37,11 +37,6 @@ SYNTHETIC = (*DEFAULT_SETTINGS, "learner=synthetic", "synthetic_steps_per_s=20",
 NAMES = {"a", "b", "c"}
 
 
-def _voters_everywhere(statuses: dict, names: set[str]) -> bool:
-    return names <= {n for n, d in statuses.items() if d.get("ready")} and all(
-        {m["node_id"] for m in statuses[n]["members"] if m["voter"]} == NAMES for n in names)
-
-
 def _cut_halfway_at_a_boundary(log_bin, committed_through: int) -> int:
     """Cut log.bin where an entry halfway through those below `committed_through` starts; returns
     the last index it keeps."""
@@ -55,11 +50,7 @@ def _cut_halfway_at_a_boundary(log_bin, committed_through: int) -> int:
 
 def test_two_voters_logs_cut_at_rest_still_elect_a_lease_holder_and_lose_no_committed_index(tmp_path) -> None:
     with Cluster.create(tmp_path) as cluster:
-        a = cluster.add("a", settings=SYNTHETIC)
-        cluster.wait_for("a ready", lambda s: s.get("a", {}).get("ready", False), STARTUP_S)
-        cluster.add("b", bootstrap=a, settings=SYNTHETIC)
-        cluster.add("c", bootstrap=a, settings=SYNTHETIC)
-        cluster.wait_for("three ready voters", lambda s: _voters_everywhere(s, NAMES), STARTUP_S)
+        cluster.start_voters(sorted(NAMES), settings=SYNTHETIC, timeout=STARTUP_S)
         cluster.wait_for("all hold 30 entries", lambda s: all(s.get(n, {}).get("commit_index", 0) >= 30
                                                                for n in NAMES), 120)
         time.sleep(2.5)  # past the high-water mark's interval (and a checkpoint's)
