@@ -8,6 +8,7 @@ late import is found too.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,8 @@ def _module_name(path: Path) -> str:
 MODULES = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
 
 
-def _imported_names(module: str, path: Path) -> set[str]:
+@functools.cache  # the source is parsed once per test process, not once per parametrized room
+def _imported_names(module: str, path: Path) -> frozenset[str]:
     """Every dotted name `module` imports, resolved to absolute names."""
     names: set[str] = set()
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
@@ -38,7 +40,7 @@ def _imported_names(module: str, path: Path) -> set[str]:
                 base = ".".join([*anchor, *([node.module] if node.module else [])])
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names)
-    return names
+    return frozenset(names)
 
 
 def _internal(name: str) -> str | None:
@@ -48,12 +50,13 @@ def _internal(name: str) -> str | None:
     return name or None
 
 
-def _graph() -> dict[str, set[str]]:
+@functools.cache
+def _graph() -> dict[str, frozenset[str]]:
     graph: dict[str, set[str]] = {}
     for module, path in MODULES.items():
         targets = {_internal(name) for name in _imported_names(module, path)}
         # Importing a package's submodule runs the package's __init__: not a dependency worth a cycle.
-        graph[module] = {t for t in targets if t and t != module and not module.startswith(t + ".")}
+        graph[module] = frozenset(t for t in targets if t and t != module and not module.startswith(t + "."))
     return graph
 
 

@@ -163,25 +163,6 @@ def test_contradicting_manifest_is_refused_with_a_clear_error(cluster: Cluster) 
     assert all("odd" not in {m["node_id"] for m in d["members"]} for d in after.values())
 
 
-def test_fourth_site_joins_mid_run_and_is_merged(cluster: Cluster) -> None:
-    d = cluster.add("d", bootstrap=cluster.sites["b"])
-    cluster.wait_for("d ready and a voter everywhere", lambda s: all_ready({"a", "b", "c", "d"})(s)
-                     and all("d" in voters(doc) for doc in s.values()), STARTUP_S)
-    deadline = time.monotonic() + 60
-    pattern = re.compile(r"syncer: fragment \d+: .*merged \d+ of \d+ contribution\(s\).*\bd w=")
-    while time.monotonic() < deadline:
-        logs = "\n".join(site.log_text() for site in cluster.sites.values())
-        if pattern.search(logs):
-            break
-        time.sleep(0.5)
-    else:
-        pytest.fail("no merge included d's contribution within 60 s")
-    assert re.search(r"downloaded the global state \(\d+ bytes\)", d.log_text()), "d did not download the state"
-    index = cluster.common_commit_index({"a", "d"}, 60)
-    assert len(cluster.history[index]) == 1
-    assert cluster.conflicting_indices() == {}
-
-
 def test_sigkill_coordinator_fails_over_and_restarts_from_checkpoint(cluster: Cluster) -> None:
     statuses = cluster.poll()
     leader = cluster.coordinator(statuses)
@@ -249,18 +230,6 @@ def test_sigterm_of_the_coordinator_resigns_and_it_rejoins_after_restart(cluster
                      and all(leader in voters(doc) for doc in s.values()), STARTUP_S)
     common = cluster.common_commit_index(set(cluster.poll()), 60)
     assert len(cluster.history[common]) == 1
-    assert cluster.conflicting_indices() == {}
-
-
-def test_witness_votes_and_replicates_without_training(cluster: Cluster) -> None:
-    names = {n for n, s in cluster.sites.items() if s.running}
-    cluster.add("w", bootstrap=cluster.sites["a"], extra=["--role", "witness"])
-    cluster.wait_for("w ready and a voter everywhere", lambda s: all_ready(names | {"w"})(s)
-                     and all("w" in voters(doc) for doc in s.values()), STARTUP_S)
-    index = cluster.common_commit_index({"w", *names}, 60)
-    assert len(cluster.history[index]) == 1
-    doc = cluster.poll()["w"]
-    assert doc["role"] == "witness" and doc["learner"]["step"] == 0
     assert cluster.conflicting_indices() == {}
 
 
@@ -341,3 +310,37 @@ def test_a_non_members_contribution_is_refused_with_403(cluster: Cluster) -> Non
 
     refused = asyncio.run(send())
     assert refused.status == 403 and "mallory is not a member of this run" in refused.reason
+
+
+# ---- sites added to the run: last, so the tests above run with three learners, not five processes
+
+
+def test_fourth_site_joins_mid_run_and_is_merged(cluster: Cluster) -> None:
+    d = cluster.add("d", bootstrap=cluster.sites["b"])
+    cluster.wait_for("d ready and a voter everywhere", lambda s: all_ready({"a", "b", "c", "d"})(s)
+                     and all("d" in voters(doc) for doc in s.values()), STARTUP_S)
+    deadline = time.monotonic() + 60
+    pattern = re.compile(r"syncer: fragment \d+: .*merged \d+ of \d+ contribution\(s\).*\bd w=")
+    while time.monotonic() < deadline:
+        logs = "\n".join(site.log_text() for site in cluster.sites.values())
+        if pattern.search(logs):
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail("no merge included d's contribution within 60 s")
+    assert re.search(r"downloaded the global state \(\d+ bytes\)", d.log_text()), "d did not download the state"
+    index = cluster.common_commit_index({"a", "d"}, 60)
+    assert len(cluster.history[index]) == 1
+    assert cluster.conflicting_indices() == {}
+
+
+def test_witness_votes_and_replicates_without_training(cluster: Cluster) -> None:
+    names = {n for n, s in cluster.sites.items() if s.running}
+    cluster.add("w", bootstrap=cluster.sites["a"], extra=["--role", "witness"])
+    cluster.wait_for("w ready and a voter everywhere", lambda s: all_ready(names | {"w"})(s)
+                     and all("w" in voters(doc) for doc in s.values()), STARTUP_S)
+    index = cluster.common_commit_index({"w", *names}, 60)
+    assert len(cluster.history[index]) == 1
+    doc = cluster.poll()["w"]
+    assert doc["role"] == "witness" and doc["learner"]["step"] == 0
+    assert cluster.conflicting_indices() == {}
