@@ -35,6 +35,21 @@ INTEGRATION_DIR = Path(__file__).resolve().parent / "integration"
 OPT_IN_MARKERS = ("slow", "browser")
 
 
+@pytest.fixture
+def clean_storage_state():
+    """Failpoints disarmed and the storage-health record empty, before and after the test: both
+    are process-wide, so a test that arms one or records a failure must not leave it to the next
+    (a module opts in with `pytestmark = pytest.mark.usefixtures("clean_storage_state")`)."""
+    from diloco_node.ops.storage_health import STORAGE
+    from diloco_node.storage import failpoints
+
+    failpoints.disarm()
+    STORAGE.reset()
+    yield
+    failpoints.disarm()
+    STORAGE.reset()
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m selects: it must see the integration marks added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:

@@ -34,11 +34,7 @@ from conftest import NoDisk
 VOTERS = ["a", "b", "c"]
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    STORAGE.reset()
-    yield
-    STORAGE.reset()
+pytestmark = pytest.mark.usefixtures("clean_storage_state")
 
 
 def flip_bit(path: Path, offset: int) -> None:

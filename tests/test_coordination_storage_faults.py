@@ -35,13 +35,7 @@ VOTERS = ["a", "b", "c"]
 ERRORS = ["enospc", "eio"]
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    failpoints.disarm()
-    STORAGE.reset()
-    yield
-    failpoints.disarm()
-    STORAGE.reset()
+pytestmark = pytest.mark.usefixtures("clean_storage_state")
 
 
 class SteppingClock(FakeClock):

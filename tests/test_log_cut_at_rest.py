@@ -36,11 +36,7 @@ from test_daemon_compaction import small_replica
 VOTERS = ["a", "b", "c"]
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    STORAGE.reset()
-    yield
-    STORAGE.reset()
+pytestmark = pytest.mark.usefixtures("clean_storage_state")
 
 
 def _entry(i: int, epoch: int = 2) -> LogEntry:

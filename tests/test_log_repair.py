@@ -34,11 +34,7 @@ VOTERS = ["a", "b", "c"]
 CONFIG = ClusterConfig.of(VOTERS)
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    STORAGE.reset()
-    yield
-    STORAGE.reset()
+pytestmark = pytest.mark.usefixtures("clean_storage_state")
 
 
 def entry(epoch: int, index: int) -> LogEntry:

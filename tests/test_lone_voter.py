@@ -17,7 +17,6 @@ from diloco_node.daemon.coordination import CoordinationIO
 from diloco_node.daemon.coordination_store import MARK_FILE, CoordinationStore
 from diloco_node.daemon.lost_entries import LOSS_FILE, accept_loss, barrier_help, is_lone_voter, read_acceptances
 from diloco_node.daemon.tasks import TaskSet
-from diloco_node.ops.storage_health import STORAGE
 from diloco_node.storage.records import unframe
 
 from conftest import NoDisk
@@ -25,11 +24,7 @@ from test_coordination_corruption import QuietClient
 from test_log_cut_at_rest import _cut_at_boundary, _entry
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    STORAGE.reset()
-    yield
-    STORAGE.reset()
+pytestmark = pytest.mark.usefixtures("clean_storage_state")
 
 
 def _cut_lone_voter(tmp_path, voters: list[str]) -> tuple[CoordinationIO, CoordinationStore]:

@@ -17,13 +17,7 @@ from diloco_node.ops.storage_health import STORAGE
 from diloco_node.storage import failpoints
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    failpoints.disarm()
-    STORAGE.reset()
-    yield
-    failpoints.disarm()
-    STORAGE.reset()
+pytestmark = pytest.mark.usefixtures("clean_storage_state")
 
 
 def _node_dir(tmp_path):

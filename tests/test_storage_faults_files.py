@@ -42,13 +42,7 @@ ERRORS = [("enospc", errno.ENOSPC), ("eio", errno.EIO)]
 DAMAGE = ["bit-flip", "truncation"]
 
 
-@pytest.fixture(autouse=True)
-def _clean_disk_state():
-    failpoints.disarm()
-    STORAGE.reset()
-    yield
-    failpoints.disarm()
-    STORAGE.reset()
+pytestmark = pytest.mark.usefixtures("clean_storage_state")
 
 
 def _damage(path: Path, how: str, at: int | None = None) -> None:

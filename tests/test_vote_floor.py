@@ -31,13 +31,7 @@ from test_log_cut_at_rest import _cut_at_boundary
 VOTERS = ["a", "b", "c"]
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    failpoints.disarm()
-    STORAGE.reset()
-    yield
-    failpoints.disarm()
-    STORAGE.reset()
+pytestmark = pytest.mark.usefixtures("clean_storage_state")
 
 
 def _on_disk(tmp_path) -> tuple[int, int] | None:
