@@ -82,14 +82,16 @@ stage two_sites 70 "$python" benchmarks/accelerator_sites.py --sites 2 "${sites[
 
 stage remat_8192 50 "$python" benchmarks/remat_model.py "${remat[@]}" --json "$out/remat_8192.json"
 
-# The quality ladder (docs/PARITY.md, "Quality by size"): data-parallel vs decoupled at 6.4M
+# The quality ladder (docs/PARITY.md, "Quality by size"): data-parallel vs decoupled (int4, then the
+# sparse recipe if the stage has a minute left) at 6.4M
 # parameters, 10 tokens per parameter (the 25.3M rung with LADDER_25M=1, when a run has the time).
 # It writes benchmarks/results/accelerator/<UTC date>/quality.json (and OUT/quality_ladder/quality.json);
 # carry benchmarks/corpus with the tree so the device trains on the CPU figures' corpus.
 if [[ -n "$tiny" ]]; then
-    stage quality_ladder 150 env PYTHON="$python" LADDER_SMOKE=1 benchmarks/quality_ladder.sh "$out/quality_ladder"
+    stage quality_ladder 150 env PYTHON="$python" LADDER_SMOKE=1 LADDER_BUDGET_S=$(( 140 * limit_scale )) \
+        benchmarks/quality_ladder.sh "$out/quality_ladder"
 else
-    stage quality_ladder 225 env PYTHON="$python" benchmarks/quality_ladder.sh "$out/quality_ladder"
+    stage quality_ladder 225 env PYTHON="$python" LADDER_BUDGET_S=215 benchmarks/quality_ladder.sh "$out/quality_ladder"
 fi
 # Limits on a GPU: 130 + 60 + 70 + 50 + 225 = 535 s, under the 9 minutes one device call may take.
 # The attention choices (benchmarks/attention_check.py) and one llama layer's memory by attention

@@ -1,16 +1,18 @@
 """The quality ladder: data-parallel against decoupled DiLoCo (M = 4, the manifest's defaults, int4
-both ways) at equal tokens, for a list of model sizes at a stated number of tokens per parameter.
+both ways) at equal tokens, for a list of model sizes at a stated number of tokens per parameter;
+`--recipe sparseloco` adds the sparse recipe's decoupled row (topk2 up, union8 down, the
+`sparseloco` preset) beside a rung's int4 rows, as a run of its own.
 
 Each rung runs `benchmarks/parity.py`'s cells (the same runner, Syncer, apply rule and codecs) for
 one preset and merges its rows into one JSON file, so a driver script can run every rung as its
 own process under its own time limit and still get one file:
 
     {"command", "device", "jax", "tokens_per_param", "seq_len", "compute_dtype", "seed",
-     "rows": [{preset, params, tokens, mode, eval_loss, eval_loss_stderr, bytes, steps, global_batch}],
-     "gaps": [{preset, params, tokens, gap, bytes_ratio}]}
+     "rows": [{preset, params, tokens, mode, recipe, eval_loss, eval_loss_stderr, bytes, steps, global_batch}],
+     "gaps": [{preset, params, tokens, recipe, gap, bytes_ratio}]}
 
-gap = decoupled eval loss / data-parallel eval loss - 1 (same seed, data and eval set);
-bytes_ratio = data-parallel bytes / decoupled bytes. Steps per learner are
+gap = decoupled eval loss / data-parallel eval loss - 1 (same seed, data and eval set), one per
+decoupled recipe; bytes_ratio = data-parallel bytes / decoupled bytes. Steps per learner are
 ceil(tokens_per_param * params / (global_batch * seq_len)).
 
     .venv/bin/python benchmarks/quality_ladder.py --presets llama-6m --tokens-per-param 10 \\
@@ -42,6 +44,10 @@ from diloco_node.learn import data as data_lib  # noqa: E402
 
 MODES = ["data_parallel", "decoupled"]
 CODECS = "int4/int4"
+# Each recipe's modes, codecs and manifest overrides. The sparse recipe runs decoupled only: its
+# gap is taken against the rung's data-parallel row, already in the file.
+RECIPES = {"int4": (MODES, CODECS, {}),
+           "sparseloco": (["decoupled"], "topk2/union8", {"sync": {"preset": "sparseloco"}})}
 LEARNERS = 4
 # The literature compares at Chinchilla-like budgets; below 10 tokens per parameter a gap mostly
 # measures how far from converged both sides are, so the ladder refuses less unless told it is a smoke run.
@@ -70,8 +76,10 @@ def load_corpus(path: str, seed: int) -> data_lib.Corpus:
 
 
 def rung(preset: str, *, tokens_per_param: float, global_batch: int, seq_len: int, compute_dtype: str,
-         seed: int, eval_batches: int, corpus: data_lib.Corpus | None = None) -> list[dict]:
-    """One preset's rows: data-parallel and decoupled at the same tokens."""
+         seed: int, eval_batches: int, corpus: data_lib.Corpus | None = None, recipe: str = "int4") -> list[dict]:
+    """One preset's rows for one recipe: data-parallel and decoupled (int4), or the sparse
+    recipe's decoupled row, at the same tokens."""
+    modes, codecs, recipe_overrides = RECIPES[recipe]
     model = {"seq_len": seq_len}
     if parity.PRESETS[preset].get("factory") == "llama":
         model["compute_dtype"] = compute_dtype
@@ -81,10 +89,12 @@ def rung(preset: str, *, tokens_per_param: float, global_batch: int, seq_len: in
         parity.merged_overrides(parity.Cell(preset, 1000, LEARNERS, CODECS).cell_overrides(global_batch), overrides))
     params = parity._param_count(sized)
     steps = steps_for(params, tokens_per_param, global_batch, seq_len)
-    report = parity.run_all(steps, MODES, ["uniform"], seed, overrides=overrides, dp_overrides=overrides,
-                            learners=[LEARNERS], codecs=[CODECS], presets=[preset], global_batch=global_batch,
-                            eval_batches=eval_batches, corpora=None if corpus is None else {seed: corpus})
+    report = parity.run_all(steps, modes, ["uniform"], seed, overrides=parity.merged_overrides(overrides, recipe_overrides),
+                            dp_overrides=overrides, learners=[LEARNERS], codecs=[codecs], presets=[preset],
+                            global_batch=global_batch, eval_batches=eval_batches,
+                            corpora=None if corpus is None else {seed: corpus})
     return [{"preset": preset, "params": params, "tokens": r["tokens"], "mode": r["mode"],
+             "recipe": "" if r["mode"] == "data_parallel" else recipe,
              "eval_loss": r["eval_loss"], "eval_loss_stderr": r["eval_loss_stderr"], "bytes": r["bytes_cross_site"],
              "steps": steps, "global_batch": global_batch, "wall_s": r["wall_s"]} for r in report["results"]]
 
@@ -92,12 +102,13 @@ def rung(preset: str, *, tokens_per_param: float, global_batch: int, seq_len: in
 def ladder_gaps(rows: list[dict]) -> list[dict]:
     out = []
     for preset in dict.fromkeys(r["preset"] for r in rows):
-        by_mode = {r["mode"]: r for r in rows if r["preset"] == preset}
-        dp, dec = by_mode.get("data_parallel"), by_mode.get("decoupled")
-        if dp and dec:
-            out.append({"preset": preset, "params": dec["params"], "tokens": dec["tokens"],
-                        "gap": round(dec["eval_loss"] / dp["eval_loss"] - 1, 5),
-                        "bytes_ratio": round(dp["bytes"] / max(dec["bytes"], 1), 1)})
+        dp = next((r for r in rows if r["preset"] == preset and r["mode"] == "data_parallel"), None)
+        for dec in (r for r in rows if r["preset"] == preset and r["mode"] == "decoupled"):
+            if dp:
+                out.append({"preset": preset, "params": dec["params"], "tokens": dec["tokens"],
+                            "recipe": dec.get("recipe", "int4"),  # rows written before recipes were int4
+                            "gap": round(dec["eval_loss"] / dp["eval_loss"] - 1, 5),
+                            "bytes_ratio": round(dp["bytes"] / max(dec["bytes"], 1), 1)})
     return out
 
 
@@ -116,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
                                                          "machine's standard library)")
     parser.add_argument("--save-corpus", metavar="NPZ", help="write this machine's corpus for --seed to NPZ and exit")
     parser.add_argument("--json", metavar="PATH", help="rows are merged into PATH (created if absent)")
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default="int4",
+                        help="int4: data-parallel and decoupled int4 rows; sparseloco: the sparse recipe's decoupled "
+                             "row, its gap against the data-parallel row already in --json")
     args = parser.parse_args(argv)
     if args.save_corpus:
         save_corpus(args.save_corpus, args.seed)
@@ -155,10 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             rows = rung(preset, tokens_per_param=args.tokens_per_param, global_batch=args.global_batch,
                         seq_len=args.seq_len, compute_dtype=args.compute_dtype, seed=args.seed,
-                        eval_batches=args.eval_batches, corpus=corpus)
+                        eval_batches=args.eval_batches, corpus=corpus, recipe=args.recipe)
         except ConfigError as exc:
             parser.error(str(exc))
-        doc["rows"] = [r for r in doc["rows"] if r["preset"] != preset] + rows
+        replaced = {(r["mode"], r["recipe"]) for r in rows}  # a rerun replaces its own rows, keeps the others
+        doc["rows"] = [r for r in doc["rows"] if r["preset"] != preset
+                       or (r["mode"], r.get("recipe", "" if r["mode"] == "data_parallel" else "int4")) not in replaced] + rows
         doc["gaps"] = ladder_gaps(doc["rows"])
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:  # after every rung: a later rung's time limit loses nothing

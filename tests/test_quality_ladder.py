@@ -20,8 +20,12 @@ def test_gaps_pair_each_presets_modes_and_skip_a_rung_that_lacks_one():
     rows = [{"preset": "a", "params": 5, "tokens": 50, "mode": "data_parallel", "eval_loss": 2.0, "bytes": 1000},
             {"preset": "a", "params": 5, "tokens": 50, "mode": "decoupled", "eval_loss": 2.1, "bytes": 4},
             {"preset": "b", "params": 9, "tokens": 90, "mode": "data_parallel", "eval_loss": 1.0, "bytes": 9}]
-    assert quality_ladder.ladder_gaps(rows) == [{"preset": "a", "params": 5, "tokens": 50, "gap": 0.05,
-                                                 "bytes_ratio": 250.0}]
+    assert quality_ladder.ladder_gaps(rows) == [{"preset": "a", "params": 5, "tokens": 50, "recipe": "int4",
+                                                 "gap": 0.05, "bytes_ratio": 250.0}]
+    sparse = {"preset": "a", "params": 5, "tokens": 50, "mode": "decoupled", "recipe": "sparseloco",
+              "eval_loss": 2.2, "bytes": 1}
+    assert [(g["recipe"], g["gap"], g["bytes_ratio"]) for g in quality_ladder.ladder_gaps(rows + [sparse])] == [
+        ("int4", 0.05, 250.0), ("sparseloco", 0.1, 1000.0)]
 
 
 def test_too_few_tokens_per_parameter_or_a_file_of_other_settings_is_refused(tmp_path, capsys):
