@@ -22,6 +22,7 @@ from diloco_node.ops.status import OuterGradientStatus, StatusBuilder, StatusDoc
 from diloco_node.sync.fragments import is_embedding, plan_fragments
 from diloco_node.sync.replica import CommitPayload, Replica
 from diloco_node.sync.syncer import Syncer
+from diloco_node.transport import TransportError
 from wire import messages as wire
 from wire.codecs import decode_named, encode_named
 from wire.limits import Limits
@@ -124,6 +125,32 @@ async def test_contribution_bytes_count_both_to_a_peer_and_to_our_own_syncer() -
     assert set(own.syncer.rounds[0].pending) == {"lead"}  # handed to our own syncer, chunk by chunk
     assert own.outer_gradient_bytes.status().sent_bytes == counted.sent_bytes  # same delta, same codec
     assert own.outer_gradient_bytes.status().sent_parameters == params
+
+
+class _FlakyClient(_Client):
+    """Refuses the first `failures` contributions as a lease holder that is down does."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def send_sequence(self, url, frames, **kwargs):
+        if self.failures:
+            self.failures -= 1
+            raise TransportError(f"{url}/v1/contribution-open", "ServerDisconnectedError: Server disconnected")
+        await super().send_sequence(url, frames, **kwargs)
+
+
+async def test_contributions_a_down_holder_refuses_are_logged_once_per_streak_with_a_count(caplog) -> None:
+    remote = _driver("b", _FlakyClient(failures=5))
+    with caplog.at_level("INFO", logger="diloco_node.daemon"):
+        for i in range(6):
+            await remote._send_contribution(_due(remote, i % 2))
+    lines = [r.getMessage() for r in caplog.records if "contributions to b" in r.getMessage()]
+    assert len(lines) == 2, lines  # the first failure, then the end of the streak: not one line per try
+    assert "fragment 0 not delivered" in lines[0] and "Server disconnected" in lines[0]
+    assert "delivered again after 5 failure(s)" in lines[1] and "(last: fragment 0 not delivered" in lines[1]
+    assert remote._undelivered.failing("b") == 0
 
 
 class _History:

@@ -45,6 +45,7 @@ from diloco_node.sync.merge import Contribution
 from diloco_node.sync.replica import Replica
 from diloco_node.sync.syncer import CommitPlan, Syncer, TakenRound
 from diloco_node.transport import PeerClient, TransportError
+from diloco_node.transport.streaks import FailureStreaks
 from wire import messages as wire
 from wire.codecs import decode_named
 from wire.contribution_stream import (
@@ -142,6 +143,10 @@ class RoundDriver:
         self._held_lease = False
         self._shapes: dict[int, dict[str, tuple[int, ...]]] = {}
         self.outer_gradient_bytes = OuterGradientBytes(manifest)
+        # One line when contributions to a lease holder start failing, one with the count when one
+        # arrives again: a holder that is down is offered every fragment every few steps.
+        self._undelivered = FailureStreaks(log, f"{node_id}: contributions to", "delivered again",
+                                           clock=clock.monotonic)
 
     # ------------------------------------------------------------------ learner -> network
 
@@ -181,8 +186,9 @@ class RoundDriver:
             deadline_s = CONTRIBUTION_DEADLINE_S + max_encoded_bytes(head) / CONTRIBUTION_MIN_RATE_BYTES_PER_S
             await self.client.send_sequence(url, self._frames(head, due.delta), peer=leader, deadline_s=deadline_s)
         except TransportError as error:
-            log.info("%s: contribution for fragment %d not delivered: %s", self.node_id, due.fragment, error)
+            self._undelivered.failed(leader, f"fragment {due.fragment} not delivered: {error}")
             return
+        self._undelivered.succeeded(leader)
         if self.transfer is not None:
             self.transfer.observe(self.clock.monotonic() - started, kind="contribution")
 
