@@ -336,7 +336,8 @@ class SyncSpec:
     codec_down: str = "int4"
     merge: str = "rda"
     weighting: str = "tokens"
-    # Off: measured in the sparseloco recipe in docs/PARITY.md ("Median-norm scaling").
+    # Off: level in the sparseloco recipe (uniform, two seeds) and 4.0% worse with a straggler
+    # (docs/PARITY.md, "The `sparseloco` preset, two seeds").
     contribution_norm: str = "none"
     apply: str = "overwrite"
     mix_alpha: float = 0.5
