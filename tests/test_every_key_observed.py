@@ -205,6 +205,8 @@ OBSERVED: dict[str, tuple[str, ...]] = {
                        "tests/test_merge.py::test_embeddings_use_the_weighted_mean_and_other_tensors_rda"),
     "run.sync.weighting": (E + "test_sync_merge_and_weighting_change_the_merged_outer_gradient",
                            "tests/test_merge.py::test_embeddings_use_the_weighted_mean_and_other_tensors_rda"),
+    "run.sync.contribution_norm": ("tests/test_contribution_norm.py::test_the_syncer_merges_with_the_manifests_contribution_norm",
+                                   "tests/test_contribution_norm.py::test_the_merge_scales_each_outer_gradient_to_the_median_norm_first"),
     "run.sync.apply": ("tests/test_apply.py::test_the_rule_comes_from_the_run_manifest",
                        "tests/test_apply.py::test_mix_blends_local_and_merged_when_our_work_is_in",
                        "tests/test_apply.py::test_eager_takes_the_progress_made_while_the_round_was_in_flight_on_top_of_the_merge"),

@@ -23,6 +23,9 @@ from diloco_node.config.presets import expand_preset
 
 CODEC_NAMES = ("fp32", "bf16", "int8", "int4", "e3m0", "topk2", "union8")
 MERGE_METHODS = ("mean", "rda", "support_mean")
+# "median": each contribution rescaled to the round's median norm before the merge (Covenant-72B;
+# sync/contribution_norm.py, which holds the same names).
+CONTRIBUTION_NORMS = ("none", "median")
 # Uplink codecs that send a sparse or low-bit approximation whose error must be carried to the
 # next send (error feedback, learn/error_feedback.py); the dense codecs never use it, so a run that
 # names them reproduces the runs made before error feedback existed.
@@ -333,6 +336,9 @@ class SyncSpec:
     codec_down: str = "int4"
     merge: str = "rda"
     weighting: str = "tokens"
+    # Off: level in the sparseloco recipe (uniform, two seeds) and 4.0% worse with a straggler
+    # (docs/PARITY.md, "The `sparseloco` preset, two seeds").
+    contribution_norm: str = "none"
     apply: str = "overwrite"
     mix_alpha: float = 0.5
     # A merge that lacks this learner's contribution: keep its unsent progress on top of the merge
@@ -361,6 +367,7 @@ class SyncSpec:
         _choice("sync", "codec_down", self.codec_down, CODEC_NAMES)
         _choice("sync", "merge", self.merge, MERGE_METHODS)
         _choice("sync", "weighting", self.weighting, WEIGHTINGS)
+        _choice("sync", "contribution_norm", self.contribution_norm, CONTRIBUTION_NORMS)
         _choice("sync", "apply", self.apply, APPLY_MODES)
         _require(0.0 <= self.mix_alpha <= 1.0, "sync.mix_alpha: must be in [0, 1]")
         _require(self.max_tokens_per_step >= 1, "sync.max_tokens_per_step: must be >= 1")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable, Collection, Iterable, Iterator, Mapp
 
 import numpy as np
 
+from diloco_node.sync.contribution_norm import CONTRIBUTION_NORMS, median_nonzero_norm, median_norm_factors
 from diloco_node.sync.outer import all_finite, finite_float32
 
 if TYPE_CHECKING:  # only for annotations
@@ -545,26 +546,40 @@ def _delta_pieces(c: Contribution, name: str) -> Iterator[np.ndarray]:
 
 
 def _outer_source(c: Contribution, name: str, current: Mapping[str, np.ndarray],
-                  base: Mapping[str, np.ndarray] | None) -> VectorSource:
+                  base: Mapping[str, np.ndarray] | None, factor: float = 1.0) -> VectorSource:
     """Contribution c's outer gradient for one tensor, as a stream of blocks: its delta, rebased
-    block by block when its base is older (the bits of `rebase`, which is elementwise)."""
+    block by block when its base is older (the bits of `rebase`, which is elementwise), times
+    `factor` (float32) unless that is 1 (sync.contribution_norm; 1 leaves the bits as they are)."""
     size = math.prod(np.shape(current[name]))
+    scale = np.float32(factor) if factor != 1.0 else None
 
     def blocks() -> Iterator[np.ndarray]:
         delta = _Stream(_delta_pieces(c, name))
         if base is None:
             for lo, hi in _blocks(size):
-                yield delta.read(lo, hi)
+                # A scaled copy, never in place: the values may be the contribution's own array.
+                # No name keeps a block once yielded (two blocks held at once would double the peak).
+                yield delta.read(lo, hi) if scale is None else np.multiply(delta.read(lo, hi), scale, dtype=np.float32)
             return
         now, then = np.asarray(current[name]).reshape(-1), np.asarray(base[name]).reshape(-1)
         with np.errstate(over="ignore", invalid="ignore"):  # non-finite rebases are rejected by name
             for lo, hi in _blocks(size):
                 moved = np.subtract(now[lo:hi], then[lo:hi], dtype=np.float32)
                 np.add(moved, delta.read(lo, hi), out=moved, dtype=np.float32)
+                if scale is not None:
+                    moved *= scale  # the rebase's own temporary
                 yield moved
                 del moved
 
     return lambda: _Stream(blocks())
+
+
+def _outer_norm(c: Contribution, current: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray]) -> float:
+    """The fragment-wide L2 norm of c's outer gradient rebased from `base` (one more read of it)."""
+    total = 0.0
+    for name in sorted(current):
+        total += _sum_squares(_outer_source(c, name, current, base)().read, 0, int(np.size(current[name])))
+    return math.sqrt(total)
 
 
 def _finite_source(source: VectorSource, size: int) -> bool:
@@ -583,6 +598,7 @@ def merge_contributions(
     embedding_names: Collection[str],
     norm_outlier_factor: float = DEFAULT_NORM_OUTLIER_FACTOR,
     reference_norm: float | None = None,
+    contribution_norm: str = "none",
 ) -> MergeResult:
     """Rebase, validate, weigh and merge one fragment round's contributions.
 
@@ -591,12 +607,16 @@ def merge_contributions(
     does not depend on arrival order; a second contribution from the same learner is rejected.
     Norm outliers are judged on the learner-side delta (before rebasing: the rebase term is the
     syncer's own, trusted data) against factor x the round median (when >= 3 contributions) and
-    factor x `reference_norm` (the running reference, when known).
+    factor x `reference_norm` (the running reference, when known). `contribution_norm` "median"
+    rescales each accepted outer gradient (rebased ones after rebasing) to the median norm of the
+    accepted ones before merging (sync/contribution_norm.py).
     """
     if method not in MERGE_METHODS:
         raise ValueError(f"merge method {method!r}: must be one of {', '.join(MERGE_METHODS)}")
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting {weighting!r}: must be one of {', '.join(WEIGHTINGS)}")
+    if contribution_norm not in CONTRIBUTION_NORMS:
+        raise ValueError(f"contribution_norm {contribution_norm!r}: must be one of {', '.join(CONTRIBUTION_NORMS)}")
     if not norm_outlier_factor > 1.0:
         raise ValueError(f"norm_outlier_factor = {norm_outlier_factor} must be > 1")
     current_round = history.newest_round
@@ -663,23 +683,25 @@ def merge_contributions(
                          and lower_middle > norm_outlier_factor * reference_norm)
         if not scale_changed:
             limits.append((reference_norm, "the running reference"))
-    survivors: list[tuple[Contribution, float]] = []
+    survivors: list[tuple[Contribution, float, float]] = []  # (c, weight, |delta|)
     for c, weight, n in candidates:
         over = [(ref, label) for ref, label in limits if n > norm_outlier_factor * ref]
         if over:
             ref, label = over[0]
             reject(c.learner, f"norm {_fmt(n)} is {n / ref:.1f}x {label} {_fmt(ref)} (limit {norm_outlier_factor:g}x)")
             continue
-        survivors.append((c, weight))
+        survivors.append((c, weight, n))
 
     # 3. stale contributions: their base must still be in the history, and the rebased values finite.
     # Checked tensor by tensor before merging (the accepted set decides the weights); the merge
     # below rebases each tensor again rather than keeping K rebased fragments in memory.
     accepted_items: list[tuple[Contribution, Mapping[str, np.ndarray] | None, float]] = []  # (c, base, weight)
+    outer_norms: list[float] = []  # |outer gradient| of each accepted item: its delta's, or its rebase's
     rebased_count = 0
-    for c, weight in survivors:
+    for c, weight, n in survivors:
         if c.base_round == current_round:
             accepted_items.append((c, None, weight))
+            outer_norms.append(n)
             continue
         base = history.version(c.base_round)
         if base is None:
@@ -691,6 +713,7 @@ def merge_contributions(
             reject(c.learner, f"non-finite values after rebasing from round {c.base_round}")
             continue
         accepted_items.append((c, base, weight))
+        outer_norms.append(_outer_norm(c, current, base) if contribution_norm == "median" else n)
         rebased_count += 1
 
     delta_norms = tuple((c.learner, n) for c, _, n in candidates)
@@ -707,11 +730,12 @@ def merge_contributions(
     # values decoded (and rebased) a chunk at a time as they are folded in: besides the float32
     # result, one block's temporaries (`merge_block_bytes`)
     weights = np.asarray([w for _, _, w in accepted_items], dtype=np.float64)  # each finite and > 0 (step 1)
+    factors = median_norm_factors(outer_norms) if contribution_norm == "median" else [1.0] * len(accepted_items)
     embeddings = set(embedding_names)
     outer: dict[str, np.ndarray] = {}
     for name in sorted(current):
         shape = tuple(np.shape(current[name]))
-        sources = [_outer_source(c, name, current, base) for c, base, _ in accepted_items]
+        sources = [_outer_source(c, name, current, base, f) for (c, base, _), f in zip(accepted_items, factors)]
         if method == "rda" and name not in embeddings:
             outer[name] = _rda_fold(sources, weights, shape)
         elif method == "support_mean":
@@ -720,6 +744,8 @@ def merge_contributions(
             outer[name] = _mean_fold(sources, weights, shape)
     accepted = tuple((c.learner, w) for c, _, w in accepted_items)
     how = f"{method}, {'token-weighted' if weighting == 'tokens' else 'uniform weights'}"
+    if contribution_norm == "median":
+        how += f", each scaled to the median norm {_fmt(median_nonzero_norm(outer_norms))}"
     reason = (f"merged {len(accepted)} of {total} contribution(s) for fragment {fragment} at round {current_round} "
               f"({how}): " + ", ".join(f"{learner} w={_fmt(w)}" for learner, w in accepted))
     if rebased_count:

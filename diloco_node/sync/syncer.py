@@ -344,7 +344,8 @@ class Syncer:
         result = merge_contributions(
             contributions, state.fragment_params(p, copies=False), state.history(p),
             method=self.rules.method, weighting=self.rules.weighting, caps=self.caps,
-            embedding_names=self.embedding_names, reference_norm=taken.reference_norm)
+            embedding_names=self.embedding_names, reference_norm=taken.reference_norm,
+            contribution_norm=sync.contribution_norm)
         norm_ref = self.norm_ref.advanced(taken.reference_norm, result.round_median_norm)
         reason = f"fragment {p}: {taken.decision_reason}; {result.reason}"
         if result.outer_gradient is None:
