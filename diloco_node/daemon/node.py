@@ -41,6 +41,7 @@ from diloco_node.daemon.training import Learner, watch_cluster_learner
 from diloco_node.learn.cluster import share_manifest
 from diloco_node.ops.checkpoint import CheckpointError
 from diloco_node.ops.systemd import extend_while_progressing, run_watchdog
+from diloco_node.transport.orphaned_uploads import quiet_orphaned_uploads
 
 log = logging.getLogger("diloco_node.daemon")
 
@@ -69,6 +70,7 @@ class Node:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
+        quiet_orphaned_uploads(loop)  # a peer that hangs up mid-upload is already reported, once per streak
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
