@@ -43,7 +43,7 @@ def measure(args: argparse.Namespace) -> dict:
     learner = InnerLearner(model, inner, 0, site_mesh=mesh)
     tokens = np.random.default_rng(0).integers(0, args.vocab_size, (args.batch_size, args.seq_len), dtype=np.int32)
     batch = mesh.put_batch(tokens)
-    plan = learner._step.lower(learner.param_leaves, learner.opt_leaves, batch, batch).compile().memory_analysis()
+    plan = learner.lower_step(batch, batch).compile().memory_analysis()
     planned = None if plan is None else int(plan.argument_size_in_bytes + plan.output_size_in_bytes
                                             + plan.temp_size_in_bytes - plan.alias_size_in_bytes)
     jax.block_until_ready(learner.step(tokens, tokens))

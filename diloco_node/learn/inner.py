@@ -30,6 +30,7 @@ from diloco_node.learn import factory
 from diloco_node.learn import model as model_lib
 from diloco_node.learn import stacked_rows
 from diloco_node.learn.mesh import SiteMesh
+from diloco_node.learn.packed_state import Packing, packing_of
 from diloco_node.sync.fragments import is_embedding
 
 
@@ -223,23 +224,26 @@ def _train_step_fn(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, mic
     return step
 
 
-def _over_leaves(step: Callable, param_def: Any, opt_def: Any) -> Callable:
-    """`step` over the leaf lists of the parameters and the optimizer state (each rebuilt from its
-    treedef inside the trace, flattened again on the way out).
+def _over_buffers(step: Callable, param_def: Any, opt_def: Any, param_packing: Packing,
+                  opt_packing: Packing) -> Callable:
+    """`step` over the packed buffers of the parameters and the optimizer state (learn/packed_state.py):
+    the leaves are sliced out and each tree rebuilt from its treedef inside the trace, and the new
+    leaves flattened and packed again on the way out.
 
     Why: a flax NNX State's leaves sit in `Variable` nodes that JAX flattens and rebuilds in Python
-    at every call of a jitted function (about 0.02 ms per leaf: 4 ms per step at llama-1m on two
-    loaded cores, and it grows with the number of tensors). A list of arrays is flattened in C++.
-    The computation is the same (same leaves, same order), so the results are bit for bit equal.
+    at every call of a jitted function (about 0.02 ms per leaf), and even a list of arrays costs
+    the call about 2 µs per array in and out; a few buffers cost neither. The computation is the
+    same (same leaves, same order).
     """
-    def flat_step(param_leaves, opt_leaves, inputs_BxL, targets_BxL):
-        params, opt_state, loss, grad_norm = step(jax.tree.unflatten(param_def, param_leaves),
-                                                  jax.tree.unflatten(opt_def, opt_leaves), inputs_BxL, targets_BxL)
+    def flat_step(param_buffers, opt_buffers, inputs_BxL, targets_BxL):
+        params, opt_state, loss, grad_norm = step(jax.tree.unflatten(param_def, param_packing.leaves(param_buffers)),
+                                                  jax.tree.unflatten(opt_def, opt_packing.leaves(opt_buffers)),
+                                                  inputs_BxL, targets_BxL)
         new_params, new_param_def = jax.tree.flatten(params)
         new_opt, new_opt_def = jax.tree.flatten(opt_state)
         if new_param_def != param_def or new_opt_def != opt_def:  # at trace time only
             raise AssertionError("the step changed the structure of the parameters or the optimizer state")
-        return new_params, new_opt, loss, grad_norm
+        return param_packing.buffers(new_params), opt_packing.buffers(new_opt), loss, grad_norm
 
     return flat_step
 
@@ -251,31 +255,45 @@ def _state_defs(model: ModelSpec, inner: InnerOptimizer) -> tuple[Any, Any]:
 
 
 @functools.lru_cache(maxsize=16)
+def _packings(model: ModelSpec, inner: InnerOptimizer, site_mesh: SiteMesh | None) -> tuple[Packing, Packing]:
+    """How the parameters and the optimizer state are packed (learn/packed_state.py), on one device
+    (`site_mesh` None) or by the mesh's layout rule."""
+    _, abstract = factory.abstract_model(factory.recipe(model))
+    opt_abstract = jax.eval_shape(_optimizer(model, inner).init, abstract)
+    if site_mesh is None:
+        return packing_of(abstract), packing_of(opt_abstract)
+    replicated = site_mesh.replicated()
+    return (packing_of(abstract, site_mesh.tree_shardings(abstract), replicated),
+            packing_of(opt_abstract, site_mesh.tree_shardings(opt_abstract), replicated))
+
+
+@functools.lru_cache(maxsize=16)
 def _compiled_single_step(model: ModelSpec, inner: InnerOptimizer) -> Callable:
-    """One jitted step over leaf lists (`_over_leaves`) per (model, optimizer) per process: later
-    runs reuse its compilation."""
+    """One jitted step over packed buffers (`_over_buffers`) per (model, optimizer) per process:
+    later runs reuse its compilation."""
     graphdef = factory.graphdef_of(model)
-    return jax.jit(_over_leaves(_train_step_fn(graphdef, _optimizer(model, inner)), *_state_defs(model, inner)),
-                   donate_argnums=(0, 1))
+    return jax.jit(_over_buffers(_train_step_fn(graphdef, _optimizer(model, inner)), *_state_defs(model, inner),
+                                 *_packings(model, inner, None)), donate_argnums=(0, 1))
 
 
 @functools.lru_cache(maxsize=16)
 def _compiled_mesh_step(model: ModelSpec, inner: InnerOptimizer, site_mesh: SiteMesh) -> tuple[Callable, Callable]:
-    """(step, init) on a site's mesh: the step over leaf lists (`_over_leaves`) with every input and
-    output's sharding fixed by the layout rule (parameters and moments keep their layout step after
-    step, so a fragment written back with its leaf's sharding never recompiles it), and the
+    """(step, init) on a site's mesh: the step over packed buffers (`_over_buffers`) with every input
+    and output's sharding fixed by the layout rule (parameters and moments keep their layout step
+    after step, so a fragment written back with its leaf's sharding never recompiles it), and the
     optimizer's init with the same."""
     _, abstract = factory.abstract_model(factory.recipe(model))
     graphdef = factory.execution_graphdef(factory.recipe(model), site_mesh.attention, site_mesh.remat)
     tx = _optimizer(model, inner)
     param_shardings = site_mesh.tree_shardings(abstract)
     opt_shardings = site_mesh.tree_shardings(jax.eval_shape(tx.init, abstract))
-    param_leaves, opt_leaves = jax.tree.leaves(param_shardings), jax.tree.leaves(opt_shardings)
+    param_packing, opt_packing = _packings(model, inner, site_mesh)
+    param_buffers, opt_buffers = list(param_packing.buffer_shardings), list(opt_packing.buffer_shardings)
     batch = site_mesh.batch_sharding()
-    step = jax.jit(_over_leaves(_train_step_fn(graphdef, tx, site_mesh.microbatches, site_mesh.microbatch_sharding()),
-                                *_state_defs(model, inner)),
-                   in_shardings=(param_leaves, opt_leaves, batch, batch),
-                   out_shardings=(param_leaves, opt_leaves, site_mesh.replicated(), site_mesh.replicated()),
+    step = jax.jit(_over_buffers(_train_step_fn(graphdef, tx, site_mesh.microbatches, site_mesh.microbatch_sharding()),
+                                 *_state_defs(model, inner), param_packing, opt_packing),
+                   in_shardings=(param_buffers, opt_buffers, batch, batch),
+                   out_shardings=(param_buffers, opt_buffers, site_mesh.replicated(), site_mesh.replicated()),
                    donate_argnums=(0, 1))
     init = jax.jit(tx.init, in_shardings=(param_shardings,), out_shardings=opt_shardings)
     return step, init
@@ -316,6 +334,14 @@ def _placed_params(abstract: nnx.State, initial: Mapping[str, np.ndarray], site_
     return model_lib.load_flat_params(abstract, placed)  # placed float32 arrays are taken as they are
 
 
+def _checked(leaves: list, packing: Packing, what: str) -> list:
+    """`leaves`, which must have the step's shapes (else the step would recompile or misread them)."""
+    shapes = [tuple(np.shape(leaf)) for leaf in leaves]
+    if shapes != list(packing.shapes):
+        raise ValueError(f"{what}: leaf shapes {shapes[:4]}... differ from the step's {list(packing.shapes)[:4]}...")
+    return leaves
+
+
 def _leaves_of(tree: Any, treedef: Any, what: str) -> list:
     """The leaves of `tree`, which must have the step's structure (else the step would recompile
     or misread them)."""
@@ -349,6 +375,7 @@ class InnerLearner:
                 params = model_lib.load_flat_params(params, initial)
             self.graphdef = graphdef
             self._param_def, self._opt_def = _state_defs(model, inner)
+            self._param_packing, self._opt_packing = _packings(model, inner, None)
             self.params = params
             self.opt_state = self.tx.init(params)
             self._step = _compiled_single_step(model, inner)
@@ -362,6 +389,7 @@ class InnerLearner:
             # What the step runs: the model with this site's attention and remat choices.
             self.graphdef = build.execution
             self._param_def, self._opt_def = _state_defs(model, inner)
+            self._param_packing, self._opt_packing = _packings(model, inner, site_mesh)
             if initial is None:  # the site's initialiser, compiled once per mesh
                 self.params = factory.init_params_sharded(model, seed, site_mesh.tree_shardings(abstract),
                                                           site_mesh.replicated(),
@@ -384,8 +412,26 @@ class InnerLearner:
             return self.site_mesh.put_batch(tokens_BxL)
         return tokens_BxL
 
-    # The state lives as two lists of arrays between steps (what the step is jitted over: see
-    # `_over_leaves`); `params` and `opt_state` rebuild the trees on demand, off the step path.
+    # The state lives as a few packed buffers between steps (what the step is jitted over: see
+    # `_over_buffers`); the leaves and the trees are rebuilt on demand, off the step path.
+    @property
+    def param_leaves(self) -> list[jax.Array]:
+        """Copies of the parameters' leaves (their treedef's order)."""
+        return self._param_packing.unpack(self._param_buffers)
+
+    @param_leaves.setter
+    def param_leaves(self, leaves: list[jax.Array]) -> None:
+        self._param_buffers = self._param_packing.pack(_checked(leaves, self._param_packing, "parameters"))
+
+    @property
+    def opt_leaves(self) -> list[jax.Array]:
+        """Copies of the optimizer state's leaves."""
+        return self._opt_packing.unpack(self._opt_buffers)
+
+    @opt_leaves.setter
+    def opt_leaves(self, leaves: list[jax.Array]) -> None:
+        self._opt_buffers = self._opt_packing.pack(_checked(leaves, self._opt_packing, "optimizer state"))
+
     @property
     def params(self) -> nnx.State:
         return jax.tree.unflatten(self._param_def, self.param_leaves)
@@ -402,10 +448,34 @@ class InnerLearner:
     def opt_state(self, opt_state: Any) -> None:
         self.opt_leaves = _leaves_of(opt_state, self._opt_def, "optimizer state")
 
+    @property
+    def param_shardings(self) -> list[Any]:
+        """Each parameter leaf's layout on the devices (what `read_params` gives, `write_params` takes)."""
+        packing = self._param_packing
+        if packing.leaf_shardings is not None:
+            return list(packing.leaf_shardings)
+        return [self._param_buffers[0].sharding] * len(packing.shapes)
+
+    def read_params(self, indices: Iterable[int]) -> list[jax.Array]:
+        """Parameter leaves `indices` (treedef order) as device arrays, by one compiled program: a
+        packed leaf is a new array; a leaf of its own (split over devices) is the array itself, which
+        the next step donates (read it before, or copy it)."""
+        return self._param_packing.read(self._param_buffers, list(indices))
+
+    def write_params(self, values: Mapping[int, jax.Array]) -> None:
+        """Parameter leaves by index, each a device array with its leaf's layout (`param_shardings`),
+        copied in by one compiled program that donates what it overwrites (the values stay the
+        caller's). The optimizer state is kept."""
+        for i, value in values.items():
+            if tuple(value.shape) != self._param_packing.shapes[i]:
+                raise ValueError(f"parameter leaf {i}: shape {tuple(value.shape)} != {self._param_packing.shapes[i]}")
+        if values:
+            self._param_buffers = self._param_packing.write(self._param_buffers, dict(values))
+
     def step(self, inputs_BxL: np.ndarray, targets_BxL: np.ndarray) -> jax.Array:
         """One AdamW step; returns the loss as a device array (fetch it when convenient)."""
-        self.param_leaves, self.opt_leaves, loss, self.last_grad_norm = self._step(
-            self.param_leaves, self.opt_leaves, self._put_batch(inputs_BxL), self._put_batch(targets_BxL))
+        self._param_buffers, self._opt_buffers, loss, self.last_grad_norm = self._step(
+            self._param_buffers, self._opt_buffers, self._put_batch(inputs_BxL), self._put_batch(targets_BxL))
         self.steps += 1
         self.tokens += int(np.size(targets_BxL))
         return loss
@@ -415,18 +485,22 @@ class InnerLearner:
         optimizer's count before that update, as AdamW applied it."""
         return host_learning_rate(self._inner_spec, max(0, step - 1))
 
+    def lower_step(self, inputs_BxL: np.ndarray, targets_BxL: np.ndarray) -> jax.stages.Lowered:
+        """The step lowered for this state and batch shape (compile it, or read its memory plan)."""
+        return self._step.lower(self._param_buffers, self._opt_buffers, self._put_batch(inputs_BxL),
+                                self._put_batch(targets_BxL))
+
     def compile_step(self, inputs_BxL: np.ndarray, targets_BxL: np.ndarray,
                      before_run: Callable[[], None] | None = None) -> None:
         """Compile the jitted step, then run it once on throw-away copies (the state is untouched:
         the step donates its inputs, so it must not see the real buffers). `before_run` is called
         between the two (a multi-host site's processes meet there: learn/cluster.py `meet`)."""
-        params = [jnp.copy(leaf) for leaf in self.param_leaves]
-        opt_state = [jnp.copy(leaf) for leaf in self.opt_leaves]
-        batch = self._put_batch(inputs_BxL), self._put_batch(targets_BxL)
-        self._step.lower(params, opt_state, *batch).compile()  # the call below reuses this compilation
+        self.lower_step(inputs_BxL, targets_BxL).compile()  # the call below reuses this compilation
+        params = [jnp.copy(buffer) for buffer in self._param_buffers]
+        opt_state = [jnp.copy(buffer) for buffer in self._opt_buffers]
         if before_run is not None:
             before_run()
-        _, _, loss, _ = self._step(params, opt_state, *batch)
+        _, _, loss, _ = self._step(params, opt_state, self._put_batch(inputs_BxL), self._put_batch(targets_BxL))
         jax.block_until_ready(loss)
 
     def compiled_variants(self) -> int:

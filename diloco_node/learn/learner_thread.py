@@ -122,14 +122,6 @@ _copy_fragment = jax.jit(lambda arrays: {name: jnp.copy(array) for name, array i
 HOST_TIMES_KEPT = 4096
 
 
-def _install_program(shardings: Mapping[str, jax.sharding.Sharding]) -> Callable:
-    """One fragment's merged values written over its parameter leaves: a copy into the donated old
-    buffers (the device base keeps the offered arrays, so the step must not donate those), with each
-    leaf's own sharding so the step never recompiles."""
-    return jax.jit(lambda old, new: {name: jnp.copy(new[name]) for name in old}, donate_argnums=0,
-                   out_shardings=dict(shardings), keep_unused=True)
-
-
 def learner_index(node_id: str) -> int:
     """A stable per-site stream index for the batch sampler (different sites, different batches)."""
     return int.from_bytes(hashlib.sha256(node_id.encode()).digest()[:4], "little")
@@ -173,8 +165,8 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
             raise RuntimeError("parameter leaf names do not match the model's flat names")
         # Every parameter's layout on the site's devices: a merged fragment is written back with
         # exactly its leaf's sharding, so the compiled step sees the same inputs (no recompile).
-        leaves = self._inner.param_leaves
-        self._shardings = {name: leaves[i].sharding for name, i in self._leaf_index.items()}
+        shardings = self._inner.param_shardings
+        self._shardings = {name: shardings[i] for name, i in self._leaf_index.items()}
         self._pending_reads: list[_PendingRead] = []
         self._sampler = data_lib.BatchSampler(corpus.train, manifest.inner.batch_size, manifest.model.seq_len,
                                               manifest.seed, learner_index(node_id))
@@ -203,8 +195,6 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         # the host base at each due fragment instead (one host-to-device copy of the fragment).
         self._base_on_device = base_on_device and self._encode_on_device
         self._device_base: list[dict[str, jax.Array]] = []
-        self._installs = ([_install_program({n: self._shardings[n] for n in f.names}) for f in plan.fragments]
-                          if self._base_on_device else [])
         self._place_device_base(global_params)
         # Bytes handed from the device to the host for due fragments, and their float32 size.
         self.due_transfer_bytes = 0
@@ -248,8 +238,9 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
                 jax.block_until_ready(self._delta_programs[p](self._delta_base(p), leaves))
             else:
                 jax.block_until_ready(_copy_fragment(leaves))
-            if self._installs:  # on throw-away copies: the install donates what it overwrites
-                jax.block_until_ready(self._installs[p](_copy_fragment(leaves), self._device_base[p]))
+            # the merged fragment's write: the current values written back (copies, as the write
+            # donates what it overwrites)
+            self._write_params(_copy_fragment(self._fragment_leaves(fragment.names)))
         return time.perf_counter() - started
 
     def _place_device_base(self, values: Mapping[str, np.ndarray]) -> None:
@@ -419,20 +410,17 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         taken = {p: offer for p, offer in offers.items() if offer.round > self.base_rounds[p]}
         if taken:
             rule = self._apply_rule
-            # Fast path (overwrite, the common case): one write of the device copies made when the
-            # fragments were offered, straight into the parameter leaves. Anything else (mix, or a
-            # merge without our unsent work) goes through the apply rule on host copies.
+            # Fast path (overwrite, the common case): one compiled write of the device copies made
+            # when the fragments were offered into the parameters (it copies them: the device base
+            # keeps the offered arrays). Anything else (mix, or a merge without our unsent work)
+            # goes through the apply rule on host copies.
             incoming: dict[str, Any] = {}
-            installs: dict[int, dict[str, jax.Array]] = {}
             for p, offer in taken.items():
                 counters = FragmentCounters(self.c_steps[p], self.c_tokens[p])
                 contributors = offer.contributors_after(self.base_rounds[p])
                 keeps_local = rule.keep_unmerged and self.node_id not in contributors and counters.c_steps > 0
                 if rule.mode == "overwrite" and not keeps_local:
-                    if self._installs:
-                        installs[p] = offer.on_device
-                    else:
-                        incoming.update(offer.on_device)
+                    incoming.update(offer.on_device)
                     counters = FragmentCounters()
                 else:
                     local = self._read_params(offer.params)
@@ -441,12 +429,10 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
                     incoming.update(new)
                 self.base_rounds[p] = offer.round
                 self._base_params[p] = offer.params
-                if self._base_on_device:  # the offer's placed arrays, never donated (installs copy them)
+                if self._base_on_device:  # the offer's placed arrays, never donated (writes copy them)
                     self._device_base[p] = offer.on_device
                 self.c_steps[p], self.c_tokens[p] = counters.c_steps, counters.c_tokens
                 self._reset_if_installed(p, offer)
-            for p, values in installs.items():
-                incoming.update(self._installs[p](self._fragment_leaves(values), values))
             self._write_params(incoming)
 
     def _reset_if_installed(self, p: int, offer: _Offer) -> None:
@@ -463,28 +449,27 @@ class LearnerThread(LearnerHandoffs[LearnerSnapshot]):
         return DueFragment(p, base_round, c_steps, c_tokens, delta, step)
 
     def _fragment_leaves(self, names: Iterable[str]) -> dict[str, jax.Array]:
-        leaves = self._inner.param_leaves
-        return {n: leaves[self._leaf_index[n]] for n in names}
+        """The named parameters as device arrays (`InnerLearner.read_params`: the next step donates
+        a leaf that is not packed, so read them before it or copy them)."""
+        names = list(names)
+        return dict(zip(names, self._inner.read_params([self._leaf_index[n] for n in names])))
 
     def _read_params(self, names: Iterable[str]) -> dict[str, np.ndarray]:
         """Host copies of the named local tensors (only those: a due fragment needs its own)."""
         return host_copies(self._fragment_leaves(names))
 
     def _write_params(self, flat: Mapping[str, Any]) -> None:
-        """Write tensors into the parameter leaves, each with its leaf's own sharding (a host value
-        is placed, a device value already placed by `offer_fragment` is taken as it is)."""
-        if not flat:
-            return
-        leaves = list(self._inner.param_leaves)
+        """Write tensors into the parameters, each with its leaf's own sharding (a host value is
+        placed, a device value already placed by `offer_fragment` is taken as it is), by one
+        compiled write that copies them in (the values stay the caller's)."""
+        values = {}
         for name, value in flat.items():
             i = self._leaf_index[name]
-            if tuple(np.shape(value)) != tuple(leaves[i].shape):
-                raise ValueError(f"parameter {name}: shape {np.shape(value)} != {tuple(leaves[i].shape)}")
             sharding = self._shardings[name]
             if not (isinstance(value, jax.Array) and value.sharding == sharding):
                 value = place(np.asarray(value, dtype=np.float32), sharding)
-            leaves[i] = value
-        self._inner.param_leaves = leaves
+            values[i] = value
+        self._inner.write_params(values)
 
     def _start_read(self, p: int) -> None:
         """Fragment p is due: copy its tensors on the device (one dispatch, queued behind the step
