@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco_node.testbed.launcher import Site
+from diloco_node.testbed.launcher import DEFAULT_SETTINGS, Site
 from diloco_node.testbed.local_cluster import Cluster
 
 from conftest import all_ready, eventually, voters
@@ -29,6 +29,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 STARTUP_S = 150.0  # several JAX processes compiling at once on two shared cores
 FOUNDERS = {"a", "b", "c"}
+# Half the testbed's commit rate (period 16, not 8): what these tests watch happens as soon, and
+# the lease holder's per-commit work, most of a test cluster's CPU, is halved.
+SETTINGS = (*DEFAULT_SETTINGS, "run.sync.period=16")
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +43,10 @@ def shared_run(tmp_path_factory: pytest.TempPathFactory):
     notify.setblocking(False)
     c.notify_socket = notify  # type: ignore[attr-defined]
     try:
-        a = c.add("a", env={"NOTIFY_SOCKET": str(c.root / "notify.sock")})
+        a = c.add("a", settings=SETTINGS, env={"NOTIFY_SOCKET": str(c.root / "notify.sock")})
         c.wait_for("a ready", lambda s: s.get("a", {}).get("ready", False), STARTUP_S)
-        c.add("b", bootstrap=a)
-        c.add("c", bootstrap=a)
+        c.add("b", bootstrap=a, settings=SETTINGS)
+        c.add("c", bootstrap=a, settings=SETTINGS)
         yield c
     finally:
         c.close()
@@ -136,7 +139,7 @@ def test_wrong_secret_is_refused_and_changes_nothing(cluster: Cluster, tmp_path:
     other_secret = tmp_path / "other-secret"
     other_secret.write_bytes(b"x" * 48)
     other_secret.chmod(0o600)
-    intruder = cluster.add("intruder", bootstrap=cluster.sites["a"], secret_file=other_secret)
+    intruder = cluster.add("intruder", bootstrap=cluster.sites["a"], settings=SETTINGS, secret_file=other_secret)
     try:
         code = intruder.wait(60)
         text = intruder.log_text()
@@ -151,14 +154,14 @@ def test_wrong_secret_is_refused_and_changes_nothing(cluster: Cluster, tmp_path:
 
 
 def test_contradicting_manifest_is_refused_with_a_clear_error(cluster: Cluster) -> None:
-    odd = cluster.add("odd", bootstrap=cluster.sites["a"], extra=["--set", "run.sync.period=16"])
+    odd = cluster.add("odd", bootstrap=cluster.sites["a"], settings=SETTINGS, extra=["--set", "run.sync.period=32"])
     try:
         code = odd.wait(90)
         text = odd.log_text()
     finally:
         cluster.remove("odd")
     assert code == 3, f"odd exited with {code}"
-    assert "contradict" in text and "sync.period: 16 != 8" in text, text[-2000:]
+    assert "contradict" in text and "sync.period: 32 != 16" in text, text[-2000:]
     after = cluster.poll()
     assert all("odd" not in {m["node_id"] for m in d["members"]} for d in after.values())
 
@@ -316,7 +319,7 @@ def test_a_non_members_contribution_is_refused_with_403(cluster: Cluster) -> Non
 
 
 def test_fourth_site_joins_mid_run_and_is_merged(cluster: Cluster) -> None:
-    d = cluster.add("d", bootstrap=cluster.sites["b"])
+    d = cluster.add("d", bootstrap=cluster.sites["b"], settings=SETTINGS)
     cluster.wait_for("d ready and a voter everywhere", lambda s: all_ready({"a", "b", "c", "d"})(s)
                      and all("d" in voters(doc) for doc in s.values()), STARTUP_S)
     deadline = time.monotonic() + 60
@@ -336,7 +339,7 @@ def test_fourth_site_joins_mid_run_and_is_merged(cluster: Cluster) -> None:
 
 def test_witness_votes_and_replicates_without_training(cluster: Cluster) -> None:
     names = {n for n, s in cluster.sites.items() if s.running}
-    cluster.add("w", bootstrap=cluster.sites["a"], extra=["--role", "witness"])
+    cluster.add("w", bootstrap=cluster.sites["a"], settings=SETTINGS, extra=["--role", "witness"])
     cluster.wait_for("w ready and a voter everywhere", lambda s: all_ready(names | {"w"})(s)
                      and all("w" in voters(doc) for doc in s.values()), STARTUP_S)
     index = cluster.common_commit_index({"w", *names}, 60)
