@@ -194,6 +194,24 @@ def small_replica(outer=None):
     return Replica(plan, initial, outer or OuterOptimizer())
 
 
+def replica_with_rounds(shapes: dict, rng, rounds: int = 2):
+    """(plan, replica): one fragment over `shapes`, random initial values from `rng`, and `rounds`
+    small outer steps already applied to it (rounds a stale contribution is rebased from)."""
+    import numpy as np
+
+    from diloco_node.config.manifest import OuterOptimizer
+    from diloco_node.sync.fragments import plan_fragments
+    from diloco_node.sync.replica import Replica
+
+    plan = plan_fragments(shapes, 1, 2, 0)
+    replica = Replica(plan, {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()},
+                      OuterOptimizer())
+    for _ in range(rounds):
+        replica.state.apply_outer_gradient(0, {n: (1e-3 * rng.standard_normal(s)).astype(np.float32)
+                                               for n, s in shapes.items()})
+    return plan, replica
+
+
 def byte_batches(rng, m: int):
     """Random token ids in [0, 256) for `m` stacked learners of 2 windows of 16: (inputs, targets),
     each of shape (m, 2, 16), the targets the inputs shifted by one."""

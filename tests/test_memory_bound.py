@@ -14,6 +14,8 @@ from diloco_node.daemon.memory_bound import issue_target_bytes, memory_bound_byt
 from diloco_node.transport import server
 from wire.limits import MiB
 
+from conftest import replica_with_rounds
+
 ROOT = Path(__file__).resolve().parents[1]
 # The data-plane benchmark's 1B model (Llama-3.2-1B shapes, 32,000-token vocabulary) at P = 24:
 # its parameters and its largest fragment (the embedding, alone), as benchmarks/dataplane.py reports.
@@ -86,11 +88,9 @@ def test_the_commit_term_is_what_the_lease_holders_merge_and_commit_hold(monkeyp
 
     import numpy as np
 
-    from diloco_node.config.manifest import OuterOptimizer, RunManifest, SyncSpec
+    from diloco_node.config.manifest import RunManifest, SyncSpec
     from diloco_node.sync import merge
-    from diloco_node.sync.fragments import plan_fragments
     from diloco_node.sync.merge import Contribution, merge_contributions
-    from diloco_node.sync.replica import Replica
     from diloco_node.sync.syncer import OpenRound, Syncer, TakenRound
     from wire.contribution_stream import ContributionAssembler, contribution_chunks, open_for
     from wire.limits import Limits
@@ -99,13 +99,8 @@ def test_the_commit_term_is_what_the_lease_holders_merge_and_commit_hold(monkeyp
     monkeypatch.setattr(merge, "MERGE_BLOCK_ELEMENTS", block)
     shapes = {"embed/embedding": (2048, 1024)}  # 2M values, T = 8 MiB
     tensor_bytes = 4 * math.prod(shapes["embed/embedding"])
-    plan = plan_fragments(shapes, 1, 2, 0)
     rng = np.random.default_rng(0)
-    replica = Replica(plan, {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()},
-                      OuterOptimizer())
-    for _ in range(2):  # rounds to rebase from
-        replica.state.apply_outer_gradient(0, {n: (1e-3 * rng.standard_normal(s)).astype(np.float32)
-                                               for n, s in shapes.items()})
+    plan, replica = replica_with_rounds(shapes, rng)  # two rounds to rebase from
     limits = Limits(max_chunk_elements=block)
     pending = {}
     for learner, lag in (("a", 0), ("b", 2), ("c", 0), ("d", 1)):

@@ -11,6 +11,8 @@ from diloco_node.sync.merge import Contribution
 from diloco_node.sync.quorum import QuorumPolicy
 from diloco_node.sync.syncer import HELD_RETRY_S, RoundRules, Syncer
 
+from conftest import replica_with_rounds
+
 MANIFEST = RunManifest(sync=SyncSpec(fragments=4, period=8, overlap=2, min_quorum=1))
 PLAN = plan_fragments({f"t{i}": (4,) for i in range(4)}, 4, 8, 2)  # offsets 0, 2, 4, 6: slots 2 steps apart
 
@@ -90,20 +92,13 @@ def test_the_holders_commit_and_the_apply_hold_few_copies_of_a_one_tensor_fragme
     from diloco_node.sync import merge
 
     from bootstrap.entries import EntryKind, LogEntry
-    from diloco_node.config.manifest import OuterOptimizer
-    from diloco_node.sync.replica import Replica
     from diloco_node.sync.syncer import OpenRound, TakenRound
 
     shapes = {"embed/embedding": (2048, 1024)}  # 2M values, T = 8 MiB
     tensor_bytes = 4 * 2048 * 1024
     manifest = RunManifest(sync=SyncSpec(fragments=1, period=2, overlap=0, min_quorum=1))
-    plan = plan_fragments(shapes, 1, 2, 0)
     rng = np.random.default_rng(0)
-    replica = Replica(plan, {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()},
-                      OuterOptimizer())
-    for _ in range(2):  # rounds to rebase from
-        replica.state.apply_outer_gradient(0, {n: (1e-3 * rng.standard_normal(s)).astype(np.float32)
-                                               for n, s in shapes.items()})
+    plan, replica = replica_with_rounds(shapes, rng)  # two rounds to rebase from
     pending = {}
     for learner, lag in (("a", 0), ("b", 2)):
         delta = {n: (1e-3 * rng.standard_normal(s)).astype(np.float32) for n, s in shapes.items()}
