@@ -73,6 +73,40 @@ def test_the_mark_follows_the_durable_end_at_most_once_per_interval(tmp_path):
     assert unframe((tmp_path / MARK_FILE).read_bytes(), "fsynced_through") == {"fsynced_through": 9}
 
 
+def _marked(directory: Path) -> int:
+    return unframe((directory / MARK_FILE).read_bytes(), "fsynced_through")["fsynced_through"]
+
+
+def test_a_clean_stop_settles_the_mark_at_what_this_process_fsynced(tmp_path):
+    store, _ = _log(tmp_path, 8, mark_every_s=3600.0)
+    assert not (tmp_path / MARK_FILE).exists()
+    store.settle_mark()
+    store.close()
+    assert _marked(tmp_path) == 8
+    # A restart that only read the log marks nothing: those entries may never have been fsynced.
+    (tmp_path / MARK_FILE).unlink()
+    reloaded = CoordinationStore(tmp_path)
+    reloaded.load_persistent()
+    reloaded.settle_mark()
+    assert not (tmp_path / MARK_FILE).exists()
+
+
+def test_the_settled_mark_never_passes_a_cut_the_leader_made(tmp_path):
+    store, state = _log(tmp_path, 8, mark_every_s=3600.0)
+    del state.log.entries[4:]  # a new leader cut 5..8 (uncommitted here): the log ends at 4
+    store.sync(state)
+    store.settle_mark()
+    assert _marked(tmp_path) == 4
+
+
+def test_a_failed_settle_keeps_the_older_mark_and_says_so(tmp_path):
+    store, _ = _log(tmp_path, 8, mark_every_s=3600.0)
+    failpoints.arm("log.append=eio*1")
+    store.settle_mark()
+    assert not (tmp_path / MARK_FILE).exists()
+    assert "not written at stop" in str(STORAGE.to_status()["failing"])
+
+
 def test_a_cut_at_a_record_boundary_below_the_mark_is_damage_and_sets_the_vote_barrier(tmp_path):
     _log(tmp_path, 8, mark_every_s=0.0)
     log_bin = tmp_path / "log.bin"

@@ -105,6 +105,10 @@ class CoordinationStore:
         self._written_manifest: str | None = None
         self._log_bytes = 0
         self._log_handle: Any = None
+        # The last index this process itself appended and fsynced (0: none yet): what a clean
+        # stop may record as the high-water mark (`settle_mark`). An entry only read at load may
+        # still sit in the page cache of a crashed process, so it is never marked from here.
+        self._fsynced_last = 0
         # An append that failed may have left part of its records past `_log_bytes`: cut off
         # before the next append, so no torn record ever sits between good ones.
         self._tail_dirty = False
@@ -335,6 +339,7 @@ class CoordinationStore:
         self._written_last = (entries[-1].index, entries[-1].epoch) if entries else None
         self._written_count = len(entries)
         if appended:
+            self._fsynced_last = self.durable_last_index
             self.mark.advance(self.durable_last_index)
         if self.floor.value is not None or self.damaged_after is None:
             # Once log.bin holds it. A damaged log's unknown floor stays unwritten (no vote at all).
@@ -585,6 +590,17 @@ class CoordinationStore:
         self._log_bytes = end
         self._tail_dirty = False
         self._store_payloads(entries, 0)
+
+    def settle_mark(self) -> None:
+        """At a clean stop: raise the high-water mark to the last entry this process appended and
+        fsynced, which the once-per-interval `advance` may not have recorded yet, so the restart's
+        damage check has the strongest true witness. A failure keeps the older mark (on /status)."""
+        last = min(self._fsynced_last, self.durable_last_index)  # a rewrite since may have cut the log
+        if last > self.mark.index:
+            try:
+                self.mark.write(last)
+            except OSError as error:
+                STORAGE.failed("log.append", f"{MARK_FILE} not written at stop: {error}")
 
     def close(self) -> None:
         """Close the files (reads reopen what they need)."""

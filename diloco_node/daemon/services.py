@@ -153,8 +153,8 @@ class Services:
 
     def closers(self) -> tuple[Callable[[], object], ...]:
         """What the node closes at exit, in order (the pools first: no work starts after)."""
-        return (self.pools.close, self.store.close, self.version_rings.close, self.history.close,
-                self.checkpoints.close, self.notifier.close, self.tracking.close)
+        return (self.pools.close, self.store.settle_mark, self.store.close, self.version_rings.close,
+                self.history.close, self.checkpoints.close, self.notifier.close, self.tracking.close)
 
 
 def new_status(cfg: NodeConfig, run_id: str, clock: Clock, tracking: Tracking) -> StatusBuilder:
