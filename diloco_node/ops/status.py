@@ -875,7 +875,8 @@ def status_families(doc: StatusDocument) -> list[MetricFamily]:
                      "1 for each durable step (failpoint name) whose last attempt failed.",
                      tuple(({"point": point}, 1.0) for point in sorted(doc.storage.get("failing", {})))),
         one("diloco_storage_vote_barrier", "gauge",
-            "1 while the node does not vote because its log was found damaged (storage.vote_barrier).",
+            "1 while the node, its log found damaged, votes only for a candidate whose log reaches its "
+            "vote floor, or for no one when the floor is unknown (storage.vote_barrier).",
             float(doc.storage.get("vote_barrier") is not None)),
         one("diloco_evicted_members", "gauge", "Sites evicted from this run (diloco-node evict).",
             float(len(doc.evicted))),
