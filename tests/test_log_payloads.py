@@ -65,6 +65,27 @@ def test_appended_entries_keep_only_a_reference_and_read_the_same_bytes(tmp_path
     _check_stored(loaded.log.entries, expected)
 
 
+def test_loading_holds_one_payload_at_a_time_not_the_whole_log(tmp_path: Path) -> None:
+    import tracemalloc
+
+    size, count = 1 << 20, 24  # a 24 MiB log of 1 MiB payloads
+    entries = [LogEntry(1, i, EntryKind.OUTER_COMMIT, _payload(i, size), fragment=0, round=i) for i in range(2, 2 + count)]
+    expected = {e.index: e.payload for e in entries}
+    store = CoordinationStore(tmp_path)
+    store.sync(_state(entries))
+    store.close()
+    del entries
+    tracemalloc.start()
+    try:
+        loaded = CoordinationStore(tmp_path).load_persistent()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # A few records' worth (the record read, its unpacked payload), never the log's 24 MiB.
+    assert peak < 6 * size, f"loading peaked at {peak / size:.1f} MiB"
+    _check_stored(loaded.log.entries, expected)
+
+
 def test_a_truncated_suffix_is_rewritten_and_old_references_refuse(tmp_path: Path) -> None:
     state = _state(_entries(2, 12))
     store = CoordinationStore(tmp_path)

@@ -216,7 +216,9 @@ class CoordinationStore:
                 failpoints.hit("log.read")
                 with open(self._log_path, "rb") as handle:
                     size = os.fstat(handle.fileno()).st_size
-                    snapshot, located, valid, damage = _scan_log(handle, size, self._log_path)
+                    # Each entry becomes a reference into log.bin as it is read (_stored): one
+                    # record's payload in memory at a time, however long the log.
+                    snapshot, located, valid, damage = _scan_log(handle, size, self._log_path, keep=self._stored)
             last = located[-1][0].index if located else snapshot.last_index
             last_epoch = located[-1][0].epoch if located else snapshot.last_epoch
             floor = self.floor.loaded
@@ -236,7 +238,7 @@ class CoordinationStore:
                     durable.sync_file("log.truncate", handle.fileno(), self._log_path)
             self._log_bytes = valid
             self._set_locations([(e.index, e.epoch, offset, length) for e, offset, length in located], replace=True)
-            entries = [self._stored(e) for e, _, _ in located]
+            entries = [e for e, _, _ in located]
             durable.forget(self._log_path)
             durable.track(self._log_path)
         return snapshot, entries

@@ -13,6 +13,7 @@ import io
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -91,11 +92,14 @@ def decode_log(data: bytes, path: Path) -> tuple[Snapshot, list[LogEntry], int]:
     return snapshot, [entry for entry, _, _ in located], valid
 
 
-def _scan_log(handle: Any, size: int, path: Path,
-              payloads: bool = True) -> tuple[Snapshot, list[tuple[LogEntry, int, int]], int, str | None]:
+def _scan_log(handle: Any, size: int, path: Path, payloads: bool = True,
+              keep: Callable[[LogEntry], LogEntry] | None = None,
+              ) -> tuple[Snapshot, list[tuple[LogEntry, int, int]], int, str | None]:
     """Read a log record by record from `handle` (`size` bytes): (snapshot, [(entry, record offset,
     record length)], byte length of the valid prefix, damage). Entries carry their payload bytes
-    (none with `payloads` False: a scan for the records' places only, one record in memory at a time).
+    (none with `payloads` False: a scan for the records' places only, one record in memory at a time),
+    or what `keep` makes of each entry as it is read (the loader's references into the file), so
+    a long log is never held in memory whole.
 
     A last record that runs past the end of the file is a torn append (it was never fsynced, so
     never acknowledged): the scan stops there, `damage` None. A complete record that fails its
@@ -137,7 +141,11 @@ def _scan_log(handle: Any, size: int, path: Path,
             if record.index != expected:
                 after = f"entry {entries[-1][0].index}" if entries else f"the snapshot through {snapshot.last_index}"
                 raise CoordinationStoreError(f"{path}: entry {record.index} follows {after}")
-            entries.append((record if payloads else replace(record, payload=b""), offset, _RECORD_HEAD.size + length))
+            if keep is not None:
+                record = keep(record)
+            elif not payloads:
+                record = replace(record, payload=b"")
+            entries.append((record, offset, _RECORD_HEAD.size + length))
         offset = start + length
     return snapshot, entries, offset, damage
 
