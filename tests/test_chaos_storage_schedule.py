@@ -161,3 +161,60 @@ def test_the_chaos_command_draws_storage_faults_and_only_the_corruptions_asked_f
     assert not {f["action"] for f in json.loads(capsys.readouterr().out)["faults"]} & set(STORAGE_ACTIONS)
     assert cli.main([*argv, "--storage-faults", "--corruptions", "log:bogus"]) == 2
     assert "log:bogus" in capsys.readouterr().err
+
+
+class _Supervisor:
+    """Records what the harness asks of the processes (a running-log corruption kills nothing)."""
+
+    def __init__(self, alive: bool) -> None:
+        self.calls: list[str] = []
+        self._alive = alive
+
+    def kill(self, node: str) -> None:
+        self.calls.append(f"kill {node}")
+
+    def restart(self, node: str) -> None:
+        self.calls.append(f"restart {node}")
+
+    def alive(self, node: str) -> bool:
+        return self._alive
+
+    def returncode(self, node: str) -> int:
+        return 75
+
+
+class _Nemesis:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict]] = []
+
+    def record(self, kind: str, detail: dict) -> None:
+        self.events.append((kind, detail))
+
+
+@pytest.mark.parametrize("alive_at_heal", [True, False])
+async def test_a_running_nodes_log_is_damaged_without_a_kill_and_restarted_only_if_it_exited(tmp_path, alive_at_heal):
+    import time
+    from pathlib import Path
+
+    from diloco_node.testbed.chaos.harness import ModeRun, NodeSlot
+
+    fault = Fault(0.0, "corrupt", "n1", 5.0, how="log:flip-running")
+    assert "while it runs" in fault.describe() and "SIGKILL" not in fault.describe()
+    data = tmp_path / "n1"
+    (data / "coordination").mkdir(parents=True)
+    log_bin = data / "coordination" / "log.bin"
+    log_bin.write_bytes(bytes(256))
+    run = ModeRun(ChaosConfig(workdir=tmp_path), Schedule(1, 60, (fault,)), "decoupled", DaemonLauncher())
+    run.t0 = time.monotonic()
+    run.slots["n1"] = NodeSlot("n1", "learner", 1, "127.0.0.1:1", "127.0.0.11", data, Path(tmp_path / "n1.log"), True)
+    sup, nemesis = _Supervisor(alive=True), _Nemesis()
+    await run._inject(sup, nemesis, 0, fault)
+    assert sup.calls == [] and sum(bin(b).count("1") for b in log_bin.read_bytes()) == 1
+    assert nemesis.events[-1][1]["note"].startswith("log.bin: flipped a bit at byte ")
+    sup._alive = alive_at_heal
+    await run._heal(sup, nemesis, 0, fault)
+    heal = nemesis.events[-1][1]
+    if alive_at_heal:
+        assert sup.calls == [] and heal["note"] == "running"
+    else:  # it exited on the damage it found: restarted, as systemd would, and the exit recorded
+        assert sup.calls == ["restart n1"] and heal["exit_code"] == 75

@@ -21,7 +21,8 @@ One mode run, step by step (docs/CHAOS.md has the picture):
 Storage and clock faults go through the launcher: a daemon is started with failpoints allowed
 (`DILOCO_X_DEBUG_ROUTES=1`, nothing armed) and the harness arms and disarms them, and skews its wall clock,
 through its loopback debug routes (ops/debug_routes.py); a stand-in reads the same requests from
-files in its data directory. A `corrupt` fault damages a file at rest while the node is down.
+files in its data directory. A `corrupt` fault damages a file at rest while the node is down, or
+(`log:flip-running`) a bit of its log while it runs.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from diloco_node.testbed.chaos.schedule import (
     CORRUPTIONS,
     DEFAULT_WEIGHTS,
     FOLLOWER,
+    RUNNING_CORRUPTIONS,
     STORAGE_FAULT_WEIGHTS,
     Fault,
     Schedule,
@@ -765,9 +767,11 @@ class ModeRun:
                 spec = fault.how or storage_fault_spec(fault.action)
                 note = self._arm(number, fault, lambda: self.launcher.arm_failpoints(self.slots[node], spec))
             elif fault.action == "corrupt":
-                sup.kill(node)
                 kind, how = fault.how.split(":")
-                note = corrupt_file(self.launcher.damage_target(self.slots[node], kind), how, self.rng)
+                if fault.how not in RUNNING_CORRUPTIONS:
+                    sup.kill(node)
+                note = corrupt_file(self.launcher.damage_target(self.slots[node], kind),
+                                    how.removesuffix("-running"), self.rng)
             elif fault.action == "clock_jump":
                 assert fault.param is not None
                 offset = fault.param
@@ -814,7 +818,11 @@ class ModeRun:
                     extra["exit_code"] = sup.returncode(node)
                     sup.restart(node)
                     self.launched_at[node] = time.monotonic()
-            elif fault.action == "corrupt":
+            elif fault.action == "corrupt" and fault.how in RUNNING_CORRUPTIONS and sup.alive(node):
+                note = "running"  # it repaired its log while running, or has not read the record back yet
+            elif fault.action == "corrupt":  # damaged at rest (or it exited on a damage it found): restarted
+                if fault.how in RUNNING_CORRUPTIONS:
+                    extra["exit_code"] = sup.returncode(node)
                 sup.restart(node)
                 self.launched_at[node] = time.monotonic()
             elif fault.action == "clock_jump":

@@ -20,7 +20,8 @@ live founders other than the holder). Constraints every generated schedule meets
 
 Storage and clock faults (drawn only when the spec's weights name them, `STORAGE_FAULT_WEIGHTS`):
 a full disk or failing I/O on one node for a while, a crash at one durable step's fsync, a file
-corrupted while the node is down, and a wall-clock step of an hour with a slow drift. The first
+corrupted while the node is down (or its log while it runs), and a wall-clock step of an hour with
+a slow drift. The first
 four count as the node being down (a node that cannot persist cannot acknowledge anything).
 """
 
@@ -44,7 +45,9 @@ FOLLOWER = "@follower"
 # io_error) until healed. crash_at_fsync: the failpoint in `how` ("point=crash-before*1") is armed;
 # the node crashes at that fsync, dropping what was not fsynced, and is restarted at the heal.
 # corrupt: SIGKILL, then the file `how` names ("checkpoint:flip", "checkpoint:truncate",
-# "log:truncate") is damaged at rest; restart after duration_s. clock_jump: the node's wall clock
+# "log:truncate") is damaged at rest; restart after duration_s. "log:flip-running" flips a bit of
+# log.bin while the node runs (no kill): the node finds it when it reads the record back and
+# repairs its log without a restart; the heal does nothing. clock_jump: the node's wall clock
 # steps by `param` seconds (and drifts) until healed; monotonic time is untouched.
 ACTIONS = ("kill", "stop", "isolate", "partition", "bandwidth", "slow", "join",
            "disk_full", "io_error", "crash_at_fsync", "corrupt", "clock_jump")
@@ -53,7 +56,9 @@ OUTAGES = frozenset({"kill", "stop", "isolate", "partition"}) | STORAGE_ACTIONS
 # The crash points a `crash_at_fsync` is drawn from: durable steps every node takes often.
 CRASH_POINTS = ("log.append=crash-before*1", "log.append=crash-after*1", "checkpoint.write=crash-before*1",
                 "checkpoint.write=crash-after*1", "election.write=crash-after*1")
-CORRUPTIONS = ("checkpoint:flip", "checkpoint:truncate", "log:truncate")
+CORRUPTIONS = ("checkpoint:flip", "checkpoint:truncate", "log:truncate", "log:flip-running")
+# Corruptions done to a running node's files (no kill, no restart).
+RUNNING_CORRUPTIONS = frozenset({"log:flip-running"})
 CLOCK_JUMPS_S = (3600.0, -3600.0)
 DEFAULT_WEIGHTS = {"kill": 3.0, "stop": 2.0, "isolate": 2.0, "partition": 2.0, "bandwidth": 2.0, "slow": 2.0}
 # What a generated schedule adds to the default weights when it asks for storage and clock faults.
@@ -150,6 +155,8 @@ class Fault:
             what = f"fail {target}'s disk (every durable read and write fails with EIO) for {d:.1f}s"
         elif self.action == "crash_at_fsync":
             what = f"crash {target} at its next fsync of {self.how}, restart after {d:.1f}s"
+        elif self.action == "corrupt" and self.how in RUNNING_CORRUPTIONS:
+            what = f"damage {target}'s {self.how.replace(':', ' (')}) while it runs"
         elif self.action == "corrupt":
             what = f"SIGKILL {target}, damage its {self.how.replace(':', ' (')}), restart after {d:.1f}s"
         elif self.action == "clock_jump":
