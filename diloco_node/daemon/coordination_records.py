@@ -150,6 +150,15 @@ class LogMark:
         self.index = index
         self._written_at = self._clock.monotonic()
 
+    def settle(self, fsynced_last: int) -> None:
+        """At a clean stop: record `fsynced_last` (this process appended and fsynced it) when the
+        interval kept `advance` from it. A failure keeps the older mark (on /status)."""
+        if fsynced_last > self.index:
+            try:
+                self.write(fsynced_last)
+            except OSError as error:
+                STORAGE.failed("log.append", f"{MARK_FILE} not written at stop: {error}")
+
     def advance(self, durable_last: int) -> None:
         """After an append: raise the mark to `durable_last`, at most once per interval. A failure
         leaves the older mark (a weaker witness, never a false one) and shows on /status."""

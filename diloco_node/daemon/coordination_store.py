@@ -61,7 +61,7 @@ from diloco_node.daemon.coordination_records import write_election, write_record
 from diloco_node.daemon.log_records import (  # noqa: F401  (re-exported: the store's record format)
     _RECORD_HEAD, INITIAL_SNAPSHOT, MAX_RECORD_BYTES, WRITE_PIECE_BYTES, AppendFile, CoordinationStoreError,
     PayloadDamaged, PayloadGone, PreparedLog, _decode_body, _encode_entry, _encode_snapshot, _pread_all, _record_parts, _scan_log,
-    _write_records, decode_log, encode_log,
+    _step, _write_records, decode_log, encode_log,
 )
 from diloco_node.ops.storage_health import STORAGE
 from diloco_node.storage import durable, failpoints
@@ -73,18 +73,6 @@ INLINE_PAYLOAD_BYTES = 4096
 
 _temp_path = durable.temp_path
 _canonical = functools.partial(json.dumps, sort_keys=True)
-
-
-@contextlib.contextmanager
-def _step(point: str) -> Iterator[None]:
-    """One durable step at failpoint `point`: its OSError is recorded (failing on /status) and
-    re-raised; its success ends a failure streak there."""
-    try:
-        yield
-    except OSError as error:
-        STORAGE.failed(point, error)
-        raise
-    STORAGE.succeeded(point)
 
 
 class CoordinationStore:
@@ -105,9 +93,8 @@ class CoordinationStore:
         self._written_manifest: str | None = None
         self._log_bytes = 0
         self._log_handle: Any = None
-        # The last index this process itself appended and fsynced (0: none yet): what a clean
-        # stop may record as the high-water mark (`settle_mark`). An entry only read at load may
-        # still sit in the page cache of a crashed process, so it is never marked from here.
+        # The last index this process appended and fsynced: what a clean stop marks (settle_mark).
+        # Not one only read at load: a crashed process may have left it unsynced in the page cache.
         self._fsynced_last = 0
         # An append that failed may have left part of its records past `_log_bytes`: cut off
         # before the next append, so no torn record ever sits between good ones.
@@ -216,8 +203,7 @@ class CoordinationStore:
                 failpoints.hit("log.read")
                 with open(self._log_path, "rb") as handle:
                     size = os.fstat(handle.fileno()).st_size
-                    # Each entry becomes a reference into log.bin as it is read (_stored): one
-                    # record's payload in memory at a time, however long the log.
+                    # Each entry a reference into log.bin as it is read: one payload in memory at a time.
                     snapshot, located, valid, damage = _scan_log(handle, size, self._log_path, keep=self._stored)
             last = located[-1][0].index if located else snapshot.last_index
             last_epoch = located[-1][0].epoch if located else snapshot.last_epoch
@@ -594,15 +580,9 @@ class CoordinationStore:
         self._store_payloads(entries, 0)
 
     def settle_mark(self) -> None:
-        """At a clean stop: raise the high-water mark to the last entry this process appended and
-        fsynced, which the once-per-interval `advance` may not have recorded yet, so the restart's
-        damage check has the strongest true witness. A failure keeps the older mark (on /status)."""
-        last = min(self._fsynced_last, self.durable_last_index)  # a rewrite since may have cut the log
-        if last > self.mark.index:
-            try:
-                self.mark.write(last)
-            except OSError as error:
-                STORAGE.failed("log.append", f"{MARK_FILE} not written at stop: {error}")
+        """At a clean stop: the mark at the last entry this process fsynced, never past a cut a
+        rewrite made since (`LogMark.settle`)."""
+        self.mark.settle(min(self._fsynced_last, self.durable_last_index))
 
     def close(self) -> None:
         """Close the files (reads reopen what they need)."""

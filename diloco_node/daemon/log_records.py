@@ -9,11 +9,12 @@ one record (or one piece of a payload) in memory at a time.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,18 @@ def decode_log(data: bytes, path: Path) -> tuple[Snapshot, list[LogEntry], int]:
     """(snapshot, entries, byte length of the valid prefix): a torn tail is cut off."""
     snapshot, located, valid, _ = _scan_log(io.BytesIO(data), len(data), path)
     return snapshot, [entry for entry, _, _ in located], valid
+
+
+@contextlib.contextmanager
+def _step(point: str) -> Iterator[None]:
+    """One durable step at failpoint `point`: its OSError is recorded (failing on /status) and
+    re-raised; its success ends a failure streak there."""
+    try:
+        yield
+    except OSError as error:
+        STORAGE.failed(point, error)
+        raise
+    STORAGE.succeeded(point)
 
 
 def _scan_log(handle: Any, size: int, path: Path, payloads: bool = True,
