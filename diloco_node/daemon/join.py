@@ -12,9 +12,11 @@ difference spelled out (`config.check_joiner_manifest`), having changed nothing 
 
 Download (`FragmentDownload`): each fragment's serialized state in chunks (SnapshotRequest /
 SnapshotChunk), resumable from the byte offset reached, from any peer that serves it. Chunks name
-the fragment by its state digest (wire 3.0): each comes in an authenticated frame, the bytes are
-decoded and hashed into that state digest as they arrive, and the decoded fragment's digest is
-checked against the one the chunks named, once, before it is installed. Up to `DOWNLOAD_PEERS` peers serve
+the fragment by its state digest (wire 3.0): each comes in an authenticated frame, and its payload
+is taken in the pieces it arrived in, each hashed for the frame's payload digest, then into the
+state digest and copied into the fragment's arrays while it is in cache (never joined, read from
+memory once); the decoded fragment's digest is checked against the one the chunks named, once,
+before it is installed. Up to `DOWNLOAD_PEERS` peers serve
 different fragments at once, and each keeps `CHUNKS_IN_FLIGHT` requests outstanding, so the
 links' capacities add up and no link idles for a round trip between chunks. If the fragment moved on while we
 were downloading (the digest or the size changed), the download restarts for that fragment. A download may
@@ -373,7 +375,8 @@ class _Received:
     """One fragment's bytes as they arrive: decoded straight into arrays of the fragment's shapes
     and hashed into its state digest as they are copied (state_codec `FragmentAssembler`), so a
     fragment in flight costs its own size once, never a buffer of its bytes beside the arrays
-    decoded from them, and its bytes are hashed once."""
+    decoded from them, and its bytes are read from memory once (hashed twice: the frame's payload
+    digest and the state digest, two different inputs of the wire's digest definitions)."""
 
     def __init__(self, replica: Replica, fragment: int) -> None:
         self.replica = replica
