@@ -381,4 +381,5 @@ class ServedFragments:
         else:
             digest = bytes.fromhex(fragment_state_digest(p, state.round, state.params, state.momentum))
             self._digests[p] = ((state.round,), [weakref.ref(a) for a in arrays.values()], digest)
-        return state.round, reader.total, digest, wire.PayloadParts(reader.views(offset, min(length, SERVED_CHUNK_BYTES)))
+        views = reader.views(offset, min(length, SERVED_CHUNK_BYTES))
+        return state.round, reader.total, digest, wire.PayloadParts(views)

@@ -7,9 +7,9 @@ it arrived in, for the caller to take piece by piece (`StreamedReply.feed`), nev
 `send_sequence(url, frames)` posts a body of frames produced one at a time (an opening frame,
 then its parts: a streamed contribution) with chunked transfer encoding, so neither the whole
 body nor its length is ever needed up front. `send_stream(url, head, payload)` uploads one large
-payload as a streamed frame with bounded memory whatever its size: the payload comes from a bytes-like object (sent as slices,
-never copied) or an async iterator of chunks, and aiohttp drains the socket as it goes
-(backpressure). Timeouts are per read (`sock_read`), per connect, and per stall of an upload; a
+payload as a streamed frame with bounded memory whatever its size: the payload comes from a
+bytes-like object (sent as slices, never copied) or an async iterator of chunks, and aiohttp
+drains the socket as it goes (backpressure). Timeouts are per read (`sock_read`), per connect, and per stall of an upload; a
 whole-message deadline is the caller's `deadline_s`. There is no total timeout: a 256 MB fragment on
 a slow link may rightly take minutes.
 
@@ -154,7 +154,8 @@ class StreamedReply:
         self.payload_length = header.payload_length
 
     @classmethod
-    def read(cls, pieces: list[bytes], decoder: FrameDecoder, reply_kind: MessageKind, now_unix: float) -> StreamedReply:
+    def read(cls, pieces: list[bytes], decoder: FrameDecoder, reply_kind: MessageKind,
+             now_unix: float) -> StreamedReply:
         """The reply in the body `pieces` (whole, as received): its frame header authenticated
         now (a few hundred bytes and a MAC), its payload left in the pieces. `decoder` streams
         `reply_kind`; RemoteProtocolError if the body does not start with such a frame."""
