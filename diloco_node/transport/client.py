@@ -78,8 +78,9 @@ INLINE_BODY_MAX_BYTES = 256 * KiB
 MAX_REPLY_FRAMES = 1024
 # Replies to a batch of small messages may together exceed one small frame's bound.
 MIN_REPLY_LIMIT_BYTES = 1 * MiB
-# Replies of a known length up to this are read whole before they are decoded (one hop to the pool):
-# a snapshot chunk (4 MiB) and its frame head.
+# Replies of a known length up to this are read whole before they are decoded (one hop to the pool),
+# and a streamed reply (`send_for_stream`: a snapshot chunk of 4 MiB and its frame head) may be no
+# longer: it is held whole, in the pieces it arrived in, until its payload is taken.
 WHOLE_REPLY_MAX_BYTES = 8 * MiB
 # A refusal's reason text is read up to this size (the server sends at most
 # wire.messages.MAX_REASON_CHARS, 512 characters).
