@@ -213,7 +213,10 @@ def receive_stages(fragment_bytes: int = STAGE_BYTES, cold_bytes: int = COLD_TOU
     process over `cold_bytes` (the joiner's case: its state's pages are new to it; on a VM whose
     free huge pages went back to the host this costs several CPU-s per GB); `finite` the
     finiteness scan. The path hashes every byte twice (the frame's payload digest, then the state
-    digest as it is decoded): `hash` is one pass."""
+    digest as it is decoded): `hash` is one pass. `chunks_one_pass` is the codec pool's whole work
+    on the chunks as the joiner does it now (each received piece hashed twice and copied into the
+    arrays while it is in cache, never joined), `chunks_joined_then_hashed` the same work the way it
+    was done before (each payload joined out of its pieces, hashed, then hashed again and copied)."""
     import numpy as np
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
@@ -223,7 +226,7 @@ def receive_stages(fragment_bytes: int = STAGE_BYTES, cold_bytes: int = COLD_TOU
     from contribution_stages import hash_pieces, read_frames
     from wire import messages as wire
     from wire.auth import FrameVerifier, derive_frame_key
-    from wire.frames import encode_frame
+    from wire.frames import NEED_DATA, FrameDecoder, FrameHeader, encode_frame
 
     rows = max(1, fragment_bytes // 8 // WIDTH)
     rng = np.random.default_rng(0)
@@ -244,8 +247,37 @@ def receive_stages(fragment_bytes: int = STAGE_BYTES, cold_bytes: int = COLD_TOU
         work()
         return (time.process_time() - start) / gb
 
+    def verifier() -> FrameVerifier:
+        return FrameVerifier(RUN_ID, derive_frame_key(BENCH_SECRET), node_id="joiner")
+
     def decode_frames() -> None:
-        read_frames(FrameVerifier(RUN_ID, derive_frame_key(BENCH_SECRET), node_id="joiner"), pieces)
+        read_frames(verifier(), pieces)
+
+    def chunks_joined() -> None:
+        """The chunk path before one-pass receiving: each payload joined out of its pieces and
+        hashed for `pd`, then hashed into the state digest and copied into the arrays."""
+        decoder, assembler = FrameDecoder(verifier()), FragmentAssembler(shapes)
+        for piece in pieces:
+            decoder.receive_data(piece)
+            while (event := decoder.next_event(now_unix=time.time())) is not NEED_DATA:
+                assembler.feed(event.message.payload)
+        assembler.finish()
+
+    def chunks_one_pass() -> None:
+        """The chunk path now (join.py `_Received.feed`): each received piece hashed for `pd`, then
+        into the state digest and copied into the arrays, while it is in cache; never joined."""
+        decoder = FrameDecoder(verifier(), stream_kinds=(wire.MessageKind.SNAPSHOT_CHUNK,))
+        assembler = FragmentAssembler(shapes)
+        in_payload = False
+        for piece in pieces:
+            decoder.receive_data(piece)
+            while True:
+                event = (decoder.stream_payload(assembler.feed, now_unix=time.time()) if in_payload
+                         else decoder.next_event(now_unix=time.time()))
+                if event is NEED_DATA:
+                    break
+                in_payload = isinstance(event, FrameHeader)
+        assembler.finish()
 
     def hash_all() -> None:
         hash_pieces(chunks)
@@ -298,6 +330,10 @@ def receive_stages(fragment_bytes: int = STAGE_BYTES, cold_bytes: int = COLD_TOU
         "first_touch_4k_pages": timed(write_fresh_small_pages) - timed(write_reused),
         "first_touch_cold": _first_touch_cold(cold_bytes),
         "finite": timed(lambda: all_finite(state.params["w"]) and all_finite(state.momentum["w"])),
+        # The codec pool's whole work on a chunk's bytes, both ways (frames, both hashes, the copy
+        # into fresh arrays; memory this process freed before, so their first touch is warm)
+        "chunks_joined_then_hashed": timed(chunks_joined),
+        "chunks_one_pass": timed(chunks_one_pass),
     }
     return {name: round(max(0.0, value), 3) for name, value in stages.items()}
 

@@ -31,6 +31,7 @@ from wire.codecs import decode_named, encode_named
 from wire.errors import RemoteProtocolError
 
 from conftest import small_replica
+from test_state_download import streamed
 
 # The daemon hashes and checks downloaded fragments in its codec pool (pools.py).
 POOL_AND_CLOCK = {"executor": ThreadPoolExecutor(2, thread_name_prefix="codec-test"), "clock": SystemClock()}
@@ -268,12 +269,12 @@ class _Peers:
         self.served = served
         self.asked: list[str] = []
 
-    async def send(self, url, request, **_):
+    async def send_for_stream(self, url, request, **_):
         self.asked.append(url)
         replica, index = self.served[url]
         _, data, digest = replica.fragment_bytes(request.fragment)
         part = data[request.offset:request.offset + request.max_length]
-        return [wire.SnapshotChunk(request.fragment, index, request.offset, len(data), digest, part)]
+        return streamed(wire.SnapshotChunk(request.fragment, index, request.offset, len(data), digest, part))
 
 
 async def test_download_with_a_floor_skips_peers_that_are_behind_it(monkeypatch) -> None:

@@ -16,6 +16,7 @@ from wire.codecs import decode_named, encode_named
 from wire.errors import RemoteProtocolError
 
 from conftest import small_replica
+from test_state_download import streamed
 
 
 def _entries() -> list[LogEntry]:
@@ -160,7 +161,7 @@ class _FlakyPeers:
         self.source = source
         self.requests: list[tuple[str, int, int]] = []  # (url, fragment, offset)
 
-    async def send(self, url, request, **_):
+    async def send_for_stream(self, url, request, **_):
         from diloco_node.transport import PeerUnreachable
 
         self.requests.append((url, request.fragment, request.offset))
@@ -168,7 +169,7 @@ class _FlakyPeers:
             raise PeerUnreachable(url, "connection reset")
         _, data, digest = self.source.fragment_bytes(request.fragment)
         part = data[request.offset:request.offset + request.max_length]
-        return [wire.SnapshotChunk(request.fragment, 7, request.offset, len(data), digest, part)]
+        return streamed(wire.SnapshotChunk(request.fragment, 7, request.offset, len(data), digest, part))
 
 
 async def test_fragment_download_resumes_at_the_offset_on_another_peer() -> None:

@@ -4,6 +4,8 @@ moves on (the benchmark's real processes: tests/integration/test_state_download_
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from collections import Counter
 
 import numpy as np
@@ -20,7 +22,9 @@ from diloco_node.sync.replica import CommitPayload, Replica
 from bootstrap.entries import EntryKind, LogEntry
 from wire import messages as wire
 from wire.codecs import decode_named, encode_named
-from diloco_node.transport import PeerUnreachable
+from diloco_node.transport import PeerUnreachable, StreamedReply
+from wire.auth import AuthContext, FrameVerifier, derive_frame_key
+from wire.frames import FrameDecoder, encode_frame
 
 # The daemon hashes and checks downloaded fragments in its codec pool (pools.py).
 POOL_AND_CLOCK = {"executor": ThreadPoolExecutor(2, thread_name_prefix="codec-test"), "clock": SystemClock()}
@@ -44,17 +48,32 @@ def _commit(replica: Replica, index: int, p: int) -> LogEntry:
                     digest=replica.digest_after(p, decode_named(encoded)))
 
 
+_KEY = derive_frame_key(b"test-secret-of-the-state-download-tests")
+
+
+def streamed(message: wire.Message, piece_bytes: int = 700, spoil=lambda frame: frame) -> StreamedReply:
+    """`message` as PeerClient.send_for_stream returns it: its frame encoded (then `spoil`ed: what
+    a faulty peer or link delivers), cut into pieces as a socket delivers them, and its header
+    authenticated by the real decoder."""
+    frame = spoil(encode_frame(message, AuthContext("run", "server", _KEY), now_unix=time.time(),
+                               nonce=os.urandom(16), to="joiner"))
+    pieces = [frame[at:at + piece_bytes] for at in range(0, len(frame), piece_bytes)]
+    decoder = FrameDecoder(FrameVerifier("run", _KEY, node_id="joiner"), stream_kinds=(message.KIND,))
+    return StreamedReply.read(pieces, decoder, message.KIND, time.time())
+
+
 class _CountingPeers:
     """A stand-in PeerClient: every URL serves `source`; records who served what and how much was in flight."""
 
     def __init__(self, source: Replica) -> None:
         self.source = source
+        self.spoil = lambda url, request, frame: frame  # what a faulty peer does to a reply's frame
         self.in_flight: Counter[str] = Counter()
         self.most_in_flight: Counter[str] = Counter()
         self.fragments_served: dict[str, set[int]] = {}
         self.before_reply = None  # optional hook(url, request), may raise or change `source`
 
-    async def send(self, url, request, **_):
+    async def send_for_stream(self, url, request, **_):
         self.in_flight[url] += 1
         self.most_in_flight[url] = max(self.most_in_flight[url], self.in_flight[url])
         try:
@@ -64,7 +83,8 @@ class _CountingPeers:
             self.fragments_served.setdefault(url, set()).add(request.fragment)
             _, data, digest = self.source.fragment_bytes(request.fragment)
             part = data[request.offset:request.offset + request.max_length]
-            return [wire.SnapshotChunk(request.fragment, 5, request.offset, len(data), digest, part)]
+            return streamed(wire.SnapshotChunk(request.fragment, 5, request.offset, len(data), digest, part),
+                            spoil=lambda frame: self.spoil(url, request, frame))
         finally:
             self.in_flight[url] -= 1
 
@@ -152,6 +172,37 @@ async def test_one_peer_alone_gets_no_more_chunk_requests_than_its_stream_slots_
     assert join.CHUNK_REQUESTS_PER_PEER < join.DOWNLOAD_PEERS * join.CHUNKS_IN_FLIGHT  # so the cap is what bound it
 
 
+@pytest.mark.parametrize(("fault", "error"), [
+    (lambda frame: frame[:-1] + bytes([frame[-1] ^ 1]), "does not match its authenticated digest"),
+    (lambda frame: frame[:-5], "stream ended inside a frame"),
+    (lambda frame: frame + b"trailing", r"stream ended inside a frame \(fixed header, 8 bytes"),
+])
+async def test_a_bad_short_or_long_chunk_is_refused_and_its_fragment_comes_whole_from_another_peer(
+        fault, error) -> None:
+    """Each chunk's payload is checked against its authenticated digest as it is hashed into the
+    fragment (one pass): a chunk that fails (a flipped bit, bytes missing, bytes after the frame)
+    is refused with the reason, the fragment starts again (its bytes are in the state digest
+    already), and the state still arrives whole, from the next peer."""
+    source, target = _replica(), _replica(seed=1)
+    client = _CountingPeers(source)
+    asked: list[tuple[str, int]] = []
+
+    def b_spoils_its_second_chunk_of_fragment_0(url, request, frame):
+        asked.append((url, request.offset))
+        return fault(frame) if (url, request.fragment, request.offset) == ("http://b", 0, CHUNK) else frame
+
+    client.spoil = b_spoils_its_second_chunk_of_fragment_0
+    download = FragmentDownload(client, target, lambda: PEERS[1:2], chunk_bytes=CHUNK, **POOL_AND_CLOCK)
+    with pytest.raises(JoinRefused, match=error):
+        await download.fetch_fragment(0, attempts=1)
+    assert download.progress[0].received == 0 and not download.progress[0].done  # to start again, not resume
+    asked.clear()
+    download = FragmentDownload(client, target, lambda: PEERS[1:2] + PEERS[:1], chunk_bytes=CHUNK, **POOL_AND_CLOCK)
+    await download.fetch_fragment(0, attempts=2)
+    assert ("http://b", CHUNK) in asked and [o for u, o in asked if u == "http://a"][0] == 0
+    assert download.progress[0].done and target.state.fragment_digest(0) == source.state.fragment_digest(0)
+
+
 def test_served_chunks_are_the_fragment_bytes_and_their_digest_follows_every_change() -> None:
     """The daemon serves chunks read from the state's arrays (state_transfer.ServedFragments): the
     same bytes as the serialized fragment, named by its state digest, remembered only while the
@@ -163,7 +214,7 @@ def test_served_chunks_are_the_fragment_bytes_and_their_digest_follows_every_cha
 
     def whole(p: int) -> tuple[bytes, bytes]:
         _, total, digest, _ = served.read(p, 0, 0)
-        return b"".join(served.read(p, at, 700)[3] for at in range(0, total, 700)), digest
+        return b"".join(bytes(served.read(p, at, 700)[3]) for at in range(0, total, 700)), digest
 
     data, digest = whole(2)
     assert data == source.fragment_bytes(2)[1] and digest == bytes.fromhex(source.state.fragment_digest(2))

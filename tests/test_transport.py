@@ -231,6 +231,41 @@ async def test_a_big_reply_comes_back_whole() -> None:
             assert refused.value.status_hint == 413
 
 
+async def test_a_chunk_served_from_arrays_is_taken_piece_by_piece_never_joined() -> None:
+    """The server writes a reply whose payload is views of its arrays (PayloadParts, no copy);
+    `send_for_stream` authenticates its header and hands the payload over in the pieces it arrived
+    in, each checked against the frame's digest; the bytes are the arrays' bytes."""
+    import numpy as np
+
+    from wire.messages import PayloadParts
+
+    server = _server()
+    arrays = [np.random.default_rng(i).standard_normal(300_000).astype(np.float32) for i in range(3)]
+    state = b"".join(a.tobytes() for a in arrays)
+
+    async def snapshot(message: Message, peer: Peer) -> Message:
+        assert isinstance(message, SnapshotRequest)
+        return SnapshotChunk(fragment=message.fragment, commit_index=7, offset=0, total=len(state),
+                             digest=blake3.blake3(state).digest(), payload=PayloadParts(arrays))
+
+    server.on_message(MessageKind.SNAPSHOT_REQUEST, snapshot)
+    async with _serving(server) as url, _client() as client:
+        request = SnapshotRequest(fragment=2, offset=0, max_length=len(state))
+        reply = await client.send_for_stream(url, request, reply_kind=MessageKind.SNAPSHOT_CHUNK)
+        assert reply.head == SnapshotChunk(2, 7, 0, len(state), blake3.blake3(state).digest(), b"")
+        assert reply.payload_length == len(state)
+        pieces: list[bytes | memoryview] = []
+        reply.feed(pieces.append)
+        assert b"".join(pieces) == state and len(pieces) > 1
+        (whole,) = await client.send(url, request)  # the same reply, decoded whole: the same bytes
+        assert isinstance(whole, SnapshotChunk) and whole.payload == state
+        small = Limits(max_payload_bytes={MessageKind.SNAPSHOT_CHUNK: 512 * 1024})
+        async with _client(limits=small) as careful:
+            with pytest.raises(RemoteProtocolError, match="at most") as refused:
+                await careful.send_for_stream(url, request, reply_kind=MessageKind.SNAPSHOT_CHUNK)
+            assert refused.value.status_hint == 413
+
+
 async def test_unknown_route_and_mixed_kinds_are_refused_with_reasons() -> None:
     server = _server()
     server.on_message(MessageKind.VOTE_REQUEST, _Voter())

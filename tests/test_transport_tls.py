@@ -89,6 +89,36 @@ async def test_members_talk_over_mutual_tls_and_are_known_by_their_certificate(r
     assert [p.node_id for p in voter.calls] == ["a"]
 
 
+async def test_a_chunk_served_from_read_only_arrays_crosses_tls_whole(run_pki: Path) -> None:
+    """A snapshot chunk's payload given as views of read-only arrays (never copied by the server)
+    goes through the TLS transport and arrives byte for byte, taken piece by piece."""
+    import blake3
+    import numpy as np
+
+    from wire.messages import MessageKind, PayloadParts, SnapshotChunk, SnapshotRequest
+
+    arrays = [np.random.default_rng(i).standard_normal(200_000).astype(np.float32) for i in range(2)]
+    for array in arrays:
+        array.flags.writeable = False  # as the state's arrays are
+    state = b"".join(a.tobytes() for a in arrays)
+
+    async def snapshot(message: Message, peer: Peer) -> Message:
+        return SnapshotChunk(1, 3, 0, len(state), blake3.blake3(state).digest(), PayloadParts(arrays))
+
+    server = PeerServer(AuthContext(RUN, "b", KEY), FrameVerifier(RUN, KEY, node_id="b"), certified_senders=True)
+    server.on_message(MessageKind.SNAPSHOT_REQUEST, snapshot)
+    runner, port = await serve_peer_server(server, SiteTls(_files(run_pki, "b")).server_context)
+    try:
+        async with _client("a", SiteTls(_files(run_pki, "a"))) as client:
+            reply = await client.send_for_stream(f"https://127.0.0.1:{port}", SnapshotRequest(1, 0, len(state)),
+                                                 reply_kind=MessageKind.SNAPSHOT_CHUNK, peer="b")
+            pieces: list[bytes | memoryview] = []
+            reply.feed(pieces.append)
+    finally:
+        await runner.cleanup()
+    assert reply.sender == "b" and b"".join(pieces) == state
+
+
 async def test_a_member_cannot_speak_for_another(run_pki: Path) -> None:
     """c's certificate, frames signed (with the shared run secret) as a: 403, nothing handled."""
     voter = _Voter()

@@ -23,6 +23,7 @@ from wire.auth import AuthContext, FrameVerifier, compute_mac, derive_frame_key
 from wire.errors import LocalProtocolError, RemoteProtocolError
 from wire.examples import DecodedStream, ExampleMessages, decode_stream
 from wire.frames import (
+    CLOSED,
     FIXED_HEADER,
     FIXED_HEADER_BYTES,
     MAGIC,
@@ -53,6 +54,7 @@ from wire.messages import (
     Member,
     Membership,
     MessageKind,
+    PayloadParts,
     Role,
     SnapshotChunk,
     VoteRequest,
@@ -185,6 +187,114 @@ def test_streamed_payload_that_does_not_match_its_digest_is_refused_at_the_end()
     decoded = run_decoder([head + payload], stream_kinds=[MessageKind.SNAPSHOT_CHUNK])
     assert decoded.status == 401
     assert isinstance(decoded.events[0], FrameHeader) and decoded.events[-1] == PayloadChunk(payload)
+
+
+def test_a_served_payload_given_as_a_buffer_or_its_parts_encodes_to_the_same_bytes():
+    """A sender may give SnapshotChunk's payload as a memoryview of its arrays, or as the parts it
+    lies in (wire.messages.PayloadParts): the frame is byte for byte the one of the joined bytes,
+    so the wire (its version, docs/WIRE.md's vectors) is unchanged; the receiver gets bytes."""
+    import numpy as np
+
+    params = np.arange(3000, dtype=np.float32)
+    params.flags.writeable = False  # the state's arrays are read-only: served as they are
+    data = params.tobytes()
+    head = b"\xc4\x10" + bytes(range(16))
+    whole = head + data
+    kinds_of_payload = {
+        "bytes": whole,
+        "memoryview": memoryview(bytearray(whole)),
+        "parts": PayloadParts([head, params[:1000], memoryview(params)[1000:].cast("B")]),
+        "parts of one": PayloadParts([whole]),
+    }
+    nonce = fresh_nonce()
+    encoded = {name: encode_frame(SnapshotChunk(2, 9, 40, 40 + len(whole) + 7, bytes(32), payload), AUTH,
+                                  now_unix=NOW, nonce=nonce, to="site-b")
+               for name, payload in kinds_of_payload.items()}
+    assert len(set(encoded.values())) == 1
+    assert len(PayloadParts([head, params])) == len(whole) and PayloadParts([head, params]) == whole
+    received = decode_frame(encoded["parts"], FrameVerifier(RUN, KEY, node_id="site-b"), now_unix=NOW)
+    assert type(received.message.payload) is bytes and received.message.payload == whole
+    assert received.message == SnapshotChunk(2, 9, 40, 40 + len(whole) + 7, bytes(32), whole)
+    with pytest.raises(LocalProtocolError, match="runs past total"):
+        SnapshotChunk(0, 1, 0, len(whole) - 1, bytes(32), PayloadParts([head, params]))
+    with pytest.raises(LocalProtocolError, match="C-contiguous"):
+        SnapshotChunk(0, 1, 0, 1 << 20, bytes(32), memoryview(params)[::2])
+    with pytest.raises(LocalProtocolError, match="C-contiguous"):
+        PayloadParts([params[::2]])
+    with pytest.raises(LocalProtocolError, match="must be bytes, a buffer or PayloadParts"):
+        SnapshotChunk(0, 1, 0, 10, bytes(32), [b"a"])
+
+
+def test_a_streamed_payload_comes_out_in_the_pieces_it_arrived_in_never_joined():
+    """Each PayloadChunk is (a view of) one received piece, so a consumer hashes and copies it where
+    it lies; small pieces gathered while a view of their buffer is still held go to a new buffer."""
+    payload = os.urandom(300_000)
+    message = SnapshotChunk(fragment=0, commit_index=1, offset=0, total=len(payload), digest=bytes(32),
+                            payload=payload)
+    data = frame(message)
+    decoder = FrameDecoder(verifier(), stream_kinds=[MessageKind.SNAPSHOT_CHUNK])
+    big = 100_000  # >= the queue's small-piece size: kept as received
+    pieces = [data[:big], data[big:2 * big], *(data[at:at + 1000] for at in range(2 * big, len(data), 1000))]
+    events = []
+    for piece in pieces:
+        decoder.receive_data(piece)
+        while (event := decoder.next_event(now_unix=NOW)) is not NEED_DATA:
+            events.append(event)  # every view stays alive while more small pieces are gathered
+    chunks = [e.data for e in events if isinstance(e, PayloadChunk)]
+    assert isinstance(events[0], FrameHeader) and isinstance(events[-1], FrameEnd)
+    assert b"".join(chunks) == payload
+    assert isinstance(chunks[0], memoryview) and chunks[0].obj is pieces[0]  # a view of the piece: no copy
+    assert chunks[1] is pieces[1]  # a whole piece: the piece itself
+    # Events smaller than a gathered piece: views of it are handed out while more bytes arrive.
+    limits = Limits(max_payload_chunk_bytes=600)
+    decoder = FrameDecoder(verifier(limits), limits, stream_kinds=[MessageKind.SNAPSHOT_CHUNK])
+    views = []
+    for at in range(0, len(data), 1000):
+        decoder.receive_data(data[at:at + 1000])  # joins the piece a view was just taken of, or not
+        if isinstance(event := decoder.next_event(now_unix=NOW), PayloadChunk):  # one event per piece
+            views.append(event.data)
+    decoder.receive_data(b"")
+    while (event := decoder.next_event(now_unix=NOW)) is not CLOSED:
+        if isinstance(event, PayloadChunk):
+            views.append(event.data)
+    assert b"".join(views) == payload and sum(type(v) is memoryview for v in views) > 100
+
+
+def test_stream_payload_hands_over_what_payload_chunk_events_would_in_one_call():
+    payload = os.urandom(200_000)
+    message = SnapshotChunk(fragment=0, commit_index=1, offset=0, total=len(payload), digest=bytes(32),
+                            payload=payload)
+    data = frame(message)
+    decoder = FrameDecoder(verifier(), stream_kinds=[MessageKind.SNAPSHOT_CHUNK])
+    with pytest.raises(LocalProtocolError, match="outside a streamed payload"):
+        decoder.stream_payload(print, now_unix=NOW)
+    decoder.receive_data(data[:120_000])
+    assert isinstance(decoder.next_event(now_unix=NOW), FrameHeader)
+    got: list[bytes | memoryview] = []
+    assert decoder.stream_payload(got.append, now_unix=NOW) is NEED_DATA  # what has arrived so far
+    decoder.receive_data(data[120_000:])
+    assert isinstance(decoder.stream_payload(got.append, now_unix=NOW), FrameEnd)
+    assert b"".join(got) == payload
+    decoder.receive_data(b"")
+    assert decoder.next_event(now_unix=NOW) is CLOSED
+    # A payload that does not match its digest is refused at its end (401), after `write` saw it.
+    spoiled = data[:-1] + bytes([data[-1] ^ 1])
+    decoder = FrameDecoder(verifier(), stream_kinds=[MessageKind.SNAPSHOT_CHUNK])
+    decoder.receive_data(spoiled)
+    assert isinstance(decoder.next_event(now_unix=NOW), FrameHeader)
+    with pytest.raises(RemoteProtocolError, match="does not match its authenticated digest") as refused:
+        decoder.stream_payload(lambda data: None, now_unix=NOW)
+    assert refused.value.status_hint == 401
+    with pytest.raises(RemoteProtocolError, match="already failed"):
+        decoder.stream_payload(lambda data: None, now_unix=NOW)
+    # The stream ends inside the payload: refused (400).
+    decoder = FrameDecoder(verifier(), stream_kinds=[MessageKind.SNAPSHOT_CHUNK])
+    decoder.receive_data(data[:-10])
+    decoder.receive_data(b"")
+    assert isinstance(decoder.next_event(now_unix=NOW), FrameHeader)
+    with pytest.raises(RemoteProtocolError, match="stream ended inside a frame") as refused:
+        decoder.stream_payload(lambda data: None, now_unix=NOW)
+    assert refused.value.status_hint == 400
 
 
 def test_streamed_head_refused_when_declared_length_cannot_fit():

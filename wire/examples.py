@@ -339,7 +339,7 @@ class DecodedStream:
             elif isinstance(event, FrameHeader):
                 head, parts = event.head, []
             elif isinstance(event, PayloadChunk):
-                parts.append(event.data)
+                parts.append(bytes(event.data))
             elif isinstance(event, FrameEnd) and head is not None:
                 out.append(dataclasses.replace(head, payload=b"".join(parts)))  # type: ignore[type-var]
         return out
@@ -356,7 +356,7 @@ def decode_stream(chunks: Iterable[bytes], verifier: FrameVerifier, *, now_unix:
             decoder.receive_data(chunk)
             while (event := decoder.next_event(now_unix=now_unix)) not in (NEED_DATA, CLOSED):
                 if isinstance(event, PayloadChunk) and events and isinstance(events[-1], PayloadChunk):
-                    events[-1] = PayloadChunk(events[-1].data + event.data)
+                    events[-1] = PayloadChunk(bytes(events[-1].data) + event.data)
                 else:
                     events.append(event)
     except RemoteProtocolError as error:

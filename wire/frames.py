@@ -26,7 +26,7 @@ import enum
 import math
 import struct
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,7 @@ from wire import digest as content_digest
 from wire.auth import ANY_MEMBER, MAC_BYTES, NONCE_BYTES, AuthContext, FrameVerifier, check_run_id, compute_mac
 from wire.errors import LocalProtocolError, RemoteProtocolError
 from wire.limits import DEFAULT_LIMITS, Limits
-from wire.messages import MESSAGE_TYPES, U63_MAX, Message, MessageKind
+from wire.messages import MESSAGE_TYPES, U63_MAX, Message, MessageKind, payload_pieces
 
 MAGIC = b"DLCO"
 # Major: incompatible layout or semantics (receivers refuse other majors with 426).
@@ -101,9 +101,10 @@ class FrameHeader:
 
 @dataclass(frozen=True, slots=True)
 class PayloadChunk:
-    """The next bytes of a streamed payload (at most Limits.max_payload_chunk_bytes)."""
+    """The next bytes of a streamed payload (at most Limits.max_payload_chunk_bytes, at most one
+    received piece): the received bytes themselves or a view of them, not a copy."""
 
-    data: bytes
+    data: bytes | bytearray | memoryview
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,9 +126,20 @@ def encode_frame(message: Message, auth: AuthContext, *, now_unix: float, nonce:
     """The complete frame for `message`, stamped with `now_unix` and `nonce` (16 fresh random bytes),
     addressed to node `to` (ANY_MEMBER only for the kinds in ANY_RECIPIENT_KINDS)."""
     field_map, payload = message.to_wire()
+    pieces = payload_pieces(payload)
     head = _encode_head(message.KIND, field_map, auth, now_unix=now_unix, nonce=nonce, to=to,
-                        payload_length=len(payload), payload_digest=content_digest.digest(payload))
-    return head + payload
+                        payload_length=sum(len(piece) for piece in pieces),  # bytes, or views cast to bytes
+                        payload_digest=pieces_digest(pieces))
+    return b"".join((head, *pieces))
+
+
+def pieces_digest(pieces: Collection[bytes | memoryview]) -> bytes:
+    """The payload digest ("pd") of a payload given as its pieces (`payload_pieces`), each hashed
+    where it lies: the same digest as of their bytes joined."""
+    hasher = content_digest.hasher()
+    for piece in pieces:
+        hasher.update(piece)
+    return hasher.digest()
 
 
 def encode_frame_head(message: Message, auth: AuthContext, *, now_unix: float, nonce: bytes,
@@ -219,6 +231,7 @@ class _ByteQueue:
         self._pieces: deque[bytes | bytearray] = deque()
         self._offset = 0  # bytes of the first piece already taken
         self._size = 0
+        self._lent: bytearray | None = None  # a gathering piece a view was handed out of: grows no more
 
     def __len__(self) -> int:
         return self._size
@@ -230,7 +243,7 @@ class _ByteQueue:
         self._size += size
         if size < self.SMALL_PIECE_BYTES:
             last = self._pieces[-1] if self._pieces else None
-            if type(last) is bytearray and len(last) < self.GATHER_BYTES:
+            if type(last) is bytearray and len(last) < self.GATHER_BYTES and last is not self._lent:
                 last += data
             else:
                 self._pieces.append(bytearray(data))
@@ -255,6 +268,28 @@ class _ByteQueue:
             if type(part) is memoryview:
                 part.release()
         return joined
+
+    def take_view(self, n: int) -> bytes | bytearray | memoryview:
+        """Up to `n` of the first bytes (n >= 1, the queue not empty), removed, without copying:
+        what is left of the first piece, or a view of it (a gathering bytearray a view is taken
+        of grows no more: a view would stop it from resizing)."""
+        piece = self._pieces[0]
+        take = min(n, len(piece) - self._offset)
+        if self._offset == 0 and take == len(piece):
+            self._pieces.popleft()
+            data: bytes | bytearray | memoryview = piece
+        else:
+            if type(piece) is bytearray:
+                self._lent = piece
+            data = memoryview(piece)[self._offset:self._offset + take]
+            self._offset += take
+            if self._offset == len(piece):
+                self._pieces.popleft()
+                self._offset = 0
+        if self._lent is not None and (not self._pieces or self._pieces[-1] is not self._lent):
+            self._lent = None  # no longer the gathering piece: nothing to protect
+        self._size -= take
+        return data
 
     def take(self, n: int) -> bytes:
         """The first `n` bytes (n <= len), removed."""
@@ -472,11 +507,35 @@ class FrameDecoder:
             return FrameEnd(payload_digest=authenticated.payload_digest)
         if not len(self._buffer):
             return self._short()
-        size = min(len(self._buffer), self._remaining, self._limits.max_payload_chunk_bytes)
-        data = self._buffer.take(size)
+        # One received piece (or the part of it this frame owns) per event, never joined: the
+        # consumer hashes or copies it where it lies, while it is still in cache.
+        data = self._buffer.take_view(min(self._remaining, self._limits.max_payload_chunk_bytes))
         self._hasher.update(data)
-        self._remaining -= size
+        self._remaining -= len(data)
         return PayloadChunk(data)
+
+    def stream_payload(self, write: Callable[[bytes | bytearray | memoryview], None], *, now_unix: float) -> Event:
+        """The data of the `PayloadChunk` events of the streamed payload in progress, up to its end
+        or to the bytes received so far, handed to `write` in one call (each hashed before it is
+        handed over), then what `next_event` returns next: `FrameEnd` once the payload matched its
+        digest, or `NEED_DATA`. What `next_event` does, without an event object per piece."""
+        if self._failure is not None:
+            raise RemoteProtocolError(f"stream already failed: {self._failure}", self._failure.status_hint)
+        if self._state is not _State.STREAMED_PAYLOAD:
+            raise LocalProtocolError("stream_payload outside a streamed payload")
+        buffer, limit, hasher = self._buffer, self._limits.max_payload_chunk_bytes, self._hasher
+        while self._remaining and len(buffer):
+            data = buffer.take_view(min(self._remaining, limit))
+            hasher.update(data)
+            self._remaining -= len(data)
+            write(data)
+        if self._remaining:
+            try:
+                return self._short()
+            except RemoteProtocolError as error:
+                self._failure = error
+                raise
+        return self.next_event(now_unix=now_unix)  # the payload's end: its digest checked
 
     def _build(self, kind: MessageKind, message_fields: dict[str, Any], payload: bytes) -> Message:
         try:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar, Self
 
@@ -153,6 +153,82 @@ def _payload(owner: str, value: object) -> None:
     _blob(owner, "payload", value)
 
 
+class PayloadParts:
+    """A payload to send given as the buffers it lies in, in order (views of the sender's own
+    arrays, say), so that it is hashed and written where it is, never joined into one copy. On
+    the wire it is exactly the bytes of its parts one after the other (`bytes(parts)`); a
+    receiver always gets `bytes`. Only for kinds whose payload a sender serves from memory it
+    already holds (`SnapshotChunk`)."""
+
+    __slots__ = ("parts", "nbytes")
+
+    def __init__(self, parts: Iterable[bytes | bytearray | memoryview]) -> None:
+        views = []
+        for part in parts:
+            view = memoryview(part)
+            if not view.c_contiguous:
+                raise LocalProtocolError("PayloadParts: a part must be a C-contiguous buffer")
+            views.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
+        self.parts: tuple[memoryview, ...] = tuple(views)
+        self.nbytes = sum(view.nbytes for view in views)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.parts)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PayloadParts):
+            other = bytes(other)
+        if isinstance(other, (bytes, bytearray, memoryview)):
+            return len(other) == self.nbytes and bytes(self) == other
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to bytes, but views of mutable memory
+
+    def __repr__(self) -> str:
+        return f"PayloadParts({len(self.parts)} parts, {self.nbytes} bytes)"
+
+
+# What a sender may give as a served payload: bytes, any C-contiguous buffer, or its parts.
+SendPayload = bytes | bytearray | memoryview | PayloadParts
+
+
+def payload_pieces(payload: SendPayload) -> tuple[bytes | memoryview, ...]:
+    """The buffers a payload's bytes lie in, in order (one for a single buffer): what a sender
+    hashes and writes, piece by piece."""
+    if isinstance(payload, PayloadParts):
+        return payload.parts
+    if type(payload) is bytes:
+        return (payload,)
+    return (_byte_view(payload),)
+
+
+def _byte_view(value: bytes | bytearray | memoryview) -> memoryview:
+    view = memoryview(value)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _served_payload(owner: str, value: object) -> None:
+    """A payload a sender may give without copying it (bytes, a C-contiguous buffer or
+    `PayloadParts`); what a receiver decodes is always bytes."""
+    if type(value) is bytes or isinstance(value, PayloadParts):
+        return
+    if isinstance(value, (bytearray, memoryview)):
+        if not memoryview(value).c_contiguous:
+            raise _fail(owner, "payload", "must be a C-contiguous buffer")
+        return
+    raise _fail(owner, "payload", f"must be bytes, a buffer or PayloadParts, got {type(value).__name__}")
+
+
+def payload_nbytes(payload: SendPayload) -> int:
+    """The payload's length in bytes (a buffer's `len` counts its items)."""
+    if type(payload) is bytes or isinstance(payload, PayloadParts):
+        return len(payload)
+    return memoryview(payload).nbytes
+
+
 # ---------------------------------------------------------------------------------------------
 # Metadata: a deep-frozen msgpack-compatible map, so frozen messages stay frozen all the way down.
 # ---------------------------------------------------------------------------------------------
@@ -257,8 +333,9 @@ class Message:
     # True when the message has a single opaque `payload` field that a receiver may stream.
     STREAMABLE: ClassVar[bool] = False
 
-    def to_wire(self) -> tuple[dict[str, Any], bytes]:
-        """Split into (field map for the msgpack header map, raw payload bytes)."""
+    def to_wire(self) -> tuple[dict[str, Any], SendPayload]:
+        """Split into (field map for the msgpack header map, raw payload bytes: a buffer or
+        `PayloadParts` where the sender gave one, see `payload_pieces`)."""
         field_map: dict[str, Any] = {}
         payload = b""
         for spec in fields(self):  # type: ignore[arg-type]
@@ -911,15 +988,17 @@ class SnapshotChunk(Message):
     offset: int
     total: int
     digest: bytes
-    payload: bytes
+    # Bytes as decoded; a sender may give a buffer or `PayloadParts` (the state's own arrays,
+    # served without a copy): the frame's bytes are the same.
+    payload: SendPayload
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
         for name in ("fragment", "commit_index", "offset", "total"):
             _uint(owner, name, getattr(self, name))
         _blob(owner, "digest", self.digest, exact=DIGEST_BYTES)
-        _payload(owner, self.payload)
-        self.check_payload_length(len(self.payload))
+        _served_payload(owner, self.payload)
+        self.check_payload_length(payload_nbytes(self.payload))
 
     def check_payload_length(self, length: int) -> None:
         if self.offset + length > self.total:

@@ -12,9 +12,11 @@ difference spelled out (`config.check_joiner_manifest`), having changed nothing 
 
 Download (`FragmentDownload`): each fragment's serialized state in chunks (SnapshotRequest /
 SnapshotChunk), resumable from the byte offset reached, from any peer that serves it. Chunks name
-the fragment by its state digest (wire 3.0): each comes in an authenticated frame, the bytes are
-decoded and hashed into that state digest as they arrive, and the decoded fragment's digest is
-checked against the one the chunks named, once, before it is installed. Up to `DOWNLOAD_PEERS` peers serve
+the fragment by its state digest (wire 3.0): each comes in an authenticated frame, and its payload
+is taken in the pieces it arrived in, each hashed for the frame's payload digest, then into the
+state digest and copied into the fragment's arrays while it is in cache (never joined, read from
+memory once); the decoded fragment's digest is checked against the one the chunks named, once,
+before it is installed. Up to `DOWNLOAD_PEERS` peers serve
 different fragments at once, and each keeps `CHUNKS_IN_FLIGHT` requests outstanding, so the
 links' capacities add up and no link idles for a round trip between chunks. If the fragment moved on while we
 were downloading (the digest or the size changed), the download restarts for that fragment. A download may
@@ -42,7 +44,7 @@ from diloco_node.config.settings import ConfigError, EffectiveConfig
 from diloco_node.sync.global_state import CheckedFragment, GlobalStateError
 from diloco_node.sync.replica import Replica
 from diloco_node.sync.state_codec import FragmentAssembler, FragmentState, StateCodecError, fragment_shapes
-from diloco_node.transport import PeerClient, PeerRefused, PeerUnreachable, TransportError
+from diloco_node.transport import PeerClient, PeerRefused, PeerUnreachable, StreamedReply, TransportError
 from wire import messages as wire
 from wire.errors import RemoteProtocolError
 from wire.limits import MAX_CONCURRENT_STREAMS_PER_PEER
@@ -266,15 +268,17 @@ class FragmentDownload:
         """Download fragment p alone (a repair after a digest mismatch), trying up to `attempts` times."""
         await self._one(self.progress[p], attempts)
 
-    async def _request_chunk(self, url: str, fragment: int, offset: int) -> wire.SnapshotChunk:
+    async def _request_chunk(self, url: str, fragment: int, offset: int) -> StreamedReply:
+        """A SnapshotChunk reply, its header authenticated, its payload not yet taken (it is fed to
+        the fragment in offset order: `_Received.feed`)."""
         slots = self._peer_slots.setdefault(url, asyncio.Semaphore(CHUNK_REQUESTS_PER_PEER))
         async with slots:
-            replies = await self.client.send(url, wire.SnapshotRequest(fragment, offset, self.chunk_bytes),
-                                             deadline_s=CHUNK_DEADLINE_S)
-        chunk = next((r for r in replies if isinstance(r, wire.SnapshotChunk)), None)
-        if chunk is None:
+            reply = await self.client.send_for_stream(url, wire.SnapshotRequest(fragment, offset, self.chunk_bytes),
+                                                      reply_kind=wire.MessageKind.SNAPSHOT_CHUNK,
+                                                      deadline_s=CHUNK_DEADLINE_S)
+        if not isinstance(reply.head, wire.SnapshotChunk):
             raise RemoteProtocolError("no snapshot chunk in the reply", 400)
-        return chunk
+        return reply
 
     async def _fetch_rest(self, url: str, progress: FragmentProgress, received: _Received) -> None:
         """Feed `received` fragment bytes from `url`, from the offset it reached to the end.
@@ -284,7 +288,7 @@ class FragmentDownload:
         moved on while we downloaded (its state, or the evictions its bytes carry): everything is
         dropped and the fragment starts again.
         """
-        in_flight: deque[tuple[int, asyncio.Task[wire.SnapshotChunk]]] = deque()
+        in_flight: deque[tuple[int, asyncio.Task[StreamedReply]]] = deque()
         try:
             while progress.total is None or received.offset < progress.total:
                 next_offset = in_flight[-1][0] + self.chunk_bytes if in_flight else received.offset
@@ -294,7 +298,8 @@ class FragmentDownload:
                     in_flight.append((next_offset, task))
                     next_offset += self.chunk_bytes
                 _, task = in_flight.popleft()
-                chunk = await task
+                reply = await task
+                chunk = reply.head  # authenticated; its payload is taken below
                 if progress.digest is not None and (chunk.digest, chunk.total) != (progress.digest, progress.total):
                     for _, other in in_flight:
                         other.cancel()
@@ -309,12 +314,14 @@ class FragmentDownload:
                     raise RemoteProtocolError(f"chunk at offset {chunk.offset}, expected {received.offset}", 400)
                 progress.digest, progress.total = chunk.digest, chunk.total
                 progress.commit_index = max(progress.commit_index, chunk.commit_index)
-                # Hashed and decoded into the fragment's arrays as it arrives, off the event loop:
-                # the fragment's bytes are never held whole.
-                await asyncio.get_running_loop().run_in_executor(self.executor, received.feed, chunk.payload)
-                progress.received = received.offset
-                self.bytes_received += len(chunk.payload)
-                if not chunk.payload and received.offset < chunk.total:
+                # Checked, hashed and decoded into the fragment's arrays piece by piece, off the
+                # event loop: the fragment's bytes are never held whole, nor a chunk's joined.
+                try:
+                    await asyncio.get_running_loop().run_in_executor(self.executor, received.feed, reply)
+                finally:
+                    progress.received = received.offset  # 0 again if the chunk was refused
+                self.bytes_received += reply.payload_length
+                if not reply.payload_length and received.offset < chunk.total:
                     raise RemoteProtocolError("empty chunk before the end", 400)
         finally:
             for _, task in in_flight:
@@ -368,7 +375,8 @@ class _Received:
     """One fragment's bytes as they arrive: decoded straight into arrays of the fragment's shapes
     and hashed into its state digest as they are copied (state_codec `FragmentAssembler`), so a
     fragment in flight costs its own size once, never a buffer of its bytes beside the arrays
-    decoded from them, and its bytes are hashed once."""
+    decoded from them, and its bytes are read from memory once (hashed twice: the frame's payload
+    digest and the state digest, two different inputs of the wire's digest definitions)."""
 
     def __init__(self, replica: Replica, fragment: int) -> None:
         self.replica = replica
@@ -384,12 +392,20 @@ class _Received:
     def offset(self) -> int:
         return self.assembler.received
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, reply: StreamedReply) -> None:
+        """The chunk's payload, each received piece in one pass while it is in cache: the frame
+        decoder hashes it into the frame's payload digest, then the assembler into the state
+        digest and copies it into the arrays. The payload digest is checked at the chunk's end,
+        after its bytes went in: a chunk refused then (or malformed) starts the fragment again,
+        since its bytes cannot be taken back out of the state digest."""
         try:
-            self.assembler.feed(data)
+            reply.feed(self.assembler.feed)
         except StateCodecError as error:
             self.restart()
             raise RemoteProtocolError(f"fragment {self.fragment} bytes are malformed: {error}", 400) from None
+        except RemoteProtocolError:
+            self.restart()
+            raise
 
     def checked(self, expected_digest: bytes | None) -> tuple[FragmentState, CheckedFragment]:
         """The decoded fragment checked against this run and against the state digest its chunks

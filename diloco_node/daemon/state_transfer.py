@@ -41,8 +41,9 @@ log = logging.getLogger("diloco_node.daemon")
 # A snapshot install whose download failed on every peer (a partition, say) tries again after
 # this pause; the node stays not-ready meanwhile and keeps training on its last state.
 INSTALL_RETRY_S = 2.0
-# The most bytes one SnapshotChunk answer carries, whatever the request asks: what one request
-# being served holds in memory (joiners ask for join.py's SNAPSHOT_CHUNK_BYTES, 4 MiB).
+# The most bytes one SnapshotChunk answer carries, whatever the request asks (joiners ask for
+# join.py's SNAPSHOT_CHUNK_BYTES, 4 MiB): views of the state's arrays, copied nowhere, but what
+# the socket may buffer of one reply and what a slow reader keeps the served arrays alive for.
 SERVED_CHUNK_BYTES = 4 * 1024 * 1024
 # Download attempts for one fragment repair before it is reported as failed.
 REPAIR_ATTEMPTS = 10
@@ -365,9 +366,11 @@ class ServedFragments:
         self.replica = replica
         self._digests: dict[int, tuple[tuple, list[weakref.ref], bytes]] = {}
 
-    def read(self, p: int, offset: int, length: int) -> tuple[int, int, bytes, bytes]:
+    def read(self, p: int, offset: int, length: int) -> tuple[int, int, bytes, wire.PayloadParts]:
         """(round, total bytes, state digest, bytes [offset, offset + min(length, SERVED_CHUNK_BYTES)))
-        of fragment p as it is now; safe in worker threads (installs replace arrays, never change them)."""
+        of fragment p as it is now; safe in worker threads (installs replace arrays, never change them).
+        The bytes are views of the state's own (read-only) arrays, copied nowhere: the reply hashes
+        and writes them where they lie, and holds that version of the arrays until it is written."""
         state = self.replica.fragment_state(p, copies=False)
         arrays = fragment_arrays(state)
         reader = PartsReader(fragment_parts(state))
@@ -378,4 +381,5 @@ class ServedFragments:
         else:
             digest = bytes.fromhex(fragment_state_digest(p, state.round, state.params, state.momentum))
             self._digests[p] = ((state.round,), [weakref.ref(a) for a in arrays.values()], digest)
-        return state.round, reader.total, digest, reader.read(offset, min(length, SERVED_CHUNK_BYTES))
+        views = reader.views(offset, min(length, SERVED_CHUNK_BYTES))
+        return state.round, reader.total, digest, wire.PayloadParts(views)

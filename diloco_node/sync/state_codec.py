@@ -349,8 +349,8 @@ def _bin_header(n: int) -> bytes:
 
 class PartsReader:
     """Byte ranges of a fragment's download bytes, read from its parts (`fragment_parts`) without
-    joining them: what a server holds for a fragment is its parts (the state's own arrays) and
-    one chunk per request."""
+    joining them: what a server holds for a fragment is its parts (the state's own arrays), and a
+    chunk it serves is views of them (`views`), never a copy."""
 
     def __init__(self, parts: Sequence[bytes | memoryview]) -> None:
         self._parts = [memoryview(p).cast("B") for p in parts]
@@ -363,8 +363,13 @@ class PartsReader:
 
     def read(self, offset: int, length: int) -> bytes:
         """Bytes [offset, offset + length) clipped to the end (b"" past it): one copy of the range."""
+        return b"".join(self.views(offset, length))
+
+    def views(self, offset: int, length: int) -> list[memoryview]:
+        """The range `read` returns as views of the parts it lies in, in order, copying nothing
+        (a server hashes and writes them where they are: wire.messages `PayloadParts`)."""
         start, stop = max(0, min(offset, self.total)), max(0, min(offset + max(0, length), self.total))
-        pieces = []
+        pieces: list[memoryview] = []
         i = max(0, bisect.bisect_right(self._starts, start) - 1)
         at = start
         while at < stop:
@@ -373,7 +378,7 @@ class PartsReader:
             pieces.append(part[at - part_start:at - part_start + take])
             at += take
             i += 1
-        return b"".join(pieces)  # the range's one copy
+        return pieces
 
 
 def decode_fragment(data: bytes | bytearray | memoryview) -> FragmentState:
@@ -460,6 +465,14 @@ class FragmentAssembler:
         return self._state_hash.hexdigest()
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
+        want, filled = self._want, self._filled
+        n = data.nbytes if type(data) is memoryview else len(data)
+        if type(want) is np.ndarray and n < want.size - filled:  # the usual piece: inside one array
+            self._state_hash.update(data)  # hashed where the bytes are, as they are copied
+            want[filled:filled + n] = np.frombuffer(data, np.uint8)
+            self._filled = filled + n
+            self.received += n
+            return
         view = memoryview(data).cast("B")
         self.received += view.nbytes
         at = 0

@@ -13,6 +13,7 @@ from diloco_node.transport.client import (
     PeerClient,
     PeerRefused,
     PeerUnreachable,
+    StreamedReply,
     TransportError,
 )
 from diloco_node.transport.counters import PeerTraffic, TrafficCounters
@@ -35,6 +36,7 @@ __all__ = [
     "PeerTraffic",
     "PeerUnreachable",
     "ServerOptions",
+    "StreamedReply",
     "TrafficCounters",
     "TransportError",
     "kind_path",

@@ -1,12 +1,15 @@
 """The peer API's client side: one aiohttp session per node, messages out, authenticated replies in.
 
 `send(url, *messages)` posts small messages (one body, one or more frames of one kind) and returns
-the peer's replies. `send_sequence(url, frames)` posts a body of frames produced one at a time (an
-opening frame, then its parts: a streamed contribution) with chunked transfer encoding, so neither
-the whole body nor its length is ever needed up front. `send_stream(url, head, payload)` uploads one large payload as a streamed frame
-with bounded memory whatever its size: the payload comes from a bytes-like object (sent as slices,
-never copied) or an async iterator of chunks, and aiohttp drains the socket as it goes
-(backpressure). Timeouts are per read (`sock_read`), per connect, and per stall of an upload; a
+the peer's replies; `send_for_stream(url, message, reply_kind=...)` returns its one reply of a
+streamed kind (a snapshot chunk) with the header authenticated and the payload left in the pieces
+it arrived in, for the caller to take piece by piece (`StreamedReply.feed`), never joined.
+`send_sequence(url, frames)` posts a body of frames produced one at a time (an opening frame,
+then its parts: a streamed contribution) with chunked transfer encoding, so neither the whole
+body nor its length is ever needed up front. `send_stream(url, head, payload)` uploads one large
+payload as a streamed frame with bounded memory whatever its size: the payload comes from a
+bytes-like object (sent as slices, never copied) or an async iterator of chunks, and aiohttp
+drains the socket as it goes (backpressure). Timeouts are per read (`sock_read`), per connect, and per stall of an upload; a
 whole-message deadline is the caller's `deadline_s`. There is no total timeout: a 256 MB fragment on
 a slow link may rightly take minutes.
 
@@ -22,9 +25,9 @@ import functools
 import logging
 import os
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor
-from typing import Final
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -50,12 +53,14 @@ from wire.frames import (
     FIXED_HEADER_BYTES,
     NEED_DATA,
     FrameDecoder,
+    FrameEnd,
+    FrameHeader,
     Received,
     encode_frame,
     encode_frame_head,
 )
 from wire.limits import DEFAULT_LIMITS, KiB, Limits, MiB
-from wire.messages import Message
+from wire.messages import Message, MessageKind
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +78,9 @@ INLINE_BODY_MAX_BYTES = 256 * KiB
 MAX_REPLY_FRAMES = 1024
 # Replies to a batch of small messages may together exceed one small frame's bound.
 MIN_REPLY_LIMIT_BYTES = 1 * MiB
-# Replies of a known length up to this are read whole before they are decoded (one hop to the pool):
-# a snapshot chunk (4 MiB) and its frame head.
+# Replies of a known length up to this are read whole before they are decoded (one hop to the pool),
+# and a streamed reply (`send_for_stream`: a snapshot chunk of 4 MiB and its frame head) may be no
+# longer: it is held whole, in the pieces it arrived in, until its payload is taken.
 WHOLE_REPLY_MAX_BYTES = 8 * MiB
 # A refusal's reason text is read up to this size (the server sends at most
 # wire.messages.MAX_REASON_CHARS, 512 characters).
@@ -131,6 +137,43 @@ class PeerRefused(TransportError):
 
 class PeerUnreachable(TransportError):
     """No answer: connection refused, reset or stalled, or a deadline passed."""
+
+
+class StreamedReply:
+    """One authenticated reply frame of a streamed kind, read whole, its payload not yet handed
+    over (`PeerClient.send_for_stream`). `head` is the message without its payload, `payload_length`
+    its size. `feed(write)` (a worker thread's work) gives `write` each received piece of the
+    payload in order, uncopied, as the frame decoder hashes it, and raises RemoteProtocolError
+    at the end if the pieces do not match the authenticated digest or anything follows the frame:
+    `write` has then seen bytes that are not the peer's, and its caller discards all of them."""
+
+    def __init__(self, decoder: FrameDecoder, header: FrameHeader, now_unix: float) -> None:
+        self._decoder = decoder
+        self._now_unix = now_unix
+        self.sender = header.sender
+        self.head = header.head
+        self.payload_length = header.payload_length
+
+    @classmethod
+    def read(cls, pieces: list[bytes], decoder: FrameDecoder, reply_kind: MessageKind,
+             now_unix: float) -> StreamedReply:
+        """The reply in the body `pieces` (whole, as received): its frame header authenticated
+        now (a few hundred bytes and a MAC), its payload left in the pieces. `decoder` streams
+        `reply_kind`; RemoteProtocolError if the body does not start with such a frame."""
+        for piece in pieces:
+            decoder.receive_data(piece)
+        decoder.receive_data(b"")
+        event = decoder.next_event(now_unix=now_unix)
+        if not isinstance(event, FrameHeader) or event.head.KIND is not reply_kind:
+            raise RemoteProtocolError(f"the reply is not a {reply_kind.name} frame", 400)
+        return cls(decoder, event, now_unix)
+
+    def feed(self, write: Callable[[bytes | bytearray | memoryview], None]) -> None:
+        # The whole body was given: a short one fails in the decoder (400), a wrong one at its end (401).
+        if not isinstance(self._decoder.stream_payload(write, now_unix=self._now_unix), FrameEnd):
+            raise RemoteProtocolError("a streamed reply ended inside its payload", 400)
+        if self._decoder.next_event(now_unix=self._now_unix) is not CLOSED:
+            raise RemoteProtocolError("the reply holds more than its one frame", 400)
 
 
 class PeerClient:
@@ -220,6 +263,17 @@ class PeerClient:
             chunks = _slices(memoryview(body), self.options.upload_chunk_bytes)
         return await self._post(base_url.rstrip("/") + kind_path(kind), chunks, len(body), peer, deadline_s)
 
+    async def send_for_stream(self, base_url: str, message: Message, *, reply_kind: MessageKind,
+                              peer: str | None = None, deadline_s: float | None = None) -> StreamedReply:
+        """Post `message`; its reply must be one frame of the streamable `reply_kind` with a known
+        length of at most `WHOLE_REPLY_MAX_BYTES` (a snapshot chunk). The reply is read whole and its
+        header authenticated here; its payload is neither joined nor hashed yet: `StreamedReply.feed`
+        hands it over piece by piece as it is checked, so the caller hashes and copies each piece
+        where it lies, while it is in cache."""
+        frame = await self._encode(message, peer or ANY_MEMBER)
+        return await self._post(base_url.rstrip("/") + kind_path(message.KIND), frame, len(frame), peer, deadline_s,
+                                read=functools.partial(self._read_streamed, reply_kind))
+
     async def send_stream(self, base_url: str, head: Message, payload: Payload, *,
                           payload_length: int | None = None, payload_digest: bytes | None = None,
                           peer: str | None = None, deadline_s: float | None = None) -> list[Message]:
@@ -307,8 +361,10 @@ class PeerClient:
         return await loop.run_in_executor(self._executor, encode)
 
     async def _post(self, url: str, body: AsyncIterable[bytes | memoryview] | bytes, length: int | None,
-                    peer: str | None, deadline_s: float | None) -> list[Message]:
-        """POST `body` (`length` None: unknown, sent with chunked transfer encoding)."""
+                    peer: str | None, deadline_s: float | None, read: Callable[..., Awaitable[Any]] | None = None,
+                    ) -> Any:
+        """POST `body` (`length` None: unknown, sent with chunked transfer encoding); the reply is
+        `read(response, traffic)` (default: the reply frames, decoded)."""
         if self._session is None:
             raise LocalProtocolError("PeerClient is not started")
         peer_key = peer or _origin(url)
@@ -348,7 +404,7 @@ class PeerClient:
                         reason = (await response.content.read(MAX_REFUSAL_BODY_BYTES)).decode("utf-8", "replace")
                         self.counters.refused(peer_key, f"{response.status} {reason}")
                         raise PeerRefused(url, response.status, reason)
-                    return await self._read_replies(response, traffic)
+                    return await (read or self._read_replies)(response, traffic)
         except TimeoutError as error:
             if deadline.expired():
                 which = "deadline"
@@ -382,6 +438,17 @@ class PeerClient:
         if len(replies) > self.options.max_reply_frames:
             raise RemoteProtocolError(f"more than {self.options.max_reply_frames} reply frames", 400)
         return replies
+
+    async def _read_streamed(self, reply_kind: MessageKind, response: aiohttp.ClientResponse,
+                             traffic: PeerTraffic) -> StreamedReply:
+        length = response.content_length
+        bound = min(self.max_reply_bytes, WHOLE_REPLY_MAX_BYTES)
+        if length is None or length > bound:
+            raise RemoteProtocolError(f"a {reply_kind.name} reply must declare a length of at most {bound} bytes, "
+                                      f"got {length}", 413)
+        pieces = await _read_pieces(response, length, traffic)
+        return StreamedReply.read(pieces, FrameDecoder(self._verifier, self.limits, stream_kinds=(reply_kind,)),
+                                  reply_kind, self._wall_clock())
 
     async def _read_replies(self, response: aiohttp.ClientResponse, traffic: PeerTraffic) -> list[Message]:
         decoder = FrameDecoder(self._verifier, self.limits)

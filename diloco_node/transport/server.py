@@ -58,7 +58,6 @@ from diloco_node.transport.routes import (
 )
 from diloco_node.transport.streaks import FailureStreaks
 from diloco_node.transport.tls import certificate_sha256, certified_node_id
-from wire import digest as content_digest
 from wire.auth import ANY_MEMBER, MAC_BYTES, NONCE_BYTES, AuthContext, FrameVerifier
 from wire.errors import RemoteProtocolError
 from wire.frames import (
@@ -73,9 +72,18 @@ from wire.frames import (
     Received,
     encode_frame,
     encode_frame_head,
+    pieces_digest,
 )
 from wire.limits import DEFAULT_LIMITS, KiB, Limits, MiB
-from wire.messages import MAX_NODE_ID_CHARS, MAX_REASON_CHARS, NODE_ID_PATTERN, Message, MessageKind
+from wire.messages import (
+    MAX_NODE_ID_CHARS,
+    MAX_REASON_CHARS,
+    NODE_ID_PATTERN,
+    Message,
+    MessageKind,
+    payload_nbytes,
+    payload_pieces,
+)
 
 log = logging.getLogger(__name__)
 
@@ -380,7 +388,8 @@ class PeerServer:
         finally:
             self._release(stream)
 
-    async def _write_reply(self, request: web.Request, peer_key: str, body: list[bytes]) -> web.StreamResponse:
+    async def _write_reply(self, request: web.Request, peer_key: str,
+                           body: list[bytes | memoryview]) -> web.StreamResponse:
         length = sum(len(piece) for piece in body)
         self.counters.sent(peer_key, length)
         self._refusals.succeeded(peer_key)  # a streak of refusals to this peer ends (one line)
@@ -653,31 +662,31 @@ class PeerServer:
             raise RemoteProtocolError(f"one body carries frames of one sender: {stream.sender!r}, then {sender!r}", 400)
         return Peer(node_id=sender, address=request.remote, sent_at_unix=sent_at_unix)
 
-    async def _encode_replies(self, replies: list[Message], to: str | None) -> list[bytes]:
+    async def _encode_replies(self, replies: list[Message], to: str | None) -> list[bytes | memoryview]:
         """The reply body as pieces, in order: a big single-payload reply (a snapshot chunk) is its
         frame's head and the payload itself, which is written as it is, never copied behind a head."""
         loop = asyncio.get_running_loop()
-        pieces = []
+        pieces: list[bytes | memoryview] = []
         for reply in replies:
             stamp = {"now_unix": self._wall_clock(), "nonce": os.urandom(NONCE_BYTES), "to": to or ANY_MEMBER}
             if approx_payload_bytes(reply) < INLINE_ENCODE_MAX_BYTES:
                 pieces.append(encode_frame(reply, self._auth, **stamp))
             elif reply.STREAMABLE:
-                payload = reply.payload  # type: ignore[attr-defined]
+                payload = payload_pieces(reply.payload)  # type: ignore[attr-defined]
                 pieces.append(await loop.run_in_executor(self._executor, functools.partial(
                     _frame_head, reply, payload, self._auth, **stamp)))
-                pieces.append(payload)
+                pieces.extend(payload)  # written where it lies (a served chunk: views of the state)
             else:
                 pieces.append(await loop.run_in_executor(self._executor, functools.partial(
                     encode_frame, reply, self._auth, **stamp)))
         return pieces
 
 
-def _frame_head(message: Message, payload: bytes, auth: AuthContext, **stamp: Any) -> bytes:
-    """The head of `message`'s frame, whose payload follows it unchanged: the same bytes as
-    `encode_frame(message)` without joining the two."""
-    return encode_frame_head(message.without_payload(), auth, payload_length=len(payload),
-                             payload_digest=content_digest.digest(payload), **stamp)
+def _frame_head(message: Message, payload: tuple[bytes | memoryview, ...], auth: AuthContext, **stamp: Any) -> bytes:
+    """The head of `message`'s frame, whose payload (its pieces, `payload_pieces`) follows it
+    unchanged: the same bytes as `encode_frame(message)` without joining them, hashed where they lie."""
+    return encode_frame_head(message.without_payload(), auth, payload_length=sum(len(piece) for piece in payload),
+                             payload_digest=pieces_digest(payload), **stamp)
 
 
 def _decode_batch(decoder: FrameDecoder, data: bytes, now_unix: float) -> list[Event]:
@@ -695,7 +704,7 @@ def approx_payload_bytes(message: Message) -> int:
     """Bulk bytes a message carries (its payload, or its log entries' payloads)."""
     payload = getattr(message, "payload", b"")
     entries = getattr(message, "entries", ())
-    return len(payload) + sum(len(entry.payload) for entry in entries)
+    return payload_nbytes(payload) + sum(len(entry.payload) for entry in entries)
 
 
 PEER_SERVER: Final = web.AppKey("diloco_peer_server", PeerServer)
