@@ -677,3 +677,45 @@ async def test_a_failing_producer_aborts_the_upload_with_its_own_error() -> None
                                        peer="b")
         await until(lambda: log and log[-1].startswith("abort"))
     assert "finish" not in log
+
+
+async def test_a_reader_that_stops_taking_a_big_reply_is_cut_off_after_the_read_timeout(caplog) -> None:
+    """A reply made of views of the state's arrays keeps that version alive while it is written: a
+    reader that takes nothing for the read timeout is dropped, as a stalled sender is."""
+    import logging
+    import socket
+
+    from wire.messages import PayloadParts
+
+    caplog.set_level(logging.INFO, logger="diloco_node")
+    server = _server(Limits(read_timeout_s=0.3))
+    state = np.zeros(64 * MiB // 4, np.float32)  # far more than the two sockets' buffers hold
+    served = asyncio.Event()
+
+    async def snapshot(message: Message, peer: Peer) -> Message:
+        served.set()
+        return SnapshotChunk(fragment=message.fragment, commit_index=7, offset=0, total=state.nbytes,
+                             digest=bytes(32), payload=PayloadParts([state]))
+
+    server.on_message(MessageKind.SNAPSHOT_REQUEST, snapshot)
+    async with _serving(server) as url:
+        host, port = url.removeprefix("http://").split(":")
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+        reader, writer = await asyncio.open_connection(sock=sock)
+        frame = encode_frame(SnapshotRequest(fragment=1, offset=0, max_length=state.nbytes), _auth("a"),
+                             now_unix=time.time(), nonce=os.urandom(16))
+        writer.write(f"POST {kind_path(MessageKind.SNAPSHOT_REQUEST)} HTTP/1.1\r\nHost: {host}\r\n"
+                     f"Content-Type: application/x-diloco-frames\r\nContent-Length: {len(frame)}\r\n\r\n".encode() + frame)
+        await writer.drain()
+        await asyncio.wait_for(served.wait(), 5)
+        # Take nothing: the server's writes back up, and it gives up on this reader.
+        await until(lambda: "reader took nothing" in caplog.text, timeout_s=10)
+        received = 0
+        async with asyncio.timeout(10):  # what was already in flight, then the end of the connection
+            while piece := await reader.read(1 << 20):
+                received += len(piece)
+        writer.close()
+    assert received < state.nbytes

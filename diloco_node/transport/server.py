@@ -401,12 +401,22 @@ class PeerServer:
             response = web.StreamResponse(headers={"Content-Type": FRAME_CONTENT_TYPE})
             response.content_length = length
             await response.prepare(request)
-            for piece in body:
-                with memoryview(piece) as view:
-                    for start in range(0, len(view), STREAMED_REPLY_MIN_BYTES):
-                        await response.write(view[start:start + STREAMED_REPLY_MIN_BYTES])
-            await response.write_eof()
+            # A reader that takes no slice for the read timeout is stalled, as a sender that sends
+            # no byte is: the reply may be views of a state version that it keeps alive meanwhile.
+            stall_s = self.limits.read_timeout_s
+            async with asyncio.timeout(self.limits.message_timeout_s):
+                for piece in body:
+                    with memoryview(piece) as view:
+                        for start in range(0, len(view), STREAMED_REPLY_MIN_BYTES):
+                            async with asyncio.timeout(stall_s):
+                                await response.write(view[start:start + STREAMED_REPLY_MIN_BYTES])
+                await response.write_eof()
             return response
+        except TimeoutError:
+            log.info("reply to %s not delivered: the reader took nothing for %g s, or the reply took over %g s",
+                     peer_key, self.limits.read_timeout_s, self.limits.message_timeout_s)
+            request.protocol.force_close()
+            return web.Response(status=499)
         except (ConnectionError, aiohttp.ClientConnectionResetError) as error:
             # The client went away while we answered: one line, not aiohttp's traceback.
             log.info("reply to %s not delivered: %s", peer_key, error or type(error).__name__)
