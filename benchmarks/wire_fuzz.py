@@ -341,6 +341,53 @@ def fuzz_payload_streams(examples: int, seed: int) -> int:
     return bugs
 
 
+def fuzz_streamed_replies(examples: int, seed: int) -> int:
+    """Damaged snapshot-chunk replies through the joiner's path (`StreamedReply.read`, then `feed`
+    handing the payload over piece by piece, unjoined): only RemoteProtocolError may come out, and
+    what an accepted reply handed over is byte for byte the payload that was sent."""
+    from diloco_node.transport.client import StreamedReply
+    from wire.errors import RemoteProtocolError
+    from wire.messages import SnapshotChunk
+
+    fuzzer = Fuzzer(seed + 1)
+    rng = fuzzer.rng
+    counts: collections.Counter[str] = collections.Counter()
+    bugs = 0
+    for i in range(examples):
+        payload = rng.randbytes(rng.randint(1, 20_000))
+        sent = SnapshotChunk(fragment=rng.randrange(4), commit_index=rng.randrange(1, 100), offset=0,
+                             total=len(payload), digest=rng.randbytes(32), payload=payload)
+        frame = fuzzer.frame(sent)
+        damage = rng.choice(("none", "none", "damaged", "trailing", "another-frame"))
+        if damage == "damaged":
+            frame = fuzzer.damaged(frame)
+        elif damage == "trailing":
+            frame += rng.randbytes(rng.randint(1, 100))
+        elif damage == "another-frame":
+            frame += fuzzer.frame(sent)
+        handed: list[bytes] = []
+        try:
+            decoder = FrameDecoder(FrameVerifier(RUN, KEY), stream_kinds=(MessageKind.SNAPSHOT_CHUNK,))
+            reply = StreamedReply.read(fuzzer.splits(frame), decoder, MessageKind.SNAPSHOT_CHUNK, NOW)
+            reply.feed(lambda piece: handed.append(bytes(piece)))
+            assert b"".join(handed) == payload, "an accepted reply handed over bytes that were not sent"
+            assert reply.head == sent.without_payload(), "an accepted reply's head is not the one sent"
+            counts[f"{damage}: accepted"] += 1
+        except RemoteProtocolError as error:
+            assert damage != "none", f"an undamaged reply was refused: {error}"
+            counts[f"{damage}: {error.status_hint}"] += 1
+        except Exception:  # noqa: BLE001 - a bug report, not error handling
+            bugs += 1
+            print(f"BUG in streamed reply example {i} ({damage}, seed {seed}):", file=sys.stderr)
+            traceback.print_exc(limit=6)
+            if bugs >= 5:
+                break
+    print(f"fuzzed {examples} streamed snapshot-chunk replies, bugs: {bugs}")
+    for key in sorted(counts):
+        print(f"  {key:<36} {counts[key]:>8}")
+    return bugs
+
+
 def _codec_messages(rng: random.Random, pool: int) -> list[tuple[bytes, dict]]:
     """Valid codec messages of random shapes, codecs, chunk sizes and k, with what each decodes to."""
     import numpy as np
@@ -455,7 +502,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stream-mb", type=int, default=256, help="size of the streamed payload, 0 to skip")
     parser.add_argument("--stream-examples", type=int, default=2_000,
-                        help="damaged streamed contributions and relayed payloads for the assemblers (default 2000)")
+                        help="damaged streamed contributions, relayed payloads and snapshot-chunk replies (default 2000)")
     parser.add_argument("--codec-examples", type=int, default=100_000,
                         help="valid and damaged tensor codec messages (default 100000)")
     args = parser.parse_args()
@@ -464,6 +511,7 @@ def main() -> int:
     bugs = fuzz(args.examples, args.seed)
     bugs += fuzz_streams(args.stream_examples, args.seed)
     bugs += fuzz_payload_streams(args.stream_examples, args.seed)
+    bugs += fuzz_streamed_replies(args.stream_examples, args.seed)
     bugs += fuzz_codecs(args.codec_examples, args.seed)
     return 1 if bugs else 0
 

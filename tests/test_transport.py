@@ -719,3 +719,16 @@ async def test_a_reader_that_stops_taking_a_big_reply_is_cut_off_after_the_read_
                 received += len(piece)
         writer.close()
     assert received < state.nbytes
+
+
+def test_damaged_snapshot_chunk_replies_raise_only_protocol_errors_and_accepted_ones_are_whole() -> None:
+    """The quick version of benchmarks/wire_fuzz.py's streamed-reply fuzz (which found that an empty
+    piece among the received ones ended the decoder's stream early)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "wire_fuzz.py"
+    spec = importlib.util.spec_from_file_location("wire_fuzz", path)
+    wire_fuzz = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wire_fuzz)
+    assert wire_fuzz.fuzz_streamed_replies(400, seed=3) == 0

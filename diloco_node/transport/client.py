@@ -161,7 +161,8 @@ class StreamedReply:
         now (a few hundred bytes and a MAC), its payload left in the pieces. `decoder` streams
         `reply_kind`; RemoteProtocolError if the body does not start with such a frame."""
         for piece in pieces:
-            decoder.receive_data(piece)
+            if piece:  # b"" is the decoder's end of stream, given once below
+                decoder.receive_data(piece)
         decoder.receive_data(b"")
         event = decoder.next_event(now_unix=now_unix)
         if not isinstance(event, FrameHeader) or event.head.KIND is not reply_kind:
