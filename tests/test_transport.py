@@ -732,3 +732,65 @@ def test_damaged_snapshot_chunk_replies_raise_only_protocol_errors_and_accepted_
     wire_fuzz = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(wire_fuzz)
     assert wire_fuzz.fuzz_streamed_replies(400, seed=3) == 0
+
+
+async def test_a_slow_readers_reply_lets_the_served_arrays_go_and_still_arrives_whole(monkeypatch) -> None:
+    """A served chunk is written from views of the state's arrays; a reader slower than
+    REPLY_VIEWS_S gets the rest from one copy, so the arrays (a state version a commit may have
+    replaced) are not kept alive by it; the bytes it reads are the arrays' bytes all the same."""
+    import gc
+    import socket
+    import weakref
+
+    from diloco_node.transport import server as server_module
+    from wire.messages import PayloadParts
+
+    monkeypatch.setattr(server_module, "REPLY_VIEWS_S", 0.2)
+    server = _server()
+    served: list[weakref.ref] = []
+    # Three times what the kernel buffers on a socket here (tcp_wmem 4 MiB): most of it waits on the reader.
+    expected = np.random.default_rng(5).standard_normal(12 * MiB // 4).astype(np.float32)
+
+    async def snapshot(message: Message, peer: Peer) -> Message:
+        arrays = [expected[: expected.size // 2].copy(), expected[expected.size // 2:].copy()]
+        served.extend(weakref.ref(a) for a in arrays)
+        return SnapshotChunk(fragment=message.fragment, commit_index=7, offset=0, total=expected.nbytes,
+                             digest=bytes(32), payload=PayloadParts(arrays))
+
+    server.on_message(MessageKind.SNAPSHOT_REQUEST, snapshot)
+    async with _serving(server) as url:
+        host, port = url.removeprefix("http://").split(":")
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+        reader, writer = await asyncio.open_connection(sock=sock)
+        frame = encode_frame(SnapshotRequest(fragment=1, offset=0, max_length=expected.nbytes), _auth("a"),
+                             now_unix=time.time(), nonce=os.urandom(16))
+        writer.write(f"POST {kind_path(MessageKind.SNAPSHOT_REQUEST)} HTTP/1.1\r\nHost: {host}\r\n"
+                     f"Content-Type: application/x-diloco-frames\r\nContent-Length: {len(frame)}\r\n\r\n".encode()
+                     + frame)
+        await writer.drain()
+        body = bytearray()
+        read_when_released = None
+        async with asyncio.timeout(30):
+            while True:
+                piece = await reader.read(64 * 1024)
+                if not piece:
+                    break
+                body += piece
+                if served and read_when_released is None:
+                    gc.collect()
+                    if all(ref() is None for ref in served):
+                        read_when_released = len(body)
+                head_end = body.find(b"\r\n\r\n")
+                if head_end >= 0:
+                    length = int(body[:head_end].split(b"Content-Length: ")[1].split(b"\r\n")[0])
+                    if len(body) >= head_end + 4 + length:
+                        break
+                await asyncio.sleep(0.02)  # at most about 3 MB/s: the 12 MiB reply takes some 4 s
+        writer.close()
+    # Let go within REPLY_VIEWS_S, not once the kernel took the last slice (8 MiB later).
+    assert read_when_released is not None and read_when_released < expected.nbytes // 3, read_when_released
+    got = bytes(body[-expected.nbytes:])  # the frame's payload ends the body
+    assert got == expected.tobytes(), f"{len(body)} bytes read"

@@ -17,7 +17,10 @@ The bound is a sum of terms, each a named limit of the code that holds those byt
   request's stream slot is held until its reply is written, so a slow reader holds one), each
   with at most `state_transfer.SERVED_CHUNK_BYTES` of fragment bytes plus the one slice the
   socket may have copied (`server.STREAMED_REPLY_MIN_BYTES`); the served fragment itself is read
-  from the state's arrays, never serialized whole.
+  from the state's arrays, never serialized whole. A reply is written from views of those arrays
+  while the reader keeps up; a slow one gets the rest from one copy of at most a chunk (counted
+  here), so it keeps a replaced state version alive for at most `server.REPLY_VIEWS_S` plus one
+  slice's wait for the socket (bounded by the read timeout), not for its whole reply.
 The bound covers a replica (a witness, the lease holder, a synthetic learner); a training learner
 adds its own training state (docs/OPERATIONS.md, "Memory").
 """

@@ -107,6 +107,10 @@ MAX_SENDER_HEADER_CHARS = MAX_NODE_ID_CHARS
 MIN_BODY_LIMIT_BYTES = 1 * MiB
 # Reply bodies above this are written in slices of this size (each awaits the socket draining).
 STREAMED_REPLY_MIN_BYTES = 256 * KiB
+# A reply written from views of the state (a served chunk, no copy) holds them this long at most;
+# then what is left of it is copied, so a slow reader never keeps a replaced state version alive
+# (daemon/memory_bound.py). A chunk crosses a 1 Gbit/s link in about 35 ms.
+REPLY_VIEWS_S = 1.0
 # After refusing a request whose body is still coming, read and drop at most this much of it (or
 # for at most this long) so the answer reaches the client before the connection closes under it.
 REFUSAL_DRAIN_BYTES = 8 * MiB
@@ -377,8 +381,9 @@ class PeerServer:
         # the bytes of replies in flight are bounded (daemon/memory_bound.py).
         try:
             try:
-                replies = await self._consume(request, kind, self._claimed_sender(request), stream, loop)
-                body = await self._encode_replies(replies, stream.sender)
+                # No name keeps the replies: the body is all that holds a served chunk's views.
+                body = await self._encode_replies(
+                    await self._consume(request, kind, self._claimed_sender(request), stream, loop), stream.sender)
             except RemoteProtocolError as error:
                 if stream.sender is None:
                     self.counters.peer(UNAUTHENTICATED).requests_received += 1
@@ -401,16 +406,8 @@ class PeerServer:
             response = web.StreamResponse(headers={"Content-Type": FRAME_CONTENT_TYPE})
             response.content_length = length
             await response.prepare(request)
-            # A reader that takes no slice for the read timeout is stalled, as a sender that sends
-            # no byte is: the reply may be views of a state version that it keeps alive meanwhile.
-            stall_s = self.limits.read_timeout_s
             async with asyncio.timeout(self.limits.message_timeout_s):
-                for piece in body:
-                    with memoryview(piece) as view:
-                        for start in range(0, len(view), STREAMED_REPLY_MIN_BYTES):
-                            async with asyncio.timeout(stall_s):
-                                await response.write(view[start:start + STREAMED_REPLY_MIN_BYTES])
-                await response.write_eof()
+                await self._write_slices(request, response, body)
             return response
         except TimeoutError:
             log.info("reply to %s not delivered: the reader took nothing for %g s, or the reply took over %g s",
@@ -422,6 +419,31 @@ class PeerServer:
             log.info("reply to %s not delivered: %s", peer_key, error or type(error).__name__)
             request.protocol.force_close()
             return web.Response(status=499)
+
+    async def _write_slices(self, request: web.Request, response: web.StreamResponse,
+                            body: list[bytes | memoryview]) -> None:
+        """Write `body` in slices, then its end. A reader that takes no slice for the read timeout is
+        stalled, as a sender that sends no byte is (TimeoutError). The body may be views of a state
+        version (a served chunk): a slice of them is handed over only while the socket takes it
+        (not paused) and within `REPLY_VIEWS_S`; else what is left is copied (at most a chunk) and
+        every view let go, `body` emptied in place (the caller's list), so a slow reader keeps a
+        version that a commit replaced alive for at most `REPLY_VIEWS_S` plus one slice's wait.
+        (A write is never cancelled but by the stall: aiohttp's drain does not survive it.)"""
+        loop = asyncio.get_running_loop()
+        views_until = loop.time() + REPLY_VIEWS_S
+        rest = [memoryview(piece).cast("B") for piece in body]
+        while rest:
+            if body and (request.protocol.writing_paused or loop.time() >= views_until):
+                rest = [memoryview(b"".join(rest))]  # one copy, at most a chunk: the views go
+                body.clear()
+            piece, rest[0] = rest[0][:STREAMED_REPLY_MIN_BYTES], rest[0][STREAMED_REPLY_MIN_BYTES:]
+            if not rest[0]:
+                rest.pop(0)
+            async with asyncio.timeout(self.limits.read_timeout_s):
+                await response.write(piece)
+            del piece
+        async with asyncio.timeout(self.limits.read_timeout_s):
+            await response.write_eof()
 
     # ---- stream slots -----------------------------------------------------------------------
 
