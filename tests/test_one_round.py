@@ -143,10 +143,12 @@ async def run_daemon_side(initial) -> tuple[list[tuple[float, int, str, bytes]],
     core = SimpleNamespace(is_lease_holder=lambda now: True, propose=propose,
                            election=SimpleNamespace(leader_id="a"), membership=SimpleNamespace(members=members))
     tasks = TaskSet()
+    windows: list[str] = []  # the replica holds its applies from each merge's start to its end
     driver = RoundDriver(node_id="a", manifest=MANIFEST, plan=plan, syncer=syncer, replica=replica,
                          coordination=core, addresses=AddressBook(), client=None, executor=InlineExecutor(),
                          clock=clock, tasks=tasks, dispatch=lambda actions: None, replica_behind=lambda proposal=None: "",
-                         report_error=pytest.fail, contributions_sent=NullCounter(), merges_proposed=NullCounter())
+                         report_error=pytest.fail, contributions_sent=NullCounter(), merges_proposed=NullCounter(),
+                         merge_window=(lambda: windows.append("start"), lambda: windows.append("end")))
     driver.lease_check()  # the lease from START on, as the runner's syncer has it
 
     async def settle() -> None:
@@ -176,6 +178,7 @@ async def run_daemon_side(initial) -> tuple[list[tuple[float, int, str, bytes]],
         await settle()
     await advance_to(START + 60.0)
     await tasks.close()
+    assert windows == ["start", "end"] * len(merges)
     return merges, dict(syncer.last_decision), syncer.admission.counts.last_reason
 
 

@@ -233,3 +233,37 @@ def test_an_entry_that_does_not_follow_the_applied_index_takes_the_state_out_of_
     assert "state not current: entries 2..2 never reached the state (applied 1)" in errors[-1]
     assert [e.index for e in events(history) if e.kind == "apply"] == [1]
     assert learner.offers == [0] and not readiness(_facts(keeper)).ready
+
+
+def test_applies_wait_while_the_holder_merges_and_follow_in_order(tmp_path):
+    """The lease holder's merge and an apply never hold their fp32 copies of a fragment at once
+    (daemon/memory_bound.py): entries handed over during a merge are applied, in order, when it
+    ends; one a snapshot install covers meanwhile is dropped, not applied twice."""
+    clock = FakeClock()
+    replica, learner = small_replica(), _Learner()
+    keeper = StateKeeper(node_id="n1", replica=replica, client=None, addresses=None, executor=None, clock=clock,
+                         tasks=_Tasks(), history=recorder(tmp_path, "n1", clock), leader_id=lambda: "n1",
+                         epoch=lambda: 5, report_error=lambda message: None, commits_applied=_Counter(),
+                         learner=learner)
+    commits = _real_commits(replica, 4, first_index=1, epoch=5)  # fragments 0, 1, 0, 1
+    truth = small_replica()
+    for entry in commits:
+        truth.apply(entry)
+    keeper.apply(commits[0])
+    keeper.defer_applies()
+    keeper.apply(commits[1])
+    keeper.apply(commits[2])
+    assert replica.applied_index == 1 and learner.offers == [0]  # nothing moved under the merge
+    keeper.resume_applies()
+    assert replica.applied_index == 3 and learner.offers == [0, 1, 0]
+    keeper.apply(commits[3])  # no merge: at once
+    assert replica.applied_index == 4
+    assert all(replica.fragment_bytes(p) == truth.fragment_bytes(p) for p in (0, 1))
+    # An entry deferred and meanwhile covered by the state (a download reached past it) is skipped,
+    # not reported as handed over twice.
+    errors: list[str] = []
+    keeper.report_error = errors.append
+    keeper.defer_applies()
+    keeper.apply(commits[3])
+    keeper.resume_applies()
+    assert replica.applied_index == 4 and errors == []

@@ -110,7 +110,7 @@ class SiteParts:
                                                                       proposal),
             report_error=services.report_error, contributions_sent=series.contributions_sent,
             merges_proposed=series.merges_proposed, round_latency=series.round_latency_seconds,
-            transfer=series.transfer_seconds)
+            transfer=series.transfer_seconds, merge_window=(keeper.defer_applies, keeper.resume_applies))
         self.feed = StatusFeed(status=services.status, coordination=coordination, keeper=keeper, rounds=self.rounds,
                                store=services.store, client=services.client, server=services.server,
                                loop_lag=services.loop_lag)

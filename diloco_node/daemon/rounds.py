@@ -112,7 +112,8 @@ class RoundDriver:
                  dispatch: Callable[[list[coord.Action]], Any], replica_behind: Callable[..., str],
                  report_error: Callable[[str], None], contributions_sent: Counter,
                  merges_proposed: Counter, round_latency: Histogram | None = None,
-                 transfer: Histogram | None = None) -> None:
+                 transfer: Histogram | None = None, merge_window: tuple[Callable[[], None], Callable[[], None]]
+                 | None = None) -> None:
         self.node_id = node_id
         self.manifest = manifest
         self.plan = plan
@@ -131,6 +132,9 @@ class RoundDriver:
         # `replica_behind(proposal=(fragment, round))` before proposing what it merged. The rule is
         # the state keeper's (`StateKeeper.merge_blocker`): nothing here reads the replica's rounds.
         self.replica_behind = replica_behind
+        # Called as a merge starts and once it has ended: the replica holds its applies in between,
+        # so the merge's and an apply's fp32 copies of a fragment never coexist (memory_bound.py).
+        self.merge_window = merge_window
         self.report_error = report_error
         self.contributions_sent = contributions_sent
         self.merges_proposed = merges_proposed
@@ -330,6 +334,8 @@ class RoundDriver:
 
     async def _merge_and_propose(self, taken: TakenRound) -> None:
         p = taken.fragment
+        if self.merge_window is not None:
+            self.merge_window[0]()  # here, not at the spawn: a task cancelled unstarted never resumes them
         try:
             loop = asyncio.get_running_loop()
             # Pure: the pool's thread writes nothing of the syncer; the result is adopted below, on the loop.
@@ -377,6 +383,8 @@ class RoundDriver:
             self.report_error(f"fragment {p}: merge failed ({type(error).__name__}: {error}); round dropped")
         finally:
             self.merging = False
+            if self.merge_window is not None:
+                self.merge_window[1]()  # after the proposal: the state did not move under the merge
 
     # ------------------------------------------------------------------ lease changes
 

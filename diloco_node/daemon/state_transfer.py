@@ -90,6 +90,9 @@ class StateKeeper:
         self.consistent_from = 0  # applied index from which our replica is one consistent state
         self.install_floor = 0  # newest snapshot index the state download must reach (0: none)
         self.held_applies: list[LogEntry] | None = None  # buffered while the state is replaced
+        # Buffered while the lease holder merges (`defer_applies`): a merge and an apply never hold
+        # their fp32 copies of a fragment at once (daemon/memory_bound.py counts one of the two).
+        self.merge_deferred: list[LogEntry] | None = None
         self.download: FragmentDownload | None = None
         self.repairs_done = 0  # fragments replaced by a repair (part of the digest cache key)
         self._repairing: set[int] = set()
@@ -141,7 +144,23 @@ class StateKeeper:
 
     # ------------------------------------------------------------------ applying commits
 
+    def defer_applies(self) -> None:
+        """The lease holder starts a merge: entries handed over meanwhile wait for `resume_applies`."""
+        if self.merge_deferred is None:
+            self.merge_deferred = []
+
+    def resume_applies(self) -> None:
+        """The merge ended (proposed or dropped): apply what waited, in order. One a state download
+        covered meanwhile is skipped (it is in the downloaded state), as `finish_download` does."""
+        deferred, self.merge_deferred = self.merge_deferred or [], None
+        for entry in deferred:
+            if self.held_applies is not None or entry.index > self.replica.applied_index:
+                self.apply(entry)
+
     def apply(self, entry: LogEntry) -> None:
+        if self.merge_deferred is not None:
+            self.merge_deferred.append(entry)
+            return
         if self.held_applies is not None:
             self.held_applies.append(entry)
             return
@@ -225,6 +244,8 @@ class StateKeeper:
                  "state (replica at %d)", self.node_id, floor, snapshot.last_epoch, self.replica.applied_index)
         if self.held_applies is not None:
             self.held_applies = [e for e in self.held_applies if e.index > floor]
+        if self.merge_deferred is not None:
+            self.merge_deferred = [e for e in self.merge_deferred if e.index > floor]
         self.start_install(floor)
 
     def start_install(self, floor: int) -> None:
