@@ -97,6 +97,9 @@ def run(args: argparse.Namespace) -> int:
         if code is not None:
             return code
     _use_persistent_compilation_cache(effective.node.data_dir)
+    from diloco_node.ops.allocator import return_large_frees_to_os  # before the state is allocated
+
+    logging.getLogger("diloco_node.daemon").info("%s", return_large_frees_to_os())
     if cluster.enabled:
         from diloco_node.learn import cluster as cluster_lib  # imports JAX
 

@@ -112,3 +112,12 @@ def test_a_record_cut_in_half_is_quarantined_and_refused_in_one_line(founded, tm
     code, stderr = _restart(founded, tmp_path, breaking=cut, relative=relative.removesuffix("+copy"))
     line = _one_line_naming(stderr, "identity.json" if "identity" in relative else "election")
     assert code == EXIT_CONFIG and "restore" in line
+
+
+def test_the_daemon_returns_large_frees_to_the_system(founded) -> None:
+    """ops/allocator.py ran in the real daemon, before its state was allocated (glibc here)."""
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc only")
+    assert "allocator: blocks of 4 MiB or more are returned to the system when freed" in founded.log_path.read_text()
