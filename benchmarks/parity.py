@@ -137,7 +137,7 @@ def _row(result: runner.RunResult, *, mode: str, scenario: str, seed: int, cell:
          params: int) -> dict:
     return {
         "mode": mode, "scenario": scenario, "eval_loss": round(result.eval_loss, 4),
-        "bytes_cross_site": result.bytes_cross_site, "idle_fraction": round(result.idle_fraction, 4),
+        "bytes_cross_site": result.bytes_cross_site, "bytes_up": result.bytes_up, "idle_fraction": round(result.idle_fraction, 4),
         "merges": result.merges, "wall_s": round(result.wall_s, 1),
         "merges_during_outage": result.merges_during_outage, "tokens": result.tokens,
         "virtual_s": round(result.virtual_s, 1), "eval_loss_start": round(result.eval_loss_start, 4),
