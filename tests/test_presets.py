@@ -10,7 +10,7 @@ def test_the_sparseloco_preset_sets_the_recipe_and_keeps_the_expanded_keys_not_t
     m = RunManifest.from_dict({"sync": {"preset": "sparseloco"}})
     assert (m.sync.codec_up, m.sync.codec_down, m.sync.merge) == ("topk2", "union8", "support_mean")
     assert m.sync.uses_error_feedback and (m.sync.error_feedback_decay, m.sync.period) == (0.9, 20)
-    assert (m.outer.lr, m.outer.momentum) == (1.0, 0.0)
+    assert (m.outer.lr, m.outer.momentum) == (1.5, 0.0)
     assert "preset" not in m.to_dict()["sync"]
     assert RunManifest.from_dict(m.to_dict()) == m  # what peers exchange rebuilds the same run
 
