@@ -137,7 +137,7 @@ def _row(result: runner.RunResult, *, mode: str, scenario: str, seed: int, cell:
          params: int) -> dict:
     return {
         "mode": mode, "scenario": scenario, "eval_loss": round(result.eval_loss, 4),
-        "bytes_cross_site": result.bytes_cross_site, "idle_fraction": round(result.idle_fraction, 4),
+        "bytes_cross_site": result.bytes_cross_site, "bytes_up": result.bytes_up, "idle_fraction": round(result.idle_fraction, 4),
         "merges": result.merges, "wall_s": round(result.wall_s, 1),
         "merges_during_outage": result.merges_during_outage, "tokens": result.tokens,
         "virtual_s": round(result.virtual_s, 1), "eval_loss_start": round(result.eval_loss_start, 4),
@@ -166,7 +166,7 @@ def run_all(steps: int | Iterable[int], modes: list[str], scenarios: list[str], 
             learners: Iterable[int] = (NUM_LEARNERS,), codecs: Iterable[str] = ("",),
             presets: Iterable[str] = (DEFAULT_PRESET,), dp_lrs: Iterable[float] = (),
             global_batch: int | None = None, eval_batches: int = EVAL_BATCHES,
-            corpora: dict[int, data_lib.Corpus] | None = None) -> dict:
+            corpora: dict[int, data_lib.Corpus] | None = None, topk2: tuple[int, int] | None = None) -> dict:
     """Every (preset, steps, learners, codecs) cell x seed x scenario x mode.
 
     `overrides` change the manifest of the fragment modes (diloco, streaming, decoupled),
@@ -176,7 +176,8 @@ def run_all(steps: int | Iterable[int], modes: list[str], scenarios: list[str], 
     without them; `dp_lrs` adds data_parallel rows at other inner peak learning rates (uniform
     runs of the same cells), which the summary uses for the gap to data-parallel at its best rate.
     An empty codec ("") keeps the manifest's codecs. `corpora` gives each seed's corpus (default:
-    the standard library's files, split by the seed).
+    the standard library's files, split by the seed). `topk2` = (k, C) sends a topk2 uplink's top k of
+    every C values instead of the codec's 64 of 4,096 (a measurement: the manifest has no key for it).
     """
     steps_list = [steps] if isinstance(steps, int) else list(steps)
     seeds = [seed] if isinstance(seed, int) else list(seed)
@@ -222,11 +223,13 @@ def run_all(steps: int | Iterable[int], modes: list[str], scenarios: list[str], 
                                     config = runner.RunnerConfig(
                                         chosen, mode, m, n_steps, speeds=speeds, outages=outages,
                                         min_round_interval_factor=min_round_interval_factor,
-                                        eval_batches=eval_batches, eval_batch_size=EVAL_BATCH_SIZE)
+                                        eval_batches=eval_batches, eval_batch_size=EVAL_BATCH_SIZE,
+                                        topk2=None if mode == "data_parallel" else topk2)
                                     result = runner.run(config, corpus)
                                     row = _row(result, mode=mode, scenario=scenario, seed=s, cell=cell,
                                                manifest=chosen, params=param_counts[preset])
                                     row["dp_lr_sweep"] = lr is not None
+                                    row["topk2"] = "" if config.topk2 is None else "{}/{}".format(*config.topk2)
                                     results.append(row)
                                     if verbose:
                                         print(_row_line(row), flush=True)
@@ -240,7 +243,7 @@ def run_all(steps: int | Iterable[int], modes: list[str], scenarios: list[str], 
               "data_parallel_manifest": with_overrides(first, dp_overrides or {}).to_dict(), "base_step_s": 1.0,
               "link": dataclasses.asdict(runner.LinkModel()), "straggler_slowdown": runner.STRAGGLER_SLOWDOWN,
               "corpus": corpora[seeds[0]].description, "min_round_interval_factor": min_round_interval_factor,
-              "param_counts": param_counts}
+              "param_counts": param_counts, "topk2": "" if topk2 is None else "{}/{}".format(*topk2)}
     report = {"results": results, "config": config}
     report["gaps"] = gaps(report)
     return report
@@ -253,8 +256,9 @@ def _manifest_codecs(steps: int, seed: int) -> str:
 
 def _row_line(row: dict) -> str:
     lr = f" lr {row['inner_lr']:g}" if row.get("dp_lr_sweep") else ""
+    k = f" k/C {row['topk2']}" if row.get("topk2") else ""
     return (f"{row['preset']:10s} steps {row['steps_per_learner']:5d} M {row['num_learners']} seed {row['seed']} "
-            f"{row['scenario']:9s} {row['mode']:13s}{lr} {row['codecs']:10s} eval_loss {row['eval_loss']:.4f}"
+            f"{row['scenario']:9s} {row['mode']:13s}{lr} {row['codecs']:10s}{k} eval_loss {row['eval_loss']:.4f}"
             f"±{row['eval_loss_stderr']:.4f}  bytes {row['bytes_cross_site']:>13,d}  idle {row['idle_fraction']:.3f}  "
             f"merges {row['merges']:5d} (outage {row['merges_during_outage']})  wall {row['wall_s']:.1f}s")
 
@@ -375,6 +379,15 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+def _topk2(text: str) -> tuple[int, int]:
+    """--topk2 K/C -> (k, C); the runner checks the values against the codec."""
+    k, _, chunk = text.partition("/")
+    try:
+        return int(k), int(chunk)
+    except ValueError:
+        raise ConfigError(f"--topk2 {text!r}: expected K/C, e.g. 32/4096") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
@@ -404,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="override a manifest value of the fragment modes, e.g. outer.lr=0.9 (repeatable)")
     parser.add_argument("--dp-set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="dp_overrides",
                         help="override a manifest value of data_parallel only, e.g. inner.lr_peak=0.006")
+    parser.add_argument("--topk2", default=None, metavar="K/C",
+                        help="a topk2 uplink sends the top K of every C values (default: the codec's 64/4096); "
+                             "a measurement knob, the daemon always sends the codec's default")
     parser.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
                         help="a [run.model] key for EVERY mode, e.g. --model factory=llama --model d_model=64")
     args = parser.parse_args(argv)
@@ -427,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         if not steps or not seed_list or not learners or not presets or min(steps) < 1:
             raise ConfigError("--steps, --seeds, --learners and --presets each need at least one value (steps >= 1)")
         overrides, dp_overrides = parse_overrides(args.overrides), parse_overrides(args.dp_overrides)
+        topk2 = _topk2(args.topk2) if args.topk2 else None
         default_manifest_checked = benchmark_manifest(steps[0], seed_list[0])
         with_overrides(default_manifest_checked, overrides)
         with_overrides(default_manifest_checked, dp_overrides)
@@ -438,8 +455,8 @@ def main(argv: list[str] | None = None) -> int:
                          min_round_interval_factor=args.min_round_interval_factor,
                          overrides=overrides, dp_overrides=dp_overrides, learners=learners, codecs=codecs,
                          presets=presets, dp_lrs=dp_lrs, global_batch=args.global_batch,
-                         eval_batches=args.eval_batches)
-    except ConfigError as exc:
+                         eval_batches=args.eval_batches, topk2=topk2)
+    except (ConfigError, ValueError) as exc:
         parser.error(str(exc))
     report["config"]["total_wall_s"] = round(time.perf_counter() - started, 1)
     for line in summary(report):

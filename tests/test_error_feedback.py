@@ -9,7 +9,7 @@ import pytest
 
 from diloco_node.config.manifest import ConfigError, RunManifest, SyncSpec
 from diloco_node.learn import data as data_lib
-from diloco_node.learn.error_feedback import ErrorFeedback
+from diloco_node.learn.error_feedback import ErrorFeedback, codec_quantizer
 from diloco_node.learn.learner_thread import LearnerSnapshot, snapshot_from_checkpoint, snapshot_meta_and_arrays
 from diloco_node.sim import runner
 
@@ -198,10 +198,11 @@ def test_the_remainder_is_reset_when_a_state_is_installed_not_when_a_merge_is_ap
     assert thread._error_feedback.state() == {}
 
 
-def _sparse_run(corpus, scenario="uniform", **sync):
+def _sparse_run(corpus, scenario="uniform", topk2=None, **sync):
     config = _config("decoupled", scenario)
     spec = dataclasses.replace(config.manifest.sync, codec_up="topk2", codec_down="union8", **sync)
-    return runner.run(dataclasses.replace(config, manifest=dataclasses.replace(config.manifest, sync=spec)), corpus)
+    return runner.run(dataclasses.replace(config, manifest=dataclasses.replace(config.manifest, sync=spec),
+                                          topk2=topk2), corpus)
 
 
 def test_the_runner_sends_the_remainder_with_error_feedback_on_and_its_decay_matters(corpus):
@@ -217,3 +218,23 @@ def test_the_runner_sends_the_remainder_with_error_feedback_on_and_its_decay_mat
     assert all(r["remainder_over_delta"] in (0.0, None) for r in off.sparse_rounds)
     coverage = [r["sent_ever"] for r in on.sparse_rounds if r["fragment"] == 0]
     assert coverage == sorted(coverage) and 0 < coverage[-1] < 1
+    # a measurement's own k and C (RunnerConfig.topk2): fewer values sent, in every round
+    fewer = _sparse_run(corpus, topk2=(16, 2048))
+    assert fewer.bytes_up < on.bytes_up and fewer.eval_loss != on.eval_loss
+    assert fewer.sparse_rounds[0]["sent_ever"] < on.sparse_rounds[0]["sent_ever"]
+
+
+def test_the_quantizer_and_the_runner_take_topk2s_k_and_chunk_and_check_them():
+    x = {"w": np.random.default_rng(0).standard_normal((2, 1024)).astype(np.float32)}
+    for k, chunk, kept in ((8, 1024, 16), (8, 512, 32), (None, None, 0)):  # 2,048 values: < C 4,096 goes int4
+        q = codec_quantizer("topk2", top_k=k, block_size=chunk)(x)["w"]
+        assert q.shape == (2, 1024) and (np.count_nonzero(q) == kept if kept else np.count_nonzero(q) > 1000)
+    sparse = dataclasses.replace(_config("decoupled").manifest.sync, codec_up="topk2", codec_down="union8")
+    manifest = dataclasses.replace(_config("decoupled").manifest, sync=sparse)
+    with pytest.raises(ValueError, match="uplink codec is int4, not topk2"):
+        _config("decoupled", topk2=(32, 4096))
+    for bad in ((0, 4096), (64, 32), (64, 4000)):
+        with pytest.raises(ValueError, match="topk2 = "):
+            runner.RunnerConfig(manifest, topk2=bad)
+    assert runner.RunnerConfig(manifest, topk2=(32, 1024)).uplink_codec_args == {"top_k": 32, "block_size": 1024}
+    assert runner.RunnerConfig(manifest).uplink_codec_args == {}

@@ -24,10 +24,12 @@ from wire.codecs import quantize_roundtrip
 Quantizer = Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]
 
 
-def codec_quantizer(codec: str) -> Quantizer:
-    """Q of `codec`: what a receiver decodes from each tensor's encoding, computed without zstd."""
+def codec_quantizer(codec: str, *, block_size: int | None = None, top_k: int | None = None) -> Quantizer:
+    """Q of `codec`: what a receiver decodes from each tensor's encoding, computed without zstd.
+    `block_size` and `top_k` override the scheme's defaults as in `encode_named` (topk2's C and k)."""
     def quantize(values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return {name: np.asarray(quantize_roundtrip(np.asarray(x, np.float32), codec), np.float32).reshape(np.shape(x))
+        return {name: np.asarray(quantize_roundtrip(np.asarray(x, np.float32), codec, block_size=block_size,
+                                                    top_k=top_k), np.float32).reshape(np.shape(x))
                 for name, x in values.items()}
 
     return quantize

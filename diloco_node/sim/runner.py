@@ -60,7 +60,7 @@ from diloco_node.sync.merge import Contribution
 from diloco_node.sync.quorum import DEFAULT_MIN_ROUND_INTERVAL_FACTOR, QuorumPolicy, RoundDecision
 from diloco_node.sync.replica import Replica
 from diloco_node.sync.syncer import CommitPlan, RoundRules, Syncer
-from wire.codecs import decode_named, encode_named
+from wire.codecs import CODECS, decode_named, encode_named
 
 MODES = ("data_parallel", "diloco", "streaming", "decoupled")
 # Events closer than this on the virtual clock count as simultaneous (float noise of sums).
@@ -112,6 +112,9 @@ class RunnerConfig:
     final_sync: bool = True
     # decoupled: rho of the per-fragment round rate limit (quorum.py); 0 disables it
     min_round_interval_factor: float = DEFAULT_MIN_ROUND_INTERVAL_FACTOR
+    # (k, C) of a topk2 uplink, for measurements only: the top k of every C values. None: the codec's
+    # defaults (64 of 4,096), which is what the daemon sends (the manifest has no key for them).
+    topk2: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -127,6 +130,18 @@ class RunnerConfig:
         for outage in self.outages:
             if not 0 <= outage.learner < self.num_learners:
                 raise ValueError(f"outage names learner {outage.learner}, but there are {self.num_learners}")
+        if self.topk2 is not None:
+            if self.manifest.sync.codec_up != "topk2":
+                raise ValueError(f"topk2 = {self.topk2}: the uplink codec is {self.manifest.sync.codec_up}, not topk2")
+            k, chunk = self.topk2
+            problem = CODECS["topk2"].check_block_size(chunk)
+            if problem is not None or not 1 <= k <= chunk:
+                raise ValueError(f"topk2 = {self.topk2}: {problem or 'k must be in [1, C]'}")
+
+    @property
+    def uplink_codec_args(self) -> dict[str, int]:
+        """encode_named's keyword arguments for the uplink: {} for the codec's defaults."""
+        return {} if self.topk2 is None else {"top_k": self.topk2[0], "block_size": self.topk2[1]}
 
     def speed(self, m: int) -> float:
         return self.speeds[m] if self.speeds else 1.0
@@ -439,7 +454,7 @@ class _FragmentSync:
         # Each learner's error-feedback remainders (None: the uplink codec does not use them).
         self.error_feedback: list[ErrorFeedback] | None = None
         if sync.uses_error_feedback:
-            quantize = codec_quantizer(sync.codec_up)
+            quantize = codec_quantizer(sync.codec_up, **config.uplink_codec_args)
             self.error_feedback = [ErrorFeedback(sync.error_feedback_decay, quantize) for _ in range(M)]
         self.diagnostics = SparseDiagnostics() if sync.codec_up in ERROR_FEEDBACK_CODECS else None
         self.events: list[tuple[float, int, int, object]] = []
@@ -646,7 +661,7 @@ class _FragmentSync:
                                       FragmentCounters(st.c_steps[p], st.c_tokens[p]))
         if self.error_feedback is not None:  # send Q(beta * e + delta), keep the rest
             delta = self.error_feedback[st.index].compensate(p, delta)
-        payload = encode_named(delta, sync.codec_up)
+        payload = encode_named(delta, sync.codec_up, **self.config.uplink_codec_args)
         self.bytes_up += len(payload)
         contribution = Contribution(st.name, p, st.base_round[p], decode_named(payload), st.c_steps[p], st.c_tokens[p])
         if self.diagnostics is not None:
