@@ -182,6 +182,14 @@ def fuzz(examples: int, seed: int) -> int:
     return bugs
 
 
+def _report(what: str, bugs: int, counts: collections.Counter[str]) -> int:
+    """Print a fuzz loop's outcome counts under one line; returns its bugs."""
+    print(f"{what}, bugs: {bugs}")
+    for key in sorted(counts):
+        print(f"  {key:<36} {counts[key]:>8}")
+    return bugs
+
+
 def max_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -273,10 +281,7 @@ def fuzz_streams(examples: int, seed: int) -> int:
             traceback.print_exc(limit=6)
             if bugs >= 5:
                 break
-    print(f"fuzzed {examples} streamed contributions, bugs: {bugs}")
-    for key in sorted(counts):
-        print(f"  {key:<36} {counts[key]:>8}")
-    return bugs
+    return _report(f"fuzzed {examples} streamed contributions", bugs, counts)
 
 
 def fuzz_payload_streams(examples: int, seed: int) -> int:
@@ -335,10 +340,7 @@ def fuzz_payload_streams(examples: int, seed: int) -> int:
             traceback.print_exc(limit=6)
             if bugs >= 5:
                 break
-    print(f"fuzzed {examples} streamed relayed payloads, bugs: {bugs}")
-    for key in sorted(counts):
-        print(f"  {key:<36} {counts[key]:>8}")
-    return bugs
+    return _report(f"fuzzed {examples} streamed relayed payloads", bugs, counts)
 
 
 def fuzz_streamed_replies(examples: int, seed: int) -> int:
@@ -382,10 +384,7 @@ def fuzz_streamed_replies(examples: int, seed: int) -> int:
             traceback.print_exc(limit=6)
             if bugs >= 5:
                 break
-    print(f"fuzzed {examples} streamed snapshot-chunk replies, bugs: {bugs}")
-    for key in sorted(counts):
-        print(f"  {key:<36} {counts[key]:>8}")
-    return bugs
+    return _report(f"fuzzed {examples} streamed snapshot-chunk replies", bugs, counts)
 
 
 def _codec_messages(rng: random.Random, pool: int) -> list[tuple[bytes, dict]]:

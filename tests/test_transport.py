@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from diloco_node.testbed.linkemu import LinkEmulator
+from diloco_node.transport.routes import FRAME_CONTENT_TYPE
 from diloco_node.transport.server import UNAUTHENTICATED
 from diloco_node.transport import (
     ClientOptions,
@@ -679,11 +680,29 @@ async def test_a_failing_producer_aborts_the_upload_with_its_own_error() -> None
     assert "finish" not in log
 
 
+async def _ask_for_a_chunk_with_a_small_window(url: str, length: int):
+    """A raw connection with a 64 KiB receive buffer (so the server's writes back up as soon as the
+    reader stops reading) that has sent one authenticated SnapshotRequest; (reader, writer)."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    frame = encode_frame(SnapshotRequest(fragment=1, offset=0, max_length=length), _auth("a"),
+                         now_unix=time.time(), nonce=os.urandom(16))
+    writer.write(f"POST {kind_path(MessageKind.SNAPSHOT_REQUEST)} HTTP/1.1\r\nHost: {host}\r\n"
+                 f"Content-Type: {FRAME_CONTENT_TYPE}\r\nContent-Length: {len(frame)}\r\n\r\n".encode() + frame)
+    await writer.drain()
+    return reader, writer
+
+
 async def test_a_reader_that_stops_taking_a_big_reply_is_cut_off_after_the_read_timeout(caplog) -> None:
     """A reply made of views of the state's arrays keeps that version alive while it is written: a
     reader that takes nothing for the read timeout is dropped, as a stalled sender is."""
     import logging
-    import socket
 
     from wire.messages import PayloadParts
 
@@ -699,17 +718,7 @@ async def test_a_reader_that_stops_taking_a_big_reply_is_cut_off_after_the_read_
 
     server.on_message(MessageKind.SNAPSHOT_REQUEST, snapshot)
     async with _serving(server) as url:
-        host, port = url.removeprefix("http://").split(":")
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
-        sock.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
-        reader, writer = await asyncio.open_connection(sock=sock)
-        frame = encode_frame(SnapshotRequest(fragment=1, offset=0, max_length=state.nbytes), _auth("a"),
-                             now_unix=time.time(), nonce=os.urandom(16))
-        writer.write(f"POST {kind_path(MessageKind.SNAPSHOT_REQUEST)} HTTP/1.1\r\nHost: {host}\r\n"
-                     f"Content-Type: application/x-diloco-frames\r\nContent-Length: {len(frame)}\r\n\r\n".encode() + frame)
-        await writer.drain()
+        reader, writer = await _ask_for_a_chunk_with_a_small_window(url, state.nbytes)
         await asyncio.wait_for(served.wait(), 5)
         # Take nothing: the server's writes back up, and it gives up on this reader.
         await until(lambda: "reader took nothing" in caplog.text, timeout_s=10)
@@ -739,7 +748,6 @@ async def test_a_slow_readers_reply_lets_the_served_arrays_go_and_still_arrives_
     REPLY_VIEWS_S gets the rest from one copy, so the arrays (a state version a commit may have
     replaced) are not kept alive by it; the bytes it reads are the arrays' bytes all the same."""
     import gc
-    import socket
     import weakref
 
     from diloco_node.transport import server as server_module
@@ -759,18 +767,7 @@ async def test_a_slow_readers_reply_lets_the_served_arrays_go_and_still_arrives_
 
     server.on_message(MessageKind.SNAPSHOT_REQUEST, snapshot)
     async with _serving(server) as url:
-        host, port = url.removeprefix("http://").split(":")
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
-        sock.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
-        reader, writer = await asyncio.open_connection(sock=sock)
-        frame = encode_frame(SnapshotRequest(fragment=1, offset=0, max_length=expected.nbytes), _auth("a"),
-                             now_unix=time.time(), nonce=os.urandom(16))
-        writer.write(f"POST {kind_path(MessageKind.SNAPSHOT_REQUEST)} HTTP/1.1\r\nHost: {host}\r\n"
-                     f"Content-Type: application/x-diloco-frames\r\nContent-Length: {len(frame)}\r\n\r\n".encode()
-                     + frame)
-        await writer.drain()
+        reader, writer = await _ask_for_a_chunk_with_a_small_window(url, expected.nbytes)
         body = bytearray()
         read_when_released = None
         async with asyncio.timeout(30):
