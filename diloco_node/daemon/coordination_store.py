@@ -61,7 +61,7 @@ from diloco_node.daemon.coordination_records import write_election, write_record
 from diloco_node.daemon.log_records import (  # noqa: F401  (re-exported: the store's record format)
     _RECORD_HEAD, INITIAL_SNAPSHOT, MAX_RECORD_BYTES, WRITE_PIECE_BYTES, AppendFile, CoordinationStoreError,
     PayloadDamaged, PayloadGone, PreparedLog, _decode_body, _encode_entry, _encode_snapshot, _pread_all, _record_parts, _scan_log,
-    _step, _write_records, decode_log, encode_log,
+    _step, _write_records, decode_log, encode_log, without_payload,
 )
 from diloco_node.ops.storage_health import STORAGE
 from diloco_node.storage import durable, failpoints
@@ -259,7 +259,7 @@ class CoordinationStore:
         with _step("log.read"), open(self._log_path, "rb") as handle:
             failpoints.hit("log.read")
             size = os.fstat(handle.fileno()).st_size
-            snapshot, scanned, valid, damage = _scan_log(handle, size, self._log_path, payloads=False)
+            snapshot, scanned, valid, damage = _scan_log(handle, size, self._log_path, keep=without_payload)
         if damage is None or (snapshot.last_index, snapshot.last_epoch) != self._written_snapshot:
             self.damage_found = None
             return None

@@ -105,14 +105,17 @@ def _step(point: str) -> Iterator[None]:
     STORAGE.succeeded(point)
 
 
-def _scan_log(handle: Any, size: int, path: Path, payloads: bool = True,
-              keep: Callable[[LogEntry], LogEntry] | None = None,
+def without_payload(entry: LogEntry) -> LogEntry:
+    """`entry` without its payload bytes (a `_scan_log` for the records' places only)."""
+    return replace(entry, payload=b"")
+
+
+def _scan_log(handle: Any, size: int, path: Path, keep: Callable[[LogEntry], LogEntry] | None = None,
               ) -> tuple[Snapshot, list[tuple[LogEntry, int, int]], int, str | None]:
     """Read a log record by record from `handle` (`size` bytes): (snapshot, [(entry, record offset,
-    record length)], byte length of the valid prefix, damage). Entries carry their payload bytes
-    (none with `payloads` False: a scan for the records' places only, one record in memory at a time),
-    or what `keep` makes of each entry as it is read (the loader's references into the file), so
-    a long log is never held in memory whole.
+    record length)], byte length of the valid prefix, damage). Entries carry their payload bytes,
+    or what `keep` makes of each entry as it is read (`without_payload` for a scan of the records'
+    places only, the loader's references into the file), so a long log is never held in memory whole.
 
     A last record that runs past the end of the file is a torn append (it was never fsynced, so
     never acknowledged): the scan stops there, `damage` None. A complete record that fails its
@@ -156,8 +159,6 @@ def _scan_log(handle: Any, size: int, path: Path, payloads: bool = True,
                 raise CoordinationStoreError(f"{path}: entry {record.index} follows {after}")
             if keep is not None:
                 record = keep(record)
-            elif not payloads:
-                record = replace(record, payload=b"")
             entries.append((record, offset, _RECORD_HEAD.size + length))
         offset = start + length
     return snapshot, entries, offset, damage
